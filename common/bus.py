@@ -1,0 +1,252 @@
+"""The message bus between processes: durable-until-acked streams plus one-shot claims.
+
+Two implementations of one small interface:
+- ``RedisBus``: Redis streams with consumer groups (distributed mode).
+- ``FileBus``: the same semantics in a SQLite file (embedded mode: no server to run).
+
+What flows over it is never the source of truth. Reports from workers are acknowledged only after the
+scheduler committed them to the database, so a crash between the two replays them (ingest is idempotent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+from common.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+SCHEDULER_STREAM = "scheduler"  # worker reports and API wake-ups, consumed by the scheduler daemon
+SCHEDULER_GROUP = "scheduler"
+STREAM_MAXLEN = 200_000
+
+
+def commands_stream(worker_id: str) -> str:
+    return f"commands:{worker_id}"
+
+
+Message = tuple[str, dict[str, Any]]
+
+
+class Bus(Protocol):
+    def publish(self, stream: str, message: dict[str, Any]) -> str: ...
+
+    def consume(self, stream: str, group: str, consumer: str, count: int, block_s: float) -> list[Message]:
+        """Messages not yet acked by `group`: first this consumer's unacked ones (redelivery after a
+        crash), then new ones."""
+        ...
+
+    def ack(self, stream: str, group: str, ids: list[str]) -> None: ...
+
+    def tail_id(self, stream: str) -> str:
+        """The id of the newest message, for `read_after` to start from 'now'."""
+        ...
+
+    def read_after(self, stream: str, after_id: str, count: int, block_s: float) -> list[Message]: ...
+
+    def claim(self, key: str) -> bool:
+        """True exactly once per key across all processes (used to make dispatch idempotent)."""
+        ...
+
+    def ping(self) -> bool: ...
+
+
+class RedisBus:
+    def __init__(self, url: str, namespace: str) -> None:
+        import redis
+
+        self._redis = redis.Redis.from_url(url, decode_responses=True)
+        self._ns = namespace
+        self._groups: set[tuple[str, str]] = set()
+
+    def _key(self, name: str) -> str:
+        return f"{self._ns}:{name}"
+
+    def publish(self, stream: str, message: dict[str, Any]) -> str:
+        return str(
+            self._redis.xadd(
+                self._key(stream), {"json": json.dumps(message)}, maxlen=STREAM_MAXLEN, approximate=True
+            )
+        )
+
+    def _ensure_group(self, stream: str, group: str) -> None:
+        if (stream, group) in self._groups:
+            return
+        import redis
+
+        try:
+            self._redis.xgroup_create(self._key(stream), group, id="0", mkstream=True)
+        except redis.ResponseError as exc:  # BUSYGROUP: it already exists
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._groups.add((stream, group))
+
+    @staticmethod
+    def _decode(entries: Any) -> list[Message]:
+        out: list[Message] = []
+        for _stream, items in entries or []:
+            for msg_id, fields in items:
+                if fields:  # a pending entry trimmed away comes back with no fields
+                    out.append((msg_id, json.loads(fields["json"])))
+        return out
+
+    def consume(self, stream: str, group: str, consumer: str, count: int, block_s: float) -> list[Message]:
+        self._ensure_group(stream, group)
+        key = self._key(stream)
+        pending = self._decode(self._redis.xreadgroup(group, consumer, {key: "0"}, count=count))
+        if pending:
+            return pending
+        block_ms = max(1, int(block_s * 1000))
+        return self._decode(self._redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=block_ms))
+
+    def ack(self, stream: str, group: str, ids: list[str]) -> None:
+        if ids:
+            self._redis.xack(self._key(stream), group, *ids)
+
+    def tail_id(self, stream: str) -> str:
+        last = self._redis.xrevrange(self._key(stream), count=1)
+        return str(last[0][0]) if last else "0-0"
+
+    def read_after(self, stream: str, after_id: str, count: int, block_s: float) -> list[Message]:
+        block_ms = max(1, int(block_s * 1000))
+        return self._decode(self._redis.xread({self._key(stream): after_id}, count=count, block=block_ms))
+
+    def claim(self, key: str) -> bool:
+        return bool(self._redis.set(self._key(f"claim:{key}"), "1", nx=True, ex=30 * 24 * 3600))
+
+    def ping(self) -> bool:
+        return bool(self._redis.ping())
+
+
+class FileBus:
+    """Streams in one SQLite file; safe across processes (SQLite locking) and threads (one lock)."""
+
+    POLL_S = 0.05
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.executescript(
+                """
+                CREATE TABLE IF NOT EXISTS messages (
+                    id INTEGER PRIMARY KEY AUTOINCREMENT, stream TEXT NOT NULL, body TEXT NOT NULL);
+                CREATE INDEX IF NOT EXISTS ix_messages_stream_id ON messages (stream, id);
+                CREATE TABLE IF NOT EXISTS groups (
+                    stream TEXT, grp TEXT, last_id INTEGER NOT NULL, PRIMARY KEY (stream, grp));
+                CREATE TABLE IF NOT EXISTS pending (
+                    stream TEXT, grp TEXT, consumer TEXT, msg_id INTEGER, PRIMARY KEY (stream, grp, msg_id));
+                CREATE TABLE IF NOT EXISTS claims (key TEXT PRIMARY KEY);
+                """
+            )
+
+    def publish(self, stream: str, message: dict[str, Any]) -> str:
+        with self._lock:
+            cur = self._conn.execute(
+                "INSERT INTO messages (stream, body) VALUES (?, ?)", (stream, json.dumps(message))
+            )
+            return str(cur.lastrowid)
+
+    def _consume_once(self, stream: str, group: str, consumer: str, count: int) -> list[Message]:
+        with self._lock:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                rows = c.execute(
+                    "SELECT m.id, m.body FROM pending p JOIN messages m ON m.id = p.msg_id "
+                    "WHERE p.stream=? AND p.grp=? AND p.consumer=? ORDER BY m.id LIMIT ?",
+                    (stream, group, consumer, count),
+                ).fetchall()
+                if not rows:
+                    c.execute(
+                        "INSERT OR IGNORE INTO groups (stream, grp, last_id) VALUES (?, ?, 0)", (stream, group)
+                    )
+                    (last,) = c.execute(
+                        "SELECT last_id FROM groups WHERE stream=? AND grp=?", (stream, group)
+                    ).fetchone()
+                    rows = c.execute(
+                        "SELECT id, body FROM messages WHERE stream=? AND id>? ORDER BY id LIMIT ?",
+                        (stream, last, count),
+                    ).fetchall()
+                    if rows:
+                        c.executemany(
+                            "INSERT OR IGNORE INTO pending (stream, grp, consumer, msg_id) VALUES (?,?,?,?)",
+                            [(stream, group, consumer, r[0]) for r in rows],
+                        )
+                        c.execute(
+                            "UPDATE groups SET last_id=? WHERE stream=? AND grp=?", (rows[-1][0], stream, group)
+                        )
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+        return [(str(i), json.loads(b)) for i, b in rows]
+
+    def consume(self, stream: str, group: str, consumer: str, count: int, block_s: float) -> list[Message]:
+        deadline = time.monotonic() + block_s
+        while True:
+            got = self._consume_once(stream, group, consumer, count)
+            if got or time.monotonic() >= deadline:
+                return got
+            time.sleep(self.POLL_S)
+
+    def ack(self, stream: str, group: str, ids: list[str]) -> None:
+        if not ids:
+            return
+        with self._lock:
+            self._conn.executemany(
+                "DELETE FROM pending WHERE stream=? AND grp=? AND msg_id=?",
+                [(stream, group, int(i)) for i in ids],
+            )
+
+    def tail_id(self, stream: str) -> str:
+        with self._lock:
+            row = self._conn.execute("SELECT MAX(id) FROM messages WHERE stream=?", (stream,)).fetchone()
+        return str(row[0] or 0)
+
+    def read_after(self, stream: str, after_id: str, count: int, block_s: float) -> list[Message]:
+        deadline = time.monotonic() + block_s
+        while True:
+            with self._lock:
+                rows = self._conn.execute(
+                    "SELECT id, body FROM messages WHERE stream=? AND id>? ORDER BY id LIMIT ?",
+                    (stream, int(after_id), count),
+                ).fetchall()
+            if rows or time.monotonic() >= deadline:
+                return [(str(i), json.loads(b)) for i, b in rows]
+            time.sleep(self.POLL_S)
+
+    def claim(self, key: str) -> bool:
+        with self._lock:
+            cur = self._conn.execute("INSERT OR IGNORE INTO claims (key) VALUES (?)", (key,))
+            return cur.rowcount == 1
+
+    def ping(self) -> bool:
+        with self._lock:
+            self._conn.execute("SELECT 1")
+        return True
+
+
+@lru_cache
+def get_bus() -> Bus:
+    settings = get_settings()
+    if settings.redis_url:
+        return RedisBus(settings.redis_url, settings.namespace)
+    return FileBus(settings.bus_path)
+
+
+def wake_scheduler(reason: str, **fields: Any) -> None:
+    """Best effort: the scheduler also polls the database, so a lost wake-up only delays it."""
+    try:
+        get_bus().publish(SCHEDULER_STREAM, {"type": "wake", "reason": reason, **fields})
+    except Exception:  # noqa: BLE001 - never fail a committed request because the bus is down
+        log.warning("could not wake the scheduler (%s)", reason, exc_info=True)

@@ -1,0 +1,54 @@
+"""The Celery application's configuration, shared by the scheduler (which only sends) and the workers
+(which register the tasks in worker/tasks.py). Kept free of torch so the scheduler image stays small."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from celery import Celery
+
+from common.settings import Settings, get_settings
+
+RUN_PACK_TASK = "loraplane.run_pack"
+
+
+def worker_queue(settings: Settings, worker_id: str) -> str:
+    return f"{settings.namespace}.worker.{worker_id}"
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("loraplane", broker=settings.resolved_broker_url)
+    transport_options: dict[str, object] = {}
+    if app.conf.broker_url.startswith("filesystem"):
+        folder = settings.broker_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "processed").mkdir(exist_ok=True)
+        transport_options = {
+            "data_folder_in": str(folder),
+            "data_folder_out": str(folder),
+            "processed_folder": str(folder / "processed"),
+            "store_processed": False,
+        }
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        result_backend=None,
+        broker_transport_options=transport_options,
+        broker_connection_retry_on_startup=True,
+        # One pack at a time per GPU, and no message held in reserve that another worker could run.
+        worker_prefetch_multiplier=1,
+        worker_concurrency=1,
+        # Acked on receipt on purpose: the scheduler, not the broker, recovers a pack whose worker died
+        # (heartbeat timeout -> trials back to pending -> replanned). Redelivery by the broker on top of
+        # that would run the pack twice.
+        task_acks_late=False,
+        task_default_queue=f"{settings.namespace}.default",
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+@lru_cache
+def get_celery() -> Celery:
+    return make_celery(get_settings())

@@ -1,0 +1,183 @@
+"""SQLAlchemy 2 models: the system of record. Every process may read them; only the API and the
+scheduler write (workers report through the bus)."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only autoincrements an INTEGER PRIMARY KEY; Postgres gets a bigint identity.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(10)}"
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    # Weight of this tenant's work in the planner's weighted-completion objective.
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    max_concurrent_trials: Mapped[int] = mapped_column(Integer)
+    max_trials_per_task: Mapped[int] = mapped_column(Integer)
+    max_file_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    prefix: Mapped[str] = mapped_column(String(16))
+    # sha256 of the key: keys are 256-bit random, so a fast hash is enough and lookups stay O(1).
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class File(Base):
+    __tablename__ = "files"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    filename: Mapped[str] = mapped_column(String(300))
+    purpose: Mapped[str] = mapped_column(String(40), default="fine-tune")
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    rows: Mapped[int] = mapped_column(Integer)
+    format: Mapped[str] = mapped_column(String(40))  # "messages" | "prompt_completion"
+    sha256: Mapped[str] = mapped_column(String(64))
+    storage_key: Mapped[str] = mapped_column(String(300))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class BaseModelEntry(Base):
+    __tablename__ = "base_models"
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(40))  # "tiny-random-llama" | "hf" | "gguf-package"
+    path: Mapped[str | None] = mapped_column(String(500), default=None)
+    package: Mapped[str | None] = mapped_column(String(100), default=None)
+    gguf_file: Mapped[str | None] = mapped_column(String(200), default=None)
+    description: Mapped[str] = mapped_column(Text, default="")
+    parameters: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Task(Base):
+    __tablename__ = "tasks"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    base_model: Mapped[str] = mapped_column(ForeignKey("base_models.name"))
+    training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"), default=None)
+    state: Mapped[str] = mapped_column(String(20), index=True)
+    # The whole validated request, so a task can always be shown exactly as submitted.
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
+    best_trial_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    __table_args__ = (UniqueConstraint("tenant_id", "idempotency_key", name="uq_tasks_idempotency"),)
+
+
+class Trial(Base):
+    __tablename__ = "trials"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(20), index=True)
+    hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON)
+    total_steps: Mapped[int] = mapped_column(Integer)
+    steps_done: Mapped[int] = mapped_column(Integer, default=0)
+    pack_id: Mapped[str | None] = mapped_column(String(40), default=None, index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    best_val_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    best_step: Mapped[int | None] = mapped_column(Integer, default=None)
+    last_train_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    stop_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    adapter_key: Mapped[str | None] = mapped_column(String(300), default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class MetricPoint(Base):
+    __tablename__ = "metric_points"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    trial_id: Mapped[str] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    split: Mapped[str] = mapped_column(String(10))  # "train" | "val"
+    loss: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # A point replayed from the bus after a scheduler crash must not be stored twice.
+    __table_args__ = (UniqueConstraint("trial_id", "step", "split", name="uq_metric_points_trial_step_split"),)
+
+
+class Event(Base):
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
+    trial_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    type: Mapped[str] = mapped_column(String(60))
+    level: Mapped[str] = mapped_column(String(10), default="info")
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (Index("ix_events_task_id_id", "task_id", "id"),)
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    queue: Mapped[str] = mapped_column(String(300))
+    device: Mapped[str] = mapped_column(String(200))
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    max_slots: Mapped[int] = mapped_column(Integer, default=8)
+    state: Mapped[str] = mapped_column(String(20))  # "alive" | "lost"
+    current_pack_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
+    registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Pack(Base):
+    __tablename__ = "packs"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    worker_id: Mapped[str] = mapped_column(String(200), index=True)
+    base_model: Mapped[str] = mapped_column(String(100))
+    # planned -> dispatched -> running -> finished | lost | cancelled
+    state: Mapped[str] = mapped_column(String(20), index=True)
+    trial_ids: Mapped[list[Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -1,0 +1,80 @@
+"""Settings shared by every process, read from the environment (pydantic-settings).
+
+The embedded default needs no variable at all: everything lives under ``LORAPLANE_HOME`` (a SQLite
+file, a file-backed bus and Celery broker, a local artifact directory). Setting ``DATABASE_URL``,
+``REDIS_URL`` and ``CELERY_BROKER_URL`` switches the same code to the distributed mode.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", populate_by_name=True)
+
+    home: Path = Field(default=Path(".loraplane"), alias="LORAPLANE_HOME")
+    database_url: str | None = Field(default=None, alias="DATABASE_URL")
+    redis_url: str | None = Field(default=None, alias="REDIS_URL")
+    celery_broker_url: str | None = Field(default=None, alias="CELERY_BROKER_URL")
+    artifact_dir: Path | None = Field(default=None, alias="LORAPLANE_ARTIFACT_DIR")
+    model_cache_dir: Path | None = Field(default=None, alias="LORAPLANE_MODEL_CACHE")
+    admin_token: str | None = Field(default=None, alias="LORAPLANE_ADMIN_TOKEN")
+    # Prefixes every Redis key and Celery queue, so several deployments (or test runs) share one Redis.
+    namespace: str = Field(default="loraplane", alias="LORAPLANE_NAMESPACE")
+
+    heartbeat_interval_s: float = Field(default=5.0, alias="LORAPLANE_HEARTBEAT_S")
+    # A worker silent for this long is declared lost and its trials go back to pending.
+    worker_timeout_s: float = Field(default=30.0, alias="LORAPLANE_WORKER_TIMEOUT_S")
+    # The scheduler replans at least this often even when no event arrives (Redis is not the source of truth).
+    scheduler_tick_s: float = Field(default=2.0, alias="LORAPLANE_SCHEDULER_TICK_S")
+    worker_max_trials_per_pack: int = Field(default=8, alias="LORAPLANE_WORKER_MAX_SLOTS")
+
+    default_max_concurrent_trials: int = Field(default=64, alias="LORAPLANE_DEFAULT_MAX_CONCURRENT_TRIALS")
+    default_max_trials_per_task: int = Field(default=32, alias="LORAPLANE_DEFAULT_MAX_TRIALS_PER_TASK")
+    default_max_file_bytes: int = Field(default=50 * 1024 * 1024, alias="LORAPLANE_DEFAULT_MAX_FILE_BYTES")
+
+    @field_validator("database_url")
+    @classmethod
+    def _psycopg3_driver(cls, url: str | None) -> str | None:
+        # Users paste plain postgres URLs; SQLAlchemy would pick psycopg2, which we do not ship.
+        if url and url.startswith(("postgres://", "postgresql://")):
+            return "postgresql+psycopg://" + url.split("://", 1)[1]
+        return url
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'loraplane.db').resolve()}"
+
+    @property
+    def resolved_artifact_dir(self) -> Path:
+        return (self.artifact_dir or self.home / "artifacts").resolve()
+
+    @property
+    def resolved_model_cache_dir(self) -> Path:
+        return (self.model_cache_dir or self.home / "models").resolve()
+
+    @property
+    def resolved_broker_url(self) -> str:
+        if self.celery_broker_url:
+            return self.celery_broker_url
+        if self.redis_url:
+            return self.redis_url
+        return "filesystem://"
+
+    @property
+    def broker_dir(self) -> Path:
+        return (self.home / "broker").resolve()
+
+    @property
+    def bus_path(self) -> Path:
+        return (self.home / "bus.db").resolve()
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

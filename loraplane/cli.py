@@ -1,0 +1,168 @@
+"""`loraplane` command line: the composition root that starts the service's processes.
+
+  loraplane up                 everything in one process tree (embedded default, or whatever the
+                               environment points at)
+  loraplane api                the FastAPI control plane
+  loraplane scheduler          the planner daemon
+  loraplane worker --gpu N     a Celery GPU agent bound to GPU N
+  loraplane migrate            bring the database schema up to date
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+log = logging.getLogger("loraplane")
+
+
+def _migrate() -> None:
+    from common.db import migrate
+
+    migrate()
+
+
+def cmd_migrate(_args: argparse.Namespace) -> None:
+    _migrate()
+    log.info("database is at the newest schema")
+
+
+def cmd_api(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    _migrate()
+    # Imported by name so this package never imports api/ (dependencies point one way).
+    uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="info")
+
+
+def _scheduler(stop: threading.Event) -> None:
+    from common.bus import get_bus
+    from common.celery import get_celery
+    from common.settings import get_settings
+    from scheduler.daemon import SchedulerDaemon
+
+    SchedulerDaemon(get_settings(), get_bus(), get_celery()).run(stop)
+
+
+def cmd_scheduler(_args: argparse.Namespace) -> None:
+    _migrate()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        _scheduler(stop)
+    except KeyboardInterrupt:
+        stop.set()
+
+
+def cmd_worker(args: argparse.Namespace) -> None:
+    from worker.main import run_worker
+
+    run_worker(gpu=args.gpu, worker_id=args.worker_id, loglevel=args.loglevel)
+
+
+class _Supervised:
+    """Keeps one child process running: a worker that crashes is started again (its pack is requeued by
+    the scheduler's heartbeat timeout, not by us)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.proc = subprocess.Popen(self.argv)
+            while self.proc.poll() is None and not self._stop.is_set():
+                time.sleep(0.5)
+            if not self._stop.is_set():
+                log.warning("worker exited with %s; restarting it in 2s", self.proc.returncode)
+                self._stop.wait(2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from common.settings import get_settings
+
+    if not os.environ.get("LORAPLANE_ADMIN_TOKEN"):
+        os.environ["LORAPLANE_ADMIN_TOKEN"] = "lpadmin_" + secrets.token_urlsafe(24)
+        get_settings.cache_clear()
+        sys.stdout.write(
+            "\n  No LORAPLANE_ADMIN_TOKEN was set; this run's admin token is:\n\n"
+            f"    {os.environ['LORAPLANE_ADMIN_TOKEN']}\n\n"
+        )
+        sys.stdout.flush()
+    settings = get_settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    _migrate()
+    stop = threading.Event()
+    scheduler = threading.Thread(target=_scheduler, args=(stop,), name="scheduler", daemon=True)
+    scheduler.start()
+    worker = None
+    if not args.no_worker:
+        worker_argv = [sys.executable, "-m", "loraplane.cli", "worker", "--worker-id", args.worker_id]
+        worker = _Supervised(worker_argv)
+        worker.start()
+    log.info("loraplane is up: API on http://%s:%s (docs at /docs), data in %s",
+             args.host, args.port, settings.home.resolve())
+    try:
+        uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="info")
+    finally:
+        stop.set()
+        if worker is not None:
+            worker.stop()
+        scheduler.join(timeout=10)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplane", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run the whole service in one process tree")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--worker-id", default="local")
+    up.add_argument("--no-worker", action="store_true", help="run the API and the scheduler only")
+    up.set_defaults(func=cmd_up)
+    api = sub.add_parser("api", help="run the HTTP control plane")
+    api.add_argument("--host", default="0.0.0.0")
+    api.add_argument("--port", type=int, default=8000)
+    api.set_defaults(func=cmd_api)
+    sub.add_parser("scheduler", help="run the planner daemon").set_defaults(func=cmd_scheduler)
+    worker = sub.add_parser("worker", help="run a GPU agent (Celery worker)")
+    worker.add_argument("--gpu", type=int, default=None, help="CUDA device index (CPU when CUDA is absent)")
+    worker.add_argument("--worker-id", default=None, help="defaults to <hostname>-gpu<N>")
+    worker.add_argument("--loglevel", default="INFO")
+    worker.set_defaults(func=cmd_worker)
+    sub.add_parser("migrate", help="upgrade the database schema").set_defaults(func=cmd_migrate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

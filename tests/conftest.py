@@ -1,0 +1,95 @@
+"""Suite-wide set-up: real PostgreSQL and Redis, a fresh database per run, offline model loading.
+
+The environment is fixed here, before any of our modules is imported, because settings are read once.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from tests.services import MissingService, find_postgres, find_redis
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+RUN_ID = uuid.uuid4().hex[:8]
+
+try:
+    _SERVER_URL = find_postgres()
+    REDIS_URL = find_redis()
+except MissingService as exc:
+    raise pytest.UsageError(f"loraplane tests need PostgreSQL and Redis: {exc}") from exc
+
+
+def _with_database(url: str, name: str) -> str:
+    base, _, _old = url.rpartition("/")
+    return f"{base}/{name}"
+
+
+def _normalise(url: str) -> str:
+    if url.startswith(("postgres://", "postgresql://")):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+SERVER_URL = _normalise(_SERVER_URL)
+DB_NAME = f"loraplane_test_{RUN_ID}"
+DATABASE_URL = _with_database(SERVER_URL, DB_NAME)
+HOME = Path(os.environ.get("LORAPLANE_TEST_HOME", f"/tmp/loraplane-test-{RUN_ID}"))
+# Models are materialised once per machine, not once per run.
+MODEL_CACHE = Path(os.environ.get("LORAPLANE_TEST_MODEL_CACHE", "/tmp/loraplane-test-models"))
+ADMIN_TOKEN = "test-admin-token"
+
+os.environ.update(
+    {
+        "DATABASE_URL": DATABASE_URL,
+        "REDIS_URL": REDIS_URL,
+        "CELERY_BROKER_URL": REDIS_URL,
+        "LORAPLANE_HOME": str(HOME),
+        "LORAPLANE_ARTIFACT_DIR": str(HOME / "artifacts"),
+        "LORAPLANE_MODEL_CACHE": str(MODEL_CACHE),
+        "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN,
+        "LORAPLANE_NAMESPACE": f"lp-test-{RUN_ID}",
+    }
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def database() -> Iterator[str]:
+    """A fresh database for this run, migrated to head; dropped at the end."""
+    admin = create_engine(SERVER_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{DB_NAME}"'))
+    from common.db import migrate
+
+    migrate(DATABASE_URL)
+    yield DATABASE_URL
+    from common.db import get_engine
+
+    get_engine().dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{DB_NAME}" WITH (FORCE)'))
+    admin.dispose()
+
+
+TABLES = ("metric_points", "events", "trials", "tasks", "packs", "workers", "api_keys", "files", "tenants")
+
+
+@pytest.fixture
+def clean_db(database: str) -> Iterator[None]:
+    """Empties every table a test may fill (the model registry stays), before and after the test."""
+    from common.db import get_engine
+
+    def truncate() -> None:
+        with get_engine().begin() as conn:
+            conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
+
+    truncate()
+    yield
+    truncate()
