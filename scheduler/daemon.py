@@ -1,0 +1,124 @@
+"""The scheduler daemon: a thin loop around ingest -> reap -> finalize -> plan -> dispatch.
+
+It wakes on every bus message (worker reports, API wake-ups) and at least every `scheduler_tick_s`, so
+a lost wake-up only delays it. Every decision is read from and written to the database first; the bus
+and Celery only carry what was already committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+
+from celery import Celery
+from sqlalchemy import or_, select, text
+from sqlalchemy.engine import Connection
+
+from common import states
+from common.bus import SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
+from common.db import get_engine, session_scope
+from common.models import Pack, utcnow
+from common.settings import Settings
+from scheduler.dispatch import send_pack
+from scheduler.ingest import ingest
+from scheduler.lifecycle import build_snapshot, finalize_tasks, reap_lost_workers, record_plan, stop_requests
+from scheduler.planner import plan
+
+log = logging.getLogger(__name__)
+
+LEADER_LOCK_ID = 0x10_4A_91_A7  # pg advisory lock key: one active scheduler per database
+
+
+class SchedulerDaemon:
+    def __init__(self, settings: Settings, bus: Bus, celery: Celery, consumer: str = "scheduler") -> None:
+        self.settings = settings
+        self.bus = bus
+        self.celery = celery
+        self.consumer = consumer
+        self._stops_sent: set[tuple[str, str]] = set()
+
+    def step(self, block_s: float) -> int:
+        """One round: ingest what arrived (waiting up to block_s), then act. Returns messages handled."""
+        batch = self.bus.consume(SCHEDULER_STREAM, SCHEDULER_GROUP, self.consumer, count=1000, block_s=block_s)
+        if batch:
+            with session_scope() as session:
+                ingest(session, [message for _, message in batch])
+            # Acked only after the commit: a crash in between replays the batch, and ingest is idempotent.
+            self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
+        self.tick()
+        return len(batch)
+
+    def tick(self) -> None:
+        now = utcnow()
+        timeout = self.settings.worker_timeout_s
+        with session_scope() as session:
+            for worker_id in reap_lost_workers(session, now, timeout):
+                log.warning("worker %s lost (no heartbeat for %.0fs)", worker_id, timeout)
+            finalize_tasks(session, now)
+            new_packs = record_plan(session, plan(build_snapshot(session, now, timeout)), now)
+        for pack_id in new_packs:
+            log.info("planned pack %s", pack_id)
+        self._dispatch(now)
+        self._send_stops()
+
+    def _dispatch(self, now: object) -> None:
+        """Sends new packs, and re-sends packs a worker never started (lost message, scheduler restart)."""
+        stale = utcnow() - timedelta(seconds=self.settings.worker_timeout_s)
+        with session_scope() as session:
+            packs = session.scalars(
+                select(Pack).where(
+                    or_(
+                        Pack.state == states.PACK_PLANNED,
+                        (Pack.state == states.PACK_DISPATCHED) & (Pack.dispatched_at < stale),
+                    )
+                )
+            ).all()
+            for pack in packs:
+                send_pack(self.celery, session, pack)
+                pack.state = states.PACK_DISPATCHED
+                pack.dispatched_at = utcnow()
+                log.info("dispatched pack %s to %s", pack.id, pack.worker_id)
+                session.commit()
+
+    def _send_stops(self) -> None:
+        with session_scope() as session:
+            requests = stop_requests(session)
+        for pack_id, (worker_id, trial_ids) in requests.items():
+            fresh = [t for t in trial_ids if (pack_id, t) not in self._stops_sent]
+            if not fresh:
+                continue
+            self.bus.publish(commands_stream(worker_id),
+                             {"type": "stop_trials", "pack_id": pack_id, "trial_ids": fresh})
+            self._stops_sent.update((pack_id, t) for t in fresh)
+
+    def run(self, stop: threading.Event) -> None:
+        lock = self._acquire_leadership(stop)
+        log.info("scheduler running (tick %.1fs, worker timeout %.0fs)",
+                 self.settings.scheduler_tick_s, self.settings.worker_timeout_s)
+        try:
+            while not stop.is_set():
+                try:
+                    self.step(block_s=self.settings.scheduler_tick_s)
+                except Exception:
+                    # The database or the bus blinked: nothing was acked, so nothing is lost. Try again.
+                    log.exception("scheduler round failed; retrying")
+                    stop.wait(self.settings.scheduler_tick_s)
+        finally:
+            if lock is not None:
+                lock.close()
+
+    def _acquire_leadership(self, stop: threading.Event) -> Connection | None:
+        """On Postgres, hold an advisory lock so a second scheduler waits as a hot standby."""
+        engine = get_engine()
+        if engine.dialect.name != "postgresql":
+            return None
+        while not stop.is_set():
+            conn = engine.connect()
+            if conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LEADER_LOCK_ID}).scalar():
+                conn.commit()
+                return conn
+            conn.close()
+            log.info("another scheduler holds the lock; standing by")
+            stop.wait(self.settings.scheduler_tick_s)
+        return None

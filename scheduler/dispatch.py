@@ -1,0 +1,54 @@
+"""Turns a recorded pack into the JSON message a worker runs, and sends it on the worker's queue.
+
+Sending is idempotent end to end: the message is rebuilt from the database each time, and the worker
+claims the pack id on the bus before running it, so a pack re-sent after a scheduler restart (or after
+its message was lost) runs at most once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from common.artifacts import file_key
+from common.celery import RUN_PACK_TASK
+from common.models import BaseModelEntry, Pack, Task, Trial, Worker
+from common.registry import model_source_fields
+
+
+def pack_message(session: Session, pack: Pack) -> dict[str, Any]:
+    entry = session.get(BaseModelEntry, pack.base_model)
+    assert entry is not None, pack.base_model
+    trials = session.scalars(select(Trial).where(Trial.id.in_(pack.trial_ids)).order_by(Trial.id)).all()
+    tasks = {t.task_id: session.get(Task, t.task_id) for t in trials}
+    specs = []
+    for trial in trials:
+        task = tasks[trial.task_id]
+        assert task is not None
+        spec = task.spec
+        specs.append(
+            {
+                "trial_id": trial.id,
+                "task_id": task.id,
+                "hyperparameters": trial.hyperparameters,
+                "total_steps": trial.total_steps,
+                "max_seq_len": spec["max_seq_len"],
+                "eval_interval": spec["eval_interval"],
+                "training_file_key": file_key(task.training_file_id),
+                "validation_file_key": file_key(task.validation_file_id) if task.validation_file_id else None,
+                "validation_split": spec.get("validation_split"),
+                # The split depends on the task only, so every trial validates on the same rows.
+                "split_seed": spec.get("seed", 0),
+            }
+        )
+    return {"pack_id": pack.id, "worker_id": pack.worker_id, "base_model": model_source_fields(entry),
+            "trials": specs}
+
+
+def send_pack(celery: Celery, session: Session, pack: Pack) -> None:
+    worker = session.get(Worker, pack.worker_id)
+    assert worker is not None, pack.worker_id
+    celery.send_task(RUN_PACK_TASK, kwargs={"pack": pack_message(session, pack)}, queue=worker.queue)

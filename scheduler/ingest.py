@@ -1,0 +1,188 @@
+"""Applies worker reports from the bus to the database, in one transaction per batch.
+
+Idempotent by construction, so a batch replayed after a crash changes nothing twice: metric points are
+unique per (trial, step, split), and every state change is guarded by the trial still belonging to the
+reporting pack (a report from a pack that was declared lost is dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from common import states
+from common.events import record_event
+from common.models import MetricPoint, Pack, Trial, Worker, utcnow
+
+log = logging.getLogger(__name__)
+
+WORKER_REPORTS = {"heartbeat", "pack.started", "points", "trial.finished", "pack.finished", "pack.failed"}
+
+
+def ingest(session: Session, messages: list[dict[str, Any]], now: datetime | None = None) -> bool:
+    """Returns True when something changed that the planner should look at."""
+    now = now or utcnow()
+    replan = False
+    for message in messages:
+        kind = message.get("type")
+        try:
+            if kind == "wake":
+                replan = True
+            elif kind == "heartbeat":
+                replan |= _heartbeat(session, message, now)
+            elif kind == "pack.started":
+                _pack_started(session, message, now)
+            elif kind == "points":
+                _points(session, message)
+            elif kind == "trial.finished":
+                replan |= _trial_finished(session, message, now)
+            elif kind in ("pack.finished", "pack.failed"):
+                _pack_ended(session, message, now)
+                replan = True
+            else:
+                log.warning("dropping a message of unknown type %r", kind)
+        except (KeyError, TypeError, ValueError):
+            # A malformed report must not wedge the stream: log it and go on.
+            log.exception("dropping a malformed %r message", kind)
+    return replan
+
+
+def _heartbeat(session: Session, m: dict[str, Any], now: datetime) -> bool:
+    worker = session.get(Worker, m["worker_id"])
+    is_new = worker is None or worker.state != states.WORKER_ALIVE
+    if worker is None:
+        worker = Worker(id=m["worker_id"], registered_at=now)
+        session.add(worker)
+    worker.queue = m["queue"]
+    worker.device = m.get("device", "cpu")
+    worker.memory_bytes = m.get("memory_bytes")
+    worker.max_slots = int(m.get("max_slots", 8))
+    worker.state = states.WORKER_ALIVE
+    worker.last_heartbeat = now
+    return is_new
+
+
+def _live_trial(session: Session, trial_id: str, pack_id: str) -> Trial | None:
+    trial = session.get(Trial, trial_id)
+    if trial is None or trial.pack_id != pack_id or trial.state != states.TRIAL_RUNNING:
+        return None
+    return trial
+
+
+def _pack_started(session: Session, m: dict[str, Any], now: datetime) -> None:
+    pack = session.get(Pack, m["pack_id"])
+    if pack is None or pack.state not in states.PACK_LIVE:
+        return
+    pack.state = states.PACK_RUNNING
+    pack.started_at = pack.started_at or now
+    worker = session.get(Worker, pack.worker_id)
+    if worker is not None:
+        worker.current_pack_id = pack.id
+
+
+def _points(session: Session, m: dict[str, Any]) -> None:
+    pack_id = m["pack_id"]
+    rows: list[dict[str, Any]] = []
+    trials: dict[str, Trial | None] = {}
+    for trial_id, step, split, loss in m["points"]:
+        if trial_id not in trials:
+            trials[trial_id] = _live_trial(session, trial_id, pack_id)
+        trial = trials[trial_id]
+        if trial is None:
+            continue
+        step, loss = int(step), float(loss)
+        rows.append({"trial_id": trial_id, "step": step, "split": split, "loss": loss})
+        if split == "train" and step >= trial.steps_done:
+            trial.steps_done = step
+            trial.last_train_loss = loss
+        elif split == "val" and (trial.best_val_loss is None or loss < trial.best_val_loss):
+            trial.best_val_loss, trial.best_step = loss, step
+    if rows:
+        session.execute(_insert_ignoring_duplicates(session, rows))
+
+
+def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) -> Any:
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        return postgresql.insert(MetricPoint).values(rows).on_conflict_do_nothing(
+            constraint="uq_metric_points_trial_step_split"
+        )
+    if dialect == "sqlite":
+        return sqlite.insert(MetricPoint).values(rows).on_conflict_do_nothing(
+            index_elements=["trial_id", "step", "split"]
+        )
+    return insert(MetricPoint).values(rows)
+
+
+def _trial_finished(session: Session, m: dict[str, Any], now: datetime) -> bool:
+    trial = _live_trial(session, m["trial_id"], m["pack_id"])
+    if trial is None:
+        return False
+    status = m["status"]
+    trial.finished_at = now
+    trial.steps_done = int(m.get("steps_done") or trial.steps_done)
+    if m.get("final_train_loss") is not None:
+        trial.last_train_loss = float(m["final_train_loss"])
+    if status == "completed":
+        trial.state = states.TRIAL_COMPLETED
+        trial.best_val_loss = m.get("best_val_loss")
+        trial.best_step = m.get("best_step")
+        trial.adapter_key = m.get("adapter_key")
+        loss = "n/a" if trial.best_val_loss is None else f"{trial.best_val_loss:.4f}"
+        message = f"trial {trial.index} completed after {trial.steps_done} steps (best validation loss {loss})"
+        level = "info"
+    elif status == "stopped":
+        # Only the scheduler asks a worker to stop a trial; it already moved the trial to its final state.
+        trial.state = states.TRIAL_CANCELLED
+        trial.stop_reason = trial.stop_reason or "stopped"
+        message, level = f"trial {trial.index} stopped", "info"
+    else:
+        trial.state = states.TRIAL_FAILED
+        trial.error = str(m.get("error") or "unknown error")
+        message, level = f"trial {trial.index} failed: {trial.error}", "error"
+    record_event(
+        session,
+        tenant_id=trial.tenant_id,
+        task_id=trial.task_id,
+        trial_id=trial.id,
+        type=f"trial.{trial.state}",
+        level=level,
+        message=message,
+        data={"best_val_loss": trial.best_val_loss, "best_step": trial.best_step, "steps": trial.steps_done},
+    )
+    return True
+
+
+def _pack_ended(session: Session, m: dict[str, Any], now: datetime) -> None:
+    pack = session.get(Pack, m["pack_id"])
+    if pack is None or pack.state not in states.PACK_LIVE:
+        return
+    pack.state = states.PACK_FINISHED
+    pack.finished_at = now
+    worker = session.get(Worker, pack.worker_id)
+    if worker is not None and worker.current_pack_id == pack.id:
+        worker.current_pack_id = None
+    error = m.get("error") if m["type"] == "pack.failed" else "the pack ended without reporting this trial"
+    # Any trial the pack did not report on fails with the pack's error (retrying a pack that cannot load
+    # its model would loop forever).
+    stranded = session.scalars(
+        select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
+    ).all()
+    for trial in stranded:
+        trial.state = states.TRIAL_FAILED
+        trial.error = str(error)
+        trial.finished_at = now
+        record_event(
+            session,
+            tenant_id=trial.tenant_id,
+            task_id=trial.task_id,
+            trial_id=trial.id,
+            type="trial.failed",
+            level="error",
+            message=f"trial {trial.index} failed: {error}",
+        )

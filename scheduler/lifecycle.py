@@ -1,0 +1,171 @@
+"""State transitions the scheduler makes on its own clock: lost workers, finished tasks, new packs.
+
+Each function does one thing inside the caller's transaction; scheduler/daemon.py sequences them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from common import states
+from common.events import record_event
+from common.models import MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
+from scheduler.planner import IdleWorker, PendingTrial, Plan, Snapshot
+
+
+def requeue_trial(session: Session, trial: Trial, reason: str) -> None:
+    """Back to pending (its curve restarts from step 0), or failed once it ran out of attempts."""
+    session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id))
+    trial.pack_id = None
+    trial.steps_done = 0
+    trial.best_val_loss = trial.best_step = trial.last_train_loss = None
+    if trial.attempts >= states.MAX_TRIAL_ATTEMPTS:
+        trial.state = states.TRIAL_FAILED
+        trial.error = f"{reason}; gave up after {trial.attempts} attempts"
+        trial.finished_at = utcnow()
+        kind, level, message = "trial.failed", "error", f"trial {trial.index} failed: {trial.error}"
+    else:
+        trial.state = states.TRIAL_PENDING
+        kind, level, message = "trial.requeued", "warn", f"trial {trial.index} back to pending: {reason}"
+    record_event(
+        session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
+        type=kind, level=level, message=message,
+    )
+
+
+def reap_lost_workers(session: Session, now: datetime, timeout_s: float) -> list[str]:
+    """Workers silent for longer than the timeout are lost; their packs' trials go back to pending."""
+    cutoff = now - timedelta(seconds=timeout_s)
+    lost = session.scalars(
+        select(Worker).where(Worker.state == states.WORKER_ALIVE, Worker.last_heartbeat < cutoff)
+    ).all()
+    for worker in lost:
+        worker.state = states.WORKER_LOST
+        worker.current_pack_id = None
+        packs = session.scalars(
+            select(Pack).where(Pack.worker_id == worker.id, Pack.state.in_(states.PACK_LIVE))
+        ).all()
+        for pack in packs:
+            pack.state = states.PACK_LOST
+            pack.finished_at = now
+            trials = session.scalars(
+                select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
+            ).all()
+            for trial in trials:
+                requeue_trial(session, trial, f"worker {worker.id} was lost")
+    return [w.id for w in lost]
+
+
+def finalize_tasks(session: Session, now: datetime) -> None:
+    """Queued tasks with a running trial become running; tasks whose trials all ended get their result."""
+    open_tasks = session.scalars(
+        select(Task).where(Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
+    ).all()
+    for task in open_tasks:
+        trials = session.scalars(select(Trial).where(Trial.task_id == task.id)).all()
+        if task.state == states.TASK_QUEUED and any(t.state != states.TRIAL_PENDING for t in trials):
+            task.state = states.TASK_RUNNING
+            task.started_at = now
+            record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.running",
+                         message="training started")
+        if not trials or any(t.state not in states.TRIAL_FINAL for t in trials):
+            continue
+        task.finished_at = now
+        done = [t for t in trials if t.state == states.TRIAL_COMPLETED and t.adapter_key]
+        if not done:
+            task.state = states.TASK_FAILED
+            task.error = "no trial completed: " + "; ".join(sorted({t.error or t.state for t in trials}))
+            record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.failed",
+                         level="error", message=task.error)
+            continue
+        best = min(done, key=_rank_key)
+        task.state = states.TASK_SUCCEEDED
+        task.best_trial_id = best.id
+        record_event(
+            session, tenant_id=task.tenant_id, task_id=task.id, trial_id=best.id, type="task.succeeded",
+            message=f"{len(done)} of {len(trials)} trials completed; best is trial {best.index}",
+            data={"best_trial_id": best.id, "best_val_loss": best.best_val_loss},
+        )
+
+
+def _rank_key(trial: Trial) -> tuple[int, float, int]:
+    # Lowest validation loss wins; a trial without validation ranks after those with it, by train loss.
+    if trial.best_val_loss is not None:
+        return (0, trial.best_val_loss, trial.index)
+    return (1, trial.last_train_loss if trial.last_train_loss is not None else float("inf"), trial.index)
+
+
+def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapshot:
+    busy = select(Pack.worker_id).where(Pack.state.in_(states.PACK_LIVE))
+    workers = session.scalars(
+        select(Worker).where(
+            Worker.state == states.WORKER_ALIVE,
+            Worker.last_heartbeat >= now - timedelta(seconds=timeout_s),
+            Worker.id.not_in(busy),
+        )
+    ).all()
+    rows = session.execute(
+        select(Trial, Task)
+        .join(Task, Task.id == Trial.task_id)
+        .join(Tenant, Tenant.id == Task.tenant_id)
+        .where(Trial.state == states.TRIAL_PENDING,
+               Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
+        .order_by(Task.created_at, Task.id, Trial.index)
+    ).all()
+    pending = tuple(
+        PendingTrial(
+            trial_id=trial.id,
+            task_id=task.id,
+            tenant_id=task.tenant_id,
+            base_model=task.base_model,
+            max_trials_per_pack=int(task.spec.get("scheduling", {}).get("max_trials_per_pack", 8)),
+        )
+        for trial, task in rows
+    )
+    idle = tuple(IdleWorker(w.id, w.max_slots) for w in workers)
+    return Snapshot(pending=pending, idle_workers=idle)
+
+
+def record_plan(session: Session, plan: Plan, now: datetime) -> list[str]:
+    """Writes the planned packs and moves their trials to running; returns the new pack ids."""
+    pack_ids = []
+    for planned in plan.packs:
+        pack = Pack(id=new_id("pack"), worker_id=planned.worker_id, base_model=planned.base_model,
+                    state=states.PACK_PLANNED, trial_ids=list(planned.trial_ids), created_at=now)
+        session.add(pack)
+        for trial_id in planned.trial_ids:
+            trial = session.get(Trial, trial_id)
+            assert trial is not None and trial.state == states.TRIAL_PENDING, trial_id
+            trial.state = states.TRIAL_RUNNING
+            trial.pack_id = pack.id
+            trial.attempts += 1
+            trial.started_at = now
+            record_event(
+                session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
+                type="trial.running", message=f"trial {trial.index} placed on worker {planned.worker_id}",
+                data={"pack_id": pack.id, "worker_id": planned.worker_id, "attempt": trial.attempts},
+            )
+        pack_ids.append(pack.id)
+    return pack_ids
+
+
+def stop_requests(session: Session) -> dict[str, tuple[str, list[str]]]:
+    """Live packs still training trials the scheduler has ended (a cancelled task): pack -> (worker, trials)."""
+    rows = session.execute(
+        select(Pack.id, Pack.worker_id, Trial.id)
+        .join(Trial, Trial.pack_id == Pack.id)
+        .where(Pack.state.in_(states.PACK_LIVE),
+               Trial.state.in_((states.TRIAL_CANCELLED, states.TRIAL_STOPPED_EARLY)),
+               Trial.finished_at.is_not(None))
+    ).all()
+    out: dict[str, tuple[str, list[str]]] = {}
+    for pack_id, worker_id, trial_id in rows:
+        out.setdefault(pack_id, (worker_id, []))[1].append(trial_id)
+    return out
+
+
+def count_live_packs(session: Session) -> int:
+    return int(session.scalar(select(func.count()).select_from(Pack).where(Pack.state.in_(states.PACK_LIVE))) or 0)

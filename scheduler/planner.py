@@ -1,0 +1,75 @@
+"""The planner: a pure function from a snapshot of the cluster to packs to start now.
+
+This is the greedy packer the CP-SAT planner (its own issue) replaces behind the same interface:
+`plan(snapshot) -> Plan`. No I/O here; scheduler/snapshot.py builds the snapshot from the database.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PendingTrial:
+    trial_id: str
+    task_id: str
+    tenant_id: str
+    base_model: str
+    # The task's own cap on how many trials share one pack (`scheduling.max_trials_per_pack`).
+    max_trials_per_pack: int
+
+
+@dataclass(frozen=True)
+class IdleWorker:
+    worker_id: str
+    max_slots: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    # In submission order (task created_at, then trial index): the greedy planner is FIFO.
+    pending: tuple[PendingTrial, ...]
+    idle_workers: tuple[IdleWorker, ...]
+
+
+@dataclass(frozen=True)
+class PlannedPack:
+    worker_id: str
+    base_model: str
+    trial_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    packs: tuple[PlannedPack, ...] = field(default_factory=tuple)
+
+
+def plan(snapshot: Snapshot) -> Plan:
+    """Fill each idle worker with one pack of pending trials that share a base model.
+
+    The oldest pending trial picks the base model of the next pack; later trials of the same base model
+    (of any task or tenant: tLoRA §3.4 groups jobs on a shared backbone) join it until the pack reaches
+    the smallest cap among the worker's slots and its members' `max_trials_per_pack`.
+    """
+    remaining = list(snapshot.pending)
+    packs: list[PlannedPack] = []
+    for worker in sorted(snapshot.idle_workers, key=lambda w: w.worker_id):
+        if not remaining:
+            break
+        first = remaining[0]
+        members = [first]
+        cap = min(worker.max_slots, first.max_trials_per_pack)
+        for trial in remaining[1:]:
+            if len(members) >= cap:
+                break
+            if trial.base_model != first.base_model:
+                continue
+            new_cap = min(cap, trial.max_trials_per_pack)
+            if len(members) + 1 > new_cap:
+                continue
+            members.append(trial)
+            cap = new_cap
+        chosen = {t.trial_id for t in members}
+        remaining = [t for t in remaining if t.trial_id not in chosen]
+        packs.append(PlannedPack(worker.worker_id, first.base_model, tuple(t.trial_id for t in members)))
+    return Plan(tuple(packs))

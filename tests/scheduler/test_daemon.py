@@ -1,0 +1,207 @@
+"""The scheduler daemon against real Postgres, Redis and a Celery broker (no worker: we play its part
+by publishing its reports), so every transition is checked without training anything."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import redis
+from sqlalchemy import func, select
+
+from common import states
+from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
+from common.celery import get_celery, worker_queue
+from common.db import session_scope
+from common.models import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
+from common.registry import ensure_default_models
+from common.settings import get_settings
+from scheduler.daemon import SchedulerDaemon
+from tests.conftest import REDIS_URL
+
+WORKER = "w-test"
+
+
+@pytest.fixture
+def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
+    bus = get_bus()
+    # Drain whatever earlier tests left on the scheduler stream.
+    d = SchedulerDaemon(get_settings(), bus, get_celery(), consumer="test")
+    while bus.consume(SCHEDULER_STREAM, "scheduler", "test", count=1000, block_s=0.01):
+        bus.ack(SCHEDULER_STREAM, "scheduler",
+                [i for i, _ in bus.consume(SCHEDULER_STREAM, "scheduler", "test", 1000, 0.01)])
+    redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), WORKER))
+    yield d
+
+
+def make_task(n_trials: int, cap: int = 8) -> tuple[str, list[str]]:
+    with session_scope() as s:
+        ensure_default_models(s)
+        tenant = Tenant(id=new_id("ten"), name=new_id("n"), max_concurrent_trials=10, max_trials_per_task=10,
+                        max_file_bytes=10**6)
+        file = File(id=new_id("file"), tenant_id=tenant.id, filename="d.jsonl", bytes=1, rows=10,
+                    format="prompt_completion", sha256="0" * 64, storage_key="files/x.jsonl")
+        task = Task(id=new_id("task"), tenant_id=tenant.id, base_model="tiny-random-llama",
+                    training_file_id=file.id, state=states.TASK_QUEUED,
+                    spec={"max_seq_len": 64, "eval_interval": 2, "validation_split": 0.2, "seed": 0,
+                          "scheduling": {"max_trials_per_pack": cap}})
+        s.add(tenant)
+        s.flush()
+        s.add(file)
+        s.flush()
+        s.add(task)
+        s.flush()
+        trials = [Trial(id=new_id("trial"), task_id=task.id, tenant_id=tenant.id, index=i,
+                        state=states.TRIAL_PENDING, total_steps=4,
+                        hyperparameters={"learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8, "batch_size": 2,
+                                         "lora_dropout": 0.0, "target_modules": ["q_proj"], "seed": i})
+                  for i in range(n_trials)]
+        s.add_all(trials)
+        return task.id, [t.id for t in trials]
+
+
+def report(kind: str, **fields: object) -> None:
+    get_bus().publish(SCHEDULER_STREAM, {"type": kind, "worker_id": WORKER, **fields})
+
+
+def heartbeat() -> None:
+    report("heartbeat", queue=worker_queue(get_settings(), WORKER), device="cpu", max_slots=8)
+
+
+def queued_messages() -> int:
+    return int(redis.Redis.from_url(REDIS_URL).llen(worker_queue(get_settings(), WORKER)))
+
+
+def live_pack() -> Pack:
+    with session_scope() as s:
+        return s.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE))).one()
+
+
+def test_trials_are_packed_dispatched_ingested_and_the_best_wins(daemon: SchedulerDaemon) -> None:
+    task_id, trial_ids = make_task(3)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    assert pack.state == states.PACK_DISPATCHED and sorted(pack.trial_ids) == sorted(trial_ids)
+    assert queued_messages() == 1
+
+    report("pack.started", pack_id=pack.id)
+    points = [[t, step, "train", 2.0 - step / 10] for t in trial_ids for step in (1, 2)]
+    report("points", pack_id=pack.id, points=points)
+    report("points", pack_id=pack.id, points=points)  # replayed batch: stored once
+    for i, t in enumerate(trial_ids):
+        report("points", pack_id=pack.id, points=[[t, 2, "val", 1.5 - i / 10]])
+        report("trial.finished", pack_id=pack.id, trial_id=t, status="completed", steps_done=2,
+               best_val_loss=1.5 - i / 10, best_step=2, final_train_loss=1.8, adapter_key=f"adapters/{t}.tar.gz")
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.05)
+
+    with session_scope() as s:
+        assert s.scalar(select(func.count()).select_from(MetricPoint)) == 3 * 3
+        task = s.get(Task, task_id)
+        assert task is not None and task.state == states.TASK_SUCCEEDED
+        assert task.best_trial_id == trial_ids[2]  # the lowest validation loss
+        assert {t.state for t in s.scalars(select(Trial))} == {states.TRIAL_COMPLETED}
+        types = [e.type for e in s.scalars(select(Event).order_by(Event.id))]
+        assert types.count("trial.running") == 3 and types[-1] == "task.succeeded"
+        assert s.get(Pack, pack.id).state == states.PACK_FINISHED  # type: ignore[union-attr]
+
+
+def test_a_lost_worker_sends_its_trials_back_and_its_late_reports_are_dropped(daemon: SchedulerDaemon) -> None:
+    task_id, trial_ids = make_task(2)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    report("points", pack_id=pack.id, points=[[trial_ids[0], 1, "train", 3.0]])
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        worker = s.get(Worker, WORKER)
+        assert worker is not None
+        worker.last_heartbeat = utcnow() - timedelta(seconds=get_settings().worker_timeout_s + 1)
+    daemon.tick()
+    with session_scope() as s:
+        assert s.get(Pack, pack.id).state == states.PACK_LOST  # type: ignore[union-attr]
+        trials = s.scalars(select(Trial)).all()
+        assert {t.state for t in trials} == {states.TRIAL_PENDING}
+        assert all(t.pack_id is None and t.attempts == 1 for t in trials)
+        assert s.scalar(select(func.count()).select_from(MetricPoint)) == 0  # the curve restarts
+    # The "dead" worker was only slow: its report for the lost pack must change nothing.
+    report("trial.finished", pack_id=pack.id, trial_id=trial_ids[0], status="completed", steps_done=4,
+           best_val_loss=0.1, best_step=4, final_train_loss=0.1, adapter_key="x")
+    heartbeat()  # ...and it comes back: the trials are planned again, into a new pack.
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        trials = s.scalars(select(Trial)).all()
+        assert {t.state for t in trials} == {states.TRIAL_RUNNING}
+        assert all(t.attempts == 2 and t.pack_id != pack.id for t in trials)
+        assert s.get(Task, task_id).state == states.TASK_RUNNING  # type: ignore[union-attr]
+
+
+def test_a_trial_that_keeps_losing_its_worker_fails_for_good(daemon: SchedulerDaemon) -> None:
+    task_id, _ = make_task(1)
+    for _attempt in range(states.MAX_TRIAL_ATTEMPTS):
+        heartbeat()
+        daemon.step(block_s=0.2)
+        with session_scope() as s:
+            s.get(Worker, WORKER).last_heartbeat = utcnow() - timedelta(hours=1)  # type: ignore[union-attr]
+        daemon.tick()
+    daemon.tick()
+    with session_scope() as s:
+        trial = s.scalars(select(Trial)).one()
+        assert trial.state == states.TRIAL_FAILED and "gave up after 3 attempts" in (trial.error or "")
+        assert s.get(Task, task_id).state == states.TASK_FAILED  # type: ignore[union-attr]
+
+
+def test_a_pack_recorded_but_not_sent_before_a_crash_is_sent_by_the_next_scheduler(
+    daemon: SchedulerDaemon,
+) -> None:
+    _, trial_ids = make_task(2)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    with session_scope() as s:  # as if the scheduler died between recording the pack and sending it
+        s.get(Pack, pack.id).state = states.PACK_PLANNED  # type: ignore[union-attr]
+    redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), WORKER))
+    restarted = SchedulerDaemon(get_settings(), get_bus(), get_celery(), consumer="test")
+    restarted.tick()
+    assert live_pack().state == states.PACK_DISPATCHED and queued_messages() == 1
+    restarted.tick()
+    assert queued_messages() == 1  # not sent twice
+
+
+def test_a_failed_pack_fails_its_unreported_trials(daemon: SchedulerDaemon) -> None:
+    task_id, _ = make_task(2)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.failed", pack_id=pack.id, error="OSError: model not found")
+    daemon.step(block_s=0.2)
+    daemon.tick()
+    with session_scope() as s:
+        trials = s.scalars(select(Trial)).all()
+        assert {t.state for t in trials} == {states.TRIAL_FAILED}
+        assert all(t.error == "OSError: model not found" for t in trials)
+        task = s.get(Task, task_id)
+        assert task is not None and task.state == states.TASK_FAILED and "model not found" in (task.error or "")
+
+
+def test_cancelling_a_running_task_sends_a_stop_command_once(daemon: SchedulerDaemon) -> None:
+    task_id, trial_ids = make_task(2)
+    bus = get_bus()
+    tail = bus.tail_id(commands_stream(WORKER))
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    with session_scope() as s:  # what POST /v1/tasks/{id}/cancel does
+        s.get(Task, task_id).state = states.TASK_CANCELLED  # type: ignore[union-attr]
+        for t in s.scalars(select(Trial)):
+            t.state, t.finished_at = states.TRIAL_CANCELLED, utcnow()
+    daemon.tick()
+    daemon.tick()
+    commands = [m for _, m in bus.read_after(commands_stream(WORKER), tail, count=10, block_s=0.1)]
+    assert len(commands) == 1
+    assert commands[0]["type"] == "stop_trials" and commands[0]["pack_id"] == pack.id
+    assert sorted(commands[0]["trial_ids"]) == sorted(trial_ids)
