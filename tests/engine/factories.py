@@ -1,0 +1,49 @@
+"""Test data and trial factories shared by the engine tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.engine import ModelSource, TrialSpec
+
+TINY = ModelSource(name="tiny-random-llama", kind="tiny-random-llama")
+CPU = torch.device("cpu")
+
+
+def chat_rows(n: int) -> list[dict[str, Any]]:
+    """Small, repetitive chat data a tiny model can learn in a few dozen steps."""
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"count from {i}"},
+                {"role": "assistant", "content": " ".join(str(i + k) for k in range(4))},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+def completion_rows(n: int) -> list[dict[str, Any]]:
+    return [{"prompt": f"spell {w}:", "completion": " " + "-".join(w)} for w in ["cat", "dog", "owl", "bee"][:n]]
+
+
+def make_spec(trial_id: str, **overrides: Any) -> TrialSpec:
+    fields: dict[str, Any] = {
+        "trial_id": trial_id,
+        "learning_rate": 2e-2,
+        "lora_rank": 4,
+        "lora_alpha": 8.0,
+        "lora_dropout": 0.0,
+        "batch_size": 4,
+        "target_modules": ["q_proj", "v_proj"],
+        "seed": 1,
+        "max_steps": 12,
+        "max_seq_len": 64,
+        "eval_interval": 4,
+        "train_rows": chat_rows(8),
+        "val_rows": chat_rows(4),
+    }
+    fields.update(overrides)
+    return TrialSpec(**fields)

@@ -1,0 +1,97 @@
+"""The engine on a GPU: bf16 base, fp32 adapters; pack == alone and PEFT agreement there too.
+
+Skipped where there is no CUDA device (the CPU tests cover the same behaviour in fp32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+
+from tests.engine.factories import TINY, chat_rows, completion_rows, make_spec
+from worker.engine import TrialSpec, adapter_logits, load_base_model, train_pack
+from worker.engine.lora import MultiLoraLinear
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+
+
+def _specs() -> list[TrialSpec]:
+    return [
+        make_spec(
+            "g1",
+            target_modules=["q_proj", "v_proj", "lm_head"],
+            lora_dropout=0.05,
+            max_steps=16,
+            train_rows=chat_rows(4),
+        ),
+        make_spec(
+            "g2",
+            target_modules=["all-linear", "lm_head"],
+            learning_rate=1e-2,
+            lora_rank=8,
+            lora_dropout=0.1,
+            batch_size=2,
+            lr_schedule="cosine",
+            warmup_steps=3,
+            seed=7,
+            max_steps=20,
+            train_rows=completion_rows(4),
+            val_rows=[],
+        ),
+    ]
+
+
+def test_cuda_pack_learns_equals_alone_and_matches_peft(model_cache: Path, tmp_path: Path) -> None:
+    model, tokenizer = load_base_model(TINY, cache_dir=model_cache, device=CUDA)
+    assert model.dtype == torch.bfloat16 and next(model.parameters()).is_cuda
+
+    points: list[tuple[str, int, str, float]] = []
+    pack = train_pack(
+        model,
+        tokenizer,
+        _specs(),
+        base_model_name=TINY.name,
+        export_dir=tmp_path / "pack",
+        on_point=lambda *p: points.append(p),
+    )
+    assert [o.status for o in pack] == ["completed", "completed"]
+    for trial_id in ("g1", "g2"):
+        train = [loss for t, _, s, loss in points if t == trial_id and s == "train"]
+        assert sum(train[-3:]) / 3 < train[0] - 2.0, f"{trial_id} did not learn: {train}"
+
+    for spec, in_pack in zip(_specs(), pack, strict=True):
+        (alone,) = train_pack(
+            model, tokenizer, [spec], base_model_name=TINY.name, export_dir=tmp_path / "alone", on_point=lambda *p: None
+        )
+        assert in_pack.adapter_dir is not None and alone.adapter_dir is not None
+        packed = load_file(str(in_pack.adapter_dir / "adapter_model.safetensors"))
+        single = load_file(str(alone.adapter_dir / "adapter_model.safetensors"))
+        for key in packed:
+            # Same kernels on the same inputs; a small tolerance for any non-deterministic GPU reduction.
+            torch.testing.assert_close(packed[key], single[key], rtol=1e-3, atol=1e-4)
+
+    adapter_dir = pack[0].adapter_dir
+    assert adapter_dir is not None
+    ids = torch.tensor(
+        [
+            tokenizer(
+                tokenizer.apply_chat_template(chat_rows(1)[0]["messages"], tokenize=False), add_special_tokens=False
+            )["input_ids"]
+        ],
+        device=CUDA,
+    )
+    engine = adapter_logits(model, adapter_dir, ids).float()
+    assert not any(isinstance(m, MultiLoraLinear) for m in model.modules())
+    base = model(input_ids=ids).logits.float()
+    fresh, _ = load_base_model(TINY, cache_dir=model_cache, device=CUDA)
+    peft_model = PeftModel.from_pretrained(fresh, adapter_dir).eval()
+    with torch.no_grad():
+        reference = peft_model(input_ids=ids).logits.float()
+    # bf16 logits: agreement to bf16 resolution, far closer than the adapter's own effect.
+    torch.testing.assert_close(engine, reference, rtol=2e-2, atol=2e-2)
+    assert (engine - base).abs().max() > 0.5

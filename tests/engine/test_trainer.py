@@ -1,0 +1,209 @@
+"""train_pack: learning, pack == alone, early stop, failure isolation, best-val export, model reuse."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tests.engine.factories import chat_rows, completion_rows, make_spec
+from worker.engine import TrialOutcome, TrialSpec, adapter_logits, train_pack
+from worker.engine import trainer as engine_trainer
+from worker.engine.data import batches_in_order, encode_rows
+from worker.engine.lora import MultiLoraLinear
+from worker.engine.trainer import token_loss_sum
+
+Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+Point = tuple[str, int, str, float]
+
+# Two deliberately different trials: targets, rank, alpha, dropout, batch size, schedule, data, seed.
+TRIAL_A: dict[str, Any] = {
+    "target_modules": ["q_proj", "v_proj", "lm_head"],
+    "lora_dropout": 0.05,
+    "max_steps": 16,
+    "train_rows": chat_rows(4),
+}
+TRIAL_B: dict[str, Any] = {
+    "target_modules": ["all-linear", "lm_head"],
+    "learning_rate": 1e-2,
+    "lora_rank": 8,
+    "lora_alpha": 16.0,
+    "lora_dropout": 0.1,
+    "batch_size": 2,
+    "lr_schedule": "cosine",
+    "warmup_steps": 3,
+    "weight_decay": 0.01,
+    "seed": 7,
+    "max_steps": 20,
+    "train_rows": completion_rows(4),
+    "val_rows": [],
+}
+
+
+def _run(tiny: Tiny, specs: list[TrialSpec], out: Path, **kwargs: Any) -> tuple[list[TrialOutcome], list[Point]]:
+    points: list[Point] = []
+    outcomes = train_pack(
+        *tiny,
+        specs,
+        base_model_name="tiny-random-llama",
+        export_dir=out,
+        on_point=lambda *p: points.append(p),
+        **kwargs,
+    )
+    return outcomes, points
+
+
+def _curve(points: list[Point], trial_id: str, split: str) -> list[float]:
+    return [loss for t, _, s, loss in points if t == trial_id and s == split]
+
+
+def _weights(adapter_dir: Path | None) -> dict[str, torch.Tensor]:
+    assert adapter_dir is not None
+    return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def test_pack_learns_and_each_trial_equals_training_alone(tiny: Tiny, tmp_path: Path) -> None:
+    pack, points = _run(tiny, [make_spec("a", **TRIAL_A), make_spec("b", **TRIAL_B)], tmp_path / "pack")
+    assert [(o.trial_id, o.status, o.steps_done) for o in pack] == [("a", "completed", 16), ("b", "completed", 20)]
+
+    for trial_id, steps in [("a", 16), ("b", 20)]:
+        train = _curve(points, trial_id, "train")
+        assert len(train) == steps
+        assert sum(train[-3:]) / 3 < train[0] - 2.0, f"{trial_id} did not learn: {train}"
+    # Pinned (tiny model, seed 1): the untrained loss is ~ln(259); trial a's val loss after 16 steps.
+    assert _curve(points, "a", "train")[0] == pytest.approx(5.5603, abs=1e-3)
+    assert pack[0].best_val_loss == pytest.approx(1.7627, abs=1e-3)
+    assert [(s, split) for t, s, split, _ in points if t == "a" and split == "val"] == [
+        (4, "val"),
+        (8, "val"),
+        (12, "val"),
+        (16, "val"),
+    ]
+    assert _curve(points, "b", "val") == [] and pack[1].best_val_loss is None and pack[1].best_step == 20
+
+    for spec_kwargs, in_pack in [(TRIAL_A, pack[0]), (TRIAL_B, pack[1])]:
+        (alone,), alone_points = _run(tiny, [make_spec(in_pack.trial_id, **spec_kwargs)], tmp_path / "alone")
+        packed, single = _weights(in_pack.adapter_dir), _weights(alone.adapter_dir)
+        assert packed.keys() == single.keys()
+        for key in packed:
+            torch.testing.assert_close(packed[key], single[key], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            _curve(points, in_pack.trial_id, "train"),
+            _curve(alone_points, alone.trial_id, "train"),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        assert (alone.best_step, alone.final_train_loss) == pytest.approx((in_pack.best_step, in_pack.final_train_loss))
+
+
+def test_should_stop_drops_a_trial_at_once(tiny: Tiny, tmp_path: Path) -> None:
+    points: list[Point] = []
+
+    def stop_b_after_five() -> set[str]:
+        return {"b"} if any(p[:3] == ("b", 5, "train") for p in points) else set()
+
+    outcomes = train_pack(
+        *tiny,
+        [make_spec("a"), make_spec("b", seed=2)],
+        base_model_name="tiny",
+        export_dir=tmp_path,
+        on_point=lambda *p: points.append(p),
+        should_stop=stop_b_after_five,
+    )
+    a, b = outcomes
+    assert (a.status, a.steps_done, a.adapter_dir) == ("completed", 12, tmp_path / "a")
+    assert (b.status, b.steps_done, b.adapter_dir, b.error) == ("stopped", 5, None, None)
+    assert b.best_step == 4 and b.final_train_loss == _curve(points, "b", "train")[-1]
+    assert max(step for t, step, _, _ in points if t == "b") == 5
+    assert not (tmp_path / "b").exists()
+
+
+def test_failing_trials_do_not_take_down_the_pack(tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_step = engine_trainer._train_step
+
+    def step_that_breaks_for_c(model: Any, run: Any, pad_token_id: int) -> float:
+        if run.spec.trial_id == "c" and run.steps_done == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_step(model, run, pad_token_id)
+
+    monkeypatch.setattr(engine_trainer, "_train_step", step_that_breaks_for_c)
+    specs = [
+        make_spec("bad-target", target_modules=["q_proj", "qkv_proj"]),
+        make_spec("ok"),
+        make_spec("c", seed=3),
+        make_spec("bad-spec", lora_rank=0, lr_schedule="step"),
+        make_spec("no-data", train_rows=[{"messages": [{"role": "user", "content": "hi"}]}]),
+    ]
+    bad_target, ok, c, bad_spec, no_data = _run(tiny, specs, tmp_path)[0]
+    assert (ok.status, ok.steps_done) == ("completed", 12)
+    assert (c.status, c.steps_done, c.adapter_dir) == ("failed", 3, None)
+    assert c.error == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert bad_target.status == "failed" and bad_target.steps_done == 0
+    assert bad_target.error is not None and "'qkv_proj' matches no linear layer" in bad_target.error
+    assert bad_spec.error is not None and "lora_rank 0 < 1" in bad_spec.error and "lr_schedule 'step'" in bad_spec.error
+    assert no_data.error == "ValueError: no training row has a target token left after truncation"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
+
+
+def test_nan_loss_is_reported_not_an_error(tiny: Tiny, tmp_path: Path) -> None:
+    # An infinite learning rate turns the adapter into NaN after the first update.
+    spec = make_spec("nan", learning_rate=float("inf"), max_steps=3, eval_interval=1)
+    (outcome,), points = _run(tiny, [spec], tmp_path)
+    train, val = _curve(points, "nan", "train"), _curve(points, "nan", "val")
+    assert math.isfinite(train[0]) and all(math.isnan(loss) for loss in train[1:] + val)
+    assert (outcome.status, outcome.steps_done, outcome.error) == ("completed", 3, None)
+    # A NaN validation loss never counts as the best: none is best, so the final adapter is exported.
+    assert (outcome.best_val_loss, outcome.best_step) == (None, 3)
+    assert outcome.adapter_dir == tmp_path / "nan"
+
+
+def test_best_validation_adapter_is_exported(tiny: Tiny, tmp_path: Path) -> None:
+    model, tokenizer = tiny
+    # Overfit: learn counting rows hard, validate on unrelated text, so validation gets worse later.
+    val_rows = [{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "kenobi!"}]}]
+    spec = make_spec(
+        "overfit",
+        learning_rate=5e-2,
+        max_steps=30,
+        eval_interval=2,
+        train_rows=chat_rows(4),
+        target_modules=["all-linear", "lm_head"],
+        val_rows=val_rows,
+    )
+    (outcome,), points = _run(tiny, [spec], tmp_path)
+    val = [(step, loss) for t, step, split, loss in points if split == "val"]
+    best_step, best_loss = min(val, key=lambda v: v[1])
+    assert (outcome.best_step, outcome.best_val_loss) == (best_step, best_loss)
+    assert best_step < 30, "setup no longer overfits; the test would not tell best from last"
+
+    # The exported adapter reproduces the best validation loss, not the final one.
+    assert outcome.adapter_dir is not None
+    total, n_targets = 0.0, 0
+    for batch in batches_in_order(encode_rows(val_rows, tokenizer, 64), 4, 256):
+        logits = adapter_logits(model, outcome.adapter_dir, batch.input_ids, batch.attention_mask)
+        total += token_loss_sum(logits, batch.labels).item()
+        n_targets += int((batch.labels[:, 1:] != -100).sum())
+    assert total / n_targets == pytest.approx(best_loss, rel=1e-5)
+    assert abs(total / n_targets - val[-1][1]) > 1e-3
+
+
+def test_model_is_reusable_after_a_pack(tiny: Tiny, tmp_path: Path) -> None:
+    model, _ = tiny
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    before = model(input_ids=ids).logits
+    first, _ = _run(tiny, [make_spec("x", max_steps=3)], tmp_path / "1")
+    assert not any(isinstance(m, MultiLoraLinear) for m in model.modules())
+    assert not any(p.requires_grad for p in model.parameters())
+    torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+    second, _ = _run(tiny, [make_spec("x", max_steps=3)], tmp_path / "2")
+    assert first[0].final_train_loss == second[0].final_train_loss  # a second pack starts from scratch
+
+
+def test_duplicate_trial_ids_are_refused(tiny: Tiny, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="duplicate trial ids"):
+        _run(tiny, [make_spec("same"), make_spec("same")], tmp_path)

@@ -1,0 +1,95 @@
+"""The worker's side of the bus: heartbeats, batched loss reports and stop commands.
+
+A worker never touches the database: everything it knows comes in the pack message and through its
+command stream, and everything it learns goes out on the scheduler stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from common.bus import SCHEDULER_STREAM, Bus, commands_stream
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat(threading.Thread):
+    """Publishes the worker's presence every `interval_s`; the scheduler declares it lost when it stops."""
+
+    def __init__(self, bus: Bus, interval_s: float, identity: dict[str, Any]) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.bus = bus
+        self.interval_s = interval_s
+        self.identity = identity
+        self.current_pack_id: str | None = None
+        self._stop = threading.Event()
+
+    def beat(self) -> None:
+        self.bus.publish(SCHEDULER_STREAM, {"type": "heartbeat", **self.identity, "pack_id": self.current_pack_id})
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - the bus may blink; the next beat retries
+                log.warning("heartbeat failed", exc_info=True)
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Reporter:
+    """Buffers loss points and sends them in batches; other reports flush the buffer first, so the
+    scheduler always sees a trial's points before the trial's end."""
+
+    def __init__(self, bus: Bus, pack_id: str, worker_id: str, flush_every_s: float = 0.5,
+                 max_points: int = 500) -> None:
+        self.bus = bus
+        self.pack_id = pack_id
+        self.worker_id = worker_id
+        self.flush_every_s = flush_every_s
+        self.max_points = max_points
+        self._points: list[list[Any]] = []
+        self._last_flush = time.monotonic()
+
+    def point(self, trial_id: str, step: int, split: str, loss: float) -> None:
+        self._points.append([trial_id, step, split, loss])
+        if len(self._points) >= self.max_points or time.monotonic() - self._last_flush >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if self._points:
+            points, self._points = self._points, []
+            self.send("points", points=points)
+
+    def send(self, kind: str, **fields: Any) -> None:
+        if kind != "points":
+            self.flush()
+        self.bus.publish(SCHEDULER_STREAM, {"type": kind, "pack_id": self.pack_id, "worker_id": self.worker_id,
+                                            **fields})
+
+
+class CommandInbox:
+    """Reads this worker's command stream (from the moment the worker started) at most every poll_s."""
+
+    def __init__(self, bus: Bus, worker_id: str, poll_s: float = 0.5) -> None:
+        self.bus = bus
+        self.stream = commands_stream(worker_id)
+        self.poll_s = poll_s
+        self._last_id = bus.tail_id(self.stream)
+        self._last_poll = 0.0
+        self._stopped: dict[str, set[str]] = {}
+
+    def stopped_trials(self, pack_id: str) -> set[str]:
+        if time.monotonic() - self._last_poll >= self.poll_s:
+            self._last_poll = time.monotonic()
+            for msg_id, message in self.bus.read_after(self.stream, self._last_id, count=100, block_s=0):
+                self._last_id = msg_id
+                if message.get("type") == "stop_trials":
+                    self._stopped.setdefault(message["pack_id"], set()).update(message["trial_ids"])
+        return set(self._stopped.get(pack_id, set()))

@@ -1,0 +1,180 @@
+"""Turn raw JSONL rows into labelled token sequences, and draw padded batches from them.
+
+Labels follow the Hugging Face convention: ``labels[t]`` is the token at position ``t`` when it is a
+target (assistant / completion text) and ``IGNORE_INDEX`` otherwise; the loss shifts by one itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenised row. ``input_ids`` and ``labels`` have equal length."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+    @property
+    def n_targets(self) -> int:
+        """Tokens that contribute to the loss (position 0 has nothing before it to predict it from)."""
+        return sum(1 for label in self.labels[1:] if label != IGNORE_INDEX)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Right-padded batch; every tensor is ``(batch, seq)`` and int64."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
+
+
+def encode_rows(
+    rows: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase, max_seq_len: int
+) -> list[Example]:
+    """Encode rows, truncate each to ``max_seq_len`` tokens and drop rows with no target token left.
+
+    Raises:
+        ValueError: a row that is neither a chat row nor a prompt/completion row, or a chat template
+            that does not render conversations prefix by prefix.
+    """
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len must be at least 2, got {max_seq_len}")
+    examples = []
+    for row in rows:
+        input_ids, labels = encode_row(row, tokenizer)
+        example = Example(input_ids[:max_seq_len], labels[:max_seq_len])
+        if example.n_targets > 0:
+            examples.append(example)
+    if len(examples) < len(rows):
+        logger.info("dropped %d of %d rows with no target tokens", len(rows) - len(examples), len(rows))
+    return examples
+
+
+def encode_row(row: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of one row, untruncated."""
+    if "messages" in row:
+        return _encode_chat(row["messages"], tokenizer)
+    if "prompt" in row and "completion" in row:
+        return _encode_prompt_completion(str(row["prompt"]), str(row["completion"]), tokenizer)
+    raise ValueError(f"row has neither 'messages' nor 'prompt'/'completion': keys {sorted(row)}")
+
+
+def _encode_chat(
+    messages: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[int], list[int]]:
+    """Render the conversation prefix by prefix; label only what each assistant turn adds.
+
+    For assistant turn ``i`` the text between ``render(messages[:i], add_generation_prompt=True)`` and
+    ``render(messages[:i+1])`` is that turn's content plus the template's end-of-turn marker, which is
+    exactly what the model must learn to generate. Each segment is tokenised on its own: segment edges
+    sit at special tokens / newlines, which GPT-2-style pre-tokenisers split off anyway, so the ids equal
+    those of the whole rendered text (tested for the tiny tokenizer and SmolLM2's).
+    Text after the last assistant turn is left out: a causal model learns nothing from it.
+    """
+    segments: list[tuple[str, bool]] = []  # (text, is_target)
+    rendered = ""
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not (prompt.startswith(rendered) and full.startswith(prompt)):
+            raise ValueError("chat template is not prefix-stable: a later turn re-renders earlier text")
+        segments += [(prompt[len(rendered) :], False), (full[len(prompt) :], True)]
+        rendered = full
+
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for text, is_target in segments:
+        ids = _tokenize(tokenizer, text, add_special_tokens=False)
+        input_ids += ids
+        labels += ids if is_target else [IGNORE_INDEX] * len(ids)
+    return input_ids, labels
+
+
+def _encode_prompt_completion(
+    prompt: str, completion: str, tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[int], list[int]]:
+    """Prompt (with the tokenizer's own leading specials, e.g. BOS) masked; completion + eos trained."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("tokenizer has no eos token to end completions with")
+    prompt_ids = _tokenize(tokenizer, prompt, add_special_tokens=True)
+    if prompt_ids and prompt_ids[-1] == eos:  # tokenizers that append eos on every encode
+        prompt_ids = prompt_ids[:-1]
+    completion_ids = [*_tokenize(tokenizer, completion, add_special_tokens=False), int(eos)]
+    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool
+) -> str:
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not str")
+    return text
+
+
+def _tokenize(tokenizer: PreTrainedTokenizerBase, text: str, *, add_special_tokens: bool) -> list[int]:
+    if not text:
+        return []
+    return [int(i) for i in tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]]
+
+
+class BatchSampler:
+    """Endless stream of row indices in a seeded order, reshuffled every epoch.
+
+    Batches are cut from the concatenation of epoch permutations, so a batch may straddle two epochs
+    and no row is ever skipped. The generator is private to one trial: a trial draws the same batches
+    whether it trains alone or in a pack.
+    """
+
+    def __init__(self, n_rows: int, batch_size: int, seed: int) -> None:
+        if n_rows < 1 or batch_size < 1:
+            raise ValueError(f"need n_rows >= 1 and batch_size >= 1, got {n_rows} and {batch_size}")
+        self.n_rows, self.batch_size = n_rows, batch_size
+        self._generator = torch.Generator().manual_seed(seed)
+        self._pending: list[int] = []
+
+    def next_indices(self) -> list[int]:
+        while len(self._pending) < self.batch_size:
+            self._pending += torch.randperm(self.n_rows, generator=self._generator).tolist()
+        indices, self._pending = self._pending[: self.batch_size], self._pending[self.batch_size :]
+        return indices
+
+
+def collate(examples: Sequence[Example], pad_token_id: int) -> Batch:
+    """Right-pad to the longest example; padding has attention 0 and label ``IGNORE_INDEX``."""
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    for row, example in enumerate(examples):
+        n = len(example.input_ids)
+        input_ids[row, :n] = torch.tensor(example.input_ids)
+        attention_mask[row, :n] = 1
+        labels[row, :n] = torch.tensor(example.labels)
+    return Batch(input_ids, attention_mask, labels)
+
+
+def batches_in_order(examples: Sequence[Example], batch_size: int, pad_token_id: int) -> list[Batch]:
+    """All examples in their given order, ``batch_size`` at a time (validation)."""
+    return [collate(examples[i : i + batch_size], pad_token_id) for i in range(0, len(examples), batch_size)]

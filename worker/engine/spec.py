@@ -1,0 +1,69 @@
+"""What a trial asks for (``TrialSpec``) and how it ended (``TrialOutcome``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from worker.engine.schedule import LR_SCHEDULES
+
+
+@dataclass
+class TrialSpec:
+    """One hyperparameter configuration and its data. Rows are raw JSONL rows (chat or prompt/completion)."""
+
+    trial_id: str
+    learning_rate: float
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    batch_size: int
+    target_modules: list[str]  # PEFT-style suffixes, or ["all-linear"] (every linear but lm_head)
+    seed: int
+    max_steps: int  # optimizer steps
+    max_seq_len: int
+    eval_interval: int  # validate every N steps and always at the last step
+    train_rows: list[dict[str, Any]]
+    val_rows: list[dict[str, Any]]  # empty: no validation, the final adapter is exported
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # "constant" | "linear" | "cosine", after warm-up
+
+
+@dataclass
+class TrialOutcome:
+    """How a trial ended. ``adapter_dir`` (completed trials only) holds the best-validation adapter."""
+
+    trial_id: str
+    status: str  # "completed" | "stopped" | "failed"
+    steps_done: int
+    best_val_loss: float | None
+    best_step: int | None
+    final_train_loss: float | None
+    adapter_dir: Path | None
+    error: str | None = None
+
+
+def validate_spec(spec: TrialSpec) -> None:
+    """Raise ``ValueError`` listing every out-of-range field of ``spec``."""
+    problems = []
+    if not spec.trial_id or "/" in spec.trial_id or "\\" in spec.trial_id or spec.trial_id.startswith("."):
+        problems.append(f"trial_id {spec.trial_id!r} is not a safe directory name")
+    if spec.lora_rank < 1:
+        problems.append(f"lora_rank {spec.lora_rank} < 1")
+    if not 0.0 <= spec.lora_dropout < 1.0:
+        problems.append(f"lora_dropout {spec.lora_dropout} outside [0, 1)")
+    if not spec.learning_rate > 0.0:
+        problems.append(f"learning_rate {spec.learning_rate} <= 0")
+    for name in ("batch_size", "max_steps", "eval_interval"):
+        if getattr(spec, name) < 1:
+            problems.append(f"{name} {getattr(spec, name)} < 1")
+    if spec.max_seq_len < 2:  # one token has nothing before it to be predicted from
+        problems.append(f"max_seq_len {spec.max_seq_len} < 2")
+    if spec.warmup_steps < 0:
+        problems.append(f"warmup_steps {spec.warmup_steps} < 0")
+    if spec.lr_schedule not in LR_SCHEDULES:
+        problems.append(f"lr_schedule {spec.lr_schedule!r} not in {LR_SCHEDULES}")
+    if problems:
+        raise ValueError("invalid trial spec: " + "; ".join(problems))

@@ -1,0 +1,58 @@
+"""`loraplane worker`: one Celery worker process bound to one device, consuming its own queue."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+
+from common.artifacts import get_artifact_store
+from common.bus import get_bus
+from common.celery import worker_queue
+from common.settings import get_settings
+from worker.agent import Heartbeat
+from worker.runner import PackRunner
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(gpu: int | None) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{gpu or 0}")
+    if gpu is not None:
+        log.warning("--gpu %s asked for, but CUDA is not available: running on the CPU", gpu)
+    return torch.device("cpu")
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel: str = "INFO") -> None:
+    settings = get_settings()
+    device = pick_device(gpu)
+    suffix = f"gpu{gpu}" if gpu is not None else device.type
+    worker_id = worker_id or f"{socket.gethostname()}-{suffix}"
+    queue = worker_queue(settings, worker_id)
+    bus = get_bus()
+    heartbeat = Heartbeat(bus, settings.heartbeat_interval_s, {
+        "worker_id": worker_id, "queue": queue, "device": str(device), "memory_bytes": device_memory(device),
+        "max_slots": settings.worker_max_trials_per_pack,
+    })
+    runner = PackRunner(worker_id=worker_id, device=device, bus=bus, store=get_artifact_store(),
+                        model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat)
+    from worker.tasks import celery_app, install_runner
+
+    install_runner(runner)
+    heartbeat.start()
+    log.info("worker %s on %s consuming %s", worker_id, device, queue)
+    # The solo pool runs the pack in this process, where the model stays loaded between packs and the
+    # heartbeat thread dies with it: a killed worker stops beating and the scheduler requeues its trials.
+    celery_app.worker_main([
+        "worker", "-Q", queue, "--pool", "solo", "--concurrency", "1", "-n", f"{worker_id}@%h",
+        "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
+    ])

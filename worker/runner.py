@@ -1,0 +1,114 @@
+"""Runs one pack message on this worker: the shell around the training engine.
+
+Pre-state: the scheduler recorded the pack and moved its trials to running. Post-state: the scheduler
+has received, in order, `pack.started`, the trials' loss points, one `trial.finished` per trial (with the
+adapter already in the artifact store) and `pack.finished` — or `pack.failed` with the error.
+"""
+
+from __future__ import annotations
+
+import logging
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.artifacts import LocalArtifactStore, adapter_key
+from common.bus import Bus
+from common.datasets import parse_jsonl, split_rows
+from worker.agent import CommandInbox, Heartbeat, Reporter
+from worker.engine import ModelSource, TrialSpec, load_base_model, train_pack
+
+log = logging.getLogger(__name__)
+
+
+class PackRunner:
+    """Holds what outlives one pack: the loaded base models (loaded once per process) and the bus."""
+
+    def __init__(self, *, worker_id: str, device: torch.device, bus: Bus, store: LocalArtifactStore,
+                 model_cache_dir: Path, heartbeat: Heartbeat) -> None:
+        self.worker_id = worker_id
+        self.device = device
+        self.bus = bus
+        self.store = store
+        self.model_cache_dir = model_cache_dir
+        self.heartbeat = heartbeat
+        self.inbox = CommandInbox(bus, worker_id)
+        self._models: dict[str, tuple[Any, Any]] = {}
+
+    def model(self, source: ModelSource) -> tuple[Any, Any]:
+        if source.name not in self._models:
+            log.info("loading base model %s on %s", source.name, self.device)
+            self._models[source.name] = load_base_model(source, cache_dir=self.model_cache_dir, device=self.device)
+        return self._models[source.name]
+
+    def trial_spec(self, t: dict[str, Any]) -> TrialSpec:
+        rows = parse_jsonl(self.store.get_bytes(t["training_file_key"]))
+        if t.get("validation_file_key"):
+            train, val = rows, parse_jsonl(self.store.get_bytes(t["validation_file_key"]))
+        elif t.get("validation_split"):
+            train, val = split_rows(rows, float(t["validation_split"]), int(t["split_seed"]))
+        else:
+            train, val = rows, []
+        hp = t["hyperparameters"]
+        return TrialSpec(
+            trial_id=t["trial_id"],
+            learning_rate=float(hp["learning_rate"]),
+            lora_rank=int(hp["lora_rank"]),
+            lora_alpha=float(hp["lora_alpha"]),
+            lora_dropout=float(hp["lora_dropout"]),
+            batch_size=int(hp["batch_size"]),
+            target_modules=list(hp["target_modules"]),
+            seed=int(hp["seed"]),
+            max_steps=int(t["total_steps"]),
+            max_seq_len=int(t["max_seq_len"]),
+            eval_interval=int(t["eval_interval"]),
+            train_rows=train,
+            val_rows=val,
+        )
+
+    def run(self, pack: dict[str, Any]) -> None:
+        pack_id = pack["pack_id"]
+        if not self.bus.claim(f"pack:{pack_id}"):
+            log.warning("pack %s was already claimed; skipping the duplicate delivery", pack_id)
+            return
+        reporter = Reporter(self.bus, pack_id, self.worker_id)
+        self.heartbeat.current_pack_id = pack_id
+        reporter.send("pack.started")
+        try:
+            self._train(pack, reporter)
+            reporter.send("pack.finished")
+        except Exception as exc:  # the pack failed as a whole (model or data would not load)
+            log.exception("pack %s failed", pack_id)
+            reporter.send("pack.failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.heartbeat.current_pack_id = None
+
+    def _train(self, pack: dict[str, Any], reporter: Reporter) -> None:
+        pack_id = pack["pack_id"]
+        source = ModelSource(**pack["base_model"])
+        model, tokenizer = self.model(source)
+        task_of = {t["trial_id"]: t["task_id"] for t in pack["trials"]}
+        specs = [self.trial_spec(t) for t in pack["trials"]]
+        with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp:
+            outcomes = train_pack(
+                model, tokenizer, specs, base_model_name=source.name, export_dir=Path(tmp),
+                on_point=reporter.point, should_stop=lambda: self.inbox.stopped_trials(pack_id),
+            )
+            for outcome in outcomes:
+                key = None
+                if outcome.status == "completed" and outcome.adapter_dir is not None:
+                    key = adapter_key(task_of[outcome.trial_id], outcome.trial_id)
+                    archive = Path(tmp) / f"{outcome.trial_id}.tar.gz"
+                    with tarfile.open(archive, "w:gz") as tar:
+                        for item in sorted(outcome.adapter_dir.iterdir()):
+                            tar.add(item, arcname=item.name)
+                    self.store.put_file(key, archive)
+                reporter.send(
+                    "trial.finished", trial_id=outcome.trial_id, status=outcome.status,
+                    steps_done=outcome.steps_done, best_val_loss=outcome.best_val_loss,
+                    best_step=outcome.best_step, final_train_loss=outcome.final_train_loss,
+                    adapter_key=key, error=outcome.error,
+                )

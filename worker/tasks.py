@@ -1,0 +1,24 @@
+"""Celery tasks of the GPU agent. The body lives in worker/runner.py; this only binds it to Celery."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.celery import RUN_PACK_TASK, get_celery
+from worker.runner import PackRunner
+
+celery_app = get_celery()
+_runner: PackRunner | None = None
+
+
+def install_runner(runner: PackRunner) -> None:
+    global _runner
+    _runner = runner
+
+
+@celery_app.task(name=RUN_PACK_TASK, acks_late=False)
+def run_pack(*, pack: dict[str, Any]) -> None:
+    """Runs one pack to the end (see PackRunner.run for the states before and after)."""
+    if _runner is None:
+        raise RuntimeError("this process was not started with `loraplane worker`")
+    _runner.run(pack)
