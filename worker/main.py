@@ -48,6 +48,10 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
     from worker.tasks import celery_app, install_runner
 
     install_runner(runner)
+    # Progress bars of model loading end up as WARNING lines in Celery's redirected stderr.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     heartbeat.start()
     log.info("worker %s on %s consuming %s", worker_id, device, queue)
     # The solo pool runs the pack in this process, where the model stays loaded between packs and the
