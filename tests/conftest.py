@@ -87,8 +87,10 @@ def clean_db(database: str) -> Iterator[None]:
     from common.db import get_engine
 
     def truncate() -> None:
+        # Row deletes in foreign-key order: on tables this small, much faster than TRUNCATE.
         with get_engine().begin() as conn:
-            conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
+            for table in TABLES:
+                conn.execute(text(f"DELETE FROM {table}"))
 
     truncate()
     yield

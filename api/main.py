@@ -1,0 +1,59 @@
+"""The FastAPI application: routers, error handlers, and the registry seeded at startup.
+
+Run with `uvicorn api.main:app`; OpenAPI docs at /docs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from sqlalchemy.exc import IntegrityError
+
+from api.errors import install_error_handlers
+from api.routes import admin, events, files, health, models, tasks, trials
+from common.db import session_scope
+from common.registry import ensure_default_models
+
+log = logging.getLogger(__name__)
+
+
+def _seed_registry() -> None:
+    try:
+        with session_scope() as session:
+            ensure_default_models(session)
+    except IntegrityError:  # another API process seeded the same rows at the same moment
+        log.info("model registry already seeded by another process")
+
+
+@asynccontextmanager
+async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    await anyio.to_thread.run_sync(_seed_registry)
+    yield
+
+
+def _operation_id(route: APIRoute) -> str:
+    """`tasks-submit_task` rather than FastAPI's path-derived names: clean generated clients."""
+    return f"{route.tags[0]}-{route.name}" if route.tags else route.name
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(
+        title="loraplane",
+        summary="Multi-tenant LoRA tuning as a service: many trials on one frozen base model.",
+        version="0.1.0",
+        lifespan=lifespan,
+        generate_unique_id_function=_operation_id,
+    )
+    install_error_handlers(app)
+    app.include_router(health.router)
+    for module in (admin, files, models, tasks, trials, events):
+        app.include_router(module.router, prefix="/v1")
+    return app
+
+
+app = create_app()

@@ -1,0 +1,68 @@
+"""Tenant-scoped lookups: the one place ownership is checked.
+
+Every function is keyword-only and takes `tenant_id`; an object of another tenant is answered exactly
+like a missing one (same 404 body), so nobody can probe for other tenants' ids.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.errors import not_found
+from common.models import File, Task, Trial
+
+Lock = Literal["update", "share"] | None
+
+
+def find_file(
+    session: Session, *, tenant_id: str, file_id: str, include_deleted: bool = False, lock: Lock = None
+) -> File | None:
+    """`lock="share"` (task creation) and `lock="update"` (deletion) make those two wait for each other,
+    while concurrent task creations on one file never block each other (no lock-order deadlocks)."""
+    stmt = select(File).where(File.id == file_id, File.tenant_id == tenant_id)
+    if not include_deleted:
+        stmt = stmt.where(File.deleted_at.is_(None))
+    if lock is not None:
+        stmt = stmt.with_for_update(read=lock == "share")
+    return session.scalar(stmt)
+
+
+def get_file(session: Session, *, tenant_id: str, file_id: str, lock: Lock = None) -> File:
+    file = find_file(session, tenant_id=tenant_id, file_id=file_id, lock=lock)
+    if file is None:
+        raise not_found("file", file_id)
+    return file
+
+
+def find_task(session: Session, *, tenant_id: str, task_id: str, lock: bool = False) -> Task | None:
+    stmt = select(Task).where(Task.id == task_id, Task.tenant_id == tenant_id)
+    if lock:
+        stmt = stmt.with_for_update()
+    return session.scalar(stmt)
+
+
+def get_task(session: Session, *, tenant_id: str, task_id: str, lock: bool = False) -> Task:
+    task = find_task(session, tenant_id=tenant_id, task_id=task_id, lock=lock)
+    if task is None:
+        raise not_found("task", task_id)
+    return task
+
+
+def get_trial(session: Session, *, tenant_id: str, task_id: str, trial_id: str) -> Trial:
+    """A trial of one of the tenant's tasks; a trial of another task answers 404 too."""
+    get_task(session, tenant_id=tenant_id, task_id=task_id)
+    trial = session.scalar(
+        select(Trial).where(Trial.id == trial_id, Trial.task_id == task_id, Trial.tenant_id == tenant_id)
+    )
+    if trial is None:
+        raise not_found("trial", trial_id)
+    return trial
+
+
+def list_trials(session: Session, *, tenant_id: str, task_id: str) -> list[Trial]:
+    get_task(session, tenant_id=tenant_id, task_id=task_id)
+    stmt = select(Trial).where(Trial.task_id == task_id, Trial.tenant_id == tenant_id).order_by(Trial.index)
+    return list(session.scalars(stmt))

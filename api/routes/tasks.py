@@ -1,0 +1,90 @@
+"""Tuning tasks of the calling tenant."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response, status
+from fastapi.responses import StreamingResponse
+from sqlalchemy import select
+
+from api.db import bad_cursor, newest_first
+from api.deps import SessionDep, TenantDep
+from api.errors import invalid
+from api.queries import find_task, get_task, get_trial
+from api.schemas.common import ListPage, error_responses
+from api.schemas.tasks import TaskCreate, TaskOut
+from api.services.adapters import adapter_download, no_best_trial
+from api.services.task_views import task_view, task_views
+from api.services.tasks import cancel_task, create_task
+from common.models import Task
+from common.states import TASK_CANCELLED, TASK_FAILED, TASK_QUEUED, TASK_RUNNING, TASK_SUCCEEDED, TASK_VALIDATING
+
+router = APIRouter(prefix="/tasks", tags=["tasks"], responses=error_responses(401, 404, 422))
+
+TASK_STATES = (TASK_VALIDATING, TASK_QUEUED, TASK_RUNNING, TASK_SUCCEEDED, TASK_FAILED, TASK_CANCELLED)
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={200: {"description": "An earlier task with the same Idempotency-Key."}, **error_responses(429)},
+)
+def submit_task(
+    body: TaskCreate,
+    tenant: TenantDep,
+    session: SessionDep,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)] = None,
+) -> TaskOut:
+    """Expand the search space into trials and queue them."""
+    task, created = create_task(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return task_view(session, task)
+
+
+@router.get("")
+def list_tasks(
+    tenant: TenantDep,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(description="The id of the last task of the previous page.")] = None,
+    state: Annotated[str | None, Query(description=f"One of {', '.join(TASK_STATES)}.")] = None,
+) -> ListPage[TaskOut]:
+    """This tenant's tasks, newest first."""
+    if state is not None and state not in TASK_STATES:
+        raise invalid(f"state must be one of {', '.join(TASK_STATES)}.", param="state")
+    cursor = None
+    if after is not None and (cursor := find_task(session, tenant_id=tenant.id, task_id=after)) is None:
+        raise bad_cursor("task", after)
+    stmt = select(Task).where(Task.tenant_id == tenant.id)
+    if state is not None:
+        stmt = stmt.where(Task.state == state)
+    rows, has_more = newest_first(session, stmt, Task, after=cursor, limit=limit)
+    return ListPage(data=task_views(session, rows), has_more=has_more)
+
+
+@router.get("/{task_id}")
+def read_task(task_id: str, tenant: TenantDep, session: SessionDep) -> TaskOut:
+    return task_view(session, get_task(session, tenant_id=tenant.id, task_id=task_id))
+
+
+@router.post("/{task_id}/cancel", responses=error_responses(409))
+def cancel(task_id: str, tenant: TenantDep, session: SessionDep) -> TaskOut:
+    """Cancel the task and its unfinished trials; 409 task_finished if it already finished."""
+    return task_view(session, cancel_task(session, tenant=tenant, task_id=task_id))
+
+
+@router.get(
+    "/{task_id}/adapter",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/gzip": {}}}, **error_responses(409)},
+)
+def download_best_adapter(task_id: str, tenant: TenantDep, session: SessionDep) -> StreamingResponse:
+    """The best trial's adapter (PEFT directory as .tar.gz); 409 adapter_not_ready until there is one."""
+    task = get_task(session, tenant_id=tenant.id, task_id=task_id)
+    if task.best_trial_id is None:
+        raise no_best_trial(task.id)
+    trial = get_trial(session, tenant_id=tenant.id, task_id=task.id, trial_id=task.best_trial_id)
+    return adapter_download(trial)

@@ -1,0 +1,61 @@
+"""Trials of a task: their configurations, state, loss curves and adapters."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
+from sqlalchemy import select
+
+from api.deps import SessionDep, TenantDep
+from api.queries import get_trial, list_trials
+from api.schemas.common import ListPage, error_responses
+from api.schemas.trials import LossPoint, TrialMetrics, TrialOut
+from api.services.adapters import adapter_download
+from common.models import MetricPoint
+
+router = APIRouter(prefix="/tasks/{task_id}/trials", tags=["trials"], responses=error_responses(401, 404, 422))
+
+
+@router.get("")
+def list_task_trials(task_id: str, tenant: TenantDep, session: SessionDep) -> ListPage[TrialOut]:
+    """All trials of the task, by index."""
+    return ListPage(data=[TrialOut.of(t) for t in list_trials(session, tenant_id=tenant.id, task_id=task_id)])
+
+
+@router.get("/{trial_id}")
+def read_trial(task_id: str, trial_id: str, tenant: TenantDep, session: SessionDep) -> TrialOut:
+    return TrialOut.of(get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id))
+
+
+@router.get("/{trial_id}/metrics")
+def read_trial_metrics(
+    task_id: str,
+    trial_id: str,
+    tenant: TenantDep,
+    session: SessionDep,
+    step_from: Annotated[int | None, Query(ge=0)] = None,
+    step_to: Annotated[int | None, Query(ge=0)] = None,
+) -> TrialMetrics:
+    """Train and validation loss by step, optionally within [step_from, step_to]."""
+    trial = get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id)
+    stmt = select(MetricPoint).where(MetricPoint.trial_id == trial.id)
+    if step_from is not None:
+        stmt = stmt.where(MetricPoint.step >= step_from)
+    if step_to is not None:
+        stmt = stmt.where(MetricPoint.step <= step_to)
+    curves: dict[str, list[LossPoint]] = {"train": [], "val": []}
+    for point in session.scalars(stmt.order_by(MetricPoint.step)):
+        curves.setdefault(point.split, []).append(LossPoint(step=point.step, loss=point.loss))
+    return TrialMetrics(trial_id=trial.id, train=curves["train"], val=curves["val"])
+
+
+@router.get(
+    "/{trial_id}/adapter",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/gzip": {}}}, **error_responses(409)},
+)
+def download_trial_adapter(task_id: str, trial_id: str, tenant: TenantDep, session: SessionDep) -> StreamingResponse:
+    """This trial's adapter (PEFT directory as .tar.gz); 409 adapter_not_ready until there is one."""
+    return adapter_download(get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id))

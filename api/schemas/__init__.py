@@ -1,0 +1,1 @@
+"""Request and response bodies (pydantic v2). Request models forbid unknown fields."""

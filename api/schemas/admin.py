@@ -1,0 +1,96 @@
+"""Admin resources: tenants, their API keys, and the worker fleet."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, StringConstraints
+
+from api.schemas.common import RequestModel, UtcDateTime
+from common.models import ApiKey, Tenant, Worker
+
+TenantName = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
+Weight = Annotated[float, Field(gt=0, le=1000)]
+Count = Annotated[int, Field(ge=1, le=1_000_000)]
+Bytes = Annotated[int, Field(ge=1, le=1 << 40)]
+
+
+class TenantCreate(RequestModel):
+    name: TenantName
+    weight: Weight = 1.0
+    # None: the deployment's default (settings.default_*).
+    max_concurrent_trials: Count | None = None
+    max_trials_per_task: Count | None = None
+    max_file_bytes: Bytes | None = None
+
+
+class TenantUpdate(RequestModel):
+    name: TenantName | None = None
+    weight: Weight | None = None
+    max_concurrent_trials: Count | None = None
+    max_trials_per_task: Count | None = None
+    max_file_bytes: Bytes | None = None
+
+
+class TenantOut(BaseModel):
+    id: str
+    object: Literal["tenant"] = "tenant"
+    name: str
+    weight: float
+    max_concurrent_trials: int
+    max_trials_per_task: int
+    max_file_bytes: int
+    created_at: UtcDateTime
+
+    @classmethod
+    def of(cls, t: Tenant) -> TenantOut:
+        return cls(
+            id=t.id, name=t.name, weight=t.weight, max_concurrent_trials=t.max_concurrent_trials,
+            max_trials_per_task=t.max_trials_per_task, max_file_bytes=t.max_file_bytes, created_at=t.created_at,
+        )
+
+
+class ApiKeyCreate(RequestModel):
+    name: Annotated[str, StringConstraints(strip_whitespace=True, max_length=200)] = ""
+
+
+class ApiKeyOut(BaseModel):
+    id: str
+    object: Literal["api_key"] = "api_key"
+    tenant_id: str
+    prefix: str
+    name: str
+    created_at: UtcDateTime
+    revoked_at: UtcDateTime | None = None
+
+    @classmethod
+    def of(cls, k: ApiKey) -> ApiKeyOut:
+        return cls(
+            id=k.id, tenant_id=k.tenant_id, prefix=k.prefix, name=k.name, created_at=k.created_at,
+            revoked_at=k.revoked_at,
+        )
+
+
+class ApiKeyCreated(ApiKeyOut):
+    key: str = Field(description="The secret. Shown only in this response; only its sha256 is stored.")
+
+
+class WorkerOut(BaseModel):
+    id: str
+    object: Literal["worker"] = "worker"
+    queue: str
+    device: str
+    memory_bytes: int | None
+    max_slots: int
+    state: str
+    current_pack_id: str | None
+    last_heartbeat: UtcDateTime
+    registered_at: UtcDateTime
+
+    @classmethod
+    def of(cls, w: Worker) -> WorkerOut:
+        return cls(
+            id=w.id, queue=w.queue, device=w.device, memory_bytes=w.memory_bytes, max_slots=w.max_slots,
+            state=w.state, current_pack_id=w.current_pack_id, last_heartbeat=w.last_heartbeat,
+            registered_at=w.registered_at,
+        )

@@ -1,0 +1,218 @@
+"""Tasks: the tuning request (with its search space) and the task object.
+
+Every search-space value is checked here, so an error names its exact place
+(`search_space.learning_rate[1]`, `search_space.lora_rank.max`). A dimension is a list of values or a
+range; the wrap validators below dispatch on the input's shape themselves instead of letting pydantic
+try both union members, which would report two confusing errors for one mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    Field,
+    StrictFloat,
+    StrictInt,
+    TypeAdapter,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from api.schemas.common import RequestModel, UtcDateTime
+
+MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ModuleName = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EARLY_EXIT_AVAILABLE = frozenset({"none"})
+
+LearningRate = Annotated[StrictFloat, Field(gt=0, le=1)]
+Rank = Annotated[StrictInt, Field(ge=1, le=256)]
+Alpha = Annotated[StrictFloat, Field(gt=0, le=100_000)]
+BatchSize = Annotated[StrictInt, Field(ge=1, le=1024)]
+Dropout = Annotated[StrictFloat, Field(ge=0, lt=1)]
+
+
+class RangeSpec(RequestModel):
+    min: float
+    max: float
+    num: Annotated[StrictInt, Field(ge=1, le=1000)] | None = Field(
+        default=None, description="Number of points for a grid (evenly spaced in `scale`); random draws from them."
+    )
+    scale: Literal["linear", "log"] = "linear"
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RangeSpec:
+        if self.min > self.max:
+            raise PydanticCustomError("range_order", "'min' must not be greater than 'max'.")
+        if self.scale == "log" and self.min <= 0:
+            raise PydanticCustomError("range_log", "A log-scale range needs 'min' > 0.")
+        return self
+
+
+class LearningRateRange(RangeSpec):
+    min: LearningRate
+    max: LearningRate
+
+
+class RankRange(RangeSpec):
+    min: Rank
+    max: Rank
+
+
+class AlphaRange(RangeSpec):
+    min: Alpha
+    max: Alpha
+
+
+class BatchSizeRange(RangeSpec):
+    min: BatchSize
+    max: BatchSize
+
+
+class DropoutRange(RangeSpec):
+    min: Dropout
+    max: Dropout
+
+
+def _empty() -> PydanticCustomError:
+    return PydanticCustomError("empty_list", "List at least one value.")
+
+
+def _dimension(item: Any, range_model: type[RangeSpec]) -> WrapValidator:
+    values: TypeAdapter[list[Any]] = TypeAdapter(list[item])
+
+    def validate(v: Any, _handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise _empty()
+            return values.validate_python(v)  # a ValidationError here keeps its [index] location
+        if isinstance(v, dict):
+            return range_model.model_validate(v)
+        raise PydanticCustomError("dimension_type", "Give a list of values or a range {min, max, num, scale}.")
+
+    return WrapValidator(validate)
+
+
+def _module_choice(v: Any, _handler: ValidatorFunctionWrapHandler) -> Any:
+    if v == "all-linear":
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise _empty()
+        names = _module_names.validate_python(v)
+        return [m for m in MODULE_NAMES if m in names]  # canonical order, duplicates dropped
+    raise PydanticCustomError("modules_type", "A choice is a list of module names or the string 'all-linear'.")
+
+
+def _modules_dimension(v: Any, _handler: ValidatorFunctionWrapHandler) -> Any:
+    if v == "all-linear":
+        return ["all-linear"]
+    if isinstance(v, list):
+        if not v:
+            raise _empty()
+        return _module_choices.validate_python(v)
+    raise PydanticCustomError("modules_type", "Give a list of choices (lists of module names) or 'all-linear'.")
+
+
+ModuleChoice = Annotated[list[ModuleName] | Literal["all-linear"], WrapValidator(_module_choice)]
+_module_names: TypeAdapter[list[Any]] = TypeAdapter(list[ModuleName])
+_module_choices: TypeAdapter[list[Any]] = TypeAdapter(list[ModuleChoice])
+
+
+class SearchSpace(RequestModel):
+    """Each dimension: a list of values or a range. Left out: the default (see the field)."""
+
+    learning_rate: Annotated[
+        list[LearningRate] | LearningRateRange, _dimension(LearningRate, LearningRateRange)
+    ] | None = Field(default=None, description="Default [2e-4].")
+    lora_rank: Annotated[list[Rank] | RankRange, _dimension(Rank, RankRange)] | None = Field(
+        default=None, description="Default [8]."
+    )
+    lora_alpha: Annotated[list[Alpha] | AlphaRange, _dimension(Alpha, AlphaRange)] | None = Field(
+        default=None, description="Default: 2 x each trial's rank."
+    )
+    batch_size: Annotated[list[BatchSize] | BatchSizeRange, _dimension(BatchSize, BatchSizeRange)] | None = Field(
+        default=None, description="Default [4]."
+    )
+    lora_dropout: Annotated[list[Dropout] | DropoutRange, _dimension(Dropout, DropoutRange)] | None = Field(
+        default=None, description="Default [0.0]."
+    )
+    target_modules: Annotated[
+        list[ModuleChoice] | Literal["all-linear"], WrapValidator(_modules_dimension)
+    ] | None = Field(default=None, description='Default [["q_proj", "v_proj"]].')
+
+
+class EarlyExit(RequestModel):
+    policy: Literal["none", "alto", "asha"] = "none"
+
+
+class Scheduling(RequestModel):
+    max_trials_per_pack: Annotated[StrictInt, Field(ge=1, le=64)] = 8
+
+
+class TaskCreate(RequestModel):
+    base_model: str = Field(min_length=1, max_length=100)
+    training_file: str = Field(min_length=1, max_length=200)
+    validation_file: str | None = Field(default=None, min_length=1, max_length=200)
+    validation_split: Annotated[StrictFloat, Field(gt=0, le=0.5)] | None = Field(
+        default=None, description="Fraction of the training file held out; 0.1 when no validation_file is given."
+    )
+    search_space: SearchSpace
+    strategy: Literal["grid", "random"] = "grid"
+    max_trials: Annotated[StrictInt, Field(ge=1, le=10_000)] | None = None
+    epochs: Annotated[StrictInt, Field(ge=1, le=100)] | None = Field(default=None, description="Default 1.")
+    max_steps: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
+    max_seq_len: Annotated[StrictInt, Field(ge=16, le=8192)] = 512
+    eval_interval: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = Field(
+        default=None, description="Steps between validations; default a tenth of the longest trial."
+    )
+    early_exit: EarlyExit = Field(default_factory=EarlyExit)
+    seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+
+
+class TrialCounts(BaseModel):
+    pending: int = 0
+    running: int = 0
+    completed: int = 0
+    stopped_early: int = 0
+    failed: int = 0
+    cancelled: int = 0
+
+
+class BestTrial(BaseModel):
+    id: str
+    hyperparameters: dict[str, Any]
+    best_val_loss: float | None
+    best_step: int | None
+
+
+class TaskOut(BaseModel):
+    id: str
+    object: Literal["task"] = "task"
+    state: str
+    base_model: str
+    training_file: str
+    validation_file: str | None
+    validation_split: float | None
+    strategy: str
+    search_space: dict[str, Any]
+    max_trials: int | None
+    epochs: int | None
+    max_steps: int | None
+    max_seq_len: int
+    eval_interval: int
+    early_exit: dict[str, Any]
+    seed: int
+    scheduling: dict[str, Any]
+    trial_counts: TrialCounts
+    progress: float = Field(ge=0, le=1)
+    best_trial: BestTrial | None
+    estimated_seconds_left: float | None
+    error: str | None
+    created_at: UtcDateTime
+    started_at: UtcDateTime | None
+    finished_at: UtcDateTime | None

@@ -1,0 +1,52 @@
+"""Trials of a task and their loss curves."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from api.schemas.common import UtcDateTime
+from common.models import Trial
+
+
+class TrialOut(BaseModel):
+    id: str
+    object: Literal["trial"] = "trial"
+    task_id: str
+    index: int
+    state: str
+    hyperparameters: dict[str, Any]
+    total_steps: int
+    steps_done: int
+    best_val_loss: float | None
+    best_step: int | None
+    last_train_loss: float | None
+    stop_reason: str | None
+    error: str | None
+    attempts: int
+    created_at: UtcDateTime
+    started_at: UtcDateTime | None
+    finished_at: UtcDateTime | None
+
+    @classmethod
+    def of(cls, t: Trial) -> TrialOut:
+        return cls(
+            id=t.id, task_id=t.task_id, index=t.index, state=t.state, hyperparameters=t.hyperparameters,
+            total_steps=t.total_steps, steps_done=t.steps_done, best_val_loss=t.best_val_loss,
+            best_step=t.best_step, last_train_loss=t.last_train_loss, stop_reason=t.stop_reason,
+            error=t.error, attempts=t.attempts, created_at=t.created_at, started_at=t.started_at,
+            finished_at=t.finished_at,
+        )
+
+
+class LossPoint(BaseModel):
+    step: int
+    loss: float
+
+
+class TrialMetrics(BaseModel):
+    trial_id: str
+    object: Literal["trial.metrics"] = "trial.metrics"
+    train: list[LossPoint]
+    val: list[LossPoint]

@@ -1,0 +1,1 @@
+"""What the routes call: validation beyond one field, writes, and the one commit per request."""

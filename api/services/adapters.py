@@ -1,0 +1,42 @@
+"""Adapter downloads: the trained PEFT adapter of a trial, as the worker stored it (`.tar.gz`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fastapi.responses import StreamingResponse
+
+from api.errors import ApiError, conflict
+from common.artifacts import get_artifact_store
+from common.models import Trial
+
+CHUNK_BYTES = 1 << 20
+
+
+def _not_ready(message: str) -> ApiError:
+    return conflict("adapter_not_ready", message)
+
+
+def adapter_download(trial: Trial) -> StreamingResponse:
+    """Streams the stored archive; 409 adapter_not_ready while there is none."""
+    store = get_artifact_store()
+    key = trial.adapter_key
+    if not key or not store.exists(key):
+        raise _not_ready(f"Trial '{trial.id}' has no adapter yet (state: {trial.state}).")
+    handle = store.open(key)  # opened now, so a missing object is a 409 above, not a broken stream
+
+    def chunks() -> Iterator[bytes]:
+        with handle:
+            while chunk := handle.read(CHUNK_BYTES):
+                yield chunk
+
+    filename = f"{trial.task_id}-{trial.id}-adapter.tar.gz"
+    return StreamingResponse(
+        chunks(),
+        media_type="application/gzip",
+        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    )
+
+
+def no_best_trial(task_id: str) -> ApiError:
+    return _not_ready(f"Task '{task_id}' has no best trial yet, so no adapter to download.")

@@ -1,0 +1,233 @@
+"""Creating and cancelling tasks.
+
+`create_task` checks everything before it writes anything: the request's cross-field rules, the model,
+the files, the expanded trials and the tenant's quotas. Then it inserts the task, its trials and the
+`task.created` event, commits once, and only then wakes the scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api import search_space as ss
+from api.db import commit
+from api.errors import RATE_LIMIT, ApiError, conflict, invalid
+from api.queries import find_file, get_task
+from api.schemas.tasks import EARLY_EXIT_AVAILABLE, RangeSpec, TaskCreate
+from common.bus import wake_scheduler
+from common.datasets import validation_rows
+from common.events import record_event
+from common.models import BaseModelEntry, File, Task, Tenant, Trial, new_id, utcnow
+from common.states import TASK_CANCELLED, TASK_FINAL, TASK_QUEUED, TRIAL_ACTIVE, TRIAL_CANCELLED, TRIAL_PENDING
+
+DEFAULT_VALIDATION_SPLIT = 0.1
+DEFAULT_EPOCHS = 1
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The request's resolved training length and validation source."""
+
+    epochs: int | None
+    max_steps: int | None
+    validation_split: float | None
+
+
+def _check_request(body: TaskCreate) -> Budget:
+    """Rules that involve more than one field (each error still names one field)."""
+    if body.validation_file is not None and body.validation_split is not None:
+        raise invalid("Give validation_file or validation_split, not both.", param="validation_split",
+                      code="conflicting_fields")
+    if body.epochs is not None and body.max_steps is not None:
+        raise invalid("Give epochs or max_steps, not both.", param="max_steps", code="conflicting_fields")
+    if body.strategy == "random" and body.max_trials is None:
+        raise invalid("A random search needs max_trials.", param="max_trials", code="missing_field")
+    if body.early_exit.policy not in EARLY_EXIT_AVAILABLE:
+        raise invalid(f"The early-exit policy '{body.early_exit.policy}' is not available yet; use 'none'.",
+                      param="early_exit.policy", code="unsupported")
+    split = None if body.validation_file is not None else body.validation_split or DEFAULT_VALIDATION_SPLIT
+    epochs = None if body.max_steps is not None else body.epochs or DEFAULT_EPOCHS
+    return Budget(epochs=epochs, max_steps=body.max_steps, validation_split=split)
+
+
+def _space(body: TaskCreate) -> dict[str, ss.Dimension]:
+    space: dict[str, ss.Dimension] = {}
+    for name in ss.DIMENSIONS:
+        dim = getattr(body.search_space, name)
+        if isinstance(dim, RangeSpec):
+            space[name] = ss.Range(min=dim.min, max=dim.max, num=dim.num, scale=dim.scale)
+        elif dim is not None:
+            space[name] = list(dim)
+    return space
+
+
+def normalised_space(space: dict[str, ss.Dimension]) -> dict[str, Any]:
+    """The space as stored in the spec: defaults filled in; lora_alpha null means 2 x rank."""
+    out: dict[str, Any] = {}
+    for name in ss.DIMENSIONS:
+        dim = space.get(name, ss.DEFAULTS.get(name))
+        out[name] = (
+            {"min": dim.min, "max": dim.max, "num": dim.num, "scale": dim.scale} if isinstance(dim, ss.Range) else dim
+        )
+    return out
+
+
+def _configs(body: TaskCreate, space: dict[str, ss.Dimension], tenant: Tenant) -> list[dict[str, Any]]:
+    """The trials' configurations, refused before they are built when they would exceed a limit."""
+    quota = tenant.max_trials_per_task
+    try:
+        if body.strategy == "grid":
+            size = ss.grid_size(space)
+            if body.max_trials is not None and size > body.max_trials:
+                raise invalid(f"The grid has {size} trials, more than max_trials={body.max_trials}.",
+                              param="max_trials")
+            if size > quota:
+                raise invalid(f"The grid has {size} trials; this tenant allows at most {quota} per task.",
+                              param="search_space", code="quota_exceeded")
+            return ss.expand_grid(space)
+        assert body.max_trials is not None
+        if body.max_trials > quota:
+            raise invalid(f"max_trials={body.max_trials}; this tenant allows at most {quota} trials per task.",
+                          param="max_trials", code="quota_exceeded")
+        return ss.sample_random(space, body.max_trials, body.seed)
+    except ss.SearchSpaceError as exc:
+        raise invalid(exc.message, param=f"search_space.{exc.param}") from exc
+
+
+def _owned_file(session: Session, tenant: Tenant, file_id: str, field: str) -> File:
+    # FOR SHARE: a concurrent DELETE of this file waits for us, then sees the task that uses it.
+    file = find_file(session, tenant_id=tenant.id, file_id=file_id, lock="share")
+    if file is None:
+        raise invalid(f"No file with id '{file_id}'.", param=field, code="invalid_file")
+    return file
+
+
+def _train_rows(train: File, split: float | None) -> int:
+    if split is None:
+        return train.rows
+    held_out = validation_rows(train.rows, split)
+    if held_out == 0:
+        raise invalid(f"The training file has {train.rows} row(s), too few to split off a validation set; "
+                      "upload more rows or a validation_file.", param="training_file", code="invalid_file")
+    return train.rows - held_out
+
+
+def _check_concurrency(session: Session, tenant: Tenant, new: int) -> None:
+    active = session.scalar(
+        select(func.count()).select_from(Trial).where(Trial.tenant_id == tenant.id, Trial.state.in_(TRIAL_ACTIVE))
+    ) or 0
+    limit = tenant.max_concurrent_trials
+    if active + new > limit:
+        raise ApiError(
+            429, RATE_LIMIT, "quota_exceeded",
+            f"This task adds {new} trials to the {active} pending or running; this tenant allows {limit} at once.",
+        )
+
+
+def _by_idempotency_key(session: Session, tenant: Tenant, key: str | None) -> Task | None:
+    if key is None:
+        return None
+    return session.scalar(select(Task).where(Task.tenant_id == tenant.id, Task.idempotency_key == key))
+
+
+def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], steps: list[int]) -> dict[str, Any]:
+    """The normalised request, stored with the task: every default filled in, eval_interval resolved."""
+    return {
+        "base_model": body.base_model,
+        "training_file": body.training_file,
+        "validation_file": body.validation_file,
+        "validation_split": budget.validation_split,
+        "strategy": body.strategy,
+        "search_space": normalised_space(space),
+        "max_trials": body.max_trials,
+        "epochs": budget.epochs,
+        "max_steps": budget.max_steps,
+        "max_seq_len": body.max_seq_len,
+        "eval_interval": body.eval_interval or max(1, max(steps) // 10),
+        "early_exit": body.early_exit.model_dump(),
+        "seed": body.seed,
+        "scheduling": body.scheduling.model_dump(),
+    }
+
+
+def _insert(session: Session, task: Task, configs: list[dict[str, Any]], steps: list[int], seed: int) -> None:
+    session.add(task)
+    session.flush()  # the task row before its trials and events (foreign keys)
+    for index, (config, total) in enumerate(zip(configs, steps, strict=True)):
+        session.add(Trial(
+            id=new_id("trial"), task_id=task.id, tenant_id=task.tenant_id, index=index, state=TRIAL_PENDING,
+            hyperparameters={**config, "seed": seed + index}, total_steps=total,
+        ))
+    record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.created",
+                 message=f"Task created with {len(configs)} trial(s).", data={"trials": len(configs)})
+
+
+def create_task(
+    session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None = None
+) -> tuple[Task, bool]:
+    """Returns (task, created); a repeated Idempotency-Key returns the first task and False."""
+    if existing := _by_idempotency_key(session, tenant, idempotency_key):
+        return existing, False
+    budget = _check_request(body)
+    if session.get(BaseModelEntry, body.base_model) is None:
+        raise invalid(f"No base model named '{body.base_model}'; see GET /v1/models.", param="base_model",
+                      code="unknown_model")
+    train = _owned_file(session, tenant, body.training_file, "training_file")
+    if body.validation_file is not None:
+        _owned_file(session, tenant, body.validation_file, "validation_file")
+    n_train = _train_rows(train, budget.validation_split)
+    space = _space(body)
+    configs = _configs(body, space, tenant)
+    steps = [budget.max_steps or (budget.epochs or DEFAULT_EPOCHS) * math.ceil(n_train / c["batch_size"])
+             for c in configs]
+
+    # Locking the tenant row serialises the rest between concurrent submissions of one tenant, so two
+    # racing requests can neither both fit in the quota nor both claim one Idempotency-Key.
+    session.execute(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
+    if existing := _by_idempotency_key(session, tenant, idempotency_key):
+        return existing, False
+    _check_concurrency(session, tenant, len(configs))
+
+    task = Task(
+        id=new_id("task"), tenant_id=tenant.id, base_model=body.base_model, training_file_id=body.training_file,
+        validation_file_id=body.validation_file, state=TASK_QUEUED, spec=_spec(body, budget, space, steps),
+        idempotency_key=idempotency_key, created_at=utcnow(),
+    )
+    try:
+        _insert(session, task, configs, steps, body.seed)
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if existing := _by_idempotency_key(session, tenant, idempotency_key):  # raced where locks do nothing
+            return existing, False
+        raise
+    wake_scheduler("task.created", task_id=task.id)
+    return task, True
+
+
+def cancel_task(session: Session, *, tenant: Tenant, task_id: str) -> Task:
+    task = get_task(session, tenant_id=tenant.id, task_id=task_id, lock=True)
+    if task.state in TASK_FINAL:
+        raise conflict("task_finished", f"Task '{task.id}' has already finished ({task.state}).")
+    now = utcnow()
+    task.state = TASK_CANCELLED
+    task.finished_at = now
+    trials = session.scalars(select(Trial).where(Trial.task_id == task.id, Trial.state.in_(TRIAL_ACTIVE)))
+    cancelled = 0
+    for trial in trials:
+        trial.state = TRIAL_CANCELLED
+        trial.stop_reason = "task cancelled"
+        trial.finished_at = now
+        cancelled += 1
+    record_event(session, tenant_id=tenant.id, task_id=task.id, type="task.cancelled",
+                 message=f"Task cancelled; {cancelled} unfinished trial(s) cancelled.", data={"trials": cancelled})
+    commit(session)
+    wake_scheduler("task.cancelled", task_id=task.id)
+    return task
+

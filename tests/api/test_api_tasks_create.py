@@ -1,0 +1,216 @@
+"""Submitting tasks: trials, steps, defaults, quotas, idempotency, and nothing half-written."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from fastapi.testclient import TestClient
+
+from common.bus import SCHEDULER_STREAM, get_bus
+from common.models import Event, Task, Trial
+from tests.factories import ADMIN, TenantKey, chat_rows, count_rows, make_task, make_tenant, task_body, upload
+
+
+def _trials(client: TestClient, tenant: TenantKey, task_id: str) -> list[dict]:
+    return client.get(f"/v1/tasks/{task_id}/trials", headers=tenant.headers).json()["data"]
+
+
+def test_grid_2x2_makes_4_trials_with_their_hyperparameters_and_steps(client: TestClient, tenant: TenantKey) -> None:
+    file = upload(client, tenant, chat_rows(10))
+    task = make_task(client, tenant, file["id"], seed=7)
+    assert task["object"] == "task" and task["id"].startswith("task-") and task["state"] == "queued"
+    assert task["trial_counts"] == {"pending": 4, "running": 0, "completed": 0, "stopped_early": 0, "failed": 0,
+                                    "cancelled": 0}
+    assert (task["progress"], task["best_trial"], task["estimated_seconds_left"]) == (0.0, None, None)
+    assert (task["validation_split"], task["epochs"], task["max_steps"], task["max_seq_len"]) == (0.1, 2, None, 512)
+    assert task["search_space"] == {
+        "learning_rate": [1e-4, 3e-4], "lora_rank": [8, 16], "lora_alpha": None, "batch_size": [4],
+        "lora_dropout": [0.0], "target_modules": [["q_proj", "v_proj"]],
+    }
+    trials = _trials(client, tenant, task["id"])
+    # 10 rows - 1 held out = 9 train rows; ceil(9 / 4) = 3 steps per epoch; 2 epochs.
+    assert [t["total_steps"] for t in trials] == [6, 6, 6, 6]
+    assert [(t["index"], t["state"]) for t in trials] == [(i, "pending") for i in range(4)]
+    assert [t["hyperparameters"] for t in trials] == [
+        {"learning_rate": lr, "lora_rank": r, "lora_alpha": 2.0 * r, "batch_size": 4, "lora_dropout": 0.0,
+         "target_modules": ["q_proj", "v_proj"], "seed": 7 + i}
+        for i, (lr, r) in enumerate([(1e-4, 8), (1e-4, 16), (3e-4, 8), (3e-4, 16)])
+    ]
+    assert task["eval_interval"] == 1  # max(1, 6 // 10)
+
+
+def test_total_steps_follow_each_trials_batch_size(client: TestClient, tenant: TenantKey) -> None:
+    file = upload(client, tenant, chat_rows(41))
+    task = make_task(client, tenant, file["id"], search_space={"batch_size": [1, 4, 16]}, epochs=3,
+                     validation_split=0.25)
+    n_train = 41 - 10  # validation_rows(41, 0.25) = round(10.25) = 10
+    trials = _trials(client, tenant, task["id"])
+    assert [t["total_steps"] for t in trials] == [3 * math.ceil(n_train / b) for b in (1, 4, 16)]
+    assert task["eval_interval"] == 93 // 10
+
+
+def test_max_steps_and_validation_file(client: TestClient, tenant: TenantKey) -> None:
+    train, val = upload(client, tenant, chat_rows(10)), upload(client, tenant, chat_rows(3))
+    task = make_task(client, tenant, train["id"], validation_file=val["id"], max_steps=50, epochs=None,
+                     eval_interval=7, search_space={})
+    assert (task["validation_file"], task["validation_split"], task["epochs"], task["max_steps"]) == (
+        val["id"], None, None, 50)
+    assert task["eval_interval"] == 7
+    [trial] = _trials(client, tenant, task["id"])
+    assert trial["total_steps"] == 50
+    assert trial["hyperparameters"] == {
+        "learning_rate": 2e-4, "lora_rank": 8, "lora_alpha": 16.0, "batch_size": 4, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "seed": 0,
+    }
+
+
+def test_ranges_with_num_and_log_scale(client: TestClient) -> None:
+    tenant = make_tenant(client, max_trials_per_task=100)
+    task = make_task(client, tenant, search_space={
+        "learning_rate": {"min": 1e-5, "max": 1e-3, "num": 3, "scale": "log"},
+        "lora_rank": {"min": 4, "max": 64, "num": 5, "scale": "log"},
+        "lora_dropout": {"min": 0.0, "max": 0.1, "num": 2},
+        "target_modules": [["v_proj", "q_proj", "q_proj"], "all-linear"],
+    })
+    hps = [t["hyperparameters"] for t in _trials(client, tenant, task["id"])]
+    assert len(hps) == 3 * 5 * 2 * 2
+    assert sorted({h["learning_rate"] for h in hps}) == [1e-5, 1e-4, 1e-3]
+    assert sorted({h["lora_rank"] for h in hps}) == [4, 8, 16, 32, 64]
+    assert sorted({h["lora_dropout"] for h in hps}) == [0.0, 0.1]
+    assert {tuple(h["target_modules"]) if isinstance(h["target_modules"], list) else h["target_modules"]
+            for h in hps} == {("q_proj", "v_proj"), "all-linear"}
+    assert all(h["lora_alpha"] == 2 * h["lora_rank"] for h in hps)
+    assert task["search_space"]["lora_rank"] == {"min": 4, "max": 64, "num": 5, "scale": "log"}
+
+
+def test_explicit_alpha_is_a_dimension(client: TestClient, tenant: TenantKey) -> None:
+    task = make_task(client, tenant, search_space={"lora_rank": [8], "lora_alpha": [8, 32]})
+    assert [t["hyperparameters"]["lora_alpha"] for t in _trials(client, tenant, task["id"])] == [8, 32]
+
+
+def test_random_search_is_reproducible_from_the_seed(client: TestClient, tenant: TenantKey) -> None:
+    file = upload(client, tenant)
+    space = {
+        "learning_rate": {"min": 1e-5, "max": 1e-3, "scale": "log"},
+        "lora_rank": {"min": 4, "max": 64},
+        "batch_size": [2, 4, 8],
+        "lora_dropout": {"min": 0.0, "max": 0.2},
+    }
+
+    def run(seed: int) -> list[dict]:
+        task = make_task(client, tenant, file["id"], strategy="random", max_trials=6, seed=seed, search_space=space)
+        assert task["strategy"] == "random" and task["max_trials"] == 6
+        return [{k: v for k, v in t["hyperparameters"].items() if k != "seed"}
+                for t in _trials(client, tenant, task["id"])]
+
+    first, again, other = run(3), run(3), run(4)
+    assert first == again and first != other
+    assert len(first) == 6
+    for hp in first:
+        assert 1e-5 <= hp["learning_rate"] <= 1e-3
+        assert isinstance(hp["lora_rank"], int) and 4 <= hp["lora_rank"] <= 64
+        assert hp["batch_size"] in (2, 4, 8)
+        assert 0.0 <= hp["lora_dropout"] <= 0.2
+        assert hp["lora_alpha"] == 2 * hp["lora_rank"]
+
+
+def test_random_search_drops_duplicates(client: TestClient, tenant: TenantKey) -> None:
+    task = make_task(client, tenant, strategy="random", max_trials=10, search_space={"lora_rank": [8, 16]})
+    assert sorted(t["hyperparameters"]["lora_rank"] for t in _trials(client, tenant, task["id"])) == [8, 16]
+
+
+def test_created_task_records_an_event_and_wakes_the_scheduler(client: TestClient, tenant: TenantKey) -> None:
+    bus = get_bus()
+    tail = bus.tail_id(SCHEDULER_STREAM)
+    task = make_task(client, tenant)
+    messages = [m for _id, m in bus.read_after(SCHEDULER_STREAM, tail, 100, 0.5)]
+    assert {"type": "wake", "reason": "task.created", "task_id": task["id"]} in messages
+    [event] = client.get(f"/v1/tasks/{task['id']}/events", headers=tenant.headers).json()["data"]
+    assert (event["type"], event["data"]) == ("task.created", {"trials": 4})
+
+
+def test_trials_per_task_quota_is_422(client: TestClient) -> None:
+    small = make_tenant(client, max_trials_per_task=3)
+    file = upload(client, small)
+    r = client.post("/v1/tasks", headers=small.headers, json=task_body(file["id"]))
+    assert r.status_code == 422
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("quota_exceeded", "search_space")
+    r = client.post("/v1/tasks", headers=small.headers,
+                    json=task_body(file["id"], strategy="random", max_trials=4))
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (422, "quota_exceeded",
+                                                                                       "max_trials")
+    assert count_rows(Task) == 0
+
+
+def test_concurrent_trials_quota_is_429_until_trials_finish(client: TestClient) -> None:
+    small = make_tenant(client, max_concurrent_trials=5)
+    file = upload(client, small)
+    first = make_task(client, small, file["id"])  # 4 trials
+    r = client.post("/v1/tasks", headers=small.headers,
+                    json=task_body(file["id"], search_space={"lora_rank": [4, 8]}))
+    assert r.status_code == 429
+    assert (r.json()["error"]["type"], r.json()["error"]["code"]) == ("rate_limit_error", "quota_exceeded")
+    assert count_rows(Task) == 1
+
+    client.post(f"/v1/tasks/{first['id']}/cancel", headers=small.headers)
+    r = client.post("/v1/tasks", headers=small.headers,
+                    json=task_body(file["id"], search_space={"lora_rank": [4, 8]}))
+    assert r.status_code == 201
+
+
+def test_idempotency_key_returns_the_first_task(client: TestClient, tenant: TenantKey, other_tenant: TenantKey) -> None:
+    file = upload(client, tenant)
+    headers = {**tenant.headers, "Idempotency-Key": "req-1"}
+    first = client.post("/v1/tasks", headers=headers, json=task_body(file["id"]))
+    again = client.post("/v1/tasks", headers=headers, json=task_body(file["id"]))
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["id"] == again.json()["id"]
+    assert count_rows(Task) == 1 and count_rows(Trial) == 4
+
+    other = client.post("/v1/tasks", headers={**tenant.headers, "Idempotency-Key": "req-2"},
+                        json=task_body(file["id"]))
+    assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
+
+    other_file = upload(client, other_tenant)
+    theirs = client.post("/v1/tasks", headers={**other_tenant.headers, "Idempotency-Key": "req-1"},
+                         json=task_body(other_file["id"]))
+    assert theirs.status_code == 201 and theirs.json()["id"] != first.json()["id"]
+
+
+def test_failed_validation_leaves_no_rows_and_no_wakeup(client: TestClient, tenant: TenantKey) -> None:
+    file = upload(client, tenant)
+    bus = get_bus()
+    tail = bus.tail_id(SCHEDULER_STREAM)
+    r = client.post("/v1/tasks", headers=tenant.headers,
+                    json=task_body(file["id"], search_space={"learning_rate": [1e-4, 5.0]}))
+    assert r.status_code == 422
+    r = client.post("/v1/tasks", headers=tenant.headers, json=task_body(file["id"], base_model="nope"))
+    assert r.status_code == 422
+    assert (count_rows(Task), count_rows(Trial), count_rows(Event)) == (0, 0, 0)
+    assert bus.read_after(SCHEDULER_STREAM, tail, 100, 0.05) == []
+
+
+def test_failure_while_writing_rolls_everything_back(
+    clean_db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from api.main import create_app
+
+    def broken_event(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("crash after the task and trials were added")
+
+    with TestClient(create_app(), raise_server_exceptions=False) as c:
+        tenant = make_tenant(c)
+        file = upload(c, tenant)
+        monkeypatch.setattr("api.services.tasks.record_event", broken_event)
+        r = c.post("/v1/tasks", headers=tenant.headers, json=task_body(file["id"]))
+    assert r.status_code == 500
+    assert (count_rows(Task), count_rows(Trial), count_rows(Event)) == (0, 0, 0)
+
+
+def test_admin_can_raise_a_quota_and_the_next_task_fits(client: TestClient) -> None:
+    small = make_tenant(client, max_trials_per_task=1)
+    file = upload(client, small)
+    assert client.post("/v1/tasks", headers=small.headers, json=task_body(file["id"])).status_code == 422
+    client.patch(f"/v1/admin/tenants/{small.id}", json={"max_trials_per_task": 4}, headers=ADMIN)
+    assert client.post("/v1/tasks", headers=small.headers, json=task_body(file["id"])).status_code == 201

@@ -1,0 +1,157 @@
+"""Every invalid task field is a 4xx naming the field, and nothing is written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from common.models import Task, Trial
+from tests.factories import TenantKey, count_rows, task_body, upload
+
+RANGE = {"min": 1e-5, "max": 1e-3, "num": 3}
+
+# (case id, changes to a valid body (None removes the key), status, param, code)
+CASES: list[tuple[str, dict[str, Any], int, str | None, str]] = [
+    ("unknown-field", {"colour": "red"}, 422, "colour", "unknown_field"),
+    ("no-base-model", {"base_model": None}, 422, "base_model", "missing_field"),
+    ("unknown-model", {"base_model": "gpt-9"}, 422, "base_model", "unknown_model"),
+    ("no-training-file", {"training_file": None}, 422, "training_file", "missing_field"),
+    ("missing-training-file", {"training_file": "file-0000"}, 422, "training_file", "invalid_file"),
+    ("missing-validation-file", {"validation_file": "file-0000"}, 422, "validation_file", "invalid_file"),
+    ("file-and-split", {"validation_file": "@file", "validation_split": 0.2}, 422, "validation_split",
+     "conflicting_fields"),
+    ("split-zero", {"validation_split": 0}, 422, "validation_split", "invalid_value"),
+    ("split-too-big", {"validation_split": 0.6}, 422, "validation_split", "invalid_value"),
+    ("epochs-zero", {"epochs": 0}, 422, "epochs", "invalid_value"),
+    ("epochs-too-many", {"epochs": 101}, 422, "epochs", "invalid_value"),
+    ("epochs-string", {"epochs": "2"}, 422, "epochs", "invalid_value"),
+    ("max-steps-zero", {"max_steps": 0, "epochs": None}, 422, "max_steps", "invalid_value"),
+    ("epochs-and-steps", {"max_steps": 10}, 422, "max_steps", "conflicting_fields"),
+    ("seq-len-small", {"max_seq_len": 8}, 422, "max_seq_len", "invalid_value"),
+    ("seq-len-big", {"max_seq_len": 9000}, 422, "max_seq_len", "invalid_value"),
+    ("eval-interval-zero", {"eval_interval": 0}, 422, "eval_interval", "invalid_value"),
+    ("seed-negative", {"seed": -1}, 422, "seed", "invalid_value"),
+    ("strategy", {"strategy": "bayes"}, 422, "strategy", "invalid_value"),
+    ("random-no-max", {"strategy": "random"}, 422, "max_trials", "missing_field"),
+    ("grid-over-max", {"max_trials": 3}, 422, "max_trials", "invalid_value"),
+    ("max-trials-zero", {"max_trials": 0}, 422, "max_trials", "invalid_value"),
+    ("policy-alto", {"early_exit": {"policy": "alto"}}, 422, "early_exit.policy", "unsupported"),
+    ("policy-asha", {"early_exit": {"policy": "asha"}}, 422, "early_exit.policy", "unsupported"),
+    ("policy-unknown", {"early_exit": {"policy": "median"}}, 422, "early_exit.policy", "invalid_value"),
+    ("early-exit-extra", {"early_exit": {"policy": "none", "w": 2}}, 422, "early_exit.w", "unknown_field"),
+    ("pack-zero", {"scheduling": {"max_trials_per_pack": 0}}, 422, "scheduling.max_trials_per_pack",
+     "invalid_value"),
+    ("pack-big", {"scheduling": {"max_trials_per_pack": 65}}, 422, "scheduling.max_trials_per_pack",
+     "invalid_value"),
+    ("no-space", {"search_space": None}, 422, "search_space", "missing_field"),
+    ("space-not-object", {"search_space": [1]}, 422, "search_space", "invalid_value"),
+    ("space-unknown-dim", {"search_space": {"rank": [8]}}, 422, "search_space.rank", "unknown_field"),
+    ("lr-too-big", {"search_space": {"learning_rate": [1e-4, 2]}}, 422, "search_space.learning_rate[1]",
+     "invalid_value"),
+    ("lr-zero", {"search_space": {"learning_rate": [0]}}, 422, "search_space.learning_rate[0]", "invalid_value"),
+    ("lr-string", {"search_space": {"learning_rate": ["1e-4"]}}, 422, "search_space.learning_rate[0]",
+     "invalid_value"),
+    ("lr-bool", {"search_space": {"learning_rate": [True]}}, 422, "search_space.learning_rate[0]", "invalid_value"),
+    ("lr-scalar", {"search_space": {"learning_rate": 1e-4}}, 422, "search_space.learning_rate", "invalid_value"),
+    ("lr-empty", {"search_space": {"learning_rate": []}}, 422, "search_space.learning_rate", "invalid_value"),
+    ("rank-zero", {"search_space": {"lora_rank": [8, 0]}}, 422, "search_space.lora_rank[1]", "invalid_value"),
+    ("rank-big", {"search_space": {"lora_rank": [512]}}, 422, "search_space.lora_rank[0]", "invalid_value"),
+    ("rank-fraction", {"search_space": {"lora_rank": [8.5]}}, 422, "search_space.lora_rank[0]", "invalid_value"),
+    ("alpha-zero", {"search_space": {"lora_alpha": [16, 0]}}, 422, "search_space.lora_alpha[1]", "invalid_value"),
+    ("batch-zero", {"search_space": {"batch_size": [0]}}, 422, "search_space.batch_size[0]", "invalid_value"),
+    ("batch-big", {"search_space": {"batch_size": [2048]}}, 422, "search_space.batch_size[0]", "invalid_value"),
+    ("dropout-one", {"search_space": {"lora_dropout": [0.1, 1.0]}}, 422, "search_space.lora_dropout[1]",
+     "invalid_value"),
+    ("dropout-negative", {"search_space": {"lora_dropout": [-0.1]}}, 422, "search_space.lora_dropout[0]",
+     "invalid_value"),
+    ("module-unknown", {"search_space": {"target_modules": [["q_proj", "lm_head"]]}}, 422,
+     "search_space.target_modules[0][1]", "invalid_value"),
+    ("module-empty-choice", {"search_space": {"target_modules": [[]]}}, 422, "search_space.target_modules[0]",
+     "invalid_value"),
+    ("module-bad-string", {"search_space": {"target_modules": "everything"}}, 422, "search_space.target_modules",
+     "invalid_value"),
+    ("module-bad-choice", {"search_space": {"target_modules": [["q_proj"], "q_proj"]}}, 422,
+     "search_space.target_modules[1]", "invalid_value"),
+    ("module-range", {"search_space": {"target_modules": {"min": 1, "max": 2}}}, 422, "search_space.target_modules",
+     "invalid_value"),
+    ("grid-range-no-num", {"search_space": {"learning_rate": {"min": 1e-5, "max": 1e-3}}}, 422,
+     "search_space.learning_rate.num", "invalid_value"),
+    ("range-reversed", {"search_space": {"learning_rate": {**RANGE, "min": 1e-2}}}, 422,
+     "search_space.learning_rate", "invalid_value"),
+    ("range-out-of-bounds", {"search_space": {"learning_rate": {**RANGE, "max": 2}}}, 422,
+     "search_space.learning_rate.max", "invalid_value"),
+    ("range-scale", {"search_space": {"learning_rate": {**RANGE, "scale": "cubic"}}}, 422,
+     "search_space.learning_rate.scale", "invalid_value"),
+    ("range-extra", {"search_space": {"learning_rate": {**RANGE, "step": 1}}}, 422,
+     "search_space.learning_rate.step", "unknown_field"),
+    ("range-num-zero", {"search_space": {"learning_rate": {**RANGE, "num": 0}}}, 422,
+     "search_space.learning_rate.num", "invalid_value"),
+    ("rank-range-fraction", {"search_space": {"lora_rank": {"min": 4.5, "max": 8, "num": 2}}}, 422,
+     "search_space.lora_rank.min", "invalid_value"),
+    ("log-range-from-zero", {"search_space": {"lora_dropout": {"min": 0.0, "max": 0.1, "num": 2, "scale": "log"}}},
+     422, "search_space.lora_dropout", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(("changes", "status", "param", "code"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_invalid_task_field_is_rejected_naming_the_field(
+    client: TestClient, tenant: TenantKey, changes: dict[str, Any], status: int, param: str | None, code: str
+) -> None:
+    file = upload(client, tenant)
+    body = task_body(file["id"])
+    for key, value in changes.items():
+        if value is None:
+            body.pop(key, None)
+        else:
+            body[key] = file["id"] if value == "@file" else value
+    r = client.post("/v1/tasks", headers=tenant.headers, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, code), error
+    assert error["type"] == "invalid_request_error"
+    assert (count_rows(Task), count_rows(Trial)) == (0, 0)
+
+
+def test_unsupported_policy_says_it_is_not_available_yet(client: TestClient, tenant: TenantKey) -> None:
+    file = upload(client, tenant)
+    r = client.post("/v1/tasks", headers=tenant.headers, json=task_body(file["id"], early_exit={"policy": "alto"}))
+    assert "not available yet" in r.json()["error"]["message"]
+
+
+def test_foreign_file_gets_the_same_answer_as_a_missing_one(
+    client: TestClient, tenant: TenantKey, other_tenant: TenantKey
+) -> None:
+    theirs = upload(client, other_tenant)
+    upload(client, tenant)
+    foreign = client.post("/v1/tasks", headers=tenant.headers, json=task_body(theirs["id"]))
+    missing = client.post("/v1/tasks", headers=tenant.headers, json=task_body("file-0123456789abcdef0123"))
+    assert foreign.status_code == missing.status_code == 422
+
+    def scrub(body: dict, file_id: str) -> dict:
+        return {**body["error"], "message": body["error"]["message"].replace(file_id, "<id>")}
+
+    assert scrub(foreign.json(), theirs["id"]) == scrub(missing.json(), "file-0123456789abcdef0123")
+
+
+def test_one_row_file_cannot_be_split(client: TestClient, tenant: TenantKey) -> None:
+    file = upload(client, tenant, b'{"prompt": "a", "completion": "b"}\n')
+    r = client.post("/v1/tasks", headers=tenant.headers, json=task_body(file["id"]))
+    assert (r.status_code, r.json()["error"]["param"]) == (422, "training_file")
+    assert "validation_file" in r.json()["error"]["message"]
+
+
+def test_validation_errors_list_every_problem(client: TestClient, tenant: TenantKey) -> None:
+    file = upload(client, tenant)
+    body = task_body(file["id"], epochs=0, search_space={"lora_rank": [0, 300]})
+    error = client.post("/v1/tasks", headers=tenant.headers, json=body).json()["error"]
+    assert {e["param"] for e in error["errors"]} == {
+        "search_space.lora_rank[0]", "search_space.lora_rank[1]", "epochs"}
+
+
+def test_idempotency_key_too_long_is_422(client: TestClient, tenant: TenantKey) -> None:
+    file = upload(client, tenant)
+    r = client.post("/v1/tasks", headers={**tenant.headers, "Idempotency-Key": "k" * 201},
+                    json=task_body(file["id"]))
+    assert (r.status_code, r.json()["error"]["param"]) == (422, "Idempotency-Key")

@@ -1,0 +1,74 @@
+"""Trials, their loss curves and their adapters."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from common.db import session_scope
+from common.models import MetricPoint, Trial
+from tests.factories import TenantKey, make_task, store_adapter, trial_ids, update_row
+
+
+def test_list_and_get_trials(client: TestClient, tenant: TenantKey) -> None:
+    task = make_task(client, tenant)
+    trials = client.get(f"/v1/tasks/{task['id']}/trials", headers=tenant.headers).json()
+    assert trials["object"] == "list" and [t["index"] for t in trials["data"]] == [0, 1, 2, 3]
+    first = trials["data"][0]
+    assert set(first) == {
+        "id", "object", "task_id", "index", "state", "hyperparameters", "total_steps", "steps_done", "best_val_loss",
+        "best_step", "last_train_loss", "stop_reason", "error", "attempts", "created_at", "started_at", "finished_at",
+    }
+    one = client.get(f"/v1/tasks/{task['id']}/trials/{first['id']}", headers=tenant.headers)
+    assert one.status_code == 200 and one.json() == first
+
+
+def test_trial_of_another_task_is_404(client: TestClient, tenant: TenantKey) -> None:
+    a, b = make_task(client, tenant), make_task(client, tenant)
+    trial_of_b = trial_ids(b["id"])[0]
+    r = client.get(f"/v1/tasks/{a['id']}/trials/{trial_of_b}", headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "trial_not_found")
+
+
+def test_trial_metrics_split_by_train_and_val_within_a_step_window(client: TestClient, tenant: TenantKey) -> None:
+    task = make_task(client, tenant)
+    trial_id = trial_ids(task["id"])[0]
+    with session_scope() as session:
+        for step in range(1, 7):
+            session.add(MetricPoint(trial_id=trial_id, step=step, split="train", loss=3.0 - step * 0.1))
+        for step in (2, 4, 6):
+            session.add(MetricPoint(trial_id=trial_id, step=step, split="val", loss=3.5 - step * 0.1))
+    url = f"/v1/tasks/{task['id']}/trials/{trial_id}/metrics"
+    full = client.get(url, headers=tenant.headers).json()
+    assert full["object"] == "trial.metrics" and full["trial_id"] == trial_id
+    assert [p["step"] for p in full["train"]] == [1, 2, 3, 4, 5, 6]
+    assert full["val"][0] == {"step": 2, "loss": 3.3}
+    window = client.get(f"{url}?step_from=2&step_to=4", headers=tenant.headers).json()
+    assert [p["step"] for p in window["train"]] == [2, 3, 4]
+    assert [p["step"] for p in window["val"]] == [2, 4]
+    empty = client.get(f"/v1/tasks/{task['id']}/trials/{trial_ids(task['id'])[1]}/metrics", headers=tenant.headers)
+    assert empty.json()["train"] == [] and empty.json()["val"] == []
+
+
+def test_adapter_is_409_until_it_exists_then_downloads(client: TestClient, tenant: TenantKey) -> None:
+    task = make_task(client, tenant)
+    trial_id = trial_ids(task["id"])[2]
+    task_url, trial_url = f"/v1/tasks/{task['id']}/adapter", f"/v1/tasks/{task['id']}/trials/{trial_id}/adapter"
+    for url in (task_url, trial_url):
+        r = client.get(url, headers=tenant.headers)
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready")
+
+    payload = store_adapter(task["id"], trial_id, b"\x1f\x8b" + bytes(range(256)) * 10)
+    for url in (task_url, trial_url):
+        r = client.get(url, headers=tenant.headers)
+        assert r.status_code == 200
+        assert r.content == payload
+        assert r.headers["content-type"] == "application/gzip"
+        assert r.headers["content-disposition"] == f'attachment; filename="{task["id"]}-{trial_id}-adapter.tar.gz"'
+
+
+def test_adapter_key_without_stored_archive_is_409(client: TestClient, tenant: TenantKey) -> None:
+    task = make_task(client, tenant)
+    trial_id = trial_ids(task["id"])[0]
+    update_row(Trial, trial_id, adapter_key="adapters/nowhere/none.tar.gz")
+    r = client.get(f"/v1/tasks/{task['id']}/trials/{trial_id}/adapter", headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready")
