@@ -53,6 +53,7 @@ class PackRunner:
         else:
             train, val = rows, []
         hp = t["hyperparameters"]
+        targets = hp["target_modules"]  # a list of module names, or the string "all-linear"
         return TrialSpec(
             trial_id=t["trial_id"],
             learning_rate=float(hp["learning_rate"]),
@@ -60,7 +61,7 @@ class PackRunner:
             lora_alpha=float(hp["lora_alpha"]),
             lora_dropout=float(hp["lora_dropout"]),
             batch_size=int(hp["batch_size"]),
-            target_modules=list(hp["target_modules"]),
+            target_modules=[targets] if isinstance(targets, str) else list(targets),
             seed=int(hp["seed"]),
             max_steps=int(t["total_steps"]),
             max_seq_len=int(t["max_seq_len"]),

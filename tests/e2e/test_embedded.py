@@ -1,0 +1,53 @@
+"""The embedded default end to end: `loraplane up` alone (SQLite, file-backed bus and Celery broker,
+local artifacts, a supervised CPU worker), with no DATABASE_URL, REDIS_URL or admin token given."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import MODEL_CACHE
+from tests.e2e.flow import (
+    arithmetic_rows,
+    assert_adapter_changes_output,
+    create_tenant_key,
+    download_adapter,
+    follow_events,
+    grid_task,
+    submit,
+    upload,
+    wait_for,
+)
+from tests.e2e.procs import cluster, free_port, wait_ready
+
+EMBEDDED_UNSET = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ADMIN_TOKEN",
+                  "LORAPLANE_ARTIFACT_DIR", "LORAPLANE_NAMESPACE")
+
+
+def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in EMBEDDED_UNSET}
+    home = tmp_path / "home"
+    env.update({"LORAPLANE_HOME": str(home), "LORAPLANE_SCHEDULER_TICK_S": "0.5", "LORAPLANE_HEARTBEAT_S": "1"})
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    with cluster(env, tmp_path) as c:
+        up = c.start("up", "up", "--port", str(port), "--worker-id", "embedded")
+        wait_ready(base_url, [up])
+        token = wait_for(lambda: re.search(r"admin token is:\s+(\S+)", up.log_path.read_text()), 30,
+                         "the generated admin token").group(1)
+        headers = create_tenant_key(base_url, token, "team-embedded")
+        file_id = upload(base_url, headers, arithmetic_rows())
+        task = submit(base_url, headers, grid_task(file_id))
+        events = follow_events(base_url, headers, task["id"], timeout_s=300)
+        assert events[-1]["data"]["state"] == "succeeded", [e["event"] for e in events]
+        assert [e["event"] for e in events].count("trial.completed") == 4
+        trials = httpx.get(f"{base_url}/v1/tasks/{task['id']}/trials", headers=headers).json()["data"]
+        adapter = download_adapter(base_url, headers, f"/v1/tasks/{task['id']}/trials/{trials[0]['id']}/adapter",
+                                   tmp_path / "adapter")
+        assert_adapter_changes_output(adapter, "tiny-random-llama", MODEL_CACHE)
+    # Everything lived in files under LORAPLANE_HOME: no server was used.
+    assert (home / "loraplane.db").is_file() and (home / "bus.db").is_file()
+    assert list((home / "artifacts" / "adapters").glob("*/*.tar.gz"))
