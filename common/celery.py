@@ -27,6 +27,8 @@ def make_celery(settings: Settings) -> Celery:
             "data_folder_in": str(folder),
             "data_folder_out": str(folder),
             "processed_folder": str(folder / "processed"),
+            # kombu's default is ./control, relative to whatever directory the process started in.
+            "control_folder": str(folder / "control"),
             "store_processed": False,
         }
     app.conf.update(

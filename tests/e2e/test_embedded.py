@@ -21,7 +21,7 @@ from tests.e2e.flow import (
     upload,
     wait_for,
 )
-from tests.e2e.procs import cluster, free_port, wait_ready
+from tests.e2e.procs import ROOT, cluster, free_port, wait_ready
 
 EMBEDDED_UNSET = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ADMIN_TOKEN",
                   "LORAPLANE_ARTIFACT_DIR", "LORAPLANE_NAMESPACE")
@@ -51,3 +51,4 @@ def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
     # Everything lived in files under LORAPLANE_HOME: no server was used.
     assert (home / "loraplane.db").is_file() and (home / "bus.db").is_file()
     assert list((home / "artifacts" / "adapters").glob("*/*.tar.gz"))
+    assert (home / "broker" / "control").is_dir() and not (ROOT / "control").exists()
