@@ -31,7 +31,7 @@ up: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy common api scheduler worker kernels loraplane
+	$(VENV)/bin/mypy common api scheduler worker kernels loraplane benchmarks
 
 test: lint
 	$(OFFLINE) $(VENV)/bin/pytest

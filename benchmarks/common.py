@@ -1,0 +1,80 @@
+"""Shared by the benchmarks: where results go and what each result file records."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_description() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+        return f"CPU {platform.processor() or platform.machine()} x{_cpu_count()} (torch {torch.__version__})"
+    except ImportError:
+        return f"CPU {platform.machine()} x{_cpu_count()}"
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def command_line() -> str:
+    """How the benchmark was started (`python -m benchmarks.x ...`, as its docstring says to run it)."""
+    script = Path(sys.argv[0])
+    head = ["python", "-m", f"benchmarks.{script.stem}"] if script.parent == RESULTS.parent else ["python", sys.argv[0]]
+    return " ".join(shlex.quote(a) for a in [*head, *sys.argv[1:]])
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+def write_result(name: str, headers: list[str], rows: list[list[Any]], notes: dict[str, Any]) -> Path:
+    """Writes benchmarks/results/<name>-<device>-<date>.json with the device, date and command."""
+    table = print_table(headers, rows)
+    now = datetime.now(UTC)
+    device = device_description()
+    record = {
+        "benchmark": name,
+        "date": now.isoformat(timespec="seconds"),
+        "device": device,
+        "command": command_line(),
+        "commit": git_commit(),
+        "headers": headers,
+        "rows": rows,
+        "table": table,
+        **notes,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = "gpu" if "CPU" not in device else "cpu"
+    path = RESULTS / f"{name}-{tag}-{now:%Y%m%d}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\nwritten to {path}")
+    return path
