@@ -68,7 +68,8 @@ def _heartbeat(session: Session, m: dict[str, Any], now: datetime) -> bool:
 
 
 def _live_trial(session: Session, trial_id: str, pack_id: str) -> Trial | None:
-    trial = session.get(Trial, trial_id)
+    # Locked: a trial the API cancels meanwhile must not come back as completed.
+    trial = session.get(Trial, trial_id, with_for_update=True)
     if trial is None or trial.pack_id != pack_id or trial.state != states.TRIAL_RUNNING:
         return None
     return trial

@@ -52,7 +52,9 @@ def reap_lost_workers(session: Session, now: datetime, timeout_s: float) -> list
             pack.state = states.PACK_LOST
             pack.finished_at = now
             trials = session.scalars(
-                select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
+                select(Trial)
+                .where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
+                .with_for_update()
             ).all()
             for trial in trials:
                 requeue_trial(session, trial, f"worker {worker.id} was lost")
@@ -61,8 +63,11 @@ def reap_lost_workers(session: Session, now: datetime, timeout_s: float) -> list
 
 def finalize_tasks(session: Session, now: datetime) -> None:
     """Queued tasks with a running trial become running; tasks whose trials all ended get their result."""
+    # Locked (skipping tasks the API is cancelling right now) so a cancel is never overwritten.
     open_tasks = session.scalars(
-        select(Task).where(Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
+        select(Task)
+        .where(Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
+        .with_for_update(skip_locked=True)
     ).all()
     for task in open_tasks:
         trials = session.scalars(select(Trial).where(Trial.task_id == task.id)).all()
@@ -114,6 +119,9 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
         .where(Trial.state == states.TRIAL_PENDING,
                Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
         .order_by(Task.created_at, Task.id, Trial.index)
+        # record_plan moves these trials to running in this transaction: lock them so a concurrent cancel
+        # either waits for us (and the stop command follows) or makes us skip them.
+        .with_for_update(of=Trial, skip_locked=True)
     ).all()
     pending = tuple(
         PendingTrial(

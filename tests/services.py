@@ -103,3 +103,18 @@ def find_redis() -> str:
     )
     _wait_port(port, "Redis")
     return f"redis://127.0.0.1:{port}/0"
+
+
+def find_rabbitmq() -> str:
+    """An AMQP URL for the Celery broker tests (RabbitMQ is optional for loraplane: Redis is the default)."""
+    if os.environ.get("RABBITMQ_URL"):
+        return os.environ["RABBITMQ_URL"]
+    if _port_open("127.0.0.1", 5672):
+        return "amqp://guest:guest@127.0.0.1:5672//"
+    server = shutil.which("rabbitmq-server") or "/usr/sbin/rabbitmq-server"
+    if not Path(server).exists():
+        raise MissingService("no RabbitMQ: set RABBITMQ_URL, run one on 127.0.0.1:5672, or install "
+                             "rabbitmq-server so the suite can start it")
+    subprocess.run([server, "-detached"], check=True, capture_output=True)
+    _wait_port(5672, "RabbitMQ", seconds=60)
+    return "amqp://guest:guest@127.0.0.1:5672//"

@@ -25,6 +25,7 @@ from tests.e2e.flow import (
     wait_for,
 )
 from tests.e2e.procs import Cluster, cluster, free_port, wait_ready
+from tests.services import MissingService, find_rabbitmq
 
 
 @pytest.fixture
@@ -41,8 +42,13 @@ def env(clean_db: None, tmp_path: Path) -> dict[str, str]:
     return e
 
 
-@pytest.fixture
-def services(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
+@pytest.fixture(params=["redis"])
+def services(request: pytest.FixtureRequest, env: dict[str, str], tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
+    if request.param == "rabbitmq":
+        try:
+            env["CELERY_BROKER_URL"] = find_rabbitmq()
+        except MissingService as exc:
+            pytest.skip(str(exc))
     port = free_port()
     with cluster(env, tmp_path) as c:
         api = c.start("api", "api", "--host", "127.0.0.1", "--port", str(port))
@@ -52,9 +58,10 @@ def services(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[Cluster, str
         yield c, base_url
 
 
+@pytest.mark.parametrize("services", ["redis", "rabbitmq"], indirect=True)
 def test_grid_task_end_to_end(services: tuple[Cluster, str], tmp_path: Path) -> None:
     c, base_url = services
-    c.start("worker-a", "worker", "--worker-id", "e2e-a")
+    worker = c.start("worker-a", "worker", "--worker-id", "e2e-a")
     headers = create_tenant_key(base_url, ADMIN_TOKEN, "team-e2e")
     file_id = upload(base_url, headers, arithmetic_rows())
     task = submit(base_url, headers, grid_task(file_id))
@@ -82,6 +89,8 @@ def test_grid_task_end_to_end(services: tuple[Cluster, str], tmp_path: Path) -> 
     best_hp = next(t["hyperparameters"] for t in trials if t["id"] == task["best_trial"]["id"])
     assert config["r"] == best_hp["lora_rank"] and config["peft_type"] == "LORA"
     assert_adapter_changes_output(adapter, "tiny-random-llama", MODEL_CACHE)
+    broker_scheme = c.env["CELERY_BROKER_URL"].split("://")[0]  # the pack really went through this broker
+    assert f".> transport:   {broker_scheme}://" in worker.log_path.read_text()
 
 
 def test_killed_worker_and_scheduler_lose_nothing(services: tuple[Cluster, str]) -> None:
