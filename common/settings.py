@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore")
 
     home: Path = Field(default=Path(".loraplane"), alias="LORAPLANE_HOME")
     database_url: str | None = Field(default=None, alias="DATABASE_URL")
