@@ -67,6 +67,16 @@ def cmd_worker(args: argparse.Namespace) -> None:
     run_worker(gpu=args.gpu, worker_id=args.worker_id, loglevel=args.loglevel)
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: on Linux, the child gets SIGTERM when `loraplane up` dies, even by
+    SIGKILL, so no orphaned worker keeps training for a service that is gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class _Supervised:
     """Keeps one child process running: a worker that crashes is started again (its pack is requeued by
     the scheduler's heartbeat timeout, not by us)."""
@@ -75,14 +85,18 @@ class _Supervised:
         self.argv = argv
         self.proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # no child is started once stop() began
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.proc = subprocess.Popen(self.argv)
+        while True:
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self.proc = subprocess.Popen(self.argv, preexec_fn=_die_with_parent)
             while self.proc.poll() is None and not self._stop.is_set():
                 time.sleep(0.5)
             if not self._stop.is_set():
@@ -90,11 +104,12 @@ class _Supervised:
                 self._stop.wait(2)
 
     def stop(self) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -48,7 +50,22 @@ def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
         adapter = download_adapter(base_url, headers, f"/v1/tasks/{task['id']}/trials/{trials[0]['id']}/adapter",
                                    tmp_path / "adapter")
         assert_adapter_changes_output(adapter, "tiny-random-llama", MODEL_CACHE)
+
+        # `loraplane up` killed outright: its worker child must not live on as an orphan.
+        children = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(up.proc.pid)],
+                                                   capture_output=True, text=True).stdout.split()]
+        assert children, "the embedded worker should be a child of `loraplane up`"
+        os.kill(up.proc.pid, signal.SIGKILL)
+        wait_for(lambda: not any(running(pid) for pid in children), 30, "the worker to exit with its parent")
     # Everything lived in files under LORAPLANE_HOME: no server was used.
     assert (home / "loraplane.db").is_file() and (home / "bus.db").is_file()
     assert list((home / "artifacts" / "adapters").glob("*/*.tar.gz"))
     assert (home / "broker" / "control").is_dir() and not (ROOT / "control").exists()
+
+
+def running(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited already
