@@ -73,3 +73,7 @@ def file_key(file_id: str) -> str:
 
 def adapter_key(task_id: str, trial_id: str) -> str:
     return f"adapters/{task_id}/{trial_id}.tar.gz"
+
+
+def checkpoint_key(task_id: str, trial_id: str) -> str:
+    return f"checkpoints/{task_id}/{trial_id}.tar"

@@ -125,6 +125,9 @@ class Trial(Base):
     stop_reason: Mapped[str | None] = mapped_column(Text, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     adapter_key: Mapped[str | None] = mapped_column(String(300), default=None)
+    # The newest checkpoint in the artifact store: a requeued trial resumes from it instead of step 0.
+    checkpoint_key: Mapped[str | None] = mapped_column(String(300), default=None)
+    checkpoint_step: Mapped[int | None] = mapped_column(Integer, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -177,6 +180,8 @@ class Pack(Base):
     # planned -> dispatched -> running -> finished | lost | cancelled
     state: Mapped[str] = mapped_column(String(20), index=True)
     trial_ids: Mapped[list[Any]] = mapped_column(JSON)
+    # Measured by the worker (step time and peak memory against batch tokens) for the planner's cost model.
+    profile: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
     started_at: Mapped[datetime | None] = mapped_column(default=None)

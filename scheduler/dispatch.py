@@ -42,6 +42,10 @@ def pack_message(session: Session, pack: Pack) -> dict[str, Any]:
                 "validation_split": spec.get("validation_split"),
                 # The split depends on the task only, so every trial validates on the same rows.
                 "split_seed": spec.get("seed", 0),
+                "training": spec.get("training", {}),
+                # A requeued trial resumes from its newest checkpoint instead of step 0.
+                "resume_key": trial.checkpoint_key,
+                "resume_step": trial.checkpoint_step,
             }
         )
     return {"pack_id": pack.id, "worker_id": pack.worker_id, "base_model": model_source_fields(entry),

@@ -21,7 +21,8 @@ from common.models import MetricPoint, Pack, Trial, Worker, utcnow
 
 log = logging.getLogger(__name__)
 
-WORKER_REPORTS = {"heartbeat", "pack.started", "points", "trial.finished", "pack.finished", "pack.failed"}
+WORKER_REPORTS = {"heartbeat", "pack.started", "points", "trial.checkpoint", "trial.finished", "pack.profile",
+                  "pack.finished", "pack.failed"}
 
 
 def ingest(session: Session, messages: list[dict[str, Any]], now: datetime | None = None) -> bool:
@@ -39,8 +40,12 @@ def ingest(session: Session, messages: list[dict[str, Any]], now: datetime | Non
                 _pack_started(session, message, now)
             elif kind == "points":
                 _points(session, message)
+            elif kind == "trial.checkpoint":
+                _trial_checkpoint(session, message)
             elif kind == "trial.finished":
                 replan |= _trial_finished(session, message, now)
+            elif kind == "pack.profile":
+                _pack_profile(session, message)
             elif kind in ("pack.finished", "pack.failed"):
                 _pack_ended(session, message, now)
                 replan = True
@@ -118,6 +123,18 @@ def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) ->
             index_elements=["trial_id", "step", "split"]
         )
     return insert(MetricPoint).values(rows)
+
+
+def _trial_checkpoint(session: Session, m: dict[str, Any]) -> None:
+    trial = _live_trial(session, m["trial_id"], m["pack_id"])
+    if trial is not None and int(m["step"]) >= (trial.checkpoint_step or 0):
+        trial.checkpoint_key, trial.checkpoint_step = m["checkpoint_key"], int(m["step"])
+
+
+def _pack_profile(session: Session, m: dict[str, Any]) -> None:
+    pack = session.get(Pack, m["pack_id"])
+    if pack is not None:
+        pack.profile = m["profile"]
 
 
 def _trial_finished(session: Session, m: dict[str, Any], now: datetime) -> bool:

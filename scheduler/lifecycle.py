@@ -17,11 +17,18 @@ from scheduler.planner import IdleWorker, PendingTrial, Plan, Snapshot
 
 
 def requeue_trial(session: Session, trial: Trial, reason: str) -> None:
-    """Back to pending (its curve restarts from step 0), or failed once it ran out of attempts."""
-    session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id))
+    """Back to pending, resuming from its newest checkpoint (its curve is cut back to that step), or from
+    step 0 without one; or failed once it ran out of attempts."""
+    kept_step = trial.checkpoint_step or 0
+    session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id, MetricPoint.step > kept_step))
     trial.pack_id = None
-    trial.steps_done = 0
-    trial.best_val_loss = trial.best_step = trial.last_train_loss = None
+    trial.steps_done = kept_step
+    trial.best_val_loss, trial.best_step = _best_val(session, trial.id)
+    trial.last_train_loss = session.scalar(
+        select(MetricPoint.loss).where(MetricPoint.trial_id == trial.id, MetricPoint.split == "train",
+                                       MetricPoint.step == kept_step)
+    )
+    resumed = f" from its checkpoint at step {kept_step}" if kept_step else ""
     if trial.attempts >= states.MAX_TRIAL_ATTEMPTS:
         trial.state = states.TRIAL_FAILED
         trial.error = f"{reason}; gave up after {trial.attempts} attempts"
@@ -29,11 +36,21 @@ def requeue_trial(session: Session, trial: Trial, reason: str) -> None:
         kind, level, message = "trial.failed", "error", f"trial {trial.index} failed: {trial.error}"
     else:
         trial.state = states.TRIAL_PENDING
-        kind, level, message = "trial.requeued", "warn", f"trial {trial.index} back to pending: {reason}"
+        kind, level, message = "trial.requeued", "warn", f"trial {trial.index} back to pending{resumed}: {reason}"
     record_event(
         session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
-        type=kind, level=level, message=message,
+        type=kind, level=level, message=message, data={"resume_step": kept_step},
     )
+
+
+def _best_val(session: Session, trial_id: str) -> tuple[float | None, int | None]:
+    row = session.execute(
+        select(MetricPoint.loss, MetricPoint.step)
+        .where(MetricPoint.trial_id == trial_id, MetricPoint.split == "val")
+        .order_by(MetricPoint.loss, MetricPoint.step)
+        .limit(1)
+    ).first()
+    return (row[0], row[1]) if row else (None, None)
 
 
 def reap_lost_workers(session: Session, now: datetime, timeout_s: float) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     TypeAdapter,
@@ -149,6 +150,18 @@ class EarlyExit(RequestModel):
     policy: Literal["none", "alto", "asha"] = "none"
 
 
+class Training(RequestModel):
+    """How every trial of the task trains (the same for all of them; the search space varies the rest)."""
+
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: Annotated[StrictInt, Field(ge=0, le=1_000_000)] = 0
+    weight_decay: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.0
+    max_grad_norm: Annotated[StrictFloat, Field(gt=0)] | None = Field(
+        default=None, description="Clip each trial's gradient to this global norm (its own parameters only)."
+    )
+    use_rslora: StrictBool = Field(default=False, description="Scale adapters by alpha/sqrt(r) instead of alpha/r.")
+
+
 class Scheduling(RequestModel):
     max_trials_per_pack: Annotated[StrictInt, Field(ge=1, le=64)] = 8
 
@@ -171,6 +184,7 @@ class TaskCreate(RequestModel):
     )
     early_exit: EarlyExit = Field(default_factory=EarlyExit)
     seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
+    training: Training = Field(default_factory=Training)
     scheduling: Scheduling = Field(default_factory=Scheduling)
 
 
@@ -207,6 +221,7 @@ class TaskOut(BaseModel):
     eval_interval: int
     early_exit: dict[str, Any]
     seed: int
+    training: dict[str, Any]
     scheduling: dict[str, Any]
     trial_counts: TrialCounts
     progress: float = Field(ge=0, le=1)

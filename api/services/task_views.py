@@ -69,6 +69,7 @@ def _task_out(task: Task, summary: TrialSummary, best: Trial | None, now: dateti
         eval_interval=spec["eval_interval"],
         early_exit=spec["early_exit"],
         seed=spec["seed"],
+        training=spec.get("training", {}),
         scheduling=spec["scheduling"],
         trial_counts=counts,
         progress=round(summary.progress, 6),

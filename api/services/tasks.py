@@ -152,6 +152,7 @@ def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], step
         "eval_interval": body.eval_interval or max(1, max(steps) // 10),
         "early_exit": body.early_exit.model_dump(),
         "seed": body.seed,
+        "training": body.training.model_dump(),
         "scheduling": body.scheduling.model_dump(),
     }
 

@@ -38,6 +38,16 @@ def test_grid_2x2_makes_4_trials_with_their_hyperparameters_and_steps(client: Te
         for i, (lr, r) in enumerate([(1e-4, 8), (1e-4, 16), (3e-4, 8), (3e-4, 16)])
     ]
     assert task["eval_interval"] == 1  # max(1, 6 // 10)
+    assert task["training"] == {"lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+                                "max_grad_norm": None, "use_rslora": False}
+
+
+def test_training_options_are_stored_with_the_task(client: TestClient, tenant: TenantKey) -> None:
+    training = {"lr_schedule": "cosine", "warmup_steps": 3, "weight_decay": 0.01, "max_grad_norm": 1.0,
+                "use_rslora": True}
+    task = make_task(client, tenant, training=training)
+    assert task["training"] == training
+    assert client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()["training"] == training
 
 
 def test_total_steps_follow_each_trials_batch_size(client: TestClient, tenant: TenantKey) -> None:

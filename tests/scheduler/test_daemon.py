@@ -205,3 +205,48 @@ def test_cancelling_a_running_task_sends_a_stop_command_once(daemon: SchedulerDa
     assert len(commands) == 1
     assert commands[0]["type"] == "stop_trials" and commands[0]["pack_id"] == pack.id
     assert sorted(commands[0]["trial_ids"]) == sorted(trial_ids)
+
+
+def test_a_requeued_trial_resumes_from_its_checkpoint_with_its_curve_cut_back(daemon: SchedulerDaemon) -> None:
+    _, trial_ids = make_task(1)
+    trial_id = trial_ids[0]
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    report("points", pack_id=pack.id, points=[[trial_id, s, "train", 3.0 - s / 10] for s in range(1, 6)]
+           + [[trial_id, 2, "val", 2.5], [trial_id, 4, "val", 2.4]])
+    report("trial.checkpoint", pack_id=pack.id, trial_id=trial_id, step=4, checkpoint_key="checkpoints/t/x.tar")
+    report("trial.checkpoint", pack_id=pack.id, trial_id=trial_id, step=2, checkpoint_key="old")  # late: ignored
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        s.get(Worker, WORKER).last_heartbeat = utcnow() - timedelta(hours=1)  # type: ignore[union-attr]
+    daemon.tick()
+    with session_scope() as s:
+        trial = s.get(Trial, trial_id)
+        assert trial is not None and trial.state == states.TRIAL_PENDING
+        assert (trial.steps_done, trial.checkpoint_step, trial.checkpoint_key) == (4, 4, "checkpoints/t/x.tar")
+        assert (trial.best_val_loss, trial.best_step, trial.last_train_loss) == (2.4, 4, 2.6)
+        steps = sorted((p.split, p.step) for p in s.scalars(select(MetricPoint)))
+        assert steps == [("train", 1), ("train", 2), ("train", 3), ("train", 4), ("val", 2), ("val", 4)]
+        requeued = s.scalars(select(Event).where(Event.type == "trial.requeued")).one()
+        assert "from its checkpoint at step 4" in requeued.message
+    heartbeat()
+    daemon.step(block_s=0.2)
+    from scheduler.dispatch import pack_message
+
+    with session_scope() as s:
+        message = pack_message(s, s.get(Pack, live_pack().id))  # type: ignore[arg-type]
+    assert (message["trials"][0]["resume_key"], message["trials"][0]["resume_step"]) == ("checkpoints/t/x.tar", 4)
+
+
+def test_a_pack_profile_is_stored_for_the_cost_model(daemon: SchedulerDaemon) -> None:
+    make_task(1)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    profile = {"device": "cpu", "steps": 3, "tokens_per_s": 100.0, "samples": [[64, 0.5, None]]}
+    report("pack.profile", pack_id=pack.id, profile=profile)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get(Pack, pack.id).profile == profile  # type: ignore[union-attr]
