@@ -36,8 +36,8 @@ class TrialOut(BaseModel):
             id=t.id, task_id=t.task_id, index=t.index, state=t.state, hyperparameters=t.hyperparameters,
             total_steps=t.total_steps, steps_done=t.steps_done, best_val_loss=t.best_val_loss,
             best_step=t.best_step, last_train_loss=t.last_train_loss, stop_reason=t.stop_reason,
-            error=t.error, attempts=t.attempts, checkpoint_step=t.checkpoint_step, created_at=t.created_at, started_at=t.started_at,
-            finished_at=t.finished_at,
+            error=t.error, attempts=t.attempts, checkpoint_step=t.checkpoint_step, created_at=t.created_at,
+            started_at=t.started_at, finished_at=t.finished_at,
         )
 
 

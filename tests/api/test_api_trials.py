@@ -16,8 +16,8 @@ def test_list_and_get_trials(client: TestClient, tenant: TenantKey) -> None:
     first = trials["data"][0]
     assert set(first) == {
         "id", "object", "task_id", "index", "state", "hyperparameters", "total_steps", "steps_done", "best_val_loss",
-        "best_step", "last_train_loss", "stop_reason", "error", "attempts", "checkpoint_step", "created_at", "started_at",
-        "finished_at",
+        "best_step", "last_train_loss", "stop_reason", "error", "attempts", "checkpoint_step", "created_at",
+        "started_at", "finished_at",
     }
     one = client.get(f"/v1/tasks/{task['id']}/trials/{first['id']}", headers=tenant.headers)
     assert one.status_code == 200 and one.json() == first
