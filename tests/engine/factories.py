@@ -47,3 +47,12 @@ def make_spec(trial_id: str, **overrides: Any) -> TrialSpec:
     }
     fields.update(overrides)
     return TrialSpec(**fields)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over target tokens from full logits: the definition the engine's
+    chunked loss must equal. ``logits (batch, seq, vocab)``, ``labels (batch, seq)``; position t predicts t + 1."""
+    vocab = logits.shape[-1]
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, vocab), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+    )

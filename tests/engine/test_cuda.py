@@ -13,8 +13,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from tests.engine.factories import TINY, chat_rows, completion_rows, make_spec
-from worker.engine import TrialSpec, adapter_logits, load_base_model, train_pack
-from worker.engine.lora import MultiLoraLinear
+from worker.engine import StepStats, TrialSpec, adapter_logits, load_base_model, train_pack
+from worker.engine.lora import StackedLoraLinear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -51,6 +51,7 @@ def test_cuda_pack_learns_equals_alone_and_matches_peft(model_cache: Path, tmp_p
     assert model.dtype == torch.bfloat16 and next(model.parameters()).is_cuda
 
     points: list[tuple[str, int, str, float]] = []
+    stats: list[StepStats] = []
     pack = train_pack(
         model,
         tokenizer,
@@ -58,8 +59,10 @@ def test_cuda_pack_learns_equals_alone_and_matches_peft(model_cache: Path, tmp_p
         base_model_name=TINY.name,
         export_dir=tmp_path / "pack",
         on_point=lambda *p: points.append(p),
+        on_step=stats.append,
     )
     assert [o.status for o in pack] == ["completed", "completed"]
+    assert all(s.peak_memory_bytes is not None and s.peak_memory_bytes > 0 for s in stats)
     for trial_id in ("g1", "g2"):
         train = [loss for t, _, s, loss in points if t == trial_id and s == "train"]
         assert sum(train[-3:]) / 3 < train[0] - 2.0, f"{trial_id} did not learn: {train}"
@@ -71,9 +74,11 @@ def test_cuda_pack_learns_equals_alone_and_matches_peft(model_cache: Path, tmp_p
         assert in_pack.adapter_dir is not None and alone.adapter_dir is not None
         packed = load_file(str(in_pack.adapter_dir / "adapter_model.safetensors"))
         single = load_file(str(alone.adapter_dir / "adapter_model.safetensors"))
-        for key in packed:
-            # Same kernels on the same inputs; a small tolerance for any non-deterministic GPU reduction.
-            torch.testing.assert_close(packed[key], single[key], rtol=1e-3, atol=1e-4)
+        # bf16 GEMMs of differently shaped batches round differently, and 16-20 Adam steps carry that on:
+        # packed and alone agree to bf16 precision, not bit for bit (the CPU tests check 1e-5 in fp32).
+        worst = max(float((packed[k] - single[k]).norm() / single[k].norm()) for k in packed)
+        print(f"{spec.trial_id}: worst relative difference, packed vs alone: {worst:.2e}")
+        assert worst < 5e-2, f"{spec.trial_id}: packed and alone differ by {worst:.2e} (relative norm)"
 
     adapter_dir = pack[0].adapter_dir
     assert adapter_dir is not None
@@ -86,7 +91,7 @@ def test_cuda_pack_learns_equals_alone_and_matches_peft(model_cache: Path, tmp_p
         device=CUDA,
     )
     engine = adapter_logits(model, adapter_dir, ids).float()
-    assert not any(isinstance(m, MultiLoraLinear) for m in model.modules())
+    assert not any(isinstance(m, StackedLoraLinear) for m in model.modules())
     base = model(input_ids=ids).logits.float()
     fresh, _ = load_base_model(TINY, cache_dir=model_cache, device=CUDA)
     peft_model = PeftModel.from_pretrained(fresh, adapter_dir).eval()

@@ -110,3 +110,12 @@ def test_collate_pads_right_with_mask_and_ignored_labels() -> None:
     assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch.labels.tolist() == [[-100, 2, 3], [4, -100, -100]]
     assert batch.input_ids.dtype == torch.long
+
+
+def test_collate_rounds_the_width_up_to_a_multiple() -> None:
+    batch = collate([Example([1, 2, 3], [-100, 2, 3]), Example([4], [4])], pad_token_id=9, pad_to_multiple=4)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 9], [4, 9, 9, 9]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch.labels[:, 3].tolist() == [-100, -100]
+    exact = collate([Example([1, 2, 3, 4], [1, 2, 3, 4])], pad_token_id=9, pad_to_multiple=4)
+    assert exact.input_ids.shape == (1, 4)  # already a multiple: no extra column

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tests.engine.factories import chat_rows, make_spec
 from worker.engine import adapter_logits, export_peft_adapter, read_peft_adapter, train_pack
-from worker.engine.lora import LoraConfig, MultiLoraLinear
+from worker.engine.lora import LoraConfig, StackedLoraLinear
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
@@ -28,28 +28,35 @@ def _train_one(tiny: Tiny, out: Path, **overrides: object) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("targets", "peft_targets", "n_layers"),
+    ("targets", "peft_targets", "n_layers", "rslora"),
     [
-        (["q_proj", "v_proj"], ["q_proj", "v_proj"], 4),
-        (["all-linear"], ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"], 14),
-        (["layers.1.mlp.down_proj", "lm_head"], ["lm_head", "model.layers.1.mlp.down_proj"], 2),
+        (["q_proj", "v_proj"], ["q_proj", "v_proj"], 4, False),
+        (["q_proj", "v_proj"], ["q_proj", "v_proj"], 4, True),
+        (["all-linear"], ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"], 14, False),
+        (["layers.1.mlp.down_proj", "lm_head"], ["lm_head", "model.layers.1.mlp.down_proj"], 2, True),
     ],
 )
 def test_peft_loads_the_adapter_and_reproduces_engine_logits(
-    tiny: Tiny, fresh_tiny: Tiny, tmp_path: Path, targets: list[str], peft_targets: list[str], n_layers: int
+    tiny: Tiny,
+    fresh_tiny: Tiny,
+    tmp_path: Path,
+    targets: list[str],
+    peft_targets: list[str],
+    n_layers: int,
+    rslora: bool,
 ) -> None:
     model, tokenizer = tiny
-    adapter_dir = _train_one(tiny, tmp_path, target_modules=targets)
+    adapter_dir = _train_one(tiny, tmp_path, target_modules=targets, use_rslora=rslora)
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert config["target_modules"] == peft_targets
-    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 16, 0.1)
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"], config["use_rslora"]) == (4, 16, 0.1, rslora)
 
     text = tokenizer.apply_chat_template(chat_rows(1)[0]["messages"], tokenize=False)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]] * 2)
     mask = torch.ones_like(ids)
     mask[1, -5:] = 0  # a right-padded row too
     engine = adapter_logits(model, adapter_dir, ids, mask)
-    assert not any(isinstance(m, MultiLoraLinear) for m in model.modules())  # helper cleaned up
+    assert not any(isinstance(m, StackedLoraLinear) for m in model.modules())  # helper cleaned up
     base = model(input_ids=ids, attention_mask=mask).logits
 
     peft_model = PeftModel.from_pretrained(fresh_tiny[0], adapter_dir).eval()

@@ -1,4 +1,4 @@
-"""MultiLoraLinear semantics, slot isolation, target resolution and restoring the base model."""
+"""Stacked multi-LoRA layers and the flat adapter store: semantics, init, gradients, injection, targets."""
 
 from __future__ import annotations
 
@@ -9,109 +9,106 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kernels import build_segments
 from worker.engine.lora import (
-    AdapterContext,
     LoraConfig,
-    MultiLoraLinear,
-    adapter_tensors,
-    add_adapter,
+    LoraContext,
+    StackedLoraLinear,
+    TokenRouting,
+    inject_lora,
     peft_target_modules,
-    remove_adapter,
     resolve_target_modules,
     restore_base_model,
-    set_active_adapter,
 )
+from worker.engine.store import AdapterStore
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+CPU = torch.device("cpu")
 
 
-def _layer_with_two_slots() -> tuple[MultiLoraLinear, AdapterContext]:
+def _layer_with_two_slots() -> tuple[StackedLoraLinear, LoraContext, AdapterStore]:
     torch.manual_seed(0)
-    context = AdapterContext()
-    layer = MultiLoraLinear(nn.Linear(6, 5, bias=True).requires_grad_(False), context)
-    for slot, (rank, alpha) in enumerate([(2, 4.0), (3, 1.5)]):
-        context.slots[slot] = LoraConfig(rank=rank, alpha=alpha, dropout=0.5)
-        context.dropout_generators[slot] = torch.Generator().manual_seed(slot)
-        layer.add_slot(slot, torch.randn(rank, 6), torch.randn(5, rank))
-    return layer, context
+    context = LoraContext()
+    layer = StackedLoraLinear(nn.Linear(6, 5, bias=True).requires_grad_(False), context, "proj")
+    store = AdapterStore([layer], capacity=3, max_rank=3, device=CPU, compute_dtype=torch.float32)
+    store.load_slot(0, {"proj": (torch.randn(2, 6), torch.randn(5, 2))}, rank=2, scale=2.0)
+    store.load_slot(2, {"proj": (torch.randn(3, 6), torch.randn(5, 3))}, rank=3, scale=0.5)
+    return layer, context, store
 
 
-def test_forward_is_base_plus_scaled_low_rank_update_of_the_active_slot() -> None:
-    layer, context = _layer_with_two_slots()
-    x = torch.randn(3, 4, 6)  # (batch, seq, in)
+def test_each_token_gets_its_own_slots_update() -> None:
+    layer, context, store = _layer_with_two_slots()
+    x = torch.randn(2, 4, 6)  # (rows, seq, in): row 0 belongs to slot 2, row 1 to slot 0
     base = layer.base_layer(x)
-    context.active = None
-    torch.testing.assert_close(layer(x), base, rtol=0, atol=0)
-    for slot, scale in [(0, 4.0 / 2), (1, 1.5 / 3)]:
-        context.active = slot
-        a, b = layer.lora_A[str(slot)], layer.lora_B[str(slot)]
-        torch.testing.assert_close(layer(x), base + scale * (x @ a.T @ b.T))
+    torch.testing.assert_close(layer(x), base, rtol=0, atol=0)  # no routing: the bare base layer
+    routing = TokenRouting(build_segments([2, 0], [4, 4], num_slots=3, device=CPU))
+    with context.routed(routing):
+        y = layer(x)
+    for row, slot, scale in [(0, 2, 0.5), (1, 0, 2.0)]:
+        a, b = store.read(store.weights, slot)["proj"]  # PEFT layout: A (r, in), B (out, r)
+        torch.testing.assert_close(y[row], base[row] + scale * (x[row] @ a.T @ b.T))
+    assert LoraConfig(4, 8.0, 0.0).scale == 2.0 and LoraConfig(4, 8.0, 0.0, use_rslora=True).scale == 4.0
 
 
-def test_dropout_applies_only_in_training_to_the_lora_input() -> None:
-    layer, context = _layer_with_two_slots()
-    x = torch.randn(64, 6)
-    context.active, context.training = 0, False
-    eval_out = layer(x)
-    context.training = True
-    train_out = layer(x)
-    assert not torch.allclose(train_out, eval_out)
-    # The dropped-out LoRA input is x * keep / (1 - p): redraw the same mask from a fresh generator.
-    keep = torch.empty_like(x).bernoulli_(0.5, generator=torch.Generator().manual_seed(0))
-    a, b = layer.lora_A["0"], layer.lora_B["0"]
-    torch.testing.assert_close(train_out, layer.base_layer(x) + 2.0 * ((x * keep / 0.5) @ a.T @ b.T))
-
-
-def test_gradients_reach_only_the_active_slot() -> None:
-    layer, context = _layer_with_two_slots()
-    context.active = 1
-    layer(torch.randn(2, 6)).sum().backward()
-    assert layer.lora_A["1"].grad is not None and layer.lora_B["1"].grad is not None
-    assert layer.lora_A["0"].grad is None and layer.lora_B["0"].grad is None
+def test_gradients_land_in_their_slots_row_of_the_flat_store() -> None:
+    layer, context, store = _layer_with_two_slots()
+    with context.routed(TokenRouting(build_segments([2], [3], num_slots=3, device=CPU))):
+        layer(torch.randn(3, 6)).sum().backward()
+    assert store.grads[2].any() and not store.grads[0].any() and not store.grads[1].any()
+    assert layer.lora_a is not None and layer.lora_a.grad is None  # written to the store, not by autograd
     assert layer.base_layer.weight.grad is None
+    a_grad = store.grads[2, : 6 * 3].view(6, 3)
+    assert a_grad[:, :3].any()
+    store.grads.zero_()
+    # Slot 0 has rank 2 of max 3: its padded column gets exactly zero gradient.
+    with context.routed(TokenRouting(build_segments([0], [3], num_slots=3, device=CPU))):
+        layer(torch.randn(3, 6)).sum().backward()
+    assert not store.grads[0, : 6 * 3].view(6, 3)[:, 2].any() and store.grads[0].any()
 
 
-def test_add_adapter_inits_like_peft_and_leaves_output_unchanged(tiny: Tiny) -> None:
+def test_init_is_peft_kaiming_from_the_seed_whatever_the_slot_or_pack(tiny: Tiny) -> None:
     model, _ = tiny
     ids = torch.tensor([[1, 2, 3, 4]])
     before = model(input_ids=ids).logits
     paths = resolve_target_modules(model, ["q_proj", "down_proj"])
-    params = add_adapter(model, 0, LoraConfig(4, 8.0, 0.0), paths, init_seed=5, dropout_seed=6)
-    assert len(params) == 2 * len(paths) == 8
-    set_active_adapter(model, 0)
-    torch.testing.assert_close(model(input_ids=ids).logits, before)  # B = 0
-    tensors = adapter_tensors(model, 0)
-    assert list(tensors) == paths
+    context = LoraContext()
+    wide = resolve_target_modules(model, ["all-linear", "lm_head"])
+    store = AdapterStore(inject_lora(model, wide, context), capacity=3, max_rank=8, device=CPU,
+                         compute_dtype=torch.float32)
+    store.init_slot(2, paths=paths, rank=4, scale=2.0, seed=5)
+    with context.routed(TokenRouting(build_segments([2], [4], num_slots=3, device=CPU))):
+        torch.testing.assert_close(model(input_ids=ids).logits, before)  # B = 0
+    tensors = store.read(store.weights, 2)
+    assert list(tensors) == paths and store.paths(2) == paths
     a, b = tensors["model.layers.0.self_attn.q_proj"]
     assert a.shape == (4, 64) and b.shape == (64, 4) and not b.any()
-    bound = 1 / math.sqrt(64)  # kaiming_uniform(a=sqrt(5)) on fan_in 64, as nn.Linear and PEFT
-    assert a.abs().max() <= bound and a.abs().max() > 0.9 * bound
     expected = torch.empty(4, 64)
     nn.init.kaiming_uniform_(expected, a=math.sqrt(5), generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(a, expected, rtol=0, atol=0)
+    # The same seed in another slot of a pack wrapping fewer layers draws the same adapter.
+    restore_base_model(model)
+    small = AdapterStore(inject_lora(model, paths, LoraContext()), capacity=1, max_rank=4, device=CPU,
+                         compute_dtype=torch.float32)
+    small.init_slot(0, paths=paths, rank=4, scale=2.0, seed=5)
+    for path, (a2, b2) in small.read(small.weights, 0).items():
+        assert torch.equal(a2, tensors[path][0]) and torch.equal(b2, tensors[path][1])
 
 
-def test_slots_come_and_go_and_restore_gives_back_plain_linears(tiny: Tiny) -> None:
+def test_inject_and_restore_give_back_the_plain_model(tiny: Tiny) -> None:
     model, _ = tiny
     ids = torch.tensor([[5, 6, 7]])
     before = model(input_ids=ids).logits
-    add_adapter(
-        model, 0, LoraConfig(2, 2.0, 0.0), resolve_target_modules(model, ["v_proj"]), init_seed=0, dropout_seed=0
-    )
-    add_adapter(
-        model, 1, LoraConfig(2, 2.0, 0.0), resolve_target_modules(model, ["all-linear"]), init_seed=1, dropout_seed=1
-    )
-    with pytest.raises(ValueError, match="already in use"):
-        add_adapter(model, 1, LoraConfig(2, 2.0, 0.0), ["lm_head"], init_seed=0, dropout_seed=0)
-    remove_adapter(model, 0)
-    assert adapter_tensors(model, 0) == {}
-    assert len(adapter_tensors(model, 1)) == 14  # 7 linears x 2 layers; lm_head excluded by all-linear
-    with pytest.raises(ValueError, match="no adapter"):
-        set_active_adapter(model, 0)
+    layers = inject_lora(model, resolve_target_modules(model, ["all-linear"]), LoraContext())
+    assert len(layers) == 14 and all(isinstance(m, StackedLoraLinear) for m in layers)
+    with pytest.raises(ValueError, match="already has LoRA layers"):
+        inject_lora(model, ["lm_head"], LoraContext())
     restore_base_model(model)
-    assert not any(isinstance(m, MultiLoraLinear) for m in model.modules())
+    assert not any(isinstance(m, StackedLoraLinear) for m in model.modules())
     assert type(model.model.layers[0].self_attn.v_proj) is nn.Linear
     torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not linear layers"):
+        inject_lora(model, ["model.layers.0.mlp"], LoraContext())
+    assert not any(isinstance(m, StackedLoraLinear) for m in model.modules())  # nothing half-wrapped
 
 
 def test_resolve_target_modules(tiny: Tiny) -> None:

@@ -1,24 +1,49 @@
-"""The training engine: a pack of LoRA trials on one frozen base model.
+"""The training engine: a pack of LoRA trials on one frozen base model, one forward/backward per step.
 
-Imports only the standard library, torch, transformers, tokenizers and safetensors, so it runs as it is on
-the GPU image (torch 2.11, transformers 5.17), which has none of the service's stack.
+Imports only the standard library, torch, transformers, tokenizers, safetensors and ``kernels``, so it runs
+as it is on the GPU image (torch 2.11, transformers 5.17), which has none of the service's stack.
 
-Typical use by a worker::
+A whole pack, as a worker runs it::
 
     model, tokenizer = load_base_model(source, cache_dir=cache, device=torch.device("cuda"))
-    outcomes = train_pack(model, tokenizer, trials, base_model_name=source.name,
-                          export_dir=out, on_point=publish, should_stop=poll_evictions)
+    outcomes = train_pack(model, tokenizer, trials, base_model_name=source.name, export_dir=out,
+                          on_point=publish, should_stop=poll_evictions,
+                          on_step=record_stats,                               # StepStats per pack step
+                          checkpoint_dir=ckpt, checkpoint_interval=50, on_checkpoint=upload,
+                          resume={"trial-7": ckpt / "trial-7"})                # continue a trial exactly
+
+The engine underneath, for benchmarks and for schedulers that back-fill slots::
+
+    engine = PackEngine(model, tokenizer, capacity=32, max_rank=64,
+                        target_modules=["all-linear"], device=torch.device("cuda"))
+    slot = engine.admit(spec)                   # lowest free slot; fresh init from spec.seed, step 0
+    slot = engine.admit(spec, resume=ckpt_dir)  # ... or continue from engine.checkpoint()
+    losses = engine.step()                      # {trial_id: loss} of every training slot; one sync
+    engine.last_stats                           # StepStats of that step; engine.failures: failed trials
+    engine.evaluate(slot)                       # validation loss; keeps the best adapter
+    engine.checkpoint(slot, ckpt_dir)           # adapter, AdamW state, data cursor, best-val state
+    engine.export(slot, out_dir, base_model_name=name)  # PEFT directory of the best adapter
+    engine.evict(slot)                          # free the slot (zeros; nothing kept)
+    engine.close()                              # unwrap the model (also on ``with PackEngine(...)``)
+
+``engine.state(slot)`` is the trial's ``SlotState`` (spec, steps_done, last_train_loss, best_val_loss,
+best_step, training). Capacity, max rank and the set of wrappable layers are fixed when the engine starts.
 """
 
+from worker.engine.engine import PackEngine
 from worker.engine.export import adapter_logits, export_peft_adapter, read_peft_adapter
 from worker.engine.lora import restore_base_model
 from worker.engine.models import ModelSource, load_base_model
 from worker.engine.schedule import lr_at
+from worker.engine.slots import SlotState, StepStats
 from worker.engine.spec import TrialOutcome, TrialSpec
 from worker.engine.trainer import train_pack
 
 __all__ = [
     "ModelSource",
+    "PackEngine",
+    "SlotState",
+    "StepStats",
     "TrialOutcome",
     "TrialSpec",
     "adapter_logits",

@@ -9,9 +9,6 @@ no DoRA (vLLM refuses both).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from worker.engine.lora import (
-    LoraConfig,
-    adapter_context,
-    load_adapter,
-    remove_adapter,
-    restore_base_model,
-    set_active_adapter,
-)
+from kernels import build_segments
+from worker.engine.files import write_dir_atomically
+from worker.engine.lora import LoraConfig, LoraContext, TokenRouting, inject_lora, restore_base_model
+from worker.engine.store import AdapterStore, ModuleTensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -35,21 +28,18 @@ _PREFIX = "base_model.model."
 
 def export_peft_adapter(
     out_dir: Path,
-    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    tensors: ModuleTensors,
     *,
     config: LoraConfig,
     target_modules: list[str],
     base_model_name: str,
 ) -> Path:
-    """Write one adapter to ``out_dir`` atomically.
-
-    Both files go to a temp dir next to ``out_dir`` that is then renamed into place, so readers never see
-    a half-written adapter. An existing ``out_dir`` (a redelivered task) is replaced.
+    """Write one adapter to ``out_dir`` atomically (an existing ``out_dir``, e.g. a redelivered task's, is replaced).
 
     Args:
         out_dir: destination directory.
-        tensors: ``{module path: (A (r, in), B (out, r))}``.
-        config: rank, alpha and dropout of the adapter.
+        tensors: ``{module path: (A (r, in), B (out, r))}``, the adapter's true rank (no padding).
+        config: rank, alpha, dropout and rsLoRA flag of the adapter.
         target_modules: the ``target_modules`` list PEFT will match layers with.
         base_model_name: recorded as ``base_model_name_or_path``.
     """
@@ -67,7 +57,7 @@ def export_peft_adapter(
         "target_modules": target_modules,
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
+        "use_rslora": config.use_rslora,
         "use_dora": False,
         "modules_to_save": None,
         "init_lora_weights": True,
@@ -76,32 +66,27 @@ def export_peft_adapter(
         "alpha_pattern": {},
     }
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    def write(tmp: Path) -> None:
         save_file(state, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
-        if out_dir.exists():
-            # A directory cannot be renamed onto a non-empty one: move the old one aside first.
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / out_dir.name)
-            shutil.rmtree(old)
-        os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+    return write_dir_atomically(Path(out_dir), write)
 
 
-def read_peft_adapter(adapter_dir: Path) -> tuple[LoraConfig, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Read a LoRA adapter written by ``export_peft_adapter`` (or plain PEFT without rsLoRA / DoRA).
+def read_peft_adapter(adapter_dir: Path) -> tuple[LoraConfig, ModuleTensors]:
+    """Read a LoRA adapter written by ``export_peft_adapter`` (or plain PEFT without DoRA or rank patterns).
 
     Returns:
         The config and ``{module path: (A (r, in), B (out, r))}``.
+
+    Raises:
+        ValueError: a DoRA adapter, or per-module rank / alpha patterns.
     """
     adapter_config = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
-    if adapter_config.get("use_rslora") or adapter_config.get("use_dora"):
-        raise ValueError(f"{adapter_dir}: rsLoRA / DoRA adapters are not supported")
+    if adapter_config.get("use_dora"):
+        raise ValueError(f"{adapter_dir}: DoRA adapters are not supported")
+    if adapter_config.get("rank_pattern") or adapter_config.get("alpha_pattern"):
+        raise ValueError(f"{adapter_dir}: per-module rank / alpha patterns are not supported")
     state = load_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS))
     tensors = {}
     for key, lora_a in state.items():
@@ -112,6 +97,7 @@ def read_peft_adapter(adapter_dir: Path) -> tuple[LoraConfig, dict[str, tuple[to
         rank=int(adapter_config["r"]),
         alpha=float(adapter_config["lora_alpha"]),
         dropout=float(adapter_config.get("lora_dropout", 0.0)),
+        use_rslora=bool(adapter_config.get("use_rslora", False)),
     )
     return config, tensors
 
@@ -125,23 +111,23 @@ def adapter_logits(
 ) -> torch.Tensor:
     """The engine's logits ``(batch, seq, vocab)`` for ``input_ids`` ``(batch, seq)`` under a saved adapter.
 
-    Loads the adapter into a spare slot of the engine's own LoRA layers, runs one eval forward (no
-    dropout) and removes the slot again; the model is left as it was found.
+    Wraps the adapter's layers in the engine's own LoRA layers (one slot), runs one eval forward (no
+    dropout) and unwraps them again: the model is left as it was found.
+
+    Raises:
+        ValueError: the model is in use by a pack (it already has LoRA layers).
     """
     config, tensors = read_peft_adapter(adapter_dir)
-    context = adapter_context(model)
-    had_layers = context is not None
-    slot = max(context.slots, default=-1) + 1 if context is not None else 0
-    previous = (context.active, context.training) if context is not None else (None, False)
-    load_adapter(model, slot, config, tensors)
+    parameter = next(model.parameters())
+    device = parameter.device
+    context = LoraContext()
+    layers = inject_lora(model, list(tensors), context)
     try:
-        set_active_adapter(model, slot, training=False)
-        device = next(model.parameters()).device
+        store = AdapterStore(layers, capacity=1, max_rank=config.rank, device=device, compute_dtype=parameter.dtype)
+        store.load_slot(0, tensors, rank=config.rank, scale=config.scale)
+        routing = TokenRouting(build_segments([0], [input_ids.numel()], num_slots=1, device=device))
         mask = attention_mask.to(device) if attention_mask is not None else None
-        return model(input_ids=input_ids.to(device), attention_mask=mask, use_cache=False).logits
+        with context.routed(routing):
+            return model(input_ids=input_ids.to(device), attention_mask=mask, use_cache=False).logits
     finally:
-        remove_adapter(model, slot)
-        if had_layers:
-            set_active_adapter(model, previous[0], training=previous[1])
-        else:
-            restore_base_model(model)
+        restore_base_model(model)

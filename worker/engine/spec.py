@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,14 @@ class TrialSpec:
     eval_interval: int  # validate every N steps and always at the last step
     train_rows: list[dict[str, Any]]
     val_rows: list[dict[str, Any]]  # empty: no validation, the final adapter is exported
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # decoupled, as torch.optim.AdamW
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # "constant" | "linear" | "cosine", after warm-up
+    use_rslora: bool = False  # scale alpha/sqrt(r) instead of alpha/r
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float | None = None  # clip by this trial's own global gradient norm
 
 
 @dataclass
@@ -65,5 +71,19 @@ def validate_spec(spec: TrialSpec) -> None:
         problems.append(f"warmup_steps {spec.warmup_steps} < 0")
     if spec.lr_schedule not in LR_SCHEDULES:
         problems.append(f"lr_schedule {spec.lr_schedule!r} not in {LR_SCHEDULES}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(spec, name) < 1.0:
+            problems.append(f"{name} {getattr(spec, name)} outside [0, 1)")
+    if not spec.eps > 0.0:
+        problems.append(f"eps {spec.eps} <= 0")
+    if not spec.weight_decay >= 0.0:
+        problems.append(f"weight_decay {spec.weight_decay} < 0")
+    if spec.max_grad_norm is not None and not spec.max_grad_norm > 0.0:
+        problems.append(f"max_grad_norm {spec.max_grad_norm} <= 0")
     if problems:
         raise ValueError("invalid trial spec: " + "; ".join(problems))
+
+
+def trial_seed(seed: int, stream: str) -> int:
+    """Independent seeds for a trial's ``"init"`` / ``"dropout"`` / ``"data"`` streams, stable everywhere."""
+    return (seed * 1_000_003 + zlib.crc32(stream.encode())) % 2**63

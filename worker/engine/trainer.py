@@ -1,80 +1,22 @@
-"""Train a pack of LoRA trials on one frozen base model.
-
-Straightforward engine: each round, every active trial takes one optimizer step on its own micro-batch
-with its own adapter slot active. A trial is independent of its pack-mates (own data order, init,
-dropout RNG, optimizer), so it trains exactly as it would alone (DESIGN.md §3, tLoRA §3.1).
-"""
+"""``train_pack``: train a list of trials to completion on one ``PackEngine`` and export their adapters."""
 
 from __future__ import annotations
 
 import logging
-import math
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.engine.data import (
-    IGNORE_INDEX,
-    Batch,
-    BatchSampler,
-    Example,
-    batches_in_order,
-    collate,
-    encode_rows,
-)
-from worker.engine.export import export_peft_adapter
-from worker.engine.lora import (
-    LoraConfig,
-    adapter_tensors,
-    add_adapter,
-    peft_target_modules,
-    remove_adapter,
-    resolve_target_modules,
-    restore_base_model,
-    set_active_adapter,
-)
-from worker.engine.schedule import lr_at
+from worker.engine.engine import PackEngine
+from worker.engine.lora import resolve_target_modules
+from worker.engine.slots import StepStats
 from worker.engine.spec import TrialOutcome, TrialSpec, validate_spec
 
 logger = logging.getLogger(__name__)
 
 PointCallback = Callable[[str, int, str, float], None]  # (trial_id, step, "train" | "val", loss)
-
-
-@dataclass
-class _Run:
-    """A trial in flight: its slot, data, optimizer and best checkpoint so far."""
-
-    spec: TrialSpec
-    slot: int
-    target_paths: list[str]
-    train: list[Example]
-    val_batches: list[Batch]
-    sampler: BatchSampler
-    optimizer: torch.optim.Optimizer
-    steps_done: int = 0
-    last_train_loss: float | None = None
-    best_val_loss: float | None = None
-    best_step: int | None = None
-    best_tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-    points: list[tuple[int, str, float]] = field(default_factory=list)  # not yet reported
-
-    def outcome(self, status: str, adapter_dir: Path | None = None, error: str | None = None) -> TrialOutcome:
-        return TrialOutcome(
-            self.spec.trial_id,
-            status,
-            self.steps_done,
-            self.best_val_loss,
-            self.best_step,
-            self.last_train_loss,
-            adapter_dir,
-            error,
-        )
 
 
 def train_pack(
@@ -86,13 +28,27 @@ def train_pack(
     export_dir: Path,
     on_point: PointCallback,
     should_stop: Callable[[], set[str]] = lambda: set(),
+    on_step: Callable[[StepStats], None] | None = None,
+    resume: dict[str, Path] | None = None,
+    checkpoint_dir: Path | None = None,
+    checkpoint_interval: int | None = None,
+    on_checkpoint: Callable[[str, int, Path], None] | None = None,
 ) -> list[TrialOutcome]:
     """Train ``trials`` together on ``model`` and export each completed one to ``export_dir/<trial_id>/``.
 
-    A trial that raises (bad spec, unknown target module, an exception in its step) is ``"failed"`` and
-    the others go on; a NaN loss is reported, not an error. Ids returned by ``should_stop`` (polled once
-    per round) are dropped at once as ``"stopped"``. Exceptions from ``on_point`` propagate. The model is
-    left with no adapter layers, ready for the next pack.
+    All trials share one ``PackEngine`` of capacity ``len(trials)``: one forward and one backward per step.
+    A trial that raises (bad spec, unknown target module, no data, an exception in its step) is
+    ``"failed"`` and the others go on; a NaN loss is reported, not an error. Ids returned by
+    ``should_stop`` (polled once per step) are dropped at once as ``"stopped"``. Exceptions from the
+    callbacks propagate. The model is left with no adapter layers, ready for the next pack.
+
+    Args:
+        on_point: called per train step and per validation of each trial.
+        on_step: called with each pack step's ``StepStats``.
+        resume: ``{trial_id: checkpoint dir}`` of trials to continue instead of starting fresh.
+        checkpoint_dir, checkpoint_interval: checkpoint each trial to ``checkpoint_dir/<trial_id>/`` every
+            ``checkpoint_interval`` of its steps (replaced atomically), then call ``on_checkpoint(trial_id,
+            step, path)``.
 
     Returns:
         One outcome per trial, in the order of ``trials``.
@@ -100,180 +56,110 @@ def train_pack(
     ids = [t.trial_id for t in trials]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate trial ids in pack: {ids}")
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad_token_id is None:
-        raise ValueError("tokenizer has neither a pad nor an eos token")
-    model.requires_grad_(False)
-    model.eval()  # the base never drops out; LoRA dropout is switched by set_active_adapter
-
     outcomes: dict[str, TrialOutcome] = {}
-    runs: list[_Run] = []
-    try:
-        for slot, spec in enumerate(trials):
+    ready: list[tuple[TrialSpec, list[str]]] = []
+    for spec in trials:
+        try:
+            validate_spec(spec)
+            ready.append((spec, resolve_target_modules(model, spec.target_modules)))
+        except Exception as exc:
+            logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
+            outcomes[spec.trial_id] = TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc))
+    if not ready:
+        return [outcomes[i] for i in ids]
+    hooks = _Hooks(on_point, Path(export_dir), base_model_name, checkpoint_dir, checkpoint_interval, on_checkpoint)
+    with PackEngine(
+        model,
+        tokenizer,
+        capacity=len(ready),
+        max_rank=max(spec.lora_rank for spec, _ in ready),
+        target_modules=sorted({path for _, paths in ready for path in paths}),
+    ) as engine:
+        for spec, _ in ready:
             try:
-                runs.append(_setup(model, tokenizer, spec, slot, int(pad_token_id)))
+                engine.admit(spec, resume=(resume or {}).get(spec.trial_id))
             except Exception as exc:
                 logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
-                remove_adapter(model, slot)
                 outcomes[spec.trial_id] = TrialOutcome(
                     spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)
                 )
-        while runs:
+        while live := _live(engine):
             stop = should_stop()
-            for run in [r for r in runs if r.spec.trial_id in stop]:
-                outcomes[run.spec.trial_id] = run.outcome("stopped")
-                _release(model, runs, run)
-            for run in list(runs):
-                done: TrialOutcome | None
-                try:
-                    done = _advance(model, run, int(pad_token_id), base_model_name, Path(export_dir))
-                except Exception as exc:
-                    logger.exception("trial %s failed at step %d", run.spec.trial_id, run.steps_done + 1)
-                    done = run.outcome("failed", error=_describe(exc))
-                for step, split, loss in run.points:
-                    on_point(run.spec.trial_id, step, split, loss)
-                run.points.clear()
-                if done is not None:
-                    outcomes[run.spec.trial_id] = done
-                    _release(model, runs, run)
-    finally:
-        set_active_adapter(model, None)
-        restore_base_model(model)
+            for slot in [s for s in live if engine.state(s).spec.trial_id in stop]:
+                stopped = _finish(engine, slot, "stopped")
+                outcomes[stopped.trial_id] = stopped
+            losses = engine.step() if any(state.training for state in engine.slots if state) else {}
+            if on_step is not None and engine.last_stats is not None and losses:
+                on_step(engine.last_stats)
+            for slot in _live(engine):
+                outcome = _after_step(engine, slot, losses, hooks)
+                if outcome is not None:
+                    outcomes[outcome.trial_id] = outcome
     return [outcomes[i] for i in ids]
 
 
-def _setup(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: TrialSpec, slot: int, pad_token_id: int
-) -> _Run:
-    """Validate, tokenise and give the trial a fresh adapter and optimizer in ``slot``."""
-    validate_spec(spec)
-    train = encode_rows(spec.train_rows, tokenizer, spec.max_seq_len)
-    if not train:
-        raise ValueError("no training row has a target token left after truncation")
-    val = encode_rows(spec.val_rows, tokenizer, spec.max_seq_len)
-    if spec.val_rows and not val:
-        logger.warning("trial %s: no validation row has a target token; validation is off", spec.trial_id)
-    target_paths = resolve_target_modules(model, spec.target_modules)
-    config = LoraConfig(rank=spec.lora_rank, alpha=spec.lora_alpha, dropout=spec.lora_dropout)
-    params = add_adapter(
-        model,
-        slot,
-        config,
-        target_paths,
-        init_seed=_seed(spec.seed, "init"),
-        dropout_seed=_seed(spec.seed, "dropout"),
-    )
-    optimizer = torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=spec.weight_decay)
-    return _Run(
-        spec=spec,
-        slot=slot,
-        target_paths=target_paths,
-        train=train,
-        val_batches=batches_in_order(val, spec.batch_size, pad_token_id),
-        sampler=BatchSampler(len(train), spec.batch_size, _seed(spec.seed, "data")),
-        optimizer=optimizer,
-    )
+@dataclass(frozen=True)
+class _Hooks:
+    on_point: PointCallback
+    export_dir: Path
+    base_model_name: str
+    checkpoint_dir: Path | None
+    checkpoint_interval: int | None
+    on_checkpoint: Callable[[str, int, Path], None] | None
 
 
-def _advance(
-    model: PreTrainedModel, run: _Run, pad_token_id: int, base_model_name: str, export_dir: Path
-) -> TrialOutcome | None:
-    """One step of one trial, then validation and export when due. Returns the outcome once done."""
-    spec = run.spec
-    run.last_train_loss = _train_step(model, run, pad_token_id)
-    run.points.append((run.steps_done, "train", run.last_train_loss))
+def _after_step(engine: PackEngine, slot: int, losses: dict[str, float], hooks: _Hooks) -> TrialOutcome | None:
+    """Report, validate, checkpoint and, once done, export one slot after a pack step.
 
-    last = run.steps_done == spec.max_steps
-    if run.val_batches and (run.steps_done % spec.eval_interval == 0 or last):
-        val_loss = _evaluate(model, run)
-        run.points.append((run.steps_done, "val", val_loss))
-        if not math.isnan(val_loss) and (run.best_val_loss is None or val_loss < run.best_val_loss):
-            run.best_val_loss, run.best_step = val_loss, run.steps_done
-            run.best_tensors = adapter_tensors(model, run.slot)
-    if not last:
-        return None
-
-    if run.best_tensors is None:  # no validation (or only NaN): the final adapter is the result
-        run.best_step, run.best_tensors = run.steps_done, adapter_tensors(model, run.slot)
-    adapter_dir = export_peft_adapter(
-        export_dir / spec.trial_id,
-        run.best_tensors,
-        config=LoraConfig(rank=spec.lora_rank, alpha=spec.lora_alpha, dropout=spec.lora_dropout),
-        target_modules=peft_target_modules(model, run.target_paths),
-        base_model_name=base_model_name,
-    )
-    return run.outcome("completed", adapter_dir=adapter_dir)
-
-
-def _train_step(model: PreTrainedModel, run: _Run, pad_token_id: int) -> float:
-    """One AdamW step of one trial on its next micro-batch; returns the mean target-token loss."""
-    batch = collate([run.train[i] for i in run.sampler.next_indices()], pad_token_id)
-    n_targets = int((batch.labels[:, 1:] != IGNORE_INDEX).sum())  # counted on the host: no device sync
-    batch = batch.to(_device(model))
-    lr = lr_at(
-        run.steps_done,
-        base_lr=run.spec.learning_rate,
-        max_steps=run.spec.max_steps,
-        warmup_steps=run.spec.warmup_steps,
-        schedule=run.spec.lr_schedule,
-    )
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-
-    set_active_adapter(model, run.slot, training=True)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-    loss = token_loss_sum(logits, batch.labels) / n_targets
-    del logits  # the (batch, seq, vocab) logits are the largest activation; free before backward peaks
-    run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    run.optimizer.step()
-    run.steps_done += 1
-    return float(loss.item())  # device sync: the loss is reported every step
-
-
-@torch.no_grad()
-def _evaluate(model: PreTrainedModel, run: _Run) -> float:
-    """Token-weighted mean loss over the trial's validation rows, adapter in eval mode (no dropout)."""
-    set_active_adapter(model, run.slot, training=False)
-    total = torch.zeros((), dtype=torch.float64, device=_device(model))
-    n_targets = 0
-    for batch in run.val_batches:
-        n_targets += int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
-        batch = batch.to(_device(model))
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        total += token_loss_sum(logits, batch.labels).double()
-    return float(total.item()) / n_targets
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy over target tokens, in fp32.
-
-    Args:
-        logits: ``(batch, seq, vocab)``; position ``t`` predicts token ``t + 1``.
-        labels: ``(batch, seq)``, ``IGNORE_INDEX`` where there is no target.
+    Engine work that raises fails this trial only; exceptions from the callbacks propagate.
+    Returns the trial's outcome once it has one (the slot is then free).
     """
-    vocab = logits.shape[-1]
-    return F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, vocab),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
+    state = engine.state(slot)
+    trial_id, step = state.spec.trial_id, state.steps_done
+    if trial_id in engine.failures:
+        return _finish(engine, slot, "failed", engine.failures[trial_id])
+    val_loss = checkpoint = None
+    try:
+        if trial_id in losses and state.eval_due:
+            val_loss = engine.evaluate(slot)
+        interval = hooks.checkpoint_interval
+        if trial_id in losses and hooks.checkpoint_dir is not None and interval and step % interval == 0:
+            checkpoint = engine.checkpoint(slot, hooks.checkpoint_dir / trial_id)
+        outcome = None if state.training else _finish(engine, slot, "completed", export_to=hooks)
+    except Exception as exc:
+        logger.exception("trial %s failed after step %d", trial_id, step)
+        return _finish(engine, slot, "failed", _describe(exc))
+    if trial_id in losses:
+        hooks.on_point(trial_id, step, "train", losses[trial_id])
+    if val_loss is not None:
+        hooks.on_point(trial_id, step, "val", val_loss)
+    if checkpoint is not None and hooks.on_checkpoint is not None:
+        hooks.on_checkpoint(trial_id, step, checkpoint)
+    return outcome
+
+
+def _finish(
+    engine: PackEngine, slot: int, status: str, error: str | None = None, *, export_to: _Hooks | None = None
+) -> TrialOutcome:
+    """The slot's outcome (exporting its best adapter when ``export_to`` is given); frees the slot."""
+    state = engine.state(slot)
+    adapter_dir = None
+    if export_to is not None:
+        out = export_to.export_dir / state.spec.trial_id
+        adapter_dir = engine.export(slot, out, base_model_name=export_to.base_model_name)
+    best_step = state.best_step
+    if adapter_dir is not None and state.best is None:  # no (finite) validation: the final adapter is the result
+        best_step = state.steps_done
+    outcome = TrialOutcome(
+        state.spec.trial_id, status, state.steps_done, state.best_val_loss, best_step, state.last_train_loss,
+        adapter_dir, error,
     )
+    engine.evict(slot)
+    return outcome
 
 
-def _release(model: PreTrainedModel, runs: list[_Run], run: _Run) -> None:
-    """Drop a finished / stopped / failed trial and free its slot (adapter weights and optimizer state)."""
-    runs.remove(run)
-    remove_adapter(model, run.slot)
-
-
-def _seed(seed: int, stream: str) -> int:
-    """Independent seeds for a trial's init / dropout / data streams, stable across runs and machines."""
-    return (seed * 1_000_003 + zlib.crc32(stream.encode())) % 2**63
-
-
-def _device(model: PreTrainedModel) -> torch.device:
-    return next(model.parameters()).device
+def _live(engine: PackEngine) -> list[int]:
+    return [slot for slot, state in enumerate(engine.slots) if state is not None]
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,0 +1,195 @@
+"""PackEngine: a pack trains every trial exactly as it would alone (also across evict / admit), matches
+PEFT + torch.optim.AdamW, and reports its steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import peft
+import pytest
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tests.engine.factories import chat_rows, completion_rows, make_spec, token_loss_sum
+from worker.engine import PackEngine, TrialSpec
+from worker.engine.data import BatchSampler, collate, encode_rows
+from worker.engine.lora import resolve_target_modules
+from worker.engine.spec import trial_seed
+from worker.engine.store import ModuleTensors
+
+Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+
+# Deliberately different: targets, rank, alpha, rsLoRA, dropout, batch size, schedule, decay, clipping, data.
+MIXED: dict[str, dict[str, Any]] = {
+    "a": {"target_modules": ["q_proj", "v_proj", "lm_head"], "lora_dropout": 0.05, "train_rows": chat_rows(4)},
+    "b": {
+        "target_modules": ["all-linear"],
+        "lora_rank": 8,
+        "lora_alpha": 16.0,
+        "lora_dropout": 0.1,
+        "batch_size": 2,
+        "lr_schedule": "cosine",
+        "warmup_steps": 2,
+        "weight_decay": 0.01,
+        "max_grad_norm": 0.5,
+        "beta2": 0.99,
+        "seed": 7,
+        "train_rows": completion_rows(4),
+    },
+    "c": {
+        "target_modules": ["o_proj", "down_proj"],
+        "lora_rank": 2,
+        "use_rslora": True,
+        "lora_dropout": 0.2,
+        "batch_size": 3,
+        "lr_schedule": "linear",
+        "seed": 3,
+    },
+    "d": {"target_modules": ["k_proj", "up_proj"], "lora_rank": 6, "batch_size": 1, "eps": 1e-6, "seed": 11},
+}
+
+
+def _engine(tiny: Tiny, specs: list[TrialSpec], capacity: int | None = None) -> PackEngine:
+    model, tokenizer = tiny
+    paths = sorted({p for s in specs for p in resolve_target_modules(model, s.target_modules)})
+    return PackEngine(model, tokenizer, capacity=capacity or len(specs),
+                      max_rank=max(s.lora_rank for s in specs), target_modules=paths)
+
+
+def _alone(tiny: Tiny, spec: TrialSpec, steps: int) -> tuple[ModuleTensors, list[float]]:
+    with _engine(tiny, [spec]) as engine:
+        slot = engine.admit(spec)
+        losses = [engine.step()[spec.trial_id] for _ in range(steps)]
+        return engine.adapter(slot), losses
+
+
+def _assert_same(packed: ModuleTensors, alone: ModuleTensors) -> None:
+    assert packed.keys() == alone.keys()
+    for path in packed:
+        for got, want in zip(packed[path], alone[path], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pack_trains_each_trial_as_it_would_alone(tiny: Tiny) -> None:
+    specs = [make_spec(tid, **MIXED[tid]) for tid in ("a", "b", "c")]
+    curves: dict[str, list[float]] = {s.trial_id: [] for s in specs}
+    with _engine(tiny, specs) as engine:
+        slots = {s.trial_id: engine.admit(s) for s in specs}
+        for _ in range(6):
+            for trial_id, loss in engine.step().items():
+                curves[trial_id].append(loss)
+        packed = {tid: engine.adapter(slot) for tid, slot in slots.items()}
+        assert engine.last_stats is not None and engine.last_stats.active_slots == 3
+    for spec in specs:
+        adapter, losses = _alone(tiny, spec, 6)
+        _assert_same(packed[spec.trial_id], adapter)
+        torch.testing.assert_close(curves[spec.trial_id], losses, rtol=1e-5, atol=1e-6)
+        assert losses[-1] < losses[0] - 0.2, f"{spec.trial_id} did not learn: {losses}"
+
+
+def test_evict_zeroes_a_slot_and_a_trial_admitted_mid_run_trains_as_alone(tiny: Tiny) -> None:
+    specs = [make_spec(tid, **MIXED[tid]) for tid in ("a", "b", "c")]
+    late = make_spec("d", **MIXED["d"])
+    with _engine(tiny, [*specs, late], capacity=3) as engine:
+        slots = {s.trial_id: engine.admit(s) for s in specs}
+        with pytest.raises(ValueError, match="no free slot"):
+            engine.admit(late)
+        for _ in range(3):
+            engine.step()
+        freed = slots.pop("b")
+        engine.evict(freed)
+        store, optimizer = engine.store, engine.optimizer
+        for matrix in (store.weights, store.grads, optimizer.exp_avg, optimizer.exp_avg_sq):
+            assert not matrix[freed].any()
+        assert not store.scales[:, freed].any() and optimizer.steps[freed] == 0 and engine.slots[freed] is None
+        assert engine.admit(late) == freed
+        for _ in range(4):
+            assert set(engine.step()) == {"a", "c", "d"}
+        packed = {tid: engine.adapter(slot) for tid, slot in slots.items()}
+        packed["d"] = engine.adapter(freed)
+    for spec, steps in [(specs[0], 7), (specs[2], 7), (late, 4)]:
+        _assert_same(packed[spec.trial_id], _alone(tiny, spec, steps)[0])
+
+
+def test_one_trial_matches_peft_with_torch_adamw(tiny: Tiny, fresh_tiny: Tiny) -> None:
+    spec = make_spec(
+        "p", target_modules=["q_proj", "v_proj", "down_proj"], batch_size=2, weight_decay=0.05, beta1=0.8, beta2=0.99,
+        max_steps=5, learning_rate=1e-2,
+    )
+    with _engine(tiny, [spec]) as engine:
+        slot = engine.admit(spec)
+        init = engine.adapter(slot)
+        losses = [engine.step()["p"] for _ in range(5)]
+        trained = engine.adapter(slot)
+
+    model, tokenizer = fresh_tiny
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft_model: Any = peft.get_peft_model(model, config)
+    for path, (a, b) in init.items():
+        layer = peft_model.base_model.model.get_submodule(path)
+        layer.lora_A["default"].weight.data.copy_(a)
+        layer.lora_B["default"].weight.data.copy_(b)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.05)
+    examples = encode_rows(spec.train_rows, tokenizer, spec.max_seq_len)
+    sampler = BatchSampler(len(examples), 2, trial_seed(spec.seed, "data"))
+    reference = []
+    for _ in range(5):
+        batch = collate([examples[i] for i in sampler.next_indices()], int(tokenizer.pad_token_id))
+        logits = peft_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        loss = token_loss_sum(logits, batch.labels) / int((batch.labels[:, 1:] != -100).sum())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.append(loss.item())
+    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6)
+    for path, (a, b) in trained.items():
+        layer = peft_model.base_model.model.get_submodule(path)
+        torch.testing.assert_close(a, layer.lora_A["default"].weight, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b, layer.lora_B["default"].weight, rtol=1e-4, atol=1e-6)
+        assert b.abs().max() > 1e-3  # it trained
+
+
+def test_step_stats_report_real_and_padded_tokens(tiny: Tiny) -> None:
+    _, tokenizer = tiny
+    specs = [make_spec("s1", batch_size=1, train_rows=completion_rows(4)), make_spec("s2", batch_size=2, seed=5)]
+    with _engine(tiny, specs) as engine:
+        for spec in specs:
+            engine.admit(spec)
+        engine.step()
+        stats = engine.last_stats
+    assert stats is not None
+    lengths, targets = [], 0
+    for spec in specs:  # the rows each trial's own sampler draws first
+        examples = encode_rows(spec.train_rows, tokenizer, spec.max_seq_len)
+        for i in BatchSampler(len(examples), spec.batch_size, trial_seed(spec.seed, "data")).next_indices():
+            lengths.append(len(examples[i].input_ids))
+            targets += examples[i].n_targets
+    assert (stats.step, stats.active_slots, stats.tokens, stats.target_tokens) == (1, 2, sum(lengths), targets)
+    assert stats.padded_tokens == 3 * max(lengths) - sum(lengths) > 0
+    assert stats.padded_fraction == pytest.approx(stats.padded_tokens / (3 * max(lengths)))
+    assert stats.seconds > 0 and stats.peak_memory_bytes is None
+
+
+def test_the_next_batch_is_packed_ahead_and_dropped_when_the_pack_changes(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    specs = [make_spec("a"), make_spec("b", seed=2)]
+    packed: list[list[int]] = []
+    real_pack = PackEngine._pack
+
+    def recording_pack(engine: PackEngine, parts: Any) -> Any:
+        packed.append([p.slot for p in parts])
+        return real_pack(engine, parts)
+
+    monkeypatch.setattr(PackEngine, "_pack", recording_pack)
+    with _engine(tiny, specs) as engine:
+        for spec in specs:
+            engine.admit(spec)
+        for _ in range(3):
+            engine.step()
+        # The first step packs its own batch; every step packs the next one while the device works.
+        assert packed == [[0, 1]] * 4
+        engine.evict(1)
+        engine.step()
+        assert packed[4:] == [[0], [0]]  # the batch packed ahead for slots 0 and 1 went unused

@@ -1,0 +1,75 @@
+"""Host-side packing of a step and the chunked per-slot loss (equal to the full-logits loss)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.engine.factories import token_loss_sum
+from worker.engine.batch import SlotRows, pack_rows
+from worker.engine.data import IGNORE_INDEX, Example, collate
+from worker.engine.lora import LoraContext
+from worker.engine.loss import slot_loss_sums, target_token_loss
+
+CPU = torch.device("cpu")
+VOCAB, HIDDEN = 11, 8
+
+
+def _example(n: int, prompt: int, seed: int) -> Example:
+    ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Example(ids, [IGNORE_INDEX] * prompt + ids[prompt:])
+
+
+def _parts() -> list[SlotRows]:
+    # Slot 2 with two rows, slot 0 with one; slot 1 sits this step out.
+    return [
+        SlotRows(2, [_example(5, 2, 0), _example(7, 3, 1)], dropout=0.5, dropout_key=123),
+        SlotRows(0, [_example(4, 1, 2)]),
+    ]
+
+
+def test_rows_go_slot_by_slot_right_padded_with_their_segments() -> None:
+    batch = pack_rows(_parts(), pad_token_id=0, num_slots=3, device=CPU, loss_chunk=4)
+    assert batch.input_ids.shape == (3, 7) and batch.attention_mask.sum(1).tolist() == [5, 7, 4]
+    meta = batch.routing.meta
+    assert (meta.slot_ids, meta.lengths) == ((2, 0), (14, 7))  # whole padded rows
+    assert batch.n_targets == {2: 3 + 4, 0: 3} and batch.target_counts.tolist() == [3.0, 1.0, 7.0]
+    assert batch.targets.slots.tolist() == [2] * 7 + [0] * 3
+    # Chunks of 4 targets cut slot 2's run; each chunk is routed by its own segments.
+    assert [(c.start, c.end, c.routing.meta.slot_ids) for c in batch.targets.chunks] == [
+        (0, 4, (2,)),
+        (4, 8, (2, 0)),
+        (8, 10, (0,)),
+    ]
+    # Dropout keys of slot 2's rows do not depend on what else is in the pack.
+    alone = pack_rows(_parts()[:1], pad_token_id=0, num_slots=3, device=CPU, loss_chunk=4)
+    assert batch.routing.dropout is not None and alone.routing.dropout is not None
+    packed_keys = batch.routing.dropout.token_keys.view(3, 7)[:2, :5]
+    assert torch.equal(packed_keys, alone.routing.dropout.token_keys.view(2, 7)[:, :5])
+    assert batch.routing.dropout.threshold.view(3, 7)[2].eq(0).all()  # slot 0: p = 0 keeps everything
+
+
+def test_chunked_slot_losses_equal_the_full_logits_loss_and_its_gradients() -> None:
+    torch.manual_seed(0)
+    lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+    batch = pack_rows(_parts(), pad_token_id=0, num_slots=3, device=CPU, loss_chunk=3)
+    hidden = torch.randn(3, 7, HIDDEN, requires_grad=True)
+    weights = torch.tensor([0.5, 2.0, 1.5])
+    sums = slot_loss_sums(hidden, lm_head, batch.targets, LoraContext(), num_slots=3, checkpointed=True)
+    (sums * weights).sum().backward()
+    chunked_grad, hidden.grad = hidden.grad, None
+    assert chunked_grad is not None and lm_head.weight.grad is not None
+    chunked_head_grad, lm_head.weight.grad = lm_head.weight.grad.clone(), None
+
+    logits = lm_head(hidden)  # (rows, seq, vocab): the full logits the engine never materialises
+    labels = collate([e for part in _parts() for e in part.examples], 0).labels
+    by_slot = [token_loss_sum(logits[2:], labels[2:]), torch.zeros(()), token_loss_sum(logits[:2], labels[:2])]
+    full = torch.stack(by_slot)
+    torch.testing.assert_close(sums.detach(), full.detach(), rtol=1e-6, atol=1e-6)
+    (full * weights).sum().backward()
+    torch.testing.assert_close(chunked_grad, hidden.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(chunked_head_grad, lm_head.weight.grad, rtol=1e-6, atol=1e-7)
+
+    # The single-trial form used outside the engine: the mean over all targets.
+    mean = target_token_loss(hidden, labels, lm_head, chunk=2)
+    torch.testing.assert_close(mean, token_loss_sum(logits, labels) / 10, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,319 @@
+"""``PackEngine``: a pack of LoRA trials on one frozen base model, one forward and one backward per step.
+
+A step takes every training slot's next micro-batch (its own batch size and seeded data order), runs them
+as one right-padded batch through the model with every slot's adapter applied to its own rows, sums each
+slot's mean target-token loss, calls one backward and one vectorised AdamW update. Slots are independent
+(own rows, own adapter row, own optimizer row, own dropout keys), so a trial trains exactly as it would
+alone (DESIGN.md §3; tLoRA §3.1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from worker.engine import checkpoint, feed
+from worker.engine.batch import PackedBatch, SlotRows, pack_rows
+from worker.engine.data import BatchSampler, encode_rows
+from worker.engine.export import export_peft_adapter
+from worker.engine.feed import BatchKey
+from worker.engine.lora import ALL_LINEAR, LoraContext, inject_lora, peft_target_modules, resolve_target_modules
+from worker.engine.lora import restore_base_model as _restore
+from worker.engine.loss import slot_loss_sums
+from worker.engine.optim import SlotAdamW
+from worker.engine.slots import SlotState, StepStats
+from worker.engine.spec import TrialSpec, trial_seed, validate_spec
+from worker.engine.store import AdapterStore, ModuleTensors
+
+logger = logging.getLogger(__name__)
+
+# On CUDA, batch widths are rounded up to this: at most seq/64 distinct shapes, each with its attention plan
+# built once (a new width costs cuDNN a plan; on the CPU there is nothing to gain, and exact widths keep the
+# CPU tests' numbers).
+CUDA_WIDTH_MULTIPLE = 64
+
+LOSS_CHUNK_TOKENS = 4096  # target tokens per lm_head chunk: bounds the (chunk, vocab) logits of the loss
+
+
+class PackEngine:
+    """Trains up to ``capacity`` trials at once on ``model``; see the package docstring for the interface.
+
+    Args:
+        model: a frozen causal LM (``load_base_model``); its linear layers are wrapped until ``close()``.
+        tokenizer: its tokenizer (encodes the trials' rows).
+        capacity: ``Z``, slots (fixed for the engine's life).
+        device: where to train; the model's device by default.
+        max_rank: rank every slot's adapter is padded to; trials of higher rank are refused.
+        target_modules: the layers any trial of this pack may target (PEFT patterns; ``None``: all-linear).
+        loss_chunk_tokens: target tokens per ``lm_head`` chunk of the loss.
+
+    Raises:
+        ValueError: a model whose logits are not plainly ``lm_head(last hidden state)``, or bad targets.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        capacity: int,
+        device: torch.device | None = None,
+        max_rank: int = 64,
+        target_modules: list[str] | None = None,
+        loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    ) -> None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("tokenizer has neither a pad nor an eos token")
+        for name in ("final_logit_softcapping", "logit_scale"):
+            if getattr(model.config, name, None) not in (None, 1, 1.0):
+                raise ValueError(f"{type(model).__name__} has {name}: the chunked loss applies lm_head only")
+        parameter = next(model.parameters())
+        self.model, self.tokenizer, self.pad_token_id = model, tokenizer, int(pad)
+        self.device = device or parameter.device
+        self.loss_chunk_tokens = loss_chunk_tokens
+        model.requires_grad_(False)
+        model.eval()  # the base never drops out; LoRA dropout is the engine's own
+        paths = resolve_target_modules(model, target_modules or [ALL_LINEAR])
+        self.context = LoraContext()
+        layers = inject_lora(model, paths, self.context)
+        try:
+            self.store = AdapterStore(
+                layers, capacity=capacity, max_rank=max_rank, device=self.device, compute_dtype=parameter.dtype
+            )
+        except Exception:
+            _restore(model)
+            raise
+        self.optimizer = SlotAdamW(self.store.weights, self.store.grads, self.store.compute)
+        self.slots: list[SlotState | None] = [None] * capacity
+        self.pack_step = 0
+        self.last_stats: StepStats | None = None
+        self.failures: dict[str, str] = {}  # trial id -> error, of the last step's failed slots
+        self._prefetched: tuple[BatchKey, PackedBatch] | None = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # -- slots ---------------------------------------------------------------------------------------
+
+    def admit(self, spec: TrialSpec, *, resume: Path | None = None) -> int:
+        """Put ``spec`` in the lowest free slot: fresh adapter from its seed, fresh optimizer, step 0.
+
+        With ``resume``, continue instead from the checkpoint in that directory. Returns the slot.
+
+        Raises:
+            ValueError: an invalid spec, a duplicate trial id, no free slot, a layer this pack does not
+                wrap, a rank above ``max_rank``, no trainable row, or a checkpoint that does not fit.
+        """
+        validate_spec(spec)
+        if any(s is not None and s.spec.trial_id == spec.trial_id for s in self.slots):
+            raise ValueError(f"trial {spec.trial_id} is already in the pack")
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if not free:
+            raise ValueError(f"no free slot (capacity {len(self.slots)})")
+        paths = resolve_target_modules(self.model, spec.target_modules)
+        outside = sorted(set(paths) - set(self.store.index))
+        if outside:
+            raise ValueError(f"trial {spec.trial_id} targets layers this pack does not wrap: {outside}")
+        train = encode_rows(spec.train_rows, self.tokenizer, spec.max_seq_len)
+        if not train:
+            raise ValueError("no training row has a target token left after truncation")
+        val = encode_rows(spec.val_rows, self.tokenizer, spec.max_seq_len)
+        if spec.val_rows and not val:
+            logger.warning("trial %s: no validation row has a target token; validation is off", spec.trial_id)
+        state = SlotState(
+            spec=spec,
+            paths=paths,
+            train=train,
+            val=val,
+            sampler=BatchSampler(len(train), spec.batch_size, trial_seed(spec.seed, "data")),
+            dropout_seed=trial_seed(spec.seed, "dropout"),
+        )
+        slot = free[0]
+        config = state.config
+        init_seed = trial_seed(spec.seed, "init")
+        self.store.init_slot(slot, paths=paths, rank=config.rank, scale=config.scale, seed=init_seed)
+        self.optimizer.reset(slot, state.hyper())
+        self.slots[slot] = state
+        if resume is not None:
+            try:
+                checkpoint.load_slot(resume, slot=slot, state=state, store=self.store, optimizer=self.optimizer)
+            except Exception:
+                self.evict(slot)
+                raise
+        return slot
+
+    def evict(self, slot: int) -> None:
+        """Free ``slot``: its adapter, gradient and optimizer state become zeros; nothing is kept."""
+        self.store.clear_slot(slot)
+        self.optimizer.clear(slot)
+        self.slots[slot] = None
+
+    def state(self, slot: int) -> SlotState:
+        """The trial in ``slot`` (progress, best validation, spec)."""
+        state = self.slots[slot]
+        if state is None:
+            raise ValueError(f"slot {slot} is free")
+        return state
+
+    # -- training ------------------------------------------------------------------------------------
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step of every training slot; returns ``{trial_id: mean target-token loss}``.
+
+        A slot whose data or step raises is marked failed (``self.failures``; it no longer trains) and
+        the others step as usual; a NaN loss is a loss, not a failure. Sets ``self.last_stats``.
+        """
+        started = time.perf_counter()
+        self.failures = {}
+        parts, key = feed.draw(self.slots, self._fail)
+        prefetched, self._prefetched = self._prefetched, None
+        batch = prefetched[1] if prefetched is not None and prefetched[0] == key else None
+        self.store.grads.zero_()
+        losses = self._losses_and_grads(parts, batch)
+        stepped = [p.slot for p in parts if not self.state(p.slot).failed]
+        self.optimizer.step({slot: self.state(slot).lr() for slot in stepped})  # also refreshes store.compute
+        self._prefetched = self._prefetch(stepped)  # host work while the device computes this step
+        values = losses.tolist()  # the step's one device sync: it waits for the update queued above
+        for slot in stepped:
+            self.state(slot).steps_done += 1
+            self.state(slot).last_train_loss = values[slot]
+        self.pack_step += 1
+        self.last_stats = StepStats.measure(self.pack_step, parts, len(stepped), started, self.device)
+        return {self.state(slot).spec.trial_id: values[slot] for slot in stepped}
+
+    def _prefetch(self, stepped: list[int]) -> tuple[BatchKey, PackedBatch] | None:
+        """Pack the next step's batch now, while the device is busy; ``step()`` uses it only if it then
+        draws exactly these micro-batches (``feed.peek``)."""
+        parts, key = feed.peek(self.slots, stepped)
+        if not parts:
+            return None
+        try:
+            return key, self._pack(parts)
+        except Exception:  # the step that needs it packs again and fails (or not) on its own
+            return None
+
+    def _losses_and_grads(self, parts: list[SlotRows], batch: PackedBatch | None) -> torch.Tensor:
+        """``(Z,)`` per-slot mean losses, gradients accumulated into ``store.grads``.
+
+        If the joint forward/backward raises, each slot is retried alone (slots are independent, so the
+        gradients are the same), to fail only the slot(s) that break.
+        """
+        losses = torch.zeros(len(self.slots), device=self.device)
+        if not parts:
+            return losses
+        try:
+            return self._forward_backward(batch if batch is not None else self._pack(parts))
+        except Exception as exc:
+            if len(parts) == 1:
+                self._fail(parts[0].slot, exc)
+                return losses
+            logger.warning("joint step failed (%s); retrying its %d slots one by one", exc, len(parts))
+        self.store.grads.zero_()
+        for part in parts:
+            try:
+                losses += self._forward_backward(self._pack([part]))
+            except Exception as exc:
+                self.store.grads[part.slot].zero_()
+                self._fail(part.slot, exc)
+        return losses
+
+    def _forward_backward(self, batch: PackedBatch) -> torch.Tensor:
+        """One forward of ``batch``, per-slot loss normalised by the slot's own target count, one backward."""
+        per_slot = self._loss_sums(batch, training=True) / batch.target_counts
+        per_slot.sum().backward()  # the LoRA layers' backward adds dA / dB into store.grads
+        return per_slot.detach()
+
+    def _loss_sums(self, batch: PackedBatch, *, training: bool) -> torch.Tensor:
+        """``(Z,)`` summed target-token losses of one forward (``lm_head`` chunks checkpointed in training)."""
+        with self.context.routed(batch.routing):
+            hidden = self.model.base_model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            ).last_hidden_state
+        return slot_loss_sums(
+            hidden, self.lm_head, batch.targets, self.context, num_slots=len(self.slots), checkpointed=training
+        )
+
+    @torch.no_grad()
+    def evaluate(self, slot: int) -> float | None:
+        """Token-weighted mean loss on the slot's validation rows (no dropout); ``None`` without any.
+
+        A loss below the best so far (NaN never is) makes the current adapter the slot's best.
+        """
+        state = self.state(slot)
+        if not state.val:
+            return None
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        n_targets = 0
+        for start in range(0, len(state.val), state.spec.batch_size):
+            batch = self._pack([SlotRows(slot, state.val[start : start + state.spec.batch_size])])
+            total += self._loss_sums(batch, training=False)[slot].double()
+            n_targets += batch.n_targets[slot]
+        loss = float(total.item()) / n_targets  # device sync
+        if loss == loss and (state.best_val_loss is None or loss < state.best_val_loss):
+            state.best_val_loss, state.best_step = loss, state.steps_done
+            state.best = self.store.read(self.store.weights, slot)
+        return loss
+
+    # -- artifacts -----------------------------------------------------------------------------------
+
+    def adapter(self, slot: int) -> ModuleTensors:
+        """Clones of the slot's current ``{path: (A (r, d_in), B (d_out, r))}`` (true rank)."""
+        self.state(slot)
+        return self.store.read(self.store.weights, slot)
+
+    def checkpoint(self, slot: int, directory: Path) -> Path:
+        """Save everything needed to resume the slot exactly (``admit(spec, resume=directory)``)."""
+        return checkpoint.save_slot(
+            directory, slot=slot, state=self.state(slot), store=self.store, optimizer=self.optimizer
+        )
+
+    def export(self, slot: int, directory: Path, *, base_model_name: str) -> Path:
+        """Write the slot's best-validation adapter (the current one if it has none) in PEFT format."""
+        state = self.state(slot)
+        return export_peft_adapter(
+            directory,
+            state.best if state.best is not None else self.adapter(slot),
+            config=state.config,
+            target_modules=peft_target_modules(self.model, state.paths),
+            base_model_name=base_model_name,
+        )
+
+    def close(self) -> None:
+        """Unwrap the model's layers: it is the bare frozen base model again, ready for the next pack."""
+        _restore(self.model)
+        self.slots = [None] * len(self.slots)
+        self._prefetched = None
+
+    def __enter__(self) -> PackEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        head = self.model.get_output_embeddings()
+        assert isinstance(head, torch.nn.Module), f"{type(self.model).__name__} has no output embeddings"
+        return head
+
+    def _pack(self, parts: list[SlotRows]) -> PackedBatch:
+        return pack_rows(
+            parts,
+            pad_token_id=self.pad_token_id,
+            num_slots=len(self.slots),
+            device=self.device,
+            loss_chunk=self.loss_chunk_tokens,
+            pad_to_multiple=CUDA_WIDTH_MULTIPLE if self.device.type == "cuda" else 1,
+        )
+
+    def _fail(self, slot: int, exc: BaseException) -> None:
+        state = self.state(slot)
+        logger.warning("trial %s failed at step %d: %s", state.spec.trial_id, state.steps_done + 1, exc)
+        state.failed = True
+        self.failures[state.spec.trial_id] = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,114 @@
+"""What the engine keeps per slot besides tensors (``SlotState``), and what it reports per step (``StepStats``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.batch import SlotRows
+from worker.engine.data import BatchSampler, Example
+from worker.engine.lora import LoraConfig
+from worker.engine.optim import AdamWHyper
+from worker.engine.schedule import lr_at
+from worker.engine.spec import TrialSpec
+from worker.engine.store import ModuleTensors
+
+
+@dataclass
+class SlotState:
+    """A trial in a slot: its data and cursor, progress, and its best validation so far.
+
+    The adapter itself and the optimizer moments live in the engine's flat store, row ``slot``.
+    """
+
+    spec: TrialSpec
+    paths: list[str]  # layers it targets, in model order
+    train: list[Example]
+    val: list[Example]
+    sampler: BatchSampler
+    dropout_seed: int
+    steps_done: int = 0
+    last_train_loss: float | None = None
+    best_val_loss: float | None = None
+    best_step: int | None = None
+    best: ModuleTensors | None = None  # the best-validation adapter (device clones)
+    failed: bool = False
+
+    @property
+    def config(self) -> LoraConfig:
+        spec = self.spec
+        return LoraConfig(spec.lora_rank, spec.lora_alpha, spec.lora_dropout, spec.use_rslora)
+
+    @property
+    def training(self) -> bool:
+        """Takes part in the next step."""
+        return not self.failed and self.steps_done < self.spec.max_steps
+
+    @property
+    def eval_due(self) -> bool:
+        """Validation is due after the step just taken (every ``eval_interval`` steps and at the last)."""
+        every = self.steps_done % self.spec.eval_interval == 0
+        return bool(self.val) and self.steps_done > 0 and (every or self.steps_done == self.spec.max_steps)
+
+    def lr(self) -> float:
+        """Learning rate of the trial's next step (its schedule at its own step)."""
+        spec = self.spec
+        return lr_at(
+            self.steps_done,
+            base_lr=spec.learning_rate,
+            max_steps=spec.max_steps,
+            warmup_steps=spec.warmup_steps,
+            schedule=spec.lr_schedule,
+        )
+
+    def hyper(self) -> AdamWHyper:
+        spec = self.spec
+        return AdamWHyper(spec.beta1, spec.beta2, spec.eps, spec.weight_decay, spec.max_grad_norm)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Measurements of one pack step, for throughput and the planner's cost model (DESIGN.md §5).
+
+    Attributes:
+        step: the pack's step index (1-based, counts steps of the engine, not of any trial).
+        active_slots: slots that trained in this step.
+        tokens: real (non-padding) tokens of the step's batch.
+        padded_tokens: padding tokens added to right-pad every row to the longest row of the step.
+        target_tokens: tokens the loss was computed on.
+        seconds: wall time of the step, device work included (it ends with the step's one device sync).
+        peak_memory_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the pack started; CPU: ``None``.
+    """
+
+    step: int
+    active_slots: int
+    tokens: int
+    padded_tokens: int
+    target_tokens: int
+    seconds: float
+    peak_memory_bytes: int | None
+
+    @classmethod
+    def measure(
+        cls, step: int, parts: Sequence[SlotRows], stepped: int, started: float, device: torch.device
+    ) -> StepStats:
+        """Stats of the step that trained ``parts`` (``stepped`` slots of them) and began at ``started``."""
+        lengths = [len(e.input_ids) for p in parts for e in p.examples]
+        return cls(
+            step=step,
+            active_slots=stepped,
+            tokens=sum(lengths),
+            padded_tokens=len(lengths) * max(lengths, default=0) - sum(lengths),
+            target_tokens=sum(e.n_targets for p in parts for e in p.examples),
+            seconds=time.perf_counter() - started,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        )
+
+    @property
+    def padded_fraction(self) -> float:
+        """Share of the computed token positions that are padding."""
+        total = self.tokens + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
