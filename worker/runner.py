@@ -1,8 +1,9 @@
 """Runs one pack message on this worker: the shell around the training engine.
 
 Pre-state: the scheduler recorded the pack and moved its trials to running. Post-state: the scheduler
-has received, in order, `pack.started`, the trials' loss points, one `trial.finished` per trial (with the
-adapter already in the artifact store) and `pack.finished` — or `pack.failed` with the error.
+has received, in order, `pack.started`, the trials' loss points (and `trial.checkpoint`s), one
+`trial.finished` per trial (with the adapter already in the artifact store), `pack.profile` and
+`pack.finished` — or `pack.failed` with the error.
 """
 
 from __future__ import annotations
@@ -15,13 +16,21 @@ from typing import Any
 
 import torch
 
-from common.artifacts import LocalArtifactStore, adapter_key
+from common.artifacts import LocalArtifactStore, adapter_key, checkpoint_key
 from common.bus import Bus
 from common.datasets import parse_jsonl, split_rows
 from worker.agent import CommandInbox, Heartbeat, Reporter
 from worker.engine import ModelSource, TrialSpec, load_base_model, train_pack
+from worker.profile import PackProfiler
 
 log = logging.getLogger(__name__)
+
+
+def _tar(source_dir: Path, archive: Path, *, gzip: bool) -> Path:
+    with tarfile.open(archive, "w:gz" if gzip else "w") as tar:
+        for item in sorted(source_dir.iterdir()):
+            tar.add(item, arcname=item.name)
+    return archive
 
 
 class PackRunner:
@@ -52,7 +61,7 @@ class PackRunner:
             train, val = split_rows(rows, float(t["validation_split"]), int(t["split_seed"]))
         else:
             train, val = rows, []
-        hp = t["hyperparameters"]
+        hp, training = t["hyperparameters"], t.get("training") or {}
         targets = hp["target_modules"]  # a list of module names, or the string "all-linear"
         return TrialSpec(
             trial_id=t["trial_id"],
@@ -68,6 +77,11 @@ class PackRunner:
             eval_interval=int(t["eval_interval"]),
             train_rows=train,
             val_rows=val,
+            weight_decay=float(training.get("weight_decay", 0.0)),
+            warmup_steps=int(training.get("warmup_steps", 0)),
+            lr_schedule=str(training.get("lr_schedule", "constant")),
+            max_grad_norm=training.get("max_grad_norm"),
+            use_rslora=bool(training.get("use_rslora", False)),
         )
 
     def run(self, pack: dict[str, Any]) -> None:
@@ -93,19 +107,28 @@ class PackRunner:
         model, tokenizer = self.model(source)
         task_of = {t["trial_id"]: t["task_id"] for t in pack["trials"]}
         specs = [self.trial_spec(t) for t in pack["trials"]]
-        with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp:
+        profiler = PackProfiler(device=str(self.device))
+        with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
+            tmp = Path(tmp_name)
+            resume = self._fetch_checkpoints(pack["trials"], tmp / "resume")
+
+            def upload_checkpoint(trial_id: str, step: int, path: Path) -> None:
+                key = checkpoint_key(task_of[trial_id], trial_id)
+                self.store.put_file(key, _tar(path, tmp / f"{trial_id}.ckpt.tar", gzip=False))
+                reporter.send("trial.checkpoint", trial_id=trial_id, step=step, checkpoint_key=key)
+
             outcomes = train_pack(
-                model, tokenizer, specs, base_model_name=source.name, export_dir=Path(tmp),
+                model, tokenizer, specs, base_model_name=source.name, export_dir=tmp / "adapters",
                 on_point=reporter.point, should_stop=lambda: self.inbox.stopped_trials(pack_id),
+                on_step=profiler.record, resume=resume, checkpoint_dir=tmp / "checkpoints",
+                # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
+                checkpoint_interval=max(s.eval_interval for s in specs), on_checkpoint=upload_checkpoint,
             )
             for outcome in outcomes:
                 key = None
                 if outcome.status == "completed" and outcome.adapter_dir is not None:
                     key = adapter_key(task_of[outcome.trial_id], outcome.trial_id)
-                    archive = Path(tmp) / f"{outcome.trial_id}.tar.gz"
-                    with tarfile.open(archive, "w:gz") as tar:
-                        for item in sorted(outcome.adapter_dir.iterdir()):
-                            tar.add(item, arcname=item.name)
+                    archive = _tar(outcome.adapter_dir, tmp / f"{outcome.trial_id}.tar.gz", gzip=True)
                     self.store.put_file(key, archive)
                 reporter.send(
                     "trial.finished", trial_id=outcome.trial_id, status=outcome.status,
@@ -113,3 +136,17 @@ class PackRunner:
                     best_step=outcome.best_step, final_train_loss=outcome.final_train_loss,
                     adapter_key=key, error=outcome.error,
                 )
+        reporter.send("pack.profile", profile=profiler.summary())
+
+    def _fetch_checkpoints(self, trials: list[dict[str, Any]], into: Path) -> dict[str, Path]:
+        """Unpacks the checkpoint of every trial that resumes (a requeued trial that had one)."""
+        resume: dict[str, Path] = {}
+        for t in trials:
+            if not t.get("resume_key"):
+                continue
+            target = into / t["trial_id"]
+            target.mkdir(parents=True)
+            with self.store.open(t["resume_key"]) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+                tar.extractall(target, filter="data")
+            resume[t["trial_id"]] = target
+        return resume

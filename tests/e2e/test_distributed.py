@@ -8,9 +8,11 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from tests.conftest import ADMIN_TOKEN, MODEL_CACHE
 from tests.e2e.flow import (
@@ -98,15 +100,15 @@ def test_killed_worker_and_scheduler_lose_nothing(services: tuple[Cluster, str])
     worker_a = c.start("worker-a", "worker", "--worker-id", "e2e-kill-a")
     headers = create_tenant_key(base_url, ADMIN_TOKEN, "team-crash")
     file_id = upload(base_url, headers, arithmetic_rows())
-    body = grid_task(file_id, max_steps=150)
-    body["eval_interval"] = 50
+    body = grid_task(file_id, max_steps=400)
+    body["eval_interval"] = 20  # the worker checkpoints at this interval too
     task_id = submit(base_url, headers, body)["id"]
 
-    def training_started() -> bool:
+    def checkpointed() -> bool:
         trials = httpx.get(f"{base_url}/v1/tasks/{task_id}/trials", headers=headers).json()["data"]
-        return any(t["steps_done"] > 0 for t in trials)
+        return all((t["checkpoint_step"] or 0) >= 20 for t in trials)
 
-    wait_for(training_started, 180, "the first loss points")
+    wait_for(checkpointed, 180, "a checkpoint of every trial", interval_s=0.2)
     scheduler = next(p for p in c.procs if p.name == "scheduler")
     worker_a.kill()
     scheduler.kill()
@@ -116,16 +118,52 @@ def test_killed_worker_and_scheduler_lose_nothing(services: tuple[Cluster, str])
     events = follow_events(base_url, headers, task_id, timeout_s=400)
     assert events[-1]["data"]["state"] == "succeeded", [e["event"] for e in events]
     requeued = [e for e in events if e["event"] == "trial.requeued"]
-    assert requeued and all("e2e-kill-a" in e["data"]["message"] for e in requeued)
+    assert len(requeued) == 4 and all("e2e-kill-a" in e["data"]["message"] for e in requeued)
+    assert all(e["data"]["data"]["resume_step"] >= 20 for e in requeued)  # resumed, not restarted
     trials = httpx.get(f"{base_url}/v1/tasks/{task_id}/trials", headers=headers).json()["data"]
-    assert all(t["state"] == "completed" and t["steps_done"] == 150 for t in trials)
-    assert {t["attempts"] for t in trials} >= {2}
-    for trial in trials:  # the curve restarted cleanly: one point per step, no leftovers of attempt one
+    assert all(t["state"] == "completed" and t["steps_done"] == 400 and t["attempts"] == 2 for t in trials)
+    for trial in trials:  # one point per step: nothing lost, nothing stored twice around the resume
         metrics = httpx.get(f"{base_url}/v1/tasks/{task_id}/trials/{trial['id']}/metrics", headers=headers).json()
-        assert [p["step"] for p in metrics["train"]] == list(range(1, 151))
+        assert [p["step"] for p in metrics["train"]] == list(range(1, 401))
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     workers = {w["id"]: w["state"] for w in httpx.get(f"{base_url}/v1/admin/workers", headers=admin).json()["data"]}
     assert workers["e2e-kill-a"] == "lost" and workers["e2e-kill-b"] == "alive"
+
+
+def test_trials_trained_alone_equal_trials_trained_packed(services: tuple[Cluster, str], tmp_path: Path) -> None:
+    """`scheduling.max_trials_per_pack = 1` gives, trial by trial, the adapters of the packed run."""
+    from safetensors.torch import load_file
+
+    c, base_url = services
+    c.start("worker-a", "worker", "--worker-id", "e2e-alone")
+    headers = create_tenant_key(base_url, ADMIN_TOKEN, "team-alone")
+    file_id = upload(base_url, headers, arithmetic_rows())
+    body = grid_task(file_id)
+    body["search_space"].update(lora_dropout=[0.1], batch_size=[2, 4], lora_rank=[2, 4])
+    packed = submit(base_url, headers, body)["id"]
+    alone = submit(base_url, headers, {**body, "scheduling": {"max_trials_per_pack": 1}})["id"]
+    for task_id in (packed, alone):
+        assert follow_events(base_url, headers, task_id, timeout_s=300)[-1]["data"]["state"] == "succeeded"
+
+    def adapters(task_id: str) -> list[dict[str, Any]]:
+        trials = httpx.get(f"{base_url}/v1/tasks/{task_id}/trials", headers=headers).json()["data"]
+        out = []
+        for t in trials:
+            d = download_adapter(base_url, headers, f"/v1/tasks/{task_id}/trials/{t['id']}/adapter",
+                                 tmp_path / task_id / t["id"])
+            out.append(load_file(str(d / "adapter_model.safetensors")))
+        return out
+
+    def packs(task_id: str) -> set[str]:
+        events = httpx.get(f"{base_url}/v1/tasks/{task_id}/events", headers=headers).json()["data"]
+        return {e["data"]["pack_id"] for e in events if e["type"] == "trial.running"}
+
+    n_trials = len(httpx.get(f"{base_url}/v1/tasks/{alone}/trials", headers=headers).json()["data"])
+    assert n_trials == 8 and len(packs(packed)) == 1 and len(packs(alone)) == n_trials
+    for packed_tensors, alone_tensors in zip(adapters(packed), adapters(alone), strict=True):
+        assert packed_tensors.keys() == alone_tensors.keys()
+        for key, value in packed_tensors.items():
+            torch.testing.assert_close(value, alone_tensors[key], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -1,0 +1,49 @@
+"""A pack's measured profile: step time and peak memory against batch tokens (DESIGN.md §5).
+
+The scheduler stores it on the pack; the planner's cost model fits `M(B) = k0 + k1·B·L` and step time
+from many of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.engine import StepStats
+
+MAX_SAMPLES = 200  # every step is summed; the first this many are also kept one by one
+
+
+@dataclass
+class PackProfiler:
+    device: str
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    padded_tokens: int = 0
+    peak_memory_bytes: int | None = None
+    samples: list[list[Any]] = field(default_factory=list)  # [active slots, tokens, padded, seconds, peak]
+
+    def record(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.seconds += stats.seconds
+        self.tokens += stats.tokens
+        self.padded_tokens += stats.padded_tokens
+        if stats.peak_memory_bytes is not None:
+            self.peak_memory_bytes = max(self.peak_memory_bytes or 0, stats.peak_memory_bytes)
+        if len(self.samples) < MAX_SAMPLES:
+            self.samples.append([stats.active_slots, stats.tokens, stats.padded_tokens, round(stats.seconds, 6),
+                                 stats.peak_memory_bytes])
+
+    def summary(self) -> dict[str, Any]:
+        total = self.tokens + self.padded_tokens
+        return {
+            "device": self.device,
+            "steps": self.steps,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else None,
+            "padded_fraction": round(self.padded_tokens / total, 4) if total else None,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "samples": self.samples,
+            "sample_fields": ["active_slots", "tokens", "padded_tokens", "seconds", "peak_memory_bytes"],
+        }
