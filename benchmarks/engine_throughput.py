@@ -1,0 +1,262 @@
+"""The batched engine against PEFT one adapter at a time and against the frozen base model's own
+forward+backward on the same pooled batch (the ceiling), measured side by side in one run (issue 3).
+
+32 trials, ranks 16/32/64 in thirds, all seven projections, per-trial batch 1, 2 and 4, rows of
+variable length (real prompt/completion shape: loss on the completion only), random weights in a real
+architecture's shape (throughput does not depend on weight values).
+
+    python -m benchmarks.engine_throughput --shape llama-3.2-1b --batch 1 2 4      # on a GPU
+    python -m benchmarks.engine_throughput --shape tiny --trials 4 --batch 1 --steps 2 --seq-len 64   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_result
+from benchmarks.engine_pack import SHAPES, load
+from worker.engine import ModelSource, TrialSpec, load_base_model
+from worker.engine.data import Example, collate, encode_rows
+from worker.engine.engine import CUDA_WIDTH_MULTIPLE
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANKS = (16, 32, 64)
+
+
+def make_rows(n: int, seq_len: int, seed: int) -> list[dict[str, str]]:
+    """Prompt/completion rows of 50-100% of seq_len bytes (the byte tokenizer: one token per byte)."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "theta", "kappa", "sigma"]
+
+    def text(n_bytes: int) -> str:
+        out = ""
+        while len(out) < n_bytes:
+            out += rng.choice(words) + " "
+        return out[:n_bytes]
+
+    rows = []
+    for _ in range(n):
+        total = rng.randint(seq_len // 2, seq_len - 2)
+        prompt = rng.randint(total // 4, total // 2)
+        rows.append({"prompt": text(prompt), "completion": text(total - prompt)})
+    return rows
+
+
+def trial_specs(k: int, batch: int, seq_len: int, rows: list[dict[str, str]], dropout: float) -> list[TrialSpec]:
+    return [
+        TrialSpec(trial_id=f"t{i}", learning_rate=1e-4 * (1 + i % 4), lora_rank=RANKS[i * len(RANKS) // k],
+                  lora_alpha=2.0 * RANKS[i * len(RANKS) // k], lora_dropout=dropout, batch_size=batch,
+                  target_modules=PROJECTIONS, seed=i, max_steps=10**6, max_seq_len=seq_len,
+                  eval_interval=10**9, train_rows=rows, val_rows=[])
+        for i in range(k)
+    ]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(step: Callable[[], int], warmup: int, steps: int) -> float:
+    """Tokens per second of `step` (which returns the real tokens it trained on)."""
+    for _ in range(warmup):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    tokens = sum(step() for _ in range(steps))
+    sync()
+    return tokens / (time.perf_counter() - t0)
+
+
+def batches(examples: list[Example], k: int, batch: int, seed: int, pad_id: int) -> Callable[[], Any]:
+    """Pooled batches of k x batch examples drawn at random (the engine draws per trial, alike), padded
+    like the engine pads them (widths rounded up on CUDA)."""
+    rng = random.Random(seed)
+    multiple = CUDA_WIDTH_MULTIPLE if torch.cuda.is_available() else 1
+
+    def draw() -> Any:
+        return collate([examples[rng.randrange(len(examples))] for _ in range(k * batch)], pad_id, multiple)
+
+    return draw
+
+
+def real_tokens(batch: Any) -> int:
+    return int(batch.attention_mask.sum())
+
+
+def frozen_step(model: Any, draw: Callable[[], Any], device: torch.device) -> Callable[[], int]:
+    """The frozen model's forward+backward on a pooled batch: no LoRA, no weight gradients, the same
+    target-only chunked loss as the engine; the backward runs through every layer to the embeddings."""
+    from worker.engine.loss import target_token_loss  # the engine's own loss, so only LoRA differs
+
+    embed = model.get_input_embeddings()
+
+    def step() -> int:
+        batch = draw().to(device)
+        inputs = embed(batch.input_ids).detach().requires_grad_()
+        hidden = model.base_model(inputs_embeds=inputs, attention_mask=batch.attention_mask).last_hidden_state
+        loss = target_token_loss(hidden, batch.labels, model.get_output_embeddings())
+        loss.backward()
+        return real_tokens(batch)
+
+    return step
+
+
+def peft_steps(model: Any, specs: list[TrialSpec], examples: list[Example], pad_id: int,
+               device: torch.device) -> Callable[[], int]:
+    """PEFT with one adapter per trial, trained one at a time (set_adapter, forward, backward, AdamW)."""
+    from peft import LoraConfig, get_peft_model
+
+    def config(spec: TrialSpec) -> LoraConfig:
+        return LoraConfig(r=spec.lora_rank, lora_alpha=int(spec.lora_alpha), lora_dropout=spec.lora_dropout,
+                          target_modules=PROJECTIONS, task_type="CAUSAL_LM")
+
+    peft_model = get_peft_model(model, config(specs[0]), adapter_name=specs[0].trial_id)
+    for spec in specs[1:]:
+        peft_model.add_adapter(spec.trial_id, config(spec))
+    optimizers = {}
+    for spec in specs:
+        params = [p for n, p in peft_model.named_parameters() if f".{spec.trial_id}." in n]
+        optimizers[spec.trial_id] = torch.optim.AdamW(params, lr=spec.learning_rate)
+    draws = {s.trial_id: batches(examples, 1, s.batch_size, i, pad_id) for i, s in enumerate(specs)}
+    turn = iter(range(10**9))
+
+    def step() -> int:
+        spec = specs[next(turn) % len(specs)]
+        peft_model.set_adapter(spec.trial_id)
+        batch = draws[spec.trial_id]().to(device)
+        out = peft_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+        out.loss.backward()
+        optimizers[spec.trial_id].step()
+        optimizers[spec.trial_id].zero_grad(set_to_none=True)
+        return real_tokens(batch)
+
+    return step
+
+
+def engine_steps(model: Any, tokenizer: Any, specs: list[TrialSpec],
+                 device: torch.device) -> tuple[Callable[[], int], Any]:
+    from worker.engine import PackEngine
+
+    engine = PackEngine(model, tokenizer, capacity=len(specs), device=device, max_rank=max(RANKS),
+                        target_modules=PROJECTIONS)
+    for spec in specs:
+        engine.admit(spec)
+
+    def step() -> int:
+        engine.step()
+        assert engine.last_stats is not None
+        return int(engine.last_stats.tokens)
+
+    return step, engine
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure(make: Callable[[], Callable[[], int]], warmup: int, steps: int) -> float | str:
+    """Tokens/s of the step `make` builds, or "OOM" when the device runs out of memory."""
+    try:
+        return timed(make(), warmup, steps)
+    except torch.cuda.OutOfMemoryError:
+        return "OOM"
+    finally:
+        free()
+
+
+def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, rows: list[dict[str, str]],
+              examples: list[Example], device: torch.device) -> list[Any]:
+    """One table row: PEFT one at a time, the engine and the frozen ceiling at one per-trial batch."""
+    pad_id = int(tokenizer.pad_token_id)
+    specs = trial_specs(args.trials, batch, args.seq_len, rows, args.dropout)
+    model = load(base, device)
+    engines: list[Any] = []
+
+    def make_engine() -> Callable[[], int]:
+        step, engine = engine_steps(model, tokenizer, specs, device)
+        engines.append(engine)
+        return step
+
+    engine = measure(make_engine, args.warmup, args.steps)
+    stats = engines[0].last_stats if engines and engines[0].last_stats else None
+    for e in engines:
+        e.close()  # unwraps the model for the PEFT run
+    engines.clear()
+    free()  # the engine's adapter store and optimizer state, before PEFT allocates its own
+    pooled = batches(examples, args.trials, batch, 1, pad_id)
+    frozen = measure(lambda: frozen_step(model, pooled, device), args.warmup, args.steps)
+    peft: float | str = "-"
+    if not args.skip_peft:
+        peft = measure(lambda: peft_steps(model, specs, examples, pad_id, device), args.warmup,
+                       args.peft_steps * args.trials)
+
+    def num(v: float | str) -> Any:
+        return round(v) if isinstance(v, float) else v
+
+    def ratio(a: float | str, b: float | str) -> Any:
+        return round(a / b, 2) if isinstance(a, float) and isinstance(b, float) else "-"
+
+    peak = stats.peak_memory_bytes / 2**30 if stats and stats.peak_memory_bytes else float("nan")
+    padding = stats.padded_fraction if stats else float("nan")
+    return [batch, args.trials, num(peft), num(engine), num(frozen), ratio(engine, peft), ratio(engine, frozen),
+            round(padding, 3), round(peak, 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--trials", type=int, default=32)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5, help="measured steps of the engine and the frozen model")
+    parser.add_argument("--peft-steps", type=int, default=2, help="measured steps per adapter for PEFT")
+    # cuDNN builds an attention plan per sequence width (widths are rounded to 64 on CUDA: 5 of them for rows
+    # of 256-512 tokens); a method measured before its widths are warm reads up to 3x low.
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--skip-peft", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as tmp:
+        _, tokenizer = load_base_model(ModelSource("tiny-random-llama", "tiny-random-llama"),
+                                       cache_dir=Path(tmp), device=torch.device("cpu"))
+        torch.manual_seed(0)
+        base = Path(tmp) / "base"
+        LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape], max_position_embeddings=4096)).save_pretrained(base)
+        rows = make_rows(512, args.seq_len, seed=0)
+        examples = encode_rows(rows, tokenizer, args.seq_len)
+        table = []
+        for b in args.batch:
+            table.append(run_batch(args, b, base, tokenizer, rows, examples, device))
+            free()  # the batch's model (and PEFT's wrapping of it) is gone with run_batch
+    write_result(
+        f"engine_throughput-{args.shape}",
+        ["batch/trial", "trials", "PEFT 1-at-a-time tok/s", "engine tok/s", "frozen tok/s", "engine/PEFT",
+         "engine/frozen", "engine padded frac", "engine peak GiB"],
+        table,
+        {"shape": args.shape, "seq_len": args.seq_len, "ranks": list(RANKS), "targets": PROJECTIONS,
+         "dropout": args.dropout, "steps": args.steps, "warmup": args.warmup,
+         "tokens": "real (non-pad) tokens per second; rows of 50-100% of seq_len, loss on completions only"},
+    )
+
+
+if __name__ == "__main__":
+    main()
