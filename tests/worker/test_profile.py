@@ -1,0 +1,27 @@
+from worker.engine import StepStats
+from worker.profile import MAX_SAMPLES, PackProfiler
+
+
+def stats(step: int, tokens: int, padded: int, seconds: float, peak: int | None) -> StepStats:
+    return StepStats(step=step, active_slots=2, tokens=tokens, padded_tokens=padded, target_tokens=tokens // 2,
+                     seconds=seconds, peak_memory_bytes=peak)
+
+
+def test_profile_sums_steps_and_keeps_the_first_samples() -> None:
+    profiler = PackProfiler(device="cuda:0")
+    profiler.record(stats(1, 300, 100, 0.5, 1_000))
+    profiler.record(stats(2, 500, 0, 0.5, 3_000))
+    summary = profiler.summary()
+    assert summary["steps"] == 2 and summary["seconds"] == 1.0
+    assert summary["tokens_per_s"] == 800.0
+    assert summary["padded_fraction"] == 0.1111  # 100 of 900 computed positions
+    assert summary["peak_memory_bytes"] == 3_000
+    assert summary["samples"] == [[2, 300, 100, 0.5, 1_000], [2, 500, 0, 0.5, 3_000]]
+    for i in range(MAX_SAMPLES + 10):
+        profiler.record(stats(3 + i, 10, 0, 0.01, None))
+    assert len(profiler.summary()["samples"]) == MAX_SAMPLES and profiler.summary()["steps"] == MAX_SAMPLES + 12
+
+
+def test_profile_on_cpu_has_no_memory_and_no_rate_before_a_step() -> None:
+    summary = PackProfiler(device="cpu").summary()
+    assert summary["peak_memory_bytes"] is None and summary["tokens_per_s"] is None and summary["steps"] == 0
