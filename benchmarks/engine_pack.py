@@ -9,40 +9,15 @@ service does). Random weights in real architectures' shapes: throughput does not
 from __future__ import annotations
 
 import argparse
-import os
-import random
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from benchmarks.common import write_result
-from worker.engine import ModelSource, TrialSpec, load_base_model, train_pack
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256),
-}
-
-
-def rows(n: int, seq_len: int, seed: int) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "theta", "kappa", "sigma"]
-
-    def text(n_bytes: int) -> str:
-        out = ""
-        while len(out) < n_bytes:
-            out += rng.choice(words) + " "
-        return out[:n_bytes]
-
-    return [{"prompt": text(seq_len // 2), "completion": text(seq_len // 2 - 2)} for _ in range(n)]
+from benchmarks.models import SHAPES, load, make_rows, materialise
+from worker.engine import TrialSpec, train_pack
 
 
 def spec(i: int, steps: int, seq_len: int, batch_size: int, data: list[dict[str, str]]) -> TrialSpec:
@@ -57,14 +32,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def load(path: Path, device: torch.device) -> Any:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.to(device)
-    model.requires_grad_(False)
-    return model
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -74,20 +41,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
     with tempfile.TemporaryDirectory() as tmp:
-        _, tokenizer = load_base_model(ModelSource("tiny-random-llama", "tiny-random-llama"),
-                                       cache_dir=Path(tmp), device=torch.device("cpu"))
-        torch.manual_seed(0)
-        config = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=4096)
-        LlamaForCausalLM(config).save_pretrained(Path(tmp) / "base")  # loaded from disk like a real model
-        data = rows(256, args.seq_len, seed=0)
+        tokenizer, base = materialise(args.shape, Path(tmp))
+        data = make_rows(256, args.seq_len, seed=0, min_fraction=1.0)
         # Warm-up (CUDA context, kernels' autotuning, allocator) so the first row is not charged for it.
-        model = load(Path(tmp) / "base", device)
+        model = load(base, device)
         train_pack(model, tokenizer, [spec(0, 3, args.seq_len, args.batch_size, data)], base_model_name=args.shape,
                    export_dir=Path(tmp) / "warm", on_point=lambda *a: None)
         del model
@@ -97,7 +55,7 @@ def main() -> None:
             trials = [spec(i, args.steps, args.seq_len, args.batch_size, data) for i in range(k)]
             # One pack: the base model loaded once.
             t0 = time.perf_counter()
-            model = load(Path(tmp) / "base", device)
+            model = load(base, device)
             sync()
             load_s = time.perf_counter() - t0
             torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
@@ -111,7 +69,7 @@ def main() -> None:
             # The same trials one by one, each loading the base model (one trial per job).
             t0 = time.perf_counter()
             for trial in trials:
-                model = load(Path(tmp) / "base", device)
+                model = load(base, device)
                 train_pack(model, tokenizer, [trial], base_model_name=args.shape,
                            export_dir=Path(tmp) / "out", on_point=lambda *a: None)
                 sync()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import tempfile
 import time
@@ -24,32 +23,13 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_result
-from benchmarks.engine_pack import SHAPES, load
-from worker.engine import ModelSource, TrialSpec, load_base_model
+from benchmarks.models import SHAPES, load, make_rows, materialise
+from worker.engine import TrialSpec
 from worker.engine.data import Example, collate, encode_rows
 from worker.engine.engine import CUDA_WIDTH_MULTIPLE
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANKS = (16, 32, 64)
-
-
-def make_rows(n: int, seq_len: int, seed: int) -> list[dict[str, str]]:
-    """Prompt/completion rows of 50-100% of seq_len bytes (the byte tokenizer: one token per byte)."""
-    rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "theta", "kappa", "sigma"]
-
-    def text(n_bytes: int) -> str:
-        out = ""
-        while len(out) < n_bytes:
-            out += rng.choice(words) + " "
-        return out[:n_bytes]
-
-    rows = []
-    for _ in range(n):
-        total = rng.randint(seq_len // 2, seq_len - 2)
-        prompt = rng.randint(total // 4, total // 2)
-        rows.append({"prompt": text(prompt), "completion": text(total - prompt)})
-    return rows
 
 
 def trial_specs(k: int, batch: int, seq_len: int, rows: list[dict[str, str]], dropout: float) -> list[TrialSpec]:
@@ -230,17 +210,8 @@ def main() -> None:
     parser.add_argument("--skip-peft", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory() as tmp:
-        _, tokenizer = load_base_model(ModelSource("tiny-random-llama", "tiny-random-llama"),
-                                       cache_dir=Path(tmp), device=torch.device("cpu"))
-        torch.manual_seed(0)
-        base = Path(tmp) / "base"
-        LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape], max_position_embeddings=4096)).save_pretrained(base)
+        tokenizer, base = materialise(args.shape, Path(tmp))
         rows = make_rows(512, args.seq_len, seed=0)
         examples = encode_rows(rows, tokenizer, args.seq_len)
         table = []

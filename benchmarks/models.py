@@ -1,0 +1,65 @@
+"""Base models for the GPU benchmarks: real architectures' shapes with random weights (throughput does not
+depend on weight values), saved and loaded back from disk like a real checkpoint, plus synthetic rows."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from worker.engine import ModelSource, load_base_model
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256),
+}
+
+
+def materialise(shape: str, directory: Path) -> tuple[Any, Path]:
+    """(byte-level tokenizer, directory of a random-weight model of `shape`) under `directory`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    _, tokenizer = load_base_model(ModelSource("tiny-random-llama", "tiny-random-llama"),
+                                   cache_dir=directory, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    base = directory / "base"
+    LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=4096)).save_pretrained(base)
+    return tokenizer, base
+
+
+def load(path: Path, device: torch.device) -> Any:
+    """A frozen copy of the model at `path`: bf16 on CUDA, fp32 on the CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(device)
+    model.requires_grad_(False)
+    return model
+
+
+def make_rows(n: int, seq_len: int, seed: int, *, min_fraction: float = 0.5) -> list[dict[str, str]]:
+    """Prompt/completion rows of `min_fraction`-100% of seq_len bytes (the byte tokenizer: a token a byte)."""
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "theta", "kappa", "sigma"]
+
+    def text(n_bytes: int) -> str:
+        out = ""
+        while len(out) < n_bytes:
+            out += rng.choice(words) + " "
+        return out[:n_bytes]
+
+    rows = []
+    for _ in range(n):
+        total = rng.randint(min(int(seq_len * min_fraction), seq_len - 2), seq_len - 2)
+        prompt = rng.randint(total // 4, total // 2)
+        rows.append({"prompt": text(prompt), "completion": text(total - prompt)})
+    return rows
