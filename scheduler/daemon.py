@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from celery import Celery
 from sqlalchemy import or_, select, text
@@ -62,9 +62,9 @@ class SchedulerDaemon:
         self._dispatch(now)
         self._send_stops()
 
-    def _dispatch(self, now: object) -> None:
+    def _dispatch(self, now: datetime) -> None:
         """Sends new packs, and re-sends packs a worker never started (lost message, scheduler restart)."""
-        stale = utcnow() - timedelta(seconds=self.settings.worker_timeout_s)
+        stale = now - timedelta(seconds=self.settings.worker_timeout_s)
         with session_scope() as session:
             packs = session.scalars(
                 select(Pack).where(

@@ -80,9 +80,14 @@ def _live_trial(session: Session, trial_id: str, pack_id: str) -> Trial | None:
     return trial
 
 
+def _live_pack(session: Session, pack_id: str) -> Pack | None:
+    pack = session.get(Pack, pack_id)
+    return pack if pack is not None and pack.state in states.PACK_LIVE else None
+
+
 def _pack_started(session: Session, m: dict[str, Any], now: datetime) -> None:
-    pack = session.get(Pack, m["pack_id"])
-    if pack is None or pack.state not in states.PACK_LIVE:
+    pack = _live_pack(session, m["pack_id"])
+    if pack is None:
         return
     pack.state = states.PACK_RUNNING
     pack.started_at = pack.started_at or now
@@ -177,8 +182,8 @@ def _trial_finished(session: Session, m: dict[str, Any], now: datetime) -> bool:
 
 
 def _pack_ended(session: Session, m: dict[str, Any], now: datetime) -> None:
-    pack = session.get(Pack, m["pack_id"])
-    if pack is None or pack.state not in states.PACK_LIVE:
+    pack = _live_pack(session, m["pack_id"])
+    if pack is None:
         return
     pack.state = states.PACK_FINISHED
     pack.finished_at = now
