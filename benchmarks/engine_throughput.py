@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.common import write_result
 from benchmarks.models import SHAPES, load, make_rows, materialise
-from worker.engine import TrialSpec
+from worker.engine import TrialSpec, restore_base_model
 from worker.engine.data import Example, collate, encode_rows
 from worker.engine.engine import CUDA_WIDTH_MULTIPLE
 
@@ -74,17 +74,24 @@ def real_tokens(batch: Any) -> int:
     return int(batch.attention_mask.sum())
 
 
-def frozen_step(model: Any, draw: Callable[[], Any], device: torch.device) -> Callable[[], int]:
+def frozen_step(model: Any, draw: Callable[[], Any], device: torch.device,
+                recompute: bool) -> Callable[[], int]:
     """The frozen model's forward+backward on a pooled batch: no LoRA, no weight gradients, the same
-    target-only chunked loss as the engine; the backward runs through every layer to the embeddings."""
+    target-only chunked loss as the engine; the backward runs through every layer to the embeddings.
+    With `recompute`, decoder layers are checkpointed exactly as the engine's are."""
+    from worker.engine.lora import LoraContext
     from worker.engine.loss import target_token_loss  # the engine's own loss, so only LoRA differs
+    from worker.engine.recompute import enable_recompute
 
+    if recompute:
+        enable_recompute(model, LoraContext())
     embed = model.get_input_embeddings()
 
     def step() -> int:
         batch = draw().to(device)
         inputs = embed(batch.input_ids).detach().requires_grad_()
-        hidden = model.base_model(inputs_embeds=inputs, attention_mask=batch.attention_mask).last_hidden_state
+        hidden = model.base_model(inputs_embeds=inputs, attention_mask=batch.attention_mask,
+                                  use_cache=False).last_hidden_state
         loss = target_token_loss(hidden, batch.labels, model.get_output_embeddings())
         loss.backward()
         return real_tokens(batch)
@@ -124,12 +131,12 @@ def peft_steps(model: Any, specs: list[TrialSpec], examples: list[Example], pad_
     return step
 
 
-def engine_steps(model: Any, tokenizer: Any, specs: list[TrialSpec],
-                 device: torch.device) -> tuple[Callable[[], int], Any]:
+def engine_steps(model: Any, tokenizer: Any, specs: list[TrialSpec], device: torch.device,
+                 recompute: bool) -> tuple[Callable[[], int], Any]:
     from worker.engine import PackEngine
 
     engine = PackEngine(model, tokenizer, capacity=len(specs), device=device, max_rank=max(RANKS),
-                        target_modules=PROJECTIONS)
+                        target_modules=PROJECTIONS, activation_checkpointing=recompute)
     for spec in specs:
         engine.admit(spec)
 
@@ -166,7 +173,7 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
     engines: list[Any] = []
 
     def make_engine() -> Callable[[], int]:
-        step, engine = engine_steps(model, tokenizer, specs, device)
+        step, engine = engine_steps(model, tokenizer, specs, device, args.activation_checkpointing)
         engines.append(engine)
         return step
 
@@ -177,7 +184,9 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
     engines.clear()
     free()  # the engine's adapter store and optimizer state, before PEFT allocates its own
     pooled = batches(examples, args.trials, batch, 1, pad_id)
-    frozen = measure(lambda: frozen_step(model, pooled, device), args.warmup, args.steps)
+    frozen = measure(lambda: frozen_step(model, pooled, device, args.activation_checkpointing), args.warmup,
+                     args.steps)
+    restore_base_model(model)  # PEFT below trains without recompute, as its users run it
     peft: float | str = "-"
     if not args.skip_peft:
         peft = measure(lambda: peft_steps(model, specs, examples, pad_id, device), args.warmup,
@@ -208,6 +217,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute decoder layers in the backward, in the engine and the frozen ceiling alike")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,11 +230,12 @@ def main() -> None:
             table.append(run_batch(args, b, base, tokenizer, rows, examples, device))
             free()  # the batch's model (and PEFT's wrapping of it) is gone with run_batch
     write_result(
-        f"engine_throughput-{args.shape}",
+        f"engine_throughput-{args.shape}" + ("-recompute" if args.activation_checkpointing else ""),
         ["batch/trial", "trials", "PEFT 1-at-a-time tok/s", "engine tok/s", "frozen tok/s", "engine/PEFT",
          "engine/frozen", "engine padded frac", "engine peak GiB"],
         table,
         {"shape": args.shape, "seq_len": args.seq_len, "ranks": list(RANKS), "targets": PROJECTIONS,
+         "activation_checkpointing": args.activation_checkpointing,
          "dropout": args.dropout, "steps": args.steps, "warmup": args.warmup,
          "tokens": "real (non-pad) tokens per second; rows of 50-100% of seq_len, loss on completions only"},
     )

@@ -25,6 +25,7 @@ from worker.engine.lora import ALL_LINEAR, LoraContext, inject_lora, peft_target
 from worker.engine.lora import restore_base_model as _restore
 from worker.engine.loss import slot_loss_sums
 from worker.engine.optim import SlotAdamW
+from worker.engine.recompute import enable_recompute
 from worker.engine.slots import SlotState, StepStats
 from worker.engine.spec import TrialSpec, trial_seed, validate_spec
 from worker.engine.store import AdapterStore, ModuleTensors
@@ -50,6 +51,8 @@ class PackEngine:
         max_rank: rank every slot's adapter is padded to; trials of higher rank are refused.
         target_modules: the layers any trial of this pack may target (PEFT patterns; ``None``: all-linear).
         loss_chunk_tokens: target tokens per ``lm_head`` chunk of the loss.
+        activation_checkpointing: recompute each decoder layer in the backward (about a third more compute,
+            a fraction of the activation memory: what lets many trials at batch > 1 fit).
 
     Raises:
         ValueError: a model whose logits are not plainly ``lm_head(last hidden state)``, or bad targets.
@@ -65,6 +68,7 @@ class PackEngine:
         max_rank: int = 64,
         target_modules: list[str] | None = None,
         loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+        activation_checkpointing: bool = False,
     ) -> None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
@@ -88,6 +92,8 @@ class PackEngine:
         except Exception:
             _restore(model)
             raise
+        if activation_checkpointing:
+            enable_recompute(model, self.context)
         self.optimizer = SlotAdamW(self.store.weights, self.store.grads, self.store.compute)
         self.slots: list[SlotState | None] = [None] * capacity
         self.pack_step = 0

@@ -141,8 +141,17 @@ def inject_lora(model: nn.Module, paths: list[str], context: LoraContext) -> lis
     return layers
 
 
+# Set on a decoder layer whose forward recompute.enable_recompute replaced (an instance attribute).
+RECOMPUTE_MARK = "_loraplane_recompute"
+
+
 def restore_base_model(model: nn.Module) -> None:
-    """Unwrap every ``StackedLoraLinear``: the model is exactly the frozen base model again."""
+    """Unwrap every ``StackedLoraLinear`` and undo activation checkpointing: the model is exactly the
+    frozen base model again."""
+    for module in model.modules():
+        if getattr(module, RECOMPUTE_MARK, False):
+            del module.forward  # the instance attribute: the class's forward shows through again
+            delattr(module, RECOMPUTE_MARK)
     wrapped = [(p, m) for p, m in model.named_modules() if isinstance(m, StackedLoraLinear)]
     for path, module in wrapped:
         _set_submodule(model, path, module.base_layer)

@@ -33,6 +33,7 @@ def train_pack(
     checkpoint_dir: Path | None = None,
     checkpoint_interval: int | None = None,
     on_checkpoint: Callable[[str, int, Path], None] | None = None,
+    activation_checkpointing: bool = False,
 ) -> list[TrialOutcome]:
     """Train ``trials`` together on ``model`` and export each completed one to ``export_dir/<trial_id>/``.
 
@@ -74,6 +75,7 @@ def train_pack(
         capacity=len(ready),
         max_rank=max(spec.lora_rank for spec, _ in ready),
         target_modules=sorted({path for _, paths in ready for path in paths}),
+        activation_checkpointing=activation_checkpointing,
     ) as engine:
         for spec, _ in ready:
             try:
