@@ -1,0 +1,170 @@
+"""The planner's cost model: pack memory and step time per (base model, GPU kind), fitted from pack profiles.
+
+Pure functions, no I/O (DESIGN.md §5, ALTO §7.1, PLoRA Appendix A). Memory follows ALTO's linear model
+`M(B) = k0 + k1·tokens` plus adapter and optimizer bytes per slot; step time is linear in pooled tokens and
+active slots. Measured step times from running packs correct the prediction online (`corrected`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# fp32 weight + fp32 grad + two fp32 AdamW moments per trainable adapter parameter (PLoRA Eq. 21, c_grad = 3).
+BYTES_PER_ADAPTER_PARAM = 16
+
+# Priors used when profiles cannot determine a coefficient (too few or degenerate samples). Conservative on
+# purpose: over-estimating memory only packs fewer trials, under-estimating risks an OOM.
+PRIOR_K1_BYTES_PER_TOKEN = 256 * 1024
+PRIOR_STEP_S_PER_TOKEN = 1e-4
+PRIOR_STEP_S_PER_SLOT = 1e-3
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak bytes of one pack on one GPU: `k0 + k1·tokens + bytes_per_slot_param·Σ slot params`."""
+
+    k0_bytes: float
+    k1_bytes_per_token: float
+    bytes_per_slot_param: int = BYTES_PER_ADAPTER_PARAM
+
+    def predict(self, tokens: int, slot_params: int) -> int:
+        """Predicted peak bytes for a pack with `tokens` pooled tokens per step and `slot_params` adapter params."""
+        return math.ceil(self.k0_bytes + self.k1_bytes_per_token * tokens + self.bytes_per_slot_param * slot_params)
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Seconds per optimizer step of a pack: `a + b·tokens + c·slots`."""
+
+    a_s: float
+    b_s_per_token: float
+    c_s_per_slot: float
+
+    def predict(self, tokens: int, slots: int) -> float:
+        return self.a_s + self.b_s_per_token * tokens + self.c_s_per_slot * slots
+
+
+@dataclass(frozen=True)
+class ProfileSample:
+    """One profiled step (a row of a pack profile's `samples`)."""
+
+    active_slots: int
+    tokens: int
+    padded_tokens: int
+    seconds: float
+    peak_memory_bytes: int | None
+
+    @classmethod
+    def from_row(cls, row: Sequence[object]) -> ProfileSample:
+        slots, tokens, padded, seconds, peak = row
+        return cls(int(slots), int(tokens), int(padded), float(seconds),  # type: ignore[call-overload, arg-type]
+                   None if peak is None else int(peak))  # type: ignore[call-overload]
+
+
+def samples_from_profiles(profiles: Sequence[dict[str, object]]) -> list[ProfileSample]:
+    """All samples of the given pack profiles (worker/profile.py's summary dicts)."""
+    out: list[ProfileSample] = []
+    for profile in profiles:
+        rows = profile.get("samples") or []
+        assert isinstance(rows, list)
+        out.extend(ProfileSample.from_row(row) for row in rows)
+    return out
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ≥ 0: refit without the columns that came out negative.
+
+    An active-set loop (a tiny NNLS) is enough for 2–3 columns and avoids a scipy dependency.
+    """
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        # Drop the most negative column; the others absorb its share.
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+def _rank(x: np.ndarray) -> int:
+    return int(np.linalg.matrix_rank(x)) if x.size else 0
+
+
+def fit_profiles(samples: Sequence[ProfileSample]) -> tuple[MemoryModel, StepTimeModel]:
+    """Fits memory (k0, k1) and step time (a, b, c) by non-negative least squares.
+
+    Tokens are the padded total (`tokens + padded_tokens`): padding costs memory and time like real tokens.
+    With too few distinct points for a coefficient, that coefficient falls back to its prior and the rest
+    is fitted on the residual, so one sample still gives a usable (if rough) model.
+    """
+    if not samples:
+        raise ValueError("fit_profiles needs at least one sample")
+    tok = np.array([s.tokens + s.padded_tokens for s in samples], dtype=float)
+    slots = np.array([s.active_slots for s in samples], dtype=float)
+    secs = np.array([s.seconds for s in samples], dtype=float)
+    ones = np.ones_like(tok)
+
+    mem_rows = [(t, s.peak_memory_bytes) for t, s in zip(tok, samples, strict=True) if s.peak_memory_bytes]
+    if mem_rows:
+        mt = np.array([r[0] for r in mem_rows])
+        mp = np.array([float(r[1] or 0) for r in mem_rows])
+        if _rank(np.column_stack([np.ones_like(mt), mt])) >= 2:
+            k0, k1 = _nonneg_lstsq(np.column_stack([np.ones_like(mt), mt]), mp)
+        else:
+            # One token count only: the slope is unknowable, so assume the prior and put the rest in k0.
+            k1 = PRIOR_K1_BYTES_PER_TOKEN
+            k0 = max(0.0, float(np.max(mp - k1 * mt)))
+    else:
+        k0, k1 = 0.0, PRIOR_K1_BYTES_PER_TOKEN
+    memory = MemoryModel(float(k0), float(k1))
+
+    design = np.column_stack([ones, tok, slots])
+    if _rank(design) >= 3:
+        a, b, c = _nonneg_lstsq(design, secs)
+    elif _rank(design[:, :2]) >= 2:
+        c = PRIOR_STEP_S_PER_SLOT if _rank(np.column_stack([ones, slots])) < 2 else 0.0
+        a, b = _nonneg_lstsq(design[:, :2], np.maximum(secs - c * slots, 0.0))
+    else:
+        # A single point (or all alike): split it with the priors, intercept takes the remainder.
+        b, c = PRIOR_STEP_S_PER_TOKEN, PRIOR_STEP_S_PER_SLOT
+        mean_rest = float(np.mean(secs - b * tok - c * slots))
+        if mean_rest < 0:
+            # The priors over-shoot this point: scale them down so the fit passes through it.
+            scale = float(np.mean(secs)) / float(np.mean(b * tok + c * slots))
+            b, c, mean_rest = b * scale, c * scale, 0.0
+        a = mean_rest
+    return memory, StepTimeModel(float(a), float(b), float(c))
+
+
+def corrected(predicted_s: float, measured_s: float, prior_weight: float, ratio: float = 1.0) -> float:
+    """Exponentially smoothed measured/predicted ratio for one (model, device); returns the new ratio.
+
+    `ratio` is the running correction so far (1.0 when there is none); `prior_weight` in [0, 1] is how much
+    of it is kept per new measurement. Multiply later predictions by the result.
+    """
+    if not 0.0 <= prior_weight <= 1.0:
+        raise ValueError("prior_weight must be in [0, 1]")
+    if predicted_s <= 0 or measured_s <= 0:
+        return ratio  # nothing to learn from a degenerate measurement
+    return prior_weight * ratio + (1.0 - prior_weight) * (measured_s / predicted_s)
+
+
+def adapter_params(d_in_out_per_module: Sequence[tuple[int, int]], rank: int) -> int:
+    """Trainable LoRA parameters: `Σ rank·(d_in + d_out)` over the adapted modules (all layers listed)."""
+    if rank < 0:
+        raise ValueError("rank must be ≥ 0")
+    return sum(rank * (d_in + d_out) for d_in, d_out in d_in_out_per_module)
+
+
+def trial_duration_s(remaining_steps: int, step_s: float) -> float:
+    """Seconds left for a trial; rounded up to whole milliseconds and never 0 while steps remain."""
+    if remaining_steps <= 0:
+        return 0.0
+    # Round away float noise first (3 × 0.1 s is 300.00000000000006 ms) so the ceiling only adds real time.
+    return max(math.ceil(round(remaining_steps * step_s * 1000.0, 6)) / 1000.0, 0.001)

@@ -1,0 +1,286 @@
+"""The CP-SAT planner against brute force on tiny instances, and its constraints on random ones."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+
+from scheduler.cost import MemoryModel, StepTimeModel
+from scheduler.cpsat import (
+    SCALE,
+    GpuSpec,
+    ModelCost,
+    PlanningInput,
+    PlanResult,
+    RunningPack,
+    TrialSpec,
+    plan_cpsat,
+    plan_greedy,
+)
+
+GB = 10**9
+COSTS = {
+    "small": ModelCost(MemoryModel(10 * GB, 2e6), StepTimeModel(0.4, 1e-4, 0.05)),
+    "big": ModelCost(MemoryModel(30 * GB, 5e6), StepTimeModel(1.0, 3e-4, 0.1)),
+}
+
+
+def trial(i: int, model: str = "small", *, steps: int = 100, tokens: int = 2000, tenant: str = "a", weight: int = 1,
+          gpus: int = 1, cap: int = 4, slot: int = 10**8) -> TrialSpec:
+    return TrialSpec(f"t{i}", f"task{i % 2}", tenant, weight, model, gpus, tokens, steps, slot, cap)
+
+
+# --- an independent re-implementation of the integer arithmetic, for the checks -------------------------------
+
+def _mem(inp: PlanningInput, model: str, trials: list[TrialSpec], tokens: int = 0, slots: int = 0) -> int:
+    m = inp.costs[model].memory
+    return (math.ceil(m.k0_bytes) + math.ceil(m.k1_bytes_per_token * tokens) + slots
+            + sum(math.ceil(m.k1_bytes_per_token * t.tokens_per_step) + t.slot_bytes for t in trials))
+
+
+def _durations(inp: PlanningInput, model: str, trials: list[TrialSpec], running: RunningPack | None = None
+               ) -> dict[str, int]:
+    s, k = inp.costs[model].step, SCALE / inp.unit_s
+    step = math.ceil(s.a_s * k)
+    if running:
+        step += math.ceil(s.b_s_per_token * running.tokens_per_step * k)
+        step += math.ceil(s.c_s_per_slot * k) * running.trials
+    step += sum(math.ceil(s.b_s_per_token * t.tokens_per_step * k) + math.ceil(s.c_s_per_slot * k) for t in trials)
+    return {t.trial_id: max(1, math.ceil(t.remaining_steps * step / SCALE)) for t in trials}
+
+
+def check_valid(inp: PlanningInput, res: PlanResult) -> None:
+    """Every constraint the planner promises, checked from scratch on its output."""
+    by_id = {t.trial_id: t for t in inp.trials}
+    gpu = {g.gpu_id: g for g in inp.gpus}
+    running = {r.pack_id: r for r in inp.running}
+    seen = [tid for p in res.packs for tid in p.trial_ids]
+    assert len(seen) == len(set(seen))
+    assert set(seen) | set(res.unschedulable) == set(by_id) and not set(seen) & set(res.unschedulable)
+    busy: dict[str, list[tuple[int, int]]] = {g.gpu_id: [] for g in inp.gpus}
+    run_end = {r.pack_id: r.ends_at for r in inp.running}
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for p in res.packs:
+        ts = [by_id[i] for i in p.trial_ids]
+        assert {t.base_model for t in ts} == {p.base_model}
+        assert len(ts) <= min(t.max_trials_per_pack for t in ts)
+        assert len(set(p.gpu_ids)) == len(p.gpu_ids) and {t.gpus_needed for t in ts} == {len(p.gpu_ids)}
+        r = running.get(p.pack_key) if p.backfill else None
+        if p.backfill:
+            assert r is not None and p.start == 0 and set(p.gpu_ids) == set(r.gpu_ids)
+            assert len(ts) <= r.free_slots and r.trials + len(ts) <= min(r.max_trials_per_pack,
+                                                                          *(t.max_trials_per_pack for t in ts))
+            mem = _mem(inp, p.base_model, ts, r.tokens_per_step, r.slot_bytes)
+        else:
+            assert p.start >= 0
+            mem = _mem(inp, p.base_model, ts)
+        assert all(mem <= gpu[g].memory_bytes for g in p.gpu_ids), "memory"
+        durs = _durations(inp, p.base_model, ts, r)
+        for t in ts:
+            assert res.completion[t.trial_id] == p.start + durs[t.trial_id]
+            spans.setdefault(t.tenant_id, []).append((p.start, p.start + durs[t.trial_id]))
+        assert p.end == p.start + max(durs.values())
+        if r:
+            run_end[r.pack_id] = max(run_end[r.pack_id], p.end)
+        else:
+            for g in p.gpu_ids:
+                busy[g].append((p.start, p.end))
+    for r in inp.running:
+        for g in r.gpu_ids:
+            busy[g].append((0, max(run_end[r.pack_id], gpu[g].busy_until)))
+        for ten, n in r.tenant_trials:
+            spans.setdefault(ten, []).extend([(0, r.ends_at)] * n)
+    for spec in inp.gpus:
+        if spec.busy_until and not any(spec.gpu_id in r.gpu_ids for r in inp.running):
+            busy[spec.gpu_id].append((0, spec.busy_until))
+        ivs = sorted(busy[spec.gpu_id])
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ivs)), f"overlap on {spec.gpu_id}: {ivs}"
+    for ten, q in inp.tenant_quota.items():
+        cap = max(q, sum(n for r in inp.running for t, n in r.tenant_trials if t == ten))
+        ss = spans.get(ten, [])
+        assert all(sum(1 for s, e in ss if s <= x < e) <= cap for x, _ in ss), f"quota of {ten}"
+    assert res.makespan == max([*res.completion.values(), *run_end.values(), 0])
+    weight = {t.trial_id: t.tenant_weight for t in inp.trials}
+    assert res.objective == inp.makespan_weight * res.makespan + sum(weight[i] * c for i, c in res.completion.items())
+
+
+# --- brute force ----------------------------------------------------------------------------------------------
+
+def _partitions(items: list[TrialSpec]) -> Iterator[list[list[TrialSpec]]]:
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first], *part]
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1:]]
+
+
+def brute_force(inp: PlanningInput) -> int:
+    """Best objective over all packings, pack orders and GPU choices (left-shifted list schedules)."""
+    best = math.inf
+    # A trial no GPU set can hold even alone is left out (the planner reports it as unschedulable).
+    placeable = [t for t in inp.trials
+                 if sum(_mem(inp, t.base_model, [t]) <= g.memory_bytes for g in inp.gpus) >= t.gpus_needed]
+    if not placeable:
+        return 0
+    for part in _partitions(placeable):
+        if any(len({(t.base_model, t.gpus_needed) for t in p}) > 1 or len(p) > min(t.max_trials_per_pack for t in p)
+               for p in part):
+            continue
+        for order in itertools.permutations(part):
+            choices = [[c for c in itertools.combinations(inp.gpus, p[0].gpus_needed)
+                        if all(_mem(inp, p[0].base_model, list(p)) <= g.memory_bytes for g in c)] for p in order]
+            for pick in itertools.product(*choices):
+                avail = {g.gpu_id: g.busy_until for g in inp.gpus}
+                done: dict[str, int] = {}
+                for p, gs in zip(order, pick, strict=True):
+                    start = max(avail[g.gpu_id] for g in gs)
+                    durs = _durations(inp, p[0].base_model, list(p))
+                    done.update({i: start + d for i, d in durs.items()})
+                    for g in gs:
+                        avail[g.gpu_id] = start + max(durs.values())
+                w = {t.trial_id: t.tenant_weight for t in inp.trials}
+                best = min(best, inp.makespan_weight * max(done.values()) + sum(w[i] * c for i, c in done.items()))
+    return int(best)
+
+
+def test_tiny_instances_match_brute_force() -> None:
+    rng = random.Random(7)
+    for case in range(40):
+        n, n_gpus = rng.randint(1, 4), rng.randint(1, 2)
+        trials = tuple(
+            trial(i, rng.choice(["small", "big"]), steps=rng.randint(10, 400), tokens=rng.choice([500, 2000, 8000]),
+                  weight=rng.randint(1, 3), gpus=rng.randint(1, n_gpus), cap=rng.randint(1, 4))
+            for i in range(n))
+        gpus = tuple(GpuSpec(f"g{j}", rng.choice([40, 80]) * GB, busy_until=rng.choice([0, 0, 20]))
+                     for j in range(n_gpus))
+        inp = PlanningInput(trials, gpus, COSTS)
+        res = plan_cpsat(inp, time_limit_s=5.0)
+        check_valid(inp, res)
+        assert res.status == "optimal", case
+        assert res.objective == brute_force(inp), case
+
+
+def random_instance(rng: random.Random) -> PlanningInput:
+    n_gpus = rng.randint(1, 4)
+    gpus = tuple(GpuSpec(f"g{j}", rng.choice([24, 40, 80, 80]) * GB, busy_until=rng.choice([0, 0, 0, 15, 60]))
+                 for j in range(n_gpus))
+    tenants = ["a", "b", "c"]
+    trials = tuple(
+        trial(i, rng.choice(["small", "big"]), steps=rng.randint(1, 300), tokens=rng.choice([256, 1024, 4096, 16384]),
+              tenant=rng.choice(tenants), weight=rng.randint(1, 4), gpus=rng.choice([1, 1, 2]),
+              cap=rng.randint(1, 6), slot=rng.choice([10**7, 10**8, 10**9]))
+        for i in range(rng.randint(1, 7)))
+    running: tuple[RunningPack, ...] = ()
+    if rng.random() < 0.5:
+        running = (RunningPack("r0", ("g0",), rng.choice(["small", "big"]), rng.randint(1, 400), trials=1,
+                               free_slots=rng.randint(0, 3), tokens_per_step=2048, slot_bytes=10**8,
+                               max_trials_per_pack=4, tenant_trials=(("a", 1),)),)
+    quota = {t: rng.randint(1, 3) for t in tenants if rng.random() < 0.4}
+    return PlanningInput(trials, gpus, COSTS, running=running, tenant_quota=quota, unit_s=rng.choice([0.5, 1.0, 5.0]))
+
+
+def test_random_instances_never_violate_constraints() -> None:
+    rng = random.Random(1234)
+    for _ in range(50):
+        inp = random_instance(rng)
+        greedy = plan_greedy(inp)
+        check_valid(inp, greedy)
+        res = plan_cpsat(inp, time_limit_s=0.3)
+        check_valid(inp, res)
+        assert res.objective <= greedy.objective
+
+
+def test_greedy_fallback_when_the_model_is_too_big() -> None:
+    inp = PlanningInput(tuple(trial(i) for i in range(6)), (GpuSpec("g0", 80 * GB), GpuSpec("g1", 80 * GB)), COSTS,
+                        max_interval_vars=1)
+    res = plan_cpsat(inp)
+    assert res.status == "greedy_fallback"
+    check_valid(inp, res)
+    assert sorted(tid for p in res.packs for tid in p.trial_ids) == [f"t{i}" for i in range(6)]
+    also = plan_cpsat(replace(inp, max_interval_vars=20_000, max_pack_terms=10))
+    assert also.status == "greedy_fallback" and also.packs == res.packs
+
+
+def test_greedy_fallback_when_the_solver_finds_nothing_in_time() -> None:
+    inp = random_instance(random.Random(5))
+    res = plan_cpsat(inp, time_limit_s=1e-9)
+    check_valid(inp, res)
+    assert res.status in ("greedy_fallback", "optimal")  # "optimal" only if nothing was left to decide
+
+
+def test_backfills_a_running_packs_free_slot() -> None:
+    # g0 is the only GPU and runs a long pack with a free slot: joining it beats waiting for it to end.
+    running = RunningPack("r0", ("g0",), "small", ends_at=10_000, trials=1, free_slots=1, tokens_per_step=2000,
+                          slot_bytes=10**8, max_trials_per_pack=4)
+    inp = PlanningInput((trial(0), trial(1, "big")), (GpuSpec("g0", 80 * GB),), COSTS, running=(running,))
+    res = plan_cpsat(inp)
+    check_valid(inp, res)
+    fills = [p for p in res.start_now if p.backfill]
+    assert [(p.pack_key, p.trial_ids) for p in fills] == [("r0", ("t0",))]
+    assert res.completion["t1"] >= 10_000  # the other model waits for the GPU
+
+
+def test_no_backfill_when_memory_does_not_fit() -> None:
+    running = RunningPack("r0", ("g0",), "small", ends_at=50, trials=1, free_slots=3, tokens_per_step=2000,
+                          slot_bytes=10**8, max_trials_per_pack=4)
+    inp = PlanningInput((trial(0, slot=8 * GB),), (GpuSpec("g0", 24 * GB),), COSTS, running=(running,))
+    res = plan_cpsat(inp)
+    check_valid(inp, res)
+    assert not any(p.backfill for p in res.packs) and res.packs[0].start == 50
+
+
+def test_multi_gpu_task_gets_its_gpus_together_and_unplaceable_trials_are_reported() -> None:
+    gpus = tuple(GpuSpec(f"g{j}", 80 * GB, busy_until=10 * j) for j in range(3))
+    inp = PlanningInput((trial(0, "big", gpus=2), trial(1, "big", gpus=4), trial(2)), gpus, COSTS)
+    res = plan_cpsat(inp)
+    check_valid(inp, res)
+    assert res.unschedulable == ("t1",)
+    (pack,) = [p for p in res.packs if "t0" in p.trial_ids]
+    assert len(pack.gpu_ids) == 2 and pack.start >= 10
+
+
+def test_same_input_and_seed_give_the_same_plan() -> None:
+    inp = random_instance(random.Random(99))
+    first, second = plan_cpsat(inp, seed=3), plan_cpsat(inp, seed=3)
+    assert (first.packs, first.objective, first.status) == (second.packs, second.objective, second.status)
+
+
+def test_nothing_pending_gives_an_empty_plan() -> None:
+    res = plan_cpsat(PlanningInput((), (GpuSpec("g0", 80 * GB),), COSTS))
+    assert res.packs == () and res.start_now == () and res.makespan == 0
+
+
+def test_trials_of_different_tenants_and_tasks_share_one_backbone() -> None:
+    # A large fixed step cost (the frozen backbone's forward/backward) makes one shared pack the best plan.
+    costs = {"small": ModelCost(MemoryModel(10 * GB, 1e6), StepTimeModel(2.0, 1e-5, 0.01))}
+    trials = (trial(0, tenant="a"), trial(1, tenant="b"), trial(2, tenant="c"))
+    inp = PlanningInput(trials, (GpuSpec("g0", 80 * GB),), costs)
+    res = plan_cpsat(inp)
+    check_valid(inp, res)
+    assert res.status == "optimal"
+    assert [sorted(p.trial_ids) for p in res.start_now] == [["t0", "t1", "t2"]]
+
+
+def test_quota_limits_concurrent_trials_of_a_tenant() -> None:
+    costs = {"small": ModelCost(MemoryModel(10 * GB, 1e6), StepTimeModel(2.0, 1e-5, 0.01))}
+    inp = PlanningInput(tuple(trial(i, tenant="a") for i in range(3)), (GpuSpec("g0", 80 * GB),), costs,
+                        tenant_quota={"a": 2})
+    res = plan_cpsat(inp)
+    check_valid(inp, res)
+    assert max(len(p.trial_ids) for p in res.packs) == 2 and len(res.start_now) == 1
+
+
+def test_backfill_respects_the_caps_counting_the_running_trials() -> None:
+    # Two run already; the pending trials' own cap of 3 leaves room for one more, not for the 2 free slots.
+    running = RunningPack("r0", ("g0",), "small", ends_at=10_000, trials=2, free_slots=2, tokens_per_step=2000,
+                          slot_bytes=10**8, max_trials_per_pack=8)
+    inp = PlanningInput((trial(0, cap=3), trial(1, cap=3)), (GpuSpec("g0", 80 * GB),), COSTS, running=(running,))
+    for res in (plan_greedy(inp), plan_cpsat(inp)):
+        check_valid(inp, res)
+        assert [len(p.trial_ids) for p in res.packs if p.backfill] == [1]
