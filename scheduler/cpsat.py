@@ -31,7 +31,7 @@ SCALE = 1000  # step times are integer thousandths of a time unit, rounded up
 
 
 @dataclass(frozen=True)
-class TrialSpec:
+class PlanTrial:
     trial_id: str
     task_id: str
     tenant_id: str
@@ -75,7 +75,7 @@ class ModelCost:
 
 @dataclass(frozen=True)
 class PlanningInput:
-    trials: tuple[TrialSpec, ...]  # pending, oldest first
+    trials: tuple[PlanTrial, ...]  # pending, oldest first
     gpus: tuple[GpuSpec, ...]
     costs: Mapping[str, ModelCost]  # by base model
     running: tuple[RunningPack, ...] = ()
@@ -123,7 +123,7 @@ class _Prep:
     def _cost(self, model: str) -> ModelCost:
         return self.inp.costs[model]
 
-    def _placeable(self, t: TrialSpec) -> bool:
+    def _placeable(self, t: PlanTrial) -> bool:
         if t.base_model not in self.inp.costs or t.remaining_steps <= 0 or t.gpus_needed < 1:
             return False
         if self.inp.tenant_quota.get(t.tenant_id, 1) < 1:
@@ -135,7 +135,7 @@ class _Prep:
     def mem_base(self, model: str) -> int:
         return math.ceil(self._cost(model).memory.k0_bytes)
 
-    def mem_item(self, t: TrialSpec) -> int:
+    def mem_item(self, t: PlanTrial) -> int:
         return math.ceil(self._cost(t.base_model).memory.k1_bytes_per_token * t.tokens_per_step) + t.slot_bytes
 
     def mem_running(self, r: RunningPack) -> int:
@@ -149,7 +149,7 @@ class _Prep:
     def step_base(self, model: str) -> int:
         return math.ceil(self._cost(model).step.a_s * self._kk())
 
-    def step_item(self, t: TrialSpec) -> int:
+    def step_item(self, t: PlanTrial) -> int:
         s = self._cost(t.base_model).step
         return math.ceil(s.b_s_per_token * t.tokens_per_step * self._kk()) + math.ceil(s.c_s_per_slot * self._kk())
 
@@ -163,7 +163,7 @@ class _Prep:
         """Units for `steps` at `step_milli`: rounded up and never 0 (remaining work always takes time)."""
         return max(1, -(-steps * step_milli // SCALE))
 
-    def durations(self, members: list[TrialSpec], base: int) -> dict[str, int]:
+    def durations(self, members: list[PlanTrial], base: int) -> dict[str, int]:
         step = base + sum(self.step_item(t) for t in members)
         return {t.trial_id: self.duration(t.remaining_steps, step) for t in members}
 
@@ -175,7 +175,7 @@ class _Prep:
         # Already over quota (the quota was lowered): keep what runs, start nothing new beside it.
         return max(q, running)
 
-    def compatible(self, t: TrialSpec, r: RunningPack) -> bool:
+    def compatible(self, t: PlanTrial, r: RunningPack) -> bool:
         return t.base_model == r.base_model and t.gpus_needed == len(r.gpu_ids) and r.free_slots > 0
 
     def fixed_busy(self) -> dict[str, int]:
@@ -239,7 +239,7 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
             used.setdefault(ten, []).extend([(0, r.ends_at)] * n)
     packs: list[ScheduledPack] = []
 
-    def grow(members: list[TrialSpec], cand: TrialSpec, cap: int, mem_left: int, base: int, start: int,
+    def grow(members: list[PlanTrial], cand: PlanTrial, cap: int, mem_left: int, base: int, start: int,
              already: int = 0) -> bool:
         """Whether `cand` may join `members` (plus `already` running trials) in a pack starting at `start`."""
         trial = [*members, cand]
@@ -251,7 +251,7 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
         return _quota_ok(prep, used, [(t.tenant_id, start, start + durs[t.trial_id]) for t in trial])
 
     for r in sorted(inp.running, key=lambda r: r.pack_id):
-        members: list[TrialSpec] = []
+        members: list[PlanTrial] = []
         mem_left = min(prep.gpu_mem[g] for g in r.gpu_ids) - prep.mem_running(r)
         for t in pending:
             if prep.compatible(t, r) and len(members) < r.free_slots and grow(
@@ -307,7 +307,7 @@ def plan_cpsat(inp: PlanningInput, *, time_limit_s: float = 1.0, seed: int = 0, 
     """
     t0 = time.perf_counter()
     prep = _Prep(inp)
-    groups: dict[tuple[str, int], list[TrialSpec]] = {}
+    groups: dict[tuple[str, int], list[PlanTrial]] = {}
     for t in prep.trials:
         groups.setdefault((t.base_model, t.gpus_needed), []).append(t)
     n_intervals = sum(len(ts) for ts in groups.values()) * len(inp.gpus) + len(prep.trials)
@@ -335,7 +335,7 @@ _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible"}
 class _Model:
     """The CP-SAT model of one planning input; see the module docstring for the formulation."""
 
-    def __init__(self, prep: _Prep, groups: dict[tuple[str, int], list[TrialSpec]], greedy: PlanResult) -> None:
+    def __init__(self, prep: _Prep, groups: dict[tuple[str, int], list[PlanTrial]], greedy: PlanResult) -> None:
         self.prep, self.m = prep, cp_model.CpModel()
         m, inp = self.m, prep.inp
         fixed = prep.fixed_busy()
@@ -349,7 +349,7 @@ class _Model:
         ends: list[cp_model.IntVar] = []
         # New packs, one candidate per (group, leader).
         self.span: dict[str, tuple[cp_model.IntVar, cp_model.IntVar]] = {}
-        self.packs: list[tuple[TrialSpec, list[tuple[TrialSpec, cp_model.IntVar]], cp_model.IntVar,
+        self.packs: list[tuple[PlanTrial, list[tuple[PlanTrial, cp_model.IntVar]], cp_model.IntVar,
                                dict[str, cp_model.IntVar]]] = []
         for (model, k), ts in groups.items():
             base_mem, base_step = prep.mem_base(model), prep.step_base(model)
@@ -378,7 +378,7 @@ class _Model:
                 self.packs.append((lead, members, s, y))
                 self.span[lead.trial_id] = (d, e)
         # Running packs: kept where they are, back-filled with pending trials that fit.
-        self.fills: list[tuple[RunningPack, list[tuple[TrialSpec, cp_model.IntVar]]]] = []
+        self.fills: list[tuple[RunningPack, list[tuple[PlanTrial, cp_model.IntVar]]]] = []
         for r in inp.running:
             e_r = m.new_int_var(r.ends_at, h, f"E_{r.pack_id}")
             ends.append(e_r)

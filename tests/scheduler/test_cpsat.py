@@ -15,8 +15,8 @@ from scheduler.cpsat import (
     ModelCost,
     PlanningInput,
     PlanResult,
+    PlanTrial,
     RunningPack,
-    TrialSpec,
     plan_cpsat,
     plan_greedy,
 )
@@ -29,19 +29,19 @@ COSTS = {
 
 
 def trial(i: int, model: str = "small", *, steps: int = 100, tokens: int = 2000, tenant: str = "a", weight: int = 1,
-          gpus: int = 1, cap: int = 4, slot: int = 10**8) -> TrialSpec:
-    return TrialSpec(f"t{i}", f"task{i % 2}", tenant, weight, model, gpus, tokens, steps, slot, cap)
+          gpus: int = 1, cap: int = 4, slot: int = 10**8) -> PlanTrial:
+    return PlanTrial(f"t{i}", f"task{i % 2}", tenant, weight, model, gpus, tokens, steps, slot, cap)
 
 
 # --- an independent re-implementation of the integer arithmetic, for the checks -------------------------------
 
-def _mem(inp: PlanningInput, model: str, trials: list[TrialSpec], tokens: int = 0, slots: int = 0) -> int:
+def _mem(inp: PlanningInput, model: str, trials: list[PlanTrial], tokens: int = 0, slots: int = 0) -> int:
     m = inp.costs[model].memory
     return (math.ceil(m.k0_bytes) + math.ceil(m.k1_bytes_per_token * tokens) + slots
             + sum(math.ceil(m.k1_bytes_per_token * t.tokens_per_step) + t.slot_bytes for t in trials))
 
 
-def _durations(inp: PlanningInput, model: str, trials: list[TrialSpec], running: RunningPack | None = None
+def _durations(inp: PlanningInput, model: str, trials: list[PlanTrial], running: RunningPack | None = None
                ) -> dict[str, int]:
     s, k = inp.costs[model].step, SCALE / inp.unit_s
     step = math.ceil(s.a_s * k)
@@ -109,7 +109,7 @@ def check_valid(inp: PlanningInput, res: PlanResult) -> None:
 
 # --- brute force ----------------------------------------------------------------------------------------------
 
-def _partitions(items: list[TrialSpec]) -> Iterator[list[list[TrialSpec]]]:
+def _partitions(items: list[PlanTrial]) -> Iterator[list[list[PlanTrial]]]:
     if not items:
         yield []
         return
