@@ -18,284 +18,22 @@ choices, so the model, the fallback and the brute-force tests agree exactly.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from ortools.sat.python import cp_model
 
-from scheduler.cost import MemoryModel, StepTimeModel
-
-SCALE = 1000  # step times are integer thousandths of a time unit, rounded up
-
-
-@dataclass(frozen=True)
-class PlanTrial:
-    trial_id: str
-    task_id: str
-    tenant_id: str
-    tenant_weight: int  # ≥ 1: weight of this trial's completion time in the objective
-    base_model: str
-    gpus_needed: int  # the task's model needs this many GPUs together (ALTO: 70B → 4, 32B → 2, 8B → 1)
-    tokens_per_step: int  # padded tokens this trial adds to its pack's step
-    remaining_steps: int
-    slot_bytes: int  # adapter + optimizer bytes of this slot (16 · adapter_params)
-    max_trials_per_pack: int  # the task's cap
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    gpu_id: str
-    memory_bytes: int
-    busy_until: int = 0  # time units from now; 0 = free now
-
-
-@dataclass(frozen=True)
-class RunningPack:
-    """A pack already training: kept as is (never preempted); its free slots may be back-filled."""
-
-    pack_id: str
-    gpu_ids: tuple[str, ...]
-    base_model: str
-    ends_at: int  # predicted end of its current members, time units from now
-    trials: int
-    free_slots: int
-    tokens_per_step: int
-    slot_bytes: int
-    max_trials_per_pack: int
-    tenant_trials: tuple[tuple[str, int], ...] = ()  # running trials per tenant, for quotas
-
-
-@dataclass(frozen=True)
-class ModelCost:
-    memory: MemoryModel  # per GPU of the pack
-    step: StepTimeModel
-
-
-@dataclass(frozen=True)
-class PlanningInput:
-    trials: tuple[PlanTrial, ...]  # pending, oldest first
-    gpus: tuple[GpuSpec, ...]
-    costs: Mapping[str, ModelCost]  # by base model
-    running: tuple[RunningPack, ...] = ()
-    tenant_quota: Mapping[str, int] = field(default_factory=dict)  # max concurrent trials per tenant
-    unit_s: float = 1.0  # seconds per integer time unit
-    makespan_weight: int = 1
-    max_interval_vars: int = 20_000  # above this the model is not built: greedy fallback
-    # Σ over groups of n·n(n+1)/2, the terms of the completion constraints (n trials of one model in a group):
-    # measured, CP-SAT finds nothing within 1 s beyond a few tens of thousands, so skip straight to greedy.
-    max_pack_terms: int = 30_000
-
-
-@dataclass(frozen=True)
-class ScheduledPack:
-    pack_key: str  # "new-<leader trial id>" or the running pack's id for a back-fill
-    gpu_ids: tuple[str, ...]
-    base_model: str
-    trial_ids: tuple[str, ...]
-    start: int
-    end: int
-    backfill: bool = False
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    packs: tuple[ScheduledPack, ...]  # the full schedule, by (start, pack_key)
-    start_now: tuple[ScheduledPack, ...]  # the first wave: new packs starting at 0 and all back-fills
-    completion: Mapping[str, int]  # trial id -> completion time (units)
-    unschedulable: tuple[str, ...]  # pending trials no GPU set can ever hold
-    makespan: int
-    objective: int
-    solve_s: float
-    status: str  # "optimal" | "feasible" | "greedy_fallback"
-
-
-class _Prep:
-    """Integer coefficients shared by the CP-SAT model, the greedy packer and the result."""
-
-    def __init__(self, inp: PlanningInput) -> None:
-        self.inp = inp
-        self.gpu_mem = {g.gpu_id: g.memory_bytes for g in inp.gpus}
-        self.trials = [t for t in inp.trials if self._placeable(t)]
-        self.unschedulable = tuple(t.trial_id for t in inp.trials if not self._placeable(t))
-
-    def _cost(self, model: str) -> ModelCost:
-        return self.inp.costs[model]
-
-    def _placeable(self, t: PlanTrial) -> bool:
-        if t.base_model not in self.inp.costs or t.remaining_steps <= 0 or t.gpus_needed < 1:
-            return False
-        if self.inp.tenant_quota.get(t.tenant_id, 1) < 1:
-            return False
-        solo = self.mem_base(t.base_model) + self.mem_item(t)
-        return sum(1 for g in self.inp.gpus if g.memory_bytes >= solo) >= t.gpus_needed
-
-    # Memory: base + Σ items ≤ GPU bytes. Each term is rounded up so the sum never under-estimates.
-    def mem_base(self, model: str) -> int:
-        return math.ceil(self._cost(model).memory.k0_bytes)
-
-    def mem_item(self, t: PlanTrial) -> int:
-        return math.ceil(self._cost(t.base_model).memory.k1_bytes_per_token * t.tokens_per_step) + t.slot_bytes
-
-    def mem_running(self, r: RunningPack) -> int:
-        m = self._cost(r.base_model).memory
-        return self.mem_base(r.base_model) + math.ceil(m.k1_bytes_per_token * r.tokens_per_step) + r.slot_bytes
-
-    # Step time in SCALE-ths of a unit: base + Σ items, each rounded up.
-    def _kk(self) -> float:
-        return SCALE / self.inp.unit_s
-
-    def step_base(self, model: str) -> int:
-        return math.ceil(self._cost(model).step.a_s * self._kk())
-
-    def step_item(self, t: PlanTrial) -> int:
-        s = self._cost(t.base_model).step
-        return math.ceil(s.b_s_per_token * t.tokens_per_step * self._kk()) + math.ceil(s.c_s_per_slot * self._kk())
-
-    def step_running(self, r: RunningPack) -> int:
-        s = self._cost(r.base_model).step
-        return (self.step_base(r.base_model) + math.ceil(s.b_s_per_token * r.tokens_per_step * self._kk())
-                + math.ceil(s.c_s_per_slot * self._kk()) * r.trials)
-
-    @staticmethod
-    def duration(steps: int, step_milli: int) -> int:
-        """Units for `steps` at `step_milli`: rounded up and never 0 (remaining work always takes time)."""
-        return max(1, -(-steps * step_milli // SCALE))
-
-    def durations(self, members: list[PlanTrial], base: int) -> dict[str, int]:
-        step = base + sum(self.step_item(t) for t in members)
-        return {t.trial_id: self.duration(t.remaining_steps, step) for t in members}
-
-    def quota_cap(self, tenant: str) -> int | None:
-        q = self.inp.tenant_quota.get(tenant)
-        if q is None:
-            return None
-        running = sum(n for r in self.inp.running for ten, n in r.tenant_trials if ten == tenant)
-        # Already over quota (the quota was lowered): keep what runs, start nothing new beside it.
-        return max(q, running)
-
-    def compatible(self, t: PlanTrial, r: RunningPack) -> bool:
-        return t.base_model == r.base_model and t.gpus_needed == len(r.gpu_ids) and r.free_slots > 0
-
-    def fixed_busy(self) -> dict[str, int]:
-        """GPU -> time it is taken until by something the plan cannot move (busy or a running pack)."""
-        busy = {g.gpu_id: g.busy_until for g in self.inp.gpus}
-        for r in self.inp.running:
-            for g in r.gpu_ids:
-                busy[g] = max(busy.get(g, 0), r.ends_at)
-        return busy
-
-
-def _finish(prep: _Prep, packs: list[ScheduledPack], solve_s: float, status: str) -> PlanResult:
-    """Recomputes completions from the packs with the shared arithmetic and scores the objective."""
-    by_id = {t.trial_id: t for t in prep.trials}
-    running = {r.pack_id: r for r in prep.inp.running}
-    completion: dict[str, int] = {}
-    timed: list[ScheduledPack] = []
-    for p in packs:
-        members = [by_id[i] for i in p.trial_ids]
-        base = prep.step_running(running[p.pack_key]) if p.backfill else prep.step_base(p.base_model)
-        durs = prep.durations(members, base)
-        completion.update({tid: p.start + d for tid, d in durs.items()})
-        timed.append(replace(p, end=p.start + max(durs.values())))
-    makespan = max([*completion.values(), *(r.ends_at for r in prep.inp.running), 0])
-    weights = {t.trial_id: t.tenant_weight for t in prep.trials}
-    objective = prep.inp.makespan_weight * makespan + sum(weights[i] * c for i, c in completion.items())
-    ordered = tuple(sorted(timed, key=lambda p: (p.start, p.pack_key)))
-    return PlanResult(
-        packs=ordered, start_now=tuple(p for p in ordered if p.start == 0 or p.backfill), completion=completion,
-        unschedulable=prep.unschedulable, makespan=makespan, objective=objective, solve_s=solve_s, status=status,
-    )
-
-
-def _quota_ok(prep: _Prep, used: dict[str, list[tuple[int, int]]], new: list[tuple[str, int, int]]) -> bool:
-    """Whether adding trial intervals `new` (tenant, start, end) keeps every tenant within its quota."""
-    for tenant in {ten for ten, _, _ in new}:
-        cap = prep.quota_cap(tenant)
-        if cap is None:
-            continue
-        spans = used.get(tenant, []) + [(s, e) for ten, s, e in new if ten == tenant]
-        # Concurrency peaks at some interval start: count the spans covering each start.
-        if any(sum(1 for s, e in spans if s <= x < e) > cap for x, _ in spans):
-            return False
-    return True
-
-
-def plan_greedy(inp: PlanningInput) -> PlanResult:
-    """First-fit list scheduling: back-fill running packs, then open packs on the earliest-free GPU sets.
-
-    Trials go heaviest tenant weight first, then oldest first. Each new pack is led by the next trial, on
-    the k earliest-free GPUs that can hold it, at the earliest time its tenant's quota allows; later trials
-    of the same model join while memory, caps and quotas still hold with the pack's slower step.
-    """
-    t0 = time.perf_counter()
-    prep = _Prep(inp)
-    pending = sorted(prep.trials, key=lambda t: -t.tenant_weight)  # stable: oldest first within a weight
-    avail = prep.fixed_busy()
-    used: dict[str, list[tuple[int, int]]] = {}
-    for r in inp.running:
-        for ten, n in r.tenant_trials:
-            used.setdefault(ten, []).extend([(0, r.ends_at)] * n)
-    packs: list[ScheduledPack] = []
-
-    def grow(members: list[PlanTrial], cand: PlanTrial, cap: int, mem_left: int, base: int, start: int,
-             already: int = 0) -> bool:
-        """Whether `cand` may join `members` (plus `already` running trials) in a pack starting at `start`."""
-        trial = [*members, cand]
-        if already + len(trial) > min([cap, *(t.max_trials_per_pack for t in trial)]):
-            return False
-        if sum(prep.mem_item(t) for t in trial) > mem_left:
-            return False
-        durs = prep.durations(trial, base)
-        return _quota_ok(prep, used, [(t.tenant_id, start, start + durs[t.trial_id]) for t in trial])
-
-    for r in sorted(inp.running, key=lambda r: r.pack_id):
-        members: list[PlanTrial] = []
-        mem_left = min(prep.gpu_mem[g] for g in r.gpu_ids) - prep.mem_running(r)
-        for t in pending:
-            if prep.compatible(t, r) and len(members) < r.free_slots and grow(
-                    members, t, r.max_trials_per_pack, mem_left, prep.step_running(r), 0, already=r.trials):
-                members.append(t)
-        if members:
-            durs = prep.durations(members, prep.step_running(r))
-            for t in members:
-                used.setdefault(t.tenant_id, []).append((0, durs[t.trial_id]))
-            for gid in r.gpu_ids:
-                avail[gid] = max(avail[gid], *durs.values())
-            packs.append(ScheduledPack(r.pack_id, r.gpu_ids, r.base_model, tuple(t.trial_id for t in members),
-                                       0, max(durs.values()), backfill=True))
-            chosen = {t.trial_id for t in members}
-            pending = [t for t in pending if t.trial_id not in chosen]
-
-    while pending:
-        lead = pending[0]
-        base_mem = prep.mem_base(lead.base_model)
-        fits = [g for g in inp.gpus if g.memory_bytes >= base_mem + prep.mem_item(lead)]
-        gpus = sorted(fits, key=lambda g: (avail[g.gpu_id], g.gpu_id))[: lead.gpus_needed]
-        start = max(avail[g.gpu_id] for g in gpus)
-        base = prep.step_base(lead.base_model)
-        solo = prep.duration(lead.remaining_steps, base + prep.step_item(lead))
-        # The lead alone must fit its quota: move to the next time one of its tenant's trials ends.
-        times = sorted({start, *(e for _, e in used.get(lead.tenant_id, []) if e > start)})
-        start = next(x for x in times if _quota_ok(prep, used, [(lead.tenant_id, x, x + solo)]))
-        mem_left = min(g.memory_bytes for g in gpus) - base_mem
-        members = [lead]
-        for t in pending[1:]:
-            if (t.base_model, t.gpus_needed) == (lead.base_model, lead.gpus_needed) and grow(
-                    members, t, lead.max_trials_per_pack, mem_left, base, start):
-                members.append(t)
-        durs = prep.durations(members, base)
-        end = start + max(durs.values())
-        for t in members:
-            used.setdefault(t.tenant_id, []).append((start, start + durs[t.trial_id]))
-        for gpu in gpus:
-            avail[gpu.gpu_id] = end
-        packs.append(ScheduledPack(f"new-{lead.trial_id}", tuple(sorted(g.gpu_id for g in gpus)),
-                                   lead.base_model, tuple(t.trial_id for t in members), start, end))
-        chosen = {t.trial_id for t in members}
-        pending = [t for t in pending if t.trial_id not in chosen]
-    return _finish(prep, packs, time.perf_counter() - t0, "greedy_fallback")
+from scheduler.firstfit import plan_greedy
+from scheduler.planning import (
+    SCALE,
+    PlanningInput,
+    PlanResult,
+    PlanTrial,
+    Prepared,
+    RunningPack,
+    ScheduledPack,
+    finish_plan,
+)
 
 
 def plan_cpsat(inp: PlanningInput, *, time_limit_s: float = 1.0, seed: int = 0, num_workers: int = 1) -> PlanResult:
@@ -306,7 +44,7 @@ def plan_cpsat(inp: PlanningInput, *, time_limit_s: float = 1.0, seed: int = 0, 
     plan reproducible; more workers search faster but the result may then depend on timing.
     """
     t0 = time.perf_counter()
-    prep = _Prep(inp)
+    prep = Prepared(inp)
     groups: dict[tuple[str, int], list[PlanTrial]] = {}
     for t in prep.trials:
         groups.setdefault((t.base_model, t.gpus_needed), []).append(t)
@@ -326,7 +64,7 @@ def plan_cpsat(inp: PlanningInput, *, time_limit_s: float = 1.0, seed: int = 0, 
     status = solver.solve(built.m)
     if status not in _STATUS:
         return replace(greedy, solve_s=time.perf_counter() - t0)
-    return _finish(prep, built.extract(solver), time.perf_counter() - t0, _STATUS[status])
+    return finish_plan(prep, built.extract(solver), time.perf_counter() - t0, _STATUS[status])
 
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible"}
@@ -335,7 +73,7 @@ _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible"}
 class _Model:
     """The CP-SAT model of one planning input; see the module docstring for the formulation."""
 
-    def __init__(self, prep: _Prep, groups: dict[tuple[str, int], list[PlanTrial]], greedy: PlanResult) -> None:
+    def __init__(self, prep: Prepared, groups: dict[tuple[str, int], list[PlanTrial]], greedy: PlanResult) -> None:
         self.prep, self.m = prep, cp_model.CpModel()
         m, inp = self.m, prep.inp
         fixed = prep.fixed_busy()

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from scheduler.cost import MemoryModel, StepTimeModel
-from scheduler.cpsat import (
+from scheduler.cpsat import plan_cpsat
+from scheduler.firstfit import plan_greedy
+from scheduler.planning import (
     SCALE,
     GpuSpec,
     ModelCost,
@@ -17,8 +19,6 @@ from scheduler.cpsat import (
     PlanResult,
     PlanTrial,
     RunningPack,
-    plan_cpsat,
-    plan_greedy,
 )
 
 GB = 10**9
