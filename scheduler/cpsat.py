@@ -12,8 +12,8 @@ tasks and tenants share one backbone. Here the three are one model:
 - back-fill puts a pending trial into a running pack's free slot, starting now;
 - per-tenant quotas (max concurrent trials) are `Cumulative` constraints over trial intervals.
 Objective: makespan_weight·makespan + Σ tenant_weight·completion. All integer arithmetic is in
-`_Prep` and shared with `plan_greedy`; the reported schedule is recomputed with it from the solver's
-choices, so the model, the fallback and the brute-force tests agree exactly.
+`planning.Prepared`, shared with `firstfit.plan_greedy`; the reported schedule is recomputed with it from
+the solver's choices, so the model, the fallback and the brute-force tests agree exactly.
 """
 
 from __future__ import annotations
