@@ -193,3 +193,25 @@ def test_the_next_batch_is_packed_ahead_and_dropped_when_the_pack_changes(
         engine.evict(1)
         engine.step()
         assert packed[4:] == [[0], [0]]  # the batch packed ahead for slots 0 and 1 went unused
+
+
+def test_trials_with_the_same_rows_tokenise_them_once(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.engine.engine as engine_module
+
+    calls: list[int] = []
+    real = engine_module.encode_rows
+
+    def counting(rows: Any, tokenizer: Any, max_seq_len: int) -> Any:
+        calls.append(len(rows))
+        return real(rows, tokenizer, max_seq_len)
+
+    monkeypatch.setattr(engine_module, "encode_rows", counting)
+    shared = chat_rows(6)
+    specs = [make_spec(f"t{i}", seed=i, train_rows=list(shared), val_rows=[]) for i in range(3)]
+    specs.append(make_spec("other", train_rows=completion_rows(4), val_rows=[]))
+    with _engine(tiny, specs) as engine:
+        for spec in specs:
+            engine.admit(spec)
+        engine.step()
+    # One encoding of the shared rows (equal content, distinct lists), one of the other trial's, one empty val.
+    assert sorted(calls) == [0, 4, 6]
