@@ -75,5 +75,7 @@ def adapter_key(task_id: str, trial_id: str) -> str:
     return f"adapters/{task_id}/{trial_id}.tar.gz"
 
 
-def checkpoint_key(task_id: str, trial_id: str) -> str:
-    return f"checkpoints/{task_id}/{trial_id}.tar"
+def checkpoint_key(task_id: str, trial_id: str, step: int) -> str:
+    # One key per step: the database's (key, step) pointer must never find a newer checkpoint at its key
+    # (a worker killed between writing one and reporting it would otherwise leave exactly that).
+    return f"checkpoints/{task_id}/{trial_id}/step-{step:09d}.tar"

@@ -112,10 +112,18 @@ class PackRunner:
             tmp = Path(tmp_name)
             resume = self._fetch_checkpoints(pack["trials"], tmp / "resume")
 
+            written: dict[str, list[str]] = {}
+
             def upload_checkpoint(trial_id: str, step: int, path: Path) -> None:
-                key = checkpoint_key(task_of[trial_id], trial_id)
+                key = checkpoint_key(task_of[trial_id], trial_id, step)
                 self.store.put_file(key, _tar(path, tmp / f"{trial_id}.ckpt.tar", gzip=False))
                 reporter.send("trial.checkpoint", trial_id=trial_id, step=step, checkpoint_key=key)
+                # Keep the newest two: the scheduler may not have ingested the newest report yet, and the
+                # one before it is what the database points at meanwhile.
+                keys = written.setdefault(trial_id, [])
+                keys.append(key)
+                while len(keys) > 2:
+                    self.store.delete(keys.pop(0))
 
             outcomes = train_pack(
                 model, tokenizer, specs, base_model_name=source.name, export_dir=tmp / "adapters",
