@@ -21,9 +21,6 @@ from common.models import MetricPoint, Pack, Trial, Worker, utcnow
 
 log = logging.getLogger(__name__)
 
-WORKER_REPORTS = {"heartbeat", "pack.started", "points", "trial.checkpoint", "trial.finished", "pack.profile",
-                  "pack.finished", "pack.failed"}
-
 
 def ingest(session: Session, messages: list[dict[str, Any]], now: datetime | None = None) -> bool:
     """Returns True when something changed that the planner should look at."""

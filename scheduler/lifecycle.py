@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from common import states
@@ -190,7 +190,3 @@ def stop_requests(session: Session) -> dict[str, tuple[str, list[str]]]:
     for pack_id, worker_id, trial_id in rows:
         out.setdefault(pack_id, (worker_id, []))[1].append(trial_id)
     return out
-
-
-def count_live_packs(session: Session) -> int:
-    return int(session.scalar(select(func.count()).select_from(Pack).where(Pack.state.in_(states.PACK_LIVE))) or 0)

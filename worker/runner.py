@@ -8,9 +8,11 @@ has received, in order, `pack.started`, the trials' loss points (and `trial.chec
 
 from __future__ import annotations
 
+import functools
 import logging
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +55,10 @@ class PackRunner:
             self._models[source.name] = load_base_model(source, cache_dir=self.model_cache_dir, device=self.device)
         return self._models[source.name]
 
-    def trial_spec(self, t: dict[str, Any]) -> TrialSpec:
-        rows = parse_jsonl(self.store.get_bytes(t["training_file_key"]))
+    def trial_spec(self, t: dict[str, Any], read_rows: Callable[[str], list[dict[str, Any]]]) -> TrialSpec:
+        rows = read_rows(t["training_file_key"])
         if t.get("validation_file_key"):
-            train, val = rows, parse_jsonl(self.store.get_bytes(t["validation_file_key"]))
+            train, val = rows, read_rows(t["validation_file_key"])
         elif t.get("validation_split"):
             train, val = split_rows(rows, float(t["validation_split"]), int(t["split_seed"]))
         else:
@@ -106,7 +108,9 @@ class PackRunner:
         source = ModelSource(**pack["base_model"])
         model, tokenizer = self.model(source)
         task_of = {t["trial_id"]: t["task_id"] for t in pack["trials"]}
-        specs = [self.trial_spec(t) for t in pack["trials"]]
+        # The trials of one task share their files: read and parse each once per pack.
+        read_rows = functools.cache(lambda key: parse_jsonl(self.store.get_bytes(key)))
+        specs = [self.trial_spec(t, read_rows) for t in pack["trials"]]
         profiler = PackProfiler(device=str(self.device))
         with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
             tmp = Path(tmp_name)
