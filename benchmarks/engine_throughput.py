@@ -7,6 +7,10 @@ architecture's shape (throughput does not depend on weight values).
 
     python -m benchmarks.engine_throughput --shape llama-3.2-1b --batch 1 2 4      # on a GPU
     python -m benchmarks.engine_throughput --shape tiny --trials 4 --batch 1 --steps 2 --seq-len 64   # smoke
+
+``--backends torch triton`` measures the engine once per LoRA backend (issue 4: the Triton kernels against
+the torch path) in the same run; the ratio columns are those of the last backend. ``--profile`` prints the
+top CUDA kernels of two engine steps of the last backend (where the time goes).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_result
+from benchmarks.common import print_table, write_result
 from benchmarks.models import SHAPES, load, make_rows, materialise
+from kernels import set_backend
 from worker.engine import TrialSpec, restore_base_model
 from worker.engine.data import Example, collate, encode_rows
 from worker.engine.engine import CUDA_WIDTH_MULTIPLE
@@ -177,12 +182,19 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
         engines.append(engine)
         return step
 
-    engine = measure(make_engine, args.warmup, args.steps)
-    stats = engines[0].last_stats if engines and engines[0].last_stats else None
-    for e in engines:
-        e.close()  # unwraps the model for the PEFT run
-    engines.clear()
-    free()  # the engine's adapter store and optimizer state, before PEFT allocates its own
+    by_backend: dict[str, float | str] = {}
+    stats = None
+    for backend in args.backends:
+        set_backend(backend)
+        by_backend[backend] = measure(make_engine, args.warmup, args.steps)
+        stats = engines[0].last_stats if engines and engines[0].last_stats else None
+        if args.profile and backend == args.backends[-1] and engines:
+            profile_steps(engines[0])
+        while engines:  # (a loop variable would keep the last engine, and its ~20 GiB, alive)
+            engines.pop().close()  # unwraps the model for the next backend and the PEFT run
+        free()  # the engine's adapter store and optimizer state, before PEFT allocates its own
+    set_backend("auto")
+    engine = by_backend[args.backends[-1]]
     pooled = batches(examples, args.trials, batch, 1, pad_id)
     frozen = measure(lambda: frozen_step(model, pooled, device, args.activation_checkpointing), args.warmup,
                      args.steps)
@@ -198,10 +210,44 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
     def ratio(a: float | str, b: float | str) -> Any:
         return round(a / b, 2) if isinstance(a, float) and isinstance(b, float) else "-"
 
+    if args.matmul_tflops and isinstance(engine, float):
+        flops = 4 * linear_params(model) + 6 * model.config.num_hidden_layers * model.config.hidden_size * (
+            sum(len(e.input_ids) for e in examples) / len(examples))
+        mfu_rows.append([batch, round(engine * flops / 1e12, 1), args.matmul_tflops,
+                         round(engine * flops / 1e12 / args.matmul_tflops, 3)])
     peak = stats.peak_memory_bytes / 2**30 if stats and stats.peak_memory_bytes else float("nan")
     padding = stats.padded_fraction if stats else float("nan")
-    return [batch, args.trials, num(peft), num(engine), num(frozen), ratio(engine, peft), ratio(engine, frozen),
-            round(padding, 3), round(peak, 1)]
+    return [batch, args.trials, num(peft), *[num(by_backend[b]) for b in args.backends], num(frozen),
+            ratio(engine, peft), ratio(engine, frozen), round(padding, 3), round(peak, 1)]
+
+
+mfu_rows: list[list[Any]] = []
+
+
+def linear_params(model: Any) -> int:
+    """Weights of the model's matrix products (every nn.Linear, lm_head included; not the input embedding)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def matmul_tflops() -> float:
+    """The bf16 matrix rate of this GPU: an 8192^3 product on random data, median of 20 after warm-up."""
+    import triton.testing
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = float(triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median"))
+    return round(2 * 8192**3 / ms / 1e9, 1)
+
+
+def profile_steps(engine: Any) -> None:
+    """The top CUDA kernels of two engine steps, by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            engine.step()
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
 
 
 def main() -> None:
@@ -217,10 +263,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--backends", nargs="+", choices=["auto", "torch", "triton"], default=["auto"],
+                        help="LoRA backends of the engine, each measured in this run")
+    parser.add_argument("--profile", action="store_true", help="print a profiler table of the last backend")
+    parser.add_argument("--mfu", action="store_true",
+                        help="also the model FLOP utilisation of the engine against this GPU's measured bf16 rate")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute decoder layers in the backward, in the engine and the frozen ceiling alike")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.matmul_tflops = matmul_tflops() if args.mfu and device.type == "cuda" else None
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer, base = materialise(args.shape, Path(tmp))
         rows = make_rows(512, args.seq_len, seed=0)
@@ -230,15 +282,21 @@ def main() -> None:
             table.append(run_batch(args, b, base, tokenizer, rows, examples, device))
             free()  # the batch's model (and PEFT's wrapping of it) is gone with run_batch
     write_result(
-        f"engine_throughput-{args.shape}" + ("-recompute" if args.activation_checkpointing else ""),
-        ["batch/trial", "trials", "PEFT 1-at-a-time tok/s", "engine tok/s", "frozen tok/s", "engine/PEFT",
-         "engine/frozen", "engine padded frac", "engine peak GiB"],
+        f"engine_throughput-{args.shape}" + ("-recompute" if args.activation_checkpointing else "")
+        + ("" if args.backends == ["auto"] else "-" + "-".join(args.backends)),
+        ["batch/trial", "trials", "PEFT 1-at-a-time tok/s", *[f"engine[{b}] tok/s" for b in args.backends],
+         "frozen tok/s", "engine/PEFT", "engine/frozen", "engine padded frac", "engine peak GiB"],
         table,
         {"shape": args.shape, "seq_len": args.seq_len, "ranks": list(RANKS), "targets": PROJECTIONS,
          "activation_checkpointing": args.activation_checkpointing,
-         "dropout": args.dropout, "steps": args.steps, "warmup": args.warmup,
-         "tokens": "real (non-pad) tokens per second; rows of 50-100% of seq_len, loss on completions only"},
+         "dropout": args.dropout, "steps": args.steps, "warmup": args.warmup, "backends": args.backends,
+         "tokens": "real (non-pad) tokens per second; rows of 50-100% of seq_len, loss on completions only",
+         "mfu": {"headers": ["batch/trial", "engine TFLOP/s", "bf16 matmul TFLOP/s", "MFU"], "rows": mfu_rows,
+                 "flops per real token": "4 x (nn.Linear weights, lm_head included) + 6 x layers x hidden x "
+                                         "mean row length (causal attention, forward + backward)"}},
     )
+    if mfu_rows:
+        print_table(["batch/trial", "engine TFLOP/s", "bf16 matmul TFLOP/s", "MFU"], mfu_rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ Example: slots ``[2, 0]`` with lengths ``[3, 2]`` over 5 tokens::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +42,7 @@ class SegmentMeta:
             cell repeats its segment's first token. ``None`` when ``uniform``.
         scatter_idx: ``(N,)`` int64 grid cell of each token; padding cells are never read back, so they
             get zero gradient and add exactly nothing to dA / dB. ``None`` when ``uniform``.
+        cache: what a backend derives from the above once per step (the Triton kernels' schedule table).
     """
 
     num_tokens: int
@@ -55,6 +57,8 @@ class SegmentMeta:
     offsets: torch.Tensor
     gather_idx: torch.Tensor | None
     scatter_idx: torch.Tensor | None
+    # Per-step launch tables that a backend derives from this metadata (built by the first layer, reused).
+    cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_segments(self) -> int:

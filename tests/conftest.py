@@ -6,6 +6,7 @@ The environment is fixed here, before any of our modules is imported, because se
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,10 @@ from tests.services import MissingService, find_postgres, find_redis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if shutil.which("nvidia-smi") is None:
+    # No GPU: the Triton LoRA kernels run (slowly, on CPU tensors) in Triton's interpreter. It is read when
+    # the kernels are defined, so it must be set before kernels.triton_lora is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 RUN_ID = uuid.uuid4().hex[:8]
 

@@ -7,7 +7,7 @@ Semantics per token ``n`` of slot ``z`` (PEFT's LoRA, Hu et al. 2021, https://ar
 Every slot's adapter lives stacked, ``A: (Z, d_in, r_max)`` and ``B: (Z, r_max, d_out)``, as views into
 one flat store (``store.AdapterStore``). Layers never compute indices: each forward reads the step's
 ``TokenRouting`` (built once on the host, vLLM style) from the ``LoraContext`` that every layer of the
-model shares, and calls ``kernels.lora_delta``.
+model shares, and calls ``kernels.lora_linear`` (Triton kernels on CUDA, ``lora_delta`` on CPU).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import DropoutKeys, LayerDropout, SegmentMeta, lora_delta, mix32
+from kernels import DropoutKeys, LayerDropout, SegmentMeta, lora_linear, mix32
 
 ALL_LINEAR = "all-linear"
 
@@ -106,18 +106,18 @@ class StackedLoraLinear(nn.Module):
         return self.base_layer.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = self.base_layer(x)
         routing = self.context.routing
         if routing is None or not self.enabled:
-            return result
+            return self.base_layer(x)
         assert self.lora_a is not None and self.lora_b is not None and self.scale is not None
         flat = x.reshape(-1, self.in_features)  # (tokens, d_in), row-major (batch, seq) order
         dropout = None if routing.dropout is None else LayerDropout(routing.dropout, self.feature_keys)
-        base = result.reshape(-1, self.out_features)
-        out = lora_delta(
-            flat, self.lora_a, self.lora_b, self.scale, routing.meta, dropout, base, self.grad_a, self.grad_b
-        )
-        return out.view(result.shape)
+        base = self.base_layer
+        out = lora_linear(
+            flat, base.weight, base.bias, self.lora_a, self.lora_b, self.scale, routing.meta, dropout,
+            self.grad_a, self.grad_b,
+        )  # fmt: skip
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def inject_lora(model: nn.Module, paths: list[str], context: LoraContext) -> list[StackedLoraLinear]:

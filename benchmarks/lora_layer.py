@@ -1,0 +1,150 @@
+"""One LoRA-wrapped linear layer of a pack, forward + backward: what the LoRA path adds to the frozen GEMMs.
+
+    python -m benchmarks.lora_layer                      # on a GPU; the full grid of issue 4
+    python -m benchmarks.lora_layer --quick              # one shape, for a smoke run
+
+For each layer shape (d_in x d_out), K slots with ranks 16/32/64 in turn (r_max 64) and a total token count
+split raggedly among the slots (each slot 50-150% of the mean), times with CUDA events (median of
+``triton.testing.do_bench``) of:
+
+- base:     ``y = x Wᵀ`` and its input gradient ``dY W`` (W frozen: no weight gradient);
+- triton:   ``kernels.lora_linear`` on the Triton backend (the expand inside the base GEMM);
+- grouped:  ``F.linear`` + ``kernels.lora_delta``, the torch backend (``torch._grouped_mm`` / ``bmm``);
+- loop:     ``F.linear`` + a Python loop over slots (PEFT-style: two small matmuls per slot).
+
+"+%" columns are (method − base) / base. Every row also checks the Triton output and gradients against the
+torch backend (relative error, bf16). Writes benchmarks/results/lora_layer-<device>-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import write_result
+from kernels import build_segments, lora_delta, lora_linear, set_backend
+
+SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048), (4096, 14336)]
+SLOTS = [1, 4, 8, 32]
+TOKENS = [256, 1024, 4096, 8192]
+RANKS = (16, 32, 64)
+
+
+def ragged_lengths(total: int, k: int, gen: torch.Generator) -> list[int]:
+    weights = 0.5 + torch.rand(k, generator=gen)
+    lengths = (weights / weights.sum() * total).floor().long()
+    lengths[0] += total - int(lengths.sum())
+    return [int(n) for n in lengths]
+
+
+def bench(fn: Callable[[], Any]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def run_case(d_in: int, d_out: int, k: int, tokens: int, device: torch.device, gen: torch.Generator) -> list[Any]:
+    dtype = torch.bfloat16
+    r_max = max(RANKS)
+    lengths = ragged_lengths(tokens, k, gen)
+    meta = build_segments(list(range(k)), lengths, num_slots=k, device=device)
+    x = torch.randn(tokens, d_in, generator=gen).to(device, dtype).requires_grad_()
+    weight = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(device, dtype)
+    a = (torch.randn(k, d_in, r_max, generator=gen) / d_in**0.5).to(device, dtype)
+    b = (torch.randn(k, r_max, d_out, generator=gen) / r_max**0.5).to(device, dtype)
+    for z in range(k):
+        rank = RANKS[z % len(RANKS)]
+        a[z, :, rank:] = 0
+        b[z, rank:, :] = 0
+    a.requires_grad_()
+    b.requires_grad_()
+    scale = torch.tensor([2.0] * k, device=device)
+    grad_a, grad_b = torch.zeros_like(a), torch.zeros_like(b)
+    dy = torch.randn(tokens, d_out, generator=gen).to(device, dtype)
+
+    def base() -> None:
+        F.linear(x, weight).backward(dy)
+
+    def backend(name: str) -> Callable[[], torch.Tensor]:
+        def step() -> torch.Tensor:
+            set_backend(name)  # type: ignore[arg-type]
+            y = lora_linear(x, weight, None, a, b, scale, meta, None, grad_a, grad_b)
+            y.backward(dy)
+            return y
+
+        return step
+
+    def grouped() -> None:
+        y = lora_delta(x, a, b, scale, meta, None, F.linear(x, weight), grad_a, grad_b)
+        y.backward(dy)
+
+    def loop() -> None:
+        base_y = F.linear(x, weight)
+        parts, start = [], 0
+        for z, n in enumerate(lengths):
+            parts.append(((x[start : start + n] @ a[z]) * scale[z]) @ b[z])
+            start += n
+        (base_y + torch.cat(parts)).backward(dy)
+        a.grad = b.grad = None
+
+    # Correctness first: Triton against the torch backend on the same inputs.
+    errs = []
+    outs: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name in ("torch", "triton"):
+        x.grad = None
+        grad_a.zero_()
+        grad_b.zero_()
+        y = backend(name)()
+        assert x.grad is not None
+        outs[name] = (y.detach().float(), x.grad.detach().float(), grad_a.float(), grad_b.float())
+    for got, want in zip(outs["triton"], outs["torch"], strict=True):
+        errs.append(float((got - want).norm() / want.norm().clamp_min(1e-30)))
+    set_backend("auto")
+
+    t_base = bench(base)
+    t_triton = bench(backend("triton"))
+    t_grouped = bench(grouped)
+    t_loop = bench(loop)
+    set_backend("auto")
+
+    def over(t: float) -> float:
+        return round(100 * (t - t_base) / t_base, 1)
+
+    return [f"{d_in}x{d_out}", k, tokens, round(t_base, 4), round(t_triton, 4), round(t_grouped, 4),
+            round(t_loop, 4), over(t_triton), over(t_grouped), over(t_loop), f"{max(errs):.1e}"]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="one shape, K 8 and 32, 4096 tokens")
+    parser.add_argument("--slots", type=int, nargs="+", default=SLOTS)
+    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    shapes, slots, tokens = (SHAPES[:1], [8, 32], [4096]) if args.quick else (SHAPES, args.slots, args.tokens)
+    rows = []
+    for d_in, d_out in shapes:
+        for k in slots:
+            for n in tokens:
+                rows.append(run_case(d_in, d_out, k, n, device, gen))
+                print(rows[-1], flush=True)
+                torch.cuda.empty_cache()
+    headers = ["d_in x d_out", "K", "tokens", "base ms", "triton ms", "grouped ms", "loop ms", "triton +%",
+               "grouped +%", "loop +%", "max rel err triton vs torch"]  # fmt: skip
+    write_result(
+        "lora_layer" + ("-quick" if args.quick else ""),
+        headers,
+        rows,
+        {"dtype": "bfloat16", "ranks": list(RANKS), "r_max": max(RANKS),
+         "timing": "median of triton.testing.do_bench(warmup=25 ms, rep=100 ms), forward + backward",
+         "base": "y = x W^T forward and dX = dY W backward (the frozen weight gets no gradient)"},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
