@@ -11,7 +11,8 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 stages="${*:-tests e2e1 layer}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-save() { cp benchmarks/results/*gpu*.json "$OUT/" 2>/dev/null; true; }
+touch /tmp/gpu_issue4.start
+save() { find benchmarks/results -name '*gpu*.json' -newer /tmp/gpu_issue4.start -exec cp {} "$OUT/" \; ; true; }
 for stage in $stages; do
   echo "=== $stage $(date +%T)"
   case $stage in
@@ -26,7 +27,10 @@ for stage in $stages; do
     layer) timeout 300 python -m benchmarks.lora_layer --slots 1 8 32 --tokens 1024 4096 8192 > "$OUT/layer.log" 2>&1
            tail -40 "$OUT/layer.log" ;;
     layerq) timeout 120 python -m benchmarks.lora_layer --quick 2>&1 | tail -8 ;;
+    layer2) timeout 200 python -m benchmarks.lora_layer --slots 8 32 --tokens 4096 8192 > "$OUT/layer2.log" 2>&1
+            tail -20 "$OUT/layer2.log" ;;
   esac
   save
 done
+[ -f "$OUT/tests.log" ] && { echo "=== tests"; tail -3 "$OUT/tests.log"; }
 echo "=== done $(date +%T)"
