@@ -180,8 +180,8 @@ def _linear_kernel(
     stride_pm, stride_pk, stride_qk, stride_qn, stride_om, stride_on,
     stride_lm, stride_lr, stride_rz, stride_rr, stride_rn,
     HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2_SEGMENTS: tl.constexpr,
-    N_MULTIPLE_OF_8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    N_MULTIPLE_OF_8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """``out = P @ Q (+ bias) + (Σ_segments L_seg @ R_z) (⊙ K)`` for one (BLOCK_M, BLOCK_N) tile.
 
