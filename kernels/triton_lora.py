@@ -43,10 +43,18 @@ _LOG2_SEGMENTS = 16  # binary-search steps over segment bounds: up to 65535 segm
 _DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
 
-def _autotune(configs: list[triton.Config], key: list[str], **kwargs: Any) -> Any:
-    """``triton.autotune`` with one configuration under the interpreter and the on-disk cache where it exists."""
+# LORAPLANE_TRITON_AUTOTUNE=0 runs each kernel with one fixed configuration (the GPU tests: tuning every
+# new test shape costs minutes of compiling).
+AUTOTUNE = os.environ.get("LORAPLANE_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _autotune(configs: list[triton.Config], key: list[str], fixed: int, **kwargs: Any) -> Any:
+    """``triton.autotune`` with the on-disk cache where Triton has it; configuration ``fixed`` alone when
+    tuning is off, the last (smallest) one under the interpreter."""
     if INTERPRET:
         configs = configs[-1:]
+    elif not AUTOTUNE:
+        configs = [configs[fixed]]
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         kwargs["cache_results"] = True
     return triton.autotune(configs=configs, key=key, **kwargs)
@@ -112,7 +120,7 @@ def _keep(token_key, threshold, feature_key):
     return h.to(tl.int64) >= threshold[:, None]
 
 
-@_autotune(_SHRINK_CONFIGS, key=["K", "BLOCK_R", "HAS_DROPOUT"])
+@_autotune(_SHRINK_CONFIGS, key=["K", "BLOCK_R", "HAS_DROPOUT"], fixed=0)
 @triton.jit
 def _shrink_kernel(
     x_ptr, w_ptr, out_ptr, scale_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
@@ -174,7 +182,7 @@ def _find_segment(bounds_ptr, num_segments, row, LOG2_SEGMENTS: tl.constexpr):
     return lo
 
 
-@_autotune(_LINEAR_CONFIGS, key=["M_BUCKET", "N", "K", "BLOCK_R", "HAS_DROPOUT"], prune_configs_by={
+@_autotune(_LINEAR_CONFIGS, key=["M_BUCKET", "N", "K", "BLOCK_R", "HAS_DROPOUT"], fixed=3, prune_configs_by={
     "early_config_prune": _prune_by_size})
 @triton.jit
 def _linear_kernel(
