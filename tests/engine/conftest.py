@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from pathlib import Path
+import shutil
 
-import pytest
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+if shutil.which("nvidia-smi") is None:  # as in tests/conftest.py, for runs that skip it (--confcutdir); it must
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # be set before anything imports Triton
 
-from tests.engine.factories import CPU, TINY
-from worker.engine import load_base_model, restore_base_model
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from transformers import PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
+
+from tests.engine.factories import CPU, TINY  # noqa: E402
+from worker.engine import load_base_model, restore_base_model  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
