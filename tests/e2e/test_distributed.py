@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from tests.conftest import ADMIN_TOKEN, MODEL_CACHE
 from tests.e2e.flow import (
@@ -27,6 +26,7 @@ from tests.e2e.flow import (
     wait_for,
 )
 from tests.e2e.procs import Cluster, cluster, free_port, wait_ready
+from tests.engine.factories import assert_rel_close
 from tests.services import MissingService, find_rabbitmq
 
 
@@ -163,7 +163,7 @@ def test_trials_trained_alone_equal_trials_trained_packed(services: tuple[Cluste
     for packed_tensors, alone_tensors in zip(adapters(packed), adapters(alone), strict=True):
         assert packed_tensors.keys() == alone_tensors.keys()
         for key, value in packed_tensors.items():
-            torch.testing.assert_close(value, alone_tensors[key], rtol=1e-5, atol=1e-7)
+            assert_rel_close(value, alone_tensors[key])
 
 
 @pytest.mark.slow

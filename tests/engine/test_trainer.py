@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import chat_rows, completion_rows, make_spec, token_loss_sum
+from tests.engine.factories import assert_rel_close, chat_rows, completion_rows, make_spec, token_loss_sum
 from worker.engine import PackEngine, StepStats, TrialOutcome, TrialSpec, adapter_logits, train_pack
 from worker.engine.batch import PackedBatch
 from worker.engine.data import collate, encode_rows
@@ -96,7 +96,7 @@ def test_pack_learns_and_each_trial_equals_training_alone(tiny: Tiny, tmp_path: 
         packed, single = _weights(in_pack.adapter_dir), _weights(alone.adapter_dir)
         assert packed.keys() == single.keys()
         for key in packed:
-            torch.testing.assert_close(packed[key], single[key], rtol=1e-5, atol=1e-6)
+            assert_rel_close(packed[key], single[key])
         torch.testing.assert_close(
             _curve(points, in_pack.trial_id, "train"),
             _curve(alone_points, alone.trial_id, "train"),
