@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,6 +34,9 @@ class Settings(BaseSettings):
     # The scheduler replans at least this often even when no event arrives (Redis is not the source of truth).
     scheduler_tick_s: float = Field(default=2.0, alias="LORAPLANE_SCHEDULER_TICK_S")
     worker_max_trials_per_pack: int = Field(default=8, alias="LORAPLANE_WORKER_MAX_SLOTS")
+    # cpsat: CP-SAT over all pending trials and workers (greedy fallback); greedy: the FIFO first-fit packer.
+    planner: Literal["cpsat", "greedy"] = Field(default="cpsat", alias="LORAPLANE_PLANNER")
+    planner_time_limit_s: float = Field(default=1.0, gt=0, alias="LORAPLANE_PLANNER_TIME_LIMIT_S")
 
     default_max_concurrent_trials: int = Field(default=64, alias="LORAPLANE_DEFAULT_MAX_CONCURRENT_TRIALS")
     default_max_trials_per_task: int = Field(default=32, alias="LORAPLANE_DEFAULT_MAX_TRIALS_PER_TASK")

@@ -1,5 +1,9 @@
 """The scheduler daemon: a thin loop around ingest -> reap -> finalize -> plan -> dispatch.
 
+Every round replans (CP-SAT by default, scheduler/placement.py) when trials wait and a worker is idle, so
+a task submitted, a trial or pack finished, a worker joined or lost (each one a message or a heartbeat's
+absence) all lead to a new plan within one round.
+
 It wakes on every bus message (worker reports, API wake-ups) and at least every `scheduler_tick_s`, so
 a lost wake-up only delays it. Every decision is read from and written to the database first; the bus
 and Celery only carry what was already committed.
@@ -22,7 +26,15 @@ from common.models import Pack, utcnow
 from common.settings import Settings
 from scheduler.dispatch import send_pack
 from scheduler.ingest import ingest
-from scheduler.lifecycle import build_snapshot, finalize_tasks, reap_lost_workers, record_plan, stop_requests
+from scheduler.lifecycle import (
+    build_snapshot,
+    finalize_tasks,
+    load_costs,
+    reap_lost_workers,
+    record_plan,
+    stop_requests,
+)
+from scheduler.placement import place
 from scheduler.planner import plan
 
 log = logging.getLogger(__name__)
@@ -56,7 +68,13 @@ class SchedulerDaemon:
             for worker_id in reap_lost_workers(session, now, timeout):
                 log.warning("worker %s lost (no heartbeat for %.0fs)", worker_id, timeout)
             finalize_tasks(session, now)
-            new_packs = record_plan(session, plan(build_snapshot(session, now, timeout)), now)
+            if self.settings.planner == "cpsat":
+                costs = load_costs(session)
+                placement = place(build_snapshot(session, now, timeout, costs), costs,
+                                  time_limit_s=self.settings.planner_time_limit_s)
+                new_packs = record_plan(session, placement.plan, now, placement.result)
+            else:
+                new_packs = record_plan(session, plan(build_snapshot(session, now, timeout)), now)
         for pack_id in new_packs:
             log.info("planned pack %s", pack_id)
         self._dispatch(now)

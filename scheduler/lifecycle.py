@@ -5,6 +5,7 @@ Each function does one thing inside the caller's transaction; scheduler/daemon.p
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, select
@@ -13,7 +14,14 @@ from sqlalchemy.orm import Session
 from common import states
 from common.events import record_event
 from common.models import MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
-from scheduler.planner import IdleWorker, PendingTrial, Plan, Snapshot
+from scheduler.cost import fit_profiles, samples_from_profiles
+from scheduler.placement import PRIOR_COST
+from scheduler.planner import BusyWorker, IdleWorker, PendingTrial, Plan, Snapshot
+from scheduler.planning import ModelCost, PlanResult
+
+log = logging.getLogger(__name__)
+
+PROFILES_PER_MODEL = 20  # the newest pack profiles a base model's cost model is fitted on
 
 
 def requeue_trial(session: Session, trial: Trial, reason: str) -> None:
@@ -120,13 +128,40 @@ def _rank_key(trial: Trial) -> tuple[int, float, int]:
     return (1, trial.last_train_loss if trial.last_train_loss is not None else float("inf"), trial.index)
 
 
-def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapshot:
-    busy = select(Pack.worker_id).where(Pack.state.in_(states.PACK_LIVE))
+def load_costs(session: Session) -> dict[str, ModelCost]:
+    """Each base model's cost model, fitted on its newest pack profiles (models without one are absent)."""
+    models = session.scalars(select(Pack.base_model).where(Pack.profile.is_not(None)).distinct()).all()
+    costs: dict[str, ModelCost] = {}
+    for model in models:
+        profiles = session.scalars(
+            select(Pack.profile).where(Pack.base_model == model, Pack.profile.is_not(None))
+            .order_by(Pack.created_at.desc()).limit(PROFILES_PER_MODEL)
+        ).all()
+        samples = []
+        for profile in profiles:
+            try:
+                samples.extend(samples_from_profiles([profile]))
+            except (ValueError, TypeError, AssertionError) as exc:  # a malformed report must not stop planning
+                log.warning("ignoring a malformed %s pack profile: %s", model, exc)
+        if samples:
+            memory, step = fit_profiles(samples)
+            costs[model] = ModelCost(memory=memory, step=step)
+    return costs
+
+
+def _tokens_per_step(trial: Trial, task: Task) -> int:
+    return int(trial.hyperparameters.get("batch_size", 1)) * int(task.spec.get("max_seq_len", 512))
+
+
+def build_snapshot(
+    session: Session, now: datetime, timeout_s: float, costs: dict[str, ModelCost] | None = None
+) -> Snapshot:
+    live = session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE))).all()
+    busy_ids = {p.worker_id for p in live}
     workers = session.scalars(
         select(Worker).where(
             Worker.state == states.WORKER_ALIVE,
             Worker.last_heartbeat >= now - timedelta(seconds=timeout_s),
-            Worker.id.not_in(busy),
         )
     ).all()
     rows = session.execute(
@@ -147,16 +182,42 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
             tenant_id=task.tenant_id,
             base_model=task.base_model,
             max_trials_per_pack=int(task.spec.get("scheduling", {}).get("max_trials_per_pack", 8)),
+            remaining_steps=max(1, trial.total_steps - (trial.checkpoint_step or 0)),
+            tokens_per_step=_tokens_per_step(trial, task),
         )
         for trial, task in rows
     )
-    idle = tuple(IdleWorker(w.id, w.max_slots) for w in workers)
-    return Snapshot(pending=pending, idle_workers=idle)
+    idle = tuple(IdleWorker(w.id, w.max_slots, w.memory_bytes) for w in workers if w.id not in busy_ids)
+    busy = tuple(
+        BusyWorker(w.id, w.max_slots, w.memory_bytes, _predicted_remaining_s(session, pack, costs or {}))
+        for w in workers
+        for pack in live
+        if pack.worker_id == w.id
+    )
+    return Snapshot(pending=pending, idle_workers=idle, busy_workers=busy)
 
 
-def record_plan(session: Session, plan: Plan, now: datetime) -> list[str]:
-    """Writes the planned packs and moves their trials to running; returns the new pack ids."""
+def _predicted_remaining_s(session: Session, pack: Pack, costs: dict[str, ModelCost]) -> float:
+    """Seconds until a live pack's longest-running member is done, at the pack's predicted step time."""
+    rows = session.execute(
+        select(Trial, Task).join(Task, Task.id == Trial.task_id).where(
+            Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
+    ).all()
+    if not rows:
+        return 0.0
+    step = costs.get(pack.base_model, PRIOR_COST).step.predict(
+        sum(_tokens_per_step(trial, task) for trial, task in rows), len(rows))
+    return max(trial.total_steps - trial.steps_done for trial, _ in rows) * step
+
+
+def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult | None = None) -> list[str]:
+    """Writes the planned packs and moves their trials to running; returns the new pack ids.
+
+    With the solver's `result`, each task that got trials placed also gets a `task.planned` event with the
+    replan's solve time and status (the replans that place nothing leave no event: they repeat each round).
+    """
     pack_ids = []
+    placed: dict[str, tuple[str, int]] = {}  # task -> (tenant, trials placed)
     for planned in plan.packs:
         pack = Pack(id=new_id("pack"), worker_id=planned.worker_id, base_model=planned.base_model,
                     state=states.PACK_PLANNED, trial_ids=list(planned.trial_ids), created_at=now)
@@ -173,7 +234,17 @@ def record_plan(session: Session, plan: Plan, now: datetime) -> list[str]:
                 type="trial.running", message=f"trial {trial.index} placed on worker {planned.worker_id}",
                 data={"pack_id": pack.id, "worker_id": planned.worker_id, "attempt": trial.attempts},
             )
+            tenant, n = placed.get(trial.task_id, (trial.tenant_id, 0))
+            placed[trial.task_id] = (tenant, n + 1)
         pack_ids.append(pack.id)
+    if result is not None:
+        for task_id, (tenant_id, n) in placed.items():
+            record_event(
+                session, tenant_id=tenant_id, task_id=task_id, type="task.planned",
+                message=f"planner placed {n} trial(s) ({result.status}, {result.solve_s * 1000:.0f} ms)",
+                data={"trials_placed": n, "solve_ms": round(result.solve_s * 1000, 1), "status": result.status,
+                      "planned_makespan_s": result.makespan, "packs_started": len(plan.packs)},
+            )
     return pack_ids
 
 

@@ -1,7 +1,8 @@
 """The planner: a pure function from a snapshot of the cluster to packs to start now.
 
-This is the greedy packer the CP-SAT planner (its own issue) replaces behind the same interface:
-`plan(snapshot) -> Plan`. No I/O here; scheduler/snapshot.py builds the snapshot from the database.
+The greedy FIFO packer (`LORAPLANE_PLANNER=greedy`); the daemon's default is the CP-SAT placement in
+scheduler/placement.py, which takes the same snapshot. No I/O here; scheduler/lifecycle.py builds the
+snapshot from the database.
 """
 
 from __future__ import annotations
@@ -17,12 +18,25 @@ class PendingTrial:
     base_model: str
     # The task's own cap on how many trials share one pack (`scheduling.max_trials_per_pack`).
     max_trials_per_pack: int
+    # What the CP-SAT placement (scheduler/placement.py) weighs; the greedy plan here ignores them.
+    remaining_steps: int = 1
+    tokens_per_step: int = 512  # batch size x the task's max_seq_len: an upper bound
+    tenant_weight: int = 1
 
 
 @dataclass(frozen=True)
 class IdleWorker:
     worker_id: str
     max_slots: int
+    memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class BusyWorker:
+    worker_id: str
+    max_slots: int
+    memory_bytes: int | None
+    busy_for_s: float  # predicted seconds until its pack ends
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,7 @@ class Snapshot:
     # In submission order (task created_at, then trial index): the greedy planner is FIFO.
     pending: tuple[PendingTrial, ...]
     idle_workers: tuple[IdleWorker, ...]
+    busy_workers: tuple[BusyWorker, ...] = ()
 
 
 @dataclass(frozen=True)

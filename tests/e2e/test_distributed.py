@@ -159,7 +159,9 @@ def test_trials_trained_alone_equal_trials_trained_packed(services: tuple[Cluste
         return {e["data"]["pack_id"] for e in events if e["type"] == "trial.running"}
 
     n_trials = len(httpx.get(f"{base_url}/v1/tasks/{alone}/trials", headers=headers).json()["data"])
-    assert n_trials == 8 and len(packs(packed)) == 1 and len(packs(alone)) == n_trials
+    # The planner may split the packed task over the cluster's workers (it halves each pack's step); some
+    # pack still holds several trials, and alone means one pack per trial.
+    assert n_trials == 8 and len(packs(packed)) < n_trials and len(packs(alone)) == n_trials
     for packed_tensors, alone_tensors in zip(adapters(packed), adapters(alone), strict=True):
         assert packed_tensors.keys() == alone_tensors.keys()
         for key, value in packed_tensors.items():

@@ -104,9 +104,14 @@ def test_trials_are_packed_dispatched_ingested_and_the_best_wins(daemon: Schedul
         assert task is not None and task.state == states.TASK_SUCCEEDED
         assert task.best_trial_id == trial_ids[2]  # the lowest validation loss
         assert {t.state for t in s.scalars(select(Trial))} == {states.TRIAL_COMPLETED}
-        types = [e.type for e in s.scalars(select(Event).order_by(Event.id))]
+        events = list(s.scalars(select(Event).order_by(Event.id)))
+        types = [e.type for e in events]
         assert types.count("trial.running") == 3 and types[-1] == "task.succeeded"
         assert s.get(Pack, pack.id).state == states.PACK_FINISHED  # type: ignore[union-attr]
+        # The replan that placed them is an event of the task, with the solver's time and status.
+        (planned,) = [e for e in events if e.type == "task.planned"]
+        assert planned.data["trials_placed"] == 3 and planned.data["status"] in ("optimal", "feasible")
+        assert planned.data["solve_ms"] >= 0
 
 
 def test_a_lost_worker_sends_its_trials_back_and_its_late_reports_are_dropped(daemon: SchedulerDaemon) -> None:

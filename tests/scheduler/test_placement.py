@@ -1,0 +1,56 @@
+"""The daemon's CP-SAT placement on snapshots: what starts now, on which idle worker, never breaking a cap."""
+
+from __future__ import annotations
+
+import random
+
+from scheduler.placement import place
+from scheduler.planner import BusyWorker, IdleWorker, PendingTrial, Snapshot
+
+
+def trial(i: int, model: str = "m", cap: int = 8, task: str = "t1", steps: int = 100) -> PendingTrial:
+    return PendingTrial(trial_id=f"tr{i}", task_id=task, tenant_id="ten", base_model=model,
+                        max_trials_per_pack=cap, remaining_steps=steps, tokens_per_step=512)  # fmt: skip
+
+
+def test_nothing_to_decide_gives_no_packs_and_no_solve() -> None:
+    assert place(Snapshot(pending=(), idle_workers=(IdleWorker("w0", 8),)), {}).result is None
+    assert place(Snapshot(pending=(trial(0),), idle_workers=()), {}).plan.packs == ()
+
+
+def test_two_idle_workers_share_the_work_and_every_trial_starts_once() -> None:
+    snap = Snapshot(pending=tuple(trial(i) for i in range(4)), idle_workers=(IdleWorker("w0", 8), IdleWorker("w1", 8)))
+    placement = place(snap, {})
+    packs = placement.plan.packs
+    placed = [t for p in packs for t in p.trial_ids]
+    assert sorted(placed) == [f"tr{i}" for i in range(4)]
+    # Splitting halves each pack's pooled tokens per step: both workers are used.
+    assert sorted(p.worker_id for p in packs) == ["w0", "w1"]
+    assert placement.result is not None and placement.result.status in ("optimal", "feasible")
+
+
+def test_caps_models_and_busy_workers_are_respected_on_random_snapshots() -> None:
+    rng = random.Random(0)
+    for _ in range(25):
+        n_idle, n_busy = rng.randint(1, 3), rng.randint(0, 2)
+        idle = tuple(IdleWorker(f"w{i}", rng.choice([2, 4, 8])) for i in range(n_idle))
+        busy = tuple(BusyWorker(f"b{i}", 8, None, rng.uniform(1, 500)) for i in range(n_busy))
+        pending = tuple(
+            trial(i, model=rng.choice(["a", "b"]), cap=rng.choice([1, 2, 8]), task=f"t{i % 3}",
+                  steps=rng.randint(1, 300))
+            for i in range(rng.randint(1, 10))
+        )  # fmt: skip
+        by_id = {t.trial_id: t for t in pending}
+        packs = place(Snapshot(pending, idle, busy), {}, time_limit_s=0.5).plan.packs
+        workers = [p.worker_id for p in packs]
+        assert len(workers) == len(set(workers)), "two packs on one worker"
+        assert set(workers) <= {w.worker_id for w in idle}, "a pack on a busy worker"
+        placed = [t for p in packs for t in p.trial_ids]
+        assert len(placed) == len(set(placed)), "a trial placed twice"
+        slots = min(w.max_slots for w in (*idle, *busy))
+        for p in packs:
+            members = [by_id[t] for t in p.trial_ids]
+            assert {m.base_model for m in members} == {p.base_model}
+            assert len(members) <= min(slots, *(m.max_trials_per_pack for m in members))
+        if pending:
+            assert packs, "idle workers and pending trials, but nothing started"
