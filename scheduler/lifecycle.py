@@ -165,7 +165,7 @@ def build_snapshot(
         )
     ).all()
     rows = session.execute(
-        select(Trial, Task)
+        select(Trial, Task, Tenant.weight)
         .join(Task, Task.id == Trial.task_id)
         .join(Tenant, Tenant.id == Task.tenant_id)
         .where(Trial.state == states.TRIAL_PENDING,
@@ -184,8 +184,10 @@ def build_snapshot(
             max_trials_per_pack=int(task.spec.get("scheduling", {}).get("max_trials_per_pack", 8)),
             remaining_steps=max(1, trial.total_steps - (trial.checkpoint_step or 0)),
             tokens_per_step=_tokens_per_step(trial, task),
+            # The objective's weights are integers: a tenant's weight rounds to the nearest, at least 1.
+            tenant_weight=max(1, round(weight or 1.0)),
         )
-        for trial, task in rows
+        for trial, task, weight in rows
     )
     idle = tuple(IdleWorker(w.id, w.max_slots, w.memory_bytes) for w in workers if w.id not in busy_ids)
     busy = tuple(
