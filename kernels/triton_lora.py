@@ -24,6 +24,7 @@ supports it; the outer kernel, which adds into the gradient store, takes its til
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -478,7 +479,12 @@ def linear(
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:  # asked per backward launch: keep the driver query out of the hot path
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def outer(
