@@ -491,12 +491,11 @@ def outer(
     u: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
-    g_strides: tuple[int, int, int],
     scale: torch.Tensor,
     meta: SegmentMeta,
     dropout: LayerDropout | None,
 ) -> None:
-    """``G_z += Ûᵀ V`` over each slot's tokens, in place; G is ``(Z, I, J)`` through ``g_strides``."""
+    """``G_z += Ûᵀ V`` over each slot's tokens, in place; G is ``(Z, I, J)`` (any strides: a store's view)."""
     tables = step_tables(meta)
     if tables.num_blocks == 0:
         return
@@ -515,13 +514,12 @@ def outer(
         u, v, g, part, scale, tables.slot_blocks, tables.blk_start, tables.blk_end,
         *_dropout_args(dropout, tables.blk_slot),
         i_dim, j_dim, u.shape[0], z,
-        u.stride(0), u.stride(1), v.stride(0), v.stride(1), *g_strides,
+        u.stride(0), u.stride(1), v.stride(0), v.stride(1), *g.stride(),
         HAS_DROPOUT=dropout is not None, PRECISION=_precision(u.dtype), SPLIT=split, BLOCK_M=BLOCK_TOKENS,
         BLOCK_I=block_i, BLOCK_J=block_j, num_warps=8 if block_i * block_j >= 128 * 128 else 4, num_stages=3,
     )  # fmt: skip
     if split > 1:
-        g_view = torch.as_strided(g, (z, i_dim, j_dim), g_strides)
-        g_view.add_(part.sum(0).to(g.dtype))
+        g.add_(part.sum(0).to(g.dtype))
 
 
 class LoraLinearFunction(torch.autograd.Function):
@@ -562,9 +560,9 @@ class LoraLinearFunction(torch.autograd.Function):
         bt_strides = (lora_b.stride(0), lora_b.stride(2), lora_b.stride(1))
         ds = shrink(dy, lora_b, bt_strides, scale, meta, None, r_max)
         grad_b = ctx.grad_b if ctx.grad_b is not None else torch.zeros_like(lora_b)
-        outer(s, dy, grad_b, (grad_b.stride(0), grad_b.stride(1), grad_b.stride(2)), scale, meta, None)
+        outer(s, dy, grad_b, scale, meta, None)
         grad_a = ctx.grad_a if ctx.grad_a is not None else torch.zeros_like(lora_a)
-        outer(x, ds, grad_a, (grad_a.stride(0), grad_a.stride(1), grad_a.stride(2)), scale, meta, dropout)
+        outer(x, ds, grad_a, scale, meta, dropout)
         dx = None
         if ctx.needs_input_grad[0]:
             at_strides = (lora_a.stride(0), lora_a.stride(2), lora_a.stride(1))  # A_zᵀ as (r, d_in)

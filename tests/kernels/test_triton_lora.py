@@ -43,7 +43,8 @@ CASES = {
     # is 0; slot 1 appears twice.
     "ragged": Case([1, 3, 0, 1], [65, 1, 130, 63], ranks=[8, 1, 16, 5], scales=[2.0, 0.5, 1.0, 0.0]),
     "rank 1 and 128": Case([2, 0, 1], [40, 70, 90], ranks=[1, 128, 37], scales=[1.0, 0.25, 4.0], d_in=96, d_out=136),
-    "one slot": Case([0], [200], ranks=[16], scales=[2.0], d_in=64, d_out=64),
+    # One long segment: dA and dB split the slot's token blocks over several programs (fp32 partials).
+    "one slot": Case([0], [600], ranks=[16], scales=[2.0], d_in=64, d_out=64),
 }
 
 
@@ -172,6 +173,21 @@ def test_input_without_grad_and_a_slot_without_tokens_anywhere() -> None:
     assert a.grad is not None and b.grad is not None
     assert _rel_err(y.detach(), want[0]) < 1e-3 and _rel_err(a.grad, want[2]) < 1e-3
     assert torch.count_nonzero(a.grad[1]) == 0 and torch.count_nonzero(b.grad[1]) == 0
+
+
+def test_few_long_slots_split_their_token_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "one slot" case above takes the split path (several programs per slot, partial sums added)."""
+    kernel = triton_lora._outer_kernel
+    grids: list[tuple[int, int, int]] = []
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, int, int]) -> object:
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_lora, "_outer_kernel", Spy())
+    test_matches_float64_reference("one slot", torch.bfloat16, 0.0, False, True)
+    assert len(grids) == 2 and all(grid[0] > 1 for grid in grids), grids  # dB and dA: 1 slot x split > 1
 
 
 def test_step_tables_follow_the_segments() -> None:
