@@ -83,20 +83,31 @@ class SchedulerDaemon:
     def _dispatch(self, now: datetime) -> None:
         """Sends new packs, and re-sends packs a worker never started (lost message, scheduler restart)."""
         stale = now - timedelta(seconds=self.settings.worker_timeout_s)
+        sent: set[str] = set()
         with session_scope() as session:
-            packs = session.scalars(
-                select(Pack).where(
-                    or_(
-                        Pack.state == states.PACK_PLANNED,
-                        (Pack.state == states.PACK_DISPATCHED) & (Pack.dispatched_at < stale),
+            while True:
+                # One pack at a time under its row lock, skipped by anyone else holding it: two schedulers
+                # acting at once (a leader lock lost in a network split) still send each pack once.
+                pack = session.scalars(
+                    select(Pack)
+                    .where(
+                        or_(
+                            Pack.state == states.PACK_PLANNED,
+                            (Pack.state == states.PACK_DISPATCHED) & (Pack.dispatched_at < stale),
+                        ),
+                        Pack.id.not_in(sent),
                     )
-                )
-            ).all()
-            for pack in packs:
+                    .order_by(Pack.created_at, Pack.id)
+                    .limit(1)
+                    .with_for_update(skip_locked=True)
+                ).first()
+                if pack is None:
+                    break
                 send_pack(self.celery, session, pack)
                 pack.state = states.PACK_DISPATCHED
                 pack.dispatched_at = utcnow()
                 log.info("dispatched pack %s to %s", pack.id, pack.worker_id)
+                sent.add(pack.id)
                 session.commit()
 
     def _send_stops(self) -> None:

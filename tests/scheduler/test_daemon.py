@@ -255,3 +255,48 @@ def test_a_pack_profile_is_stored_for_the_cost_model(daemon: SchedulerDaemon) ->
     daemon.step(block_s=0.2)
     with session_scope() as s:
         assert s.get(Pack, pack.id).profile == profile  # type: ignore[union-attr]
+
+
+def test_two_schedulers_ticking_at_once_place_and_send_each_pack_once(daemon: SchedulerDaemon) -> None:
+    """The leader lock keeps a second scheduler idle; should two ever act at once (a lock lost in a network
+    split), row locks still make each trial join one pack and each pack go out once."""
+    import threading
+
+    for i in range(4):
+        make_task(3, cap=3)
+        report("heartbeat", queue=worker_queue(get_settings(), f"{WORKER}-{i}"), device="cpu", max_slots=8,
+               worker_id=f"{WORKER}-{i}")
+    daemon.step(block_s=0.2)  # ingest the heartbeats only: no worker was known when the trials were read
+    with session_scope() as s:
+        for p in s.scalars(select(Pack)):  # forget what that first round planned: both schedulers race on it
+            s.delete(p)
+        for t in s.scalars(select(Trial)):
+            t.state, t.pack_id, t.attempts = states.TRIAL_PENDING, None, 0
+    for i in range(4):
+        redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), f"{WORKER}-{i}"))
+    other = SchedulerDaemon(get_settings(), get_bus(), get_celery(), consumer="test-2")
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def rounds(d: SchedulerDaemon) -> None:
+        try:
+            barrier.wait()
+            for _ in range(3):
+                d.tick()
+        except BaseException as exc:  # surfaced below: a thread's exception would otherwise be lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rounds, args=(d,)) for d in (daemon, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    with session_scope() as s:
+        packs = list(s.scalars(select(Pack)))
+        members = [t for p in packs for t in p.trial_ids]
+        assert sorted(members) == sorted(t.id for t in s.scalars(select(Trial)))  # each trial in one pack
+        assert all(t.attempts == 1 for t in s.scalars(select(Trial)))
+        sent = sum(int(redis.Redis.from_url(REDIS_URL).llen(worker_queue(get_settings(), f"{WORKER}-{i}")))
+                   for i in range(4))
+        assert sent == len(packs)  # each pack sent once
