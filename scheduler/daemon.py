@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from celery import Celery
@@ -28,6 +29,7 @@ from scheduler.dispatch import send_pack
 from scheduler.ingest import ingest
 from scheduler.lifecycle import (
     build_snapshot,
+    busy_workers,
     finalize_tasks,
     load_costs,
     reap_lost_workers,
@@ -68,13 +70,16 @@ class SchedulerDaemon:
             for worker_id in reap_lost_workers(session, now, timeout):
                 log.warning("worker %s lost (no heartbeat for %.0fs)", worker_id, timeout)
             finalize_tasks(session, now)
-            if self.settings.planner == "cpsat":
+            snapshot = build_snapshot(session, now, timeout)
+            if self.settings.planner == "greedy":
+                new_packs = record_plan(session, plan(snapshot), now)
+            elif snapshot.pending and snapshot.idle_workers:
                 costs = load_costs(session)
-                placement = place(build_snapshot(session, now, timeout, costs), costs,
-                                  time_limit_s=self.settings.planner_time_limit_s)
+                snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs))
+                placement = place(snapshot, costs, time_limit_s=self.settings.planner_time_limit_s)
                 new_packs = record_plan(session, placement.plan, now, placement.result)
             else:
-                new_packs = record_plan(session, plan(build_snapshot(session, now, timeout)), now)
+                new_packs = []
         for pack_id in new_packs:
             log.info("planned pack %s", pack_id)
         self._dispatch(now)

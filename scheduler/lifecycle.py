@@ -153,17 +153,19 @@ def _tokens_per_step(trial: Trial, task: Task) -> int:
     return int(trial.hyperparameters.get("batch_size", 1)) * int(task.spec.get("max_seq_len", 512))
 
 
-def build_snapshot(
-    session: Session, now: datetime, timeout_s: float, costs: dict[str, ModelCost] | None = None
-) -> Snapshot:
-    live = session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE))).all()
-    busy_ids = {p.worker_id for p in live}
-    workers = session.scalars(
+def _alive_workers(session: Session, now: datetime, timeout_s: float) -> list[Worker]:
+    return list(session.scalars(
         select(Worker).where(
             Worker.state == states.WORKER_ALIVE,
             Worker.last_heartbeat >= now - timedelta(seconds=timeout_s),
         )
-    ).all()
+    ).all())
+
+
+def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapshot:
+    """Pending trials (locked for this transaction) and idle workers; `busy_workers` fills in the rest."""
+    busy_ids = set(session.scalars(select(Pack.worker_id).where(Pack.state.in_(states.PACK_LIVE))).all())
+    workers = _alive_workers(session, now, timeout_s)
     rows = session.execute(
         select(Trial, Task, Tenant.weight)
         .join(Task, Task.id == Trial.task_id)
@@ -190,13 +192,20 @@ def build_snapshot(
         for trial, task, weight in rows
     )
     idle = tuple(IdleWorker(w.id, w.max_slots, w.memory_bytes) for w in workers if w.id not in busy_ids)
-    busy = tuple(
-        BusyWorker(w.id, w.max_slots, w.memory_bytes, _predicted_remaining_s(session, pack, costs or {}))
-        for w in workers
-        for pack in live
-        if pack.worker_id == w.id
+    return Snapshot(pending=pending, idle_workers=idle)
+
+
+def busy_workers(
+    session: Session, now: datetime, timeout_s: float, costs: dict[str, ModelCost]
+) -> tuple[BusyWorker, ...]:
+    """Alive workers training a pack, each with the predicted seconds until its pack ends (the planner may
+    wait for one rather than open a worse pack now). Only worth its queries when something is to be placed."""
+    live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
+    return tuple(
+        BusyWorker(w.id, w.max_slots, w.memory_bytes, _predicted_remaining_s(session, live[w.id], costs))
+        for w in _alive_workers(session, now, timeout_s)
+        if w.id in live
     )
-    return Snapshot(pending=pending, idle_workers=idle, busy_workers=busy)
 
 
 def _predicted_remaining_s(session: Session, pack: Pack, costs: dict[str, ModelCost]) -> float:
