@@ -6,11 +6,13 @@
   loraplane scheduler          the planner daemon
   loraplane worker --gpu N     a Celery GPU agent bound to GPU N
   loraplane migrate            bring the database schema up to date
+  loraplane simulate           compare planner policies on a workload trace with a simulated clock
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import secrets
@@ -65,6 +67,29 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from worker.main import run_worker
 
     run_worker(gpu=args.gpu, worker_id=args.worker_id, loglevel=args.loglevel)
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    # Only the pure planner modules: runs with the base dependencies (OR-Tools, numpy), no database or torch.
+    from scheduler.simulate import POLICIES, simulate
+    from scheduler.traces import make_trace
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise SystemExit(f"unknown policy {unknown or args.policy!r}; choose from {','.join(POLICIES)}")
+    trace = make_trace(args.trace, args.seed, args.gpus, args.tasks)
+    rows = [simulate(trace, args.gpus, p, time_limit_s=args.time_limit, seed=args.seed).summary() for p in policies]
+    if args.json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return
+    headers = ["policy", "makespan_s", "mean_jct_s", "p95_jct_s", "gpu_util", "replan_p95_ms", "replans",
+               "unschedulable"]
+    cells = [headers] + [[f"{r[h]:.4g}" if isinstance(r[h], float) else str(r[h]) for h in headers] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
+    lines = ["  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)) for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    sys.stdout.write(f"trace {trace.name}, {args.gpus} GPUs, seed {args.seed}\n" + "\n".join(lines) + "\n")
 
 
 def _die_with_parent() -> None:
@@ -170,6 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(func=cmd_worker)
     sub.add_parser("migrate", help="upgrade the database schema").set_defaults(func=cmd_migrate)
+    sim = sub.add_parser("simulate", help="compare planner policies on a trace with a simulated clock")
+    sim.add_argument("--trace", choices=["alto-mix", "tenant-stream"], default="alto-mix")
+    sim.add_argument("--gpus", type=int, default=8)
+    sim.add_argument("--policy", default="fifo,greedy,cpsat", help="comma list of fifo, greedy, cpsat")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--time-limit", type=float, default=1.0, help="CP-SAT seconds per replan")
+    sim.add_argument("--tasks", type=int, default=None, help="tasks of the tenant stream (default 200)")
+    sim.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
+    sim.set_defaults(func=cmd_simulate)
     return parser
 
 

@@ -1,0 +1,295 @@
+"""Trace-driven planner simulator: the real planners and cost model on a simulated clock (DESIGN.md §5).
+
+Pure except for `time.perf_counter`, which measures each planner call. Events are task arrivals, trial
+completions and pack ends; after each batch of events at one instant the chosen policy replans from the
+simulated state (pending trials, free GPUs, running packs with their predicted ends and free slots), and
+the simulator starts what the plan starts now: new packs on free GPUs and back-fills into running packs.
+A pack's members advance at its current step time `a + b·pooled tokens + c·slots` (the trace's cost model,
+in exact seconds, not the planner's rounded units), recomputed whenever a member joins or leaves; a pack
+ends when its last member completes and frees its GPUs.
+
+Policies: `fifo` (each trial alone, strictly first come first served: the oldest waiting trial blocks the
+ones behind it), `greedy` (`firstfit.plan_greedy`), `cpsat` (`cpsat.plan_cpsat` with a time limit).
+The planner is not called when nothing could start now (no pending trial, or no free GPU and no running pack
+with a free slot for a pending trial's model): its plan could then start nothing, so skipping it is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler.cpsat import plan_cpsat
+from scheduler.firstfit import plan_greedy
+from scheduler.planning import (
+    GpuSpec,
+    ModelCost,
+    PlanningInput,
+    PlanResult,
+    PlanTrial,
+    Prepared,
+    RunningPack,
+    ScheduledPack,
+    finish_plan,
+)
+from scheduler.traces import Trace, TraceTask
+
+POLICIES = ("fifo", "greedy", "cpsat")
+Planner = Callable[[PlanningInput], PlanResult]
+_REL_EPS = 1e-9  # relative tolerance of simulated times: events this close are one instant
+
+
+def plan_fifo(inp: PlanningInput) -> PlanResult:
+    """One trial per pack, oldest first, started now on the first free GPUs that hold it; the first trial that
+    cannot start now blocks every later one (strict FCFS, no back-filling)."""
+    t0 = time.perf_counter()
+    prep = Prepared(inp)
+    busy = prep.fixed_busy()
+    free = [g for g in inp.gpus if busy[g.gpu_id] == 0]
+    packs: list[ScheduledPack] = []
+    for t in prep.trials:
+        need = prep.mem_base(t.base_model) + prep.mem_item(t)
+        fits = [g for g in free if g.memory_bytes >= need][: t.gpus_needed]
+        if len(fits) < t.gpus_needed:
+            break
+        free = [g for g in free if g not in fits]
+        packs.append(ScheduledPack(f"new-{t.trial_id}", tuple(g.gpu_id for g in fits), t.base_model,
+                                   (t.trial_id,), 0, 0))
+    return finish_plan(prep, packs, time.perf_counter() - t0, "fifo")
+
+
+def make_planner(policy: str, *, time_limit_s: float = 1.0, seed: int = 0) -> Planner:
+    if policy == "fifo":
+        return plan_fifo
+    if policy == "greedy":
+        return plan_greedy
+    if policy == "cpsat":
+        return lambda inp: plan_cpsat(inp, time_limit_s=time_limit_s, seed=seed)
+    raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+
+
+@dataclass(frozen=True)
+class PackRecord:
+    """One pack's life: its GPUs, and its members after each change of membership."""
+
+    pack_id: str
+    gpu_ids: tuple[str, ...]
+    base_model: str
+    start_s: float
+    end_s: float
+    members: tuple[tuple[float, tuple[str, ...]], ...]  # (time, trial ids running from then on)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    trace: str
+    gpus: int
+    makespan_s: float
+    mean_jct_s: float
+    p95_jct_s: float
+    gpu_util: float
+    replan_p95_ms: float
+    replans: int
+    unschedulable: tuple[str, ...]  # trial ids never placed (no GPU set holds them, or the planner stalled)
+    statuses: dict[str, int]  # planner status -> count of calls
+    started_s: dict[str, float]  # trial id -> when it started
+    completed_s: dict[str, float]  # trial id -> when its last step finished
+    steps_done: dict[str, float]  # trial id -> steps trained
+    packs: tuple[PackRecord, ...]
+
+    def summary(self) -> dict[str, object]:
+        """The JSON object of `loraplane simulate --json`."""
+        return {"policy": self.policy, "trace": self.trace, "gpus": self.gpus,
+                "makespan_s": round(self.makespan_s, 3), "mean_jct_s": round(self.mean_jct_s, 3),
+                "p95_jct_s": round(self.p95_jct_s, 3), "gpu_util": round(self.gpu_util, 4),
+                "replan_p95_ms": round(self.replan_p95_ms, 3), "replans": self.replans,
+                "unschedulable": len(self.unschedulable)}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (`q` in [0, 100]); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclass
+class _Pack:
+    pack_id: str
+    gpu_ids: tuple[str, ...]
+    base_model: str
+    cost: ModelCost
+    start_s: float
+    since_s: float  # members' `left` steps are as of this time
+    left: dict[str, float] = field(default_factory=dict)  # member trial id -> steps still to train
+    history: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)
+
+    def step_s(self, trials: dict[str, PlanTrial]) -> float:
+        tokens = sum(trials[i].tokens_per_step for i in self.left)
+        return self.cost.step.predict(tokens, len(self.left))
+
+    def next_completion(self, trials: dict[str, PlanTrial]) -> float:
+        return self.since_s + min(self.left.values()) * self.step_s(trials)
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= _REL_EPS * max(1.0, abs(a), abs(b))
+
+
+def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0, seed: int = 0,
+             unit_s: float = 1.0, planner: Planner | None = None) -> SimResult:
+    """Runs `trace` on `gpus` identical GPUs under `policy` and measures it (see the module docstring).
+
+    `unit_s` is the planner's integer time unit; its durations are rounded up and never 0, so it only
+    coarsens the plan, never the simulated clock. `planner` overrides the policy's planner (tests).
+    """
+    if gpus < 1:
+        raise ValueError("gpus must be ≥ 1")
+    plan = planner or make_planner(policy, time_limit_s=time_limit_s, seed=seed)
+    gpu_specs = tuple(GpuSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus))
+    tasks = sorted(trace.tasks, key=lambda t: t.arrival_s)  # stable: trace order within an instant
+    trials: dict[str, PlanTrial] = {}
+    task_of: dict[str, str] = {}
+    for task in tasks:
+        for tr in task.trials:
+            trials[tr.trial_id] = PlanTrial(tr.trial_id, task.task_id, task.tenant_id, task.tenant_weight,
+                                            task.base_model, task.gpus_needed, tr.tokens_per_step, tr.steps,
+                                            tr.slot_bytes, tr.max_trials_per_pack)
+            task_of[tr.trial_id] = task.task_id
+    pending: list[str] = []
+    free = {g.gpu_id for g in gpu_specs}
+    running: dict[str, _Pack] = {}
+    done: list[_Pack] = []
+    started: dict[str, float] = {}
+    completed: dict[str, float] = {}
+    steps_done: dict[str, float] = {}
+    unschedulable: list[str] = []
+    replan_ms: list[float] = []
+    statuses: dict[str, int] = {}
+    next_task, n_packs = 0, 0
+    now = tasks[0].arrival_s if tasks else 0.0
+    # Every loop turn but the last consumes an arrival, a completion or a planned start (≥ 1 unit later).
+    for _ in range(100 * (len(trials) + len(tasks)) + 1000):
+        while next_task < len(tasks) and (tasks[next_task].arrival_s <= now or _close(tasks[next_task].arrival_s, now)):
+            pending.extend(tr.trial_id for tr in tasks[next_task].trials)
+            next_task += 1
+        wake: float | None = None
+        if pending and _can_start(pending, trials, free, running):
+            inp = _planning_input(pending, trials, gpu_specs, free, running, trace, now, unit_s)
+            t0 = time.perf_counter()
+            res = plan(inp)
+            replan_ms.append((time.perf_counter() - t0) * 1000)
+            statuses[res.status] = statuses.get(res.status, 0) + 1
+            gone = set(res.unschedulable)
+            unschedulable.extend(i for i in pending if i in gone)
+            placed = {i for p in res.start_now for i in p.trial_ids}
+            for p in res.start_now:
+                if p.backfill:
+                    pack = running[p.pack_key]
+                    _advance(pack, trials, now)
+                else:
+                    if not set(p.gpu_ids) <= free or len(p.gpu_ids) != trials[p.trial_ids[0]].gpus_needed:
+                        raise AssertionError(f"the planner started {p.pack_key} on GPUs that are not free")
+                    n_packs += 1
+                    pack = _Pack(f"pack{n_packs:05d}", p.gpu_ids, p.base_model, trace.costs[p.base_model], now, now)
+                    free -= set(p.gpu_ids)
+                    running[pack.pack_id] = pack
+                for i in p.trial_ids:
+                    pack.left[i] = float(trials[i].remaining_steps)
+                    started[i] = now
+                pack.history.append((now, tuple(pack.left)))
+            pending = [i for i in pending if i not in gone and i not in placed]
+            # A plan may hold free GPUs back for a later start: wake up then, not only at the next completion.
+            later = [p.start for p in res.packs if not p.backfill and p.start > 0 and set(p.gpu_ids) <= free]
+            wake = now + min(later) * unit_s if later else None
+        candidates = [t for t in (
+            tasks[next_task].arrival_s if next_task < len(tasks) else None,
+            min((p.next_completion(trials) for p in running.values()), default=None),
+            wake,
+        ) if t is not None]
+        if not candidates:
+            # Nothing runs, arrives or is planned, yet trials wait: the planner will never place them.
+            unschedulable.extend(pending)
+            break
+        now = max(now, min(candidates))
+        for pack in [p for p in running.values() if p.next_completion(trials) <= now
+                     or _close(p.next_completion(trials), now)]:
+            _advance(pack, trials, now)
+            finished = [i for i, left in pack.left.items() if left <= 1e-6 * max(1, trials[i].remaining_steps)]
+            for i in finished:
+                del pack.left[i]
+                completed[i] = now
+                steps_done[i] = float(trials[i].remaining_steps)
+            pack.history.append((now, tuple(pack.left)))
+            if not pack.left:
+                del running[pack.pack_id]
+                free |= set(pack.gpu_ids)
+                done.append(pack)
+    else:
+        raise RuntimeError("simulation did not converge (planner starts nothing while time advances)")
+    return _result(trace, gpus, policy, tasks, task_of, done, started, completed, steps_done, unschedulable,
+                   replan_ms, statuses)
+
+
+def _advance(pack: _Pack, trials: dict[str, PlanTrial], now: float) -> None:
+    """Moves the pack's members forward to `now` at its current step time."""
+    if pack.left:
+        steps = (now - pack.since_s) / pack.step_s(trials)
+        pack.left = {i: left - steps for i, left in pack.left.items()}
+    pack.since_s = now
+
+
+def _can_start(pending: list[str], trials: dict[str, PlanTrial], free: set[str], running: dict[str, _Pack]) -> bool:
+    if free:
+        return True
+    models = {trials[i].base_model for i in pending}
+    return any(p.base_model in models and len(p.left) < min(trials[i].max_trials_per_pack for i in p.left)
+               for p in running.values())
+
+
+def _planning_input(pending: list[str], trials: dict[str, PlanTrial], gpu_specs: tuple[GpuSpec, ...],
+                    free: set[str], running: dict[str, _Pack], trace: Trace, now: float, unit_s: float
+                    ) -> PlanningInput:
+    packs = []
+    for pack in sorted(running.values(), key=lambda p: p.pack_id):
+        _advance(pack, trials, now)
+        members = [trials[i] for i in pack.left]
+        step = pack.step_s(trials)
+        cap = min(t.max_trials_per_pack for t in members)
+        tenants: dict[str, int] = {}
+        for t in members:
+            tenants[t.tenant_id] = tenants.get(t.tenant_id, 0) + 1
+        packs.append(RunningPack(
+            pack.pack_id, pack.gpu_ids, pack.base_model,
+            ends_at=max(1, math.ceil(max(pack.left.values()) * step / unit_s - _REL_EPS)),
+            trials=len(members), free_slots=max(0, cap - len(members)),
+            tokens_per_step=sum(t.tokens_per_step for t in members), slot_bytes=sum(t.slot_bytes for t in members),
+            max_trials_per_pack=cap, tenant_trials=tuple(sorted(tenants.items())),
+        ))
+    return PlanningInput(trials=tuple(trials[i] for i in pending), gpus=gpu_specs, costs=trace.costs,
+                         running=tuple(packs), unit_s=unit_s)
+
+
+def _result(trace: Trace, gpus: int, policy: str, tasks: list[TraceTask], task_of: dict[str, str], done: list[_Pack],
+            started: dict[str, float], completed: dict[str, float], steps_done: dict[str, float],
+            unschedulable: list[str], replan_ms: list[float], statuses: dict[str, int]) -> SimResult:
+    first = tasks[0].arrival_s if tasks else 0.0
+    makespan = max(completed.values(), default=first) - first
+    task_done: dict[str, float] = {}
+    for i, c in completed.items():
+        task_done[task_of[i]] = max(task_done.get(task_of[i], c), c)
+    jcts = [task_done[t.task_id] - t.arrival_s for t in tasks if t.task_id in task_done]
+    busy = sum((p.history[-1][0] - p.start_s) * len(p.gpu_ids) for p in done)
+    records = tuple(PackRecord(p.pack_id, p.gpu_ids, p.base_model, p.start_s, p.history[-1][0], tuple(p.history))
+                    for p in sorted(done, key=lambda p: p.pack_id))
+    return SimResult(
+        policy=policy, trace=trace.name, gpus=gpus, makespan_s=makespan,
+        mean_jct_s=sum(jcts) / len(jcts) if jcts else 0.0, p95_jct_s=percentile(jcts, 95),
+        gpu_util=busy / (gpus * makespan) if makespan > 0 else 0.0, replan_p95_ms=percentile(replan_ms, 95),
+        replans=len(replan_ms), unschedulable=tuple(unschedulable), statuses=statuses, started_s=started,
+        completed_s=completed, steps_done=steps_done, packs=records,
+    )
