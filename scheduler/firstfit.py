@@ -25,7 +25,9 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
 
     Trials go heaviest tenant weight first, then oldest first. Each new pack is led by the next trial, on
     the k earliest-free GPUs that can hold it, at the earliest time its tenant's quota allows; later trials
-    of the same model join while memory, caps and quotas still hold with the pack's slower step.
+    of the same model join while memory, caps and quotas still hold with the pack's slower step, up to an
+    even share of that model's pending trials over the GPU sets free at the pack's start. Running packs are
+    back-filled only with trials for which no GPU set is free now.
     """
     t0 = time.perf_counter()
     prep = Prepared(inp)
@@ -48,11 +50,17 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
         durs = prep.durations(trial, base)
         return _quota_ok(prep, used, [(t.tenant_id, start, start + durs[t.trial_id]) for t in trial])
 
+    def free_now(t: PlanTrial, at: int) -> int:
+        """GPU sets of `t`'s size free at time `at` that can hold it alone."""
+        solo = prep.mem_base(t.base_model) + prep.mem_item(t)
+        return sum(1 for g in inp.gpus if avail[g.gpu_id] <= at and g.memory_bytes >= solo) // t.gpus_needed
+
     for r in sorted(inp.running, key=lambda r: r.pack_id):
         members: list[PlanTrial] = []
         mem_left = min(prep.gpu_mem[g] for g in r.gpu_ids) - prep.mem_running(r)
         for t in pending:
-            if prep.compatible(t, r) and len(members) < r.free_slots and grow(
+            # Joining a running pack slows all its members: only when no GPU is free for the trial now.
+            if free_now(t, 0) == 0 and prep.compatible(t, r) and len(members) < r.free_slots and grow(
                     members, t, r.max_trials_per_pack, mem_left, prep.step_running(r), 0, already=r.trials):
                 members.append(t)
         if members:
@@ -78,8 +86,14 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
         times = sorted({start, *(e for _, e in used.get(lead.tenant_id, []) if e > start)})
         start = next(x for x in times if _quota_ok(prep, used, [(lead.tenant_id, x, x + solo)]))
         mem_left = min(g.memory_bytes for g in gpus) - base_mem
+        # Spread the model's pending trials over the GPU sets free at `start` before stacking them: a pack's
+        # step slows with every member, an idle GPU is lost time.
+        alike = sum(1 for t in pending if (t.base_model, t.gpus_needed) == (lead.base_model, lead.gpus_needed))
+        share = -(-alike // max(1, free_now(lead, start)))
         members = [lead]
         for t in pending[1:]:
+            if len(members) >= share:
+                break
             if (t.base_model, t.gpus_needed) == (lead.base_model, lead.gpus_needed) and grow(
                     members, t, lead.max_trials_per_pack, mem_left, base, start):
                 members.append(t)
