@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from scheduler.planning import PlanningInput, PlanResult, PlanTrial, Prepared, ScheduledPack, finish_plan
 
@@ -74,6 +75,7 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
             chosen = {t.trial_id for t in members}
             pending = [t for t in pending if t.trial_id not in chosen]
 
+    waiting = Counter((t.base_model, t.gpus_needed) for t in pending)  # pending trials per pack kind
     while pending:
         lead = pending[0]
         base_mem = prep.mem_base(lead.base_model)
@@ -88,11 +90,11 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
         mem_left = min(g.memory_bytes for g in gpus) - base_mem
         # Spread the model's pending trials over the GPU sets free at `start` before stacking them: a pack's
         # step slows with every member, an idle GPU is lost time.
-        alike = sum(1 for t in pending if (t.base_model, t.gpus_needed) == (lead.base_model, lead.gpus_needed))
-        share = -(-alike // max(1, free_now(lead, start)))
+        alike = waiting[(lead.base_model, lead.gpus_needed)]
+        limit = min(-(-alike // max(1, free_now(lead, start))), lead.max_trials_per_pack)
         members = [lead]
         for t in pending[1:]:
-            if len(members) >= share:
+            if len(members) >= limit:
                 break
             if (t.base_model, t.gpus_needed) == (lead.base_model, lead.gpus_needed) and grow(
                     members, t, lead.max_trials_per_pack, mem_left, base, start):
@@ -105,6 +107,8 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
             avail[gpu.gpu_id] = end
         packs.append(ScheduledPack(f"new-{lead.trial_id}", tuple(sorted(g.gpu_id for g in gpus)),
                                    lead.base_model, tuple(t.trial_id for t in members), start, end))
+        for t in members:
+            waiting[(t.base_model, t.gpus_needed)] -= 1
         chosen = {t.trial_id for t in members}
         pending = [t for t in pending if t.trial_id not in chosen]
     return finish_plan(prep, packs, time.perf_counter() - t0, "greedy_fallback")

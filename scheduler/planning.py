@@ -7,6 +7,7 @@ first-fit packer (scheduler/firstfit.py) and the brute-force tests all compute t
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -103,8 +104,10 @@ class Prepared:
     def __init__(self, inp: PlanningInput) -> None:
         self.inp = inp
         self.gpu_mem = {g.gpu_id: g.memory_bytes for g in inp.gpus}
-        self.trials = [t for t in inp.trials if self._placeable(t)]
-        self.unschedulable = tuple(t.trial_id for t in inp.trials if not self._placeable(t))
+        self._memories = sorted(g.memory_bytes for g in inp.gpus)  # for counting the GPUs that hold a trial
+        placeable = [self._placeable(t) for t in inp.trials]
+        self.trials = [t for t, ok in zip(inp.trials, placeable, strict=True) if ok]
+        self.unschedulable = tuple(t.trial_id for t, ok in zip(inp.trials, placeable, strict=True) if not ok)
 
     def _cost(self, model: str) -> ModelCost:
         return self.inp.costs[model]
@@ -115,7 +118,7 @@ class Prepared:
         if self.inp.tenant_quota.get(t.tenant_id, 1) < 1:
             return False
         solo = self.mem_base(t.base_model) + self.mem_item(t)
-        return sum(1 for g in self.inp.gpus if g.memory_bytes >= solo) >= t.gpus_needed
+        return len(self._memories) - bisect.bisect_left(self._memories, solo) >= t.gpus_needed
 
     # Memory: base + Σ items ≤ GPU bytes. Each term is rounded up so the sum never under-estimates.
     def mem_base(self, model: str) -> int:
