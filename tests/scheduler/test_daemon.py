@@ -257,6 +257,44 @@ def test_a_pack_profile_is_stored_for_the_cost_model(daemon: SchedulerDaemon) ->
         assert s.get(Pack, pack.id).profile == profile  # type: ignore[union-attr]
 
 
+def test_profiles_fit_the_cost_model_that_predicts_when_a_busy_worker_frees(daemon: SchedulerDaemon) -> None:
+    from scheduler.lifecycle import busy_workers, load_costs
+
+    make_task(2)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    # Step time 0.5 s + 1 ms per pooled token + 0 per slot, measured at three token counts.
+    samples = [[2, n, 0, 0.5 + 0.001 * n, 10**9 + 1000 * n] for n in (100, 200, 400)]
+    report("pack.profile", pack_id=pack.id, profile={"device": "cpu", "samples": samples})
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        for trial in s.scalars(select(Trial)):
+            trial.steps_done = 1  # of total_steps 4
+        s.flush()
+        costs = load_costs(s)
+        step = costs["tiny-random-llama"].step
+        # Every sample had 2 slots, so the per-slot cost is the prior and the intercept takes the rest.
+        assert step.predict(100, 2) == pytest.approx(0.6) and step.b_s_per_token == pytest.approx(0.001, rel=1e-3)
+        (busy,) = busy_workers(s, utcnow(), 60.0, costs)
+        # Two trials of batch 2 x max_seq_len 64 = 256 pooled tokens: 3 steps left at 0.5 + 0.256 + 2c s.
+        assert busy.worker_id == WORKER
+        assert busy.busy_for_s == pytest.approx(3 * step.predict(256, 2))
+        assert busy.busy_for_s == pytest.approx(3 * 0.756, rel=1e-2)
+
+
+def test_a_malformed_profile_is_ignored_by_the_cost_fit(daemon: SchedulerDaemon) -> None:
+    from scheduler.lifecycle import load_costs
+
+    make_task(1)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    report("pack.profile", pack_id=live_pack().id, profile={"device": "cpu", "samples": [[64, 0.5, None]]})
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert load_costs(s) == {}
+
+
 def test_two_schedulers_ticking_at_once_place_and_send_each_pack_once(daemon: SchedulerDaemon) -> None:
     """The leader lock keeps a second scheduler idle; should two ever act at once (a lock lost in a network
     split), row locks still make each trial join one pack and each pack go out once."""
