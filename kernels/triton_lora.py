@@ -278,7 +278,7 @@ def _linear_kernel(
 def _outer_kernel(
     u_ptr, v_ptr, g_ptr, part_ptr, scale_ptr, slot_blocks_ptr, blk_start_ptr, blk_end_ptr,
     tok_key_ptr, thr_ptr, inv_ptr, feat_ptr,
-    DIM_I, DIM_J, N, Z,
+    DIM_I, DIM_J, Z,
     stride_um, stride_ui, stride_vm, stride_vj, stride_gz, stride_gi, stride_gj,
     HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
@@ -513,7 +513,7 @@ def outer(
     _outer_kernel[grid](
         u, v, g, part, scale, tables.slot_blocks, tables.blk_start, tables.blk_end,
         *_dropout_args(dropout, tables.blk_slot),
-        i_dim, j_dim, u.shape[0], z,
+        i_dim, j_dim, z,
         u.stride(0), u.stride(1), v.stride(0), v.stride(1), *g.stride(),
         HAS_DROPOUT=dropout is not None, PRECISION=_precision(u.dtype), SPLIT=split, BLOCK_M=BLOCK_TOKENS,
         BLOCK_I=block_i, BLOCK_J=block_j, num_warps=8 if block_i * block_j >= 128 * 128 else 4, num_stages=3,
