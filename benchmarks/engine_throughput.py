@@ -9,8 +9,9 @@ architecture's shape (throughput does not depend on weight values).
     python -m benchmarks.engine_throughput --shape tiny --trials 4 --batch 1 --steps 2 --seq-len 64   # smoke
 
 ``--backends torch triton`` measures the engine once per LoRA backend (issue 4: the Triton kernels against
-the torch path) in the same run; the ratio columns are those of the last backend. ``--profile`` prints the
-top CUDA kernels of two engine steps of the last backend (where the time goes).
+the torch path) in the same run; the ratio columns are those of the last backend. ``--profile`` breaks the
+device time of a few steps of the last backend and of the frozen ceiling down by kernel family, beside the
+device-busy and wall time per step (where the time goes; ``benchmarks.profiling``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from benchmarks.common import print_table, write_result
 from benchmarks.models import SHAPES, load, make_rows, materialise
+from benchmarks.profiling import breakdown, side_by_side
 from kernels import set_backend
 from worker.engine import TrialSpec, restore_base_model
 from worker.engine.data import Example, collate, encode_rows
@@ -175,6 +177,9 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
     pad_id = int(tokenizer.pad_token_id)
     specs = trial_specs(args.trials, batch, args.seq_len, rows, args.dropout)
     model = load(base, device)
+    # Counted on the bare model: once PEFT has wrapped it, its adapters' nn.Linear modules would count too.
+    flops_per_token = 4 * linear_params(model) + 6 * model.config.num_hidden_layers * model.config.hidden_size * (
+        sum(len(e.input_ids) for e in examples) / len(examples))
     engines: list[Any] = []
 
     def make_engine() -> Callable[[], int]:
@@ -189,15 +194,23 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
         by_backend[backend] = measure(make_engine, args.warmup, args.steps)
         stats = engines[0].last_stats if engines and engines[0].last_stats else None
         if args.profile and backend == args.backends[-1] and engines:
-            profile_steps(engines[0])
+            profiles[f"engine[{backend}] b{batch}"] = breakdown(engine_step(engines[0]))
         while engines:  # (a loop variable would keep the last engine, and its ~20 GiB, alive)
             engines.pop().close()  # unwraps the model for the next backend and the PEFT run
         free()  # the engine's adapter store and optimizer state, before PEFT allocates its own
     set_backend("auto")
     engine = by_backend[args.backends[-1]]
     pooled = batches(examples, args.trials, batch, 1, pad_id)
-    frozen = measure(lambda: frozen_step(model, pooled, device, args.activation_checkpointing), args.warmup,
-                     args.steps)
+    frozen_made: list[Callable[[], int]] = []
+
+    def make_frozen() -> Callable[[], int]:
+        frozen_made.append(frozen_step(model, pooled, device, args.activation_checkpointing))
+        return frozen_made[-1]
+
+    frozen = measure(make_frozen, args.warmup, args.steps)
+    if args.profile and frozen_made and isinstance(frozen, float):
+        profiles[f"frozen b{batch}"] = breakdown(frozen_made[0])
+    frozen_made.clear()
     restore_base_model(model)  # PEFT below trains without recompute, as its users run it
     peft: float | str = "-"
     if not args.skip_peft:
@@ -211,10 +224,8 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
         return round(a / b, 2) if isinstance(a, float) and isinstance(b, float) else "-"
 
     if args.matmul_tflops and isinstance(engine, float):
-        flops = 4 * linear_params(model) + 6 * model.config.num_hidden_layers * model.config.hidden_size * (
-            sum(len(e.input_ids) for e in examples) / len(examples))
-        mfu_rows.append([batch, round(engine * flops / 1e12, 1), args.matmul_tflops,
-                         round(engine * flops / 1e12 / args.matmul_tflops, 3)])
+        mfu_rows.append([batch, round(engine * flops_per_token / 1e12, 1), args.matmul_tflops,
+                         round(engine * flops_per_token / 1e12 / args.matmul_tflops, 3)])
     peak = stats.peak_memory_bytes / 2**30 if stats and stats.peak_memory_bytes else float("nan")
     padding = stats.padded_fraction if stats else float("nan")
     return [batch, args.trials, num(peft), *[num(by_backend[b]) for b in args.backends], num(frozen),
@@ -222,6 +233,7 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
 
 
 mfu_rows: list[list[Any]] = []
+profiles: dict[str, dict[str, Any]] = {}  # --profile: "<method> b<batch>" -> benchmarks.profiling.breakdown
 
 
 def linear_params(model: Any) -> int:
@@ -239,15 +251,11 @@ def matmul_tflops() -> float:
     return round(2 * 8192**3 / ms / 1e9, 1)
 
 
-def profile_steps(engine: Any) -> None:
-    """The top CUDA kernels of two engine steps, by total device time."""
-    from torch.profiler import ProfilerActivity, profile
+def engine_step(engine: Any) -> Callable[[], None]:
+    def step() -> None:
+        engine.step()
 
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(2):
-            engine.step()
-        sync()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    return step
 
 
 def main() -> None:
@@ -292,11 +300,16 @@ def main() -> None:
          "dropout": args.dropout, "steps": args.steps, "warmup": args.warmup, "backends": args.backends,
          "tokens": "real (non-pad) tokens per second; rows of 50-100% of seq_len, loss on completions only",
          "mfu": {"headers": ["batch/trial", "engine TFLOP/s", "bf16 matmul TFLOP/s", "MFU"], "rows": mfu_rows,
-                 "flops per real token": "4 x (nn.Linear weights, lm_head included) + 6 x layers x hidden x "
-                                         "mean row length (causal attention, forward + backward)"}},
+                 "flops per real token": "4 x (nn.Linear weights of the bare model, lm_head included) + 6 x "
+                                         "layers x hidden x mean row length (causal attention, fwd + bwd)"},
+         "profile": {"what": "device ms per step by kernel family (torch.profiler), device-busy and "
+                             "synchronised wall ms per step, top kernels", "methods": profiles}},
     )
     if mfu_rows:
         print_table(["batch/trial", "engine TFLOP/s", "bf16 matmul TFLOP/s", "MFU"], mfu_rows)
+    if profiles:
+        print()
+        print_table(*side_by_side(profiles))
 
 
 if __name__ == "__main__":

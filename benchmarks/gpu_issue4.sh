@@ -19,13 +19,15 @@ for stage in $stages; do
     tests) timeout 240 python -m pytest --confcutdir=tests/kernels -p no:cacheprovider -q tests/kernels \
              > "$OUT/tests.log" 2>&1; tail -4 "$OUT/tests.log"; grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20 ;;
     e2e1) timeout 300 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 \
-            --seq-len 512 --backends torch triton --profile --mfu > "$OUT/e2e1.log" 2>&1; tail -45 "$OUT/e2e1.log" ;;
+            --seq-len 512 --backends torch triton --profile --mfu > "$OUT/e2e1.log" 2>&1; tail -30 "$OUT/e2e1.log" ;;
     e2e24) timeout 400 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 2 4 \
              --seq-len 512 --backends torch triton --activation-checkpointing --mfu 2>&1 | tail -12 ;;
     e2e8b) timeout 400 python -m benchmarks.engine_throughput --shape llama-3.1-8b --trials 8 --batch 1 \
              --seq-len 512 --backends torch triton --mfu --peft-steps 2 2>&1 | tail -12 ;;
     layer) timeout 300 python -m benchmarks.lora_layer --slots 1 8 32 --tokens 1024 4096 8192 > "$OUT/layer.log" 2>&1
            tail -40 "$OUT/layer.log" ;;
+    layer48) timeout 240 python -m benchmarks.lora_layer --slots 8 32 --tokens 4096 8192 > "$OUT/layer48.log" 2>&1
+           tail -22 "$OUT/layer48.log" ;;
     layerq) timeout 120 python -m benchmarks.lora_layer --quick 2>&1 | tail -8 ;;
     layer2) timeout 200 python -m benchmarks.lora_layer --slots 8 32 --tokens 4096 8192 > "$OUT/layer2.log" 2>&1
             tail -20 "$OUT/layer2.log" ;;

@@ -8,11 +8,13 @@ split raggedly among the slots (each slot 50-150% of the mean), times with CUDA 
 ``triton.testing.do_bench``) of:
 
 - base:     ``y = x Wᵀ`` and its input gradient ``dY W`` (W frozen: no weight gradient);
-- triton:   ``kernels.lora_linear`` on the Triton backend (the expand inside the base GEMM);
+- triton:   ``kernels.lora_linear`` on the Triton backend (the LoRA term in one kernel, added by cuBLAS);
 - grouped:  ``F.linear`` + ``kernels.lora_delta``, the torch backend (``torch._grouped_mm`` / ``bmm``);
 - loop:     ``F.linear`` + a Python loop over slots (PEFT-style: two small matmuls per slot).
 
-"+%" columns are (method − base) / base. Every row also checks the Triton output and gradients against the
+"+%" columns are (method − base) / base. The "graph:" columns time the same forward + backward captured in
+a CUDA graph: what the device spends, without the host's launch overhead (eager timings of small layers
+measure the host). Every row also checks the Triton output and gradients against the
 torch backend (relative error, bf16). Writes benchmarks/results/lora_layer-<device>-<date>.json.
 """
 
@@ -45,6 +47,28 @@ def bench(fn: Callable[[], Any]) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def bench_graph(fn: Callable[[], Any], clear: Callable[[], None]) -> float | str:
+    """Median ms of replaying ``fn`` (forward + backward) captured in a CUDA graph: the device's own time,
+    without the host's launch overhead (which the eager timing includes where the host is the slower side).
+    ``clear`` drops accumulated ``.grad`` tensors so that the capture allocates them in the graph's pool."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            clear()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    clear()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:  # something in fn cannot be captured: say so in the table
+        print(f"capture failed: {exc}", flush=True)
+        return "-"
+    return bench(graph.replay)
 
 
 def run_case(d_in: int, d_out: int, k: int, tokens: int, device: torch.device, gen: torch.Generator) -> list[Any]:
@@ -111,11 +135,26 @@ def run_case(d_in: int, d_out: int, k: int, tokens: int, device: torch.device, g
     t_loop = bench(loop)
     set_backend("auto")
 
-    def over(t: float) -> float:
-        return round(100 * (t - t_base) / t_base, 1)
+    def clear() -> None:
+        x.grad = a.grad = b.grad = None
 
-    return [f"{d_in}x{d_out}", k, tokens, round(t_base, 4), round(t_triton, 4), round(t_grouped, 4),
-            round(t_loop, 4), over(t_triton), over(t_grouped), over(t_loop), f"{max(errs):.1e}"]  # fmt: skip
+    g_base = bench_graph(base, clear)
+    g_triton = bench_graph(backend("triton"), clear)
+    g_grouped = bench_graph(grouped, clear)
+    set_backend("auto")
+
+    def over(t: float | str, base_ms: float | str) -> float | str:
+        if isinstance(t, str) or isinstance(base_ms, str):
+            return "-"
+        return round(100 * (t - base_ms) / base_ms, 1)
+
+    def ms(t: float | str) -> float | str:
+        return round(t, 4) if isinstance(t, float) else t
+
+    return [f"{d_in}x{d_out}", k, tokens, ms(t_base), ms(t_triton), ms(t_grouped), ms(t_loop),
+            over(t_triton, t_base), over(t_grouped, t_base), over(t_loop, t_base),
+            ms(g_base), ms(g_triton), ms(g_grouped), over(g_triton, g_base), over(g_grouped, g_base),
+            f"{max(errs):.1e}"]  # fmt: skip
 
 
 def main() -> None:
@@ -135,13 +174,16 @@ def main() -> None:
                 print(rows[-1], flush=True)
                 torch.cuda.empty_cache()
     headers = ["d_in x d_out", "K", "tokens", "base ms", "triton ms", "grouped ms", "loop ms", "triton +%",
-               "grouped +%", "loop +%", "max rel err triton vs torch"]  # fmt: skip
+               "grouped +%", "loop +%", "graph: base ms", "graph: triton ms", "graph: grouped ms",
+               "graph: triton +%", "graph: grouped +%", "max rel err triton vs torch"]  # fmt: skip
     write_result(
         "lora_layer" + ("-quick" if args.quick else ""),
         headers,
         rows,
         {"dtype": "bfloat16", "ranks": list(RANKS), "r_max": max(RANKS),
-         "timing": "median of triton.testing.do_bench(warmup=25 ms, rep=100 ms), forward + backward",
+         "timing": "median of triton.testing.do_bench(warmup=25 ms, rep=100 ms), forward + backward; "
+                   "'graph:' columns time replays of the same forward + backward captured in a CUDA graph "
+                   "(device time without host launch overhead)",
          "base": "y = x W^T forward and dX = dY W backward (the frozen weight gets no gradient)"},
     )  # fmt: skip
 
