@@ -2,10 +2,11 @@
 
     python -m benchmarks.triton_resources
 
-Compiles ``kernels.triton_lora``'s GEMM for every autotuning configuration (forward, backward, backward with
-dropout) and the shrink kernel for sm_90a on this machine, with the specialisations a real launch gets
-(16-aligned pointers and sizes, unit strides), and reads ``ptxas -v``. A configuration that spills or makes
-ptxas serialise its wgmma instructions (C7512) is slow on the GPU: check here before spending device time.
+Compiles ``kernels.triton_lora``'s LoRA-term kernel for every autotuning configuration (forward, backward,
+with and without dropout) and the outer-product kernel for sm_90a on this machine, with the specialisations a
+real launch gets (16-aligned pointers and sizes, unit strides), and reads ``ptxas -v``. A configuration that
+spills or makes ptxas serialise its wgmma instructions (C7512) is slow on the GPU: check here before spending
+device time.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import kernels.triton_lora as T  # noqa: E402
 from benchmarks.common import print_table  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-UNALIGNED = ("M", "num_segments", "Z")  # the token count is any number; the rest is 16-aligned in practice
+UNALIGNED = ("Z",)  # slots are any number; the rest is 16-aligned in practice
 
 
 def ptxas() -> Path:
@@ -65,35 +66,36 @@ def resources(jit: Any, types: dict[str, str], constexprs: dict[str, Any], warps
 
 def main() -> None:
     dtype = "bf16"
-    linear_types = dict.fromkeys(("p_ptr", "q_ptr", "out_ptr", "bias_ptr", "l_ptr", "r_ptr"), f"*{dtype}")
-    linear_types |= {"scale_ptr": "*fp32", "seg_slot_ptr": "*i32", "seg_bounds_ptr": "*i32", "tok_key_ptr": "*i64",
-                     "thr_ptr": "*i64", "inv_ptr": "*fp32", "feat_ptr": "*i64"}  # fmt: skip
-    directions = {
-        "forward": dict(stride_pk=1, stride_qk=1, stride_on=1, stride_lr=1, stride_rn=1),
-        "backward": dict(stride_pk=1, stride_qn=1, stride_on=1, stride_lr=1, stride_rr=1),
+    ptrs = ("x_ptr", "w1_ptr", "w2_ptr", "s_ptr", "c_ptr", "bias_ptr")
+    term_types = dict.fromkeys(ptrs, f"*{dtype}") | {
+        "scale_ptr": "*fp32", "blk_slot_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32",
+        "tok_key_ptr": "*i64", "thr_ptr": "*i64", "inv_ptr": "*fp32", "feat_in_ptr": "*i64", "feat_out_ptr": "*i64"}
+    directions = {  # unit strides of a real launch (store rank-major: A contiguous along d_in, B along d_out)
+        "forward": dict(stride_xk=1, stride_1k=1, stride_2n=1, stride_sr=1, stride_cn=1),
+        "backward": dict(stride_xk=1, stride_1k=1, stride_2n=1, stride_sr=1, stride_cn=1),
     }
     rows = []
-    for config in T._LINEAR_CONFIGS[:-1]:  # the last one is the interpreter's
+    for config in T._TERM_CONFIGS[:-1]:  # the last one is the interpreter's
         for direction, strides in directions.items():
-            for dropout in (False, True) if direction == "backward" else (False,):
-                constexprs = dict(strides, HAS_BIAS=False, HAS_DROPOUT=dropout, PRECISION="tf32", LOG2_SEGMENTS=16,
-                                  N_MULTIPLE_OF_8=True, BLOCK_R=64, GROUP_M=8, **config.kwargs)  # fmt: skip
-                tile = "x".join(str(config.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-                label = direction + (" + dropout" if dropout else "")
-                rows.append(["_linear_kernel", tile, config.num_warps, config.num_stages, label,
-                             *resources(T._linear_kernel.fn, linear_types, constexprs, config.num_warps,
+            for dropout in (False, True):
+                constexprs = dict(strides, DROPOUT_IN=dropout and direction == "forward",
+                                  DROPOUT_OUT=dropout and direction == "backward", HAS_BIAS=False, PRECISION="tf32",
+                                  BLOCK_M=T.BLOCK_TOKENS, BLOCK_R=64, **config.kwargs)  # fmt: skip
+                tile = f"{T.BLOCK_TOKENS}x{config.kwargs['BLOCK_N']}x{config.kwargs['BLOCK_K']}"
+                rows.append(["_lora_term_kernel", tile, config.num_warps, config.num_stages,
+                             direction + (" + dropout" if dropout else ""),
+                             *resources(T._lora_term_kernel.fn, term_types, constexprs, config.num_warps,
                                         config.num_stages)])  # fmt: skip
-    shrink_types = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "scale_ptr": "*fp32",
-                    "blk_slot_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32", "tok_key_ptr": "*i64",
-                    "thr_ptr": "*i64", "inv_ptr": "*fp32", "feat_ptr": "*i64"}  # fmt: skip
-    for config in T._SHRINK_CONFIGS[:-1]:
+    outer_types = {"u_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": f"*{dtype}", "part_ptr": "*fp32",
+                   "scale_ptr": "*fp32", "slot_blocks_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32",
+                   "tok_key_ptr": "*i64", "thr_ptr": "*i64", "inv_ptr": "*fp32", "feat_ptr": "*i64"}  # fmt: skip
+    for block_i, block_j in ((128, 64), (64, 128)):  # dA (d_in x r) and dB (r x d_out) tiles at r_max 64
         for dropout in (False, True):
-            constexprs = dict(stride_xk=1, stride_wr=1, stride_or=1, HAS_DROPOUT=dropout, PRECISION="tf32",
-                              BLOCK_M=T.BLOCK_TOKENS, BLOCK_R=64, **config.kwargs)  # fmt: skip
-            rows.append(["_shrink_kernel", f"{T.BLOCK_TOKENS}x64x{config.kwargs['BLOCK_K']}", config.num_warps,
-                         config.num_stages, "dropout" if dropout else "-",
-                         *resources(T._shrink_kernel.fn, shrink_types, constexprs, config.num_warps,
-                                    config.num_stages)])  # fmt: skip
+            constexprs = dict(stride_ui=1, stride_vj=1, HAS_DROPOUT=dropout, PRECISION="tf32", SPLIT=1,
+                              BLOCK_M=T.BLOCK_TOKENS, BLOCK_I=block_i, BLOCK_J=block_j)  # fmt: skip
+            rows.append(["_outer_kernel", f"{T.BLOCK_TOKENS}x{block_i}x{block_j}", 8, 3,
+                         "dropout" if dropout else "-",
+                         *resources(T._outer_kernel, outer_types, constexprs, 8, 3)])  # fmt: skip
     print(f"sm_90a, {dtype}, r_max 64, ptxas {ptxas().name}")
     print_table(["kernel", "tile MxNxK", "warps", "stages", "variant", "registers", "spill bytes", "shared bytes",
                  "wgmma serialised"], rows)  # fmt: skip

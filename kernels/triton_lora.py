@@ -1,25 +1,28 @@
-"""Triton kernels for a LoRA-wrapped linear layer of a pack: the frozen GEMM and every slot's adapter together.
+"""Triton kernels for a LoRA-wrapped linear layer of a pack: every slot's adapter beside the frozen GEMM.
 
 Forward, for the tokens ``n`` of each segment of slot ``z`` (the contract of ``kernels.lora_delta``)::
 
-    S'  = scale_z · (X̂ A_z)                    _shrink_kernel      one launch, all slots
-    Y   = X Wᵀ + S' B_z  (+ bias)               _linear_kernel      the expand is added to the base GEMM's
-                                                                    accumulator in registers: Y is written once
+    S' = scale_z · (X̂ A_z),  C = S' B_z (+ bias)    _lora_term_kernel   one launch, all slots
+    Y  = X Wᵀ + C                                   cuBLAS, C added in the GEMM's epilogue (beta = 1)
 Backward, given dY::
 
-    dS  = scale_z · (dY B_zᵀ)                   _shrink_kernel      (B read transposed through its strides)
-    dB_z += S'ᵀ dY                              _outer_kernel       per (slot, tile), over the slot's tokens
-    dA_z += X̂ᵀ dS                               _outer_kernel       dropout recomputed from the keys
-    dX  = dY W + (dS A_zᵀ) ⊙ K                  _linear_kernel      LoRA term in the base GEMM's epilogue
+    dS = scale_z · (dY B_zᵀ),  C = (dS A_zᵀ) ⊙ K     _lora_term_kernel   (B and A read transposed through strides)
+    dX = dY W + C                                   cuBLAS, beta = 1
+    dB_z += S'ᵀ dY                                  _outer_kernel       per (slot, tile), over the slot's tokens
+    dA_z += X̂ᵀ dS                                   _outer_kernel       dropout recomputed from the keys
 
-Work is driven by tables built once per step from the host copy of ``SegmentMeta`` and cached on it: the
-shrink and outer kernels walk (slot, token block) pairs whose blocks never cross a segment; the GEMM's token
-tiles do cross segments (no token padding) and find their segments by binary search over the segment
-bounds. Padded ranks cost only the width of one MMA; slots with scale 0 are skipped. Accumulation is fp32;
-fp16 and bf16 inputs use the tensor cores, fp32 inputs IEEE fp32 dots (so fp32 results stay near 1e-6).
-Tile shapes of the shrink and the GEMM are autotuned per GPU and shape bucket (cached on disk where Triton
-supports it; the outer kernel, which adds into the gradient store, takes its tiles from the shape); with
-``TRITON_INTERPRET=1`` the same kernels run on CPU tensors with one small configuration each.
+The frozen GEMMs stay with cuBLAS: on an H100 a Triton GEMM with the expand inside it ran the engine slower
+than cuBLAS adding a precomputed LoRA term in its epilogue (39.6k vs 40.1k tokens/s, Llama-3.2-1B, 32 trials;
+``benchmarks/results/engine_throughput-llama-3.2-1b-torch-triton-fusedgemm-triton-gpu-20261122.json``):
+cuBLAS's GEMM is ~20% faster than ours and reading C costs it little, as it is bound by arithmetic.
+
+Work is driven by a table built once per step from the host copy of ``SegmentMeta`` and cached on it:
+(slot, token block) pairs whose blocks never cross a segment, so there is no token padding. Padded ranks
+cost only the width of one MMA; slots with scale 0 are skipped. Accumulation is fp32; fp16 and bf16 inputs
+use the tensor cores, fp32 inputs IEEE fp32 dots (so fp32 results stay near 1e-6). The term kernel's tiles
+are autotuned per GPU and shape (cached on disk where Triton supports it; the outer kernel, which adds into
+the gradient store, takes its tiles from the shape); with ``TRITON_INTERPRET=1`` the same kernels run on CPU
+tensors with one small configuration each.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from kernels.dropout import LayerDropout
 from kernels.segments import SegmentMeta
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_TOKENS = 64  # token block of the shrink and outer kernels' schedule table
-_LOG2_SEGMENTS = 16  # binary-search steps over segment bounds: up to 65535 segments per step
+BLOCK_TOKENS = 64  # token block of the schedule table
+PROGRAMS_PER_SM = 2  # the term kernel's programs per SM below which a block's columns are split (lora_term)
 # The interpreter's dot reads bf16 operands as raw integers (Triton 3.9): it gets them as fp32 instead.
 _DOT_IN_FP32 = tl.constexpr(INTERPRET)
 
@@ -63,36 +66,6 @@ def _autotune(configs: list[triton.Config], key: list[str], fixed: int, **kwargs
 
 def _cfg(num_warps: int, num_stages: int, **meta: int) -> triton.Config:
     return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
-
-
-# The last configuration of each list is the small one the interpreter runs.
-# Checked offline with ptxas (sm_90a): none of these spills without dropout; with dropout (a second
-# accumulator) 128x256 and 4-warp 128x128 do, and the tuner passes them over.
-_LINEAR_CONFIGS = [
-    _cfg(8, 4, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64),
-    _cfg(8, 3, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64),
-    _cfg(8, 3, BLOCK_M=256, BLOCK_N=128, BLOCK_K=64),
-    _cfg(8, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-    _cfg(4, 4, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64),
-    _cfg(4, 4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64),
-    _cfg(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64),
-    _cfg(4, 2, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32),
-]
-_SHRINK_CONFIGS = [
-    _cfg(4, 4, BLOCK_K=128),
-    _cfg(4, 3, BLOCK_K=64),
-    _cfg(8, 3, BLOCK_K=128),
-    _cfg(4, 2, BLOCK_K=32),
-]
-
-
-def _prune_by_size(configs: list[triton.Config], named_args: dict[str, Any], **_: Any) -> list[triton.Config]:
-    """Drop column tiles far wider than the problem (they only waste the autotuner's time)."""
-
-    def fits(config: triton.Config) -> bool:
-        return config.kwargs.get("BLOCK_N", 0) <= max(32, triton.next_power_of_2(named_args["N"]))
-
-    return [c for c in configs if fits(c)] or configs[-1:]
 
 
 @triton.jit
@@ -121,32 +94,57 @@ def _keep(token_key, threshold, feature_key):
     return h.to(tl.int64) >= threshold[:, None]
 
 
-@_autotune(_SHRINK_CONFIGS, key=["K", "BLOCK_R", "HAS_DROPOUT"], fixed=0)
+# The kernel is bound by memory: smaller tiles keep more programs (warps) resident per SM, bigger ones issue
+# wider accesses; ptxas (benchmarks/triton_resources.py) puts the 64x128 tiles at ~190 registers and 64-98 KB
+# of shared memory (2-3 programs per SM), 64x64 at ~100 registers and 32-48 KB (4-5). The last configuration
+# is the small one the interpreter runs.
+_TERM_CONFIGS = [
+    _cfg(4, 3, BLOCK_K=64, BLOCK_N=64),  # the fastest at every Llama-3.2-1B shape forced alone on an H100
+    _cfg(4, 2, BLOCK_K=64, BLOCK_N=64),
+    _cfg(4, 3, BLOCK_K=128, BLOCK_N=128),
+    _cfg(4, 4, BLOCK_K=64, BLOCK_N=128),
+    _cfg(8, 3, BLOCK_K=64, BLOCK_N=128),
+    _cfg(8, 3, BLOCK_K=128, BLOCK_N=256),
+    _cfg(4, 2, BLOCK_K=32, BLOCK_N=32),
+]
+
+
+@_autotune(_TERM_CONFIGS, key=["K", "N", "BLOCK_R", "DROPOUT_IN", "DROPOUT_OUT"], fixed=0)
 @triton.jit
-def _shrink_kernel(
-    x_ptr, w_ptr, out_ptr, scale_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
-    tok_key_ptr, thr_ptr, inv_ptr, feat_ptr,
-    K, R,
-    stride_xm, stride_xk, stride_wz, stride_wk, stride_wr, stride_om, stride_or,
-    HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+def _lora_term_kernel(
+    x_ptr, w1_ptr, w2_ptr, s_ptr, c_ptr, bias_ptr, scale_ptr, blk_slot_ptr, blk_start_ptr, blk_end_ptr,
+    tok_key_ptr, thr_ptr, inv_ptr, feat_in_ptr, feat_out_ptr,
+    K, N, R,
+    stride_xm, stride_xk, stride_1z, stride_1k, stride_1r, stride_2z, stride_2r, stride_2n,
+    stride_sm, stride_sr, stride_cm, stride_cn,
+    DROPOUT_IN: tl.constexpr, DROPOUT_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """``out[rows] = scale_z · (X̂[rows] @ W_z)`` for one (slot, token block) of the schedule table."""
-    pid = tl.program_id(0)
+    """For one (slot z, token block) of the schedule table and one share of the output columns::
+
+        S = scale_z · (X̂ W1_z)             (BLOCK_M, R), stored by the first column share
+        C = (S W2_z) ⊙ K_out (+ bias)       (BLOCK_M, N), the LoRA term the base GEMM then adds (beta = 1)
+
+    Forward: X = x, W1 = A_z, W2 = B_z (S = S', C = S'B). Backward: X = dY, W1 = B_zᵀ, W2 = A_zᵀ (S = dS,
+    C = (dS Aᵀ) ⊙ K). ``N == 0`` leaves only the shrink. Rows of slots with scale 0 get zeros (and the bias).
+    The column shares of one block are neighbours in launch order, so all but the first read X from L2.
+    """
+    share = tl.program_id(0)
+    pid = tl.program_id(1)
     z = tl.load(blk_slot_ptr + pid).to(tl.int64)
     start = tl.load(blk_start_ptr + pid)
     end = tl.load(blk_end_ptr + pid)
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < end
-    cols = tl.arange(0, BLOCK_R)
-    col_ok = cols < R
+    ranks = tl.arange(0, BLOCK_R)
+    rank_ok = ranks < R
     scale = tl.load(scale_ptr + z)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if DROPOUT_IN or DROPOUT_OUT:
+        tok_key = tl.load(tok_key_ptr + rows, mask=row_ok, other=0)
+        thr = tl.load(thr_ptr + rows, mask=row_ok, other=0)
+        inv = tl.load(inv_ptr + rows, mask=row_ok, other=0.0)
     if scale != 0.0:
-        if HAS_DROPOUT:
-            tok_key = tl.load(tok_key_ptr + rows, mask=row_ok, other=0)
-            thr = tl.load(thr_ptr + rows, mask=row_ok, other=0)
-            inv = tl.load(inv_ptr + rows, mask=row_ok, other=0.0)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
@@ -155,123 +153,44 @@ def _shrink_kernel(
                 mask=row_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            if HAS_DROPOUT:
-                feat = tl.load(feat_ptr + ks, mask=k_ok, other=0)
-                kept = _keep(tok_key, thr, feat)
-                x = tl.where(kept, _times(x, inv), 0.0).to(x.dtype)
+            if DROPOUT_IN:
+                feat = tl.load(feat_in_ptr + ks, mask=k_ok, other=0)
+                x = tl.where(_keep(tok_key, thr, feat), _times(x, inv), 0.0).to(x.dtype)
             w = tl.load(
-                w_ptr + z * stride_wz + ks[:, None] * stride_wk + cols[None, :] * stride_wr,
-                mask=k_ok[:, None] & col_ok[None, :],
+                w1_ptr + z * stride_1z + ks[:, None] * stride_1k + ranks[None, :] * stride_1r,
+                mask=k_ok[:, None] & rank_ok[None, :],
                 other=0.0,
             )
             acc = _dot(x, w, acc, PRECISION)
         acc = acc * scale
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_or
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    s = acc.to(s_ptr.dtype.element_ty)  # rounded once: what is saved is what the expand uses
+    if share == 0:
+        tl.store(s_ptr + rows[:, None] * stride_sm + ranks[None, :] * stride_sr, s,
+                 mask=row_ok[:, None] & rank_ok[None, :])
 
-
-@triton.jit
-def _find_segment(bounds_ptr, num_segments, row, LOG2_SEGMENTS: tl.constexpr):
-    """The segment holding token ``row``: the largest ``s < num_segments`` with ``bounds[s] <= row``."""
-    lo = tl.full((), 0, tl.int32)  # tensors from the start: loop-carried values must keep one type
-    hi = tl.full((), 0, tl.int32) + num_segments
-    for _ in range(LOG2_SEGMENTS):
-        mid = (lo + hi) // 2
-        go_right = (hi - lo > 1) & (tl.load(bounds_ptr + mid) <= row)
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where((hi - lo > 1) & ~go_right, mid, hi)
-    return lo
-
-
-@_autotune(_LINEAR_CONFIGS, key=["M_BUCKET", "N", "K", "BLOCK_R", "HAS_DROPOUT"], fixed=3, prune_configs_by={
-    "early_config_prune": _prune_by_size})
-@triton.jit
-def _linear_kernel(
-    p_ptr, q_ptr, out_ptr, bias_ptr, l_ptr, r_ptr, scale_ptr, seg_slot_ptr, seg_bounds_ptr,
-    tok_key_ptr, thr_ptr, inv_ptr, feat_ptr,
-    M, N, K, R, num_segments, M_BUCKET,
-    stride_pm, stride_pk, stride_qk, stride_qn, stride_om, stride_on,
-    stride_lm, stride_lr, stride_rz, stride_rr, stride_rn,
-    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, PRECISION: tl.constexpr, LOG2_SEGMENTS: tl.constexpr,
-    N_MULTIPLE_OF_8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    """``out = P @ Q (+ bias) + (Σ_segments L_seg @ R_z) (⊙ K)`` for one (BLOCK_M, BLOCK_N) tile.
-
-    Forward: P = X, Q = Wᵀ, L = S', R_z = B_z. Backward: P = dY, Q = W, L = dS, R_z = A_zᵀ, K the dropout
-    multipliers of the output columns (the layer's input features).
-    """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped tile order: GROUP_M token tiles share each column of Q while it is in L2.
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    # Clamped indices keep every load of the main loop in bounds without a mask on M and N. The hint gives
-    # back what the clamp hides from the compiler, that columns run in contiguous runs: without it, loads of
-    # W along d_in (the backward) and every store are 2-byte accesses (4x slower layers, seen on an H100).
-    # It holds when N is a multiple of 8 (a run never straddles the clamp); other N go without it.
-    rows_c = tl.where(row_ok, rows, 0).to(tl.int64)
-    cols_c = tl.where(col_ok, cols, 0)
-    if N_MULTIPLE_OF_8:
-        cols_c = tl.max_contiguous(tl.multiple_of(cols_c, BLOCK_N), BLOCK_N)
-    cols_c = cols_c.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        p = tl.load(p_ptr + rows_c[:, None] * stride_pm + ks[None, :] * stride_pk, mask=k_ok[None, :], other=0.0)
-        q = tl.load(q_ptr + ks[:, None] * stride_qk + cols_c[None, :] * stride_qn, mask=k_ok[:, None], other=0.0)
-        acc = _dot(p, q, acc, PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols_c).to(tl.float32)[None, :]
-
-    # The LoRA term of every segment that meets this token tile, masked to its rows.
-    first_row = pid_m * BLOCK_M
-    last_row = tl.minimum(first_row + BLOCK_M, M) - 1
-    seg_lo = _find_segment(seg_bounds_ptr, num_segments, first_row, LOG2_SEGMENTS)
-    seg_hi = _find_segment(seg_bounds_ptr, num_segments, last_row, LOG2_SEGMENTS) + 1
-    ranks = tl.arange(0, BLOCK_R)
-    rank_ok = ranks < R
-    # Without dropout the LoRA products go straight into the GEMM's accumulator: a second (BLOCK_M, BLOCK_N)
-    # fp32 accumulator would double the registers (255 and spilling at 128x256, wgmma serialised).
-    if HAS_DROPOUT:
-        lora = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        lora = acc
-    for s in range(seg_lo, seg_hi):
-        z = tl.load(seg_slot_ptr + s).to(tl.int64)
-        if tl.load(scale_ptr + z) != 0.0:
-            in_seg = (rows >= tl.load(seg_bounds_ptr + s)) & (rows < tl.load(seg_bounds_ptr + s + 1))
-            lo = tl.load(
-                l_ptr + rows_c[:, None] * stride_lm + ranks[None, :] * stride_lr,
-                mask=in_seg[:, None] & rank_ok[None, :],
+    # This program's share of the output columns: whole BLOCK_N tiles, the shares as equal as they go.
+    tiles = tl.cdiv(N, BLOCK_N)
+    per_share = tl.cdiv(tiles, tl.num_programs(0))
+    n_begin = share * per_share * BLOCK_N
+    n_end = tl.minimum(N, n_begin + per_share * BLOCK_N)
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_end
+        out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if scale != 0.0:
+            w = tl.load(
+                w2_ptr + z * stride_2z + ranks[:, None] * stride_2r + cols[None, :] * stride_2n,
+                mask=rank_ok[:, None] & col_ok[None, :],
                 other=0.0,
             )
-            rz = tl.load(
-                r_ptr + z * stride_rz + ranks[:, None] * stride_rr + cols_c[None, :] * stride_rn,
-                mask=rank_ok[:, None],
-                other=0.0,
-            )
-            lora = _dot(lo, rz, lora, PRECISION)
-    if HAS_DROPOUT:
-        tok_key = tl.load(tok_key_ptr + rows_c)
-        thr = tl.load(thr_ptr + rows_c)
-        inv = tl.load(inv_ptr + rows_c)
-        feat = tl.load(feat_ptr + cols_c)
-        acc += tl.where(_keep(tok_key, thr, feat), lora * inv[:, None], 0.0)
-    else:
-        acc = lora
-    out = out_ptr + rows_c[:, None] * stride_om + cols_c[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            out = _dot(s, w, out, PRECISION)
+            if DROPOUT_OUT:
+                feat = tl.load(feat_out_ptr + cols, mask=col_ok, other=0)
+                out = tl.where(_keep(tok_key, thr, feat), out * inv[:, None], 0.0)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, out.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -336,7 +255,6 @@ class StepTables:
         blk_slot / blk_start / blk_end: the schedule table: token blocks of at most ``BLOCK_TOKENS`` that
             never cross a segment, ordered by slot.
         slot_blocks: ``(Z + 1,)`` slot ``z`` owns blocks ``[slot_blocks[z], slot_blocks[z + 1])``.
-        seg_slot / seg_bounds: each segment's slot, and the ``S + 1`` segment bounds (token offsets).
         max_slot_blocks: the most blocks one slot has.
     """
 
@@ -344,8 +262,6 @@ class StepTables:
     blk_start: torch.Tensor
     blk_end: torch.Tensor
     slot_blocks: torch.Tensor
-    seg_slot: torch.Tensor
-    seg_bounds: torch.Tensor
     num_blocks: int
     active_slots: int
     max_slot_blocks: int
@@ -356,10 +272,10 @@ def step_tables(meta: SegmentMeta) -> StepTables:
     cached = meta.cache.get("triton")
     if isinstance(cached, StepTables):
         return cached
-    starts, bounds = [], [0]
+    starts, end = [], 0
     for n in meta.lengths:
-        starts.append(bounds[-1])
-        bounds.append(bounds[-1] + n)
+        starts.append(end)
+        end += n
     per_slot: list[list[tuple[int, int]]] = [[] for _ in range(meta.num_slots)]
     for z, start, n in zip(meta.slot_ids, starts, meta.lengths, strict=True):
         per_slot[z].extend((b, min(b + BLOCK_TOKENS, start + n)) for b in range(start, start + n, BLOCK_TOKENS))
@@ -369,21 +285,18 @@ def step_tables(meta: SegmentMeta) -> StepTables:
         slot_blocks.append(slot_blocks[-1] + len(owned))
     host = torch.tensor(
         [z for z, _, _ in blocks] + [b for _, b, _ in blocks] + [e for _, _, e in blocks]
-        + slot_blocks + list(meta.slot_ids) + bounds,
+        + slot_blocks,
         dtype=torch.int32,
     )  # fmt: skip
     device = meta.seg_slots.device
     flat = host.to(device, non_blocking=True) if device.type != "cpu" else host
-    nb, z, s = len(blocks), meta.num_slots, meta.num_segments
-    sizes = [nb, nb, nb, z + 1, s, s + 1]
-    blk_slot, blk_start, blk_end, slot_blocks_t, seg_slot, seg_bounds = torch.split(flat, sizes)
+    nb = len(blocks)
+    blk_slot, blk_start, blk_end, slot_blocks_t = torch.split(flat, [nb, nb, nb, meta.num_slots + 1])
     tables = StepTables(
         blk_slot,
         blk_start,
         blk_end,
         slot_blocks_t,
-        seg_slot,
-        seg_bounds,
         num_blocks=nb,
         active_slots=sum(1 for owned in per_slot if owned),
         max_slot_blocks=max((len(owned) for owned in per_slot), default=0),
@@ -412,68 +325,47 @@ def _dropout_args(dropout: LayerDropout | None, like: torch.Tensor) -> tuple[tor
     return (k.token_keys, k.threshold, k.inv_keep, dropout.feature_keys)
 
 
-def shrink(
+def lora_term(
     x: torch.Tensor,
-    w: torch.Tensor,
-    w_strides: tuple[int, int, int],
-    scale: torch.Tensor,
-    meta: SegmentMeta,
-    dropout: LayerDropout | None,
-    r_max: int,
-) -> torch.Tensor:
-    """``(tokens, r_max)``: ``scale_z · (X̂ W_z)`` per segment; ``W_z`` is ``(K, r_max)`` read through
-    ``w_strides`` = (slot, k, rank) strides. Rows of slots with scale 0 are zeros."""
-    tables = step_tables(meta)
-    out = _new_output((x.shape[0], r_max), x.dtype, x.device)
-    if tables.num_blocks == 0:
-        return out
-    _shrink_kernel[(tables.num_blocks,)](
-        x, w, out, scale, tables.blk_slot, tables.blk_start, tables.blk_end, *_dropout_args(dropout, tables.blk_slot),
-        x.shape[1], r_max,
-        x.stride(0), x.stride(1), *w_strides, out.stride(0), out.stride(1),
-        HAS_DROPOUT=dropout is not None, PRECISION=_precision(x.dtype),
-        BLOCK_M=BLOCK_TOKENS, BLOCK_R=_block_r(r_max),
-    )  # fmt: skip
-    return out
-
-
-def linear(
-    p: torch.Tensor,
-    q: torch.Tensor,
-    q_strides: tuple[int, int],
+    w1: torch.Tensor,
+    w1_strides: tuple[int, int, int],
+    w2: torch.Tensor,
+    w2_strides: tuple[int, int, int],
     n_out: int,
     bias: torch.Tensor | None,
-    lora_l: torch.Tensor,
-    lora_r: torch.Tensor,
-    r_strides: tuple[int, int, int],
     scale: torch.Tensor,
     meta: SegmentMeta,
-    dropout: LayerDropout | None,
-) -> torch.Tensor:
-    """``(tokens, n_out)``: ``P Q (+ bias) + (L R_z)(⊙ K)`` in one GEMM (see ``_linear_kernel``).
-
-    ``q_strides`` are Q's (k, n) strides; ``r_strides`` R's (slot, rank, n) strides.
-    """
+    dropout_in: LayerDropout | None,
+    dropout_out: LayerDropout | None,
+    r_max: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(S, C)`` of ``_lora_term_kernel``: S ``(tokens, r_max)``; C ``(tokens, n_out)``, or ``None`` when
+    ``n_out == 0`` (the shrink alone). ``w1_strides`` are W1's (slot, k, rank) strides, ``w2_strides`` W2's
+    (slot, rank, n) strides."""
     tables = step_tables(meta)
-    m, k = p.shape
-    r_max = lora_l.shape[1]
-    out = _new_output((m, n_out), p.dtype, p.device)
-    if m == 0:
-        return out
-
-    def grid(cfg: dict[str, Any]) -> tuple[int]:
-        return (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n_out, cfg["BLOCK_N"]),)
-
-    _linear_kernel[grid](
-        p, q, out, bias if bias is not None else out, lora_l, lora_r, scale, tables.seg_slot, tables.seg_bounds,
-        *_dropout_args(dropout, tables.seg_slot),
-        m, n_out, k, r_max, meta.num_segments, triton.next_power_of_2(m),
-        p.stride(0), p.stride(1), *q_strides, out.stride(0), out.stride(1),
-        lora_l.stride(0), lora_l.stride(1), *r_strides,
-        HAS_BIAS=bias is not None, HAS_DROPOUT=dropout is not None, PRECISION=_precision(p.dtype),
-        LOG2_SEGMENTS=_LOG2_SEGMENTS, N_MULTIPLE_OF_8=n_out % 8 == 0, BLOCK_R=_block_r(r_max), GROUP_M=8,
+    tokens, k = x.shape
+    s = _new_output((tokens, r_max), x.dtype, x.device)
+    c = _new_output((tokens, n_out), x.dtype, x.device) if n_out else None
+    if tables.num_blocks == 0:
+        return s, c
+    keys = _dropout_args(dropout_in or dropout_out, tables.blk_slot)
+    feat_in = dropout_in.feature_keys if dropout_in is not None else tables.blk_slot
+    feat_out = dropout_out.feature_keys if dropout_out is not None else tables.blk_slot
+    # Few token blocks (a short step) would leave SMs idle: split each block's columns over several programs,
+    # each recomputing the block's small shrink. Measured on an H100 (benchmarks/results/lora_term-*): more
+    # shares than that cost more in repeated shrinks than they gain (8 per SM made the engine 4% slower).
+    shares = max(1, min(triton.cdiv(n_out, 128), PROGRAMS_PER_SM * _num_sms(x.device) // tables.num_blocks))
+    shares = shares if n_out else 1
+    out = c if c is not None else s
+    _lora_term_kernel[(shares, tables.num_blocks)](
+        x, w1, w2, s, out, bias if bias is not None else s, scale, tables.blk_slot, tables.blk_start, tables.blk_end,
+        *keys[:3], feat_in, feat_out,
+        k, n_out, r_max,
+        x.stride(0), x.stride(1), *w1_strides, *w2_strides, s.stride(0), s.stride(1), out.stride(0), out.stride(1),
+        DROPOUT_IN=dropout_in is not None, DROPOUT_OUT=dropout_out is not None, HAS_BIAS=bias is not None,
+        PRECISION=_precision(x.dtype), BLOCK_M=BLOCK_TOKENS, BLOCK_R=_block_r(r_max),
     )  # fmt: skip
-    return out
+    return s, c
 
 
 def _num_sms(device: torch.device) -> int:
@@ -541,10 +433,12 @@ class LoraLinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         r_max = lora_a.shape[2]
         a_strides = (lora_a.stride(0), lora_a.stride(1), lora_a.stride(2))
-        s = shrink(x, lora_a, a_strides, scale, meta, dropout, r_max)  # S' = scale · X̂ A
         b_strides = (lora_b.stride(0), lora_b.stride(1), lora_b.stride(2))
-        w_t = (weight.stride(1), weight.stride(0))  # Wᵀ as (d_in, d_out)
-        y = linear(x, weight, w_t, weight.shape[0], bias, s, lora_b, b_strides, scale, meta, dropout=None)
+        # S' and C = S'B (+ bias) in one kernel, then cuBLAS adds X Wᵀ into C in its epilogue (beta = 1).
+        s, y = lora_term(x, lora_a, a_strides, lora_b, b_strides, weight.shape[0], bias, scale, meta, dropout, None,
+                         r_max)  # fmt: skip
+        assert y is not None
+        y.addmm_(x, weight.t())
         ctx.save_for_backward(x, weight, lora_a, lora_b, scale, s)
         ctx.meta, ctx.dropout, ctx.grad_a, ctx.grad_b = meta, dropout, grad_a, grad_b
         return y
@@ -556,18 +450,18 @@ class LoraLinearFunction(torch.autograd.Function):
         dropout: LayerDropout | None = ctx.dropout
         dy = dy.contiguous()
         r_max = lora_a.shape[2]
-        # dS = scale · dY Bᵀ: the shrink kernel reading B_z as (d_out, r) through its strides.
-        bt_strides = (lora_b.stride(0), lora_b.stride(2), lora_b.stride(1))
-        ds = shrink(dy, lora_b, bt_strides, scale, meta, None, r_max)
+        bt_strides = (lora_b.stride(0), lora_b.stride(2), lora_b.stride(1))  # B_zᵀ as (d_out, r)
+        at_strides = (lora_a.stride(0), lora_a.stride(2), lora_a.stride(1))  # A_zᵀ as (r, d_in)
+        # dS = scale · dY Bᵀ and C = (dS Aᵀ) ⊙ K in one kernel; cuBLAS adds dY W into C. Without an input
+        # gradient (a first layer under a frozen embedding) the kernel computes dS alone.
+        n_dx = weight.shape[1] if ctx.needs_input_grad[0] else 0
+        ds, dx = lora_term(dy, lora_b, bt_strides, lora_a, at_strides, n_dx, None, scale, meta, None, dropout, r_max)
+        if dx is not None:
+            dx.addmm_(dy, weight)
         grad_b = ctx.grad_b if ctx.grad_b is not None else torch.zeros_like(lora_b)
-        outer(s, dy, grad_b, scale, meta, None)
+        outer(s, dy, grad_b, scale, meta, None)  # dB += S'ᵀ dY
         grad_a = ctx.grad_a if ctx.grad_a is not None else torch.zeros_like(lora_a)
-        outer(x, ds, grad_a, scale, meta, dropout)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            at_strides = (lora_a.stride(0), lora_a.stride(2), lora_a.stride(1))  # A_zᵀ as (r, d_in)
-            w = (weight.stride(0), weight.stride(1))  # W as (d_out, d_in)
-            dx = linear(dy, weight, w, weight.shape[1], None, ds, lora_a, at_strides, scale, meta, dropout)
+        outer(x, ds, grad_a, scale, meta, dropout)  # dA += X̂ᵀ dS
         return (
             dx,
             None,

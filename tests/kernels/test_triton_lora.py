@@ -199,4 +199,22 @@ def test_step_tables_follow_the_segments() -> None:
     )
     assert blocks == [(1, 0, 64), (1, 64, 70), (1, 70, 75)]
     assert tables.slot_blocks.tolist() == [0, 0, 3, 3]
-    assert tables.seg_bounds.tolist() == [0, 70, 75] and tables.seg_slot.tolist() == [1, 1]
+    assert tables.num_blocks == 3 and tables.active_slots == 1 and tables.max_slot_blocks == 3
+
+
+def test_wide_layers_split_their_columns_over_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few token blocks and many output columns: each block's columns go to several programs (``shares``),
+    each recomputing the block's shrink; the "rank 1 and 128" case checks the result against float64."""
+    kernel = triton_lora._lora_term_kernel
+    grids: list[tuple[int, int]] = []
+
+    class Spy:
+        def __getitem__(self, grid: tuple[int, int]) -> object:
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_lora, "_num_sms", lambda device: 16)
+    monkeypatch.setattr(triton_lora, "_lora_term_kernel", Spy())
+    test_matches_float64_reference("rank 1 and 128", torch.bfloat16, 0.0, False, True)
+    # The forward's 136 output columns go to two programs per block; the backward's 96 fit one 128-column share.
+    assert [grid[0] for grid in grids] == [2, 1], grids
