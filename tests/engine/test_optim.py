@@ -22,7 +22,7 @@ DEVICES = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_avail
 
 @pytest.mark.parametrize("device", DEVICES, ids=str)
 def test_matches_torch_adamw_and_clip_grad_norm_per_slot(device: torch.device) -> None:
-    """On CUDA the update runs compiled (one fused kernel), and also refreshes a bf16 compute copy."""
+    """On CUDA the update is one Triton kernel (``kernels.slot_adamw``) that also refreshes a bf16 compute copy."""
     torch.manual_seed(0)
     params = torch.randn(3, P).to(device)
     grads = torch.zeros(3, P, device=device)

@@ -185,7 +185,9 @@ class PackEngine:
         self.store.grads.zero_()
         losses = self._losses_and_grads(parts, batch)
         stepped = [p.slot for p in parts if not self.state(p.slot).failed]
-        self.optimizer.step({slot: self.state(slot).lr() for slot in stepped})  # also refreshes store.compute
+        self.optimizer.step(  # also refreshes store.compute; only as far into each row as its rank reaches
+            {slot: self.state(slot).lr() for slot in stepped}, {slot: self.store.live_columns(slot) for slot in stepped}
+        )
         self._prefetched = self._prefetch(stepped)  # host work while the device computes this step
         values = losses.tolist()  # the step's one device sync: it waits for the update queued above
         for slot in stepped:

@@ -14,7 +14,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -41,10 +40,10 @@ class SlotAdamW:
 
     Rows that are not stepped (free slots, slots not in this step) are left exactly as they are. With
     ``compute`` (the store's bf16 copy of ``params``), each step also refreshes it, in the same pass.
-    On CUDA the update is compiled into one fused elementwise kernel over the whole store (28 bytes of
-    memory traffic per element instead of ~110 for the eager ops: at 32 slots of a rank-64-padded
-    Llama-3.2-1B, ~10 ms instead of ~65 ms per step; compiled once per store shape, a few seconds).
-    Elsewhere, or if compiling fails, it runs eagerly in column chunks that bound the fp32 temporaries.
+    On CUDA the update is one Triton kernel over the store (``kernels.slot_adamw``: 28 bytes of memory
+    traffic per element instead of ~110 for the eager ops) that updates each row only as far as the caller
+    says it is live (a slot's true rank, not the pack's padded one). Elsewhere, or without Triton, it runs
+    eagerly in column chunks that bound the fp32 temporaries.
     """
 
     def __init__(self, params: torch.Tensor, grads: torch.Tensor, compute: torch.Tensor | None = None) -> None:
@@ -56,7 +55,7 @@ class SlotAdamW:
         capacity = params.shape[0]
         self.hyper: list[AdamWHyper | None] = [None] * capacity
         self.steps: list[int] = [0] * capacity  # updates each slot has taken
-        self._compiled = params.is_cuda
+        self._fused = params.is_cuda and _fused_kernel() is not None
 
     def reset(self, slot: int, hyper: AdamWHyper) -> None:
         """Fresh state for ``slot``: zero moments, step 0."""
@@ -70,32 +69,34 @@ class SlotAdamW:
         self.hyper[slot], self.steps[slot] = None, 0
 
     @torch.no_grad()
-    def step(self, lrs: dict[int, float]) -> None:
+    def step(self, lrs: dict[int, float], live: dict[int, int] | None = None) -> None:
         """One AdamW update of the slots in ``lrs`` (slot -> this step's learning rate).
 
-        Host work is a ``(9, Z)`` table of per-slot scalars, copied to the device once; no device sync.
+        ``live`` (slot -> columns) says how much of each stepped row is in use; the rest of the row must be
+        zeros with zero gradient (AdamW would leave it so). ``None``: whole rows. Host work is a ``(9, Z)``
+        table of per-slot scalars, copied to the device once; no device sync.
         """
         if not lrs:
             return
         table = self._coefficients(lrs)  # host
         any_clipping = bool(table[8].any())
-        clip_max, decay, beta1c, beta2, beta2c, bc2_sqrt, eps, neg_step, clipping = table.to(
-            self.params.device, non_blocking=True
-        ).unsqueeze(-1)
+        device_table = table.to(self.params.device, non_blocking=True)
+        clip_max, decay, beta1c, beta2, beta2c, bc2_sqrt, eps, neg_step, clipping = device_table.unsqueeze(-1)
         coef = self._clip_coefficients(clip_max, clipping) if any_clipping else torch.ones_like(clip_max)
-        scalars = (coef, decay, beta1c, beta2, beta2c, bc2_sqrt, eps, neg_step)
-        if self._compiled:
-            try:  # one fused kernel over the whole store: it has no temporaries to bound
-                update = _compiled_update(tuple(self.params.shape))
-                update(self.params, self.exp_avg, self.exp_avg_sq, self.grads, self.compute, *scalars)
-            except Exception as exc:  # compiling failed, before any tensor was touched: go eager for good
-                logger.warning("compiled AdamW update failed (%s); using the eager one", exc)
-                self._compiled = False
-        if not self._compiled:
+        if self._fused:
+            kernel = _fused_kernel()
+            assert kernel is not None
+            width = self.params.shape[1]
+            columns = [(live or {}).get(slot, width) if slot in lrs else 0 for slot in range(len(self.hyper))]
+            live_t = torch.tensor(columns, dtype=torch.int32).to(self.params.device, non_blocking=True)
+            scalars = torch.cat([coef.T, device_table[1:8]])
+            kernel(self.params, self.exp_avg, self.exp_avg_sq, self.grads, self.compute, live_t, scalars,
+                   live_multiple_of_16=all(c % 16 == 0 for c in columns))
+        else:
             for cols in self._chunks():
                 compute = self.compute[:, cols] if self.compute is not None else None
                 chunk = (self.params[:, cols], self.exp_avg[:, cols], self.exp_avg_sq[:, cols], self.grads[:, cols])
-                _adamw_update(*chunk, compute, *scalars)
+                _adamw_update(*chunk, compute, coef, decay, beta1c, beta2, beta2c, bc2_sqrt, eps, neg_step)
         for slot in lrs:
             self.steps[slot] += 1
 
@@ -174,32 +175,12 @@ def _adamw_update(
         compute.copy_(param)
 
 
-# Static-shape kernels broadcast the per-slot scalars along rows of a known width; a dynamic-shape kernel
-# pays a 64-bit division per element for it (~2x slower here). torch._dynamo recompiles one function at
-# most 8 times and then runs it eagerly (on the whole store, with full-size temporaries), so after a few
-# store shapes one dynamic-shape kernel serves all the others.
-_STATIC_SHAPES_MAX = 6
-_static_shapes: set[tuple[int, ...]] = set()
-
-
-def _compiled_update(shape: tuple[int, ...]) -> Callable[..., None]:
-    """The compiled ``_adamw_update`` for a store of ``shape`` (compiled on its first call)."""
-    if shape in _static_shapes or len(_static_shapes) < _STATIC_SHAPES_MAX:
-        _static_shapes.add(shape)
-        return _static_kernel()
-    return _dynamic_kernel()
-
-
 @functools.cache
-def _static_kernel() -> Callable[..., None]:
-    return torch.compile(_adamw_update, dynamic=False)
-
-
-def _adamw_update_any_shape(*args: Any) -> None:
-    """``_adamw_update`` under another code object, so its compiled variants are cached apart."""
-    _adamw_update(*args)
-
-
-@functools.cache
-def _dynamic_kernel() -> Callable[..., None]:
-    return torch.compile(_adamw_update_any_shape, dynamic=True)
+def _fused_kernel() -> Callable[..., None] | None:
+    """``kernels.slot_adamw.slot_adamw_``, or ``None`` where Triton does not import."""
+    try:
+        from kernels.slot_adamw import slot_adamw_
+    except Exception as exc:  # ImportError, or a Triton that fails at import on this machine
+        logger.warning("Triton AdamW unavailable (%s); the eager update runs", exc)
+        return None
+    return slot_adamw_

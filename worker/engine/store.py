@@ -1,9 +1,13 @@
 """Every slot's adapter of every wrapped layer in one flat fp32 matrix ``(Z, P)``: init, clear, read, write.
 
-Row ``z`` holds slot ``z``'s adapters of all layers back to back: for layer ``m``, ``A_m`` as ``(d_in,
-r_max)`` then ``B_m`` as ``(r_max, d_out)``. Each layer's stacked ``A: (Z, d_in, r_max)`` is a strided view
-of a column block, so the optimizer and gradient clipping are a handful of ops over ``(Z, P)`` and never a
-loop over slots or layers.
+Row ``z`` holds slot ``z``'s adapters of all layers, laid out rank by rank: for rank index ``j = 0 .. r_max-1``
+a *rank row* of width ``W = Σ_m (d_in_m + d_out_m)`` holding, layer after layer, column ``j`` of ``A_m`` (d_in_m
+values) and row ``j`` of ``B_m`` (d_out_m values); ``P = r_max · W``. A slot of rank ``r`` therefore uses
+exactly the first ``r · W`` columns of its row (``live_columns``), and the optimizer updates only those:
+the rank padding of a pack of mixed ranks costs no optimizer traffic. Each layer's stacked
+``A: (Z, d_in, r_max)`` and ``B: (Z, r_max, d_out)`` are strided views (strides ``(P, 1, W)`` and ``(P, W, 1)``),
+so the optimizer and gradient clipping are a handful of ops over ``(Z, P)`` and never a loop over slots or
+layers.
 
 Gradients reach the store without autograd bookkeeping per layer: each layer gets its place in ``grads``
 (``grad_a`` / ``grad_b``, strided views) and ``kernels.lora_delta``'s backward adds dA and dB there itself,
@@ -29,11 +33,11 @@ ModuleTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]  # {path: (A (r, d_
 
 @dataclass(frozen=True)
 class _Block:
-    """Where one layer's adapters sit in a slot's row."""
+    """Where one layer's adapters sit in each rank row of a slot's row."""
 
     layer: StackedLoraLinear
-    a_offset: int
-    b_offset: int
+    a_offset: int  # column j of A starts at j * W + a_offset
+    b_offset: int  # row j of B starts at j * W + b_offset
 
     @property
     def a_size(self) -> int:
@@ -72,27 +76,38 @@ class AdapterStore:
         self.blocks: list[_Block] = []
         offset = 0
         for layer in layers:
-            a_offset, b_offset = offset, offset + layer.in_features * max_rank
-            offset = b_offset + max_rank * layer.out_features
-            self.blocks.append(_Block(layer, a_offset, b_offset))
+            self.blocks.append(_Block(layer, offset, offset + layer.in_features))
+            offset += layer.in_features + layer.out_features
+        self.rank_width = offset  # W
         self.index = {block.layer.path: i for i, block in enumerate(self.blocks)}
-        self.weights = torch.zeros(capacity, offset, dtype=torch.float32, device=device)
+        self.weights = torch.zeros(capacity, max_rank * offset, dtype=torch.float32, device=device)
         self.compute = self.weights if compute_dtype == torch.float32 else self.weights.to(compute_dtype)
-        self.grads = torch.zeros(capacity, offset, dtype=compute_dtype, device=device)
+        self.grads = torch.zeros_like(self.weights, dtype=compute_dtype)
         self.scales = torch.zeros(len(layers), capacity, dtype=torch.float32, device=device)
         self.ranks: list[int] = [0] * capacity
         self.targets: list[list[int]] = [[] for _ in range(capacity)]  # layer indices each slot targets
         for i, block in enumerate(self.blocks):
             layer = block.layer
-            layer.lora_a, layer.grad_a = self._views(block.a_offset, (layer.in_features, max_rank))
-            layer.lora_b, layer.grad_b = self._views(block.b_offset, (max_rank, layer.out_features))
+            layer.lora_a = self._stacked_a(self.compute, block).requires_grad_(True)
+            layer.lora_b = self._stacked_b(self.compute, block).requires_grad_(True)
+            layer.grad_a, layer.grad_b = self._stacked_a(self.grads, block), self._stacked_b(self.grads, block)
             layer.scale = self.scales[i]
 
-    def _views(self, offset: int, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(Z, *shape)`` views of one block: of ``compute`` (requiring grad) and of ``grads``."""
-        size = shape[0] * shape[1]
-        weight = self.compute[:, offset : offset + size].view(self.capacity, *shape).requires_grad_(True)
-        return weight, self.grads[:, offset : offset + size].view(self.capacity, *shape)
+    def _stacked_a(self, matrix: torch.Tensor, block: _Block) -> torch.Tensor:
+        """``(Z, d_in, r_max)`` view of one layer's A in a ``(Z, P)`` matrix laid out like ``weights``."""
+        z, width = matrix.shape
+        size, stride = (z, block.a_size, self.max_rank), (width, 1, self.rank_width)
+        return matrix.as_strided(size, stride, matrix.storage_offset() + block.a_offset)
+
+    def _stacked_b(self, matrix: torch.Tensor, block: _Block) -> torch.Tensor:
+        """``(Z, r_max, d_out)`` view of one layer's B."""
+        z, width = matrix.shape
+        size, stride = (z, self.max_rank, block.b_size), (width, self.rank_width, 1)
+        return matrix.as_strided(size, stride, matrix.storage_offset() + block.b_offset)
+
+    def live_columns(self, slot: int) -> int:
+        """How much of ``slot``'s row its rank uses: the rest is padding, always zero (0 for a free slot)."""
+        return self.ranks[slot] * self.rank_width
 
     def init_slot(self, slot: int, *, paths: list[str], rank: int, scale: float, seed: int) -> None:
         """Fresh adapter for ``slot`` on layers ``paths``: A kaiming-uniform(a=sqrt 5) as PEFT, B zero.
@@ -146,18 +161,16 @@ class AdapterStore:
 
         ``matrix`` is ``weights`` or anything laid out like it (the optimizer's moments).
         """
-        rank, row, out = self.ranks[slot], matrix[slot], {}
+        rank, out = self.ranks[slot], {}
         for i in self.targets[slot]:
             block = self.blocks[i]
-            a = row[block.a_offset : block.b_offset].view(block.a_size, self.max_rank)
-            b = row[block.b_offset : block.b_offset + self.max_rank * block.b_size].view(self.max_rank, block.b_size)
+            a, b = self._stacked_a(matrix, block)[slot], self._stacked_b(matrix, block)[slot]
             out[block.layer.path] = (a[:, :rank].T.clone(), b[:rank].T.clone())
         return out
 
     @torch.no_grad()
     def write(self, matrix: torch.Tensor, slot: int, tensors: ModuleTensors) -> None:
         """Copy ``{path: (A (r, d_in), B (d_out, r))}`` into ``slot``'s row of ``matrix``; padding untouched."""
-        row = matrix[slot]
         for path, (lora_a, lora_b) in tensors.items():
             block = self.blocks[self.index[path]]
             rank = lora_a.shape[0]
@@ -166,8 +179,7 @@ class AdapterStore:
                     f"{path}: A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} do not fit "
                     f"(r, {block.a_size}) / ({block.b_size}, r)"
                 )
-            a = row[block.a_offset : block.b_offset].view(block.a_size, self.max_rank)
-            b = row[block.b_offset : block.b_offset + self.max_rank * block.b_size].view(self.max_rank, block.b_size)
+            a, b = self._stacked_a(matrix, block)[slot], self._stacked_b(matrix, block)[slot]
             a[:, :rank].copy_(lora_a.T)
             b[:rank].copy_(lora_b.T)
 
