@@ -42,6 +42,10 @@ class SegmentMeta:
             cell repeats its segment's first token. ``None`` when ``uniform``.
         scatter_idx: ``(N,)`` int64 grid cell of each token; padding cells are never read back, so they
             get zero gradient and add exactly nothing to dA / dB. ``None`` when ``uniform``.
+        pad_spans: host copy: sorted, disjoint ``[start, end)`` token ranges that nothing downstream reads
+            (a right-padded row's padding): their outputs are never used and their upstream gradient is zero.
+            A backend may leave their LoRA term out (the Triton kernels write zero there and skip them in dA /
+            dB, which they would add nothing to) or compute it (the torch path); the results that matter agree.
         cache: what a backend derives from the above once per step (the Triton kernels' schedule table).
     """
 
@@ -57,6 +61,7 @@ class SegmentMeta:
     offsets: torch.Tensor
     gather_idx: torch.Tensor | None
     scatter_idx: torch.Tensor | None
+    pad_spans: tuple[tuple[int, int], ...] = ()
     # Per-step launch tables that a backend derives from this metadata (built by the first layer, reused).
     cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -66,7 +71,12 @@ class SegmentMeta:
 
 
 def build_segments(
-    slot_ids: Sequence[int], lengths: Sequence[int], *, num_slots: int, device: torch.device
+    slot_ids: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    num_slots: int,
+    device: torch.device,
+    pad_spans: Sequence[tuple[int, int]] = (),
 ) -> SegmentMeta:
     """Segment metadata for segments laid end to end from token 0 (zero-length segments are dropped).
 
@@ -78,9 +88,11 @@ def build_segments(
         lengths: tokens of each segment (``>= 0``).
         num_slots: ``Z``.
         device: where the ops run.
+        pad_spans: token ranges whose LoRA term nothing reads (see ``SegmentMeta.pad_spans``).
 
     Raises:
-        ValueError: mismatched lengths, a slot out of range or a negative length.
+        ValueError: mismatched lengths, a slot out of range, a negative length, or pad spans that are not
+            sorted, disjoint, non-empty ranges inside the tokens.
     """
     if len(slot_ids) != len(lengths):
         raise ValueError(f"{len(slot_ids)} slot ids for {len(lengths)} lengths")
@@ -92,6 +104,12 @@ def build_segments(
     slots = tuple(z for z, _ in kept)
     lens = tuple(n for _, n in kept)
     n_tokens, max_len = sum(lens), max(lens, default=0)
+    spans = tuple((int(a), int(b)) for a, b in pad_spans)
+    previous_end = 0
+    for start, end in spans:
+        if not previous_end <= start < end <= n_tokens:
+            raise ValueError(f"pad spans {list(spans)} are not sorted disjoint ranges inside [0, {n_tokens})")
+        previous_end = end
     uniform = all(n == max_len for n in lens)
 
     lens_t = torch.tensor(lens, dtype=torch.int64)
@@ -120,6 +138,7 @@ def build_segments(
         offsets=ends.to(torch.int32).to(device, non_blocking=True),
         gather_idx=moved[2] if not uniform else None,
         scatter_idx=moved[3] if not uniform else None,
+        pad_spans=spans,
     )
 
 

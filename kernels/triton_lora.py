@@ -138,7 +138,7 @@ def _lora_term_kernel(
     row_ok = rows < end
     ranks = tl.arange(0, BLOCK_R)
     rank_ok = ranks < R
-    scale = tl.load(scale_ptr + z)
+    scale = tl.load(scale_ptr + z, mask=z >= 0, other=0.0)  # slot -1: padding, whose term is zero
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     if DROPOUT_IN or DROPOUT_OUT:
         tok_key = tl.load(tok_key_ptr + rows, mask=row_ok, other=0)
@@ -253,7 +253,7 @@ class StepTables:
 
     Attributes:
         blk_slot / blk_start / blk_end: the schedule table: token blocks of at most ``BLOCK_TOKENS`` that
-            never cross a segment, ordered by slot.
+            never cross a segment, ordered by slot, then the blocks of ``meta.pad_spans`` under slot -1.
         slot_blocks: ``(Z + 1,)`` slot ``z`` owns blocks ``[slot_blocks[z], slot_blocks[z + 1])``.
         max_slot_blocks: the most blocks one slot has.
     """
@@ -272,14 +272,24 @@ def step_tables(meta: SegmentMeta) -> StepTables:
     cached = meta.cache.get("triton")
     if isinstance(cached, StepTables):
         return cached
-    starts, end = [], 0
-    for n in meta.lengths:
-        starts.append(end)
-        end += n
     per_slot: list[list[tuple[int, int]]] = [[] for _ in range(meta.num_slots)]
-    for z, start, n in zip(meta.slot_ids, starts, meta.lengths, strict=True):
-        per_slot[z].extend((b, min(b + BLOCK_TOKENS, start + n)) for b in range(start, start + n, BLOCK_TOKENS))
-    blocks = [(z, b, e) for z in range(meta.num_slots) for b, e in per_slot[z]]
+    pad_blocks: list[tuple[int, int]] = []
+    start = 0
+    spans = iter(meta.pad_spans)
+    span = next(spans, None)
+    for z, n in zip(meta.slot_ids, meta.lengths, strict=True):
+        end = start + n
+        while start < end:  # cut the segment into runs of real tokens and runs of padding
+            if span is not None and span[1] <= start:
+                span = next(spans, None)
+                continue
+            padded = span is not None and span[0] <= start
+            stop = min(end, span[1] if padded else span[0]) if span is not None else end
+            owner = pad_blocks if padded else per_slot[z]
+            owner.extend((b, min(b + BLOCK_TOKENS, stop)) for b in range(start, stop, BLOCK_TOKENS))
+            start = stop
+    # Padding blocks come last, under slot -1: the term kernel writes their rows' zeros, nothing else reads them.
+    blocks = [(z, b, e) for z in range(meta.num_slots) for b, e in per_slot[z]] + [(-1, b, e) for b, e in pad_blocks]
     slot_blocks = [0]
     for owned in per_slot:
         slot_blocks.append(slot_blocks[-1] + len(owned))

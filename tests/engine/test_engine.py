@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import assert_rel_close, chat_rows, completion_rows, make_spec, token_loss_sum
+from tests.engine.factories import CPU, assert_rel_close, chat_rows, completion_rows, make_spec, token_loss_sum
 from worker.engine import PackEngine, TrialSpec
 from worker.engine.data import BatchSampler, collate, encode_rows
 from worker.engine.lora import resolve_target_modules
@@ -218,23 +218,30 @@ def test_trials_with_the_same_rows_tokenise_them_once(tiny: Tiny, monkeypatch: p
 
 
 def test_the_triton_backend_trains_a_mixed_pack_as_the_torch_backend(tiny: Tiny) -> None:
-    """The engine on the Triton kernels (the interpreter on CPU, fp32): same losses and adapters as on the
-    torch path, with mixed ranks, targets, batch sizes and dropouts (lm_head included)."""
+    """The engine on the Triton kernels (fp32; the interpreter on CPU, the GPU where there is one): same
+    losses and adapters as on the torch path, with mixed ranks, targets, batch sizes and dropouts (lm_head
+    included; on the GPU rows are padded to 64, and the kernels skip the padding)."""
     from kernels import get_backend, set_backend
     from kernels.lora_linear import resolve_backend
 
+    model = tiny[0]
+    device = torch.device("cuda") if torch.cuda.is_available() else CPU
     specs = [make_spec(tid, **MIXED[tid]) for tid in ("a", "b", "c")]
     results: dict[str, tuple[dict[str, ModuleTensors], list[dict[str, float]]]] = {}
     for backend in ("torch", "triton"):
         set_backend(backend)  # type: ignore[arg-type]
+        model.to(device)
         try:
             with _engine(tiny, specs) as engine:
                 assert resolve_backend(engine.store.compute) == backend
                 slots = {s.trial_id: engine.admit(s) for s in specs}
                 losses = [engine.step() for _ in range(2)]
-                results[backend] = ({tid: engine.adapter(slot) for tid, slot in slots.items()}, losses)
+                adapters = {tid: {p: (a.cpu(), b.cpu()) for p, (a, b) in engine.adapter(slot).items()}
+                            for tid, slot in slots.items()}
+                results[backend] = (adapters, losses)
         finally:
             set_backend("auto")
+            model.to(CPU)
     assert get_backend() == "auto"
     # Not bit-equal: the kernels sum in another order, and AdamW's m / sqrt(v) magnifies that on weights whose
     # gradient is near zero. A wrong sign or a missed slot would differ by ~2 x lr (1e-3 and more).

@@ -36,3 +36,11 @@ def test_bad_segments_raise() -> None:
         build_segments([0], [-1], num_slots=1, device=CPU)
     with pytest.raises(ValueError, match="2 slot ids for 1 lengths"):
         build_segments([0, 1], [1], num_slots=2, device=CPU)
+
+
+def test_pad_spans_must_be_sorted_disjoint_ranges_inside_the_tokens() -> None:
+    meta = build_segments([0, 1], [4, 6], num_slots=2, device=torch.device("cpu"), pad_spans=[(2, 4), (8, 10)])
+    assert meta.pad_spans == ((2, 4), (8, 10))
+    for bad in ([(3, 3)], [(8, 11)], [(5, 7), (6, 9)], [(6, 8), (2, 4)]):
+        with pytest.raises(ValueError, match="pad spans"):
+            build_segments([0, 1], [4, 6], num_slots=2, device=torch.device("cpu"), pad_spans=bad)

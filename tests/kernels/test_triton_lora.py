@@ -218,3 +218,37 @@ def test_wide_layers_split_their_columns_over_programs(monkeypatch: pytest.Monke
     test_matches_float64_reference("rank 1 and 128", torch.bfloat16, 0.0, False, True)
     # The forward's 136 output columns go to two programs per block; the backward's 96 fit one 128-column share.
     assert [grid[0] for grid in grids] == [2, 1], grids
+
+
+def test_padding_spans_get_no_lora_term_and_give_no_gradient() -> None:
+    """Right padding (``pad_spans``): the Triton path writes only the base output there and leaves it out of
+    dA / dB; where the upstream gradient is zero on the padding (as in training), every gradient matches
+    the float64 reference, and so do the outputs of the real tokens."""
+    case = CASES["ragged"]  # segments [0, 65) [65, 66) [66, 196) [196, 259)
+    pads = [(40, 65), (150, 196), (250, 259)]
+    t = _inputs(case, torch.float32, 0.2, True, seed=int(torch.randint(0, 2**31, ())))
+    padded = torch.zeros(sum(case.lengths), dtype=torch.bool)
+    for start, end in pads:
+        padded[start:end] = True
+    dy = t["dy"]
+    assert isinstance(dy, torch.Tensor)
+    dy[padded.to(DEVICE)] = 0.0
+    want = _reference(case, t)
+    x = t["x"].detach().requires_grad_()  # type: ignore[union-attr]
+    a = t["a"].detach().requires_grad_()  # type: ignore[union-attr]
+    b = t["b"].detach().requires_grad_()  # type: ignore[union-attr]
+    meta = build_segments(case.slots, case.lengths, num_slots=len(case.ranks), device=DEVICE, pad_spans=pads)
+    assert triton_lora.step_tables(meta).blk_slot.tolist().count(-1) == 3  # one block per span
+    set_backend("triton")
+    try:
+        y = lora_linear(x, t["weight"], t["bias"], a, b, t["scale"], meta, t["dropout"])  # type: ignore[arg-type]
+        y.backward(dy)
+    finally:
+        set_backend("auto")
+    assert a.grad is not None and b.grad is not None and x.grad is not None
+    real = ~padded
+    assert _rel_err(y.detach()[real.to(DEVICE)], want[0][real]) < 1e-3
+    base = x.detach() @ t["weight"].T + t["bias"]  # type: ignore[union-attr, operator]
+    torch.testing.assert_close(y.detach()[padded.to(DEVICE)], base[padded.to(DEVICE)])
+    for got, expected in zip((x.grad, a.grad, b.grad), want[1:], strict=True):
+        assert _rel_err(got, expected) < 1e-3

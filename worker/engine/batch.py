@@ -92,8 +92,12 @@ def pack_rows(
     rows = [(part, i) for part in parts for i in range(len(part.examples))]
     host = collate([e for part in parts for e in part.examples], pad_token_id, pad_to_multiple)
     n_rows, seq = host.input_ids.shape
+    # Right padding: nothing reads a padded position's output, so the LoRA kernels may skip it.
+    real = host.attention_mask.sum(1).tolist()
+    pads = [(r * seq + n, (r + 1) * seq) for r, n in enumerate(real) if n < seq]
     meta = build_segments(
-        [p.slot for p in parts], [len(p.examples) * seq for p in parts], num_slots=num_slots, device=device
+        [p.slot for p in parts], [len(p.examples) * seq for p in parts], num_slots=num_slots, device=device,
+        pad_spans=pads,
     )
     keys = _token_dropout(rows, seq) if any(p.dropout > 0 for p in parts) else None
 
