@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -26,12 +27,14 @@ def device_description() -> str:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
 
 
 def git_commit() -> str:
+    """HEAD, or ``LORAPLANE_COMMIT`` where set: the device machine's copy of the tree can carry a stale ``.git``
+    (seen on 2026-11-22: every run there reported the session's first commit), so GPU scripts pass it."""
+    if os.environ.get("LORAPLANE_COMMIT"):
+        return os.environ["LORAPLANE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

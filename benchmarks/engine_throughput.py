@@ -279,6 +279,8 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute decoder layers in the backward, in the engine and the frozen ceiling alike")
     args = parser.parse_args()
+    if len(set(args.backends)) != len(args.backends):
+        parser.error("each backend once: the table has one column per backend")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.matmul_tflops = matmul_tflops() if args.mfu and device.type == "cuda" else None
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 4 on the device, in one call (the device tool runs it in the repository root):
-#   run: bash benchmarks/gpu_issue4.sh [stages]     (kind nvidia-h100-x1, timeout 600)
+#   run: LORAPLANE_COMMIT=<hash of HEAD here> bash benchmarks/gpu_issue4.sh [stages]   (nvidia-h100-x1, 600 s)
+# (the device's copy of .git can be stale: the hash written into the results comes from LORAPLANE_COMMIT)
 # Stages (default "tests e2e1 layer"): tests = the kernel tests on the GPU; e2e1 = the engine at per-trial
 # batch 1, torch vs Triton backends, PEFT, frozen ceiling, MFU and a profiler table; e2e24 = batches 2 and 4
 # (decoder layers recomputed); e2e8b = Llama-3.1-8B shape, 8 trials; layer = the layer-level grid.
@@ -16,8 +17,11 @@ save() { find benchmarks/results -name '*gpu*.json' -newer /tmp/gpu_issue4.start
 for stage in $stages; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) timeout 240 python -m pytest --confcutdir=tests/kernels -p no:cacheprovider -q tests/kernels \
+    tests) timeout 200 python -m pytest --confcutdir=tests/kernels -p no:cacheprovider -q tests/kernels \
              > "$OUT/tests.log" 2>&1; tail -4 "$OUT/tests.log"; grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20 ;;
+    enginetests) timeout 240 python -m pytest --confcutdir=tests/engine -p no:cacheprovider -q tests/engine \
+             > "$OUT/enginetests.log" 2>&1; tail -4 "$OUT/enginetests.log"
+             grep -E "^(FAILED|E  )" "$OUT/enginetests.log" | head -20 ;;
     e2e1) timeout 300 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 \
             --seq-len 512 --backends torch triton --profile --mfu > "$OUT/e2e1.log" 2>&1; tail -30 "$OUT/e2e1.log" ;;
     e2e24) timeout 400 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 2 4 \
