@@ -28,6 +28,11 @@ SCHEDULER_GROUP = "scheduler"
 STREAM_MAXLEN = 200_000
 
 
+# What a worker says of a back-fill its pack ended before admitting: not the trial's fault, so the scheduler
+# requeues it without counting the attempt.
+BACKFILL_NOT_JOINED = "the pack ended before it could join"
+
+
 def commands_stream(worker_id: str) -> str:
     return f"commands:{worker_id}"
 

@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -18,6 +19,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -128,6 +130,9 @@ class Trial(Base):
     # The newest checkpoint in the artifact store: a requeued trial resumes from it instead of step 0.
     checkpoint_key: Mapped[str | None] = mapped_column(String(300), default=None)
     checkpoint_step: Mapped[int | None] = mapped_column(Integer, default=None)
+    # Back-filled into a running pack and not yet confirmed by its worker (trial.admitted): if the pack ends
+    # first, the trial goes back to pending instead of failing.
+    awaiting_admission: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -179,7 +184,11 @@ class Pack(Base):
     base_model: Mapped[str] = mapped_column(String(100))
     # planned -> dispatched -> running -> finished | lost | cancelled
     state: Mapped[str] = mapped_column(String(20), index=True)
-    trial_ids: Mapped[list[Any]] = mapped_column(JSON)
+    trial_ids: Mapped[list[Any]] = mapped_column(JSON)  # every trial placed in it, back-fills included
+    # The engine's shape, fixed at the start: back-fills must fit it (None: a pack that takes no back-fills).
+    capacity: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_rank: Mapped[int | None] = mapped_column(Integer, default=None)
+    target_modules: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
     # Measured by the worker (step time and peak memory against batch tokens) for the planner's cost model.
     profile: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -23,15 +23,18 @@ from sqlalchemy.engine import Connection
 from common import states
 from common.bus import SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
 from common.db import get_engine, session_scope
-from common.models import Pack, utcnow
+from common.models import Pack, Task, utcnow
 from common.settings import Settings
-from scheduler.dispatch import send_pack
+from scheduler.dispatch import send_pack, trial_payload
 from scheduler.ingest import ingest
 from scheduler.lifecycle import (
+    admission_requests,
     build_snapshot,
     busy_workers,
     finalize_tasks,
+    live_packs,
     load_costs,
+    packs_with_room,
     reap_lost_workers,
     record_plan,
     stop_requests,
@@ -51,6 +54,7 @@ class SchedulerDaemon:
         self.celery = celery
         self.consumer = consumer
         self._stops_sent: set[tuple[str, str]] = set()
+        self._admits_sent: set[tuple[str, str]] = set()
 
     def step(self, block_s: float) -> int:
         """One round: ingest what arrived (waiting up to block_s), then act. Returns messages handled."""
@@ -73,9 +77,10 @@ class SchedulerDaemon:
             snapshot = build_snapshot(session, now, timeout)
             if self.settings.planner == "greedy":
                 new_packs = record_plan(session, plan(snapshot), now)
-            elif snapshot.pending and snapshot.idle_workers:
+            elif snapshot.pending and (snapshot.idle_workers or packs_with_room(session)):
                 costs = load_costs(session)
-                snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs))
+                snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs),
+                                   live_packs=live_packs(session, costs))
                 placement = place(snapshot, costs, time_limit_s=self.settings.planner_time_limit_s)
                 new_packs = record_plan(session, placement.plan, now, placement.result)
             else:
@@ -83,6 +88,7 @@ class SchedulerDaemon:
         for pack_id in new_packs:
             log.info("planned pack %s", pack_id)
         self._dispatch(now)
+        self._send_admissions()
         self._send_stops()
 
     def _dispatch(self, now: datetime) -> None:
@@ -114,6 +120,22 @@ class SchedulerDaemon:
                 log.info("dispatched pack %s to %s", pack.id, pack.worker_id)
                 sent.add(pack.id)
                 session.commit()
+
+    def _send_admissions(self) -> None:
+        """Sends each back-fill to its pack's worker once per scheduler process (a restarted scheduler sends
+        the unconfirmed ones again; the worker takes each trial once)."""
+        with session_scope() as session:
+            requests = admission_requests(session)
+            messages = []
+            for pack_id, (worker_id, trials) in requests.items():
+                fresh = [t for t in trials if (pack_id, t.id) not in self._admits_sent]
+                if fresh:
+                    payloads = [trial_payload(t, session.get_one(Task, t.task_id)) for t in fresh]
+                    messages.append((pack_id, worker_id, payloads))
+        for pack_id, worker_id, payloads in messages:
+            message = {"type": "admit_trials", "pack_id": pack_id, "trials": payloads}
+            self.bus.publish(commands_stream(worker_id), message)
+            self._admits_sent.update((pack_id, p["trial_id"]) for p in payloads)
 
     def _send_stops(self) -> None:
         with session_scope() as session:

@@ -19,37 +19,40 @@ from common.models import BaseModelEntry, Pack, Task, Trial, Worker
 from common.registry import model_source_fields
 
 
+def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
+    """What a worker needs to train one trial (in a pack message, or in an `admit_trials` command)."""
+    spec = task.spec
+    return {
+        "trial_id": trial.id,
+        "task_id": task.id,
+        "hyperparameters": trial.hyperparameters,
+        "total_steps": trial.total_steps,
+        "max_seq_len": spec["max_seq_len"],
+        "eval_interval": spec["eval_interval"],
+        "training_file_key": file_key(task.training_file_id),
+        "validation_file_key": file_key(task.validation_file_id) if task.validation_file_id else None,
+        "validation_split": spec.get("validation_split"),
+        # The split depends on the task only, so every trial validates on the same rows.
+        "split_seed": spec.get("seed", 0),
+        "training": spec.get("training", {}),
+        # A requeued trial resumes from its newest checkpoint instead of step 0.
+        "resume_key": trial.checkpoint_key,
+        "resume_step": trial.checkpoint_step,
+    }
+
+
 def pack_message(session: Session, pack: Pack) -> dict[str, Any]:
     entry = session.get(BaseModelEntry, pack.base_model)
     assert entry is not None, pack.base_model
     trials = session.scalars(select(Trial).where(Trial.id.in_(pack.trial_ids)).order_by(Trial.id)).all()
-    tasks = {t.task_id: session.get(Task, t.task_id) for t in trials}
     specs = []
     for trial in trials:
-        task = tasks[trial.task_id]
+        task = session.get(Task, trial.task_id)
         assert task is not None
-        spec = task.spec
-        specs.append(
-            {
-                "trial_id": trial.id,
-                "task_id": task.id,
-                "hyperparameters": trial.hyperparameters,
-                "total_steps": trial.total_steps,
-                "max_seq_len": spec["max_seq_len"],
-                "eval_interval": spec["eval_interval"],
-                "training_file_key": file_key(task.training_file_id),
-                "validation_file_key": file_key(task.validation_file_id) if task.validation_file_id else None,
-                "validation_split": spec.get("validation_split"),
-                # The split depends on the task only, so every trial validates on the same rows.
-                "split_seed": spec.get("seed", 0),
-                "training": spec.get("training", {}),
-                # A requeued trial resumes from its newest checkpoint instead of step 0.
-                "resume_key": trial.checkpoint_key,
-                "resume_step": trial.checkpoint_step,
-            }
-        )
+        specs.append(trial_payload(trial, task))
     return {"pack_id": pack.id, "worker_id": pack.worker_id, "base_model": model_source_fields(entry),
-            "trials": specs}
+            "trials": specs, "capacity": pack.capacity, "max_rank": pack.max_rank,
+            "target_modules": pack.target_modules}
 
 
 def send_pack(celery: Celery, session: Session, pack: Pack) -> None:

@@ -16,8 +16,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from common import states
+from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
 from common.models import MetricPoint, Pack, Trial, Worker, utcnow
+from scheduler.lifecycle import requeue_trial
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ def ingest(session: Session, messages: list[dict[str, Any]], now: datetime | Non
                 _points(session, message)
             elif kind == "trial.checkpoint":
                 _trial_checkpoint(session, message)
+            elif kind == "trial.admitted":
+                _trial_admitted(session, message)
+            elif kind == "trial.rejected":
+                replan |= _trial_rejected(session, message)
             elif kind == "trial.finished":
                 replan |= _trial_finished(session, message, now)
             elif kind == "pack.profile":
@@ -133,6 +139,28 @@ def _trial_checkpoint(session: Session, m: dict[str, Any]) -> None:
         trial.checkpoint_key, trial.checkpoint_step = m["checkpoint_key"], int(m["step"])
 
 
+def _trial_admitted(session: Session, m: dict[str, Any]) -> None:
+    trial = _live_trial(session, m["trial_id"], m["pack_id"])
+    if trial is not None:
+        trial.awaiting_admission = False
+
+
+def _trial_rejected(session: Session, m: dict[str, Any]) -> bool:
+    """A back-fill its pack could not take: pending again. The attempt counts only when the worker tried
+    and failed to admit it (so a trial that cannot be admitted anywhere fails after its attempts)."""
+    trial = _live_trial(session, m["trial_id"], m["pack_id"])
+    if trial is None or not trial.awaiting_admission:
+        return False
+    reason = str(m.get("reason") or "refused")
+    refund = reason == BACKFILL_NOT_JOINED
+    if refund:  # the pack is ending: it takes no more back-fills (capacity None: none)
+        pack = session.get(Pack, m["pack_id"])
+        if pack is not None:
+            pack.capacity = None
+    requeue_trial(session, trial, f"pack {m['pack_id']} did not take it: {reason}", refund=refund)
+    return True
+
+
 def _pack_profile(session: Session, m: dict[str, Any]) -> None:
     pack = session.get(Pack, m["pack_id"])
     if pack is not None:
@@ -189,11 +217,14 @@ def _pack_ended(session: Session, m: dict[str, Any], now: datetime) -> None:
         worker.current_pack_id = None
     error = m.get("error") if m["type"] == "pack.failed" else "the pack ended without reporting this trial"
     # Any trial the pack did not report on fails with the pack's error (retrying a pack that cannot load
-    # its model would loop forever).
+    # its model would loop forever); a back-fill it never took goes back to pending.
     stranded = session.scalars(
         select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
     ).all()
     for trial in stranded:
+        if trial.awaiting_admission:
+            requeue_trial(session, trial, f"pack {pack.id} ended before it could join", refund=True)
+            continue
         trial.state = states.TRIAL_FAILED
         trial.error = str(error)
         trial.finished_at = now

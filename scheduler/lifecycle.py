@@ -16,7 +16,7 @@ from common.events import record_event
 from common.models import MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
 from scheduler.cost import fit_profiles, samples_from_profiles
 from scheduler.placement import PRIOR_COST
-from scheduler.planner import BusyWorker, IdleWorker, PendingTrial, Plan, Snapshot
+from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, Plan, Snapshot
 from scheduler.planning import ModelCost, PlanResult
 
 log = logging.getLogger(__name__)
@@ -24,9 +24,13 @@ log = logging.getLogger(__name__)
 PROFILES_PER_MODEL = 20  # the newest pack profiles a base model's cost model is fitted on
 
 
-def requeue_trial(session: Session, trial: Trial, reason: str) -> None:
+def requeue_trial(session: Session, trial: Trial, reason: str, *, refund: bool = False) -> None:
     """Back to pending, resuming from its newest checkpoint (its curve is cut back to that step), or from
-    step 0 without one; or failed once it ran out of attempts."""
+    step 0 without one; or failed once it ran out of attempts. ``refund``: this attempt never trained (a
+    back-fill its pack could not take in time), so it does not count."""
+    if refund:
+        trial.attempts = max(0, trial.attempts - 1)
+    trial.awaiting_admission = False
     kept_step = trial.checkpoint_step or 0
     session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id, MetricPoint.step > kept_step))
     trial.pack_id = None
@@ -149,6 +153,11 @@ def load_costs(session: Session) -> dict[str, ModelCost]:
     return costs
 
 
+def _target_patterns(trial: Trial) -> tuple[str, ...]:
+    targets = trial.hyperparameters.get("target_modules", "all-linear")
+    return (targets,) if isinstance(targets, str) else tuple(sorted(targets))
+
+
 def _tokens_per_step(trial: Trial, task: Task) -> int:
     return int(trial.hyperparameters.get("batch_size", 1)) * int(task.spec.get("max_seq_len", 512))
 
@@ -188,6 +197,8 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
             tokens_per_step=_tokens_per_step(trial, task),
             # The objective's weights are integers: a tenant's weight rounds to the nearest, at least 1.
             tenant_weight=max(1, round(weight or 1.0)),
+            lora_rank=int(trial.hyperparameters.get("lora_rank", 8)),
+            target_modules=_target_patterns(trial),
         )
         for trial, task, weight in rows
     )
@@ -208,6 +219,35 @@ def busy_workers(
     )
 
 
+def packs_with_room(session: Session) -> bool:
+    """Whether some running pack could take a back-fill (cheap: decides if the planner runs at all)."""
+    return bool(live_packs(session, {}))
+
+
+def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack, ...]:
+    """Running packs with free slots (packs recorded before back-filling existed have no capacity: none)."""
+    packs = session.scalars(
+        select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.capacity.is_not(None))
+    ).all()
+    out = []
+    for pack in packs:
+        rows = session.execute(
+            select(Trial, Task).join(Task, Task.id == Trial.task_id).where(
+                Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
+        ).all()
+        assert pack.capacity is not None
+        free = pack.capacity - len(rows)
+        if free <= 0:
+            continue
+        out.append(LivePack(
+            pack_id=pack.id, worker_id=pack.worker_id, base_model=pack.base_model, free_slots=free,
+            members=len(rows), max_rank=pack.max_rank or 0, target_modules=tuple(pack.target_modules or ()),
+            tokens_per_step=sum(_tokens_per_step(trial, task) for trial, task in rows),
+            busy_for_s=_predicted_remaining_s(session, pack, costs) if costs else 0.0,
+        ))  # fmt: skip
+    return tuple(out)
+
+
 def _predicted_remaining_s(session: Session, pack: Pack, costs: dict[str, ModelCost]) -> float:
     """Seconds until a live pack's longest-running member is done, at the pack's predicted step time."""
     rows = session.execute(
@@ -222,41 +262,72 @@ def _predicted_remaining_s(session: Session, pack: Pack, costs: dict[str, ModelC
 
 
 def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult | None = None) -> list[str]:
-    """Writes the planned packs and moves their trials to running; returns the new pack ids.
+    """Writes the planned packs and back-fills and moves their trials to running; returns the new pack ids.
 
+    A back-filled trial is `awaiting_admission` until its worker confirms it joined (`trial.admitted`).
     With the solver's `result`, each task that got trials placed also gets a `task.planned` event with the
     replan's solve time and status (the replans that place nothing leave no event: they repeat each round).
     """
     pack_ids = []
     placed: dict[str, tuple[str, int]] = {}  # task -> (tenant, trials placed)
+
+    def start(trial_id: str, pack: Pack, backfill: bool) -> None:
+        trial = session.get(Trial, trial_id)
+        assert trial is not None and trial.state == states.TRIAL_PENDING, trial_id
+        trial.state = states.TRIAL_RUNNING
+        trial.pack_id = pack.id
+        trial.attempts += 1
+        trial.started_at = now
+        trial.awaiting_admission = backfill
+        how = f"back-filled into running pack {pack.id} on" if backfill else "placed on"
+        record_event(
+            session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
+            type="trial.running", message=f"trial {trial.index} {how} worker {pack.worker_id}",
+            data={"pack_id": pack.id, "worker_id": pack.worker_id, "attempt": trial.attempts, "backfill": backfill},
+        )
+        tenant, n = placed.get(trial.task_id, (trial.tenant_id, 0))
+        placed[trial.task_id] = (tenant, n + 1)
+
     for planned in plan.packs:
         pack = Pack(id=new_id("pack"), worker_id=planned.worker_id, base_model=planned.base_model,
-                    state=states.PACK_PLANNED, trial_ids=list(planned.trial_ids), created_at=now)
+                    state=states.PACK_PLANNED, trial_ids=list(planned.trial_ids), created_at=now,
+                    capacity=planned.capacity, max_rank=planned.max_rank,
+                    target_modules=list(planned.target_modules) if planned.target_modules is not None else None)
         session.add(pack)
         for trial_id in planned.trial_ids:
-            trial = session.get(Trial, trial_id)
-            assert trial is not None and trial.state == states.TRIAL_PENDING, trial_id
-            trial.state = states.TRIAL_RUNNING
-            trial.pack_id = pack.id
-            trial.attempts += 1
-            trial.started_at = now
-            record_event(
-                session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
-                type="trial.running", message=f"trial {trial.index} placed on worker {planned.worker_id}",
-                data={"pack_id": pack.id, "worker_id": planned.worker_id, "attempt": trial.attempts},
-            )
-            tenant, n = placed.get(trial.task_id, (trial.tenant_id, 0))
-            placed[trial.task_id] = (tenant, n + 1)
+            start(trial_id, pack, backfill=False)
         pack_ids.append(pack.id)
+    for backfill in plan.backfills:
+        live = session.get(Pack, backfill.pack_id, with_for_update=True)
+        if live is None or live.state != states.PACK_RUNNING:  # it ended since the snapshot: try next round
+            continue
+        live.trial_ids = [*live.trial_ids, *backfill.trial_ids]
+        for trial_id in backfill.trial_ids:
+            start(trial_id, live, backfill=True)
     if result is not None:
         for task_id, (tenant_id, n) in placed.items():
             record_event(
                 session, tenant_id=tenant_id, task_id=task_id, type="task.planned",
                 message=f"planner placed {n} trial(s) ({result.status}, {result.solve_s * 1000:.0f} ms)",
                 data={"trials_placed": n, "solve_ms": round(result.solve_s * 1000, 1), "status": result.status,
-                      "planned_makespan_s": result.makespan, "packs_started": len(plan.packs)},
+                      "planned_makespan_s": result.makespan, "packs_started": len(plan.packs),
+                      "backfills": sum(len(b.trial_ids) for b in plan.backfills)},
             )
     return pack_ids
+
+
+def admission_requests(session: Session) -> dict[str, tuple[str, list[Trial]]]:
+    """Back-filled trials their worker has not confirmed yet: pack -> (worker, trials)."""
+    rows = session.execute(
+        select(Pack.id, Pack.worker_id, Trial)
+        .join(Trial, Trial.pack_id == Pack.id)
+        .where(Pack.state == states.PACK_RUNNING, Trial.state == states.TRIAL_RUNNING,
+               Trial.awaiting_admission.is_(True))
+    ).all()
+    out: dict[str, tuple[str, list[Trial]]] = {}
+    for pack_id, worker_id, trial in rows:
+        out.setdefault(pack_id, (worker_id, []))[1].append(trial)
+    return out
 
 
 def stop_requests(session: Session) -> dict[str, tuple[str, list[str]]]:

@@ -7,8 +7,12 @@ size times the task's `max_seq_len` (rows are at most that long: an upper bound,
 over-estimated, never under), adapter bytes are not counted until a profile has measured them (they are
 inside the fitted `k0`), and step time comes from the base model's fitted profile or the cost model's priors.
 
-Running packs are not back-filled yet (workers start a pack with its members and train it to the end): the
-plan's back-fill proposals are dropped, and only new packs on idle workers start now.
+Running packs with free slots are offered to the solver as such: it may back-fill a pending trial into one
+(the trial joins at the pack's next step) when the pack's engine can take it (`LivePack.fits`: its base
+model, a rank within its padding, targets among its wrapped layers); a proposal it cannot take is dropped
+and the trial stays pending. A new pack is given room to grow: its capacity is the worker's slots (capped by
+its members' `max_trials_per_pack`), and its rank padding and wrapped layers cover its members and every
+pending trial of its base model, so that those can be back-filled later.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from scheduler.cost import (
     StepTimeModel,
 )
 from scheduler.cpsat import plan_cpsat
-from scheduler.planner import BusyWorker, IdleWorker, Plan, PlannedPack, Snapshot
-from scheduler.planning import GpuSpec, ModelCost, PlanningInput, PlanResult, PlanTrial
+from scheduler.planner import Backfill, BusyWorker, IdleWorker, PendingTrial, Plan, PlannedPack, Snapshot
+from scheduler.planning import GpuSpec, ModelCost, PlanningInput, PlanResult, PlanTrial, RunningPack
 
 # A GPU whose worker did not report its memory: plan as for an 80 GB H100 (the profile's fit then decides).
 DEFAULT_GPU_BYTES = 80 * 2**30
@@ -54,7 +58,8 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
         time_limit_s: the solver's limit; at the limit the best plan found so far is taken, and the greedy
             plan when the solver found none or the model is too big to build.
     """
-    if not snapshot.pending or not snapshot.idle_workers:
+    live = [p for p in snapshot.live_packs if p.free_slots > 0 and any(p.fits(t) for t in snapshot.pending)]
+    if not snapshot.pending or not (snapshot.idle_workers or live):
         return Placement(Plan(), None)
     workers: list[IdleWorker | BusyWorker] = [*snapshot.idle_workers, *snapshot.busy_workers]
     # One cap per pack for the whole cluster: the smallest worker's slots (workers of one deployment share it).
@@ -81,15 +86,48 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
         )
         for t in snapshot.pending
     )
+    running = tuple(
+        RunningPack(
+            pack_id=p.pack_id, gpu_ids=(p.worker_id,), base_model=p.base_model,
+            ends_at=max(1, math.ceil(p.busy_for_s / UNIT_S)), trials=p.members, free_slots=p.free_slots,
+            tokens_per_step=p.tokens_per_step, slot_bytes=0, max_trials_per_pack=p.members + p.free_slots,
+        )
+        for p in live
+    )  # fmt: skip
     models = {t.base_model for t in trials}
     inp = PlanningInput(
-        trials=trials, gpus=gpus, costs={m: costs.get(m, PRIOR_COST) for m in models}, unit_s=UNIT_S
+        trials=trials, gpus=gpus, costs={m: costs.get(m, PRIOR_COST) for m in models}, running=running,
+        unit_s=UNIT_S,
     )
     result = plan_cpsat(inp, time_limit_s=time_limit_s)
-    idle = {w.worker_id for w in snapshot.idle_workers}
+    idle = {w.worker_id: w for w in snapshot.idle_workers}
+    pending = {t.trial_id: t for t in snapshot.pending}
     packs = tuple(
-        PlannedPack(worker_id=p.gpu_ids[0], base_model=p.base_model, trial_ids=p.trial_ids)
+        _new_pack(idle[p.gpu_ids[0]], p.base_model, [pending[i] for i in p.trial_ids], snapshot.pending)
         for p in result.start_now
         if not p.backfill and p.start == 0 and p.gpu_ids[0] in idle
     )
-    return Placement(Plan(packs), result)
+    by_id = {p.pack_id: p for p in live}
+    backfills = []
+    for proposal in result.start_now:
+        pack = by_id.get(proposal.pack_key) if proposal.backfill else None
+        if pack is None:
+            continue
+        joining = tuple(i for i in proposal.trial_ids if pack.fits(pending[i]))[: pack.free_slots]
+        if joining:
+            backfills.append(Backfill(pack.pack_id, pack.worker_id, joining))
+    return Placement(Plan(packs, tuple(backfills)), result)
+
+
+def _new_pack(
+    worker: IdleWorker, model: str, members: list[PendingTrial], pending: tuple[PendingTrial, ...]
+) -> PlannedPack:
+    """A pack of ``members`` on ``worker``, shaped to take later back-fills of the same base model."""
+    same_model = [t for t in pending if t.base_model == model]
+    capacity = min(worker.max_slots, *(t.max_trials_per_pack for t in members))
+    targets = sorted({pattern for t in same_model for pattern in t.target_modules})
+    return PlannedPack(
+        worker_id=worker.worker_id, base_model=model, trial_ids=tuple(t.trial_id for t in members),
+        capacity=max(capacity, len(members)), max_rank=max(t.lora_rank for t in same_model),
+        target_modules=tuple(targets),
+    )

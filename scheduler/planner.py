@@ -22,6 +22,9 @@ class PendingTrial:
     remaining_steps: int = 1
     tokens_per_step: int = 512  # batch size x the task's max_seq_len: an upper bound
     tenant_weight: int = 1
+    # What a running pack must fit to take this trial as a back-fill.
+    lora_rank: int = 8
+    target_modules: tuple[str, ...] = ("all-linear",)
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,34 @@ class BusyWorker:
 
 
 @dataclass(frozen=True)
+class LivePack:
+    """A running pack with room: trials of its base model that fit its engine may join it."""
+
+    pack_id: str
+    worker_id: str
+    base_model: str
+    free_slots: int
+    members: int
+    max_rank: int
+    target_modules: tuple[str, ...]  # the layer patterns its engine wraps
+    tokens_per_step: int  # its members' pooled tokens
+    busy_for_s: float  # predicted seconds until its current members are done
+
+    def fits(self, trial: PendingTrial) -> bool:
+        """The engine can take ``trial``: same model, rank within its padding, targets among its layers."""
+        wrapped, targets = set(self.target_modules), set(trial.target_modules)
+        # Compared as patterns (conservative): "all-linear" covers every layer but the output embedding.
+        covered = targets <= wrapped or ("all-linear" in wrapped and "lm_head" not in targets)
+        return trial.base_model == self.base_model and trial.lora_rank <= self.max_rank and covered
+
+
+@dataclass(frozen=True)
 class Snapshot:
     # In submission order (task created_at, then trial index): the greedy planner is FIFO.
     pending: tuple[PendingTrial, ...]
     idle_workers: tuple[IdleWorker, ...]
     busy_workers: tuple[BusyWorker, ...] = ()
+    live_packs: tuple[LivePack, ...] = ()  # running packs with free slots
 
 
 @dataclass(frozen=True)
@@ -52,11 +78,25 @@ class PlannedPack:
     worker_id: str
     base_model: str
     trial_ids: tuple[str, ...]
+    # The engine's shape, for back-fills later (None: the pack takes none).
+    capacity: int | None = None
+    max_rank: int | None = None
+    target_modules: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Backfill:
+    """Pending trials to join a running pack's free slots now."""
+
+    pack_id: str
+    worker_id: str
+    trial_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Plan:
     packs: tuple[PlannedPack, ...] = field(default_factory=tuple)
+    backfills: tuple[Backfill, ...] = field(default_factory=tuple)
 
 
 def plan(snapshot: Snapshot) -> Plan:

@@ -75,7 +75,12 @@ class Reporter:
 
 
 class CommandInbox:
-    """Reads this worker's command stream (from the moment the worker started) at most every poll_s."""
+    """Reads this worker's command stream (from the moment the worker started) at most every poll_s.
+
+    Commands: ``stop_trials`` (pack id, trial ids) and ``admit_trials`` (pack id, trial payloads in the pack
+    message's format: back-fills for a running pack's free slots). Admissions wait here per pack, each trial
+    once, until the pack takes them or ends.
+    """
 
     def __init__(self, bus: Bus, worker_id: str, poll_s: float = 0.5) -> None:
         self.bus = bus
@@ -84,12 +89,38 @@ class CommandInbox:
         self._last_id = bus.tail_id(self.stream)
         self._last_poll = 0.0
         self._stopped: dict[str, set[str]] = {}
+        self._admissions: dict[str, dict[str, dict[str, Any]]] = {}  # pack -> trial id -> payload
+        self._seen_admissions: set[tuple[str, str]] = set()
+
+    def _poll(self) -> None:
+        if time.monotonic() - self._last_poll < self.poll_s:
+            return
+        self._last_poll = time.monotonic()
+        for msg_id, message in self.bus.read_after(self.stream, self._last_id, count=100, block_s=0):
+            self._last_id = msg_id
+            if message.get("type") == "stop_trials":
+                self._stopped.setdefault(message["pack_id"], set()).update(message["trial_ids"])
+            elif message.get("type") == "admit_trials":
+                queue = self._admissions.setdefault(message["pack_id"], {})
+                for trial in message["trials"]:
+                    key = (message["pack_id"], trial["trial_id"])
+                    if key not in self._seen_admissions:  # a command re-sent after a scheduler restart
+                        self._seen_admissions.add(key)
+                        queue[trial["trial_id"]] = trial
 
     def stopped_trials(self, pack_id: str) -> set[str]:
-        if time.monotonic() - self._last_poll >= self.poll_s:
-            self._last_poll = time.monotonic()
-            for msg_id, message in self.bus.read_after(self.stream, self._last_id, count=100, block_s=0):
-                self._last_id = msg_id
-                if message.get("type") == "stop_trials":
-                    self._stopped.setdefault(message["pack_id"], set()).update(message["trial_ids"])
+        self._poll()
         return set(self._stopped.get(pack_id, set()))
+
+    def take_admissions(self, pack_id: str, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` trials waiting to join ``pack_id``, oldest first (removed from the inbox)."""
+        self._poll()
+        queue = self._admissions.get(pack_id, {})
+        taken = list(queue)[: max(0, limit)]
+        return [queue.pop(trial_id) for trial_id in taken]
+
+    def drain_admissions(self, pack_id: str) -> list[dict[str, Any]]:
+        """Every trial still waiting to join ``pack_id`` (the pack is ending: they will be refused)."""
+        self._last_poll = 0.0  # read the newest commands too
+        self._poll()
+        return list(self._admissions.pop(pack_id, {}).values())

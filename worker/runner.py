@@ -2,8 +2,9 @@
 
 Pre-state: the scheduler recorded the pack and moved its trials to running. Post-state: the scheduler
 has received, in order, `pack.started`, the trials' loss points (and `trial.checkpoint`s), one
-`trial.finished` per trial (with the adapter already in the artifact store), `pack.profile` and
-`pack.finished` — or `pack.failed` with the error.
+`trial.finished` per trial as soon as that trial ended (with the adapter already in the artifact store),
+`trial.admitted` / `trial.rejected` for each back-fill the scheduler sent while the pack ran,
+`pack.profile` and `pack.finished` — or `pack.failed` with the error.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any
 import torch
 
 from common.artifacts import LocalArtifactStore, adapter_key, checkpoint_key
-from common.bus import Bus
+from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
 from worker.agent import CommandInbox, Heartbeat, Reporter
-from worker.engine import ModelSource, TrialSpec, load_base_model, train_pack
+from worker.engine import ModelSource, TrialOutcome, TrialSpec, load_base_model, train_pack
 from worker.profile import PackProfiler
 
 log = logging.getLogger(__name__)
@@ -129,14 +130,28 @@ class PackRunner:
                 while len(keys) > 2:
                     self.store.delete(keys.pop(0))
 
-            outcomes = train_pack(
-                model, tokenizer, specs, base_model_name=source.name, export_dir=tmp / "adapters",
-                on_point=reporter.point, should_stop=lambda: self.inbox.stopped_trials(pack_id),
-                on_step=profiler.record, resume=resume, checkpoint_dir=tmp / "checkpoints",
-                # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
-                checkpoint_interval=max(s.eval_interval for s in specs), on_checkpoint=upload_checkpoint,
-            )
-            for outcome in outcomes:
+            def admissions(free: int) -> list[tuple[TrialSpec, Path | None]]:
+                """Back-fills the scheduler sent for this pack, as many as there are free slots."""
+                taken: list[tuple[TrialSpec, Path | None]] = []
+                for t in self.inbox.take_admissions(pack_id, free):
+                    try:
+                        spec = self.trial_spec(t, read_rows)
+                        path = self._fetch_checkpoints([t], tmp / "resume").get(t["trial_id"])
+                    except Exception as exc:  # its files or its checkpoint cannot be read
+                        reporter.send("trial.rejected", trial_id=t["trial_id"], reason=f"{type(exc).__name__}: {exc}")
+                        continue
+                    task_of[t["trial_id"]] = t["task_id"]
+                    taken.append((spec, path))
+                return taken
+
+            def admitted(trial_id: str, reason: str | None) -> None:
+                if reason is None:
+                    reporter.send("trial.admitted", trial_id=trial_id)
+                else:
+                    reporter.send("trial.rejected", trial_id=trial_id, reason=reason)
+
+            def finished(outcome: TrialOutcome) -> None:
+                """Reported as soon as the trial ends, with its adapter already stored (its slot frees now)."""
                 key = None
                 if outcome.status == "completed" and outcome.adapter_dir is not None:
                     key = adapter_key(task_of[outcome.trial_id], outcome.trial_id)
@@ -148,6 +163,19 @@ class PackRunner:
                     best_step=outcome.best_step, final_train_loss=outcome.final_train_loss,
                     adapter_key=key, error=outcome.error,
                 )
+
+            train_pack(
+                model, tokenizer, specs, base_model_name=source.name, export_dir=tmp / "adapters",
+                on_point=reporter.point, should_stop=lambda: self.inbox.stopped_trials(pack_id),
+                on_step=profiler.record, resume=resume, checkpoint_dir=tmp / "checkpoints",
+                # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
+                checkpoint_interval=max([s.eval_interval for s in specs], default=None),
+                on_checkpoint=upload_checkpoint, capacity=pack.get("capacity"), max_rank=pack.get("max_rank"),
+                target_modules=pack.get("target_modules"), admissions=admissions, on_admitted=admitted,
+                on_outcome=finished,
+            )
+            for t in self.inbox.drain_admissions(pack_id):
+                reporter.send("trial.rejected", trial_id=t["trial_id"], reason=BACKFILL_NOT_JOINED)
         reporter.send("pack.profile", profile=profiler.summary())
 
     def _fetch_checkpoints(self, trials: list[dict[str, Any]], into: Path) -> dict[str, Path]:

@@ -95,6 +95,40 @@ def test_grid_task_end_to_end(services: tuple[Cluster, str], tmp_path: Path) -> 
     assert f".> transport:   {broker_scheme}://" in worker.log_path.read_text()
 
 
+def test_a_task_submitted_while_a_pack_trains_joins_its_free_slot(services: tuple[Cluster, str]) -> None:
+    """One worker, busy with a long task of two trials in a pack with room for four: a short task that
+    arrives meanwhile is back-filled into the running pack and finishes (reported at once) while the long
+    one still trains."""
+    c, base_url = services
+    c.start("worker-a", "worker", "--worker-id", "e2e-backfill")
+    headers = create_tenant_key(base_url, ADMIN_TOKEN, "team-backfill")
+    file_id = upload(base_url, headers, arithmetic_rows())
+    long_body = grid_task(file_id, max_steps=2000)
+    long_body["search_space"]["lora_rank"] = [4]
+    long_body["scheduling"] = {"max_trials_per_pack": 4}
+    long_id = submit(base_url, headers, long_body)["id"]
+
+    def trials(task_id: str) -> list[dict[str, Any]]:
+        return list(httpx.get(f"{base_url}/v1/tasks/{task_id}/trials", headers=headers).json()["data"])
+
+    wait_for(lambda: all(t["steps_done"] >= 3 for t in trials(long_id)), 120, "the long task to train")
+    short_body = grid_task(file_id, max_steps=6)
+    short_body["search_space"] = {"learning_rate": [1e-3], "lora_rank": [2], "batch_size": [4],
+                                  "target_modules": [["q_proj", "v_proj"]]}
+    short_id = submit(base_url, headers, short_body)["id"]
+    events = follow_events(base_url, headers, short_id, timeout_s=120)
+    assert events[-1]["data"]["state"] == "succeeded", events[-1]
+    (running,) = [e["data"] for e in events if e["event"] == "trial.running"]
+    assert running["data"]["backfill"] is True, running
+    long_events = httpx.get(f"{base_url}/v1/tasks/{long_id}/events", headers=headers).json()["data"]
+    long_packs = {e["data"]["pack_id"] for e in long_events if e["type"] == "trial.running"}
+    assert long_packs == {running["data"]["pack_id"]}, (running, long_events)
+    task = httpx.get(f"{base_url}/v1/tasks/{long_id}", headers=headers).json()
+    assert task["state"] == "running" and task["trial_counts"]["running"] == 2, task  # still training
+    r = httpx.post(f"{base_url}/v1/tasks/{long_id}/cancel", headers=headers, timeout=10)
+    assert r.status_code == 200, r.text
+
+
 def test_killed_worker_and_scheduler_lose_nothing(services: tuple[Cluster, str]) -> None:
     c, base_url = services
     worker_a = c.start("worker-a", "worker", "--worker-id", "e2e-kill-a")

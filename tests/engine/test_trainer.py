@@ -220,3 +220,41 @@ def test_model_is_reusable_after_a_pack(tiny: Tiny, tmp_path: Path) -> None:
 def test_duplicate_trial_ids_are_refused(tiny: Tiny, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="duplicate trial ids"):
         _run(tiny, [make_spec("same"), make_spec("same")], tmp_path)
+
+
+def test_a_back_filled_trial_joins_a_free_slot_mid_pack_and_trains_as_alone(tiny: Tiny, tmp_path: Path) -> None:
+    """c and d arrive while a and b train (after a's 6th step) in a pack with room for three: c takes the
+    free slot at once; d waits for the slot a frees and is then refused (its rank is above the pack's
+    padding). Each outcome is passed on the moment its trial ends."""
+    points: list[Point] = []
+    waiting = [make_spec("c", max_steps=6, seed=3), make_spec("d", lora_rank=64, seed=4)]
+    offered: list[int] = []
+    admitted: list[tuple[str, str | None]] = []
+    ended: list[tuple[str, int]] = []
+
+    def admissions(free: int) -> list[tuple[TrialSpec, Path | None]]:
+        if not any(p[:3] == ("a", 6, "train") for p in points) or not waiting:
+            return []
+        offered.append(free)
+        taken, waiting[:] = waiting[:free], waiting[free:]
+        return [(spec, None) for spec in taken]
+
+    outcomes = train_pack(
+        *tiny, [make_spec("a", max_steps=8), make_spec("b", max_steps=16, seed=2)], base_model_name="tiny",
+        export_dir=tmp_path / "pack", on_point=lambda *p: points.append(p), capacity=3, max_rank=8,
+        admissions=admissions, on_admitted=lambda t, reason: admitted.append((t, reason)),
+        on_outcome=lambda o: ended.append((o.trial_id, len(points))),
+    )  # fmt: skip
+    assert offered == [1, 1]  # one slot free after c joined; then a finished and freed another for d
+    assert [t for t, _ in admitted] == ["c", "d"]
+    assert admitted[0][1] is None and admitted[1][1] is not None and "rank 64" in admitted[1][1]
+    assert [(o.trial_id, o.status, o.steps_done) for o in outcomes] == [
+        ("a", "completed", 8), ("b", "completed", 16), ("c", "completed", 6)]
+    # Each outcome went out as its trial ended, before the later points of the trials still training.
+    assert [t for t, _ in ended] == ["a", "c", "b"] and ended[0][1] < ended[1][1] < ended[2][1]
+    # c joined at a's 6th step and trains exactly as it would alone.
+    (alone,), alone_points = _run(tiny, [make_spec("c", max_steps=6, seed=3)], tmp_path / "alone")
+    torch.testing.assert_close(_curve(points, "c", "train"), _curve(alone_points, "c", "train"), rtol=1e-5, atol=1e-6)
+    packed, single = _weights(outcomes[2].adapter_dir), _weights(alone.adapter_dir)
+    for key in packed:
+        assert_rel_close(packed[key], single[key])

@@ -338,3 +338,88 @@ def test_two_schedulers_ticking_at_once_place_and_send_each_pack_once(daemon: Sc
         sent = sum(int(redis.Redis.from_url(REDIS_URL).llen(worker_queue(get_settings(), f"{WORKER}-{i}")))
                    for i in range(4))
         assert sent == len(packs)  # each pack sent once
+
+
+def admit_commands() -> list[dict[str, object]]:
+    bus = get_bus()
+    return [m for _, m in bus.read_after(commands_stream(WORKER), "0", count=100, block_s=0)
+            if m.get("type") == "admit_trials"]
+
+
+def set_rank(trial_id: str, rank: int) -> None:
+    with session_scope() as s:
+        trial = s.get_one(Trial, trial_id)
+        trial.hyperparameters = {**trial.hyperparameters, "lora_rank": rank}
+
+
+def test_a_trial_that_arrives_while_a_pack_runs_is_back_filled_into_its_free_slot(daemon: SchedulerDaemon) -> None:
+    redis.Redis.from_url(REDIS_URL).delete(commands_stream(WORKER))
+    _, first = make_task(2, cap=4)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    # Shaped for back-fills: the worker's slots capped by the task's, rank and layers of what may join.
+    assert (pack.capacity, pack.max_rank, pack.target_modules) == (4, 4, ["q_proj"])
+    report("pack.started", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+
+    _, late = make_task(3, cap=4)
+    set_rank(late[2], 16)  # above the pack's rank padding: it cannot join, it waits for a pack of its own
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        joined = [s.get_one(Trial, t) for t in late[:2]]
+        assert all(t.state == states.TRIAL_RUNNING and t.pack_id == pack.id and t.awaiting_admission for t in joined)
+        assert s.get_one(Trial, late[2]).state == states.TRIAL_PENDING
+        assert sorted(s.get_one(Pack, pack.id).trial_ids) == sorted(first + late[:2])
+        backfill_events = [e for e in s.scalars(select(Event).where(Event.type == "trial.running"))
+                           if e.data.get("backfill")]
+        assert sorted(e.trial_id for e in backfill_events) == sorted(late[:2])
+    (command,) = admit_commands()
+    assert command["pack_id"] == pack.id
+    assert sorted(t["trial_id"] for t in command["trials"]) == sorted(late[:2])  # type: ignore[union-attr]
+    assert queued_messages() == 1  # no new pack was sent: the first one's
+    daemon.step(block_s=0.05)
+    assert len(admit_commands()) == 1  # sent once
+
+    # The worker takes one; the other finds the pack ending first and comes back at no cost.
+    report("trial.admitted", pack_id=pack.id, trial_id=late[0])
+    report("trial.rejected", pack_id=pack.id, trial_id=late[1], reason="the pack ended before it could join")
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        admitted, refused = s.get_one(Trial, late[0]), s.get_one(Trial, late[1])
+        assert admitted.state == states.TRIAL_RUNNING and not admitted.awaiting_admission
+        # Pending again, its attempt refunded, and not sent back to the ending pack (nor anywhere: no worker).
+        assert (refused.state, refused.attempts, refused.pack_id) == (states.TRIAL_PENDING, 0, None)
+        assert s.get_one(Pack, pack.id).capacity is None
+
+
+def test_a_back_fill_the_pack_never_took_goes_back_to_pending_when_the_pack_ends(daemon: SchedulerDaemon) -> None:
+    redis.Redis.from_url(REDIS_URL).delete(commands_stream(WORKER))
+    make_task(1, cap=2)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    _, (late,) = make_task(1, cap=2)
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        assert s.get_one(Trial, late).awaiting_admission
+    # A worker that could not admit it (say its data would not load) counts the attempt; the free slot is
+    # still there, so the next plan sends it back to the same pack.
+    report("trial.rejected", pack_id=pack.id, trial_id=late, reason="ValueError: no training row")
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        again = s.get_one(Trial, late)
+        assert (again.state, again.pack_id, again.awaiting_admission, again.attempts) == (
+            states.TRIAL_RUNNING, pack.id, True, 2)
+    # The pack ends before taking it: back to pending with that attempt refunded, never failed; the freed
+    # worker then takes it in a pack of its own.
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        trial = s.get_one(Trial, late)
+        assert trial.pack_id != pack.id and trial.state == states.TRIAL_RUNNING and not trial.awaiting_admission
+        assert trial.attempts == 2  # the rejected try, and this one; the never-admitted one was refunded
+        kinds = [e.type for e in s.scalars(select(Event).where(Event.trial_id == late).order_by(Event.id))]
+        assert kinds.count("trial.requeued") == 2 and "trial.failed" not in kinds

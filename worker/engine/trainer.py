@@ -17,6 +17,8 @@ from worker.engine.spec import TrialOutcome, TrialSpec, validate_spec
 logger = logging.getLogger(__name__)
 
 PointCallback = Callable[[str, int, str, float], None]  # (trial_id, step, "train" | "val", loss)
+# Given the free slots, the trials to admit now, each with the checkpoint it resumes from (or None).
+Admissions = Callable[[int], list[tuple[TrialSpec, Path | None]]]
 
 
 def train_pack(
@@ -34,14 +36,27 @@ def train_pack(
     checkpoint_interval: int | None = None,
     on_checkpoint: Callable[[str, int, Path], None] | None = None,
     activation_checkpointing: bool = False,
+    capacity: int | None = None,
+    max_rank: int | None = None,
+    target_modules: list[str] | None = None,
+    admissions: Admissions | None = None,
+    on_admitted: Callable[[str, str | None], None] | None = None,
+    on_outcome: Callable[[TrialOutcome], None] | None = None,
 ) -> list[TrialOutcome]:
     """Train ``trials`` together on ``model`` and export each completed one to ``export_dir/<trial_id>/``.
 
-    All trials share one ``PackEngine`` of capacity ``len(trials)``: one forward and one backward per step.
-    A trial that raises (bad spec, unknown target module, no data, an exception in its step) is
-    ``"failed"`` and the others go on; a NaN loss is reported, not an error. Ids returned by
-    ``should_stop`` (polled once per step) are dropped at once as ``"stopped"``. Exceptions from the
-    callbacks propagate. The model is left with no adapter layers, ready for the next pack.
+    All trials share one ``PackEngine``: one forward and one backward per step. A trial that raises (bad
+    spec, unknown target module, no data, an exception in its step) is ``"failed"`` and the others go on; a
+    NaN loss is reported, not an error. Ids returned by ``should_stop`` (polled once per step) are dropped
+    at once as ``"stopped"``. Exceptions from the callbacks propagate. The model is left with no adapter
+    layers, ready for the next pack.
+
+    Back-filling: the engine has ``capacity`` slots (default: one per trial) of rank up to ``max_rank``
+    (default: the trials' largest) over the layers ``target_modules`` select (default: the trials' own).
+    Before each step ``admissions(free slots)`` may hand over more trials; each is admitted into a free
+    slot (fresh, or from its checkpoint) and trains exactly as it would alone, or is refused
+    (``on_admitted(trial_id, reason)``; ``None`` when admitted). The pack ends when no trial is left and
+    ``admissions`` has none to give.
 
     Args:
         on_point: called per train step and per validation of each trial.
@@ -50,14 +65,16 @@ def train_pack(
         checkpoint_dir, checkpoint_interval: checkpoint each trial to ``checkpoint_dir/<trial_id>/`` every
             ``checkpoint_interval`` of its steps (replaced atomically), then call ``on_checkpoint(trial_id,
             step, path)``.
+        on_outcome: called with each trial's outcome as soon as the trial ends (its slot is free after).
 
     Returns:
-        One outcome per trial, in the order of ``trials``.
+        One outcome per trial: ``trials`` in order, then the admitted ones in order of admission.
     """
     ids = [t.trial_id for t in trials]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate trial ids in pack: {ids}")
     outcomes: dict[str, TrialOutcome] = {}
+    report = _Reporter(outcomes, on_outcome)
     ready: list[tuple[TrialSpec, list[str]]] = []
     for spec in trials:
         try:
@@ -65,16 +82,22 @@ def train_pack(
             ready.append((spec, resolve_target_modules(model, spec.target_modules)))
         except Exception as exc:
             logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
-            outcomes[spec.trial_id] = TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc))
-    if not ready:
+            report(TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)))
+    if not ready and admissions is None:
         return [outcomes[i] for i in ids]
     hooks = _Hooks(on_point, Path(export_dir), base_model_name, checkpoint_dir, checkpoint_interval, on_checkpoint)
+    layers = {path for _, paths in ready for path in paths}
+    for pattern in target_modules or []:  # room for back-fills; a pattern this model lacks wraps nothing
+        try:
+            layers |= set(resolve_target_modules(model, [pattern]))
+        except ValueError as exc:
+            logger.warning("pack layers: %s", exc)
     with PackEngine(
         model,
         tokenizer,
-        capacity=len(ready),
-        max_rank=max(spec.lora_rank for spec, _ in ready),
-        target_modules=sorted({path for _, paths in ready for path in paths}),
+        capacity=max(capacity or 0, len(ready), 1),
+        max_rank=max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64,
+        target_modules=sorted(layers) or None,
         activation_checkpointing=activation_checkpointing,
     ) as engine:
         for spec, _ in ready:
@@ -82,22 +105,64 @@ def train_pack(
                 engine.admit(spec, resume=(resume or {}).get(spec.trial_id))
             except Exception as exc:
                 logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
-                outcomes[spec.trial_id] = TrialOutcome(
-                    spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)
-                )
-        while live := _live(engine):
+                report(TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)))
+        while True:
+            admitted = _admit(engine, admissions, on_admitted, seen=set(ids) | set(outcomes)) if admissions else []
+            ids += admitted
+            live = _live(engine)
+            if not live:
+                break
             stop = should_stop()
             for slot in [s for s in live if engine.state(s).spec.trial_id in stop]:
-                stopped = _finish(engine, slot, "stopped")
-                outcomes[stopped.trial_id] = stopped
+                report(_finish(engine, slot, "stopped"))
             losses = engine.step() if any(state.training for state in engine.slots if state) else {}
             if on_step is not None and engine.last_stats is not None and losses:
                 on_step(engine.last_stats)
             for slot in _live(engine):
                 outcome = _after_step(engine, slot, losses, hooks)
                 if outcome is not None:
-                    outcomes[outcome.trial_id] = outcome
+                    report(outcome)
     return [outcomes[i] for i in ids]
+
+
+@dataclass
+class _Reporter:
+    """Records each outcome once and passes it on at once."""
+
+    outcomes: dict[str, TrialOutcome]
+    on_outcome: Callable[[TrialOutcome], None] | None
+
+    def __call__(self, outcome: TrialOutcome) -> None:
+        self.outcomes[outcome.trial_id] = outcome
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
+
+
+def _admit(
+    engine: PackEngine, admissions: Admissions, on_admitted: Callable[[str, str | None], None] | None, seen: set[str]
+) -> list[str]:
+    """Admit what ``admissions`` hands over into free slots; returns the admitted trial ids."""
+    free = sum(1 for state in engine.slots if state is None)
+    if not free:
+        return []
+    admitted = []
+    for spec, resume in admissions(free):
+        reason = None
+        if spec.trial_id in seen:
+            reason = f"trial {spec.trial_id} already ran in this pack"
+        else:
+            try:
+                engine.admit(spec, resume=resume)
+            except Exception as exc:  # a rank above the pack's, a layer it does not wrap, no data, ...
+                reason = _describe(exc)
+        if reason is None:
+            admitted.append(spec.trial_id)
+            seen.add(spec.trial_id)
+        else:
+            logger.warning("trial %s not admitted: %s", spec.trial_id, reason)
+        if on_admitted is not None:
+            on_admitted(spec.trial_id, reason)
+    return admitted
 
 
 @dataclass(frozen=True)
