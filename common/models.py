@@ -189,6 +189,9 @@ class Pack(Base):
     capacity: Mapped[int | None] = mapped_column(Integer, default=None)
     max_rank: Mapped[int | None] = mapped_column(Integer, default=None)
     target_modules: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    # The worker's newest `pack.progress` (mean step seconds, tokens, slots of its last stretch of steps):
+    # corrects the planner's step-time predictions while the pack runs.
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     # Measured by the worker (step time and peak memory against batch tokens) for the planner's cost model.
     profile: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -47,6 +47,31 @@ class StepTimeModel:
     def predict(self, tokens: int, slots: int) -> float:
         return self.a_s + self.b_s_per_token * tokens + self.c_s_per_slot * slots
 
+    def scaled(self, ratio: float) -> StepTimeModel:
+        """This model with every prediction multiplied by ``ratio`` (an online correction)."""
+        return StepTimeModel(self.a_s * ratio, self.b_s_per_token * ratio, self.c_s_per_slot * ratio)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a running pack measured over its last stretch of steps (its worker's `pack.progress` report)."""
+
+    step_s: float  # mean seconds per step
+    tokens: float  # mean pooled tokens per step (padding included)
+    slots: float  # mean active slots
+
+    @classmethod
+    def from_report(cls, report: dict[str, object]) -> Progress:
+        step_s, tokens, slots = (float(report[k]) for k in ("step_s", "tokens", "slots"))  # type: ignore[arg-type]
+        if not (step_s > 0 and tokens >= 0 and slots >= 1):
+            raise ValueError(f"implausible progress report {report}")
+        return cls(step_s, tokens, slots)
+
+    def ratio(self, model: StepTimeModel) -> float:
+        """Measured over predicted step time at the measured pack's own size (1.0: nothing to learn)."""
+        predicted = model.predict(round(self.tokens), round(self.slots))
+        return corrected(predicted, self.step_s, prior_weight=0.0)
+
 
 @dataclass(frozen=True)
 class ProfileSample:

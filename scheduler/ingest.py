@@ -19,6 +19,7 @@ from common import states
 from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
 from common.models import MetricPoint, Pack, Trial, Worker, utcnow
+from scheduler.cost import Progress
 from scheduler.lifecycle import requeue_trial
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ def ingest(session: Session, messages: list[dict[str, Any]], now: datetime | Non
                 replan |= _trial_finished(session, message, now)
             elif kind == "pack.profile":
                 _pack_profile(session, message)
+            elif kind == "pack.progress":
+                _pack_progress(session, message)
             elif kind in ("pack.finished", "pack.failed"):
                 _pack_ended(session, message, now)
                 replan = True
@@ -159,6 +162,13 @@ def _trial_rejected(session: Session, m: dict[str, Any]) -> bool:
             pack.capacity = None
     requeue_trial(session, trial, f"pack {m['pack_id']} did not take it: {reason}", refund=refund)
     return True
+
+
+def _pack_progress(session: Session, m: dict[str, Any]) -> None:
+    pack = _live_pack(session, m["pack_id"])
+    if pack is not None:
+        Progress.from_report(m)  # a malformed report is dropped here, not when the planner reads it
+        pack.progress = {k: m[k] for k in ("steps", "step_s", "tokens", "slots") if k in m}
 
 
 def _pack_profile(session: Session, m: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from common import states
 from common.events import record_event
 from common.models import MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
-from scheduler.cost import fit_profiles, samples_from_profiles
+from scheduler.cost import Progress, fit_profiles, samples_from_profiles
 from scheduler.placement import PRIOR_COST
 from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, Plan, Snapshot
 from scheduler.planning import ModelCost, PlanResult
@@ -133,7 +133,9 @@ def _rank_key(trial: Trial) -> tuple[int, float, int]:
 
 
 def load_costs(session: Session) -> dict[str, ModelCost]:
-    """Each base model's cost model, fitted on its newest pack profiles (models without one are absent)."""
+    """Each base model's cost model, fitted on its newest pack profiles, then corrected online by what its
+    running packs measure now (the mean measured/predicted step-time ratio of their `pack.progress`).
+    A model with neither profiles nor running measurements is absent (the planner uses its priors)."""
     models = session.scalars(select(Pack.base_model).where(Pack.profile.is_not(None)).distinct()).all()
     costs: dict[str, ModelCost] = {}
     for model in models:
@@ -150,7 +152,24 @@ def load_costs(session: Session) -> dict[str, ModelCost]:
         if samples:
             memory, step = fit_profiles(samples)
             costs[model] = ModelCost(memory=memory, step=step)
+    ratios: dict[str, list[float]] = {}
+    for pack in session.scalars(select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.progress.is_not(None))):
+        measured = _progress(pack)
+        if measured is not None:
+            base = costs.get(pack.base_model, PRIOR_COST)
+            ratios.setdefault(pack.base_model, []).append(measured.ratio(base.step))
+    for model, found in ratios.items():
+        base = costs.get(model, PRIOR_COST)
+        costs[model] = ModelCost(memory=base.memory, step=base.step.scaled(sum(found) / len(found)))
     return costs
+
+
+def _progress(pack: Pack) -> Progress | None:
+    """The pack's newest measurement, if it has a usable one."""
+    try:
+        return Progress.from_report(pack.progress) if pack.progress else None
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _target_patterns(trial: Trial) -> tuple[str, ...]:
@@ -249,15 +268,25 @@ def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack,
 
 
 def _predicted_remaining_s(session: Session, pack: Pack, costs: dict[str, ModelCost]) -> float:
-    """Seconds until a live pack's longest-running member is done, at the pack's predicted step time."""
+    """Seconds until a live pack's longest-running member is done, at the pack's predicted step time.
+
+    ``costs`` already carry the online correction of the pack's base model (``load_costs``). A pack that
+    measured its own step time with the members it has now is predicted at that time; one whose members
+    changed since, by the model corrected with its own measured/predicted ratio."""
     rows = session.execute(
         select(Trial, Task).join(Task, Task.id == Trial.task_id).where(
             Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
     ).all()
     if not rows:
         return 0.0
-    step = costs.get(pack.base_model, PRIOR_COST).step.predict(
-        sum(_tokens_per_step(trial, task) for trial, task in rows), len(rows))
+    model = costs.get(pack.base_model, PRIOR_COST).step
+    measured = _progress(pack)
+    if measured is not None and round(measured.slots) == len(rows):
+        step = measured.step_s
+    else:
+        if measured is not None:
+            model = model.scaled(measured.ratio(model))
+        step = model.predict(sum(_tokens_per_step(trial, task) for trial, task in rows), len(rows))
     return max(trial.total_steps - trial.steps_done for trial, _ in rows) * step
 
 

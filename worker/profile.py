@@ -12,6 +12,7 @@ from typing import Any
 from worker.engine import StepStats
 
 MAX_SAMPLES = 200  # every step is summed; the first this many are also kept one by one
+PROGRESS_EVERY_S = 10.0  # training seconds between `pack.progress` reports (online step-time correction)
 
 
 @dataclass
@@ -23,8 +24,10 @@ class PackProfiler:
     padded_tokens: int = 0
     peak_memory_bytes: int | None = None
     samples: list[list[Any]] = field(default_factory=list)  # [active slots, tokens, padded, seconds, peak]
+    window: list[StepStats] = field(default_factory=list)  # steps since the last progress report
 
     def record(self, stats: StepStats) -> None:
+        self.window.append(stats)
         self.steps += 1
         self.seconds += stats.seconds
         self.tokens += stats.tokens
@@ -34,6 +37,20 @@ class PackProfiler:
         if len(self.samples) < MAX_SAMPLES:
             self.samples.append([stats.active_slots, stats.tokens, stats.padded_tokens, round(stats.seconds, 6),
                                  stats.peak_memory_bytes])
+
+    def take_progress(self, every_s: float = PROGRESS_EVERY_S) -> dict[str, Any] | None:
+        """The mean step of the steps since the last report, once they add up to ``every_s`` of training
+        (then the window starts over); ``None`` before that."""
+        seconds = sum(s.seconds for s in self.window)
+        if not self.window or seconds < every_s:
+            return None
+        n, window, self.window = len(self.window), self.window, []
+        return {
+            "steps": n,
+            "step_s": round(seconds / n, 6),
+            "tokens": round(sum(s.tokens + s.padded_tokens for s in window) / n, 1),
+            "slots": round(sum(s.active_slots for s in window) / n, 3),
+        }
 
     def summary(self) -> dict[str, Any]:
         total = self.tokens + self.padded_tokens

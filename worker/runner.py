@@ -23,7 +23,7 @@ from common.artifacts import LocalArtifactStore, adapter_key, checkpoint_key
 from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
 from worker.agent import CommandInbox, Heartbeat, Reporter
-from worker.engine import ModelSource, TrialOutcome, TrialSpec, load_base_model, train_pack
+from worker.engine import ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
 from worker.profile import PackProfiler
 
 log = logging.getLogger(__name__)
@@ -164,10 +164,16 @@ class PackRunner:
                     adapter_key=key, error=outcome.error,
                 )
 
+            def stepped(stats: StepStats) -> None:
+                profiler.record(stats)
+                progress = profiler.take_progress()
+                if progress is not None:  # the scheduler corrects its step-time predictions with it
+                    reporter.send("pack.progress", **progress)
+
             train_pack(
                 model, tokenizer, specs, base_model_name=source.name, export_dir=tmp / "adapters",
                 on_point=reporter.point, should_stop=lambda: self.inbox.stopped_trials(pack_id),
-                on_step=profiler.record, resume=resume, checkpoint_dir=tmp / "checkpoints",
+                on_step=stepped, resume=resume, checkpoint_dir=tmp / "checkpoints",
                 # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
                 checkpoint_interval=max([s.eval_interval for s in specs], default=None),
                 on_checkpoint=upload_checkpoint, capacity=pack.get("capacity"), max_rank=pack.get("max_rank"),

@@ -283,6 +283,33 @@ def test_profiles_fit_the_cost_model_that_predicts_when_a_busy_worker_frees(daem
         assert busy.busy_for_s == pytest.approx(3 * 0.756, rel=1e-2)
 
 
+def test_a_running_packs_measured_step_time_corrects_the_predictions_online(daemon: SchedulerDaemon) -> None:
+    from scheduler.lifecycle import busy_workers, load_costs
+
+    make_task(2)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    samples = [[2, n, 0, 0.5 + 0.001 * n, 10**9 + 1000 * n] for n in (100, 200, 400)]
+    report("pack.profile", pack_id=pack.id, profile={"device": "cpu", "samples": samples})
+    report("pack.started", pack_id=pack.id)
+    # The pack now runs three times slower than its profile says (another process took the GPU, say).
+    report("pack.progress", pack_id=pack.id, steps=20, step_s=2.1, tokens=200.0, slots=2.0)
+    report("pack.progress", pack_id=pack.id, steps=20, step_s=-1.0, tokens=200.0, slots=2.0)  # dropped
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Pack, pack.id).progress == {"steps": 20, "step_s": 2.1, "tokens": 200.0, "slots": 2.0}
+        for trial in s.scalars(select(Trial)):
+            trial.steps_done = 1  # of total_steps 4
+        s.flush()
+        costs = load_costs(s)
+        # The model-wide correction: every prediction for this base model is 3x the fitted one.
+        assert costs["tiny-random-llama"].step.predict(200, 2) == pytest.approx(2.1)
+        (busy,) = busy_workers(s, utcnow(), 60.0, costs)
+        # Same two members as when it measured: 3 steps left at its own measured 2.1 s.
+        assert busy.busy_for_s == pytest.approx(3 * 2.1)
+
+
 def test_a_malformed_profile_is_ignored_by_the_cost_fit(daemon: SchedulerDaemon) -> None:
     from scheduler.lifecycle import load_costs
 

@@ -25,3 +25,19 @@ def test_profile_sums_steps_and_keeps_the_first_samples() -> None:
 def test_profile_on_cpu_has_no_memory_and_no_rate_before_a_step() -> None:
     summary = PackProfiler(device="cpu").summary()
     assert summary["peak_memory_bytes"] is None and summary["tokens_per_s"] is None and summary["steps"] == 0
+
+
+def test_progress_is_reported_every_stretch_of_training_seconds() -> None:
+    from worker.engine import StepStats
+
+    profiler = PackProfiler(device="cpu")
+    reports = []
+    for i in range(7):
+        profiler.record(StepStats(step=i + 1, active_slots=2 + i % 2, tokens=90, padded_tokens=10, target_tokens=40,
+                                  seconds=4.0, peak_memory_bytes=None))
+        reports.append(profiler.take_progress(every_s=10.0))
+    # 3 steps of 4 s reach 10 s: one report per 3 steps, of those steps' means; the 7th waits.
+    assert [r is not None for r in reports] == [False, False, True, False, False, True, False]
+    assert reports[2] == {"steps": 3, "step_s": 4.0, "tokens": 100.0, "slots": 2.333}
+    assert reports[5] == {"steps": 3, "step_s": 4.0, "tokens": 100.0, "slots": 2.667}
+    assert profiler.steps == 7  # the summary still counts every step
