@@ -252,3 +252,27 @@ def test_the_triton_backend_trains_a_mixed_pack_as_the_torch_backend(tiny: Tiny)
     for got, want in zip(results["triton"][1], results["torch"][1], strict=True):
         assert got.keys() == want.keys()
         torch.testing.assert_close([got[k] for k in sorted(got)], [want[k] for k in sorted(want)], rtol=1e-5, atol=1e-6)
+
+
+def test_greedy_matches_is_greedy_decoding_of_every_target_token(tiny: Tiny) -> None:
+    """Rows whose completion is the model's own argmax continuation match; one token off and a row fails."""
+    from worker.engine.data import IGNORE_INDEX, Example
+
+    model, tokenizer = tiny
+    spec = make_spec("a", train_rows=completion_rows(4))
+    with _engine(tiny, [spec]) as engine:
+        slot = engine.admit(spec)  # B = 0: the adapter does not change the base model's predictions yet
+        prompts = [[5, 9, 14, 3], [7, 7, 2, 11, 4, 8]]
+        examples = []
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(3):  # the base model's own greedy continuation, 3 tokens
+                with torch.no_grad():
+                    ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            examples.append(Example(ids, [IGNORE_INDEX] * len(prompt) + ids[len(prompt):]))
+        assert engine.greedy_matches(slot, examples) == [True, True]
+        wrong = examples[1].labels[:-1] + [(examples[1].labels[-1] + 1) % model.config.vocab_size]
+        off = [examples[0], Example(examples[1].input_ids[:-1] + [wrong[-1]], wrong)]
+        assert engine.greedy_matches(slot, off) == [True, False]
+        assert engine.greedy_matches(slot, off, batch_size=1) == [True, False]
+        assert engine.greedy_matches(slot, []) == []

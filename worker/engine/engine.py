@@ -270,6 +270,31 @@ class PackEngine:
             state.best = self.store.read(self.store.weights, slot)
         return loss
 
+    @torch.no_grad()
+    def greedy_matches(self, slot: int, examples: list[Example], batch_size: int = 64) -> list[bool]:
+        """Whether the slot's current adapter reproduces each example's targets under greedy decoding: every
+        target token is the argmax of the logits before it (teacher-forced, so one forward per batch; the
+        end-of-turn token is a target, so a completion that runs on does not match)."""
+        self.state(slot)
+        matches: list[bool] = []
+        for start in range(0, len(examples), batch_size):
+            batch = self._pack([SlotRows(slot, examples[start : start + batch_size])])
+            with self.context.routed(batch.routing):
+                hidden = self.model.base_model(
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+                ).last_hidden_state
+            picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.targets.positions)
+            correct = torch.empty(len(picked), dtype=torch.bool, device=self.device)
+            for chunk in batch.targets.chunks:
+                with self.context.routed(chunk.routing):
+                    logits = self.lm_head(picked[chunk.start : chunk.end])
+                correct[chunk.start : chunk.end] = logits.argmax(-1) == batch.targets.labels[chunk.start : chunk.end]
+            rows = batch.targets.positions // batch.input_ids.shape[1]
+            wrong = torch.zeros(batch.input_ids.shape[0], dtype=torch.int64, device=self.device)
+            wrong.index_add_(0, rows, (~correct).long())
+            matches.extend(bool(w == 0) for w in wrong.tolist())
+        return matches
+
     # -- artifacts -----------------------------------------------------------------------------------
 
     def adapter(self, slot: int) -> ModuleTensors:

