@@ -213,7 +213,8 @@ class TrialCurves:
         for name in ("train", "val"):
             points = tuple(getattr(self, name))
             object.__setattr__(self, name, points)
-            if any(b.step <= a.step for a, b in zip(points, points[1:], strict=False)):
+            steps = [p.step for p in points]
+            if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
                 raise ValueError(f"trial {self.trial_id}: {name} steps must be strictly increasing")
 
 
@@ -284,11 +285,12 @@ def evaluations(config: EarlyExitConfig, trial: TrialCurves) -> list[Evaluation]
     last_step = 0
     i = 0
     div = ovf = 0
+    train, keep = trial.train, 1 - config.ema_alpha
     for point in trial.val:
-        while i < len(trial.train) and trial.train[i].step <= point.step:
-            p = trial.train[i]
-            ema = p.loss if ema is None else ema + (1 - (1 - config.ema_alpha) ** (p.step - last_step)) * (p.loss - ema)
-            last_step = p.step
+        while i < len(train) and train[i].step <= point.step:
+            step, loss = train[i].step, train[i].loss
+            ema = loss if ema is None else ema + (1 - keep ** (step - last_step)) * (loss - ema)
+            last_step = step
             i += 1
         if ema is None:
             continue
@@ -305,8 +307,9 @@ def evaluations(config: EarlyExitConfig, trial: TrialCurves) -> list[Evaluation]
 
 
 def _first_non_finite(trial: TrialCurves) -> int | None:
-    steps = [p.step for p in (*trial.train, *trial.val) if not math.isfinite(p.loss)]
-    return min(steps) if steps else None
+    isfinite = math.isfinite
+    steps = [next((p.step for p in points if not isfinite(p.loss)), None) for points in (trial.train, trial.val)]
+    return min((s for s in steps if s is not None), default=None)
 
 
 def _non_finite_stop(trial: TrialCurves, step: int) -> Decision:
