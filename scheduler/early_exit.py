@@ -29,8 +29,8 @@ with `non_finite` in its numbers (nothing to smooth or rank there; ALTO does not
 
 How ALTO's open points are settled here (notes/alto.md §3.1, "Open ambiguities")
   EMA alpha   0.05 per training step (`ema_alpha`, settable): a time constant of ~20 steps. Per-step losses
-              of LoRA's small batches are noisy (one row's loss can be half again the mean); 0.05 cuts the
-              noise to ~0.16 of a step's, so a single odd batch cannot open a 10% gap, while the EMA lags a
+              of LoRA's small batches (a few rows each) are noisy; 0.05 cuts that noise to sqrt(a/(2-a)) =
+              0.16 of a step's, so a single odd batch cannot open a 10% gap, while the EMA lags a
               falling curve by only ~19 steps — inside one evaluation interval for any trial of >= 200
               steps at the default interval (a tenth of the longest trial). The update is
               ema += (1 - (1 - alpha) ** gap_in_steps) * (loss - ema), so curves logged every k steps smooth
@@ -60,7 +60,7 @@ from an older checkpoint) reopens the boundary: the others are held again until 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -216,6 +216,17 @@ class TrialCurves:
             steps = [p.step for p in points]
             if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
                 raise ValueError(f"trial {self.trial_id}: {name} steps must be strictly increasing")
+
+
+def curves_from_losses(trial_id: str, state: str, total_steps: int, samples_per_step: int, tokens_per_step: int,
+                       train: Iterable[tuple[int, float]], val: Iterable[tuple[int, float]]) -> TrialCurves:
+    """A trial from (step, loss) points as the service stores them (one train point per step, one val point
+    per evaluation, any order), samples and tokens seen counted as step x per-step — the rule
+    GET /v1/tasks/{id}/curves writes (there with tokens_per_step = batch size x max_seq_len)."""
+    def points(xs: Iterable[tuple[int, float]]) -> tuple[Point, ...]:
+        return tuple(Point(s, s * samples_per_step, s * tokens_per_step, loss) for s, loss in sorted(xs))
+
+    return TrialCurves(trial_id, state, total_steps, samples_per_step, tokens_per_step, points(train), points(val))
 
 
 @dataclass(frozen=True)

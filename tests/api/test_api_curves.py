@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from common.db import session_scope
 from common.models import MetricPoint
-from scheduler.early_exit import EarlyExitConfig
+from scheduler.early_exit import EarlyExitConfig, curves_from_losses
 from scheduler.replay import parse_rows, replay
 from tests.factories import TenantKey, make_task, trial_ids
 
@@ -45,11 +45,17 @@ def test_curves_are_one_row_per_trial_with_samples_and_tokens_seen(client: TestC
 
 def test_exported_curves_replay(client: TestClient, tenant: TenantKey) -> None:
     task = make_task(client, tenant, max_steps=10, epochs=None)  # 4 trials of batch 4; a full curve each
+    curves = {}
     for i, trial_id in enumerate(trial_ids(task["id"])):
-        add_points(trial_id, [(s, 3.0 + i - s / 100) for s in range(1, 11)], [(5, 3.0 + i), (10, 2.9 + i)])
+        curves[trial_id] = ([(s, 3.0 + i - s / 100) for s in range(1, 11)], [(5, 3.0 + i), (10, 2.9 + i)])
+        add_points(trial_id, *curves[trial_id])
     body = client.get(f"/v1/tasks/{task['id']}/curves", headers=tenant.headers).text
     sweep = parse_rows(body.splitlines())
     assert len(sweep) == 4 and sweep[0].curves.val[0].samples == 20 and sweep[0].curves.total_steps == 10
+    # The scheduler builds the same curves from the same stored points (batch 4, max_seq_len 512).
+    for trial in sweep:
+        train, val = curves[trial.curves.trial_id]
+        assert trial.curves == curves_from_losses(trial.curves.trial_id, "running", 10, 4, 4 * 512, train, val)
     result = replay(EarlyExitConfig(policy="none"), sweep)
     assert result.best_trial == sweep[0].curves.trial_id
     assert result.best_val_ratio == 1.0 and math.isclose(result.spearman_warmup or 0, 1.0)

@@ -18,6 +18,7 @@ from scheduler.early_exit import (
     Point,
     TrialCurves,
     asha_rungs,
+    curves_from_losses,
     decide,
     defaults,
     evaluations,
@@ -89,6 +90,16 @@ def test_warmup_step_is_a_share_of_the_trials_own_steps() -> None:
     config = EarlyExitConfig(policy="alto")
     assert [warmup_step(config, n) for n in (1, 19, 20, 60, 100, 1000)] == [1, 1, 1, 3, 5, 50]
     assert warmup_step(EarlyExitConfig(warmup_ratio=0.3), 10) == 3  # not 4: 0.3 * 10 rounds above 3
+
+
+def test_curves_from_stored_losses_count_samples_and_tokens_per_step() -> None:
+    t = curves_from_losses("a", "running", 100, 4, 4 * 512, train=[(2, 1.5), (1, 2.0)], val=[(2, 1.75)])
+    assert t.train == (Point(1, 4, 2048, 2.0), Point(2, 8, 4096, 1.5))
+    assert t.val == (Point(2, 8, 4096, 1.75),)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        curves_from_losses("a", "running", 100, 1, 1, train=[(1, 2.0), (1, 2.0)], val=[])
+    with pytest.raises(ValueError, match="unknown state"):
+        curves_from_losses("a", "paused", 100, 1, 1, train=[], val=[])
 
 
 # ---- divergence --------------------------------------------------------------------------------------------
