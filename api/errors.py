@@ -90,7 +90,8 @@ def param_from_loc(loc: Sequence[str | int]) -> str | None:
     return out or None
 
 
-_PYDANTIC_CODES = {"missing": "missing_field", "extra_forbidden": "unknown_field", "json_invalid": "invalid_json"}
+_PYDANTIC_CODES = {"missing": "missing_field", "extra_forbidden": "unknown_field", "json_invalid": "invalid_json",
+                   "unknown_parameter": "unknown_field"}
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:

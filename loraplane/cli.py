@@ -7,6 +7,7 @@
   loraplane worker --gpu N     a Celery GPU agent bound to GPU N
   loraplane migrate            bring the database schema up to date
   loraplane simulate           compare planner policies on a workload trace with a simulated clock
+  loraplane replay CURVES      replay a logged sweep's loss curves under an early-exit policy
 """
 
 from __future__ import annotations
@@ -90,6 +91,40 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     lines = ["  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     sys.stdout.write(f"trace {trace.name}, {args.gpus} GPUs, seed {args.seed}\n" + "\n".join(lines) + "\n")
+
+
+def _param(text: str) -> tuple[str, object]:
+    """`--param name=value`: the value as JSON (2, 0.1), else as the string given."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected name=value, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
+def cmd_replay(args: argparse.Namespace) -> None:
+    # Pure modules only: no database, no torch.
+    from scheduler.early_exit import EarlyExitSpecError, from_spec
+    from scheduler.replay import CurvesFormatError, format_report, read_curves, replay
+
+    try:
+        config = from_spec({"policy": args.policy, **dict(args.param)})
+    except EarlyExitSpecError as exc:
+        raise SystemExit(f"loraplane replay: --param {exc}") from None
+    try:
+        sweep = read_curves(args.curves)
+    except CurvesFormatError as exc:
+        where = f"{args.curves}:{exc.line}" if exc.line else args.curves
+        raise SystemExit(f"loraplane replay: {where}: {exc.message}") from None
+    except OSError as exc:
+        raise SystemExit(f"loraplane replay: {args.curves}: {exc.strerror or exc}") from None
+    result = replay(config, sweep)
+    if args.json:
+        sys.stdout.write(json.dumps(result.summary()) + "\n")
+    else:
+        sys.stdout.write(format_report(result, args.curves, config, sweep))
 
 
 def _die_with_parent() -> None:
@@ -204,6 +239,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--tasks", type=int, default=None, help="tasks of the tenant stream (default 200)")
     sim.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
     sim.set_defaults(func=cmd_simulate)
+    rep = sub.add_parser("replay", help="replay a logged sweep's curves under an early-exit policy")
+    rep.add_argument("curves", help="JSONL, one trial a line (GET /v1/tasks/{id}/curves writes it; format in "
+                                    "scheduler/replay.py)")
+    rep.add_argument("--policy", choices=["alto", "asha", "none"], default="alto")
+    rep.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
+                     help="override one of the policy's parameters, e.g. warmup_ratio=0.1 (repeatable)")
+    rep.add_argument("--json", action="store_true", help="print one JSON object: policy, trials, "
+                     "samples_saved_frac, best_kept, best_val_ratio, spearman_warmup")
+    rep.set_defaults(func=cmd_replay)
     return parser
 
 

@@ -17,17 +17,17 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     TypeAdapter,
+    ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from api.schemas.common import RequestModel, UtcDateTime
 
 MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ModuleName = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-EARLY_EXIT_AVAILABLE = frozenset({"none"})
 
 LearningRate = Annotated[StrictFloat, Field(gt=0, le=1)]
 Rank = Annotated[StrictInt, Field(ge=1, le=256)]
@@ -146,8 +146,73 @@ class SearchSpace(RequestModel):
     ] | None = Field(default=None, description='Default [["q_proj", "v_proj"]].')
 
 
-class EarlyExit(RequestModel):
+class NoEarlyExit(RequestModel):
+    """Every trial trains its full budget."""
+
+    policy: Literal["none"] = "none"
+
+
+class AltoEarlyExit(RequestModel):
+    """ALTO §5: stop diverging and overfitting trials as they happen, and keep the best quarter at the
+    warm-up boundary. Defaults are ALTO's; scheduler/early_exit.py holds the same ranges and says how each
+    is read."""
+
+    policy: Literal["alto"]
+    window: Annotated[StrictInt, Field(ge=2, le=100)] = Field(
+        default=2, description="Evaluations in each loss slope (w).")
+    patience_div: Annotated[StrictInt, Field(ge=1, le=100)] = Field(
+        default=2, description="Evaluations in a row with both slopes >= tau_slope before a diverging trial stops.")
+    patience_ovf: Annotated[StrictInt, Field(ge=1, le=100)] = Field(
+        default=2, description="Evaluations in a row with a gap > tau_gap before an overfitting trial stops.")
+    tau_slope: Annotated[StrictFloat, Field(ge=0, le=100)] = Field(
+        default=0.001, description="Loss rise per evaluation that counts as diverging.")
+    tau_gap: Annotated[StrictFloat, Field(ge=0, le=100)] = Field(
+        default=0.1, description="(val - smoothed train) / smoothed train loss that counts as overfitting.")
+    warmup_ratio: Annotated[StrictFloat, Field(gt=0, le=0.5)] = Field(
+        default=0.05, description="Share of each trial's own steps before it is ranked against the others.")
+    keep_ratio: Annotated[StrictFloat, Field(gt=0, le=1)] = Field(
+        default=0.25, description="Share of the ranked trials that continue past the warm-up boundary (rounded up).")
+    ema_alpha: Annotated[StrictFloat, Field(gt=0, le=1)] = Field(
+        default=0.05, description="Weight of one step's train loss in the smoothed train loss.")
+
+
+class AshaEarlyExit(RequestModel):
+    """Asynchronous successive halving over rungs of training tokens: at each rung only the best
+    1/reduction_factor of the trials that reached it continue."""
+
+    policy: Literal["asha"]
+    reduction_factor: Annotated[StrictInt, Field(ge=2, le=64)] = Field(default=4, description="eta.")
+    num_rungs: Annotated[StrictInt, Field(ge=1, le=10)] = Field(
+        default=3, description="Rungs at R/eta^num_rungs .. R/eta of the task's largest token budget R.")
+
+
+EARLY_EXIT_MODELS: dict[str, type[RequestModel]] = {"none": NoEarlyExit, "alto": AltoEarlyExit, "asha": AshaEarlyExit}
+
+
+class _Policy(BaseModel):
     policy: Literal["none", "alto", "asha"] = "none"
+
+
+def _early_exit(v: Any, _handler: ValidatorFunctionWrapHandler) -> Any:
+    """Dispatch on `policy` (default none) to that policy's model, so that an error names one parameter
+    (`early_exit.window`) and a parameter of another policy says so."""
+    if isinstance(v, NoEarlyExit | AltoEarlyExit | AshaEarlyExit):
+        return v
+    if not isinstance(v, dict):
+        raise PydanticCustomError("early_exit_type", "Give an object {policy, ...that policy's parameters}.")
+    policy = _Policy.model_validate({k: v[k] for k in ("policy",) if k in v}).policy  # error: early_exit.policy
+    model = EARLY_EXIT_MODELS[policy]
+    unknown = [k for k in v if k not in model.model_fields]
+    if unknown:
+        takes = ", ".join(k for k in model.model_fields if k != "policy") or "no parameters"
+        raise ValidationError.from_exception_data("EarlyExit", [InitErrorDetails(
+            type=PydanticCustomError("unknown_parameter", "'{name}' is not a parameter of the '{policy}' policy "
+                                     "(it takes {takes}).", {"name": k, "policy": policy, "takes": takes}),
+            loc=(k,), input=v[k]) for k in unknown])
+    return model.model_validate(v)
+
+
+EarlyExit = Annotated[NoEarlyExit | AltoEarlyExit | AshaEarlyExit, WrapValidator(_early_exit)]
 
 
 class Training(RequestModel):
@@ -182,7 +247,9 @@ class TaskCreate(RequestModel):
     eval_interval: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = Field(
         default=None, description="Steps between validations; default a tenth of the longest trial."
     )
-    early_exit: EarlyExit = Field(default_factory=EarlyExit)
+    early_exit: EarlyExit = Field(
+        default_factory=NoEarlyExit,
+        description='{"policy": "none" | "alto" | "asha", ...overrides of that policy\'s parameters}; default none.')
     seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
     training: Training = Field(default_factory=Training)
     scheduling: Scheduling = Field(default_factory=Scheduling)

@@ -19,7 +19,7 @@ from api import search_space as ss
 from api.db import commit
 from api.errors import RATE_LIMIT, ApiError, conflict, invalid
 from api.queries import find_file, get_task
-from api.schemas.tasks import EARLY_EXIT_AVAILABLE, RangeSpec, TaskCreate
+from api.schemas.tasks import RangeSpec, TaskCreate
 from common.bus import wake_scheduler
 from common.datasets import validation_rows
 from common.events import record_event
@@ -48,9 +48,6 @@ def _check_request(body: TaskCreate) -> Budget:
         raise invalid("Give epochs or max_steps, not both.", param="max_steps", code="conflicting_fields")
     if body.strategy == "random" and body.max_trials is None:
         raise invalid("A random search needs max_trials.", param="max_trials", code="missing_field")
-    if body.early_exit.policy not in EARLY_EXIT_AVAILABLE:
-        raise invalid(f"The early-exit policy '{body.early_exit.policy}' is not available yet; use 'none'.",
-                      param="early_exit.policy", code="unsupported")
     split = None if body.validation_file is not None else body.validation_split or DEFAULT_VALIDATION_SPLIT
     epochs = None if body.max_steps is not None else body.epochs or DEFAULT_EPOCHS
     return Budget(epochs=epochs, max_steps=body.max_steps, validation_split=split)
@@ -150,7 +147,7 @@ def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], step
         "max_steps": budget.max_steps,
         "max_seq_len": body.max_seq_len,
         "eval_interval": body.eval_interval or max(1, max(steps) // 10),
-        "early_exit": body.early_exit.model_dump(),
+        "early_exit": body.early_exit.model_dump(),  # every parameter of the policy: scheduler.early_exit.from_spec
         "seed": body.seed,
         "training": body.training.model_dump(),
         "scheduling": body.scheduling.model_dump(),

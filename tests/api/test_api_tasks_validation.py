@@ -37,10 +37,35 @@ CASES: list[tuple[str, dict[str, Any], int, str | None, str]] = [
     ("random-no-max", {"strategy": "random"}, 422, "max_trials", "missing_field"),
     ("grid-over-max", {"max_trials": 3}, 422, "max_trials", "invalid_value"),
     ("max-trials-zero", {"max_trials": 0}, 422, "max_trials", "invalid_value"),
-    ("policy-alto", {"early_exit": {"policy": "alto"}}, 422, "early_exit.policy", "unsupported"),
-    ("policy-asha", {"early_exit": {"policy": "asha"}}, 422, "early_exit.policy", "unsupported"),
     ("policy-unknown", {"early_exit": {"policy": "median"}}, 422, "early_exit.policy", "invalid_value"),
+    ("policy-null", {"early_exit": {"policy": None}}, 422, "early_exit.policy", "invalid_value"),
     ("early-exit-extra", {"early_exit": {"policy": "none", "w": 2}}, 422, "early_exit.w", "unknown_field"),
+    ("early-exit-string", {"early_exit": "alto"}, 422, "early_exit", "invalid_value"),
+    ("alto-unknown", {"early_exit": {"policy": "alto", "patience": 3}}, 422, "early_exit.patience", "unknown_field"),
+    ("asha-gets-alto-param", {"early_exit": {"policy": "asha", "window": 3}}, 422, "early_exit.window",
+     "unknown_field"),
+    ("none-gets-param", {"early_exit": {"keep_ratio": 0.5}}, 422, "early_exit.keep_ratio", "unknown_field"),
+    ("alto-window-one", {"early_exit": {"policy": "alto", "window": 1}}, 422, "early_exit.window", "invalid_value"),
+    ("alto-window-float", {"early_exit": {"policy": "alto", "window": 2.5}}, 422, "early_exit.window",
+     "invalid_value"),
+    ("alto-patience-zero", {"early_exit": {"policy": "alto", "patience_div": 0}}, 422, "early_exit.patience_div",
+     "invalid_value"),
+    ("alto-slope-negative", {"early_exit": {"policy": "alto", "tau_slope": -0.1}}, 422, "early_exit.tau_slope",
+     "invalid_value"),
+    ("alto-gap-string", {"early_exit": {"policy": "alto", "tau_gap": "0.1"}}, 422, "early_exit.tau_gap",
+     "invalid_value"),
+    ("alto-warmup-zero", {"early_exit": {"policy": "alto", "warmup_ratio": 0}}, 422, "early_exit.warmup_ratio",
+     "invalid_value"),
+    ("alto-warmup-big", {"early_exit": {"policy": "alto", "warmup_ratio": 0.6}}, 422, "early_exit.warmup_ratio",
+     "invalid_value"),
+    ("alto-keep-big", {"early_exit": {"policy": "alto", "keep_ratio": 1.5}}, 422, "early_exit.keep_ratio",
+     "invalid_value"),
+    ("alto-alpha-zero", {"early_exit": {"policy": "alto", "ema_alpha": 0}}, 422, "early_exit.ema_alpha",
+     "invalid_value"),
+    ("asha-eta-one", {"early_exit": {"policy": "asha", "reduction_factor": 1}}, 422, "early_exit.reduction_factor",
+     "invalid_value"),
+    ("asha-rungs-zero", {"early_exit": {"policy": "asha", "num_rungs": 0}}, 422, "early_exit.num_rungs",
+     "invalid_value"),
     ("schedule-unknown", {"training": {"lr_schedule": "step"}}, 422, "training.lr_schedule", "invalid_value"),
     ("warmup-negative", {"training": {"warmup_steps": -1}}, 422, "training.warmup_steps", "invalid_value"),
     ("decay-too-big", {"training": {"weight_decay": 2.0}}, 422, "training.weight_decay", "invalid_value"),
@@ -118,12 +143,6 @@ def test_invalid_task_field_is_rejected_naming_the_field(
     assert (error["param"], error["code"]) == (param, code), error
     assert error["type"] == "invalid_request_error"
     assert (count_rows(Task), count_rows(Trial)) == (0, 0)
-
-
-def test_unsupported_policy_says_it_is_not_available_yet(client: TestClient, tenant: TenantKey) -> None:
-    file = upload(client, tenant)
-    r = client.post("/v1/tasks", headers=tenant.headers, json=task_body(file["id"], early_exit={"policy": "alto"}))
-    assert "not available yet" in r.json()["error"]["message"]
 
 
 def test_foreign_file_gets_the_same_answer_as_a_missing_one(

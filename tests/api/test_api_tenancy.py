@@ -26,6 +26,7 @@ ROUTES = [
     ("GET", "/v1/tasks/{task}/trials/{trial}/adapter"),
     ("GET", "/v1/tasks/{task}/events"),
     ("GET", "/v1/tasks/{task}/events/stream"),
+    ("GET", "/v1/tasks/{task}/curves"),
     # The caller's own task with the other tenant's trial:
     ("GET", "/v1/tasks/{own_task}/trials/{trial}"),
     ("GET", "/v1/tasks/{own_task}/trials/{trial}/metrics"),

@@ -1,0 +1,30 @@
+"""A task's loss curves, every trial at once, as JSONL (`loraplane replay` reads it)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from api.deps import SessionDep, TenantDep
+from api.queries import get_task, list_trials
+from api.schemas.common import error_responses
+from api.services.curves import curve_lines
+
+router = APIRouter(prefix="/tasks/{task_id}/curves", tags=["curves"], responses=error_responses(401, 404, 422))
+
+
+@router.get(
+    "",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-ndjson": {}},
+                     "description": "One JSON object per trial, by index (format: api/services/curves.py)."}},
+)
+def export_curves(task_id: str, tenant: TenantDep, session: SessionDep) -> StreamingResponse:
+    """Every trial's train and validation points with samples and tokens seen, one line per trial."""
+    task = get_task(session, tenant_id=tenant.id, task_id=task_id)
+    trials = list_trials(session, tenant_id=tenant.id, task_id=task.id)
+    return StreamingResponse(
+        curve_lines(task, trials),
+        media_type="application/x-ndjson",
+        headers={"Content-Disposition": f'attachment; filename="{task.id}-curves.jsonl"'},
+    )

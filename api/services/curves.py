@@ -1,0 +1,74 @@
+"""A task's loss curves as JSONL, one row per trial: the file `loraplane replay` reads.
+
+    {"trial_id": "trial-…", "task_id": "task-…", "index": 0, "state": "completed",
+     "hyperparameters": {...}, "samples_per_step": 4, "tokens_per_step": 2048, "total_steps": 500,
+     "train": [[step, samples seen, tokens seen, loss], ...], "val": [[...], ...]}
+
+From the stored metric points: samples seen = batch size x step; tokens seen = batch size x max_seq_len x
+step, i.e. tokens_per_step is the task's max_seq_len per row — an upper bound (rows are cut at max_seq_len
+and shorter ones are padded, and padding is not trained on), the same for every trial of the task, which is
+what ranking trials at equal tokens needs. A non-finite loss is written as null. A task trained with
+early exit gives curves that end where its trials stopped; replaying a policy needs a sweep trained
+without (`early_exit: {"policy": "none"}`). The format is documented in scheduler/replay.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+
+from api.db import session_factory
+from common.models import MetricPoint, Task, Trial
+
+
+@dataclass(frozen=True)
+class TrialHead:
+    """What a row needs of a trial, read before the response streams (the request's session is gone by then)."""
+
+    id: str
+    index: int
+    state: str
+    hyperparameters: dict[str, Any]
+    total_steps: int
+
+    @classmethod
+    def of(cls, trial: Trial) -> TrialHead:
+        return cls(trial.id, trial.index, trial.state, dict(trial.hyperparameters), trial.total_steps)
+
+
+def curve_row(
+    task_id: str, max_seq_len: int, trial: TrialHead, points: Sequence[tuple[str, int, float]]
+) -> dict[str, Any]:
+    """The row of one trial from its (split, step, loss) points in step order."""
+    batch = int(trial.hyperparameters.get("batch_size", 1))
+    tokens_per_step = batch * max_seq_len
+    curves: dict[str, list[list[Any]]] = {"train": [], "val": []}
+    for split, step, loss in points:
+        if split in curves:
+            curves[split].append([step, step * batch, step * tokens_per_step, loss if math.isfinite(loss) else None])
+    return {"trial_id": trial.id, "task_id": task_id, "index": trial.index, "state": trial.state,
+            "hyperparameters": trial.hyperparameters, "samples_per_step": batch, "tokens_per_step": tokens_per_step,
+            "total_steps": trial.total_steps, "train": curves["train"], "val": curves["val"]}
+
+
+def curve_lines(task: Task, trials: Sequence[Trial]) -> Iterator[bytes]:
+    """One JSON line per trial; each trial's points are read in their own short session as the response
+    streams, so a large task is never held in memory whole, nor a connection held between trials."""
+    task_id, max_seq_len = task.id, int(task.spec["max_seq_len"])
+    heads = [TrialHead.of(t) for t in trials]
+
+    def lines() -> Iterator[bytes]:
+        for head in heads:
+            stmt = (select(MetricPoint.split, MetricPoint.step, MetricPoint.loss)
+                    .where(MetricPoint.trial_id == head.id).order_by(MetricPoint.split, MetricPoint.step))
+            with session_factory()() as session:
+                points = [(split, step, loss) for split, step, loss in session.execute(stmt)]
+            row = curve_row(task_id, max_seq_len, head, points)
+            yield (json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+    return lines()

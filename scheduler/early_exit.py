@@ -1,0 +1,503 @@
+"""Early-exit policies: which trials of one task to stop, hold or resume, from their loss curves (pure).
+
+Workers only report; the scheduler decides, so a decision can rank the trials of a task across packs and
+GPUs (DESIGN §4). `decide(config, trials)` takes every trial of ONE task — its curves and its state — and
+returns what to do now. It keeps no state: every decision is recomputed from the curves, so calling it on
+every new validation point with growing curves is safe; the same input gives the same decisions; a trial
+that is no longer live (stopped, completed, failed, cancelled) is never decided again.
+
+Policies
+  alto  ALTO §5, Algorithm 1 (notes/alto.md §3.1), per validation point of a trial ("evaluation"):
+        divergence   the slopes of the smoothed train loss and of the val loss over the last `window`
+                     evaluations are both >= tau_slope for `patience_div` evaluations in a row -> stop;
+                     active from the first evaluation on.
+        overfitting  gap g = (val - ema) / ema > tau_gap for `patience_ovf` evaluations in a row -> stop,
+                     with `export_best` set: the trial's best-validation adapter must be exported first.
+        under-performance, once, at the warm-up boundary: each trial's boundary point is its first
+                     validation point at or past `warmup_step(config, total_steps)`. When every surviving
+                     trial of the task has one, they are ranked by the val loss there and all but the best
+                     ceil(keep_ratio * n) stop. Until then a running trial past its boundary gets "hold"
+                     (the service may checkpoint it and give its slot to a trial that has not had its
+                     warm-up yet: ALTO's warm-up rotation); once decided, a kept trial in state "waiting"
+                     (held) gets "resume".
+  asha  asynchronous successive halving (Li et al., 2018) with reduction factor eta and rungs measured in
+        training tokens: see `asha_rungs`. A trial is judged at the highest rung it has reached against
+        every trial of the task that reached that rung so far and continues only in the best ceil(n / eta).
+  none  decides nothing.
+Both alto and asha stop a trial at once when any of its losses is not finite (NaN/inf): reason "diverging"
+with `non_finite` in its numbers (nothing to smooth or rank there; ALTO does not say).
+
+How ALTO's open points are settled here (notes/alto.md §3.1, "Open ambiguities")
+  EMA alpha   0.05 per training step (`ema_alpha`, settable): a time constant of ~20 steps. Per-step losses
+              of LoRA's small batches (a few rows each) are noisy; 0.05 cuts that noise to sqrt(a/(2-a)) =
+              0.16 of a step's, so a single odd batch cannot open a 10% gap, while the EMA lags a
+              falling curve by only ~19 steps — inside one evaluation interval for any trial of >= 200
+              steps at the default interval (a tenth of the longest trial). The update is
+              ema += (1 - (1 - alpha) ** gap_in_steps) * (loss - ema), so curves logged every k steps smooth
+              like curves logged every step. The EMA starts at the first train loss (no zero bias).
+  sampling    the EMA is read at each validation point (the train points at or before its step), so the
+              train and val histories of Algorithm 1 have one entry per evaluation and stay aligned. A val
+              point with no train point at or before it is not an evaluation.
+  slope unit  per evaluation: linregSlope runs over the evaluation index (0, 1, .., w-1), as Algorithm 1
+              reads "the most recent w loss values" and counts "consecutive evaluation steps". With w = 2
+              it is the difference of the last two evaluations: tau_slope = 0.001 means "rose by at least
+              0.001 since the previous evaluation". So tau_slope depends on the evaluation interval.
+  warm-up     5% of each trial's OWN steps: warmup_step = max(1, ceil(warmup_ratio * total_steps)). In an
+              epoch budget every trial has then seen the same ~5% of the data, whatever its batch size; in
+              a max_steps budget, trials are compared at the same fraction of the budget each will get, so
+              the boundary ranking predicts the ranking at the end of those budgets.
+  rotation    held trials wait (on the GPU or checkpointed: the service's choice) until every surviving
+              trial of the task has its boundary point; the ranking uses each trial's boundary point, not
+              its latest, so a trial that kept training meanwhile is not favoured.
+  survivors   the ranking population: every trial with a boundary point whose detectors did not fire at or
+              before it, whatever its state now (a trial cut there, completed or failed since, still
+              counts). The population never changes once decided, so repeated calls never cut again.
+  ties        equal losses rank by trial id, so the order trials are listed in does not matter.
+Known limit: a kept trial whose curve is cut back before its boundary (a worker was lost and it resumes
+from an older checkpoint) reopens the boundary: the others are held again until it is back past it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+Policy = Literal["alto", "asha", "none"]
+TrialState = Literal["pending", "running", "waiting", "completed", "stopped_early", "failed", "cancelled"]
+Action = Literal["stop", "hold", "resume"]
+Reason = Literal["diverging", "overfitting", "underperforming", "asha", "warmup_boundary", "warmup_kept"]
+
+POLICIES: tuple[Policy, ...] = ("alto", "asha", "none")
+TRIAL_STATES: tuple[str, ...] = ("pending", "running", "waiting", "completed", "stopped_early", "failed", "cancelled")
+LIVE_STATES = frozenset({"pending", "running", "waiting"})  # "waiting": held at its warm-up boundary
+Number = float | int | str | None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A parameter's type and range, checked by `from_spec` (api/schemas/tasks.py states the same)."""
+
+    kind: type
+    low: float
+    high: float
+    low_open: bool = False
+
+    def check(self, value: Any) -> str | None:
+        """None when `value` fits, else why not."""
+        kinds = (int,) if self.kind is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            return f"must be {'an integer' if self.kind is int else 'a number'}"
+        above = value > self.low if self.low_open else value >= self.low
+        if not (math.isfinite(value) and above and value <= self.high):
+            return f"must be {'>' if self.low_open else '>='} {self.low:g} and <= {self.high:g}"
+        return None
+
+
+# Each policy's parameters (the names EarlyExitConfig, the task API and the stored spec share).
+PARAMETERS: dict[str, dict[str, Bounds]] = {
+    "alto": {
+        "window": Bounds(int, 2, 100),
+        "patience_div": Bounds(int, 1, 100),
+        "patience_ovf": Bounds(int, 1, 100),
+        "tau_slope": Bounds(float, 0, 100),
+        "tau_gap": Bounds(float, 0, 100),
+        "warmup_ratio": Bounds(float, 0, 0.5, low_open=True),
+        "keep_ratio": Bounds(float, 0, 1, low_open=True),
+        "ema_alpha": Bounds(float, 0, 1, low_open=True),
+    },
+    "asha": {
+        "reduction_factor": Bounds(int, 2, 64),
+        "num_rungs": Bounds(int, 1, 10),
+    },
+    "none": {},
+}
+
+
+class EarlyExitSpecError(ValueError):
+    """A stored or given early-exit spec that does not describe a config; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EarlyExitConfig:
+    """The policy and every parameter; only the chosen policy's parameters matter. Defaults from ALTO §5.2."""
+
+    policy: Policy = "none"
+    # alto
+    window: int = 2  # w: evaluations in each slope
+    patience_div: int = 2  # p_div: evaluations in a row with both slopes >= tau_slope
+    patience_ovf: int = 2  # p_ovf: evaluations in a row with gap > tau_gap
+    tau_slope: float = 0.001  # per evaluation (see the module docstring)
+    tau_gap: float = 0.1
+    warmup_ratio: float = 0.05  # of each trial's own steps
+    keep_ratio: float = 0.25  # ceil(keep_ratio * n) survivors continue past the warm-up boundary
+    ema_alpha: float = 0.05  # per training step (see the module docstring for why)
+    # asha
+    reduction_factor: int = 4  # eta
+    num_rungs: int = 3  # rungs at R/eta^3, R/eta^2, R/eta of the task's token budget R (see asha_rungs)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise EarlyExitSpecError("policy", f"must be one of {', '.join(POLICIES)}")
+        for params in PARAMETERS.values():
+            for name, bounds in params.items():
+                if (why := bounds.check(getattr(self, name))) is not None:
+                    raise EarlyExitSpecError(name, why)
+
+
+def from_spec(spec: Mapping[str, Any]) -> EarlyExitConfig:
+    """The config of a task's stored `spec["early_exit"]` ({"policy": ..., and that policy's parameters});
+    parameters left out take their defaults. Raises EarlyExitSpecError on an unknown policy or parameter,
+    or a value out of range."""
+    policy = spec.get("policy", "none")
+    if policy not in POLICIES:
+        raise EarlyExitSpecError("policy", f"must be one of {', '.join(POLICIES)}, not {policy!r}")
+    allowed = PARAMETERS[policy]
+    for name in spec:
+        if name != "policy" and name not in allowed:
+            takes = ", ".join(allowed) or "no parameters"
+            raise EarlyExitSpecError(name, f"not a parameter of the '{policy}' policy (it takes {takes})")
+    values = {k: v for k, v in spec.items() if k != "policy"}
+    for name, value in values.items():  # checked in EarlyExitConfig; ints given for floats become floats
+        if allowed[name].kind is float and isinstance(value, int) and not isinstance(value, bool):
+            values[name] = float(value)
+    return EarlyExitConfig(policy=policy, **values)
+
+
+def to_spec(config: EarlyExitConfig) -> dict[str, Any]:
+    """The stored form: the policy and all of its parameters (from_spec(to_spec(c)) == c)."""
+    return {"policy": config.policy, **{name: getattr(config, name) for name in PARAMETERS[config.policy]}}
+
+
+def defaults(policy: Policy) -> dict[str, Any]:
+    """The parameters `policy` takes, with their defaults."""
+    base = {f.name: f.default for f in fields(EarlyExitConfig)}
+    return {name: base[name] for name in PARAMETERS[policy]}
+
+
+# ---- input and output ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Point:
+    """One loss measurement: after `step` optimizer steps the trial had seen `samples` rows and `tokens`
+    tokens."""
+
+    step: int
+    samples: int
+    tokens: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class TrialCurves:
+    """One trial as a policy sees it: its curves (ascending steps) and its state."""
+
+    trial_id: str
+    state: str  # one of TRIAL_STATES
+    total_steps: int
+    samples_per_step: int  # its batch size
+    tokens_per_step: int  # sizes its token budget total_steps * tokens_per_step (asha)
+    train: tuple[Point, ...] = ()
+    val: tuple[Point, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.state not in TRIAL_STATES:
+            raise ValueError(f"trial {self.trial_id}: unknown state {self.state!r}")
+        for name in ("train", "val"):
+            points = tuple(getattr(self, name))
+            object.__setattr__(self, name, points)
+            steps = [p.step for p in points]
+            if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+                raise ValueError(f"trial {self.trial_id}: {name} steps must be strictly increasing")
+
+
+def curves_from_losses(trial_id: str, state: str, total_steps: int, samples_per_step: int, tokens_per_step: int,
+                       train: Iterable[tuple[int, float]], val: Iterable[tuple[int, float]]) -> TrialCurves:
+    """A trial from (step, loss) points as the service stores them (one train point per step, one val point
+    per evaluation, any order), samples and tokens seen counted as step x per-step — the rule
+    GET /v1/tasks/{id}/curves writes (there with tokens_per_step = batch size x max_seq_len)."""
+    def points(xs: Iterable[tuple[int, float]]) -> tuple[Point, ...]:
+        return tuple(Point(s, s * samples_per_step, s * tokens_per_step, loss) for s, loss in sorted(xs))
+
+    return TrialCurves(trial_id, state, total_steps, samples_per_step, tokens_per_step, points(train), points(val))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one trial now, why, and the numbers behind it (JSON-ready, for the event)."""
+
+    trial_id: str
+    action: Action
+    reason: Reason
+    step: int  # the trial's evaluation the decision rests on
+    export_best: bool = False  # overfitting: export its best-validation adapter before it exits
+    numbers: dict[str, Number] = field(default_factory=dict, hash=False)
+
+    @property
+    def message(self) -> str:
+        return describe(self)
+
+    def event_data(self) -> dict[str, Any]:
+        return {"action": self.action, "reason": self.reason, "step": self.step, "export_best": self.export_best,
+                **self.numbers}
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(round(x, 9))  # 0.3 * 10 is 3.0000000000000004, and its ceiling must still be 3
+
+
+def _key(loss: float) -> float:
+    return loss if math.isfinite(loss) else math.inf
+
+
+def warmup_step(config: EarlyExitConfig, total_steps: int) -> int:
+    """The step at which a trial of `total_steps` steps ends its warm-up (its first validation at or past
+    it is its boundary point; the service should validate there)."""
+    return max(1, _ceil(config.warmup_ratio * total_steps))
+
+
+# ---- alto: divergence and overfitting ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Algorithm 1's state after one evaluation (a val point with train points at or before it)."""
+
+    step: int
+    val_loss: float
+    train_ema: float
+    slope_train: float | None  # None until `window` evaluations exist
+    slope_val: float | None
+    gap: float
+    div_count: int
+    ovf_count: int
+
+
+def linreg_slope(ys: Sequence[float]) -> float:
+    """Least-squares slope of ys over x = 0, 1, .., len(ys) - 1."""
+    n = len(ys)
+    x_mean, y_mean = (n - 1) / 2, sum(ys) / n
+    return sum((x - x_mean) * (y - y_mean) for x, y in enumerate(ys)) / sum((x - x_mean) ** 2 for x in range(n))
+
+
+def evaluations(config: EarlyExitConfig, trial: TrialCurves) -> list[Evaluation]:
+    """Algorithm 1 run over the trial's whole curve, one entry per evaluation."""
+    out: list[Evaluation] = []
+    emas: list[float] = []
+    vals: list[float] = []
+    ema: float | None = None
+    last_step = 0
+    i = 0
+    div = ovf = 0
+    train, keep = trial.train, 1 - config.ema_alpha
+    for point in trial.val:
+        while i < len(train) and train[i].step <= point.step:
+            step, loss = train[i].step, train[i].loss
+            ema = loss if ema is None else ema + (1 - keep ** (step - last_step)) * (loss - ema)
+            last_step = step
+            i += 1
+        if ema is None:
+            continue
+        emas.append(ema)
+        vals.append(point.loss)
+        s_train = s_val = None
+        if len(emas) >= config.window:
+            s_train, s_val = linreg_slope(emas[-config.window:]), linreg_slope(vals[-config.window:])
+            div = div + 1 if s_train >= config.tau_slope and s_val >= config.tau_slope else 0
+        gap = (point.loss - ema) / ema if ema > 0 else 0.0  # losses are >= 0; a zero EMA has no ratio
+        ovf = ovf + 1 if gap > config.tau_gap else 0
+        out.append(Evaluation(point.step, point.loss, ema, s_train, s_val, gap, div, ovf))
+    return out
+
+
+def _first_non_finite(trial: TrialCurves) -> int | None:
+    isfinite = math.isfinite
+    steps = [next((p.step for p in points if not isfinite(p.loss)), None) for points in (trial.train, trial.val)]
+    return min((s for s in steps if s is not None), default=None)
+
+
+def _non_finite_stop(trial: TrialCurves, step: int) -> Decision:
+    return Decision(trial.trial_id, "stop", "diverging", step, numbers={"non_finite": True})
+
+
+def _best_val(trial: TrialCurves, up_to: int) -> Point | None:
+    seen = [p for p in trial.val if p.step <= up_to and math.isfinite(p.loss)]
+    return min(seen, key=lambda p: (p.loss, p.step)) if seen else None
+
+
+def alto_trigger(config: EarlyExitConfig, trial: TrialCurves) -> Decision | None:
+    """The first stop divergence, overfitting or a non-finite loss call for on this curve, if any."""
+    bad = _first_non_finite(trial)
+    for e in evaluations(config, trial):
+        if bad is not None and bad <= e.step:
+            break
+        if e.div_count >= config.patience_div:
+            assert e.slope_train is not None and e.slope_val is not None
+            return Decision(trial.trial_id, "stop", "diverging", e.step, numbers={
+                "slope_train": e.slope_train, "slope_val": e.slope_val, "tau_slope": config.tau_slope,
+                "window": config.window, "count": e.div_count, "train_ema": e.train_ema, "val_loss": e.val_loss})
+        if e.ovf_count >= config.patience_ovf:
+            best = _best_val(trial, e.step)
+            return Decision(trial.trial_id, "stop", "overfitting", e.step, export_best=True, numbers={
+                "gap": e.gap, "tau_gap": config.tau_gap, "count": e.ovf_count, "train_ema": e.train_ema,
+                "val_loss": e.val_loss, "best_val_loss": best.loss if best else None,
+                "best_val_step": best.step if best else None})
+    return None if bad is None else _non_finite_stop(trial, bad)
+
+
+def boundary_point(config: EarlyExitConfig, trial: TrialCurves) -> Point | None:
+    """The trial's first validation point at or past its warm-up step."""
+    start = warmup_step(config, trial.total_steps)
+    return next((p for p in trial.val if p.step >= start), None)
+
+
+def _decide_alto(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> dict[str, Decision]:
+    out: dict[str, Decision] = {}
+    triggers = {t.trial_id: alto_trigger(config, t) for t in trials}
+    for t in trials:
+        if t.state in LIVE_STATES and (trig := triggers[t.trial_id]) is not None:
+            out[t.trial_id] = trig
+
+    boundary = {t.trial_id: boundary_point(config, t) for t in trials}
+    population = []
+    for t in trials:
+        point, trig = boundary[t.trial_id], triggers[t.trial_id]
+        if point is not None and (trig is None or trig.step > point.step):
+            population.append((point, t))
+    waiting_for = [t for t in trials
+                   if t.state in LIVE_STATES and boundary[t.trial_id] is None and t.trial_id not in out]
+    if waiting_for:
+        for point, t in population:
+            if t.state == "running" and t.trial_id not in out:
+                out[t.trial_id] = Decision(t.trial_id, "hold", "warmup_boundary", point.step, numbers={
+                    "warmup_step": warmup_step(config, t.total_steps), "val_loss": point.loss,
+                    "waiting_for": len(waiting_for)})
+        return out
+
+    ranked = sorted(population, key=lambda pt: (_key(pt[0].loss), pt[1].trial_id))
+    keep = _ceil(config.keep_ratio * len(ranked))
+    cutoff = ranked[keep - 1][0].loss if ranked else None
+    for rank, (point, t) in enumerate(ranked):
+        if t.state not in LIVE_STATES or t.trial_id in out:
+            continue
+        numbers: dict[str, Number] = {"val_loss": point.loss, "rank": rank + 1, "ranked": len(ranked), "keep": keep,
+                                      "cutoff": cutoff, "warmup_step": warmup_step(config, t.total_steps)}
+        if rank >= keep:
+            out[t.trial_id] = Decision(t.trial_id, "stop", "underperforming", point.step, numbers=numbers)
+        elif t.state == "waiting":
+            out[t.trial_id] = Decision(t.trial_id, "resume", "warmup_kept", point.step, numbers=numbers)
+    return out
+
+
+# ---- asha ------------------------------------------------------------------------------------------------
+
+
+def asha_rungs(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> tuple[int, ...]:
+    """The rungs in training tokens, ascending: r_k = ceil(R / eta^k) for k = num_rungs .. 1, where R is the
+    task's largest token budget, max(total_steps * tokens_per_step). With eta = 4 and 3 rungs: R/64, R/16,
+    R/4. Rungs are absolute token counts shared by all trials of the task, so trials are compared after the
+    same amount of training data whatever their batch size. The grace period is one rung: nothing is
+    stopped before it reached R / eta^num_rungs (ASHA's minimum resource r, early-stopping rate s = 0).
+    Rungs that round to the same count are merged."""
+    budget = max((t.total_steps * t.tokens_per_step for t in trials), default=0)
+    if budget <= 0:
+        return ()
+    eta = config.reduction_factor
+    return tuple(sorted({max(1, math.ceil(budget / eta**k)) for k in range(config.num_rungs, 0, -1)}))
+
+
+def _rung_points(trial: TrialCurves, rungs: Sequence[int]) -> list[Point]:
+    """The trial's record at each rung it reached: its first validation point with tokens >= the rung."""
+    out: list[Point] = []
+    for rung in rungs:
+        point = next((p for p in trial.val if p.tokens >= rung), None)
+        if point is None:
+            break
+        out.append(point)
+    return out
+
+
+def _decide_asha(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> dict[str, Decision]:
+    out: dict[str, Decision] = {}
+    rungs = asha_rungs(config, trials)
+    records = {t.trial_id: _rung_points(t, rungs) for t in trials}
+    for t in trials:
+        if t.state not in LIVE_STATES:
+            continue
+        if (bad := _first_non_finite(t)) is not None:
+            out[t.trial_id] = _non_finite_stop(t, bad)
+            continue
+        mine = records[t.trial_id]
+        if not mine:
+            continue  # grace: below the first rung
+        level = len(mine) - 1
+        ranked = sorted((_key(r[level].loss), tid) for tid, r in records.items() if len(r) > level)
+        keep = _ceil(len(ranked) / config.reduction_factor)
+        rank = ranked.index((_key(mine[level].loss), t.trial_id))
+        if rank >= keep:
+            out[t.trial_id] = Decision(t.trial_id, "stop", "asha", mine[level].step, numbers={
+                "rung": level + 1, "rungs": len(rungs), "rung_tokens": rungs[level], "tokens": mine[level].tokens,
+                "val_loss": mine[level].loss, "rank": rank + 1, "ranked": len(ranked), "keep": keep,
+                "cutoff": ranked[keep - 1][0]})
+    return out
+
+
+# ---- entry point --------------------------------------------------------------------------------------
+
+
+def decide(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> list[Decision]:
+    """The decisions for the trials of ONE task, at most one per trial, in the order they are given.
+
+    Call it with every trial of the task (pending, held and finished ones too: the warm-up ranking and the
+    ASHA rungs count them) whenever a validation point arrives. "hold" repeats while it applies (the
+    service acts on it once, by moving the trial to "waiting"); "stop" repeats until the trial's state is
+    no longer live.
+    """
+    ids = [t.trial_id for t in trials]
+    if len(set(ids)) != len(ids):
+        raise ValueError("decide() got the same trial twice")
+    if config.policy == "alto":
+        out = _decide_alto(config, trials)
+    elif config.policy == "asha":
+        out = _decide_asha(config, trials)
+    else:
+        out = {}
+    return [out[i] for i in ids if i in out]
+
+
+def _g(x: Number) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def describe(d: Decision) -> str:
+    """One line for the user (the event's message)."""
+    n = d.numbers
+    if d.reason == "diverging" and n.get("non_finite"):
+        return f"Stopped at step {d.step}: diverging (a loss is not finite)."
+    if d.reason == "diverging":
+        return (f"Stopped at step {d.step}: diverging — smoothed train loss and val loss both rose (slopes "
+                f"{_g(n['slope_train'])} and {_g(n['slope_val'])} >= {_g(n['tau_slope'])}) for {n['count']} "
+                "evaluations in a row.")
+    if d.reason == "overfitting":
+        return (f"Stopped at step {d.step}: overfitting — val loss {_g(n['val_loss'])} exceeds the smoothed train "
+                f"loss {_g(n['train_ema'])} by {_g(n['gap'])} > {_g(n['tau_gap'])} for {n['count']} evaluations in a "
+                f"row; keeping its best adapter (val {_g(n['best_val_loss'])} at step {n['best_val_step']}).")
+    if d.reason == "underperforming":
+        return (f"Stopped at step {d.step}: underperforming — val loss {_g(n['val_loss'])} at the warm-up boundary "
+                f"ranks {n['rank']} of {n['ranked']}; the best {n['keep']} continue (cut-off {_g(n['cutoff'])}).")
+    if d.reason == "asha":
+        return (f"Stopped at step {d.step}: ASHA rung {n['rung']} of {n['rungs']} ({n['rung_tokens']} tokens) — val "
+                f"loss {_g(n['val_loss'])} ranks {n['rank']} of {n['ranked']}; the best {n['keep']} continue "
+                f"(cut-off {_g(n['cutoff'])}).")
+    if d.reason == "warmup_boundary":
+        return (f"Held at step {d.step}: warm-up done (val loss {_g(n['val_loss'])}); waiting for "
+                f"{n['waiting_for']} trial(s) of the task to finish theirs.")
+    return (f"Resumed: kept at the warm-up boundary (step {d.step}, val loss {_g(n['val_loss'])}, rank "
+            f"{n['rank']} of {n['ranked']}).")
