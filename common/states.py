@@ -12,13 +12,18 @@ TASK_FINAL = frozenset({TASK_SUCCEEDED, TASK_FAILED, TASK_CANCELLED})
 
 TRIAL_PENDING = "pending"
 TRIAL_RUNNING = "running"
+# Reached its warm-up boundary before the rest of its task (early exit `alto`): checkpointed, holding no slot,
+# until the task's warm-up ranking keeps it (back to pending) or stops it.
+TRIAL_WAITING = "waiting"
 TRIAL_COMPLETED = "completed"
 TRIAL_STOPPED_EARLY = "stopped_early"
 TRIAL_FAILED = "failed"
 TRIAL_CANCELLED = "cancelled"
-TRIAL_STATES = (TRIAL_PENDING, TRIAL_RUNNING, TRIAL_COMPLETED, TRIAL_STOPPED_EARLY, TRIAL_FAILED, TRIAL_CANCELLED)
+TRIAL_STATES = (
+    TRIAL_PENDING, TRIAL_RUNNING, TRIAL_WAITING, TRIAL_COMPLETED, TRIAL_STOPPED_EARLY, TRIAL_FAILED, TRIAL_CANCELLED,
+)
 TRIAL_FINAL = frozenset({TRIAL_COMPLETED, TRIAL_STOPPED_EARLY, TRIAL_FAILED, TRIAL_CANCELLED})
-TRIAL_ACTIVE = frozenset({TRIAL_PENDING, TRIAL_RUNNING})
+TRIAL_ACTIVE = frozenset({TRIAL_PENDING, TRIAL_RUNNING, TRIAL_WAITING})
 
 PACK_PLANNED = "planned"
 PACK_DISPATCHED = "dispatched"

@@ -26,6 +26,7 @@ from common.db import get_engine, session_scope
 from common.models import Pack, Task, utcnow
 from common.settings import Settings
 from scheduler.dispatch import send_pack, trial_payload
+from scheduler.exits import PauseRequest, apply_early_exit, placement
 from scheduler.ingest import ingest
 from scheduler.lifecycle import (
     admission_requests,
@@ -53,15 +54,19 @@ class SchedulerDaemon:
         self.bus = bus
         self.celery = celery
         self.consumer = consumer
-        self._stops_sent: set[tuple[str, str]] = set()
+        self._stops_sent: set[tuple[str, str, str]] = set()  # (pack, trial, placement)
         self._admits_sent: set[tuple[str, str]] = set()
+        self._pauses: list[PauseRequest] = []  # decided, committed, not yet sent
 
     def step(self, block_s: float) -> int:
         """One round: ingest what arrived (waiting up to block_s), then act. Returns messages handled."""
         batch = self.bus.consume(SCHEDULER_STREAM, SCHEDULER_GROUP, self.consumer, count=1000, block_s=block_s)
         if batch:
             with session_scope() as session:
-                ingest(session, [message for _, message in batch])
+                touched: set[str] = set()
+                ingest(session, [message for _, message in batch], touched=touched)
+                # Early exit on every new evaluation, in the same transaction as the points it rests on.
+                self._pauses += apply_early_exit(session, touched, utcnow())
             # Acked only after the commit: a crash in between replays the batch, and ingest is idempotent.
             self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
         self.tick()
@@ -140,13 +145,23 @@ class SchedulerDaemon:
     def _send_stops(self) -> None:
         with session_scope() as session:
             requests = stop_requests(session)
-        for pack_id, (worker_id, trial_ids) in requests.items():
-            fresh = [t for t in trial_ids if (pack_id, t) not in self._stops_sent]
+        for (pack_id, mode), (worker_id, trials) in requests.items():
+            fresh = [(t.id, placement(t)) for t in trials if (pack_id, t.id, placement(t)) not in self._stops_sent]
             if not fresh:
                 continue
-            self.bus.publish(commands_stream(worker_id),
-                             {"type": "stop_trials", "pack_id": pack_id, "trial_ids": fresh})
-            self._stops_sent.update((pack_id, t) for t in fresh)
+            self.bus.publish(commands_stream(worker_id), {"type": "stop_trials", "pack_id": pack_id,
+                                                          "trial_ids": [t for t, _ in fresh], "mode": mode})
+            self._stops_sent.update((pack_id, t, placed) for t, placed in fresh)
+        # Holds at the warm-up boundary: checkpoint and free the slot (once per scheduler process; a pause
+        # lost to a restart is decided again at the trial's next validation point).
+        while self._pauses:
+            pause = self._pauses[0]
+            key = (pause.pack_id, pause.trial_id, pause.placed_at)
+            if key not in self._stops_sent:
+                self.bus.publish(commands_stream(pause.worker_id), {"type": "stop_trials", "pack_id": pause.pack_id,
+                                                                    "trial_ids": [pause.trial_id], "mode": "pause"})
+                self._stops_sent.add(key)
+            self._pauses.pop(0)
 
     def run(self, stop: threading.Event) -> None:
         lock = self._acquire_leadership(stop)

@@ -17,6 +17,7 @@ from common.artifacts import file_key
 from common.celery import RUN_PACK_TASK
 from common.models import BaseModelEntry, Pack, Task, Trial, Worker
 from common.registry import model_source_fields
+from scheduler.early_exit import EarlyExitSpecError, from_spec, warmup_step
 
 
 def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
@@ -38,7 +39,20 @@ def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
         # A requeued trial resumes from its newest checkpoint instead of step 0.
         "resume_key": trial.checkpoint_key,
         "resume_step": trial.checkpoint_step,
+        "extra_eval_steps": eval_steps(task, trial),
+        # Tells one placement from the next (a trial paused and placed again in the same pack).
+        "placed_at": trial.started_at.isoformat() if trial.started_at else None,
     }
+
+
+def eval_steps(task: Task, trial: Trial) -> list[int]:
+    """Steps the task's early-exit policy must see a validation at besides the regular ones: alto ranks
+    each trial at its warm-up boundary, so the trial validates exactly there."""
+    try:
+        config = from_spec(task.spec.get("early_exit") or {"policy": "none"})
+    except EarlyExitSpecError:
+        return []
+    return [warmup_step(config, trial.total_steps)] if config.policy == "alto" else []
 
 
 def pack_message(session: Session, pack: Pack) -> dict[str, Any]:

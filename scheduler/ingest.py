@@ -25,9 +25,13 @@ from scheduler.lifecycle import requeue_trial
 log = logging.getLogger(__name__)
 
 
-def ingest(session: Session, messages: list[dict[str, Any]], now: datetime | None = None) -> bool:
-    """Returns True when something changed that the planner should look at."""
+def ingest(
+    session: Session, messages: list[dict[str, Any]], now: datetime | None = None, touched: set[str] | None = None
+) -> bool:
+    """Returns True when something changed that the planner should look at. ``touched`` collects the tasks
+    whose trials got a validation point or ended (their early-exit policy has something new to decide on)."""
     now = now or utcnow()
+    touched = touched if touched is not None else set()
     replan = False
     for message in messages:
         kind = message.get("type")
@@ -39,7 +43,7 @@ def ingest(session: Session, messages: list[dict[str, Any]], now: datetime | Non
             elif kind == "pack.started":
                 _pack_started(session, message, now)
             elif kind == "points":
-                _points(session, message)
+                touched |= _points(session, message)
             elif kind == "trial.checkpoint":
                 _trial_checkpoint(session, message)
             elif kind == "trial.admitted":
@@ -47,7 +51,7 @@ def ingest(session: Session, messages: list[dict[str, Any]], now: datetime | Non
             elif kind == "trial.rejected":
                 replan |= _trial_rejected(session, message)
             elif kind == "trial.finished":
-                replan |= _trial_finished(session, message, now)
+                replan |= _trial_finished(session, message, now, touched)
             elif kind == "pack.profile":
                 _pack_profile(session, message)
             elif kind == "pack.progress":
@@ -102,8 +106,10 @@ def _pack_started(session: Session, m: dict[str, Any], now: datetime) -> None:
         worker.current_pack_id = pack.id
 
 
-def _points(session: Session, m: dict[str, Any]) -> None:
+def _points(session: Session, m: dict[str, Any]) -> set[str]:
+    """Stores the points; returns the tasks that got a validation point."""
     pack_id = m["pack_id"]
+    validated: set[str] = set()
     rows: list[dict[str, Any]] = []
     trials: dict[str, Trial | None] = {}
     for trial_id, step, split, loss in m["points"]:
@@ -117,10 +123,13 @@ def _points(session: Session, m: dict[str, Any]) -> None:
         if split == "train" and step >= trial.steps_done:
             trial.steps_done = step
             trial.last_train_loss = loss
-        elif split == "val" and (trial.best_val_loss is None or loss < trial.best_val_loss):
-            trial.best_val_loss, trial.best_step = loss, step
+        elif split == "val":
+            validated.add(trial.task_id)
+            if trial.best_val_loss is None or loss < trial.best_val_loss:
+                trial.best_val_loss, trial.best_step = loss, step
     if rows:
         session.execute(_insert_ignoring_duplicates(session, rows))
+    return validated
 
 
 def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) -> Any:
@@ -177,11 +186,16 @@ def _pack_profile(session: Session, m: dict[str, Any]) -> None:
         pack.profile = m["profile"]
 
 
-def _trial_finished(session: Session, m: dict[str, Any], now: datetime) -> bool:
+def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched: set[str]) -> bool:
+    status = m["status"]
     trial = _live_trial(session, m["trial_id"], m["pack_id"])
     if trial is None:
+        _stopped_early_adapter(session, m)
         return False
-    status = m["status"]
+    touched.add(trial.task_id)
+    if status == "paused":
+        _trial_paused(session, trial, m)
+        return True
     trial.finished_at = now
     trial.steps_done = int(m.get("steps_done") or trial.steps_done)
     if m.get("final_train_loss") is not None:
@@ -214,6 +228,37 @@ def _trial_finished(session: Session, m: dict[str, Any], now: datetime) -> bool:
         data={"best_val_loss": trial.best_val_loss, "best_step": trial.best_step, "steps": trial.steps_done},
     )
     return True
+
+
+def _trial_paused(session: Session, trial: Trial, m: dict[str, Any]) -> None:
+    """Out of its pack at its warm-up boundary, checkpointed (the `trial.checkpoint` came first): it waits,
+    holding no slot, for its task's warm-up ranking. Pausing is not a failure: the attempt is not counted."""
+    trial.state = states.TRIAL_WAITING
+    trial.pack_id = None
+    trial.attempts = max(0, trial.attempts - 1)
+    trial.steps_done = int(m.get("steps_done") or trial.steps_done)
+    at = f"checkpointed at step {trial.checkpoint_step}" if trial.checkpoint_step else "no checkpoint yet"
+    record_event(
+        session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.waiting",
+        message=f"trial {trial.index} reached its warm-up boundary at step {trial.steps_done}; its slot is free "
+                f"while the rest of the task warms up ({at})",
+        data={"steps": trial.steps_done, "checkpoint_step": trial.checkpoint_step},
+    )
+
+
+def _stopped_early_adapter(session: Session, m: dict[str, Any]) -> None:
+    """A trial the scheduler stopped early for overfitting reports from its pack with its best adapter saved."""
+    trial = session.get(Trial, m["trial_id"], with_for_update=True)
+    if (trial is None or trial.pack_id != m["pack_id"] or trial.state != states.TRIAL_STOPPED_EARLY
+            or not m.get("adapter_key") or trial.adapter_key):
+        return
+    trial.adapter_key = m["adapter_key"]
+    trial.best_val_loss, trial.best_step = m.get("best_val_loss"), m.get("best_step")
+    record_event(
+        session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.adapter_saved",
+        message=f"trial {trial.index}: its best adapter (step {trial.best_step}) was saved before it stopped",
+        data={"best_val_loss": trial.best_val_loss, "best_step": trial.best_step},
+    )
 
 
 def _pack_ended(session: Session, m: dict[str, Any], now: datetime) -> None:

@@ -15,6 +15,7 @@ from common import states
 from common.events import record_event
 from common.models import MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
 from scheduler.cost import Progress, fit_profiles, samples_from_profiles
+from scheduler.exits import stop_mode
 from scheduler.placement import PRIOR_COST
 from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, Plan, Snapshot
 from scheduler.planning import ModelCost, PlanResult
@@ -108,7 +109,8 @@ def finalize_tasks(session: Session, now: datetime) -> None:
         if not trials or any(t.state not in states.TRIAL_FINAL for t in trials):
             continue
         task.finished_at = now
-        done = [t for t in trials if t.state == states.TRIAL_COMPLETED and t.adapter_key]
+        # A trial stopped early for overfitting had its best adapter saved: it competes like a completed one.
+        done = [t for t in trials if t.state in (states.TRIAL_COMPLETED, states.TRIAL_STOPPED_EARLY) and t.adapter_key]
         if not done:
             task.state = states.TASK_FAILED
             task.error = "no trial completed: " + "; ".join(sorted({t.error or t.state for t in trials}))
@@ -256,7 +258,7 @@ def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack,
         ).all()
         assert pack.capacity is not None
         free = pack.capacity - len(rows)
-        if free <= 0:
+        if free <= 0 or not rows:  # no member left: the pack is ending, a back-fill would only bounce
             continue
         out.append(LivePack(
             pack_id=pack.id, worker_id=pack.worker_id, base_model=pack.base_model, free_slots=free,
@@ -359,16 +361,17 @@ def admission_requests(session: Session) -> dict[str, tuple[str, list[Trial]]]:
     return out
 
 
-def stop_requests(session: Session) -> dict[str, tuple[str, list[str]]]:
-    """Live packs still training trials the scheduler has ended (a cancelled task): pack -> (worker, trials)."""
+def stop_requests(session: Session) -> dict[tuple[str, str], tuple[str, list[Trial]]]:
+    """Live packs still training trials the scheduler has ended (a cancelled task, an early exit):
+    (pack, mode) -> (worker, trials); mode "export" for an overfitting exit (its best adapter is kept)."""
     rows = session.execute(
-        select(Pack.id, Pack.worker_id, Trial.id)
+        select(Pack.id, Pack.worker_id, Trial)
         .join(Trial, Trial.pack_id == Pack.id)
         .where(Pack.state.in_(states.PACK_LIVE),
                Trial.state.in_((states.TRIAL_CANCELLED, states.TRIAL_STOPPED_EARLY)),
                Trial.finished_at.is_not(None))
     ).all()
-    out: dict[str, tuple[str, list[str]]] = {}
-    for pack_id, worker_id, trial_id in rows:
-        out.setdefault(pack_id, (worker_id, []))[1].append(trial_id)
+    out: dict[tuple[str, str], tuple[str, list[Trial]]] = {}
+    for pack_id, worker_id, trial in rows:
+        out.setdefault((pack_id, stop_mode(trial)), (worker_id, []))[1].append(trial)
     return out

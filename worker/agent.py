@@ -77,9 +77,10 @@ class Reporter:
 class CommandInbox:
     """Reads this worker's command stream (from the moment the worker started) at most every poll_s.
 
-    Commands: ``stop_trials`` (pack id, trial ids) and ``admit_trials`` (pack id, trial payloads in the pack
-    message's format: back-fills for a running pack's free slots). Admissions wait here per pack, each trial
-    once, until the pack takes them or ends.
+    Commands: ``stop_trials`` (pack id, trial ids, and a mode: ``drop`` by default, ``export`` to save the
+    best-validation adapter first, ``pause`` to checkpoint and free the slot) and ``admit_trials`` (pack id,
+    trial payloads in the pack message's format: back-fills for a running pack's free slots). Admissions
+    wait here per pack, each trial once, until the pack takes them or ends.
     """
 
     def __init__(self, bus: Bus, worker_id: str, poll_s: float = 0.5) -> None:
@@ -88,9 +89,9 @@ class CommandInbox:
         self.poll_s = poll_s
         self._last_id = bus.tail_id(self.stream)
         self._last_poll = 0.0
-        self._stopped: dict[str, set[str]] = {}
+        self._stopped: dict[str, dict[str, str]] = {}  # pack -> trial -> mode
         self._admissions: dict[str, dict[str, dict[str, Any]]] = {}  # pack -> trial id -> payload
-        self._seen_admissions: set[tuple[str, str]] = set()
+        self._seen_admissions: set[tuple[str, str, str]] = set()  # (pack, trial, placement)
 
     def _poll(self) -> None:
         if time.monotonic() - self._last_poll < self.poll_s:
@@ -99,18 +100,25 @@ class CommandInbox:
         for msg_id, message in self.bus.read_after(self.stream, self._last_id, count=100, block_s=0):
             self._last_id = msg_id
             if message.get("type") == "stop_trials":
-                self._stopped.setdefault(message["pack_id"], set()).update(message["trial_ids"])
+                mode = message.get("mode", "drop")
+                stops = self._stopped.setdefault(message["pack_id"], {})
+                stops.update((trial_id, mode) for trial_id in message["trial_ids"] if trial_id not in stops)
             elif message.get("type") == "admit_trials":
-                queue = self._admissions.setdefault(message["pack_id"], {})
+                pack_id = message["pack_id"]
+                queue = self._admissions.setdefault(pack_id, {})
                 for trial in message["trials"]:
-                    key = (message["pack_id"], trial["trial_id"])
-                    if key not in self._seen_admissions:  # a command re-sent after a scheduler restart
+                    # A command re-sent after a scheduler restart repeats its placement: taken once. A trial
+                    # paused and placed again in the same pack is a new placement, and its old stop is void.
+                    key = (pack_id, trial["trial_id"], str(trial.get("placed_at")))
+                    if key not in self._seen_admissions:
                         self._seen_admissions.add(key)
                         queue[trial["trial_id"]] = trial
+                        self._stopped.get(pack_id, {}).pop(trial["trial_id"], None)
 
-    def stopped_trials(self, pack_id: str) -> set[str]:
+    def stopped_trials(self, pack_id: str) -> dict[str, str]:
+        """Trials of ``pack_id`` to take out, each with its mode (the first command for a trial wins)."""
         self._poll()
-        return set(self._stopped.get(pack_id, set()))
+        return dict(self._stopped.get(pack_id, {}))
 
     def take_admissions(self, pack_id: str, limit: int) -> list[dict[str, Any]]:
         """Up to ``limit`` trials waiting to join ``pack_id``, oldest first (removed from the inbox)."""

@@ -15,7 +15,7 @@ import tarfile
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -24,6 +24,7 @@ from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
 from worker.agent import CommandInbox, Heartbeat, Reporter
 from worker.engine import ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
+from worker.engine.trainer import StopMode
 from worker.profile import PackProfiler
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,12 @@ def _tar(source_dir: Path, archive: Path, *, gzip: bool) -> Path:
         for item in sorted(source_dir.iterdir()):
             tar.add(item, arcname=item.name)
     return archive
+
+
+def stop_modes(requested: dict[str, str]) -> dict[str, StopMode]:
+    """The inbox's stop commands as ``train_pack`` takes them (an unknown mode from a newer scheduler drops)."""
+    return {trial_id: cast(StopMode, mode if mode in ("drop", "export", "pause") else "drop")
+            for trial_id, mode in requested.items()}
 
 
 class PackRunner:
@@ -85,6 +92,7 @@ class PackRunner:
             lr_schedule=str(training.get("lr_schedule", "constant")),
             max_grad_norm=training.get("max_grad_norm"),
             use_rslora=bool(training.get("use_rslora", False)),
+            extra_eval_steps=tuple(int(s) for s in t.get("extra_eval_steps") or ()),
         )
 
     def run(self, pack: dict[str, Any]) -> None:
@@ -153,7 +161,7 @@ class PackRunner:
             def finished(outcome: TrialOutcome) -> None:
                 """Reported as soon as the trial ends, with its adapter already stored (its slot frees now)."""
                 key = None
-                if outcome.status == "completed" and outcome.adapter_dir is not None:
+                if outcome.adapter_dir is not None:  # completed, or stopped early with its best adapter saved
                     key = adapter_key(task_of[outcome.trial_id], outcome.trial_id)
                     archive = _tar(outcome.adapter_dir, tmp / f"{outcome.trial_id}.tar.gz", gzip=True)
                     self.store.put_file(key, archive)
@@ -172,7 +180,7 @@ class PackRunner:
 
             train_pack(
                 model, tokenizer, specs, base_model_name=source.name, export_dir=tmp / "adapters",
-                on_point=reporter.point, should_stop=lambda: self.inbox.stopped_trials(pack_id),
+                on_point=reporter.point, should_stop=lambda: stop_modes(self.inbox.stopped_trials(pack_id)),
                 on_step=stepped, resume=resume, checkpoint_dir=tmp / "checkpoints",
                 # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
                 checkpoint_interval=max([s.eval_interval for s in specs], default=None),

@@ -258,6 +258,7 @@ class TaskCreate(RequestModel):
 class TrialCounts(BaseModel):
     pending: int = 0
     running: int = 0
+    waiting: int = 0  # held at its warm-up boundary (early exit "alto") until its task's ranking
     completed: int = 0
     stopped_early: int = 0
     failed: int = 0

@@ -20,8 +20,8 @@ def test_grid_2x2_makes_4_trials_with_their_hyperparameters_and_steps(client: Te
     file = upload(client, tenant, chat_rows(10))
     task = make_task(client, tenant, file["id"], seed=7)
     assert task["object"] == "task" and task["id"].startswith("task-") and task["state"] == "queued"
-    assert task["trial_counts"] == {"pending": 4, "running": 0, "completed": 0, "stopped_early": 0, "failed": 0,
-                                    "cancelled": 0}
+    assert task["trial_counts"] == {"pending": 4, "running": 0, "waiting": 0, "completed": 0, "stopped_early": 0,
+                                    "failed": 0, "cancelled": 0}
     assert (task["progress"], task["best_trial"], task["estimated_seconds_left"]) == (0.0, None, None)
     assert (task["validation_split"], task["epochs"], task["max_steps"], task["max_seq_len"]) == (0.1, 2, None, 512)
     assert task["search_space"] == {

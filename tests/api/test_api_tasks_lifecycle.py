@@ -20,8 +20,8 @@ def test_task_reports_counts_progress_best_trial_and_eta(client: TestClient, ten
 
     body = client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()
     assert body["state"] == "running"
-    assert body["trial_counts"] == {"pending": 2, "running": 1, "completed": 1, "stopped_early": 0, "failed": 0,
-                                    "cancelled": 0}
+    assert body["trial_counts"] == {"pending": 2, "running": 1, "waiting": 0, "completed": 1, "stopped_early": 0,
+                                    "failed": 0, "cancelled": 0}
     assert body["progress"] == 0.375  # (1 + 3/6) / 4
     assert body["best_trial"] == {
         "id": ids[0], "best_val_loss": 0.42, "best_step": 5,

@@ -129,6 +129,35 @@ def test_a_task_submitted_while_a_pack_trains_joins_its_free_slot(services: tupl
     assert r.status_code == 200, r.text
 
 
+def test_alto_rotates_trials_through_their_warm_up_and_stops_the_weakest(services: tuple[Cluster, str]) -> None:
+    """Four trials, two slots: the first two pause at their warm-up boundary (checkpointed, slots freed) so
+    the other two can warm up; the ranking then keeps two, which finish, and stops two as underperforming.
+    (Divergence and overfitting are switched off here: their thresholds are unit-tested on exact curves.)"""
+    c, base_url = services
+    c.start("worker-a", "worker", "--worker-id", "e2e-alto")
+    headers = create_tenant_key(base_url, ADMIN_TOKEN, "team-alto")
+    file_id = upload(base_url, headers, arithmetic_rows())
+    # Long enough that the scheduler (a round every 0.5 s) acts at the warm-up boundary (step 50) well before
+    # the first trials could finish: the tiny model trains hundreds of steps a second.
+    body = grid_task(file_id, max_steps=1000)
+    body["eval_interval"] = 250
+    body["scheduling"] = {"max_trials_per_pack": 2}
+    body["early_exit"] = {"policy": "alto", "keep_ratio": 0.5, "tau_slope": 100.0, "tau_gap": 100.0}
+    task_id = submit(base_url, headers, body)["id"]
+    events = follow_events(base_url, headers, task_id, timeout_s=300)
+    assert events[-1]["data"]["state"] == "succeeded", events[-1]
+    kinds = [e["event"] for e in events]
+    assert kinds.count("trial.waiting") >= 2, kinds  # the first two waited for the others' warm-up
+    stopped = [e["data"] for e in events if e["event"] == "trial.stopped_early"]
+    assert len(stopped) == 2 and all(d["data"]["reason"] == "underperforming" for d in stopped), stopped
+    task = httpx.get(f"{base_url}/v1/tasks/{task_id}", headers=headers).json()
+    assert task["trial_counts"]["completed"] == 2 and task["trial_counts"]["stopped_early"] == 2, task
+    trials = httpx.get(f"{base_url}/v1/tasks/{task_id}/trials", headers=headers).json()["data"]
+    stopped_ids = {d["trial_id"] for d in stopped}
+    assert task["best_trial"]["id"] not in stopped_ids
+    assert all(t["steps_done"] < 1000 for t in trials if t["id"] in stopped_ids)
+
+
 def test_killed_worker_and_scheduler_lose_nothing(services: tuple[Cluster, str]) -> None:
     c, base_url = services
     worker_a = c.start("worker-a", "worker", "--worker-id", "e2e-kill-a")

@@ -16,6 +16,7 @@ from worker.engine import PackEngine, StepStats, TrialOutcome, TrialSpec, adapte
 from worker.engine.batch import PackedBatch
 from worker.engine.data import collate, encode_rows
 from worker.engine.lora import StackedLoraLinear
+from worker.engine.trainer import StopMode
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 Point = tuple[str, int, str, float]
@@ -109,8 +110,8 @@ def test_pack_learns_and_each_trial_equals_training_alone(tiny: Tiny, tmp_path: 
 def test_should_stop_drops_a_trial_at_once(tiny: Tiny, tmp_path: Path) -> None:
     points: list[Point] = []
 
-    def stop_b_after_five() -> set[str]:
-        return {"b"} if any(p[:3] == ("b", 5, "train") for p in points) else set()
+    def stop_b_after_five() -> dict[str, StopMode]:
+        return {"b": "drop"} if any(p[:3] == ("b", 5, "train") for p in points) else {}
 
     outcomes = train_pack(
         *tiny,
@@ -255,6 +256,46 @@ def test_a_back_filled_trial_joins_a_free_slot_mid_pack_and_trains_as_alone(tiny
     # c joined at a's 6th step and trains exactly as it would alone.
     (alone,), alone_points = _run(tiny, [make_spec("c", max_steps=6, seed=3)], tmp_path / "alone")
     torch.testing.assert_close(_curve(points, "c", "train"), _curve(alone_points, "c", "train"), rtol=1e-5, atol=1e-6)
+    packed, single = _weights(outcomes[2].adapter_dir), _weights(alone.adapter_dir)
+    for key in packed:
+        assert_rel_close(packed[key], single[key])
+
+
+def test_stop_modes_export_the_best_adapter_or_pause_to_resume_exactly(tiny: Tiny, tmp_path: Path) -> None:
+    """"export" ends a trial with its best-validation adapter; "pause" checkpoints it at the step it left,
+    and admitted again from that checkpoint it goes on as if it had never left."""
+    points: list[Point] = []
+    checkpoints: dict[str, tuple[int, Path]] = {}
+    requested: dict[str, StopMode] = {}
+    back: list[tuple[TrialSpec, Path | None]] = []
+
+    def stops() -> dict[str, StopMode]:
+        if any(p[:3] == ("a", 4, "val") for p in points):
+            requested["a"] = "export"
+        if any(p[:3] == ("b", 6, "train") for p in points) and "b" not in checkpoints:
+            requested["b"] = "pause"
+        return dict(requested)
+
+    def admissions(free: int) -> list[tuple[TrialSpec, Path | None]]:
+        if "b" in checkpoints and not back and any(p[:3] == ("c", 9, "train") for p in points):
+            back.append((make_spec("b", max_steps=12, seed=2), checkpoints["b"][1]))
+            requested.pop("b")
+            return back[:free]
+        return []
+
+    outcomes = train_pack(
+        *tiny, [make_spec("a", max_steps=12), make_spec("b", max_steps=12, seed=2), make_spec("c", seed=3)],
+        base_model_name="tiny", export_dir=tmp_path / "pack", on_point=lambda *p: points.append(p),
+        checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=100, admissions=admissions, should_stop=stops,
+        on_checkpoint=lambda t, step, path: checkpoints.setdefault(t, (step, path)),
+    )  # fmt: skip
+    got = [(o.trial_id, o.status, o.steps_done) for o in outcomes]
+    assert got == [("a", "stopped", 4), ("b", "paused", 6), ("b", "completed", 12), ("c", "completed", 12)]
+    a = outcomes[0]
+    assert a.adapter_dir is not None and a.best_step == 4 and (a.adapter_dir / "adapter_model.safetensors").exists()
+    assert outcomes[1].adapter_dir is None and checkpoints["b"][0] == 6
+    (alone,), alone_points = _run(tiny, [make_spec("b", max_steps=12, seed=2)], tmp_path / "alone")
+    torch.testing.assert_close(_curve(points, "b", "train"), _curve(alone_points, "b", "train"), rtol=1e-5, atol=1e-6)
     packed, single = _weights(outcomes[2].adapter_dir), _weights(alone.adapter_dir)
     for key in packed:
         assert_rel_close(packed[key], single[key])

@@ -35,7 +35,8 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
     yield d
 
 
-def make_task(n_trials: int, cap: int = 8) -> tuple[str, list[str]]:
+def make_task(n_trials: int, cap: int = 8, early_exit: dict[str, object] | None = None,
+              steps: int = 4) -> tuple[str, list[str]]:
     with session_scope() as s:
         ensure_default_models(s)
         tenant = Tenant(id=new_id("ten"), name=new_id("n"), max_concurrent_trials=10, max_trials_per_task=10,
@@ -45,7 +46,8 @@ def make_task(n_trials: int, cap: int = 8) -> tuple[str, list[str]]:
         task = Task(id=new_id("task"), tenant_id=tenant.id, base_model="tiny-random-llama",
                     training_file_id=file.id, state=states.TASK_QUEUED,
                     spec={"max_seq_len": 64, "eval_interval": 2, "validation_split": 0.2, "seed": 0,
-                          "scheduling": {"max_trials_per_pack": cap}})
+                          "scheduling": {"max_trials_per_pack": cap},
+                          "early_exit": early_exit or {"policy": "none"}})
         s.add(tenant)
         s.flush()
         s.add(file)
@@ -53,7 +55,7 @@ def make_task(n_trials: int, cap: int = 8) -> tuple[str, list[str]]:
         s.add(task)
         s.flush()
         trials = [Trial(id=new_id("trial"), task_id=task.id, tenant_id=tenant.id, index=i,
-                        state=states.TRIAL_PENDING, total_steps=4,
+                        state=states.TRIAL_PENDING, total_steps=steps,
                         hyperparameters={"learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8, "batch_size": 2,
                                          "lora_dropout": 0.0, "target_modules": ["q_proj"], "seed": i})
                   for i in range(n_trials)]
@@ -367,10 +369,14 @@ def test_two_schedulers_ticking_at_once_place_and_send_each_pack_once(daemon: Sc
         assert sent == len(packs)  # each pack sent once
 
 
-def admit_commands() -> list[dict[str, object]]:
-    bus = get_bus()
-    return [m for _, m in bus.read_after(commands_stream(WORKER), "0", count=100, block_s=0)
-            if m.get("type") == "admit_trials"]
+def commands_tail() -> str:
+    """Where the worker's command stream ends now (tests read only what they cause after it)."""
+    return get_bus().tail_id(commands_stream(WORKER))
+
+
+def commands(kind: str, after: str) -> list[dict[str, object]]:
+    return [m for _, m in get_bus().read_after(commands_stream(WORKER), after, count=100, block_s=0)
+            if m.get("type") == kind]
 
 
 def set_rank(trial_id: str, rank: int) -> None:
@@ -380,7 +386,7 @@ def set_rank(trial_id: str, rank: int) -> None:
 
 
 def test_a_trial_that_arrives_while_a_pack_runs_is_back_filled_into_its_free_slot(daemon: SchedulerDaemon) -> None:
-    redis.Redis.from_url(REDIS_URL).delete(commands_stream(WORKER))
+    start = commands_tail()
     _, first = make_task(2, cap=4)
     heartbeat()
     daemon.step(block_s=0.2)
@@ -401,12 +407,12 @@ def test_a_trial_that_arrives_while_a_pack_runs_is_back_filled_into_its_free_slo
         backfill_events = [e for e in s.scalars(select(Event).where(Event.type == "trial.running"))
                            if e.data.get("backfill")]
         assert sorted(e.trial_id for e in backfill_events) == sorted(late[:2])
-    (command,) = admit_commands()
+    (command,) = commands("admit_trials", start)
     assert command["pack_id"] == pack.id
     assert sorted(t["trial_id"] for t in command["trials"]) == sorted(late[:2])  # type: ignore[union-attr]
     assert queued_messages() == 1  # no new pack was sent: the first one's
     daemon.step(block_s=0.05)
-    assert len(admit_commands()) == 1  # sent once
+    assert len(commands("admit_trials", start)) == 1  # sent once
 
     # The worker takes one; the other finds the pack ending first and comes back at no cost.
     report("trial.admitted", pack_id=pack.id, trial_id=late[0])
@@ -421,7 +427,6 @@ def test_a_trial_that_arrives_while_a_pack_runs_is_back_filled_into_its_free_slo
 
 
 def test_a_back_fill_the_pack_never_took_goes_back_to_pending_when_the_pack_ends(daemon: SchedulerDaemon) -> None:
-    redis.Redis.from_url(REDIS_URL).delete(commands_stream(WORKER))
     make_task(1, cap=2)
     heartbeat()
     daemon.step(block_s=0.2)
@@ -450,3 +455,113 @@ def test_a_back_fill_the_pack_never_took_goes_back_to_pending_when_the_pack_ends
         assert trial.attempts == 2  # the rejected try, and this one; the never-admitted one was refunded
         kinds = [e.type for e in s.scalars(select(Event).where(Event.trial_id == late).order_by(Event.id))]
         assert kinds.count("trial.requeued") == 2 and "trial.failed" not in kinds
+
+
+def curve(pack_id: str, trial_id: str, train: list[float], val: dict[int, float]) -> None:
+    """A worker's reports: train losses for steps 1.., validation losses at the given steps."""
+    points: list[list[object]] = [[trial_id, i + 1, "train", loss] for i, loss in enumerate(train)]
+    points += [[trial_id, step, "val", loss] for step, loss in val.items()]
+    report("points", pack_id=pack_id, points=points)
+
+
+def test_alto_keeps_the_best_quarter_at_the_warm_up_boundary_and_stops_the_rest(daemon: SchedulerDaemon) -> None:
+    start = commands_tail()
+    task_id, trials = make_task(4, early_exit={"policy": "alto"}, steps=40)  # warm-up ends at step 2
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    for i, trial_id in enumerate(trials):
+        curve(pack.id, trial_id, [3.0, 2.9 - i / 10], {2: 2.0 + i})
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        got = {t.id: (t.state, t.stop_reason) for t in s.scalars(select(Trial))}
+        assert got[trials[0]] == (states.TRIAL_RUNNING, None)
+        assert all(got[t] == (states.TRIAL_STOPPED_EARLY, "underperforming") for t in trials[1:])
+        events = list(s.scalars(select(Event).where(Event.type == "trial.stopped_early")))
+        assert sorted(e.trial_id for e in events) == sorted(trials[1:])
+        worst = next(e for e in events if e.trial_id == trials[3])
+        assert (worst.data["reason"], worst.data["rank"], worst.data["keep"]) == ("underperforming", 4, 1)
+        assert "underperforming" in worst.message and "ranks 4 of 4" in worst.message
+    (command,) = commands("stop_trials", start)  # the three are taken out of the running pack, nothing exported
+    assert command["mode"] == "drop" and sorted(command["trial_ids"]) == sorted(trials[1:])  # type: ignore[arg-type]
+    daemon.step(block_s=0.05)
+    assert len(commands("stop_trials", start)) == 1
+    # The pack message asked each trial to validate exactly at its warm-up step.
+    from scheduler.dispatch import pack_message
+    with session_scope() as s:
+        message = pack_message(s, s.get_one(Pack, pack.id))
+        assert {t["extra_eval_steps"][0] for t in message["trials"]} == {2}
+        assert s.get_one(Task, task_id).state == states.TASK_RUNNING
+
+
+def test_an_overfitting_trial_is_stopped_with_its_best_adapter_which_can_win(daemon: SchedulerDaemon) -> None:
+    start = commands_tail()
+    # No smoothing (ema_alpha 1): the gap is against the raw train loss, so the numbers are easy to follow.
+    task_id, (fit, over) = make_task(2, early_exit={"policy": "alto", "keep_ratio": 1.0, "ema_alpha": 1.0}, steps=40)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    # "over"'s validation loss stays far above its train loss two evaluations in a row (gaps 1.0 and 0.5).
+    curve(pack.id, fit, [2.0] * 10, {2: 2.2, 6: 2.15, 10: 2.1})
+    curve(pack.id, over, [2.0] + [1.0] * 9, {2: 2.0, 6: 1.5, 10: 1.9})
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        trial = s.get_one(Trial, over)
+        assert (trial.state, trial.stop_reason) == (states.TRIAL_STOPPED_EARLY, "overfitting")
+        assert s.get_one(Trial, fit).state == states.TRIAL_RUNNING
+    (command,) = commands("stop_trials", start)
+    assert (command["mode"], command["trial_ids"]) == ("export", [over])
+    # The worker exports its best adapter (val 1.5 at step 6) and says so; the other completes, worse.
+    report("trial.finished", pack_id=pack.id, trial_id=over, status="stopped", steps_done=10, best_val_loss=1.5,
+           best_step=6, final_train_loss=1.0, adapter_key="adapters/over.tar.gz")
+    report("trial.finished", pack_id=pack.id, trial_id=fit, status="completed", steps_done=40, best_val_loss=2.05,
+           best_step=40, final_train_loss=2.0, adapter_key="adapters/fit.tar.gz")
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        trial = s.get_one(Trial, over)
+        assert (trial.state, trial.adapter_key, trial.best_step) == (
+            states.TRIAL_STOPPED_EARLY, "adapters/over.tar.gz", 6)
+        task = s.get_one(Task, task_id)
+        assert task.state == states.TASK_SUCCEEDED and task.best_trial_id == over
+        types = [e.type for e in s.scalars(select(Event).where(Event.trial_id == over).order_by(Event.id))]
+        assert types.index("trial.stopped_early") < types.index("trial.adapter_saved") < types.index("task.succeeded")
+
+
+def test_warm_up_rotation_pauses_the_first_trial_until_the_second_has_warmed_up(daemon: SchedulerDaemon) -> None:
+    """One slot for two trials: the first pauses at its boundary (checkpoint, slot freed), the second warms
+    up in its place, the ranking keeps the first (it resumes from its checkpoint) and stops the second."""
+    start = commands_tail()
+    _, (first, second) = make_task(2, cap=1, early_exit={"policy": "alto"}, steps=40)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    assert pack.trial_ids == [first]
+    report("pack.started", pack_id=pack.id)
+    curve(pack.id, first, [2.0, 1.8], {2: 1.5})
+    daemon.step(block_s=0.2)
+    (pause,) = commands("stop_trials", start)
+    assert (pause["mode"], pause["trial_ids"]) == ("pause", [first])
+    report("trial.checkpoint", pack_id=pack.id, trial_id=first, step=2, checkpoint_key="ckpt/first-2")
+    report("trial.finished", pack_id=pack.id, trial_id=first, status="paused", steps_done=2, best_val_loss=1.5,
+           best_step=2, final_train_loss=1.8, adapter_key=None)
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        waiting = s.get_one(Trial, first)
+        assert (waiting.state, waiting.pack_id, waiting.checkpoint_step, waiting.attempts) == (
+            states.TRIAL_WAITING, None, 2, 0)
+        assert s.get_one(Trial, second).state == states.TRIAL_RUNNING  # the freed worker took the other
+    second_pack = live_pack()
+    report("pack.started", pack_id=second_pack.id)
+    curve(second_pack.id, second, [2.0, 1.9], {2: 1.7})
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Trial, second).state == states.TRIAL_STOPPED_EARLY
+        resumed = s.get_one(Trial, first)
+        assert resumed.state in (states.TRIAL_PENDING, states.TRIAL_RUNNING)  # kept: queued to continue
+        kinds = [e.type for e in s.scalars(select(Event).where(Event.trial_id == first).order_by(Event.id))]
+        assert "trial.waiting" in kinds and "trial.resumed" in kinds and "trial.stopped_early" not in kinds

@@ -50,7 +50,7 @@ class SlotState:
     @property
     def eval_due(self) -> bool:
         """Validation is due after the step just taken (every ``eval_interval`` steps and at the last)."""
-        every = self.steps_done % self.spec.eval_interval == 0
+        every = self.steps_done % self.spec.eval_interval == 0 or self.steps_done in self.spec.extra_eval_steps
         return bool(self.val) and self.steps_done > 0 and (every or self.steps_done == self.spec.max_steps)
 
     def lr(self) -> float:

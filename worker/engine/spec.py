@@ -35,14 +35,17 @@ class TrialSpec:
     beta2: float = 0.999
     eps: float = 1e-8
     max_grad_norm: float | None = None  # clip by this trial's own global gradient norm
+    # Also validate after these steps (the scheduler's early-exit warm-up boundary, which a ranking needs).
+    extra_eval_steps: tuple[int, ...] = ()
 
 
 @dataclass
 class TrialOutcome:
-    """How a trial ended. ``adapter_dir`` (completed trials only) holds the best-validation adapter."""
+    """How a trial ended. ``adapter_dir`` (completed trials, and trials stopped with an export) holds its
+    best-validation adapter."""
 
     trial_id: str
-    status: str  # "completed" | "stopped" | "failed"
+    status: str  # "completed" | "stopped" | "paused" (checkpointed, to resume elsewhere) | "failed"
     steps_done: int
     best_val_loss: float | None
     best_step: int | None

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -17,6 +18,9 @@ from worker.engine.spec import TrialOutcome, TrialSpec, validate_spec
 logger = logging.getLogger(__name__)
 
 PointCallback = Callable[[str, int, str, float], None]  # (trial_id, step, "train" | "val", loss)
+# How to take a trial out of the pack: "drop" it, "export" its best-validation adapter first (an early exit
+# for overfitting), or "pause" it (checkpoint, free the slot; it resumes later from the checkpoint).
+StopMode = Literal["drop", "export", "pause"]
 # Given the free slots, the trials to admit now, each with the checkpoint it resumes from (or None).
 Admissions = Callable[[int], list[tuple[TrialSpec, Path | None]]]
 
@@ -29,7 +33,7 @@ def train_pack(
     base_model_name: str,
     export_dir: Path,
     on_point: PointCallback,
-    should_stop: Callable[[], set[str]] = lambda: set(),
+    should_stop: Callable[[], Mapping[str, StopMode]] = lambda: {},
     on_step: Callable[[StepStats], None] | None = None,
     resume: dict[str, Path] | None = None,
     checkpoint_dir: Path | None = None,
@@ -47,9 +51,10 @@ def train_pack(
 
     All trials share one ``PackEngine``: one forward and one backward per step. A trial that raises (bad
     spec, unknown target module, no data, an exception in its step) is ``"failed"`` and the others go on; a
-    NaN loss is reported, not an error. Ids returned by ``should_stop`` (polled once per step) are dropped
-    at once as ``"stopped"``. Exceptions from the callbacks propagate. The model is left with no adapter
-    layers, ready for the next pack.
+    NaN loss is reported, not an error. Trials ``should_stop`` names (polled once per step) leave at once:
+    ``"drop"`` and ``"export"`` end them ``"stopped"`` (with the best-validation adapter exported for
+    ``"export"``); ``"pause"`` checkpoints them (``on_checkpoint``) and ends them ``"paused"``. Exceptions
+    from the callbacks propagate. The model is left with no adapter layers, ready for the next pack.
 
     Back-filling: the engine has ``capacity`` slots (default: one per trial) of rank up to ``max_rank``
     (default: the trials' largest) over the layers ``target_modules`` select (default: the trials' own).
@@ -68,12 +73,13 @@ def train_pack(
         on_outcome: called with each trial's outcome as soon as the trial ends (its slot is free after).
 
     Returns:
-        One outcome per trial: ``trials`` in order, then the admitted ones in order of admission.
+        One outcome per stay of a trial in the pack: ``trials`` in order, then the admitted ones in the order
+        they ended (a trial paused and admitted again has one per stay).
     """
     ids = [t.trial_id for t in trials]
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate trial ids in pack: {ids}")
-    outcomes: dict[str, TrialOutcome] = {}
+    outcomes: list[TrialOutcome] = []
     report = _Reporter(outcomes, on_outcome)
     ready: list[tuple[TrialSpec, list[str]]] = []
     for spec in trials:
@@ -84,7 +90,7 @@ def train_pack(
             logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
             report(TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)))
     if not ready and admissions is None:
-        return [outcomes[i] for i in ids]
+        return outcomes
     hooks = _Hooks(on_point, Path(export_dir), base_model_name, checkpoint_dir, checkpoint_interval, on_checkpoint)
     layers = {path for _, paths in ready for path in paths}
     for pattern in target_modules or []:  # room for back-fills; a pattern this model lacks wraps nothing
@@ -107,14 +113,14 @@ def train_pack(
                 logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
                 report(TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)))
         while True:
-            admitted = _admit(engine, admissions, on_admitted, seen=set(ids) | set(outcomes)) if admissions else []
-            ids += admitted
+            if admissions is not None:
+                _admit(engine, admissions, on_admitted)
             live = _live(engine)
             if not live:
                 break
             stop = should_stop()
             for slot in [s for s in live if engine.state(s).spec.trial_id in stop]:
-                report(_finish(engine, slot, "stopped"))
+                report(_take_out(engine, slot, stop[engine.state(slot).spec.trial_id], hooks))
             losses = engine.step() if any(state.training for state in engine.slots if state) else {}
             if on_step is not None and engine.last_stats is not None and losses:
                 on_step(engine.last_stats)
@@ -122,47 +128,40 @@ def train_pack(
                 outcome = _after_step(engine, slot, losses, hooks)
                 if outcome is not None:
                     report(outcome)
-    return [outcomes[i] for i in ids]
+    order = {trial_id: i for i, trial_id in enumerate(ids)}
+    return sorted(outcomes, key=lambda o: order.get(o.trial_id, len(ids)))  # stable: admitted ones as they ended
 
 
 @dataclass
 class _Reporter:
-    """Records each outcome once and passes it on at once."""
+    """Records each outcome and passes it on at once."""
 
-    outcomes: dict[str, TrialOutcome]
+    outcomes: list[TrialOutcome]
     on_outcome: Callable[[TrialOutcome], None] | None
 
     def __call__(self, outcome: TrialOutcome) -> None:
-        self.outcomes[outcome.trial_id] = outcome
+        self.outcomes.append(outcome)
         if self.on_outcome is not None:
             self.on_outcome(outcome)
 
 
 def _admit(
-    engine: PackEngine, admissions: Admissions, on_admitted: Callable[[str, str | None], None] | None, seen: set[str]
-) -> list[str]:
-    """Admit what ``admissions`` hands over into free slots; returns the admitted trial ids."""
+    engine: PackEngine, admissions: Admissions, on_admitted: Callable[[str, str | None], None] | None
+) -> None:
+    """Admit what ``admissions`` hands over into free slots (a trial that left this pack, paused, may come
+    back; one still in it is refused: ``engine.admit`` raises)."""
     free = sum(1 for state in engine.slots if state is None)
     if not free:
-        return []
-    admitted = []
+        return
     for spec, resume in admissions(free):
         reason = None
-        if spec.trial_id in seen:
-            reason = f"trial {spec.trial_id} already ran in this pack"
-        else:
-            try:
-                engine.admit(spec, resume=resume)
-            except Exception as exc:  # a rank above the pack's, a layer it does not wrap, no data, ...
-                reason = _describe(exc)
-        if reason is None:
-            admitted.append(spec.trial_id)
-            seen.add(spec.trial_id)
-        else:
+        try:
+            engine.admit(spec, resume=resume)
+        except Exception as exc:  # already in the pack, a rank above the pack's, a layer it does not wrap, ...
+            reason = _describe(exc)
             logger.warning("trial %s not admitted: %s", spec.trial_id, reason)
         if on_admitted is not None:
             on_admitted(spec.trial_id, reason)
-    return admitted
 
 
 @dataclass(frozen=True)
@@ -203,6 +202,20 @@ def _after_step(engine: PackEngine, slot: int, losses: dict[str, float], hooks: 
     if checkpoint is not None and hooks.on_checkpoint is not None:
         hooks.on_checkpoint(trial_id, step, checkpoint)
     return outcome
+
+
+def _take_out(engine: PackEngine, slot: int, mode: StopMode, hooks: _Hooks) -> TrialOutcome:
+    """A trial leaving on request (``should_stop``): dropped, exported, or checkpointed to resume later."""
+    if mode == "export":
+        return _finish(engine, slot, "stopped", export_to=hooks)
+    if mode == "pause":
+        state = engine.state(slot)
+        if hooks.checkpoint_dir is not None:
+            path = engine.checkpoint(slot, hooks.checkpoint_dir / state.spec.trial_id)
+            if hooks.on_checkpoint is not None:
+                hooks.on_checkpoint(state.spec.trial_id, state.steps_done, path)
+        return _finish(engine, slot, "paused")
+    return _finish(engine, slot, "stopped")
 
 
 def _finish(

@@ -1,0 +1,108 @@
+"""Early exit in the running service: each task's policy (scheduler/early_exit.py, pure) applied to its trials'
+stored curves, and its decisions made into state changes, events and worker commands.
+
+Runs in the scheduler's ingest transaction for the tasks whose trials reported something (a validation point,
+an end, a pause), so a decision is made on every new evaluation (DESIGN.md §4):
+
+- stop: the trial becomes `stopped_early` with its reason, and a `trial.stopped_early` event carries the
+  numbers behind it. A running one is then taken out of its pack by a `stop_trials` command (`stop_requests`),
+  which asks the worker to export its best-validation adapter first when it overfitted.
+- hold (reached its warm-up boundary before the rest of its task): while other trials of the task are still
+  pending, it is asked to pause — checkpoint and give up its slot, so the pending ones can have their warm-up
+  (ALTO's rotation) — and waits in `waiting`; with nothing pending it just trains on.
+- resume (kept by the warm-up ranking while waiting): back to pending, to continue from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from common import states
+from common.events import record_event
+from common.models import MetricPoint, Pack, Task, Trial
+from scheduler.early_exit import EarlyExitConfig, EarlyExitSpecError, curves_from_losses, decide, from_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PauseRequest:
+    pack_id: str
+    worker_id: str
+    trial_id: str
+    placed_at: str  # which placement of the trial (it may be paused in the same pack again later)
+
+
+def apply_early_exit(session: Session, task_ids: Iterable[str], now: datetime) -> list[PauseRequest]:
+    """Decide for every given task that has a policy; returns the running trials to pause now."""
+    pauses: list[PauseRequest] = []
+    for task_id in sorted(set(task_ids)):
+        task = session.get(Task, task_id)
+        if task is None or task.state not in (states.TASK_QUEUED, states.TASK_RUNNING):
+            continue
+        try:
+            config = from_spec(task.spec.get("early_exit") or {"policy": "none"})
+        except EarlyExitSpecError as exc:  # a task stored before the policy's parameters changed
+            log.warning("task %s: unusable early-exit spec (%s); no early exit", task.id, exc)
+            continue
+        if config.policy == "none":
+            continue
+        pauses += _apply(session, task, config, now)
+    return pauses
+
+
+def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime) -> list[PauseRequest]:
+    trials = session.scalars(
+        select(Trial).where(Trial.task_id == task.id).order_by(Trial.index).with_for_update()
+    ).all()
+    points: dict[str, dict[str, list[tuple[int, float]]]] = {t.id: {"train": [], "val": []} for t in trials}
+    for trial_id, step, split, loss in session.execute(
+        select(MetricPoint.trial_id, MetricPoint.step, MetricPoint.split, MetricPoint.loss)
+        .where(MetricPoint.trial_id.in_(points))
+    ):
+        points[trial_id][split].append((step, loss))
+    max_seq_len = int(task.spec.get("max_seq_len", 512))
+    curves = []
+    for t in trials:
+        batch = int(t.hyperparameters.get("batch_size", 1))
+        curves.append(curves_from_losses(t.id, t.state, t.total_steps, batch, batch * max_seq_len,
+                                         points[t.id]["train"], points[t.id]["val"]))
+    by_id = {t.id: t for t in trials}
+    pending = any(t.state == states.TRIAL_PENDING for t in trials)
+    pauses = []
+    for decision in decide(config, curves):
+        trial = by_id[decision.trial_id]
+        if decision.action == "stop" and trial.state in states.TRIAL_ACTIVE:
+            trial.state = states.TRIAL_STOPPED_EARLY
+            trial.stop_reason = decision.reason
+            trial.finished_at = now
+            trial.awaiting_admission = False
+            record_event(session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
+                         type="trial.stopped_early", message=f"trial {trial.index}: {decision.message}",
+                         data=decision.event_data())
+        elif decision.action == "resume" and trial.state == states.TRIAL_WAITING:
+            trial.state = states.TRIAL_PENDING
+            record_event(session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
+                         type="trial.resumed", message=f"trial {trial.index}: {decision.message}",
+                         data=decision.event_data())
+        elif decision.action == "hold" and trial.state == states.TRIAL_RUNNING and pending and trial.pack_id:
+            pack = session.get(Pack, trial.pack_id)
+            if pack is not None and pack.state in states.PACK_LIVE:
+                pauses.append(PauseRequest(pack.id, pack.worker_id, trial.id, placement(trial)))
+    return pauses
+
+
+def placement(trial: Trial) -> str:
+    """Tells one placement of a trial from the next (commands are sent once per placement)."""
+    return trial.started_at.isoformat() if trial.started_at else ""
+
+
+def stop_mode(trial: Trial) -> str:
+    """How the worker takes a stopped trial out: with its best adapter exported when it overfitted."""
+    return "export" if trial.state == states.TRIAL_STOPPED_EARLY and trial.stop_reason == "overfitting" else "drop"
