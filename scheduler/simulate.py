@@ -31,6 +31,7 @@ from scheduler.planning import (
     PlanResult,
     PlanTrial,
     Prepared,
+    RunningMember,
     RunningPack,
     ScheduledPack,
     finish_plan,
@@ -299,17 +300,24 @@ def _planning_input(pending: list[str], trials: dict[str, PlanTrial], gpu_specs:
     for pack in sorted(running.values(), key=lambda p: p.pack_id):
         _advance(pack, trials, now)
         members = [trials[i] for i in pack.left]
-        step = pack.step_s(trials)
         cap = min(t.max_trials_per_pack for t in members)
         tenants: dict[str, int] = {}
         for t in members:
             tenants[t.tenant_id] = tenants.get(t.tenant_id, 0) + 1
+        # Members leave as they finish: the longest one ends after its steps at the shared cost plus every
+        # member's own per-step cost for that member's steps (planning.py's arithmetic, in exact seconds).
+        step = pack.cost.step
+        end_s = max(pack.left.values()) * step.a_s + sum(
+            left * (step.b_s_per_token * trials[i].tokens_per_step + step.c_s_per_slot)
+            for i, left in pack.left.items())
         packs.append(RunningPack(
-            pack.pack_id, pack.gpu_ids, pack.base_model,
-            ends_at=max(1, math.ceil(max(pack.left.values()) * step / unit_s - _REL_EPS)),
+            pack.pack_id, pack.gpu_ids, pack.base_model, ends_at=max(1, math.ceil(end_s / unit_s - _REL_EPS)),
             trials=len(members), free_slots=max(0, cap - len(members)),
             tokens_per_step=sum(t.tokens_per_step for t in members), slot_bytes=sum(t.slot_bytes for t in members),
             max_trials_per_pack=cap, tenant_trials=tuple(sorted(tenants.items())),
+            members=tuple(RunningMember(i, trials[i].tenant_id, trials[i].tenant_weight,
+                                        max(1, math.ceil(left - _REL_EPS * max(1.0, left))), trials[i].tokens_per_step)
+                          for i, left in pack.left.items()),
         ))
     return PlanningInput(trials=tuple(trials[i] for i in pending), gpus=gpu_specs, costs=trace.costs,
                          running=tuple(packs), unit_s=unit_s)
