@@ -81,7 +81,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     if args.load is not None and (args.trace != "tenant-stream" or args.load <= 0):
         raise SystemExit("--load takes a positive number and applies to --trace tenant-stream only")
     trace = make_trace(args.trace, args.seed, args.gpus, args.tasks, args.load)
-    rows = [simulate(trace, args.gpus, p, time_limit_s=args.time_limit, seed=args.seed).summary() for p in policies]
+    rows = [simulate(trace, args.gpus, p, time_limit_s=args.time_limit, seed=args.seed,
+                     makespan_weight=args.makespan_weight).summary() for p in policies]
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return
@@ -207,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--tasks", type=int, default=None, help="tasks of the tenant stream (default 200)")
     sim.add_argument("--load", type=float, default=None,
                      help="tenant stream: offered load, GPU-seconds of solo service per GPU-second (default 0.9)")
+    sim.add_argument("--makespan-weight", type=int, default=None,
+                     help="weight of a replan's makespan in the planner objective (default 1 for a batch like "
+                          "alto-mix, 0 for a stream like tenant-stream)")
     sim.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
     sim.set_defaults(func=cmd_simulate)
     return parser

@@ -20,7 +20,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler.cpsat import plan_cpsat
 from scheduler.firstfit import plan_greedy
@@ -62,6 +62,17 @@ def plan_fifo(inp: PlanningInput) -> PlanResult:
     return finish_plan(prep, packs, time.perf_counter() - t0, "fifo")
 
 
+def default_makespan_weight(trace: Trace) -> int:
+    """1 for a batch (every task arrives at once: ALTO's mix, judged by its makespan), 0 for a stream.
+
+    In a stream a replan's makespan is only when the work known so far would end; the next arrivals move it,
+    and nobody is judged by it. Weighting it anyway pushes the plan to start the longest trial first (it ends
+    last): measured on the tenant stream at load 1.5, CP-SAT then started a 2,158 s job ahead of 84-476 s ones
+    to cut a replan's makespan by ~270 s, and its mean JCT was 494 s against 483 s with weight 0.
+    """
+    return 1 if len({t.arrival_s for t in trace.tasks}) <= 1 else 0
+
+
 def make_planner(policy: str, *, time_limit_s: float = 1.0, seed: int = 0) -> Planner:
     if policy == "fifo":
         return plan_fifo
@@ -101,6 +112,7 @@ class SimResult:
     completed_s: dict[str, float]  # trial id -> when its last step finished
     steps_done: dict[str, float]  # trial id -> steps trained
     packs: tuple[PackRecord, ...]
+    makespan_weight: int = 1  # the planner objective's weight of each replan's makespan
 
     def summary(self) -> dict[str, object]:
         """The JSON object of `loraplane simulate --json`."""
@@ -108,7 +120,7 @@ class SimResult:
                 "makespan_s": round(self.makespan_s, 3), "mean_jct_s": round(self.mean_jct_s, 3),
                 "p95_jct_s": round(self.p95_jct_s, 3), "gpu_util": round(self.gpu_util, 4),
                 "replan_p95_ms": round(self.replan_p95_ms, 3), "replans": self.replans,
-                "unschedulable": len(self.unschedulable)}
+                "unschedulable": len(self.unschedulable), "makespan_weight": self.makespan_weight}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -143,14 +155,18 @@ def _close(a: float, b: float) -> bool:
 
 
 def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0, seed: int = 0,
-             unit_s: float = 1.0, planner: Planner | None = None) -> SimResult:
+             unit_s: float = 1.0, makespan_weight: int | None = None, planner: Planner | None = None) -> SimResult:
     """Runs `trace` on `gpus` identical GPUs under `policy` and measures it (see the module docstring).
 
     `unit_s` is the planner's integer time unit; its durations are rounded up and never 0, so it only
-    coarsens the plan, never the simulated clock. `planner` overrides the policy's planner (tests).
+    coarsens the plan, never the simulated clock. `makespan_weight` is the weight of each replan's makespan
+    in the planner's objective (beside Σ weight·completion); by default `default_makespan_weight(trace)`.
+    `planner` overrides the policy's planner (tests).
     """
     if gpus < 1:
         raise ValueError("gpus must be ≥ 1")
+    if makespan_weight is None:
+        makespan_weight = default_makespan_weight(trace)
     plan = planner or make_planner(policy, time_limit_s=time_limit_s, seed=seed)
     gpu_specs = tuple(GpuSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus))
     tasks = sorted(trace.tasks, key=lambda t: t.arrival_s)  # stable: trace order within an instant
@@ -181,7 +197,7 @@ def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0,
             next_task += 1
         wake: float | None = None
         if pending and _can_start(pending, trials, free, running):
-            inp = _planning_input(pending, trials, gpu_specs, free, running, trace, now, unit_s)
+            inp = _planning_input(pending, trials, gpu_specs, free, running, trace, now, unit_s, makespan_weight)
             t0 = time.perf_counter()
             res = plan(inp)
             replan_ms.append((time.perf_counter() - t0) * 1000)
@@ -233,8 +249,8 @@ def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0,
                 done.append(pack)
     else:
         raise RuntimeError("simulation did not converge (planner starts nothing while time advances)")
-    return _result(trace, gpus, policy, tasks, task_of, done, started, completed, steps_done, unschedulable,
-                   replan_ms, statuses)
+    return replace(_result(trace, gpus, policy, tasks, task_of, done, started, completed, steps_done,
+                           unschedulable, replan_ms, statuses), makespan_weight=makespan_weight)
 
 
 def mean_jct_lower_bound(trace: Trace, gpus: int) -> float:
@@ -294,8 +310,8 @@ def _can_start(pending: list[str], trials: dict[str, PlanTrial], free: set[str],
 
 
 def _planning_input(pending: list[str], trials: dict[str, PlanTrial], gpu_specs: tuple[GpuSpec, ...],
-                    free: set[str], running: dict[str, _Pack], trace: Trace, now: float, unit_s: float
-                    ) -> PlanningInput:
+                    free: set[str], running: dict[str, _Pack], trace: Trace, now: float, unit_s: float,
+                    makespan_weight: int) -> PlanningInput:
     packs = []
     for pack in sorted(running.values(), key=lambda p: p.pack_id):
         _advance(pack, trials, now)
@@ -320,7 +336,7 @@ def _planning_input(pending: list[str], trials: dict[str, PlanTrial], gpu_specs:
                           for i, left in pack.left.items()),
         ))
     return PlanningInput(trials=tuple(trials[i] for i in pending), gpus=gpu_specs, costs=trace.costs,
-                         running=tuple(packs), unit_s=unit_s)
+                         running=tuple(packs), unit_s=unit_s, makespan_weight=makespan_weight)
 
 
 def _result(trace: Trace, gpus: int, policy: str, tasks: list[TraceTask], task_of: dict[str, str], done: list[_Pack],
