@@ -79,8 +79,11 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise SystemExit(f"unknown policy {unknown or args.policy!r}; choose from {','.join(POLICIES)}")
-    trace = make_trace(args.trace, args.seed, args.gpus, args.tasks)
-    rows = [simulate(trace, args.gpus, p, time_limit_s=args.time_limit, seed=args.seed).summary() for p in policies]
+    if args.load is not None and (args.trace != "tenant-stream" or args.load <= 0):
+        raise SystemExit("--load takes a positive number and applies to --trace tenant-stream only")
+    trace = make_trace(args.trace, args.seed, args.gpus, args.tasks, args.load)
+    rows = [simulate(trace, args.gpus, p, time_limit_s=args.time_limit, seed=args.seed,
+                     makespan_weight=args.makespan_weight).summary() for p in policies]
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return
@@ -90,7 +93,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
     lines = ["  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    sys.stdout.write(f"trace {trace.name}, {args.gpus} GPUs, seed {args.seed}\n" + "\n".join(lines) + "\n")
+    load = f", load {0.9 if args.load is None else args.load:g}" if args.trace == "tenant-stream" else ""
+    sys.stdout.write(f"trace {trace.name}, {args.gpus} GPUs{load}, seed {args.seed}\n" + "\n".join(lines) + "\n")
 
 
 def _param(text: str) -> tuple[str, object]:
@@ -237,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--time-limit", type=float, default=1.0, help="CP-SAT seconds per replan")
     sim.add_argument("--tasks", type=int, default=None, help="tasks of the tenant stream (default 200)")
+    sim.add_argument("--load", type=float, default=None,
+                     help="tenant stream: offered load, GPU-seconds of solo service per GPU-second (default 0.9)")
+    sim.add_argument("--makespan-weight", type=int, default=None,
+                     help="weight of a replan's makespan in the planner objective (default 1 for a batch like "
+                          "alto-mix, 0 for a stream like tenant-stream)")
     sim.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
     sim.set_defaults(func=cmd_simulate)
     rep = sub.add_parser("replay", help="replay a logged sweep's curves under an early-exit policy")

@@ -8,10 +8,14 @@ tasks and tenants share one backbone. Here the three are one model:
   empty (bin-packing symmetry breaking: n trials need n(n+1)/2 membership literals, not n²);
 - a pack is one start and duration on k GPUs chosen together: an optional interval per (pack, GPU) and
   `NoOverlap` per GPU, with busy GPUs and running packs as intervals from 0;
-- step time `a + b·tokens + c·slots` is linear in membership, so every trial's completion is linear too;
-- back-fill puts a pending trial into a running pack's free slot, starting now;
+- step time `a + b·tokens + c·slots` is linear in membership and a member leaves when its steps are done, so
+  every trial's completion `start + n_t·a + Σ_u item_u·min(n_u, n_t)` is linear too (planning.py);
+- back-fill puts a pending trial into a running pack's free slot, starting now; with the pack's members known,
+  their delayed completions count in the objective, so a back-fill pays for the members it slows;
 - per-tenant quotas (max concurrent trials) are `Cumulative` constraints over trial intervals.
-Objective: makespan_weight·makespan + Σ tenant_weight·completion. All integer arithmetic is in
+Objective: makespan_weight·makespan + Σ tenant_weight·completion. Candidate packs follow Smith's order
+(`Prepared.priority`), so a candidate's leader is its highest-priority member, as in the greedy plan that
+seeds the search. All integer arithmetic is in
 `planning.Prepared`, shared with `firstfit.plan_greedy`; the reported schedule is recomputed with it from
 the solver's choices, so the model, the fallback and the brute-force tests agree exactly.
 """
@@ -25,7 +29,9 @@ from ortools.sat.python import cp_model
 
 from scheduler.firstfit import plan_greedy
 from scheduler.planning import (
+    NEVER,
     SCALE,
+    Member,
     PlanningInput,
     PlanResult,
     PlanTrial,
@@ -35,18 +41,24 @@ from scheduler.planning import (
     finish_plan,
 )
 
+# The solver gets what is left of the call's time limit after the greedy plan and the model are built, less this
+# margin for reading the solution back, so that a call with a limit of 1 s returns within about 1 s.
+EXTRACT_MARGIN_S = 0.02
+
 
 def plan_cpsat(inp: PlanningInput, *, time_limit_s: float = 1.0, seed: int = 0, num_workers: int = 1) -> PlanResult:
-    """Best plan CP-SAT finds within `time_limit_s`; the greedy plan when the model is too big or unsolved.
+    """Best plan CP-SAT finds within `time_limit_s` (the whole call, building included); the greedy plan
+    when the model is too big, the time is gone before the solve, or the solver found nothing.
 
     The greedy plan also seeds the search (a hint) and bounds the objective, so a timed-out solve is never
     worse than the fallback. `num_workers=1` with a fixed `seed` and a deterministic time limit makes the
-    plan reproducible; more workers search faster but the result may then depend on timing.
+    plan reproducible when the deterministic limit is what stops the search; more workers search faster but
+    the result may then depend on timing.
     """
     t0 = time.perf_counter()
     prep = Prepared(inp)
     groups: dict[tuple[str, int], list[PlanTrial]] = {}
-    for t in prep.trials:
+    for t in prep.priority():
         groups.setdefault((t.base_model, t.gpus_needed), []).append(t)
     n_intervals = sum(len(ts) for ts in groups.values()) * len(inp.gpus) + len(prep.trials)
     greedy = plan_greedy(inp)
@@ -56,8 +68,11 @@ def plan_cpsat(inp: PlanningInput, *, time_limit_s: float = 1.0, seed: int = 0, 
     if n_intervals > inp.max_interval_vars or terms > inp.max_pack_terms:
         return replace(greedy, solve_s=time.perf_counter() - t0)
     built = _Model(prep, groups, greedy)
+    left = time_limit_s - (time.perf_counter() - t0) - EXTRACT_MARGIN_S
+    if left <= 0:
+        return replace(greedy, solve_s=time.perf_counter() - t0)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.max_time_in_seconds = left
     solver.parameters.max_deterministic_time = time_limit_s
     solver.parameters.random_seed = seed
     solver.parameters.num_workers = num_workers
@@ -68,6 +83,14 @@ def plan_cpsat(inp: PlanningInput, *, time_limit_s: float = 1.0, seed: int = 0, 
 
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible"}
+
+
+def _first_steps(prep: Prepared, n: int, base: int, own: list[Member],
+                 fills: list[tuple[PlanTrial, cp_model.IntVar]]) -> cp_model.LinearExprT:
+    """SCALE·(time of a running pack's first n steps from now): the shared cost every step, each of its own
+    members' items while they are in, each chosen back-fill's item while it is in."""
+    return n * base + sum(i.item * min(i.steps, n) for i in own) + sum(
+        prep.step_item(u) * min(u.remaining_steps, n) * v for u, v in fills)
 
 
 class _Model:
@@ -103,13 +126,14 @@ class _Model:
                     on_gpu[g.gpu_id].append(m.new_optional_interval_var(s, d, e, y[g.gpu_id], "p"))
                     m.add(base_mem + sum(prep.mem_item(t) * x for t, x in members) <= g.memory_bytes
                           ).only_enforce_if(y[g.gpu_id])
-                step = base_step + sum(prep.step_item(t) * x for t, x in members)
                 for t, x in members:
                     m.add_implication(x, used)
                     placed[t.trial_id].append(x)
-                    c = self.comp[t.trial_id]
+                    c, n = self.comp[t.trial_id], t.remaining_steps
                     m.add(sum(x2 for _, x2 in members) <= t.max_trials_per_pack).only_enforce_if(x)
-                    m.add(SCALE * c >= SCALE * s + t.remaining_steps * step).only_enforce_if(x)
+                    # Its first n steps: the shared base each step, each member's item while both are in.
+                    work = n * base_step + sum(prep.step_item(u) * min(u.remaining_steps, n) * xu for u, xu in members)
+                    m.add(SCALE * c >= SCALE * s + work).only_enforce_if(x)
                     m.add(c >= s + 1).only_enforce_if(x)
                     m.add(e >= c).only_enforce_if(x)
                     m.add(self.st[t.trial_id] == s).only_enforce_if(x)
@@ -117,20 +141,37 @@ class _Model:
                 self.span[lead.trial_id] = (d, e)
         # Running packs: kept where they are, back-filled with pending trials that fit.
         self.fills: list[tuple[RunningPack, list[tuple[PlanTrial, cp_model.IntVar]]]] = []
+        self.members: dict[str, cp_model.IntVar] = {}  # running members' completions (exactly modelled packs)
+        weighted: list[tuple[int, cp_model.IntVar]] = []
         for r in inp.running:
-            e_r = m.new_int_var(r.ends_at, h, f"E_{r.pack_id}")
+            e_r = m.new_int_var(prep.running_end(r), h, f"E_{r.pack_id}")
             ends.append(e_r)
-            iv = m.new_interval_var(0, e_r, e_r, f"run_{r.pack_id}")
             for gid in r.gpu_ids:
                 # The GPU is taken until the pack ends or its own busy_until, whichever is later.
                 occ = m.new_int_var(0, h, f"occ_{gid}")
                 m.add_max_equality(occ, [e_r, fixed[gid]])
                 on_gpu[gid].append(m.new_interval_var(0, occ, occ, f"held_{gid}"))
-            # Its own trials end at ends_at even if back-filled trials keep the pack running longer.
-            own = m.new_fixed_size_interval_var(0, r.ends_at, f"own_{r.pack_id}")
-            for ten, n in r.tenant_trials:
-                by_tenant.setdefault(ten, []).append((own, n))
             z = [(t, m.new_bool_var(f"z_{t.trial_id}_{r.pack_id}")) for t in prep.trials if prep.compatible(t, r)]
+            own = prep.running_members(r)  # a legacy pack: one member that never leaves
+            base_r = prep.step_base(r.base_model)
+            for i in own:
+                if i.steps >= NEVER:
+                    continue
+                c_i = m.new_int_var(1, h, f"C_{i.trial_id}")
+                m.add(SCALE * c_i >= _first_steps(prep, i.steps, base_r, own, z))
+                m.add(e_r >= c_i)
+                self.members[i.trial_id] = c_i
+                weighted.append((i.weight, c_i))
+            if r.members:
+                # Its members hold their tenants' quota until they end, later if a back-fill slows them.
+                for mem in r.members:
+                    c_i = self.members[mem.trial_id]
+                    by_tenant.setdefault(mem.tenant_id, []).append((m.new_interval_var(0, c_i, c_i, "own"), 1))
+            else:
+                # Its own trials end at ends_at even if back-filled trials keep the pack running longer.
+                own_iv = m.new_fixed_size_interval_var(0, r.ends_at, f"own_{r.pack_id}")
+                for ten, n in r.tenant_trials:
+                    by_tenant.setdefault(ten, []).append((own_iv, n))
             if not z:
                 continue
             n_fill = sum(v for _, v in z)
@@ -138,11 +179,11 @@ class _Model:
             # Only the additions are constrained: a running pack the model thinks over-full still runs.
             room = max(0, min(prep.gpu_mem[gid] for gid in r.gpu_ids) - prep.mem_running(r))
             m.add(sum(prep.mem_item(t) * v for t, v in z) <= room)
-            step = prep.step_running(r) + sum(prep.step_item(t) * v for t, v in z)
             for t, v in z:
                 placed[t.trial_id].append(v)
                 m.add(r.trials + n_fill <= t.max_trials_per_pack).only_enforce_if(v)
-                m.add(SCALE * self.comp[t.trial_id] >= t.remaining_steps * step).only_enforce_if(v)
+                m.add(SCALE * self.comp[t.trial_id] >= _first_steps(prep, t.remaining_steps, base_r, own, z)
+                      ).only_enforce_if(v)
                 m.add(e_r >= self.comp[t.trial_id]).only_enforce_if(v)
                 m.add(self.st[t.trial_id] == 0).only_enforce_if(v)
             self.fills.append((r, z))
@@ -162,14 +203,15 @@ class _Model:
         makespan = m.new_int_var(0, h, "makespan")
         m.add_max_equality(makespan, [*self.comp.values(), *ends])
         objective = inp.makespan_weight * makespan + sum(
-            t.tenant_weight * self.comp[t.trial_id] for t in prep.trials)
+            t.tenant_weight * self.comp[t.trial_id] for t in prep.trials) + sum(w * c for w, c in weighted)
         m.add(objective <= greedy.objective)
         m.minimize(objective)
         self._hint(greedy)
 
     def _hint(self, greedy: PlanResult) -> None:
-        """Starts the search from the greedy plan: each greedy pack is the candidate led by its oldest member."""
-        rank = {t.trial_id: i for i, t in enumerate(self.prep.trials)}
+        """Starts the search from the greedy plan: each greedy pack is the candidate led by its first member in
+        Smith's order (the candidates' order)."""
+        rank = {t.trial_id: i for i, t in enumerate(self.prep.priority())}
         led = {min(p.trial_ids, key=rank.__getitem__): p for p in greedy.packs if not p.backfill}
         for lead, members, s, y in self.packs:
             p = led.get(lead.trial_id)
@@ -186,6 +228,8 @@ class _Model:
         for tid, c in self.comp.items():
             self.m.add_hint(c, greedy.completion[tid])
             self.m.add_hint(self.st[tid], start[tid])
+        for tid, c in self.members.items():
+            self.m.add_hint(c, greedy.running_completion[tid])
         where = {tid: p.pack_key for p in greedy.packs if p.backfill for tid in p.trial_ids}
         for r, z in self.fills:
             for t, v in z:

@@ -1,114 +1,264 @@
-"""The first-fit planner: the CP-SAT planner's hint and fallback (pure, no I/O)."""
+"""The first-fit planner: the CP-SAT planner's hint and fallback (pure, no I/O).
+
+List scheduling by Smith's rule with cheapest insertion. Pending trials are taken shortest solo time per unit
+of tenant weight first (`Prepared.priority`); each goes wherever it adds the least to the objective
+`Σ weight·completion + makespan_weight·makespan`, given what is already placed:
+
+- a new pack of its own on the k earliest-free GPUs that hold it, at the earliest time its tenant's quota
+  allows; or
+- an open pack of its model (a running pack, or a new pack of this plan that nothing is planned after on its
+  GPUs), if memory, caps and quotas still hold. Joining costs its own slower completion plus the delay it
+  causes every member it shares the pack with (planning.py: a short member slows a long one only while they
+  share the pack). Only packs that start before the new pack could are worth a look: starting no earlier and
+  stepping no faster, a join could never finish sooner than a pack of its own.
+
+Both options also pay for the GPU time they take from the trials still to be placed: every unit a GPU stays
+taken delays, in a list schedule over G GPUs, about 1/G of their weight. Without that term a trial would
+never see that a pack of its own holds a GPU for its whole solo time while joining a pack holds the pack's
+GPUs only for the time it adds; with it, trials whose model has a large shared step cost (ALTO's 70B, 32B)
+pack, and trials whose shared cost is small (the tenant stream's 8B jobs) mostly run alone.
+
+So with a GPU set free now a trial never joins a pack (it starts alone, at once), and under a queue a short
+trial slips into a running pack rather than wait behind long ones when the delay it causes is smaller than
+the wait it saves: processor sharing where it pays, shortest-first everywhere. Running packs are back-filled
+by the same rule. Speed: GPUs sit in heaps by free time per memory size, open packs in heaps by end per pack
+kind; at most `CANDIDATE_PACKS` open packs (the earliest-ending) are priced per trial, each in O(members).
+"""
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import time
-from collections import Counter
+from dataclasses import dataclass, field
 
-from scheduler.planning import PlanningInput, PlanResult, PlanTrial, Prepared, ScheduledPack, finish_plan
+from scheduler.planning import (
+    SCALE,
+    PlanningInput,
+    PlanResult,
+    PlanTrial,
+    Prepared,
+    RunningPack,
+    ScheduledPack,
+    finish_plan,
+)
+
+# Open packs priced per trial (the earliest-ending of its kind). Above this many the insertion is a heuristic
+# choice among the likeliest; the simulated 16- and 64-GPU clusters never have more open packs of one kind.
+CANDIDATE_PACKS = 32
 
 
-def _quota_ok(prep: Prepared, used: dict[str, list[tuple[int, int]]], new: list[tuple[str, int, int]]) -> bool:
-    """Whether adding trial intervals `new` (tenant, start, end) keeps every tenant within its quota."""
-    for tenant in {ten for ten, _, _ in new}:
+def _units(milli: int) -> int:
+    return max(1, -(-milli // SCALE))
+
+
+@dataclass
+class _Pack:
+    """A pack of the plan being built: a new one, or a running one (back-fill). Member j has `steps[j]` steps
+    of cost `items[j]` each, and `milli[j]` = SCALE·(time from the pack's start to its last step)."""
+
+    key: str
+    gpu_ids: tuple[str, ...]
+    kind: tuple[str, int]
+    start: int
+    base: int  # shared step cost (SCALE-ths); a legacy running pack's whole load is in it
+    running: RunningPack | None
+    floor_end: int  # the pack ends no earlier (a running pack's predicted end)
+    count: int  # members in all, running ones included
+    cap: int  # most members in all
+    mem_left: int  # bytes left for more members on its smallest GPU
+    ids: list[str] = field(default_factory=list)  # members the plan knows: running ones first, then placed
+    steps: list[int] = field(default_factory=list)
+    items: list[int] = field(default_factory=list)
+    weights: list[int] = field(default_factory=list)
+    milli: list[int] = field(default_factory=list)
+    placed: list[str] = field(default_factory=list)  # pending trials placed here by this plan
+    end: int = 0
+    version: int = 0  # bumped on every change: stale heap entries are skipped
+    open: bool = True  # nothing is planned after it on its GPUs, so it may still grow
+
+    def comp(self, j: int) -> int:
+        return self.start + _units(self.milli[j])
+
+
+def _quota_ok(prep: Prepared, used: dict[str, dict[str, tuple[int, int]]],
+              changes: dict[str, tuple[str, int, int]]) -> bool:
+    """Whether the spans `changes` (key -> tenant, start, end; new or moved) keep every tenant within quota."""
+    for tenant in {ten for ten, _, _ in changes.values()}:
         cap = prep.quota_cap(tenant)
         if cap is None:
             continue
-        spans = used.get(tenant, []) + [(s, e) for ten, s, e in new if ten == tenant]
+        spans = dict(used.get(tenant, {}))
+        spans.update({k: (s, e) for k, (ten, s, e) in changes.items() if ten == tenant})
         # Concurrency peaks at some interval start: count the spans covering each start.
-        if any(sum(1 for s, e in spans if s <= x < e) > cap for x, _ in spans):
+        if any(sum(1 for s, e in spans.values() if s <= x < e) > cap for x, _ in spans.values()):
             return False
     return True
 
 
 def plan_greedy(inp: PlanningInput) -> PlanResult:
-    """First-fit list scheduling: back-fill running packs, then open packs on the earliest-free GPU sets.
-
-    Trials go heaviest tenant weight first, then oldest first. Each new pack is led by the next trial, on
-    the k earliest-free GPUs that can hold it, at the earliest time its tenant's quota allows; later trials
-    of the same model join while memory, caps and quotas still hold with the pack's slower step, up to an
-    even share of that model's pending trials over the GPU sets free at the pack's start. Running packs are
-    back-filled only with trials for which no GPU set is free now.
-    """
+    """List scheduling by Smith's rule with cheapest insertion (see the module docstring)."""
     t0 = time.perf_counter()
     prep = Prepared(inp)
-    pending = sorted(prep.trials, key=lambda t: -t.tenant_weight)  # stable: oldest first within a weight
+    mw, n_gpus = inp.makespan_weight, len(inp.gpus)
+    quotas = bool(inp.tenant_quota)
+    tenant_of = {t.trial_id: t.tenant_id for t in prep.trials}
     avail = prep.fixed_busy()
-    used: dict[str, list[tuple[int, int]]] = {}
-    for r in inp.running:
-        for ten, n in r.tenant_trials:
-            used.setdefault(ten, []).extend([(0, r.ends_at)] * n)
-    packs: list[ScheduledPack] = []
+    seq = itertools.count()
+    # GPUs by memory size, each size a heap of (free at, GPU id); an entry is stale once avail moved on.
+    sizes = sorted({g.memory_bytes for g in inp.gpus})
+    free_heaps: dict[int, list[tuple[int, str]]] = {m: [] for m in sizes}
+    for spec in inp.gpus:
+        free_heaps[spec.memory_bytes].append((avail[spec.gpu_id], spec.gpu_id))
+    for h in free_heaps.values():
+        heapq.heapify(h)
+    last_on: dict[str, _Pack] = {}  # GPU -> the pack planned last on it
+    open_heaps: dict[tuple[str, int], list[tuple[int, int, int, _Pack]]] = {}  # (end, seq, version, pack)
+    used: dict[str, dict[str, tuple[int, int]]] = {}  # tenant -> span key -> (start, end), for quotas
+    makespan = max([0, *avail.values()])
+    packs: list[_Pack] = []
 
-    def grow(members: list[PlanTrial], cand: PlanTrial, cap: int, mem_left: int, base: int, start: int,
-             already: int = 0) -> bool:
-        """Whether `cand` may join `members` (plus `already` running trials) in a pack starting at `start`."""
-        trial = [*members, cand]
-        if already + len(trial) > min([cap, *(t.max_trials_per_pack for t in trial)]):
-            return False
-        if sum(prep.mem_item(t) for t in trial) > mem_left:
-            return False
-        durs = prep.durations(trial, base)
-        return _quota_ok(prep, used, [(t.tenant_id, start, start + durs[t.trial_id]) for t in trial])
-
-    def free_now(t: PlanTrial, at: int) -> int:
-        """GPU sets of `t`'s size free at time `at` that can hold it alone."""
-        solo = prep.mem_base(t.base_model) + prep.mem_item(t)
-        return sum(1 for g in inp.gpus if avail[g.gpu_id] <= at and g.memory_bytes >= solo) // t.gpus_needed
+    def publish(p: _Pack) -> None:
+        p.version += 1
+        heapq.heappush(open_heaps.setdefault(p.kind, []), (p.end, next(seq), p.version, p))
 
     for r in sorted(inp.running, key=lambda r: r.pack_id):
-        members: list[PlanTrial] = []
-        mem_left = min(prep.gpu_mem[g] for g in r.gpu_ids) - prep.mem_running(r)
-        for t in pending:
-            # Joining a running pack slows all its members: only when no GPU is free for the trial now.
-            if free_now(t, 0) == 0 and prep.compatible(t, r) and len(members) < r.free_slots and grow(
-                    members, t, r.max_trials_per_pack, mem_left, prep.step_running(r), 0, already=r.trials):
-                members.append(t)
-        if members:
-            durs = prep.durations(members, prep.step_running(r))
-            for t in members:
-                used.setdefault(t.tenant_id, []).append((0, durs[t.trial_id]))
-            for gid in r.gpu_ids:
-                avail[gid] = max(avail[gid], *durs.values())
-            packs.append(ScheduledPack(r.pack_id, r.gpu_ids, r.base_model, tuple(t.trial_id for t in members),
-                                       0, max(durs.values()), backfill=True))
-            chosen = {t.trial_id for t in members}
-            pending = [t for t in pending if t.trial_id not in chosen]
+        # A legacy pack (members unknown) is its load in the shared cost until its end; a known one, members.
+        p = _Pack(r.pack_id, r.gpu_ids, (r.base_model, len(r.gpu_ids)), 0,
+                  prep.step_base(r.base_model) if r.members else prep.step_running(r), r,
+                  floor_end=prep.running_end(r), count=r.trials,
+                  cap=min(r.max_trials_per_pack, r.trials + r.free_slots),
+                  mem_left=min(prep.gpu_mem[g] for g in r.gpu_ids) - prep.mem_running(r), end=prep.running_end(r))
+        for member in prep.running_members(r) if r.members else []:
+            p.ids.append(member.trial_id)
+            p.steps.append(member.steps)
+            p.items.append(member.item)
+            p.weights.append(member.weight)
+        p.milli = [n * p.base + sum(i * min(n2, n) for n2, i in zip(p.steps, p.items, strict=True))
+                   for n in p.steps]
+        for j, known in enumerate(r.members):
+            used.setdefault(known.tenant_id, {})[known.trial_id] = (0, p.comp(j))
+            tenant_of[known.trial_id] = known.tenant_id
+        if not r.members:
+            for ten, n in r.tenant_trials:
+                used.setdefault(ten, {}).update({f"{r.pack_id}#{ten}#{i}": (0, r.ends_at) for i in range(n)})
+        packs.append(p)
+        for g in r.gpu_ids:
+            last_on[g] = p
+        if r.free_slots > 0:
+            publish(p)
 
-    waiting = Counter((t.base_model, t.gpus_needed) for t in pending)  # pending trials per pack kind
-    while pending:
-        lead = pending[0]
-        base_mem = prep.mem_base(lead.base_model)
-        fits = [g for g in inp.gpus if g.memory_bytes >= base_mem + prep.mem_item(lead)]
-        gpus = sorted(fits, key=lambda g: (avail[g.gpu_id], g.gpu_id))[: lead.gpus_needed]
-        start = max(avail[g.gpu_id] for g in gpus)
-        base = prep.step_base(lead.base_model)
-        solo = prep.duration(lead.remaining_steps, base + prep.step_item(lead))
-        # The lead alone must fit its quota: move to the next time one of its tenant's trials ends.
-        times = sorted({start, *(e for _, e in used.get(lead.tenant_id, []) if e > start)})
-        start = next(x for x in times if _quota_ok(prep, used, [(lead.tenant_id, x, x + solo)]))
-        mem_left = min(g.memory_bytes for g in gpus) - base_mem
-        # Spread the model's pending trials over the GPU sets free at `start` before stacking them: a pack's
-        # step slows with every member, an idle GPU is lost time.
-        alike = waiting[(lead.base_model, lead.gpus_needed)]
-        limit = min(-(-alike // max(1, free_now(lead, start))), lead.max_trials_per_pack)
-        members = [lead]
-        for t in pending[1:]:
-            if len(members) >= limit:
-                break
-            if (t.base_model, t.gpus_needed) == (lead.base_model, lead.gpus_needed) and grow(
-                    members, t, lead.max_trials_per_pack, mem_left, base, start):
-                members.append(t)
-        durs = prep.durations(members, base)
-        end = start + max(durs.values())
-        for t in members:
-            used.setdefault(t.tenant_id, []).append((start, start + durs[t.trial_id]))
-        for gpu in gpus:
-            avail[gpu.gpu_id] = end
-        packs.append(ScheduledPack(f"new-{lead.trial_id}", tuple(sorted(g.gpu_id for g in gpus)),
-                                   lead.base_model, tuple(t.trial_id for t in members), start, end))
-        for t in members:
-            waiting[(t.base_model, t.gpus_needed)] -= 1
-        chosen = {t.trial_id for t in members}
-        pending = [t for t in pending if t.trial_id not in chosen]
-    return finish_plan(prep, packs, time.perf_counter() - t0, "greedy_fallback")
+    def earliest_gpus(t: PlanTrial, need: int) -> list[str]:
+        """The t.gpus_needed earliest-free GPUs with `need` bytes (ties by id), from the heaps, stale skipped."""
+        picked: list[tuple[int, str]] = []
+        for m in sizes[bisect.bisect_left(sizes, need):]:
+            h, got = free_heaps[m], list[tuple[int, str]]()
+            while h and len(got) < t.gpus_needed:
+                at, gid = heapq.heappop(h)
+                if at == avail[gid] and (at, gid) not in got:
+                    got.append((at, gid))
+            for e in got:
+                heapq.heappush(h, e)
+            picked.extend(got)
+        return [gid for _, gid in sorted(picked)[: t.gpus_needed]]
+
+    def quota_start(t: PlanTrial, start: int, dur: int) -> int:
+        """The earliest time ≥ start at which t alone for `dur` keeps its tenant within quota."""
+        if not quotas or prep.quota_cap(t.tenant_id) is None:
+            return start
+        times = sorted({start, *(e for _, e in used.get(t.tenant_id, {}).values() if e > start)})
+        return next(x for x in times if _quota_ok(prep, used, {t.trial_id: (t.tenant_id, x, x + dur)}))
+
+    def price_join(p: _Pack, t: PlanTrial, item: int, bound: int, rest: int) -> tuple[int, list[int], int] | None:
+        """(cost in n_gpus-ths, members' new milli, t's milli) of t joining p, or None if it may not or
+        costs `bound` or more."""
+        if p.count + 1 > min(p.cap, t.max_trials_per_pack) or prep.mem_item(t) > p.mem_left:
+            return None
+        n = t.remaining_steps
+        # Its own time at least: every step the shared cost and its own item, the members' items aside.
+        if t.tenant_weight * (p.start + _units(n * (p.base + item))) * n_gpus >= bound:
+            return None
+        own = n * (p.base + item) + sum(i * min(n2, n) for n2, i in zip(p.steps, p.items, strict=True))
+        mine = p.start + _units(own)
+        cost, last = t.tenant_weight * mine, mine
+        milli = []
+        for j, (n2, m) in enumerate(zip(p.steps, p.milli, strict=True)):
+            m2 = m + item * min(n, n2)  # member j is slowed while t is in, and only then
+            milli.append(m2)
+            c2 = p.start + _units(m2)
+            cost += p.weights[j] * (c2 - p.comp(j))
+            last = max(last, c2)
+        end = max(last, p.floor_end)
+        # In n_gpus-ths: the pack's GPUs stay taken (end - p.end) longer, which the trials still to place pay.
+        cost = (cost + mw * max(0, end - makespan)) * n_gpus + rest * len(p.gpu_ids) * (end - p.end)
+        if cost >= bound:
+            return None
+        if quotas:
+            moved = {i: (tenant_of[i], p.start, p.start + _units(m)) for i, m in zip(p.ids, milli, strict=True)
+                     if i in tenant_of}
+            if not _quota_ok(prep, used, moved | {t.trial_id: (t.tenant_id, p.start, mine)}):
+                return None
+        return cost, milli, own
+
+    order = prep.priority()
+    rest = sum(t.tenant_weight for t in order)  # weight of the trials not placed yet
+    for t in order:
+        rest -= t.tenant_weight
+        kind, item = (t.base_model, t.gpus_needed), prep.step_item(t)
+        base = prep.step_base(t.base_model)
+        need = prep.mem_base(t.base_model) + prep.mem_item(t)
+        gpus = earliest_gpus(t, need)
+        solo = prep.duration(t.remaining_steps, base + item)
+        start = quota_start(t, max(avail[g] for g in gpus), solo)
+        new_cost = (t.tenant_weight * (start + solo) + mw * max(0, start + solo - makespan)) * n_gpus
+        new_cost += rest * sum(start + solo - avail[g] for g in gpus)
+        # Price the earliest-ending open packs of this kind that start before the new pack could.
+        best: tuple[int, list[int], int, _Pack] | None = None
+        heap, seen = open_heaps.get(kind, []), list[tuple[int, int, int, _Pack]]()
+        while heap and len(seen) < CANDIDATE_PACKS:
+            entry = heapq.heappop(heap)
+            p = entry[3]
+            if entry[2] != p.version or not p.open:
+                continue  # stale: the pack changed or something is planned after it
+            seen.append(entry)
+            if p.start < start:
+                priced = price_join(p, t, item, best[0] if best else new_cost, rest)
+                if priced:
+                    best = (*priced, p)
+        for entry in seen:
+            heapq.heappush(heap, entry)
+        if best is not None:
+            _, milli, own, p = best
+            p.milli = [*milli, own]
+            p.count += 1
+            p.cap = min(p.cap, t.max_trials_per_pack)
+            p.mem_left -= prep.mem_item(t)
+        else:
+            p = _Pack(f"new-{t.trial_id}", tuple(sorted(gpus)), kind, start, base, None, floor_end=0, count=1,
+                      cap=t.max_trials_per_pack, mem_left=min(prep.gpu_mem[g] for g in gpus) - need,
+                      milli=[t.remaining_steps * (base + item)])
+            packs.append(p)
+            for g in gpus:
+                if g in last_on:
+                    last_on[g].open = False
+                last_on[g] = p
+        p.ids.append(t.trial_id)
+        p.steps.append(t.remaining_steps)
+        p.items.append(item)
+        p.weights.append(t.tenant_weight)
+        p.placed.append(t.trial_id)
+        p.end = max(p.floor_end, *(p.comp(j) for j in range(len(p.ids))))
+        if quotas:
+            for j, i in enumerate(p.ids):
+                if i in tenant_of:
+                    used.setdefault(tenant_of[i], {})[i] = (p.start, p.comp(j))
+        for g in p.gpu_ids:
+            avail[g] = max(avail[g], p.end)
+            heapq.heappush(free_heaps[prep.gpu_mem[g]], (avail[g], g))
+        makespan = max(makespan, p.end)
+        publish(p)
+
+    out = [ScheduledPack(p.key, p.gpu_ids, p.kind[0], tuple(p.placed), p.start, 0, backfill=p.running is not None)
+           for p in packs if p.placed]
+    return finish_plan(prep, out, time.perf_counter() - t0, "greedy_fallback")

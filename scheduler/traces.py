@@ -196,10 +196,12 @@ def tenant_stream(seed: int = 0, gpus: int = 16, *, tasks: int = 200, load: floa
 TRACES = {"alto-mix", "tenant-stream"}
 
 
-def make_trace(name: str, seed: int, gpus: int, tasks: int | None = None) -> Trace:
-    """The named trace; `tasks` sizes the tenant stream (the ALTO mix has a fixed size)."""
+def make_trace(name: str, seed: int, gpus: int, tasks: int | None = None, load: float | None = None) -> Trace:
+    """The named trace; `tasks` and `load` shape the tenant stream (the ALTO mix has a fixed size and arrives at
+    once). `load` only scales the arrival rate (tLoRA §4.3 scales arrivals the same way); the jobs drawn from a
+    seed are the same at every load."""
     if name == "alto-mix":
         return alto_mix(seed)
     if name == "tenant-stream":
-        return tenant_stream(seed, gpus, tasks=tasks or 200)
+        return tenant_stream(seed, gpus, tasks=tasks or 200, load=0.9 if load is None else load)
     raise ValueError(f"unknown trace {name!r}; expected one of {sorted(TRACES)}")

@@ -18,6 +18,7 @@ from scheduler.planning import (
     PlanningInput,
     PlanResult,
     PlanTrial,
+    RunningMember,
     RunningPack,
 )
 
@@ -43,13 +44,26 @@ def _mem(inp: PlanningInput, model: str, trials: list[PlanTrial], tokens: int = 
 
 def _durations(inp: PlanningInput, model: str, trials: list[PlanTrial], running: RunningPack | None = None
                ) -> dict[str, int]:
+    """Units from the pack's start to each member's last step, stepping the pack one step at a time: a step
+    costs the base plus the item of every member still in it (a legacy running pack's load stays to the end).
+    Covers a running pack's own members too when it lists them."""
     s, k = inp.costs[model].step, SCALE / inp.unit_s
-    step = math.ceil(s.a_s * k)
-    if running:
-        step += math.ceil(s.b_s_per_token * running.tokens_per_step * k)
-        step += math.ceil(s.c_s_per_slot * k) * running.trials
-    step += sum(math.ceil(s.b_s_per_token * t.tokens_per_step * k) + math.ceil(s.c_s_per_slot * k) for t in trials)
-    return {t.trial_id: max(1, math.ceil(t.remaining_steps * step / SCALE)) for t in trials}
+
+    def item(tokens: int) -> int:
+        return math.ceil(s.b_s_per_token * tokens * k) + math.ceil(s.c_s_per_slot * k)
+
+    load = math.ceil(s.a_s * k)
+    left = {t.trial_id: (t.remaining_steps, item(t.tokens_per_step)) for t in trials}
+    if running and running.members:
+        left |= {m.trial_id: (max(1, m.remaining_steps), item(m.tokens_per_step)) for m in running.members}
+    elif running:
+        load += math.ceil(s.b_s_per_token * running.tokens_per_step * k)
+        load += math.ceil(s.c_s_per_slot * k) * running.trials
+    clock, out = 0, {}
+    for step in range(1, max((n for n, _ in left.values()), default=0) + 1):
+        clock += load + sum(i for n, i in left.values() if n >= step)
+        out |= {tid: max(1, -(-clock // SCALE)) for tid, (n, _) in left.items() if n == step}
+    return out
 
 
 def check_valid(inp: PlanningInput, res: PlanResult) -> None:
@@ -61,8 +75,21 @@ def check_valid(inp: PlanningInput, res: PlanResult) -> None:
     assert len(seen) == len(set(seen))
     assert set(seen) | set(res.unschedulable) == set(by_id) and not set(seen) & set(res.unschedulable)
     busy: dict[str, list[tuple[int, int]]] = {g.gpu_id: [] for g in inp.gpus}
-    run_end = {r.pack_id: r.ends_at for r in inp.running}
     spans: dict[str, list[tuple[int, int]]] = {}
+    fills = {p.pack_key: [by_id[i] for i in p.trial_ids] for p in res.packs if p.backfill}
+    run_end, theirs = {}, {}
+    for r in inp.running:
+        durs = _durations(inp, r.base_model, fills.get(r.pack_id, []), r)
+        run_end[r.pack_id] = max(r.ends_at, *durs.values()) if durs else r.ends_at
+        theirs |= {m.trial_id: durs[m.trial_id] for m in r.members}
+        for m in r.members:
+            spans.setdefault(m.tenant_id, []).append((0, durs[m.trial_id]))
+        if not r.members:
+            for ten, n in r.tenant_trials:
+                spans.setdefault(ten, []).extend([(0, r.ends_at)] * n)
+        for g in r.gpu_ids:
+            busy[g].append((0, max(run_end[r.pack_id], gpu[g].busy_until)))
+    assert res.running_completion == theirs
     for p in res.packs:
         ts = [by_id[i] for i in p.trial_ids]
         assert {t.base_model for t in ts} == {p.base_model}
@@ -82,17 +109,10 @@ def check_valid(inp: PlanningInput, res: PlanResult) -> None:
         for t in ts:
             assert res.completion[t.trial_id] == p.start + durs[t.trial_id]
             spans.setdefault(t.tenant_id, []).append((p.start, p.start + durs[t.trial_id]))
-        assert p.end == p.start + max(durs.values())
-        if r:
-            run_end[r.pack_id] = max(run_end[r.pack_id], p.end)
-        else:
+        assert p.end == p.start + max(durs[t.trial_id] for t in ts)
+        if not r:
             for g in p.gpu_ids:
                 busy[g].append((p.start, p.end))
-    for r in inp.running:
-        for g in r.gpu_ids:
-            busy[g].append((0, max(run_end[r.pack_id], gpu[g].busy_until)))
-        for ten, n in r.tenant_trials:
-            spans.setdefault(ten, []).extend([(0, r.ends_at)] * n)
     for spec in inp.gpus:
         if spec.busy_until and not any(spec.gpu_id in r.gpu_ids for r in inp.running):
             busy[spec.gpu_id].append((0, spec.busy_until))
@@ -103,8 +123,10 @@ def check_valid(inp: PlanningInput, res: PlanResult) -> None:
         ss = spans.get(ten, [])
         assert all(sum(1 for s, e in ss if s <= x < e) <= cap for x, _ in ss), f"quota of {ten}"
     assert res.makespan == max([*res.completion.values(), *run_end.values(), 0])
-    weight = {t.trial_id: t.tenant_weight for t in inp.trials}
-    assert res.objective == inp.makespan_weight * res.makespan + sum(weight[i] * c for i, c in res.completion.items())
+    weight = {t.trial_id: t.tenant_weight for t in inp.trials} | {m.trial_id: m.tenant_weight
+                                                                   for r in inp.running for m in r.members}
+    assert res.objective == inp.makespan_weight * res.makespan + sum(
+        weight[i] * c for i, c in (dict(res.completion) | theirs).items())
 
 
 # --- brute force ----------------------------------------------------------------------------------------------
@@ -121,32 +143,47 @@ def _partitions(items: list[PlanTrial]) -> Iterator[list[list[PlanTrial]]]:
 
 
 def brute_force(inp: PlanningInput) -> int:
-    """Best objective over all packings, pack orders and GPU choices (left-shifted list schedules)."""
+    """Best objective over all packings, pack orders and GPU choices (left-shifted list schedules), and over
+    which block (if any) back-fills the one running pack. No quotas."""
     best = math.inf
     # A trial no GPU set can hold even alone is left out (the planner reports it as unschedulable).
     placeable = [t for t in inp.trials
                  if sum(_mem(inp, t.base_model, [t]) <= g.memory_bytes for g in inp.gpus) >= t.gpus_needed]
-    if not placeable:
-        return 0
+    (r,) = inp.running or (None,)
+    weight = {t.trial_id: t.tenant_weight for t in inp.trials} | {m.trial_id: m.tenant_weight
+                                                                   for m in (r.members if r else ())}
     for part in _partitions(placeable):
         if any(len({(t.base_model, t.gpus_needed) for t in p}) > 1 or len(p) > min(t.max_trials_per_pack for t in p)
                for p in part):
             continue
-        for order in itertools.permutations(part):
-            choices = [[c for c in itertools.combinations(inp.gpus, p[0].gpus_needed)
-                        if all(_mem(inp, p[0].base_model, list(p)) <= g.memory_bytes for g in c)] for p in order]
-            for pick in itertools.product(*choices):
-                avail = {g.gpu_id: g.busy_until for g in inp.gpus}
-                done: dict[str, int] = {}
-                for p, gs in zip(order, pick, strict=True):
-                    start = max(avail[g.gpu_id] for g in gs)
-                    durs = _durations(inp, p[0].base_model, list(p))
-                    done.update({i: start + d for i, d in durs.items()})
-                    for g in gs:
-                        avail[g.gpu_id] = start + max(durs.values())
-                w = {t.trial_id: t.tenant_weight for t in inp.trials}
-                best = min(best, inp.makespan_weight * max(done.values()) + sum(w[i] * c for i, c in done.items()))
-    return int(best)
+        fills: list[list[PlanTrial]] = [[]]
+        if r:
+            room = min(g.memory_bytes for g in inp.gpus if g.gpu_id in r.gpu_ids)
+            fills += [p for p in part
+                      if {(t.base_model, t.gpus_needed) for t in p} == {(r.base_model, len(r.gpu_ids))}
+                      and len(p) <= r.free_slots and r.trials + len(p) <= min(r.max_trials_per_pack,
+                                                                              *(t.max_trials_per_pack for t in p))
+                      and _mem(inp, r.base_model, p, r.tokens_per_step, r.slot_bytes) <= room]
+        for fill in fills:
+            durs_r = _durations(inp, r.base_model, fill, r) if r else {}
+            r_end = max([r.ends_at, *durs_r.values()]) if r else 0
+            rest = [p for p in part if p is not fill]
+            for order in itertools.permutations(rest):
+                choices = [[c for c in itertools.combinations(inp.gpus, p[0].gpus_needed)
+                            if all(_mem(inp, p[0].base_model, list(p)) <= g.memory_bytes for g in c)] for p in order]
+                for pick in itertools.product(*choices):
+                    avail = {g.gpu_id: max(g.busy_until, r_end if r and g.gpu_id in r.gpu_ids else 0)
+                             for g in inp.gpus}
+                    done = dict(durs_r)  # the back-filled trials and the running pack's own members
+                    for p, gs in zip(order, pick, strict=True):
+                        start = max(avail[g.gpu_id] for g in gs)
+                        durs = _durations(inp, p[0].base_model, list(p))
+                        done.update({i: start + d for i, d in durs.items()})
+                        for g in gs:
+                            avail[g.gpu_id] = start + max(durs.values())
+                    makespan = max([*done.values(), r_end, 0])
+                    best = min(best, inp.makespan_weight * makespan + sum(weight[i] * c for i, c in done.items()))
+    return 0 if best == math.inf else int(best)
 
 
 def test_tiny_instances_match_brute_force() -> None:
@@ -167,7 +204,7 @@ def test_tiny_instances_match_brute_force() -> None:
 
 
 def random_instance(rng: random.Random) -> PlanningInput:
-    n_gpus = rng.randint(1, 4)
+    n_gpus, unit_s = rng.randint(1, 4), rng.choice([0.5, 1.0, 5.0])
     gpus = tuple(GpuSpec(f"g{j}", rng.choice([24, 40, 80, 80]) * GB, busy_until=rng.choice([0, 0, 0, 15, 60]))
                  for j in range(n_gpus))
     tenants = ["a", "b", "c"]
@@ -178,11 +215,39 @@ def random_instance(rng: random.Random) -> PlanningInput:
         for i in range(rng.randint(1, 7)))
     running: tuple[RunningPack, ...] = ()
     if rng.random() < 0.5:
-        running = (RunningPack("r0", ("g0",), rng.choice(["small", "big"]), rng.randint(1, 400), trials=1,
+        model = rng.choice(["small", "big"])
+        running = (RunningPack("r0", ("g0",), model, rng.randint(1, 400), trials=1,
                                free_slots=rng.randint(0, 3), tokens_per_step=2048, slot_bytes=10**8,
                                max_trials_per_pack=4, tenant_trials=(("a", 1),)),)
+        if rng.random() < 0.5:  # members known: the exact model, with the members' delays in the objective
+            steps = rng.randint(1, 300)
+            members = (RunningMember("m0", "a", rng.randint(1, 3), steps, 2048),)
+            running = (replace(running[0], members=members, ends_at=_durations(
+                PlanningInput((), gpus, COSTS, unit_s=unit_s), model, [], replace(running[0], members=members))["m0"]),)
     quota = {t: rng.randint(1, 3) for t in tenants if rng.random() < 0.4}
-    return PlanningInput(trials, gpus, COSTS, running=running, tenant_quota=quota, unit_s=rng.choice([0.5, 1.0, 5.0]))
+    return PlanningInput(trials, gpus, COSTS, running=running, tenant_quota=quota, unit_s=unit_s)
+
+
+def test_tiny_instances_with_a_running_pack_match_brute_force() -> None:
+    # Back-fill decisions against brute force: the running pack with its members listed (their delays count)
+    # or as a legacy load that stays to its end.
+    rng = random.Random(11)
+    for case in range(30):
+        trials = tuple(trial(i, rng.choice(["small", "small", "big"]), steps=rng.randint(10, 400),
+                             tokens=rng.choice([500, 2000, 8000]), weight=rng.randint(1, 3), cap=rng.randint(2, 4))
+                       for i in range(rng.randint(1, 4)))
+        gpus = tuple(GpuSpec(f"g{j}", 80 * GB) for j in range(rng.randint(1, 2)))
+        run = RunningPack("r0", ("g0",), "small", rng.randint(20, 600), trials=1, free_slots=rng.randint(1, 3),
+                          tokens_per_step=2000, slot_bytes=10**8, max_trials_per_pack=4)
+        if rng.random() < 0.6:
+            members = (RunningMember("m0", "a", rng.randint(1, 3), rng.randint(10, 600), 2000),)
+            run = replace(run, members=members)
+            run = replace(run, ends_at=_durations(PlanningInput((), gpus, COSTS), "small", [], run)["m0"])
+        inp = PlanningInput(trials, gpus, COSTS, running=(run,))
+        res = plan_cpsat(inp, time_limit_s=5.0)
+        check_valid(inp, res)
+        assert res.status == "optimal", case
+        assert res.objective == brute_force(inp), case
 
 
 def test_random_instances_never_violate_constraints() -> None:

@@ -11,7 +11,7 @@ import pytest
 from loraplane.cli import main
 from scheduler.cost import MemoryModel, StepTimeModel
 from scheduler.planning import ModelCost
-from scheduler.simulate import POLICIES, SimResult, percentile, simulate
+from scheduler.simulate import POLICIES, SimResult, mean_jct_lower_bound, percentile, simulate
 from scheduler.traces import Trace, TraceTask, TraceTrial, alto_mix, tenant_stream
 
 GB = 10**9
@@ -114,6 +114,58 @@ def test_packing_shares_the_step_and_speeds_up_when_a_member_leaves() -> None:
     assert len(r.packs) == 1
 
 
+def _one_gpu_trace(*jobs: tuple[str, float, int]) -> Trace:
+    """Single-trial tasks (name, arrival, steps), one trial per pack, whose step takes 1 s."""
+    costs = {"m": ModelCost(MemoryModel(GB, 0.0), StepTimeModel(1.0, 0.0, 0.0))}
+    return Trace("hand", tuple(TraceTask(n, "ten", 1, "m", 1, a, (TraceTrial(f"{n}-0", 100, steps, 1, 1),))
+                               for n, a, steps in jobs), costs)
+
+
+@pytest.mark.parametrize("policy", ["greedy", "cpsat"])
+def test_shortest_waiting_job_goes_first_hand_computed(policy: str) -> None:
+    # One GPU, one trial per pack: A [0, 100); at 100 B (50 s, waiting since 10) and C (10 s, since 20) wait:
+    # C goes first [100, 110), then B [110, 160). JCTs 100, 150, 90; fifo runs B before C: 100, 140, 140.
+    trace = _one_gpu_trace(("A", 0, 100), ("B", 10, 50), ("C", 20, 10))
+    r = simulate(trace, 1, policy, time_limit_s=0.5)
+    assert r.completed_s == pytest.approx({"A-0": 100, "B-0": 160, "C-0": 110})
+    assert r.mean_jct_s == pytest.approx((100 + 150 + 90) / 3)
+    assert r.p95_jct_s == pytest.approx(150)
+    assert simulate(trace, 1, "fifo").mean_jct_s == pytest.approx((100 + 140 + 140) / 3)
+
+
+@pytest.mark.parametrize("policy", ["greedy", "cpsat"])
+def test_short_job_shares_a_long_jobs_pack_instead_of_waiting(policy: str) -> None:
+    # a = 0.5 s shared, 0.5 s per member: L alone steps in 1 s, L and S together in 1.5 s. S (10 steps)
+    # arrives at 1 while L has 999 steps left: sharing costs S 15 s and L 5 s; waiting costs S 999 s.
+    costs = {"m": ModelCost(MemoryModel(GB, 0.0), StepTimeModel(0.5, 0.0, 0.5))}
+    trace = Trace("ps", (TraceTask("L", "ten", 1, "m", 1, 0.0, (TraceTrial("L-0", 100, 1000, 1, 8),)),
+                         TraceTask("S", "ten", 1, "m", 1, 1.0, (TraceTrial("S-0", 100, 10, 1, 8),))), costs)
+    r = simulate(trace, 1, policy, time_limit_s=0.5)
+    assert r.completed_s == pytest.approx({"S-0": 16, "L-0": 1005})
+    assert len(r.packs) == 1
+
+
+def test_no_policy_beats_the_mean_jct_lower_bound() -> None:
+    for seed in range(3):
+        for load in (0.5, 3.0):
+            trace = tenant_stream(seed, 2, tasks=12, load=load)
+            bound = mean_jct_lower_bound(trace, 2)
+            assert bound > 0
+            for policy in POLICIES:
+                assert simulate(trace, 2, policy, time_limit_s=0.2).mean_jct_s >= bound * (1 - 1e-9)
+
+
+def test_lower_bound_hand_computed() -> None:
+    # Two 100 s jobs and a 10 s one at 0 on 2 GPUs, no shared step cost (a = 0): per-job bound (100+100+10)/3;
+    # the 2x-fast machine bound: 10 s job at 5, then the two at 55 and 105: (5 + 55 + 105)/3 = 55 < 70.
+    costs = {"m": ModelCost(MemoryModel(GB, 0.0), StepTimeModel(0.0, 0.0, 1.0))}
+    trace = Trace("lb", tuple(TraceTask(n, "ten", 1, "m", 1, 0.0, (TraceTrial(f"{n}-0", 100, s, 1, 8),))
+                              for n, s in (("A", 100), ("B", 100), ("C", 10))), costs)
+    assert mean_jct_lower_bound(trace, 2) == pytest.approx(70)
+    # On one GPU the fast machine is the GPU itself: SRPT ends them at 10, 110, 210, mean 110 > 70.
+    assert mean_jct_lower_bound(trace, 1) == pytest.approx(110)
+
+
 def test_percentile_nearest_rank() -> None:
     assert percentile([], 95) == 0
     assert percentile([3, 1, 2], 50) == 2
@@ -146,6 +198,19 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     for o in out:
         assert keys <= set(o) and o["trace"] == "tenant-stream" and o["gpus"] == 3
         assert o["makespan_s"] > 0 and o["mean_jct_s"] > 0 and 0 < o["gpu_util"] <= 1
+
+
+def test_cli_load_scales_arrivals_only(capsys: pytest.CaptureFixture[str]) -> None:
+    out = {}
+    for load in ("0.9", "3"):
+        main(["simulate", "--trace", "tenant-stream", "--gpus", "2", "--tasks", "10", "--load", load,
+              "--policy", "fifo", "--json"])
+        out[load] = json.loads(capsys.readouterr().out)[0]
+    assert out["3"]["mean_jct_s"] > out["0.9"]["mean_jct_s"] and out["3"]["makespan_weight"] == 0
+    assert tenant_stream(0, 2, tasks=10, load=3).tasks[-1].arrival_s == pytest.approx(
+        tenant_stream(0, 2, tasks=10, load=0.9).tasks[-1].arrival_s * 0.3)
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", "alto-mix", "--load", "2"])
 
 
 def test_cli_rejects_unknown_policy() -> None:
