@@ -17,7 +17,7 @@ from common.models import MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id
 from scheduler.cost import Progress, fit_profiles, samples_from_profiles
 from scheduler.exits import stop_mode
 from scheduler.placement import PRIOR_COST
-from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, Plan, Snapshot
+from scheduler.planner import BusyWorker, IdleWorker, LiveMember, LivePack, PendingTrial, Plan, Snapshot
 from scheduler.planning import ModelCost, PlanResult
 
 log = logging.getLogger(__name__)
@@ -250,6 +250,7 @@ def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack,
     packs = session.scalars(
         select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.capacity.is_not(None))
     ).all()
+    weights = {t.id: max(1, round(t.weight or 1.0)) for t in session.scalars(select(Tenant))} if packs else {}
     out = []
     for pack in packs:
         rows = session.execute(
@@ -265,6 +266,11 @@ def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack,
             members=len(rows), max_rank=pack.max_rank or 0, target_modules=tuple(pack.target_modules or ()),
             tokens_per_step=sum(_tokens_per_step(trial, task) for trial, task in rows),
             busy_for_s=_predicted_remaining_s(session, pack, costs) if costs else 0.0,
+            member_list=tuple(
+                LiveMember(trial.id, task.tenant_id, weights.get(task.tenant_id, 1),
+                           max(1, trial.total_steps - trial.steps_done), _tokens_per_step(trial, task))
+                for trial, task in rows
+            ),
         ))  # fmt: skip
     return tuple(out)
 

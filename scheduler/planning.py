@@ -63,8 +63,8 @@ class RunningPack:
 
     With `members` the planner models it exactly (see the module docstring): back-filled trials slow each
     member only while they share the pack, and the members' weighted completions count in the objective, so a
-    back-fill must pay for the delay it causes. Without them (the daemon does not back-fill yet) the old
-    conservative model holds: the pack's whole step load stays until `ends_at`, members are not delayed.
+    back-fill must pay for the delay it causes (the daemon gives them). Without them the old conservative
+    model holds: the pack's whole step load stays until `ends_at`, members are not delayed.
     """
 
     pack_id: str
