@@ -1,7 +1,7 @@
 """A full hyperparameter sweep with no early exit, all trials in one pack: every trial's curves, for replay.
 
     python -m benchmarks.sweep_data --out .sweepdata                       # the datasets (once)
-    python -m benchmarks.sweep --dataset trivia --data .sweepdata          # on a GPU: ~2 min per dataset
+    python -m benchmarks.sweep --dataset trivia --data .sweepdata          # on a GPU (it prints its progress)
     python -m benchmarks.sweep --dataset arithmetic --data .sweepdata --model tiny --epochs 0.05   # smoke
 
 Grid (24 trials): learning rate {1e-4, 3e-4, 1e-3, 3e-3} × rank {4, 16} × batch size {4, 8, 16}; alpha = 2 ×
@@ -91,8 +91,12 @@ def main() -> None:
         return [step, samples, round(samples * tokens_per_row), loss]
 
     by_id = {s.trial_id: s for s in trials}
+    longest = max(s.max_steps for s in trials)
     while any(state is not None and state.training for state in engine.slots):
         losses = engine.step()
+        if engine.pack_step % 25 == 0 or engine.pack_step == longest:
+            print(f"step {engine.pack_step}/{longest}: {len(losses)} trials training, "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
         for trial_id, loss in losses.items():
             state = engine.state(slots[trial_id])
             curves[trial_id]["train"].append(point(by_id[trial_id], state.steps_done, loss))

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 CUDA_WIDTH_MULTIPLE = 64
 
 LOSS_CHUNK_TOKENS = 4096  # target tokens per lm_head chunk: bounds the (chunk, vocab) logits of the loss
+EVAL_MIN_ROWS = 16  # validation rows per forward, at least (see evaluate)
 
 
 class PackEngine:
@@ -260,8 +261,11 @@ class PackEngine:
             return None
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         n_targets = 0
-        for start in range(0, len(state.val), state.spec.batch_size):
-            batch = self._pack([SlotRows(slot, state.val[start : start + state.spec.batch_size])])
+        # Batches of at least EVAL_MIN_ROWS rows: no gradient is kept, and a small training batch size would
+        # otherwise make validation many tiny forwards (the loss is a token-weighted sum: batching is free).
+        size = max(state.spec.batch_size, EVAL_MIN_ROWS)
+        for start in range(0, len(state.val), size):
+            batch = self._pack([SlotRows(slot, state.val[start : start + size])])
             total += self._loss_sums(batch, training=False)[slot].double()
             n_targets += batch.n_targets[slot]
         loss = float(total.item()) / n_targets  # device sync
