@@ -17,8 +17,8 @@ from common.models import MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id
 from scheduler.cost import Progress, fit_profiles, samples_from_profiles
 from scheduler.exits import stop_mode
 from scheduler.placement import PRIOR_COST
-from scheduler.planner import BusyWorker, IdleWorker, LiveMember, LivePack, PendingTrial, Plan, Snapshot
-from scheduler.planning import ModelCost, PlanResult
+from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, Plan, Snapshot
+from scheduler.planning import ModelCost, PlanResult, RunningMember
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack,
             tokens_per_step=sum(_tokens_per_step(trial, task) for trial, task in rows),
             busy_for_s=_predicted_remaining_s(session, pack, costs) if costs else 0.0,
             member_list=tuple(
-                LiveMember(trial.id, task.tenant_id, weights.get(task.tenant_id, 1),
+                RunningMember(trial.id, task.tenant_id, weights.get(task.tenant_id, 1),
                            max(1, trial.total_steps - trial.steps_done), _tokens_per_step(trial, task))
                 for trial, task in rows
             ),

@@ -30,7 +30,7 @@ from scheduler.cost import (
 )
 from scheduler.cpsat import plan_cpsat
 from scheduler.planner import Backfill, BusyWorker, IdleWorker, PendingTrial, Plan, PlannedPack, Snapshot
-from scheduler.planning import GpuSpec, ModelCost, PlanningInput, PlanResult, PlanTrial, RunningMember, RunningPack
+from scheduler.planning import GpuSpec, ModelCost, PlanningInput, PlanResult, PlanTrial, RunningPack
 
 # A GPU whose worker did not report its memory: plan as for an 80 GB H100 (the profile's fit then decides).
 DEFAULT_GPU_BYTES = 80 * 2**30
@@ -92,8 +92,7 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
             ends_at=max(1, math.ceil(p.busy_for_s / UNIT_S)), trials=p.members, free_slots=p.free_slots,
             tokens_per_step=p.tokens_per_step, slot_bytes=0, max_trials_per_pack=p.members + p.free_slots,
             # Member by member: a back-fill then pays in the objective for the members it slows.
-            members=tuple(RunningMember(m.trial_id, m.tenant_id, m.tenant_weight, m.remaining_steps,
-                                        m.tokens_per_step) for m in p.member_list),
+            members=p.member_list,
         )
         for p in live
     )  # fmt: skip

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.planning import RunningMember
+
 
 @dataclass(frozen=True)
 class PendingTrial:
@@ -43,17 +45,6 @@ class BusyWorker:
 
 
 @dataclass(frozen=True)
-class LiveMember:
-    """A trial training in a live pack, as the planner weighs it (a back-fill slows it while they share)."""
-
-    trial_id: str
-    tenant_id: str
-    tenant_weight: int
-    remaining_steps: int
-    tokens_per_step: int
-
-
-@dataclass(frozen=True)
 class LivePack:
     """A running pack with room: trials of its base model that fit its engine may join it."""
 
@@ -66,7 +57,7 @@ class LivePack:
     target_modules: tuple[str, ...]  # the layer patterns its engine wraps
     tokens_per_step: int  # its members' pooled tokens
     busy_for_s: float  # predicted seconds until its current members are done
-    member_list: tuple[LiveMember, ...] = ()
+    member_list: tuple[RunningMember, ...] = ()  # each member as the planner weighs it
 
     def fits(self, trial: PendingTrial) -> bool:
         """The engine can take ``trial``: same model, rank within its padding, targets among its layers."""
