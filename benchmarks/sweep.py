@@ -50,9 +50,9 @@ def read(path: Path) -> list[dict[str, Any]]:
 
 
 def specs(train: list[dict[str, Any]], val: list[dict[str, Any]], epochs: float, eval_points: int,
-          max_seq_len: int) -> list[TrialSpec]:
+          max_seq_len: int, batches: tuple[int, ...] = BATCHES) -> list[TrialSpec]:
     out = []
-    for i, (lr, rank, batch) in enumerate(itertools.product(LRS, RANKS, BATCHES)):
+    for i, (lr, rank, batch) in enumerate(itertools.product(LRS, RANKS, batches)):
         steps = max(1, math.ceil(epochs * len(train) / batch))
         out.append(TrialSpec(
             trial_id=f"lr{lr:g}-r{rank}-b{batch}", learning_rate=lr, lora_rank=rank, lora_alpha=2.0 * rank,
@@ -70,14 +70,19 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--eval-points", type=int, default=20)
     parser.add_argument("--max-seq-len", type=int, default=96)
+    parser.add_argument("--rows", type=int, nargs=3, metavar=("TRAIN", "VAL", "TEST"),
+                        help="use only the first rows of each split (a smaller sweep, for a CPU)")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--out", type=Path, default=RESULTS / "sweeps")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = args.data / args.dataset
     train, val, test = (read(folder / f"{split}.jsonl") for split in ("train", "val", "test"))
+    if args.rows:
+        train, val, test = (rows[:n] for rows, n in zip((train, val, test), args.rows, strict=True))
     cache = Path(tempfile.gettempdir()) / "loraplane-models"
     model, tokenizer = load_base_model(MODELS[args.model], cache_dir=cache, device=device)
-    trials = specs(train, val, args.epochs, args.eval_points, args.max_seq_len)
+    trials = specs(train, val, args.epochs, args.eval_points, args.max_seq_len, tuple(args.batches))
     train_examples = encode_rows(train, tokenizer, args.max_seq_len)
     tokens_per_row = sum(len(e.input_ids) for e in train_examples) / len(train_examples)
 
@@ -126,7 +131,7 @@ def main() -> None:
     total_s = time.perf_counter() - started
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.dataset}-{args.model}-full"
+    stem = f"{args.dataset}-{args.model}-full" + (f"-{args.rows[0]}rows" if args.rows else "")
     with (args.out / f"{stem}.jsonl").open("w") as f:
         for spec in trials:
             f.write(json.dumps({
@@ -146,6 +151,7 @@ def main() -> None:
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_description(),
         "command": command_line(), "commit": git_commit(), "trials": len(trials),
         "train_rows": len(train), "val_rows": len(val), "test_rows": len(test), "epochs": args.epochs,
+        "batch_sizes": list(args.batches), "learning_rates": list(LRS), "ranks": list(RANKS),
         "max_seq_len": args.max_seq_len, "tokens_per_training_row": round(tokens_per_row, 1),
         "train_wall_s": round(train_s, 1), "total_wall_s": round(total_s, 1),
         "samples_trained": sum(r["steps"] * r["batch_size"] for r in results),
