@@ -201,11 +201,14 @@ class Tasks:
         return page(self._c._json("GET", f"/v1/tasks/{task_id}/events", params=_core.params(after=after, limit=limit)),
                     Event)
 
-    def stream_events(self, task_id: str, *, after: int | None = None) -> Iterator[Event]:
+    def stream_events(self, task_id: str, *, after: int | None = None,
+                      timeout: float | None = None) -> Iterator[Event]:
         """The live Server-Sent Events stream, events after `after`, until the task is final (no fallback:
-        a stream that breaks raises APIConnectionError; `iter_events` falls back to polling instead)."""
+        a stream that breaks raises APIConnectionError; `iter_events` falls back to polling instead).
+        Raises WaitTimeout after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            yield from self._sse(task_id, after or 0, None)
+            yield from self._sse(task_id, after or 0, deadline)
         except StreamBroken as exc:
             raise APIConnectionError(f"the event stream of {task_id} broke: {exc}", url=self._c.base_url) from exc
 

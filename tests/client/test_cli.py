@@ -522,3 +522,18 @@ def test_the_command_runs_as_a_process_with_its_exit_code(api_url: str, tenant: 
     models = subprocess.run([sys.executable, "-m", "loraplane.cli", "models", "--json"], env=env,
                             capture_output=True, text=True, timeout=60)
     assert models.returncode == 0 and json.loads(models.stdout)["object"] == "list" and models.stderr == ""
+
+
+def test_the_client_and_its_commands_import_nothing_of_the_service() -> None:
+    """Dependencies point one way: a laptop with the client needs neither the service's code nor its stack."""
+    code = (
+        "import sys, loraplane.client\n"
+        "from loraplane.cli import build_parser\n"
+        "build_parser()\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'api', 'common', 'scheduler', 'worker', 'kernels', 'torch', 'sqlalchemy', 'fastapi', 'celery', 'redis'})\n"
+        "assert not bad, bad\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
