@@ -6,12 +6,12 @@ reads as None. Timestamps become aware `datetime`s.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
 from typing import Any, ClassVar, Generic, TypeVar
 
 T = TypeVar("T")
-O = TypeVar("O", bound="ApiObject")  # noqa: E741 - the usual name
+ObjT = TypeVar("ObjT", bound="ApiObject")
 
 TASK_FINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 TRIAL_FINAL_STATES = frozenset({"completed", "stopped_early", "failed", "cancelled"})
@@ -31,7 +31,7 @@ class ApiObject:
     TIMES: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
-    def of(cls: type[O], raw: dict[str, Any]) -> O:
+    def of(cls: type[ObjT], raw: dict[str, Any]) -> ObjT:
         values = {f.name: raw.get(f.name) for f in fields(cls) if f.name != "raw" and f.init}
         for name in cls.TIMES:
             values[name] = parse_time(values.get(name))
@@ -125,11 +125,9 @@ class Task(ApiObject):
 
     @classmethod
     def of(cls, raw: dict[str, Any]) -> Task:
-        task = super().of(raw)
         best = raw.get("best_trial")
-        object.__setattr__(task, "trial_counts", TrialCounts.of(raw.get("trial_counts") or {}))
-        object.__setattr__(task, "best_trial", BestTrial.of(best) if isinstance(best, dict) else None)
-        return task
+        return replace(super().of(raw), trial_counts=TrialCounts.of(raw.get("trial_counts") or {}),
+                       best_trial=BestTrial.of(best) if isinstance(best, dict) else None)
 
     @property
     def done(self) -> bool:
@@ -258,7 +256,7 @@ class Page(Generic[T]):
         return self.data[index]
 
 
-def page(raw: dict[str, Any], item: type[O]) -> Page[O]:
+def page(raw: dict[str, Any], item: type[ObjT]) -> Page[ObjT]:
     data = [item.of(x) for x in raw.get("data") or []]
     last = data[-1].raw.get("id") if data else None
     return Page(data=data, has_more=bool(raw.get("has_more")), next_after=raw.get("next_after", last), raw=raw)

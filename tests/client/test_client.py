@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -30,7 +31,7 @@ from tests.factories import TenantKey, chat_rows, task_body
 
 
 @pytest.fixture
-def lp(api_url: str, tenant: TenantKey) -> Client:
+def lp(api_url: str, tenant: TenantKey) -> Iterator[Client]:
     with Client(api_url, tenant.key, admin_token=ADMIN_TOKEN) as client:
         yield client
 
@@ -337,6 +338,35 @@ def test_admin_tenants_keys_and_workers(lp: Client, tenant: TenantKey) -> None:
         lp.admin.get_tenant("tenant-missing")
     assert (err.value.status_code, err.value.code) == (404, "tenant_not_found")
     assert lp.admin.list_workers().data == []
+    from common.db import session_scope
+    from common.models import Worker
+
+    with session_scope() as session:
+        session.add(Worker(id="gpu-0", queue="lp:gpu-0", device="cuda:0", memory_bytes=80 << 30, max_slots=8,
+                           state="alive"))
+    (worker,) = lp.admin.list_workers()
+    assert (worker.id, worker.device, worker.memory_bytes, worker.state) == ("gpu-0", "cuda:0", 80 << 30, "alive")
+    assert worker.last_heartbeat.tzinfo is not None and worker.current_pack_id is None
+
+
+def test_the_other_methods_raise_the_api_error_too(lp: Client) -> None:
+    task = make_task(lp)
+    calls: list[tuple[Callable[[], object], int, str]] = [
+        (lambda: lp.files.list(after="file-missing"), 422, "invalid_cursor"),
+        (lambda: lp.files.delete("file-missing"), 404, "file_not_found"),
+        (lambda: lp.tasks.trial(task.id, "trial-missing"), 404, "trial_not_found"),
+        (lambda: lp.tasks.curves("task-missing"), 404, "task_not_found"),
+        (lambda: lp.tasks.events(task.id, limit=0), 422, "invalid_value"),
+        (lambda: list(lp.tasks.stream_events("task-missing")), 404, "task_not_found"),
+        (lambda: lp.tasks.wait("task-missing"), 404, "task_not_found"),
+        (lambda: lp.admin.update_tenant("tenant-missing", weight=2.0), 404, "tenant_not_found"),
+        (lambda: lp.admin.create_api_key("tenant-missing"), 404, "tenant_not_found"),
+        (lambda: lp.admin.list_api_keys("tenant-missing"), 404, "tenant_not_found"),
+    ]
+    for call, status, code in calls:
+        with pytest.raises(APIError) as err:
+            call()
+        assert (err.value.status_code, err.value.code) == (status, code), err.value
 
 
 # ---- settings -------------------------------------------------------------------------------------------------
