@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -442,7 +443,8 @@ def test_watch_on_a_terminal_redraws_a_progress_bar_and_the_trials(env: TenantKe
     text = screen.getvalue()
     assert text.startswith("\x1b[?25l") and "\x1b[?25h" in text  # the cursor hidden while drawing, then back
     frames = text.split("\x1b[J")[1:]
-    assert len(frames) >= 3 and all("\x1b[" in f.rsplit("\n", 1)[-1] or f.endswith("\n") for f in frames)
+    # Each frame is followed by a move back up over it (cursor up N lines), then cleared and redrawn.
+    assert len(frames) >= 3 and all(re.search(r"\n\x1b\[\d+F$", f) for f in frames[:-1]), frames
     assert f"{task_id}  queued  [░░░░░░░░░░░░░░░░░░░░░░░░]   0%  4 pending" in frames[0]
     assert any("running  [" in f and "50%  4 running" in f and "2/4" in f for f in frames)
     last = frames[-1]
