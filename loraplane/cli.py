@@ -1,5 +1,6 @@
-"""`loraplane` command line: the composition root that starts the service's processes.
+"""`loraplane` command line: the service's processes, and the client commands that talk to its API.
 
+service:
   loraplane up                 everything in one process tree (embedded default, or whatever the
                                environment points at)
   loraplane api                the FastAPI control plane
@@ -8,6 +9,13 @@
   loraplane migrate            bring the database schema up to date
   loraplane simulate           compare planner policies on a workload trace with a simulated clock
   loraplane replay CURVES      replay a logged sweep's loss curves under an early-exit policy
+
+client (loraplane/commands/, on loraplane.client; `--json` on each):
+  loraplane login              store the API's URL and your API key (checked first)
+  loraplane files upload|list|show|delete
+  loraplane models [NAME]
+  loraplane tasks create SPEC|list|show|watch|cancel|download|curves
+  loraplane admin tenants|keys|workers
 """
 
 from __future__ import annotations
@@ -214,7 +222,9 @@ def cmd_up(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loraplane", description=__doc__,
+    from loraplane.commands import EXIT_CODES, register
+
+    parser = argparse.ArgumentParser(prog="loraplane", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="run the whole service in one process tree")
@@ -257,14 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--json", action="store_true", help="print one JSON object: policy, trials, "
                      "samples_saved_frac, best_kept, best_val_ratio, spearman_warmup")
     rep.set_defaults(func=cmd_replay)
+    register(sub)  # the client commands: login, files, models, tasks, admin
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def main(argv: list[str] | None = None) -> int:
+    """Runs one command; returns its exit code (the client commands' codes are in `loraplane --help`)."""
     args = build_parser().parse_args(argv)
-    args.func(args)
+    if not getattr(args, "client", False):  # the client commands print their own lines, no log records
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,15 +1,14 @@
-"""The user's journey through the public API, shared by the distributed and the embedded end-to-end tests."""
+"""The user's journey through the public API with the Python client (`loraplane.client`), shared by the
+distributed and the embedded end-to-end tests: they are the client's end-to-end tests too."""
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+from loraplane.client import Client, Event, Task
 
 
 def arithmetic_rows(n: int = 32) -> bytes:
@@ -18,27 +17,21 @@ def arithmetic_rows(n: int = 32) -> bytes:
     return "\n".join(json.dumps(r) for r in rows).encode() + b"\n"
 
 
-def create_tenant_key(base_url: str, admin_token: str, name: str) -> dict[str, str]:
-    admin = {"Authorization": f"Bearer {admin_token}"}
-    tenant = httpx.post(f"{base_url}/v1/admin/tenants", json={"name": name}, headers=admin, timeout=10)
-    assert tenant.status_code == 201, tenant.text
-    key = httpx.post(f"{base_url}/v1/admin/tenants/{tenant.json()['id']}/api-keys", json={"name": "ci"},
-                     headers=admin, timeout=10)
-    assert key.status_code == 201, key.text
-    return {"Authorization": f"Bearer {key.json()['key']}"}
+def tenant_client(base_url: str, admin_token: str, name: str) -> Client:
+    """A new tenant with a new API key, and the client that uses it (the caller closes it)."""
+    with Client(base_url, admin_token=admin_token, timeout=10) as operator:
+        tenant = operator.admin.create_tenant(name)
+        key = operator.admin.create_api_key(tenant.id, name="ci")
+    assert key.key is not None and key.tenant_id == tenant.id
+    return Client(base_url, key.key, admin_token=admin_token, timeout=30)
 
 
-def upload(base_url: str, headers: dict[str, str], data: bytes, filename: str = "train.jsonl") -> str:
-    r = httpx.post(f"{base_url}/v1/files", headers=headers, files={"file": (filename, data, "application/jsonl")},
-                   timeout=30)
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"])
+def upload(lp: Client, data: bytes, filename: str = "train.jsonl") -> str:
+    return lp.files.upload(data, filename=filename).id
 
 
-def submit(base_url: str, headers: dict[str, str], body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(f"{base_url}/v1/tasks", headers=headers, json=body, timeout=30)
-    assert r.status_code == 201, r.text
-    return dict(r.json())
+def submit(lp: Client, body: dict[str, Any]) -> Task:
+    return lp.tasks.create(body)
 
 
 def grid_task(file_id: str, base_model: str = "tiny-random-llama", max_steps: int = 6) -> dict[str, Any]:
@@ -56,31 +49,13 @@ def grid_task(file_id: str, base_model: str = "tiny-random-llama", max_steps: in
     }
 
 
-def follow_events(base_url: str, headers: dict[str, str], task_id: str, timeout_s: float) -> list[dict[str, Any]]:
-    """Reads the SSE stream to its `end` event; returns the events (with their SSE event names)."""
-    events: list[dict[str, Any]] = []
-    current: dict[str, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    with httpx.stream("GET", f"{base_url}/v1/tasks/{task_id}/events/stream", headers=headers,
-                      timeout=httpx.Timeout(timeout_s, connect=10)) as response:
-        assert response.status_code == 200, response.read()
-        assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no end event after {timeout_s}s; got {[e.get('event') for e in events]}")
-            if line.startswith(":"):
-                continue
-            if not line:
-                if current:
-                    events.append(current)
-                    if current.get("event") == "end":
-                        return events
-                current = {}
-                continue
-            field, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            current[field] = json.loads(value) if field == "data" else value
-    raise AssertionError(f"stream closed without an end event: {events}")
+def follow_events(lp: Client, task_id: str, timeout_s: float) -> tuple[list[Event], Task]:
+    """Reads the task's SSE stream (the stream only: no polling fallback) to its `end`; returns the events
+    and the task as it ended."""
+    events = list(lp.tasks.stream_events(task_id, timeout=timeout_s))
+    task = lp.tasks.get(task_id)
+    assert task.done, task  # the stream ends only once the task is final
+    return events, task
 
 
 def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.5) -> Any:
@@ -93,11 +68,9 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def download_adapter(base_url: str, headers: dict[str, str], path: str, into: Path) -> Path:
-    r = httpx.get(f"{base_url}{path}", headers=headers, timeout=30)
-    assert r.status_code == 200, r.text
-    with tarfile.open(fileobj=io.BytesIO(r.content), mode="r:gz") as tar:
-        tar.extractall(into, filter="data")
+def download_adapter(lp: Client, task_id: str, into: Path, trial_id: str | None = None) -> Path:
+    """The best adapter of the task (or `trial_id`'s), unpacked into `into`."""
+    assert lp.tasks.download_adapter(task_id, into, trial_id=trial_id) == into
     assert {p.name for p in into.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
     return into
 

@@ -9,17 +9,15 @@ import signal
 import subprocess
 from pathlib import Path
 
-import httpx
-
 from tests.conftest import MODEL_CACHE
 from tests.e2e.flow import (
     arithmetic_rows,
     assert_adapter_changes_output,
-    create_tenant_key,
     download_adapter,
     follow_events,
     grid_task,
     submit,
+    tenant_client,
     upload,
     wait_for,
 )
@@ -40,15 +38,14 @@ def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
         wait_ready(base_url, [up])
         token = wait_for(lambda: re.search(r"admin token is:\s+(\S+)", up.log_path.read_text()), 30,
                          "the generated admin token").group(1)
-        headers = create_tenant_key(base_url, token, "team-embedded")
-        file_id = upload(base_url, headers, arithmetic_rows())
-        task = submit(base_url, headers, grid_task(file_id))
-        events = follow_events(base_url, headers, task["id"], timeout_s=300)
-        assert events[-1]["data"]["state"] == "succeeded", [e["event"] for e in events]
-        assert [e["event"] for e in events].count("trial.completed") == 4
-        trials = httpx.get(f"{base_url}/v1/tasks/{task['id']}/trials", headers=headers).json()["data"]
-        adapter = download_adapter(base_url, headers, f"/v1/tasks/{task['id']}/trials/{trials[0]['id']}/adapter",
-                                   tmp_path / "adapter")
+        with tenant_client(base_url, token, "team-embedded") as lp:
+            file_id = upload(lp, arithmetic_rows())
+            task = submit(lp, grid_task(file_id))
+            events, ended = follow_events(lp, task.id, timeout_s=300)
+            assert ended.state == "succeeded", [e.type for e in events]
+            assert [e.type for e in events].count("trial.completed") == 4
+            trials = lp.tasks.trials(task.id).data
+            adapter = download_adapter(lp, task.id, tmp_path / "adapter", trial_id=trials[0].id)
         assert_adapter_changes_output(adapter, "tiny-random-llama", MODEL_CACHE)
 
         # `loraplane up` killed outright: its worker child must not live on as an orphan.

@@ -1,0 +1,39 @@
+"""The Python client of the loraplane API: `Client` (sync) and `AsyncClient`, with the same methods.
+
+    from loraplane.client import Client, APIError
+
+    with Client("http://127.0.0.1:8000", "lp_...") as lp:
+        print([m.id for m in lp.models.list()])
+
+Nothing here imports the service (`api/`, `common/`): the client needs httpx only.
+"""
+
+from loraplane.client._async import AsyncClient
+from loraplane.client._sync import Client
+from loraplane.client.config import Settings, config_path, read_config, resolve, write_config
+from loraplane.client.errors import APIConnectionError, APIError, ConfigurationError, LoraplaneError, WaitTimeout
+from loraplane.client.models import (
+    TASK_FINAL_STATES,
+    TRIAL_FINAL_STATES,
+    ApiKey,
+    BestTrial,
+    Event,
+    File,
+    FileDeleted,
+    LossPoint,
+    Model,
+    Page,
+    Task,
+    Tenant,
+    Trial,
+    TrialCounts,
+    TrialMetrics,
+    Worker,
+)
+
+__all__ = [
+    "TASK_FINAL_STATES", "TRIAL_FINAL_STATES", "APIConnectionError", "APIError", "ApiKey", "AsyncClient",
+    "BestTrial", "Client", "ConfigurationError", "Event", "File", "FileDeleted", "LoraplaneError", "LossPoint",
+    "Model", "Page", "Settings", "Task", "Tenant", "Trial", "TrialCounts", "TrialMetrics", "WaitTimeout", "Worker",
+    "config_path", "read_config", "resolve", "write_config",
+]

@@ -1,0 +1,344 @@
+"""The asynchronous client: `_sync.py` method for method, with `await` (keep the two in step)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+import httpx
+
+from loraplane.client import _core
+from loraplane.client._core import ADMIN_HINT, KEY_HINT, StreamBroken, StreamEnded
+from loraplane.client.config import resolve
+from loraplane.client.errors import APIConnectionError, APIError, WaitTimeout
+from loraplane.client.models import (
+    TASK_FINAL_STATES,
+    ApiKey,
+    Event,
+    File,
+    FileDeleted,
+    Model,
+    Page,
+    Task,
+    Tenant,
+    Trial,
+    TrialMetrics,
+    Worker,
+    page,
+)
+
+
+class AsyncClient:
+    """The loraplane API from async Python (asyncio or trio); the same methods as `Client`, awaited.
+
+        async with AsyncClient() as lp:
+            f = await lp.files.upload("train.jsonl")
+            task = await lp.tasks.create({"base_model": "tiny-random-llama", "training_file": f.id,
+                                          "search_space": {"learning_rate": [1e-3, 3e-3]}, "max_steps": 30})
+            async for event in lp.tasks.iter_events(task.id):
+                print(event.type, event.message)
+            await lp.tasks.download_adapter(task.id, "adapter/")
+
+    Args:
+        base_url: the API's root (`http://host:8000`); default `LORAPLANE_API_URL`, the config file, then
+            `http://127.0.0.1:8000`.
+        api_key: a tenant key (`lp_...`) for everything but `admin`; default `LORAPLANE_API_KEY`, the config file.
+        admin_token: the operator's token for `admin`; default `LORAPLANE_ADMIN_TOKEN`.
+        timeout: seconds for each request (event streams wait longer between messages).
+        transport: an httpx transport (tests, proxies).
+        config_file: read instead of the default config file.
+
+    Raises (from every call): `APIError` for an error answer, `APIConnectionError` when the API cannot be
+    reached, `ConfigurationError` when the key or token the call needs is missing.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        admin_token: str | None = None,
+        timeout: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        config_file: Path | None = None,
+    ) -> None:
+        settings = resolve(base_url, api_key, admin_token, config_file=config_file)
+        self.base_url, self.api_key, self.admin_token = settings.base_url, settings.api_key, settings.admin_token
+        self.timeout = httpx.Timeout(timeout)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, transport=transport,
+                                       headers={"User-Agent": _core.USER_AGENT})
+        self.files = AsyncFiles(self)
+        self.models = AsyncModels(self)
+        self.tasks = AsyncTasks(self)
+        self.admin = AsyncAdmin(self)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    def _auth(self, admin: bool) -> dict[str, str]:
+        if admin:
+            return _core.bearer(self.admin_token, "admin token", ADMIN_HINT)
+        return _core.bearer(self.api_key, "API key", KEY_HINT)
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Network failures, while sending or while reading a streamed body, as APIConnectionError."""
+        try:
+            yield
+        except httpx.TransportError as exc:
+            raise _core.connection_error(exc, self.base_url) from exc
+
+    async def request(self, method: str, path: str, *, admin: bool = False, headers: Mapping[str, str] | None = None,
+                **kwargs: Any) -> httpx.Response:
+        """One call; raises APIError for a 4xx/5xx answer. The building block of every method."""
+        with self._guard():
+            response = await self._http.request(method, path, headers={**self._auth(admin), **(headers or {})},
+                                                **kwargs)
+        if response.status_code >= 400:
+            raise APIError.from_response(response)
+        return response
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        return _core.json_body(await self.request(method, path, **kwargs))
+
+    @asynccontextmanager
+    async def _stream(self, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
+        with self._guard():
+            async with self._http.stream("GET", path, headers=self._auth(False), **kwargs) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise APIError.from_response(response)
+                yield response
+
+
+class AsyncFiles:
+    """Datasets: one JSONL file of `{"messages": [...]}` or `{"prompt", "completion"}` rows."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def upload(self, file: _core.FileInput, *, filename: str | None = None, purpose: str = "fine-tune") -> File:
+        """`file`: a local path (str or Path), the bytes, or an open binary file. Every row is checked."""
+        part = _core.upload_part(file, filename)
+        return File.of(await self._c._json("POST", "/v1/files", files={"file": part}, data={"purpose": purpose}))
+
+    async def list(self, *, limit: int | None = None, after: str | None = None) -> Page[File]:
+        """Newest first; `after`: the last id of the previous page."""
+        return page(await self._c._json("GET", "/v1/files", params=_core.params(limit=limit, after=after)), File)
+
+    async def get(self, file_id: str) -> File:
+        return File.of(await self._c._json("GET", f"/v1/files/{file_id}"))
+
+    async def delete(self, file_id: str) -> FileDeleted:
+        """Refused (409) while a task that has not finished uses the file."""
+        return FileDeleted.of(await self._c._json("DELETE", f"/v1/files/{file_id}"))
+
+
+class AsyncModels:
+    """The base models tasks can tune."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def list(self) -> Page[Model]:
+        return page(await self._c._json("GET", "/v1/models"), Model)
+
+    async def get(self, name: str) -> Model:
+        return Model.of(await self._c._json("GET", f"/v1/models/{name}"))
+
+
+class AsyncTasks:
+    """Tuning tasks: create, follow, inspect, cancel, and download their adapters."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def create(self, spec: Mapping[str, Any], *, idempotency_key: str | None = None) -> Task:
+        """`spec` is the API's task body (README, API tour). The same `idempotency_key` returns the first task."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return Task.of(await self._c._json("POST", "/v1/tasks", json=dict(spec), headers=headers))
+
+    async def list(self, *, state: str | None = None, limit: int | None = None, after: str | None = None) -> Page[Task]:
+        """Newest first, optionally only tasks in `state`; `after`: the last id of the previous page."""
+        params = _core.params(state=state, limit=limit, after=after)
+        return page(await self._c._json("GET", "/v1/tasks", params=params), Task)
+
+    async def get(self, task_id: str) -> Task:
+        return Task.of(await self._c._json("GET", f"/v1/tasks/{task_id}"))
+
+    async def cancel(self, task_id: str) -> Task:
+        """Cancels the task and its unfinished trials; 409 `task_finished` when it already finished."""
+        return Task.of(await self._c._json("POST", f"/v1/tasks/{task_id}/cancel"))
+
+    async def trials(self, task_id: str) -> Page[Trial]:
+        """All trials, by index."""
+        return page(await self._c._json("GET", f"/v1/tasks/{task_id}/trials"), Trial)
+
+    async def trial(self, task_id: str, trial_id: str) -> Trial:
+        return Trial.of(await self._c._json("GET", f"/v1/tasks/{task_id}/trials/{trial_id}"))
+
+    async def metrics(self, task_id: str, trial_id: str, *, step_from: int | None = None,
+                step_to: int | None = None) -> TrialMetrics:
+        """The trial's train and validation loss by step, optionally within [step_from, step_to]."""
+        params = _core.params(step_from=step_from, step_to=step_to)
+        path = f"/v1/tasks/{task_id}/trials/{trial_id}/metrics"
+        return TrialMetrics.of(await self._c._json("GET", path, params=params))
+
+    async def curves(self, task_id: str) -> _core.JsonLines:
+        """Every trial's curves, one object per trial: the JSONL `loraplane replay` reads."""
+        response = await self._c.request("GET", f"/v1/tasks/{task_id}/curves")
+        return [json.loads(line) for line in response.text.splitlines() if line.strip()]
+
+    async def events(self, task_id: str, *, after: int | None = None, limit: int | None = None) -> Page[Event]:
+        """One page of events in order; pass `next_after` back as `after`."""
+        params = _core.params(after=after, limit=limit)
+        return page(await self._c._json("GET", f"/v1/tasks/{task_id}/events", params=params), Event)
+
+    async def stream_events(self, task_id: str, *, after: int | None = None,
+                            timeout: float | None = None) -> AsyncIterator[Event]:
+        """The live Server-Sent Events stream, events after `after`, until the task is final (no fallback:
+        a stream that breaks raises APIConnectionError; `iter_events` falls back to polling instead).
+        Raises WaitTimeout after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            async for event in self._sse(task_id, after or 0, deadline):
+                yield event
+        except StreamBroken as exc:
+            raise APIConnectionError(f"the event stream of {task_id} broke: {exc}", url=self._c.base_url) from exc
+
+    async def iter_events(self, task_id: str, *, after: int | None = None, timeout: float | None = None,
+                          poll_interval: float = 1.0) -> AsyncIterator[Event]:
+        """Every event after `after` (all of them by default) until the task is final: from the SSE stream,
+        or, when it cannot be used (a proxy that buffers or cuts it), by polling every `poll_interval` s from
+        the last event seen. Raises WaitTimeout after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last = after or 0
+        try:
+            async for event in self._sse(task_id, last, deadline):
+                last = event.id
+                yield event
+            return
+        except StreamBroken:
+            pass
+        async for event in self._poll(task_id, last, deadline, poll_interval):
+            yield event
+
+    async def wait(self, task_id: str, *, timeout: float | None = None, poll_interval: float = 1.0,
+                   on_event: Callable[[Event], object] | None = None) -> Task:
+        """Follows the task (`iter_events`) until it is final and returns it; `on_event` (a function or a
+        coroutine function) sees every event."""
+        async for event in self.iter_events(task_id, timeout=timeout, poll_interval=poll_interval):
+            if on_event is not None and inspect.isawaitable(result := on_event(event)):
+                await result
+        return await self.get(task_id)
+
+    async def download_adapter(self, task_id: str, directory: str | os.PathLike[str] | None = None, *,
+                               trial_id: str | None = None) -> Path:
+        """The best trial's adapter (or `trial_id`'s), unpacked into `directory` (default
+        `./<task>-<trial>-adapter`): a PEFT directory. Returns the directory; 409 until there is an adapter."""
+        path = f"/v1/tasks/{task_id}/adapter" if trial_id is None else f"/v1/tasks/{task_id}/trials/{trial_id}/adapter"
+        with tempfile.TemporaryFile() as archive:
+            async with self._c._stream(path) as response:
+                async for chunk in response.aiter_bytes():
+                    archive.write(chunk)
+                target = _core.archive_dir(response, directory)
+            return await anyio.to_thread.run_sync(_extract, archive, target)
+
+    async def _sse(self, task_id: str, after: int, deadline: float | None) -> AsyncIterator[Event]:
+        left = None if deadline is None else deadline - time.monotonic()
+        timeout = _core.stream_timeout(self._c.timeout, left)
+        params = {"after": after} if after else None
+        try:
+            async with self._c._stream(f"/v1/tasks/{task_id}/events/stream", params=params,
+                                       timeout=timeout) as response:
+                _core.check_stream(response)
+                decoder = _core.SSEDecoder()
+                async for line in response.aiter_lines():
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise WaitTimeout(f"{task_id} is not finished after the timeout")
+                    if (message := decoder.feed(line)) is not None:
+                        yield _core.sse_event(*message)
+        except StreamEnded:
+            return
+        except APIConnectionError as exc:
+            raise StreamBroken(str(exc)) from exc
+        except APIError as exc:
+            if not exc.is_server_error:
+                raise
+            raise StreamBroken(str(exc)) from exc
+        raise StreamBroken("the stream closed before the task finished")
+
+    async def _poll(self, task_id: str, after: int, deadline: float | None, interval: float) -> AsyncIterator[Event]:
+        while True:
+            state = (await self.get(task_id)).state  # first: a final state read here means every event is written
+            while True:
+                events = await self.events(task_id, after=after, limit=_core.EVENTS_PAGE)
+                for event in events:
+                    yield event
+                after = events.next_after if events.next_after is not None else after
+                if not events.has_more:
+                    break
+            if state in TASK_FINAL_STATES:
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise WaitTimeout(f"{task_id} is not finished after the timeout")
+            await anyio.sleep(interval if deadline is None else min(interval, deadline - now))
+
+
+def _extract(archive: IO[bytes], directory: Path) -> Path:
+    return _core.extract_archive(archive, directory)
+
+
+class AsyncAdmin:
+    """Operator calls (the admin token): tenants, their API keys, the worker fleet."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def create_tenant(self, name: str, *, weight: float | None = None, max_concurrent_trials: int | None = None,
+                      max_trials_per_task: int | None = None, max_file_bytes: int | None = None) -> Tenant:
+        """Left-out quotas take the deployment's defaults; 409 `tenant_exists` for a name in use."""
+        body = _core.params(name=name, weight=weight, max_concurrent_trials=max_concurrent_trials,
+                       max_trials_per_task=max_trials_per_task, max_file_bytes=max_file_bytes)
+        return Tenant.of(await self._c._json("POST", "/v1/admin/tenants", json=body, admin=True))
+
+    async def list_tenants(self, *, limit: int | None = None, after: str | None = None) -> Page[Tenant]:
+        params = _core.params(limit=limit, after=after)
+        return page(await self._c._json("GET", "/v1/admin/tenants", params=params, admin=True), Tenant)
+
+    async def get_tenant(self, tenant_id: str) -> Tenant:
+        return Tenant.of(await self._c._json("GET", f"/v1/admin/tenants/{tenant_id}", admin=True))
+
+    async def update_tenant(self, tenant_id: str, **changes: Any) -> Tenant:
+        """Any of name, weight, max_concurrent_trials, max_trials_per_task, max_file_bytes."""
+        return Tenant.of(await self._c._json("PATCH", f"/v1/admin/tenants/{tenant_id}", json=changes, admin=True))
+
+    async def create_api_key(self, tenant_id: str, *, name: str = "") -> ApiKey:
+        """The new key's secret is in `.key`, in this answer only."""
+        path = f"/v1/admin/tenants/{tenant_id}/api-keys"
+        return ApiKey.of(await self._c._json("POST", path, json={"name": name}, admin=True))
+
+    async def list_api_keys(self, tenant_id: str) -> Page[ApiKey]:
+        return page(await self._c._json("GET", f"/v1/admin/tenants/{tenant_id}/api-keys", admin=True), ApiKey)
+
+    async def revoke_api_key(self, key_id: str) -> ApiKey:
+        """At once, and idempotent."""
+        return ApiKey.of(await self._c._json("DELETE", f"/v1/admin/api-keys/{key_id}", admin=True))
+
+    async def list_workers(self) -> Page[Worker]:
+        return page(await self._c._json("GET", "/v1/admin/workers", admin=True), Worker)

@@ -1,0 +1,155 @@
+"""What the sync and the async client share: headers, response checks, the SSE decoder, uploads and
+adapter archives. No I/O on the network here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+import httpx
+
+from loraplane.client.errors import APIConnectionError, APIError, ConfigurationError
+from loraplane.client.models import Event
+
+USER_AGENT = "loraplane-client/0.1.0"
+STREAM_READ_TIMEOUT_S = 60.0  # the server sends a keep-alive every 15 s; silence this long means the stream is dead
+EVENTS_PAGE = 1000  # events per request when polling (the API's maximum)
+
+FileInput = str | os.PathLike[str] | bytes | BinaryIO
+JsonLines = list[dict[str, Any]]
+
+
+def params(**values: Any) -> dict[str, Any]:
+    """Query or body values, without those left out (None)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def bearer(token: str | None, what: str, hint: str) -> dict[str, str]:
+    if not token:
+        raise ConfigurationError(f"no {what}: {hint}")
+    return {"Authorization": f"Bearer {token}"}
+
+
+KEY_HINT = "pass api_key=..., set LORAPLANE_API_KEY, or run `loraplane login`"
+ADMIN_HINT = "pass admin_token=... or set LORAPLANE_ADMIN_TOKEN"
+
+
+def connection_error(exc: httpx.TransportError, base_url: str) -> APIConnectionError:
+    kind = "timed out talking to" if isinstance(exc, httpx.TimeoutException) else "cannot reach"
+    detail = str(exc) or type(exc).__name__
+    return APIConnectionError(f"{kind} the API at {base_url}: {detail}", url=base_url)
+
+
+def json_body(response: httpx.Response) -> dict[str, Any]:
+    """The answer's JSON object (already checked for errors)."""
+    body = response.json()
+    if not isinstance(body, dict):
+        raise APIError(response.status_code, {"error": {
+            "type": "api_error", "code": "unexpected_body", "message": "The API answered something other than an "
+            "object.", "param": None}})
+    return body
+
+
+def upload_part(file: FileInput, filename: str | None) -> tuple[str, Any, str]:
+    """(filename, content, content type) for the multipart `file` field. A str or a path is a local path."""
+    if isinstance(file, str | os.PathLike):
+        path = Path(file)
+        return filename or path.name, path.read_bytes(), "application/jsonl"
+    if isinstance(file, bytes):
+        return filename or "data.jsonl", file, "application/jsonl"
+    name = filename or Path(str(getattr(file, "name", "data.jsonl"))).name
+    return name, file.read(), "application/jsonl"
+
+
+@dataclass
+class SSEDecoder:
+    """Server-Sent Events, line by line (the lines without their ending). A blank line ends a message."""
+
+    event: str = ""
+    data: list[str] = field(default_factory=list)
+    last_id: str | None = None
+
+    def feed(self, line: str) -> tuple[str, str] | None:
+        """(event name, data) when `line` completes a message; comments and keep-alives give nothing."""
+        if not line:
+            if not self.data and not self.event:
+                return None
+            message = (self.event or "message", "\n".join(self.data))
+            self.event, self.data = "", []
+            return message
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "event":
+            self.event = value
+        elif name == "data":
+            self.data.append(value)
+        elif name == "id":
+            self.last_id = value
+        return None
+
+
+class StreamEnded(Exception):
+    """The SSE stream's `end` message: the task is final and every event was sent."""
+
+    def __init__(self, state: str | None) -> None:
+        super().__init__(state)
+        self.state = state
+
+
+class StreamBroken(Exception):
+    """The stream is not usable (not SSE, a server error, closed early): fall back to polling."""
+
+
+def sse_event(name: str, data: str) -> Event:
+    """An SSE message as an Event; raises StreamEnded on the final `end` message."""
+    payload = json.loads(data) if data else {}
+    if name == "end":
+        raise StreamEnded(payload.get("state"))
+    return Event.of(payload)
+
+
+def check_stream(response: httpx.Response) -> None:
+    """Before reading an opened event stream (its body unread): an error answer, or not SSE at all."""
+    if not response.headers.get("content-type", "").startswith("text/event-stream"):
+        raise StreamBroken(f"the event stream answered {response.headers.get('content-type')!r}, not SSE")
+
+
+def stream_timeout(timeout: httpx.Timeout, deadline_left: float | None) -> httpx.Timeout:
+    read = STREAM_READ_TIMEOUT_S if deadline_left is None else max(0.1, min(STREAM_READ_TIMEOUT_S, deadline_left))
+    return httpx.Timeout(timeout.connect, read=read, write=timeout.write, pool=timeout.pool)
+
+
+FILENAME = re.compile(r'filename="?([^";]+)"?')
+
+
+def archive_dir(response: httpx.Response, directory: str | os.PathLike[str] | None) -> Path:
+    """Where an adapter goes: `directory`, else `./<task>-<trial>-adapter` from the answer's file name."""
+    if directory is not None:
+        return Path(directory)
+    match = FILENAME.search(response.headers.get("content-disposition", ""))
+    name = Path(match.group(1)).name if match else "adapter.tar.gz"
+    return Path(name.removesuffix(".tar.gz").removesuffix(".tgz") or "adapter")
+
+
+def extract_archive(archive: IO[bytes], directory: Path) -> Path:
+    """Unpacks a downloaded .tar.gz into `directory` (created), refusing members that would land outside it."""
+    archive.seek(0)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=archive, mode="r:*") as tar:
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4
+            tar.extractall(directory, filter="data")
+        else:  # pragma: no cover - older 3.11 patch releases
+            root = directory.resolve()
+            for member in tar.getmembers():
+                target = (root / member.name).resolve()
+                if not (member.isfile() or member.isdir()) or not target.is_relative_to(root):
+                    raise ValueError(f"refusing archive member {member.name!r}")
+            tar.extractall(directory)  # noqa: S202 - every member checked above
+    return directory

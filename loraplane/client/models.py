@@ -1,0 +1,262 @@
+"""Typed views of the API's objects. Each keeps the exact object it was read from in `raw` (what
+`--json` prints); fields the client does not know yet stay in `raw`, and a field the server left out
+reads as None. Timestamps become aware `datetime`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, replace
+from datetime import datetime
+from typing import Any, ClassVar, Generic, TypeVar
+
+T = TypeVar("T")
+ObjT = TypeVar("ObjT", bound="ApiObject")
+
+TASK_FINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+TRIAL_FINAL_STATES = frozenset({"completed", "stopped_early", "failed", "cancelled"})
+
+
+def parse_time(value: Any) -> datetime | None:
+    """The API's ISO-8601 UTC strings ('...Z') as aware datetimes."""
+    if value is None or isinstance(value, datetime):
+        return value
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+
+
+@dataclass(frozen=True)
+class ApiObject:
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False, kw_only=True)
+
+    TIMES: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def of(cls: type[ObjT], raw: dict[str, Any]) -> ObjT:
+        values = {f.name: raw.get(f.name) for f in fields(cls) if f.name != "raw" and f.init}
+        for name in cls.TIMES:
+            values[name] = parse_time(values.get(name))
+        return cls(**values, raw=raw)
+
+
+@dataclass(frozen=True)
+class File(ApiObject):
+    id: str
+    filename: str
+    purpose: str
+    bytes: int
+    rows: int
+    format: str
+    sha256: str
+    created_at: datetime
+
+    TIMES = frozenset({"created_at"})
+
+
+@dataclass(frozen=True)
+class FileDeleted(ApiObject):
+    id: str
+    deleted: bool
+
+
+@dataclass(frozen=True)
+class Model(ApiObject):
+    id: str
+    kind: str
+    description: str
+    parameters: int | None
+
+
+@dataclass(frozen=True)
+class TrialCounts(ApiObject):
+    pending: int = 0
+    running: int = 0
+    waiting: int = 0
+    completed: int = 0
+    stopped_early: int = 0
+    failed: int = 0
+    cancelled: int = 0
+
+    @classmethod
+    def of(cls, raw: dict[str, Any]) -> TrialCounts:
+        return cls(**{f.name: int(raw.get(f.name) or 0) for f in fields(cls) if f.name != "raw"}, raw=raw)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "raw")
+
+
+@dataclass(frozen=True)
+class BestTrial(ApiObject):
+    id: str
+    hyperparameters: dict[str, Any]
+    best_val_loss: float | None
+    best_step: int | None
+
+
+@dataclass(frozen=True)
+class Task(ApiObject):
+    id: str
+    state: str
+    base_model: str
+    training_file: str
+    validation_file: str | None
+    validation_split: float | None
+    strategy: str
+    search_space: dict[str, Any]
+    max_trials: int | None
+    epochs: int | None
+    max_steps: int | None
+    max_seq_len: int
+    eval_interval: int
+    early_exit: dict[str, Any]
+    seed: int
+    training: dict[str, Any]
+    scheduling: dict[str, Any]
+    trial_counts: TrialCounts
+    progress: float
+    best_trial: BestTrial | None
+    estimated_seconds_left: float | None
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    TIMES = frozenset({"created_at", "started_at", "finished_at"})
+
+    @classmethod
+    def of(cls, raw: dict[str, Any]) -> Task:
+        best = raw.get("best_trial")
+        return replace(super().of(raw), trial_counts=TrialCounts.of(raw.get("trial_counts") or {}),
+                       best_trial=BestTrial.of(best) if isinstance(best, dict) else None)
+
+    @property
+    def done(self) -> bool:
+        """succeeded, failed or cancelled: nothing will change any more."""
+        return self.state in TASK_FINAL_STATES
+
+
+@dataclass(frozen=True)
+class Trial(ApiObject):
+    id: str
+    task_id: str
+    index: int
+    state: str
+    hyperparameters: dict[str, Any]
+    total_steps: int
+    steps_done: int
+    best_val_loss: float | None
+    best_step: int | None
+    last_train_loss: float | None
+    stop_reason: str | None
+    error: str | None
+    attempts: int
+    checkpoint_step: int | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    TIMES = frozenset({"created_at", "started_at", "finished_at"})
+
+    @property
+    def done(self) -> bool:
+        return self.state in TRIAL_FINAL_STATES
+
+
+@dataclass(frozen=True)
+class LossPoint:
+    step: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class TrialMetrics(ApiObject):
+    trial_id: str
+    train: list[LossPoint]
+    val: list[LossPoint]
+
+    @classmethod
+    def of(cls, raw: dict[str, Any]) -> TrialMetrics:
+        def points(key: str) -> list[LossPoint]:
+            return [LossPoint(step=int(p["step"]), loss=float(p["loss"])) for p in raw.get(key) or []]
+
+        return cls(trial_id=str(raw.get("trial_id")), train=points("train"), val=points("val"), raw=raw)
+
+
+@dataclass(frozen=True)
+class Event(ApiObject):
+    id: int
+    created_at: datetime
+    type: str
+    level: str
+    message: str
+    trial_id: str | None
+    data: dict[str, Any]
+
+    TIMES = frozenset({"created_at"})
+
+
+@dataclass(frozen=True)
+class Tenant(ApiObject):
+    id: str
+    name: str
+    weight: float
+    max_concurrent_trials: int
+    max_trials_per_task: int
+    max_file_bytes: int
+    created_at: datetime
+
+    TIMES = frozenset({"created_at"})
+
+
+@dataclass(frozen=True)
+class ApiKey(ApiObject):
+    id: str
+    tenant_id: str
+    prefix: str
+    name: str
+    created_at: datetime
+    revoked_at: datetime | None
+    key: str | None = field(default=None, repr=False)  # the secret: only in the answer that created the key
+
+    TIMES = frozenset({"created_at", "revoked_at"})
+
+
+@dataclass(frozen=True)
+class Worker(ApiObject):
+    id: str
+    queue: str
+    device: str
+    memory_bytes: int | None
+    max_slots: int
+    state: str
+    current_pack_id: str | None
+    last_heartbeat: datetime
+    registered_at: datetime
+
+    TIMES = frozenset({"last_heartbeat", "registered_at"})
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a list: `data`, `has_more`; iterate it for the items. Pass `next_after` as `after` for the
+    next page (the last item's id; for events the API's own `next_after`)."""
+
+    data: list[T]
+    has_more: bool
+    next_after: Any = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> T:
+        return self.data[index]
+
+
+def page(raw: dict[str, Any], item: type[ObjT]) -> Page[ObjT]:
+    data = [item.of(x) for x in raw.get("data") or []]
+    last = data[-1].raw.get("id") if data else None
+    return Page(data=data, has_more=bool(raw.get("has_more")), next_after=raw.get("next_after", last), raw=raw)

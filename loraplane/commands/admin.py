@@ -1,0 +1,161 @@
+"""`loraplane admin tenants|keys|workers`: the operator's commands (the admin token)."""
+
+from __future__ import annotations
+
+import argparse
+
+from loraplane.client import ApiKey, Client, Tenant
+from loraplane.commands.base import (
+    UsageError,
+    common_options,
+    emit,
+    guarded,
+    make_client,
+    out,
+    size,
+    table,
+    when,
+)
+
+
+def _admin(args: argparse.Namespace) -> Client:
+    lp = make_client(args, admin=True)
+    if not lp.admin_token:
+        lp.close()
+        raise UsageError("no admin token: give --admin-token or set LORAPLANE_ADMIN_TOKEN")
+    return lp
+
+
+def _all_tenants(lp: Client) -> list[Tenant]:
+    tenants: list[Tenant] = []
+    after = None
+    while True:
+        page = lp.admin.list_tenants(limit=100, after=after)
+        tenants += page.data
+        if not page.has_more:
+            return tenants
+        after = page.next_after
+
+
+def _tenant_id(lp: Client, ref: str) -> str:
+    """A tenant id as given, or the id of the tenant with that name."""
+    if ref.startswith("tenant-"):
+        return ref
+    found = [t.id for t in _all_tenants(lp) if t.name == ref]
+    if not found:
+        raise UsageError(f"no tenant named {ref!r} (give its name or its id)")
+    return found[0]
+
+
+def _tenants_table(tenants: list[Tenant]) -> str:
+    rows = [[t.id, t.name, f"{t.weight:g}", t.max_concurrent_trials, t.max_trials_per_task, size(t.max_file_bytes),
+             when(t.created_at)] for t in tenants]
+    headers = ["ID", "NAME", "WEIGHT", "MAX ACTIVE TRIALS", "MAX TRIALS/TASK", "MAX FILE", "CREATED"]
+    return table(headers, rows, right=(2, 3, 4, 5))
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    with _admin(args) as lp:
+        if args.action == "create":
+            tenant = lp.admin.create_tenant(
+                args.name, weight=args.weight, max_concurrent_trials=args.max_concurrent_trials,
+                max_trials_per_task=args.max_trials_per_task, max_file_bytes=args.max_file_bytes)
+            tenants, raw = [tenant], tenant.raw
+        elif args.action == "show":
+            tenant = lp.admin.get_tenant(_tenant_id(lp, args.tenant))
+            tenants, raw = [tenant], tenant.raw
+        else:
+            page = lp.admin.list_tenants(limit=args.limit, after=args.after)
+            tenants, raw = page.data, page.raw
+    if args.json:
+        emit(raw)
+        return 0
+    out(_tenants_table(tenants) if tenants else "No tenants.")
+    if args.action == "create":
+        out(f"\nnext: loraplane admin keys create {tenants[0].name}")
+    return 0
+
+
+def _keys_table(keys: list[ApiKey], names: dict[str, str]) -> str:
+    rows = [[k.id, names.get(k.tenant_id, k.tenant_id), k.prefix + "...", k.name, when(k.created_at),
+             when(k.revoked_at) if k.revoked_at else ""] for k in keys]
+    return table(["ID", "TENANT", "PREFIX", "NAME", "CREATED", "REVOKED"], rows)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    with _admin(args) as lp:
+        if args.action == "create":
+            key = lp.admin.create_api_key(_tenant_id(lp, args.tenant), name=args.name)
+            if args.json:
+                emit(key.raw)
+            else:
+                out(f"Created {key.id} for {args.tenant}. The key, shown only this once:\n\n    {key.key}\n")
+                out(f"Use it with: loraplane login --api-key {key.prefix}...")
+            return 0
+        if args.action == "revoke":
+            key = lp.admin.revoke_api_key(args.key_id)
+            if args.json:
+                emit(key.raw)
+            else:
+                out(f"Revoked {key.id} ({key.prefix}...) at {when(key.revoked_at)}.")
+            return 0
+        if args.tenant:
+            tenant = lp.admin.get_tenant(_tenant_id(lp, args.tenant))
+            tenants = [tenant]
+        else:
+            tenants = _all_tenants(lp)
+        pages = [lp.admin.list_api_keys(t.id) for t in tenants]
+    keys = [k for page in pages for k in page]
+    if args.json:
+        emit({"object": "list", "data": [k.raw for k in keys], "has_more": False})
+        return 0
+    out(_keys_table(keys, {t.id: t.name for t in tenants}) if keys else "No API keys.")
+    return 0
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    with _admin(args) as lp:
+        workers = lp.admin.list_workers()
+    if args.json:
+        emit(workers.raw)
+        return 0
+    rows = [[w.id, w.state, w.device, w.max_slots, size(w.memory_bytes), w.current_pack_id or "-",
+             when(w.last_heartbeat)] for w in workers]
+    out(table(["ID", "STATE", "DEVICE", "SLOTS", "MEMORY", "PACK", "LAST HEARTBEAT"], rows, right=(3, 4))
+        if rows else "No workers.")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # The options at both levels (`admin tenants --json create x` and `admin tenants create x --json`); the
+    # inner level's are SUPPRESSed so that its defaults do not overwrite what the outer level parsed.
+    outer, inner = common_options(admin=True), common_options(admin=True, suppress=True)
+    admin = sub.add_parser("admin", help="operator commands: tenants, API keys, workers (the admin token)")
+    asub = admin.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
+
+    tenants = asub.add_parser("tenants", parents=[outer], help="list tenants, or create / show one")
+    tenants.add_argument("--limit", type=int, default=None)
+    tenants.add_argument("--after", metavar="TENANT_ID")
+    tenants.set_defaults(func=guarded(cmd_tenants), client=True, action=None)
+    tsub = tenants.add_subparsers(dest="action", metavar="ACTION")
+    create = tsub.add_parser("create", parents=[inner], help="a new tenant (quotas default to the deployment's)")
+    create.add_argument("name")
+    create.add_argument("--weight", type=float, help="its share of the GPUs against other tenants (default 1)")
+    create.add_argument("--max-concurrent-trials", type=int, metavar="N")
+    create.add_argument("--max-trials-per-task", type=int, metavar="N")
+    create.add_argument("--max-file-bytes", type=int, metavar="N")
+    show = tsub.add_parser("show", parents=[inner], help="one tenant (by id or name)")
+    show.add_argument("tenant")
+
+    keys = asub.add_parser("keys", parents=[outer], help="list API keys, or create / revoke one")
+    keys.add_argument("--tenant", help="only this tenant's keys (id or name)")
+    keys.set_defaults(func=guarded(cmd_keys), client=True, action=None)
+    ksub = keys.add_subparsers(dest="action", metavar="ACTION")
+    kcreate = ksub.add_parser("create", parents=[inner], help="a new key for a tenant (the secret is shown once)")
+    kcreate.add_argument("tenant", help="the tenant's id or name")
+    kcreate.add_argument("--name", default="", help="a label for the key")
+    revoke = ksub.add_parser("revoke", parents=[inner], help="revoke a key at once")
+    revoke.add_argument("key_id")
+
+    workers = asub.add_parser("workers", parents=[outer], help="the GPU workers and their state")
+    workers.set_defaults(func=guarded(cmd_workers), client=True)
