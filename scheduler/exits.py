@@ -7,9 +7,11 @@ an end, a pause), so a decision is made on every new evaluation (DESIGN.md §4):
 - stop: the trial becomes `stopped_early` with its reason, and a `trial.stopped_early` event carries the
   numbers behind it. A running one is then taken out of its pack by a `stop_trials` command (`stop_requests`),
   which asks the worker to export its best-validation adapter first when it overfitted.
-- hold (reached its warm-up boundary before the rest of its task): while other trials of the task are still
-  pending, it is asked to pause — checkpoint and give up its slot, so the pending ones can have their warm-up
-  (ALTO's rotation) — and waits in `waiting`; with nothing pending it just trains on.
+- hold (reached its warm-up boundary before the rest of its task): it is asked to pause — checkpoint and
+  give up its slot, so the pending ones can have their warm-up (ALTO's rotation) — and waits in `waiting`.
+  It pauses even with nothing pending: training on past its boundary would spend samples on a trial that
+  three times in four is cut by the ranking, and the kept ones resume as soon as the ranking is made (the
+  last trial to reach its boundary is the one with the most steps, so the wait rarely delays the task).
 - resume (kept by the warm-up ranking while waiting): back to pending, to continue from its checkpoint.
 """
 
@@ -74,7 +76,6 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
         curves.append(curves_from_losses(t.id, t.state, t.total_steps, batch, batch * max_seq_len,
                                          points[t.id]["train"], points[t.id]["val"]))
     by_id = {t.id: t for t in trials}
-    pending = any(t.state == states.TRIAL_PENDING for t in trials)
     pauses = []
     for decision in decide(config, curves):
         trial = by_id[decision.trial_id]
@@ -91,7 +92,7 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
             record_event(session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
                          type="trial.resumed", message=f"trial {trial.index}: {decision.message}",
                          data=decision.event_data())
-        elif decision.action == "hold" and trial.state == states.TRIAL_RUNNING and pending and trial.pack_id:
+        elif decision.action == "hold" and trial.state == states.TRIAL_RUNNING and trial.pack_id:
             pack = session.get(Pack, trial.pack_id)
             if pack is not None and pack.state in states.PACK_LIVE:
                 pauses.append(PauseRequest(pack.id, pack.worker_id, trial.id, placement(trial)))

@@ -18,11 +18,12 @@ are integers >= 0 (real counts, or step x per-step when that is all there is); a
 for a non-finite one (a diverged step). Other keys (the API adds task_id, index and state) are ignored.
 
 Replay: all trials advance together, step by step (as the slots of a pack do). At every step at which
-any trial has a validation point, `decide()` sees every trial's curve up to that step, and a trial it
-stops trains no further samples: its curve ends there. A trial told to "hold" simply continues — all run
-at once here, there is no slot to give back — and is ranked at its boundary point all the same; so a trial
-cut at the warm-up boundary is charged for the steps it trained while the others finished their warm-up,
-and `samples_saved_frac` is a lower bound on what the live service saves with rotation.
+any trial has a validation point (or reaches the end of its curve), `decide()` sees every trial's curve up
+to where it is, and a trial it stops trains no further samples: its curve ends there. A trial told to
+"hold" pauses — its own step stands still, as the service checkpoints it and gives up its slot — until it
+is resumed (kept by the warm-up ranking; it then continues its curve from where it paused) or stopped. So a
+trial cut at the warm-up boundary is charged exactly the samples up to its boundary point, as in the
+service, and a trial's `stopped_at` is a step of its own curve.
 
 Reported (the JSON keys of `ReplayResult.summary()`):
   samples_saved_frac  1 - samples trained under the policy / samples trained in the sweep
@@ -245,18 +246,38 @@ def replay(config: EarlyExitConfig, sweep: Sequence[SweepTrial]) -> ReplayResult
     train_steps = {t.trial_id: [p.step for p in t.train] for t in trials}
     val_steps = {t.trial_id: [p.step for p in t.val] for t in trials}
     ends = {t.trial_id: max([0] + train_steps[t.trial_id][-1:] + val_steps[t.trial_id][-1:]) for t in trials}
+    val_at = {t.trial_id: set(val_steps[t.trial_id]) for t in trials}
+    own = {t.trial_id: 0 for t in trials}  # each trial's own step: it stands still while the trial is held
+    held: set[str] = set()
     stopped: dict[str, tuple[int, Decision]] = {}
-    for clock in sorted({p.step for t in trials for p in t.val}):
+
+    def live(tid: str) -> bool:
+        return tid not in stopped and own[tid] < ends[tid]
+
+    while any(live(t.trial_id) and t.trial_id not in held for t in trials):
+        moved = [t.trial_id for t in trials if live(t.trial_id) and t.trial_id not in held]
+        for tid in moved:
+            own[tid] += 1
+        if not any(own[tid] in val_at[tid] or own[tid] >= ends[tid] for tid in moved):
+            continue
         view = []
         for t in trials:
             tid = t.trial_id
-            upto = stopped[tid][0] if tid in stopped else clock
-            state = "stopped_early" if tid in stopped else "completed" if ends[tid] <= clock else "running"
+            state = ("stopped_early" if tid in stopped else "completed" if own[tid] >= ends[tid]
+                     else "waiting" if tid in held else "running")
+            upto = own[tid]
             view.append(TrialCurves(tid, state, t.total_steps, t.samples_per_step, t.tokens_per_step,
                                     _until(t.train, train_steps[tid], upto), _until(t.val, val_steps[tid], upto)))
         for d in decide(config, view):
             if d.action == "stop":
-                stopped[d.trial_id] = (clock, d)
+                stopped[d.trial_id] = (own[d.trial_id], d)
+                held.discard(d.trial_id)
+            elif d.action == "hold":
+                held.add(d.trial_id)
+            else:
+                held.discard(d.trial_id)
+    # A trial still held here waited for trials that ended without a boundary point: decide() resumes it on
+    # their last call, so none is left; should one be, it is charged where it stood.
 
     outcomes = []
     for t in trials:

@@ -1,0 +1,220 @@
+"""Issue 6's live run: the sweep of `benchmarks.sweep`, submitted through the running service with early exit.
+
+    python -m benchmarks.live_sweep --data .sweepdata --datasets trivia arithmetic --policy alto
+    python -m benchmarks.live_sweep --data .sweepdata --datasets arithmetic --model tiny-random-llama \\
+        --rows 64 16 16 --epochs 1                                            # a CPU smoke run
+
+It starts the whole service (`loraplane up`, the embedded default: SQLite, file-backed bus and broker) in a
+fresh LORAPLANE_HOME with one worker per dataset (so the datasets' tasks run side by side, as the two full
+sweeps did on the same GPU), then, through the Python client, as a user would: a tenant and an API key,
+the training and validation files uploaded, one task per dataset with the same grid as the full sweep
+(learning rate {1e-4, 3e-4, 1e-3, 3e-3} x rank {4, 16} x batch size {4, 8, 16}, alpha 2 x rank, dropout
+0.05, all linear layers, one epoch, constant learning rate) and `early_exit: {"policy": POLICY}`. It waits
+for the tasks, then scores the best adapter (downloaded in PEFT format, as a user gets it) on the held-out
+test rows exactly as `benchmarks.sweep` scores its trials (greedy decoding reproduces an accepted answer).
+
+Writes `benchmarks/results/sweeps/<dataset>-<model>-live-<policy>.json`: wall-clock from submission to the
+task's end, samples trained (sum of steps done x batch size over the trials), each trial's state, steps
+and stop reason, the best trial and its test accuracy, device, date and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks.common import RESULTS, command_line, device_description, git_commit, print_table
+from benchmarks.sweep import BATCHES, LRS, MODELS, RANKS, read
+from loraplane.client import Client
+from worker.engine import PackEngine, TrialSpec, load_base_model
+from worker.engine.data import encode_rows
+from worker.engine.export import read_peft_adapter
+
+# "all-linear" in the engine (benchmarks.sweep's trials); the API names the layers.
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MODEL_KEYS = {"smollm2-135m-instruct": "smollm2", "tiny-random-llama": "tiny"}
+
+
+def start_service(home: Path, port: int, admin_token: str, workers: int, slots: int) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, "LORAPLANE_HOME": str(home), "LORAPLANE_ADMIN_TOKEN": admin_token,
+           "LORAPLANE_WORKER_MAX_SLOTS": str(slots), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    log = (home / "service.log").open("ab")
+    procs = [subprocess.Popen([sys.executable, "-m", "loraplane.cli", "up", "--port", str(port),
+                               "--worker-id", "live-1"], env=env, stdout=log, stderr=log, start_new_session=True)]
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:  # the extra workers join once the database exists (`up` migrates it first)
+        try:
+            if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or procs[0].poll() is not None:
+            raise SystemExit(f"the service did not come up; see {home / 'service.log'}")
+        time.sleep(1)
+    for i in range(2, workers + 1):
+        procs.append(subprocess.Popen([sys.executable, "-m", "loraplane.cli", "worker", "--worker-id", f"live-{i}"],
+                                      env=env, stdout=log, stderr=log, start_new_session=True))
+    return procs
+
+
+def stop_service(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def task_spec(model: str, train_id: str, val_id: str, epochs: int, max_seq_len: int, policy: str,
+              eval_interval: int) -> dict[str, Any]:
+    return {
+        "base_model": model, "training_file": train_id, "validation_file": val_id,
+        "search_space": {"learning_rate": list(LRS), "lora_rank": list(RANKS), "batch_size": list(BATCHES),
+                         "lora_dropout": [0.05], "target_modules": [ALL_LINEAR]},
+        "strategy": "grid", "epochs": epochs, "max_seq_len": max_seq_len, "eval_interval": eval_interval,
+        "early_exit": {"policy": policy}, "seed": 0,
+        "scheduling": {"max_trials_per_pack": len(LRS) * len(RANKS) * len(BATCHES)},
+    }  # fmt: skip
+
+
+def test_accuracy(model_key: str, adapter_dir: Path, test: list[dict[str, Any]], max_seq_len: int) -> float:
+    """The share of test rows whose accepted answer greedy decoding reproduces (as benchmarks.sweep scores)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_base_model(MODELS[model_key], cache_dir=Path(tempfile.gettempdir()) / "loraplane-models",
+                                       device=device)
+    config, tensors = read_peft_adapter(adapter_dir)
+    engine = PackEngine(model, tokenizer, capacity=1, max_rank=config.rank, device=device)
+    spec = TrialSpec(trial_id="best", learning_rate=1e-4, lora_rank=config.rank, lora_alpha=config.alpha,
+                     lora_dropout=0.0, batch_size=1, target_modules=["all-linear"], seed=0, max_steps=1,
+                     eval_interval=1, max_seq_len=max_seq_len, train_rows=[{"messages": test[0]["messages"]}], val_rows=[])
+    slot = engine.admit(spec)
+    engine.store.load_slot(slot, {k: (a.to(device), b.to(device)) for k, (a, b) in tensors.items()},
+                           rank=config.rank, scale=engine.state(slot).config.scale)
+    candidates = [(i, {"messages": [row["messages"][0], {"role": "assistant", "content": answer}]})
+                  for i, row in enumerate(test) for answer in row.get("answers", [row["messages"][1]["content"]])]
+    examples = encode_rows([row for _, row in candidates], tokenizer, 4 * max_seq_len)
+    matches = engine.greedy_matches(slot, examples)
+    engine.close()
+    solved = {i for (i, _), ok in zip(candidates, matches, strict=True) if ok}
+    return round(len(solved) / len(test), 4)
+
+
+def _label(hp: dict[str, Any]) -> str:
+    return f"lr{hp['learning_rate']:g}-r{hp['lora_rank']}-b{hp['batch_size']}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", type=Path, required=True, help="the folder benchmarks.sweep_data wrote")
+    parser.add_argument("--datasets", nargs="+", choices=["trivia", "arithmetic"], default=["trivia", "arithmetic"])
+    parser.add_argument("--model", choices=sorted(MODEL_KEYS), default="smollm2-135m-instruct")
+    parser.add_argument("--policy", choices=["alto", "asha", "none"], default="alto")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--max-seq-len", type=int, default=96)
+    parser.add_argument("--eval-interval", type=int, default=25, help="the task's; the sweep's batch-4 trials'")
+    parser.add_argument("--rows", type=int, nargs=3, metavar=("TRAIN", "VAL", "TEST"))
+    parser.add_argument("--home", type=Path, help="the service's LORAPLANE_HOME (default: a fresh temporary one)")
+    parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--out", type=Path, default=RESULTS / "sweeps")
+    args = parser.parse_args()
+    home = args.home or Path(tempfile.mkdtemp(prefix="loraplane-live-"))
+    home.mkdir(parents=True, exist_ok=True)
+    admin_token = "lpadmin_" + secrets.token_urlsafe(16)
+    trials_per_task = len(LRS) * len(RANKS) * len(BATCHES)
+    procs = start_service(home, args.port, admin_token, workers=len(args.datasets), slots=trials_per_task)
+    base = f"http://127.0.0.1:{args.port}"
+    try:
+        with Client(base, admin_token=admin_token, timeout=30) as operator:
+            tenant = operator.admin.create_tenant("live-sweep", max_concurrent_trials=2 * trials_per_task)
+            key = operator.admin.create_api_key(tenant.id, name="live-sweep").key
+        assert key is not None
+        lp = Client(base, key, timeout=60)
+        data: dict[str, tuple[list[dict[str, Any]], ...]] = {}
+        submitted: dict[str, tuple[str, float]] = {}
+        for name in args.datasets:
+            splits = tuple(read(args.data / name / f"{split}.jsonl") for split in ("train", "val", "test"))
+            if args.rows:
+                splits = tuple(rows[:n] for rows, n in zip(splits, args.rows, strict=True))
+            data[name] = splits
+            # The service takes chat rows; the test rows' extra accepted answers stay here.
+            files = [lp.files.upload(b"".join(json.dumps({"messages": r["messages"]}).encode() + b"\n" for r in rows),
+                                     filename=f"{name}-{split}.jsonl").id
+                     for rows, split in zip(splits[:2], ("train", "val"), strict=True)]
+            spec = task_spec(args.model, files[0], files[1], args.epochs, args.max_seq_len, args.policy,
+                             args.eval_interval)
+            submitted[name] = (lp.tasks.create(spec).id, time.monotonic())
+            print(f"{name}: task {submitted[name][0]} submitted", flush=True)
+        finished: dict[str, float] = {}
+        deadline = time.monotonic() + args.timeout
+        while len(finished) < len(submitted) and time.monotonic() < deadline:
+            for name, (task_id, t0) in submitted.items():
+                task = lp.tasks.get(task_id)
+                if task.done and name not in finished:
+                    finished[name] = time.monotonic() - t0
+                    print(f"{name}: task {task.state} after {finished[name]:.0f} s", flush=True)
+            time.sleep(2)
+        if len(finished) < len(submitted):
+            late = sorted(set(submitted) - set(finished))
+            raise SystemExit(f"tasks not finished within {args.timeout:.0f} s: {late}")
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        for name, (task_id, _t0) in submitted.items():
+            task = lp.tasks.get(task_id)
+            trials = lp.tasks.trials(task_id).data
+            adapter = lp.tasks.download_adapter(task_id, home / f"{name}-best-adapter")
+            best = task.best_trial
+            accuracy = test_accuracy(MODEL_KEYS[args.model], adapter, data[name][2], args.max_seq_len)
+            rows = [{"trial_id": t.id, "hyperparameters": t.hyperparameters, "state": t.state,
+                     "stop_reason": t.stop_reason, "steps_done": t.steps_done, "total_steps": t.total_steps,
+                     "best_val_loss": t.best_val_loss} for t in sorted(trials, key=lambda t: t.index)]
+            trained = sum(t.steps_done * int(t.hyperparameters["batch_size"]) for t in trials)
+            full = sum(t.total_steps * int(t.hyperparameters["batch_size"]) for t in trials)
+            summary = {
+                "benchmark": "live_sweep", "dataset": name, "model": args.model, "policy": args.policy,
+                "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_description(),
+                "command": command_line(), "commit": git_commit(), "task_state": task.state,
+                "tasks_side_by_side": len(submitted), "train_rows": len(data[name][0]),
+                "wall_s": round(finished[name], 1), "samples_trained": trained, "samples_full": full,
+                "samples_saved_frac": round(1 - trained / full, 4) if full else None,
+                "best_trial": best.id if best else None,
+                "best_hyperparameters": best.hyperparameters if best else None,
+                "best_val_loss": best.best_val_loss if best else None, "best_test_accuracy": accuracy,
+                "trials": rows,
+            }  # fmt: skip
+            stem = f"{name}-{'smollm2' if args.model.startswith('smollm2') else 'tiny'}-live-{args.policy}"
+            if args.rows:
+                stem += f"-{args.rows[0]}rows"
+            (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+            (args.out / f"{stem}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lp.tasks.curves(task_id)))
+            print_table(["trial", "state", "reason", "steps", "of", "best val loss"],
+                        [[_label(t.hyperparameters), t.state, t.stop_reason or "-", t.steps_done, t.total_steps,
+                          t.best_val_loss] for t in sorted(trials, key=lambda t: t.index)])
+            print(f"{name}: {task.state} in {finished[name]:.0f} s, samples saved "
+                  f"{summary['samples_saved_frac']}, best {summary['best_hyperparameters']} "
+                  f"(val loss {summary['best_val_loss']}, test accuracy {accuracy}); written to {args.out / stem}.json",
+                  flush=True)
+        lp.close()
+    finally:
+        stop_service(procs)
+
+
+if __name__ == "__main__":
+    main()
