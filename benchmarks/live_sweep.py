@@ -103,7 +103,8 @@ def test_accuracy(model_key: str, adapter_dir: Path, test: list[dict[str, Any]],
     engine = PackEngine(model, tokenizer, capacity=1, max_rank=config.rank, device=device)
     spec = TrialSpec(trial_id="best", learning_rate=1e-4, lora_rank=config.rank, lora_alpha=config.alpha,
                      lora_dropout=0.0, batch_size=1, target_modules=["all-linear"], seed=0, max_steps=1,
-                     eval_interval=1, max_seq_len=max_seq_len, train_rows=[{"messages": test[0]["messages"]}], val_rows=[])
+                     eval_interval=1, max_seq_len=max_seq_len, train_rows=[{"messages": test[0]["messages"]}],
+                     val_rows=[])
     slot = engine.admit(spec)
     engine.store.load_slot(slot, {k: (a.to(device), b.to(device)) for k, (a, b) in tensors.items()},
                            rank=config.rank, scale=engine.state(slot).config.scale)

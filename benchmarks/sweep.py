@@ -8,7 +8,8 @@ Grid (24 trials): learning rate {1e-4, 3e-4, 1e-3, 3e-3} × rank {4, 16} × batc
 rank, dropout 0.05, all linear layers, constant learning rate, one epoch of the 2,000 training rows (so
 a trial of batch b takes ceil(2000 / b) steps), validation on the 128 validation rows at 20 points of each
 trial's run and at its warm-up step (ALTO's default 5% of its steps, where the service validates each
-trial of an `alto` task, so that a replay ranks trials where the live service does). At the end every trial's best-validation adapter is scored on the 512 held-out test rows:
+trial of an `alto` task, so that a replay ranks trials where the live service does). At the end every
+trial's best-validation adapter is scored on the 512 held-out test rows:
 a row counts as solved when greedy decoding reproduces one of its accepted answers exactly (end-of-turn
 included; `PackEngine.greedy_matches`).
 
