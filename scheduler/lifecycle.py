@@ -220,6 +220,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
             tenant_weight=max(1, round(weight or 1.0)),
             lora_rank=int(trial.hyperparameters.get("lora_rank", 8)),
             target_modules=_target_patterns(trial),
+            resumed=(trial.checkpoint_step or 0) > 0,
         )
         for trial, task, weight in rows
     )
@@ -266,6 +267,7 @@ def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack,
             members=len(rows), max_rank=pack.max_rank or 0, target_modules=tuple(pack.target_modules or ()),
             tokens_per_step=sum(_tokens_per_step(trial, task) for trial, task in rows),
             busy_for_s=_predicted_remaining_s(session, pack, costs) if costs else 0.0,
+            task_ids=frozenset(task.id for _trial, task in rows),
             member_list=tuple(
                 RunningMember(trial.id, task.tenant_id, weights.get(task.tenant_id, 1),
                            max(1, trial.total_steps - trial.steps_done), _tokens_per_step(trial, task))

@@ -13,13 +13,20 @@ model, a rank within its padding, targets among its wrapped layers); a proposal 
 and the trial stays pending. A new pack is given room to grow: its capacity is the worker's slots (capped by
 its members' `max_trials_per_pack`), and its rank padding and wrapped layers cover its members and every
 pending trial of its base model, so that those can be back-filled later.
+
+One rule comes before the solver: a resumed trial (one kept by its task's warm-up ranking after it paused
+at its boundary, or one requeued from a checkpoint) rejoins a running pack of its own task that has room
+(`rejoin`). The solver would weigh that back-fill against the members it slows and, with a per-token step
+cost, prefer to wait for the pack to end (shortest work first); but the pack ran with this trial in it a
+moment ago, and on a GPU not saturated by the pack (small models, where a step's fixed cost dominates)
+waiting doubled a task's wall-clock time in the live early-exit sweep (benchmarks/live_sweep.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.cost import (
     PRIOR_K1_BYTES_PER_TOKEN,
@@ -58,9 +65,10 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
         time_limit_s: the solver's limit; at the limit the best plan found so far is taken, and the greedy
             plan when the solver found none or the model is too big to build.
     """
+    rejoins, snapshot = rejoin(snapshot)
     live = [p for p in snapshot.live_packs if p.free_slots > 0 and any(p.fits(t) for t in snapshot.pending)]
     if not snapshot.pending or not (snapshot.idle_workers or live):
-        return Placement(Plan(), None)
+        return Placement(Plan(backfills=rejoins), None)
     workers: list[IdleWorker | BusyWorker] = [*snapshot.idle_workers, *snapshot.busy_workers]
     # One cap per pack for the whole cluster: the smallest worker's slots (workers of one deployment share it).
     max_slots = min(w.max_slots for w in workers)
@@ -118,7 +126,30 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
         joining = tuple(i for i in proposal.trial_ids if pack.fits(pending[i]))[: pack.free_slots]
         if joining:
             backfills.append(Backfill(pack.pack_id, pack.worker_id, joining))
-    return Placement(Plan(packs, tuple(backfills)), result)
+    return Placement(Plan(packs, rejoins + tuple(backfills)), result)
+
+
+def rejoin(snapshot: Snapshot) -> tuple[tuple[Backfill, ...], Snapshot]:
+    """Back-fills of resumed trials into running packs of their own tasks (first fit, oldest trial first),
+    and the snapshot left for the solver: those trials no longer pending, those slots no longer free."""
+    room = {p.pack_id: p.free_slots for p in snapshot.live_packs}
+    joining: dict[str, list[str]] = {}
+    for trial in snapshot.pending:
+        if not trial.resumed:
+            continue
+        pack = next((p for p in snapshot.live_packs
+                     if trial.task_id in p.task_ids and room[p.pack_id] > 0 and p.fits(trial)), None)
+        if pack is not None:
+            room[pack.pack_id] -= 1
+            joining.setdefault(pack.pack_id, []).append(trial.trial_id)
+    if not joining:
+        return (), snapshot
+    joined = {tid for ids in joining.values() for tid in ids}
+    by_id = {p.pack_id: p for p in snapshot.live_packs}
+    backfills = tuple(Backfill(pid, by_id[pid].worker_id, tuple(ids)) for pid, ids in joining.items())
+    left = replace(snapshot, pending=tuple(t for t in snapshot.pending if t.trial_id not in joined),
+                   live_packs=tuple(replace(p, free_slots=room[p.pack_id]) for p in snapshot.live_packs))
+    return backfills, left
 
 
 def _new_pack(

@@ -27,6 +27,9 @@ class PendingTrial:
     # What a running pack must fit to take this trial as a back-fill.
     lora_rank: int = 8
     target_modules: tuple[str, ...] = ("all-linear",)
+    # It has trained before (paused at its warm-up boundary and kept, or requeued): it rejoins a running pack
+    # of its own task that has room before anything else is planned (scheduler/placement.py, `rejoin`).
+    resumed: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class LivePack:
     tokens_per_step: int  # its members' pooled tokens
     busy_for_s: float  # predicted seconds until its current members are done
     member_list: tuple[RunningMember, ...] = ()  # each member as the planner weighs it
+    task_ids: frozenset[str] = frozenset()  # the tasks its members belong to
 
     def fits(self, trial: PendingTrial) -> bool:
         """The engine can take ``trial``: same model, rank within its padding, targets among its layers."""

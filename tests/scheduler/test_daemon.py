@@ -565,3 +565,39 @@ def test_warm_up_rotation_pauses_the_first_trial_until_the_second_has_warmed_up(
         assert resumed.state in (states.TRIAL_PENDING, states.TRIAL_RUNNING)  # kept: queued to continue
         kinds = [e.type for e in s.scalars(select(Event).where(Event.trial_id == first).order_by(Event.id))]
         assert "trial.waiting" in kinds and "trial.resumed" in kinds and "trial.stopped_early" not in kinds
+
+
+def test_a_trial_held_with_nothing_pending_still_pauses_and_rejoins_its_pack_when_kept(
+        daemon: SchedulerDaemon) -> None:
+    """All three trials fit in one pack (none pending): the first to reach its boundary pauses all the same
+    (no samples spent past it), and once the ranking keeps it, it back-fills into the pack it left."""
+    start = commands_tail()
+    _, (first, second, third) = make_task(3, cap=3, early_exit={"policy": "alto", "keep_ratio": 0.5}, steps=40)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    assert sorted(pack.trial_ids) == sorted([first, second, third]) and pack.capacity == 3
+    report("pack.started", pack_id=pack.id)
+    curve(pack.id, first, [2.0, 1.8], {2: 1.5})
+    daemon.step(block_s=0.2)
+    (pause,) = commands("stop_trials", start)
+    assert (pause["mode"], pause["trial_ids"]) == ("pause", [first])
+    report("trial.checkpoint", pack_id=pack.id, trial_id=first, step=2, checkpoint_key="ckpt/first-2")
+    report("trial.finished", pack_id=pack.id, trial_id=first, status="paused", steps_done=2, best_val_loss=1.5,
+           best_step=2, final_train_loss=1.8, adapter_key=None)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Trial, first).state == states.TRIAL_WAITING
+    # Ranked at their boundaries: first 1.5, third 1.6 kept (ceil(0.5 x 3) = 2), second 1.7 stopped.
+    curve(pack.id, second, [2.0, 1.9], {2: 1.7})
+    curve(pack.id, third, [2.0, 1.9], {2: 1.6})
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        assert s.get_one(Trial, second).state == states.TRIAL_STOPPED_EARLY
+        assert s.get_one(Trial, third).state == states.TRIAL_RUNNING
+        back = s.get_one(Trial, first)
+        assert (back.state, back.pack_id, back.awaiting_admission) == (states.TRIAL_RUNNING, pack.id, True)
+    (admit,) = commands("admit_trials", start)
+    assert admit["pack_id"] == pack.id
+    assert [t["trial_id"] for t in admit["trials"]] == [first]  # type: ignore[union-attr]

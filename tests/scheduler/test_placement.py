@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
-from scheduler.placement import place
-from scheduler.planner import BusyWorker, IdleWorker, PendingTrial, Snapshot
+from scheduler.placement import place, rejoin
+from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, RunningMember, Snapshot
 
 
 def trial(i: int, model: str = "m", cap: int = 8, task: str = "t1", steps: int = 100) -> PendingTrial:
@@ -54,3 +55,40 @@ def test_caps_models_and_busy_workers_are_respected_on_random_snapshots() -> Non
             assert len(members) <= min(slots, *(m.max_trials_per_pack for m in members))
         if pending:
             assert packs, "idle workers and pending trials, but nothing started"
+
+
+def live_pack(pack_id: str, tasks: frozenset[str], free: int, max_rank: int = 16) -> LivePack:
+    members = tuple(RunningMember(f"{pack_id}-m{i}", "ten", 1, 400, 512) for i in range(4))
+    return LivePack(pack_id=pack_id, worker_id=f"w-{pack_id}", base_model="m", free_slots=free, members=4,
+                    max_rank=max_rank, target_modules=("all-linear",), tokens_per_step=2048, busy_for_s=400.0,
+                    member_list=members, task_ids=tasks)  # fmt: skip
+
+
+def resumed(i: int, task: str, rank: int = 8) -> PendingTrial:
+    return replace(trial(i, task=task, steps=300), resumed=True, lora_rank=rank)
+
+
+def test_resumed_trials_rejoin_a_running_pack_of_their_own_task_before_the_solver_runs() -> None:
+    """Kept at the warm-up ranking: back into the pack their task runs in, even with a worker idle."""
+    snap = Snapshot(pending=(resumed(0, "t1"), trial(1, task="t1"), resumed(2, "t2"), resumed(3, "t1")),
+                    idle_workers=(IdleWorker("w0", 8),), busy_workers=(BusyWorker("w-p1", 8, None, 400.0),),
+                    live_packs=(live_pack("p1", frozenset({"t1"}), free=8),))
+    placement = place(snap, {})
+    (rejoin,) = [b for b in placement.plan.backfills if b.trial_ids[0] == "tr0"]
+    assert (rejoin.pack_id, rejoin.worker_id, rejoin.trial_ids) == ("p1", "w-p1", ("tr0", "tr3"))
+    placed = [t for p in placement.plan.packs for t in p.trial_ids]
+    placed += [t for b in placement.plan.backfills for t in b.trial_ids]
+    # The fresh trial and the other task's resumed one are the solver's to place now or later (once at most).
+    assert len(placed) == len(set(placed)) and {"tr0", "tr3"} <= set(placed)
+
+
+def test_rejoin_respects_free_slots_and_what_the_pack_can_take() -> None:
+    pack = live_pack("p1", frozenset({"t1"}), free=1, max_rank=8)
+    snap = Snapshot(pending=(resumed(0, "t1", rank=16), resumed(1, "t1"), resumed(2, "t1")), idle_workers=(),
+                    live_packs=(pack,))
+    backfills, left = rejoin(snap)
+    assert [(b.pack_id, b.trial_ids) for b in backfills] == [("p1", ("tr1",))]  # tr0's rank 16 > padding 8
+    assert [t.trial_id for t in left.pending] == ["tr0", "tr2"]
+    assert left.live_packs[0].free_slots == 0
+    assert rejoin(replace(snap, live_packs=(replace(pack, task_ids=frozenset({"t9"})),))) == (
+        (), replace(snap, live_packs=(replace(pack, task_ids=frozenset({"t9"})),)))

@@ -104,6 +104,23 @@ def test_a_stopped_trial_is_charged_up_to_its_stop_on_a_sparse_curve() -> None:
     assert result.samples_trained == 6 * 10 + 2 * 200
 
 
+def test_a_trial_held_at_its_boundary_pauses_until_the_ranking_and_then_resumes_its_curve() -> None:
+    """Short trials reach their boundary first and wait there (their slot given up), charged nothing while
+    they wait: the cut ones pay only up to their boundary, the kept ones train their whole curve."""
+    # Two of 40 steps (boundary 2, val every 2 steps) and six of 200 (boundary 10, val every 10).
+    rows = [row(f"s{i}", falling(2 + 0.25 * i), total=40, every=2) for i in range(2)]
+    rows += [row(f"l{i}", falling(2.1 + 0.25 * i), total=200, every=10) for i in range(6)]
+    result = replay(ALTO, sweep_of(rows))
+    outcomes = {o.trial_id: o for o in result.outcomes}
+    # Boundary losses: s0 1.99, l0 2.05, s1 2.24, l1 2.30, ...: keep ceil(0.25 x 8) = 2: s0 and l0.
+    assert {t for t, o in outcomes.items() if o.reason is None} == {"s0", "l0"}
+    assert (outcomes["s1"].stopped_at, outcomes["s1"].samples_trained) == (2, 4)  # not the 10 steps it waited
+    assert all((outcomes[f"l{i}"].stopped_at, outcomes[f"l{i}"].samples_trained) == (10, 20) for i in range(1, 6))
+    assert outcomes["s0"].samples_trained == 80 and outcomes["l0"].samples_trained == 400
+    assert result.samples_trained == 80 + 400 + 4 + 5 * 20
+    assert (result.best_trial, result.best_kept, result.best_val_ratio) == ("l0", True, 1.0)
+
+
 def test_spearman() -> None:
     assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
