@@ -19,6 +19,7 @@ from api.routes import (
     admin,
     cluster,
     curves,
+    dashboard,
     events,
     files,
     health,
@@ -65,6 +66,7 @@ def create_app() -> FastAPI:
     app.include_router(health.router)
     for module in (admin, cluster, packs, files, models, search_spaces, tasks, trials, curves, events):
         app.include_router(module.router, prefix="/v1")
+    dashboard.install(app)
     return app
 
 
