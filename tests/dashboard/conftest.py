@@ -29,7 +29,7 @@ WORKER_ID = "dashboard-worker"
 EMBEDDED_UNSET = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ARTIFACT_DIR", "LORAPLANE_NAMESPACE")
 
 
-def _missing() -> str | None:
+def missing_requirement() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
@@ -50,7 +50,7 @@ class Service:
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    if (missing := _missing()) is not None:
+    if (missing := missing_requirement()) is not None:
         pytest.skip(missing)
     tmp = tmp_path_factory.mktemp("dashboard")
     env = {k: v for k, v in os.environ.items() if k not in EMBEDDED_UNSET}

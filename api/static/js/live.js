@@ -131,8 +131,11 @@ export class TaskStream {
     while (!this.closed) {
       try {
         this.onMode("stream");
+        const opened = Date.now();
         if (await this.streamOnce()) return;
-        failures = 0; // the server closed without `end` (a restart): resume at once
+        // Closed without `end` (a server restart, a proxy's time limit): resume, but a stream that keeps
+        // closing at once counts as failing, so it cannot turn into a reconnect loop.
+        failures = Date.now() - opened < 5000 ? failures + 1 : 0;
       } catch (error) {
         if (this.closed) return;
         if (error instanceof ApiError && error.status >= 400 && error.status < 500) {
@@ -145,8 +148,8 @@ export class TaskStream {
         this.onMode("polling");
         if (await this.pollSpell()) return;
         failures = 0;
-      } else if (failures) {
-        await sleep(1000 * failures, this.controller.signal);
+      } else {
+        await sleep(1000 * Math.max(1, failures), this.controller.signal);
       }
     }
   }
