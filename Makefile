@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # No machine here reaches a model hub: a missing file must fail at once instead of hanging.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-.PHONY: up test lint install clean
+.PHONY: up test lint install chromium clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,7 +33,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy common api scheduler worker kernels loraplane benchmarks
 
-test: lint
+# The dashboard's browser tests drive Debian's Chromium through Playwright (which downloads no browser of
+# its own). Installed here where we may (root with apt-get); elsewhere those tests skip, naming what is missing.
+chromium:
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium for the dashboard tests"; \
+		(DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null)) || \
+		echo "could not install chromium: the dashboard tests will be skipped"; \
+	fi
+
+test: lint chromium
 	$(OFFLINE) $(VENV)/bin/pytest
 
 clean:

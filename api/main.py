@@ -15,7 +15,20 @@ from fastapi.routing import APIRoute
 from sqlalchemy.exc import IntegrityError
 
 from api.errors import install_error_handlers
-from api.routes import admin, curves, events, files, health, models, tasks, trials
+from api.routes import (
+    admin,
+    cluster,
+    curves,
+    dashboard,
+    events,
+    files,
+    health,
+    models,
+    packs,
+    search_spaces,
+    tasks,
+    trials,
+)
 from common.db import session_scope
 from common.registry import ensure_default_models
 
@@ -51,8 +64,9 @@ def create_app() -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(health.router)
-    for module in (admin, files, models, tasks, trials, curves, events):
+    for module in (admin, cluster, packs, files, models, search_spaces, tasks, trials, curves, events):
         app.include_router(module.router, prefix="/v1")
+    dashboard.install(app)
     return app
 
 

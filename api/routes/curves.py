@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
 from api.deps import SessionDep, TenantDep
@@ -19,12 +21,18 @@ router = APIRouter(prefix="/tasks/{task_id}/curves", tags=["curves"], responses=
     responses={200: {"content": {"application/x-ndjson": {}},
                      "description": "One JSON object per trial, by index (format: api/services/curves.py)."}},
 )
-def export_curves(task_id: str, tenant: TenantDep, session: SessionDep) -> StreamingResponse:
+def export_curves(
+    task_id: str,
+    tenant: TenantDep,
+    session: SessionDep,
+    after_step: Annotated[int | None, Query(ge=0, description="Only points past this step (every trial still "
+                                                              "has its line).")] = None,
+) -> StreamingResponse:
     """Every trial's train and validation points with samples and tokens seen, one line per trial."""
     task = get_task(session, tenant_id=tenant.id, task_id=task_id)
     trials = list_trials(session, tenant_id=tenant.id, task_id=task.id)
     return StreamingResponse(
-        curve_lines(task, trials),
+        curve_lines(task, trials, after_step),
         media_type="application/x-ndjson",
         headers={"Content-Disposition": f'attachment; filename="{task.id}-curves.jsonl"'},
     )

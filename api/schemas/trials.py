@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from api.schemas.common import UtcDateTime
 from common.models import Trial
@@ -26,6 +26,7 @@ class TrialOut(BaseModel):
     error: str | None
     attempts: int
     checkpoint_step: int | None  # the newest checkpoint a requeued trial would resume from
+    adapter_ready: bool = Field(description="Whether its adapter can be downloaded (GET .../adapter).")
     created_at: UtcDateTime
     started_at: UtcDateTime | None
     finished_at: UtcDateTime | None
@@ -36,7 +37,8 @@ class TrialOut(BaseModel):
             id=t.id, task_id=t.task_id, index=t.index, state=t.state, hyperparameters=t.hyperparameters,
             total_steps=t.total_steps, steps_done=t.steps_done, best_val_loss=t.best_val_loss,
             best_step=t.best_step, last_train_loss=t.last_train_loss, stop_reason=t.stop_reason,
-            error=t.error, attempts=t.attempts, checkpoint_step=t.checkpoint_step, created_at=t.created_at,
+            error=t.error, attempts=t.attempts, checkpoint_step=t.checkpoint_step,
+            adapter_ready=t.adapter_key is not None, created_at=t.created_at,
             started_at=t.started_at, finished_at=t.finished_at,
         )
 

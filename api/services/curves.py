@@ -56,9 +56,10 @@ def curve_row(
             "total_steps": trial.total_steps, "train": curves["train"], "val": curves["val"]}
 
 
-def curve_lines(task: Task, trials: Sequence[Trial]) -> Iterator[bytes]:
+def curve_lines(task: Task, trials: Sequence[Trial], after_step: int | None = None) -> Iterator[bytes]:
     """One JSON line per trial; each trial's points are read in their own short session as the response
-    streams, so a large task is never held in memory whole, nor a connection held between trials."""
+    streams, so a large task is never held in memory whole, nor a connection held between trials.
+    `after_step`: only points past that step (a live view fetches what is new, not the whole curve again)."""
     task_id, max_seq_len = task.id, int(task.spec["max_seq_len"])
     heads = [TrialHead.of(t) for t in trials]
 
@@ -66,6 +67,8 @@ def curve_lines(task: Task, trials: Sequence[Trial]) -> Iterator[bytes]:
         for head in heads:
             stmt = (select(MetricPoint.split, MetricPoint.step, MetricPoint.loss)
                     .where(MetricPoint.trial_id == head.id).order_by(MetricPoint.split, MetricPoint.step))
+            if after_step is not None:
+                stmt = stmt.where(MetricPoint.step > after_step)
             with session_factory()() as session:
                 points = [(split, step, loss) for split, step, loss in session.execute(stmt)]
             row = curve_row(task_id, max_seq_len, head, points)

@@ -19,7 +19,7 @@ from api import search_space as ss
 from api.db import commit
 from api.errors import RATE_LIMIT, ApiError, conflict, invalid
 from api.queries import find_file, get_task
-from api.schemas.tasks import RangeSpec, TaskCreate
+from api.schemas.tasks import RangeSpec, SearchSpace, TaskCreate
 from common.bus import wake_scheduler
 from common.datasets import validation_rows
 from common.events import record_event
@@ -46,17 +46,22 @@ def _check_request(body: TaskCreate) -> Budget:
                       code="conflicting_fields")
     if body.epochs is not None and body.max_steps is not None:
         raise invalid("Give epochs or max_steps, not both.", param="max_steps", code="conflicting_fields")
-    if body.strategy == "random" and body.max_trials is None:
-        raise invalid("A random search needs max_trials.", param="max_trials", code="missing_field")
+    require_max_trials(body.strategy, body.max_trials)
     split = None if body.validation_file is not None else body.validation_split or DEFAULT_VALIDATION_SPLIT
     epochs = None if body.max_steps is not None else body.epochs or DEFAULT_EPOCHS
     return Budget(epochs=epochs, max_steps=body.max_steps, validation_split=split)
 
 
-def _space(body: TaskCreate) -> dict[str, ss.Dimension]:
+def require_max_trials(strategy: str, max_trials: int | None) -> None:
+    if strategy == "random" and max_trials is None:
+        raise invalid("A random search needs max_trials.", param="max_trials", code="missing_field")
+
+
+def space_of(search_space: SearchSpace) -> dict[str, ss.Dimension]:
+    """The validated request's space in the pure expansion's terms (`api.search_space`)."""
     space: dict[str, ss.Dimension] = {}
     for name in ss.DIMENSIONS:
-        dim = getattr(body.search_space, name)
+        dim = getattr(search_space, name)
         if isinstance(dim, RangeSpec):
             space[name] = ss.Range(min=dim.min, max=dim.max, num=dim.num, scale=dim.scale)
         elif dim is not None:
@@ -75,24 +80,29 @@ def normalised_space(space: dict[str, ss.Dimension]) -> dict[str, Any]:
     return out
 
 
-def _configs(body: TaskCreate, space: dict[str, ss.Dimension], tenant: Tenant) -> list[dict[str, Any]]:
-    """The trials' configurations, refused before they are built when they would exceed a limit."""
+def expand_trials(
+    space: dict[str, ss.Dimension], *, strategy: str, max_trials: int | None, seed: int, tenant: Tenant
+) -> list[dict[str, Any]]:
+    """The trials' configurations, refused before they are built when they would exceed a limit.
+
+    Task submission and the search-space preview (`POST /v1/search-spaces/expand`) both call this, so the
+    count a form shows before submitting is the count the task gets."""
     quota = tenant.max_trials_per_task
     try:
-        if body.strategy == "grid":
+        if strategy == "grid":
             size = ss.grid_size(space)
-            if body.max_trials is not None and size > body.max_trials:
-                raise invalid(f"The grid has {size} trials, more than max_trials={body.max_trials}.",
+            if max_trials is not None and size > max_trials:
+                raise invalid(f"The grid has {size} trials, more than max_trials={max_trials}.",
                               param="max_trials")
             if size > quota:
                 raise invalid(f"The grid has {size} trials; this tenant allows at most {quota} per task.",
                               param="search_space", code="quota_exceeded")
             return ss.expand_grid(space)
-        assert body.max_trials is not None
-        if body.max_trials > quota:
-            raise invalid(f"max_trials={body.max_trials}; this tenant allows at most {quota} trials per task.",
+        assert max_trials is not None
+        if max_trials > quota:
+            raise invalid(f"max_trials={max_trials}; this tenant allows at most {quota} trials per task.",
                           param="max_trials", code="quota_exceeded")
-        return ss.sample_random(space, body.max_trials, body.seed)
+        return ss.sample_random(space, max_trials, seed)
     except ss.SearchSpaceError as exc:
         raise invalid(exc.message, param=f"search_space.{exc.param}") from exc
 
@@ -180,8 +190,8 @@ def create_task(
     if body.validation_file is not None:
         _owned_file(session, tenant, body.validation_file, "validation_file")
     n_train = _train_rows(train, budget.validation_split)
-    space = _space(body)
-    configs = _configs(body, space, tenant)
+    space = space_of(body.search_space)
+    configs = expand_trials(space, strategy=body.strategy, max_trials=body.max_trials, seed=body.seed, tenant=tenant)
     steps = [budget.max_steps or (budget.epochs or DEFAULT_EPOCHS) * math.ceil(n_train / c["batch_size"])
              for c in configs]
 

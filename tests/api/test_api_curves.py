@@ -67,3 +67,19 @@ def test_curves_of_another_tenants_task_are_404(client: TestClient, tenant: Tena
     r = client.get(f"/v1/tasks/{task['id']}/curves", headers=other_tenant.headers)
     assert (r.status_code, r.json()["error"]["code"]) == (404, "task_not_found")
     assert task["id"] not in r.text.replace(f"'{task['id']}'", "")  # only the id the caller sent
+
+
+def test_curves_after_a_step_keep_every_trial_and_only_newer_points(client: TestClient, tenant: TenantKey) -> None:
+    """What a live view asks for: the points past the last step it has (every trial still has its line)."""
+    task = make_task(client, tenant)
+    ids = trial_ids(task["id"])
+    add_points(ids[0], [(1, 3.0), (2, 2.9), (3, 2.8)], [(2, 2.95)])
+    add_points(ids[1], [(1, 3.1)], [])
+    r = client.get(f"/v1/tasks/{task['id']}/curves?after_step=1", headers=tenant.headers)
+    assert r.status_code == 200, r.text
+    rows = [json.loads(line) for line in r.text.splitlines()]
+    assert [row["trial_id"] for row in rows] == ids
+    assert [p[0] for p in rows[0]["train"]] == [2, 3] and [p[0] for p in rows[0]["val"]] == [2]
+    assert rows[1]["train"] == [] and rows[1]["val"] == []
+    r = client.get(f"/v1/tasks/{task['id']}/curves?after_step=-1", headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["param"]) == (422, "after_step")

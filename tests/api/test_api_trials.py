@@ -16,8 +16,8 @@ def test_list_and_get_trials(client: TestClient, tenant: TenantKey) -> None:
     first = trials["data"][0]
     assert set(first) == {
         "id", "object", "task_id", "index", "state", "hyperparameters", "total_steps", "steps_done", "best_val_loss",
-        "best_step", "last_train_loss", "stop_reason", "error", "attempts", "checkpoint_step", "created_at",
-        "started_at", "finished_at",
+        "best_step", "last_train_loss", "stop_reason", "error", "attempts", "checkpoint_step", "adapter_ready",
+        "created_at", "started_at", "finished_at",
     }
     one = client.get(f"/v1/tasks/{task['id']}/trials/{first['id']}", headers=tenant.headers)
     assert one.status_code == 200 and one.json() == first
@@ -58,7 +58,10 @@ def test_adapter_is_409_until_it_exists_then_downloads(client: TestClient, tenan
         r = client.get(url, headers=tenant.headers)
         assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready")
 
+    trial_url_json = f"/v1/tasks/{task['id']}/trials/{trial_id}"
+    assert client.get(trial_url_json, headers=tenant.headers).json()["adapter_ready"] is False
     payload = store_adapter(task["id"], trial_id, b"\x1f\x8b" + bytes(range(256)) * 10)
+    assert client.get(trial_url_json, headers=tenant.headers).json()["adapter_ready"] is True
     for url in (task_url, trial_url):
         r = client.get(url, headers=tenant.headers)
         assert r.status_code == 200

@@ -1,0 +1,96 @@
+"""What the operator's views read: packs with the trials in their slots, and the fleet's load.
+
+A slot is held by a trial that runs in the pack now (`Trial.pack_id` stays set on a finished trial, so the
+state decides). A fixed number of queries for any number of packs or workers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from api.schemas.admin import WorkerOut
+from api.schemas.cluster import ClusterOut, PackOut, PackSlot, TenantLoad, WorkerLoad
+from common.models import Pack, Tenant, Trial, Worker
+from common.states import PACK_LIVE, TRIAL_PENDING, TRIAL_RUNNING, TRIAL_WAITING, WORKER_ALIVE
+
+
+def _slots(session: Session, pack_ids: Sequence[str]) -> dict[str, list[PackSlot]]:
+    out: dict[str, list[PackSlot]] = defaultdict(list)
+    if not pack_ids:
+        return out
+    stmt = (select(Trial).where(Trial.pack_id.in_(pack_ids), Trial.state == TRIAL_RUNNING)
+            .order_by(Trial.task_id, Trial.index))
+    for t in session.scalars(stmt):
+        assert t.pack_id is not None
+        out[t.pack_id].append(PackSlot(
+            trial_id=t.id, task_id=t.task_id, tenant_id=t.tenant_id, index=t.index, state=t.state,
+            steps_done=t.steps_done, total_steps=t.total_steps, awaiting_admission=t.awaiting_admission,
+        ))
+    return out
+
+
+def _capacity(pack: Pack) -> int:
+    # Packs that take no back-fills have no recorded capacity: they were sized for the trials they started with.
+    return pack.capacity if pack.capacity is not None else len(pack.trial_ids)
+
+
+def pack_views(session: Session, packs: Sequence[Pack]) -> list[PackOut]:
+    # An ended pack holds no slot, whatever a stale trial row says.
+    slots = _slots(session, [p.id for p in packs if p.state in PACK_LIVE])
+    out = []
+    for p in packs:
+        capacity, held = _capacity(p), slots.get(p.id, [])
+        progress = p.progress or {}
+        step_s, tokens = progress.get("step_s"), progress.get("tokens")
+        out.append(PackOut(
+            id=p.id, worker_id=p.worker_id, base_model=p.base_model, state=p.state, capacity=capacity, slots=held,
+            free_slots=max(0, capacity - len(held)),
+            utilisation=round(min(1.0, len(held) / capacity), 4) if capacity else 0.0,
+            trials_placed=len(p.trial_ids), max_rank=p.max_rank, target_modules=p.target_modules,
+            step_s=step_s, tokens_per_s=round(tokens / step_s, 1) if step_s and tokens is not None else None,
+            created_at=p.created_at, started_at=p.started_at, finished_at=p.finished_at,
+        ))
+    return out
+
+
+def cluster_view(session: Session) -> ClusterOut:
+    workers = session.scalars(select(Worker).order_by(Worker.registered_at, Worker.id)).all()
+    live = session.scalars(select(Pack).where(Pack.state.in_(PACK_LIVE)).order_by(Pack.created_at)).all()
+    held = _slots(session, [p.id for p in live])
+    pack_of = {p.worker_id: p.id for p in live}  # one live pack per worker (one worker is one GPU)
+
+    loads = []
+    for w in workers:
+        pack_id = pack_of.get(w.id)
+        n = len(held.get(pack_id, [])) if pack_id else 0
+        loads.append(WorkerLoad(
+            **WorkerOut.of(w).model_dump(), pack_id=pack_id, used_slots=n,
+            utilisation=round(min(1.0, n / w.max_slots), 4) if w.max_slots else 0.0,
+        ))
+    alive = [w for w in loads if w.state == WORKER_ALIVE]
+    slots_total = sum(w.max_slots for w in alive)
+    slots_used = sum(w.used_slots for w in alive)
+
+    by_tenant: dict[str, dict[str, int]] = defaultdict(lambda: {"pending": 0, "running": 0})
+    active = (select(Trial.tenant_id, Trial.state, func.count()).where(
+        Trial.state.in_((TRIAL_PENDING, TRIAL_WAITING, TRIAL_RUNNING))).group_by(Trial.tenant_id, Trial.state))
+    for tenant_id, state, count in session.execute(active):
+        by_tenant[tenant_id]["running" if state == TRIAL_RUNNING else "pending"] += count
+    names = dict(session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(list(by_tenant)))).all()) \
+        if by_tenant else {}
+    tenants = sorted(
+        (TenantLoad(tenant_id=t, name=names.get(t, t), pending_trials=c["pending"], running_trials=c["running"])
+         for t, c in by_tenant.items()), key=lambda t: (-t.running_trials, -t.pending_trials, t.name))
+
+    return ClusterOut(
+        workers_alive=len(alive), workers_lost=len(loads) - len(alive),
+        workers_busy=sum(1 for w in alive if w.pack_id), slots_total=slots_total, slots_used=slots_used,
+        utilisation=round(min(1.0, slots_used / slots_total), 4) if slots_total else 0.0,
+        trials_pending=sum(c["pending"] for c in by_tenant.values()),
+        trials_running=sum(c["running"] for c in by_tenant.values()),
+        workers=loads, tenants=tenants,
+    )

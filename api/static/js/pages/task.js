@@ -1,0 +1,247 @@
+// One task, live: summary, every trial's loss curves on one chart, the sortable trials table with the best
+// trial highlighted, adapter downloads, and the event log. Events arrive on the SSE stream (polling when it
+// cannot be used); loss points are not events, so while the task runs the page also re-reads the task, its
+// trials and the curves' new points every few seconds, and at once (at most once a second) after an event.
+
+import { api, download, ndjson } from "../api.js";
+import { colourOf, lossChart } from "../chart.js";
+import { badge, clear, fmt, h, progressBar } from "../dom.js";
+import { Poller, TaskStream } from "../live.js";
+import { trialSummary } from "./tasks.js";
+
+const FINAL = new Set(["succeeded", "failed", "cancelled"]);
+const TRIAL_FINAL = new Set(["completed", "stopped_early", "failed", "cancelled"]);
+const MAX_EVENTS = 500; // the log keeps the newest; the full history stays in the API (/events)
+const MAX_POINTS = 4000; // per curve kept in memory; past it, every other point is dropped (the last kept)
+
+const COLUMNS = [
+  { key: "index", label: "#", value: (t) => t.index },
+  { key: "state", label: "State", value: (t) => t.state },
+  { key: "steps", label: "Steps", value: (t) => t.steps_done },
+  { key: "lr", label: "LR", value: (t) => t.hyperparameters.learning_rate },
+  { key: "rank", label: "Rank", value: (t) => t.hyperparameters.lora_rank },
+  { key: "alpha", label: "Alpha", value: (t) => t.hyperparameters.lora_alpha },
+  { key: "batch", label: "Batch", value: (t) => t.hyperparameters.batch_size },
+  { key: "dropout", label: "Dropout", value: (t) => t.hyperparameters.lora_dropout },
+  { key: "modules", label: "Modules", value: (t) => fmt.modules(t.hyperparameters.target_modules) },
+  { key: "train", label: "Last train", value: (t) => t.last_train_loss },
+  { key: "val", label: "Best val", value: (t) => t.best_val_loss },
+];
+
+function compare(a, b) {
+  if (a === b) return 0;
+  if (a === null || a === undefined) return 1; // missing values last, whichever the direction
+  if (b === null || b === undefined) return -1;
+  return a < b ? -1 : 1;
+}
+
+/** Halves a curve that grew past the cap, keeping its last point: memory stays bounded for any length. */
+function capped(points) {
+  if (points.length <= MAX_POINTS) return points;
+  const last = points[points.length - 1];
+  const kept = points.filter((_, i) => i % 2 === 0);
+  if (kept[kept.length - 1] !== last) kept.push(last);
+  return kept;
+}
+
+export function mount(root, { params }) {
+  const [taskId] = params;
+  const state = { task: null, trials: [], curves: new Map(), sort: { key: "val", dir: 1 }, events: [] };
+
+  const heading = h("h1", {}, "Task ", h("span", { class: "mono" }, taskId));
+  const liveNote = h("span", { class: "muted small", role: "status", id: "live-mode" }, "connecting…");
+  const alert = h("p", { class: "error", role: "alert" });
+  const summary = h("section", { class: "summary", "aria-label": "Summary" });
+  const actions = h("div", { class: "actions" });
+  const chartBox = h("figure", { class: "chart-box" });
+  const legend = h("ul", { class: "legend", "aria-label": "Trials on the chart" });
+  const tableBox = h("div", { class: "table-box" });
+  const log = h("ol", { class: "log", "aria-label": "Event log, newest first" });
+  root.append(
+    h("div", { class: "page-head" }, heading, liveNote),
+    alert, summary, actions,
+    h("section", { "aria-labelledby": "curves-title" }, h("h2", { id: "curves-title" }, "Loss curves"),
+      h("p", { class: "muted small" }, "Solid: train loss. Dashed with dots: validation loss. ",
+        "Thick: the best trial. ×: stopped early (hover for the reason)."),
+      chartBox, legend),
+    h("section", { "aria-labelledby": "trials-title" }, h("h2", { id: "trials-title" }, "Trials"), tableBox),
+    h("section", { "aria-labelledby": "events-title" }, h("h2", { id: "events-title" }, "Events"), log));
+
+  async function save(path, name) {
+    alert.textContent = "";
+    try {
+      await download(path, name);
+    } catch (e) {
+      alert.textContent = `Download failed: ${e.message}`;
+    }
+  }
+
+  const bestId = () => state.task?.best_trial?.id || null;
+
+  function renderSummary() {
+    const t = state.task;
+    clear(summary);
+    const items = [
+      ["State", badge(t.state)],
+      ["Base model", t.base_model],
+      ["Progress", h("span", { class: "progress-cell" }, progressBar(t.progress, "Task progress"), fmt.pct(t.progress))],
+      ["Trials", trialSummary(t.trial_counts)],
+      ["Best val loss", t.best_trial ? `${fmt.loss(t.best_trial.best_val_loss)} (step ${fmt.num(t.best_trial.best_step)})` : "—"],
+      ["Time left", t.state === "running" ? fmt.duration(t.estimated_seconds_left) : "—"],
+      ["Early exit", t.early_exit.policy],
+      ["Created", fmt.datetime(t.created_at)],
+    ];
+    if (t.error) items.push(["Error", t.error]);
+    summary.append(h("dl", {}, items.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])));
+
+    clear(actions);
+    const best = state.trials.find((tr) => tr.id === bestId());
+    actions.append(h("button", { type: "button", id: "download-best", disabled: !(best && best.adapter_ready),
+      onclick: () => save(`/v1/tasks/${taskId}/adapter`, `${taskId}-adapter.tar.gz`) }, "Download best adapter"));
+    if (!FINAL.has(t.state)) {
+      actions.append(h("button", { type: "button", class: "secondary", onclick: async () => {
+        if (!window.confirm(`Cancel ${taskId} and its unfinished trials?`)) return;
+        try {
+          await api.post(`/v1/tasks/${taskId}/cancel`);
+          poller.trigger();
+        } catch (e) {
+          alert.textContent = e.message;
+        }
+      } }, "Cancel task"));
+    }
+  }
+
+  function label(t) {
+    const hp = t.hyperparameters;
+    return `#${t.index} lr=${fmt.lr(hp.learning_rate)} r=${hp.lora_rank} b=${hp.batch_size}`;
+  }
+
+  function renderChart() {
+    const series = state.trials.map((t) => {
+      const c = state.curves.get(t.id) || { train: [], val: [] };
+      return { id: t.id, label: label(t), colour: colourOf(t.index), train: c.train, val: c.val,
+        best: t.id === bestId(), stopped: t.state === "stopped_early" ? (t.stop_reason || "stopped") : null };
+    });
+    const maxStep = Math.max(1, ...state.trials.map((t) => t.total_steps));
+    clear(chartBox).append(lossChart(series, { maxStep }),
+      h("figcaption", { class: "sr-only" }, "Loss by step for every trial; the table below has the numbers."));
+    clear(legend);
+    for (const t of state.trials) {
+      const swatch = h("span", { class: "swatch", "aria-hidden": "true" });
+      swatch.style.background = colourOf(t.index);
+      legend.append(h("li", { class: t.id === bestId() ? "best" : null }, swatch, label(t), " ", badge(t.state),
+        t.id === bestId() ? h("strong", {}, " best") : null,
+        t.state === "stopped_early" ? h("span", { class: "reason" }, ` — ${t.stop_reason || "stopped"}`) : null));
+    }
+  }
+
+  function renderTable() {
+    const { key, dir } = state.sort;
+    const column = COLUMNS.find((c) => c.key === key);
+    const rows = [...state.trials].sort((a, b) => dir * compare(column.value(a), column.value(b)) || a.index - b.index);
+    const head = h("tr", {}, COLUMNS.map((c) => h("th", { scope: "col",
+      "aria-sort": c.key === key ? (dir > 0 ? "ascending" : "descending") : "none" },
+    h("button", { type: "button", class: "sort", onclick: () => {
+      state.sort = { key: c.key, dir: c.key === key ? -dir : 1 };
+      renderTable();
+      tableBox.querySelector(`th button[data-key="${c.key}"]`)?.focus(); // keep the keyboard where it was
+    }, dataset: { key: c.key } }, c.label, h("span", { "aria-hidden": "true" }, c.key === key ? (dir > 0 ? " ▲" : " ▼") : ""))),
+    ), h("th", { scope: "col" }, "Stop reason"), h("th", { scope: "col" }, "Adapter"));
+    const body = h("tbody", {}, rows.map((t) => {
+      const hp = t.hyperparameters;
+      const isBest = t.id === bestId();
+      return h("tr", { class: isBest ? "best" : null, dataset: { trial: t.id } },
+        h("td", {}, String(t.index), isBest ? h("span", { class: "tag" }, "best") : null),
+        h("td", {}, badge(t.state)),
+        h("td", { class: "num" }, `${t.steps_done}/${t.total_steps}`),
+        h("td", { class: "num" }, fmt.lr(hp.learning_rate)),
+        h("td", { class: "num" }, fmt.num(hp.lora_rank)),
+        h("td", { class: "num" }, fmt.num(hp.lora_alpha)),
+        h("td", { class: "num" }, fmt.num(hp.batch_size)),
+        h("td", { class: "num" }, fmt.num(hp.lora_dropout)),
+        h("td", {}, fmt.modules(hp.target_modules)),
+        h("td", { class: "num" }, fmt.loss(t.last_train_loss)),
+        h("td", { class: "num" }, fmt.loss(t.best_val_loss)),
+        h("td", { class: "small" }, t.stop_reason || t.error || ""),
+        h("td", {}, h("button", { type: "button", class: "small-button", disabled: !t.adapter_ready,
+          "aria-label": `Download the adapter of trial ${t.index}`,
+          onclick: () => save(`/v1/tasks/${taskId}/trials/${t.id}/adapter`, `${t.id}-adapter.tar.gz`) }, "Download")));
+    }));
+    clear(tableBox).append(h("table", { class: "data", id: "trials" },
+      h("caption", { class: "sr-only" }, "Trials; the column buttons sort"), h("thead", {}, head), body));
+  }
+
+  function addEvent(event) {
+    state.events.push(event);
+    log.prepend(h("li", { class: `level-${event.level}`, dataset: { type: event.type } },
+      h("time", { datetime: event.created_at }, fmt.time(event.created_at)), " ",
+      h("code", {}, event.type), " ", event.message));
+    while (state.events.length > MAX_EVENTS) {
+      state.events.shift();
+      log.lastElementChild?.remove();
+    }
+  }
+
+  /** The curves' new points: every point past a step all unfinished trials have passed, less an
+   * evaluation interval (a validation point can be written after the next train points). */
+  async function fetchCurves() {
+    const open = state.trials.filter((t) => !TRIAL_FINAL.has(t.state) || !state.curves.has(t.id));
+    const lasts = (open.length ? open : state.trials).map((t) => {
+      const c = state.curves.get(t.id);
+      return c && c.train.length ? c.train[c.train.length - 1][0] : 0;
+    });
+    const after = lasts.length ? Math.max(0, Math.min(...lasts) - (state.task.eval_interval || 0)) : 0;
+    const rows = await ndjson(`/v1/tasks/${taskId}/curves${after > 0 ? `?after_step=${after}` : ""}`, { signal });
+    for (const row of rows) {
+      const c = state.curves.get(row.trial_id) || { train: [], val: [] };
+      for (const split of ["train", "val"]) {
+        const last = c[split].length ? c[split][c[split].length - 1][0] : 0;
+        const fresh = row[split].filter((p) => p[0] > last).map((p) => [p[0], p[3]]);
+        if (fresh.length) c[split] = capped(c[split].concat(fresh));
+      }
+      state.curves.set(row.trial_id, c);
+    }
+  }
+
+  const controller = new AbortController();
+  const signal = controller.signal;
+  let curvesComplete = false;
+
+  async function refresh() {
+    const [task, trials] = await Promise.all([
+      api.get(`/v1/tasks/${taskId}`, { signal }), api.get(`/v1/tasks/${taskId}/trials`, { signal })]);
+    state.task = task;
+    state.trials = trials.data;
+    if (!curvesComplete) await fetchCurves();
+    renderSummary();
+    renderChart();
+    renderTable();
+    if (FINAL.has(task.state)) {
+      curvesComplete = true; // read after the task was final: nothing more will come
+      poller.stop();
+    }
+  }
+
+  const poller = new Poller(refresh, { intervalMs: 3000, minGapMs: 1000 });
+  const stream = new TaskStream(taskId, {
+    onEvent: (event) => { addEvent(event); poller.trigger(); },
+    onEnd: () => { poller.trigger(); },
+    onMode: (mode) => {
+      liveNote.textContent = { stream: "live", polling: "live (polling)", ended: "final" }[mode];
+      liveNote.dataset.mode = mode;
+    },
+    onError: (e) => { alert.textContent = e.message; },
+  });
+
+  return (async () => {
+    try {
+      await refresh();
+    } catch (e) {
+      alert.textContent = e.status === 404 ? `No task ${taskId}.` : e.message;
+      return { dispose: () => controller.abort() };
+    }
+    if (!FINAL.has(state.task.state)) poller.start({ immediate: false });
+    stream.start(); // a final task's stream sends its whole log, then `end`
+    return { dispose() { controller.abort(); poller.stop(); stream.close(); } };
+  })();
+}

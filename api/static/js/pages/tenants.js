@@ -1,0 +1,40 @@
+// The operator's tenants with their quotas and API keys (prefixes only: the secret is never kept). Read
+// once and on "Refresh" rather than on a timer: it costs a request per tenant, and tenants change rarely.
+
+import { api } from "../api.js";
+import { clear, fmt, h } from "../dom.js";
+import { Poller } from "../live.js";
+
+export function mount(root) {
+  const status = h("p", { class: "muted", role: "status" });
+  const box = h("div", {});
+  const refresh = h("button", { type: "button", class: "secondary", onclick: () => poller.trigger() }, "Refresh");
+  root.append(h("div", { class: "page-head" }, h("h1", {}, "Tenants"), refresh), status, box);
+
+  const poller = new Poller(async () => {
+    const tenants = [];
+    let after = "";
+    for (let page = 0; page < 10; page += 1) { // 1,000 tenants at most on one page; enough for a dashboard
+      const got = await api.get(`/v1/admin/tenants?limit=100${after ? `&after=${after}` : ""}`);
+      tenants.push(...got.data);
+      if (!got.has_more) break;
+      after = got.data[got.data.length - 1].id;
+    }
+    const keys = await Promise.all(tenants.map((t) => api.get(`/v1/admin/tenants/${t.id}/api-keys`)));
+    status.textContent = `${tenants.length} tenant(s).`;
+    clear(box).append(h("table", { class: "data", id: "tenants" },
+      h("caption", { class: "sr-only" }, "Tenants, newest first"),
+      h("thead", {}, h("tr", {}, ["Tenant", "Weight", "Concurrent trials", "Trials per task", "Max file", "API keys",
+        "Created"].map((c) => h("th", { scope: "col" }, c)))),
+      h("tbody", {}, tenants.map((t, i) => h("tr", { dataset: { tenant: t.id } },
+        h("td", {}, h("strong", {}, t.name), h("div", { class: "mono small muted" }, t.id)),
+        h("td", { class: "num" }, String(t.weight)),
+        h("td", { class: "num" }, String(t.max_concurrent_trials)),
+        h("td", { class: "num" }, String(t.max_trials_per_task)),
+        h("td", { class: "num" }, fmt.bytes(t.max_file_bytes)),
+        h("td", { class: "small" }, keys[i].data.map((k) => h("div", {}, h("code", {}, `${k.prefix}…`),
+          ` ${k.name}`, k.revoked_at ? h("span", { class: "muted" }, " (revoked)") : null))),
+        h("td", { class: "small" }, fmt.datetime(t.created_at)))))));
+  }, { intervalMs: 24 * 3600 * 1000, minGapMs: 500 }).start();
+  return { dispose: () => poller.stop() };
+}

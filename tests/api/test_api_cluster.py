@@ -1,0 +1,104 @@
+"""GET /v1/admin/packs and /v1/admin/cluster: packs with the trials in their slots, the fleet's load."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from fastapi.testclient import TestClient
+
+from common.db import session_scope
+from common.models import Pack, Trial, Worker, utcnow
+from tests.factories import ADMIN, TenantKey, make_task, trial_ids, update_row
+
+
+def add_worker(worker_id: str, *, state: str = "alive", max_slots: int = 8) -> None:
+    with session_scope() as session:
+        session.add(Worker(id=worker_id, queue=f"lp:{worker_id}", device="cuda:0", memory_bytes=80 << 30,
+                           max_slots=max_slots, state=state, last_heartbeat=utcnow(), registered_at=utcnow()))
+
+
+def add_pack(pack_id: str, worker_id: str, trials: list[str], *, state: str = "running", capacity: int | None = 4,
+             age_s: int = 0, progress: dict | None = None) -> None:
+    with session_scope() as session:
+        session.add(Pack(id=pack_id, worker_id=worker_id, base_model="tiny-random-llama", state=state,
+                         trial_ids=trials, capacity=capacity, max_rank=16, target_modules=["q_proj", "v_proj"],
+                         progress=progress, created_at=utcnow() - timedelta(seconds=age_s)))
+    for trial_id in trials:
+        update_row(Trial, trial_id, pack_id=pack_id, state="running")
+
+
+def test_packs_show_their_slots_and_utilisation(client: TestClient, tenant: TenantKey) -> None:
+    task = make_task(client, tenant)
+    ids = trial_ids(task["id"])
+    add_worker("gpu-0")
+    add_pack("pack-a", "gpu-0", ids[:3], progress={"steps": 10, "step_s": 0.5, "tokens": 2048.0, "slots": 3})
+    update_row(Trial, ids[2], state="completed")  # finished: its slot is free again though pack_id stays
+    update_row(Trial, ids[1], awaiting_admission=True, steps_done=7)
+
+    r = client.get("/v1/admin/packs", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    [pack] = r.json()["data"]
+    assert (pack["id"], pack["object"], pack["state"], pack["worker_id"]) == ("pack-a", "pack", "running", "gpu-0")
+    assert (pack["capacity"], pack["free_slots"], pack["utilisation"], pack["trials_placed"]) == (4, 2, 0.5, 3)
+    assert [s["trial_id"] for s in pack["slots"]] == ids[:2]
+    assert pack["slots"][1] | {"tenant_id": None} == {
+        "trial_id": ids[1], "task_id": task["id"], "tenant_id": None, "index": 1, "state": "running",
+        "steps_done": 7, "total_steps": pack["slots"][1]["total_steps"], "awaiting_admission": True}
+    assert pack["slots"][0]["tenant_id"] == tenant.id
+    assert (pack["step_s"], pack["tokens_per_s"]) == (0.5, 4096.0)
+    assert client.get("/v1/admin/packs/pack-a", headers=ADMIN).json() == pack
+
+
+def test_packs_filter_by_state_newest_first(client: TestClient, tenant: TenantKey) -> None:
+    ids = trial_ids(make_task(client, tenant)["id"])
+    add_worker("gpu-0")
+    add_pack("pack-old", "gpu-0", ids[:1], state="finished", capacity=None, age_s=60)
+    add_pack("pack-new", "gpu-0", ids[1:3], state="running")
+    live = client.get("/v1/admin/packs", headers=ADMIN).json()["data"]
+    assert [p["id"] for p in live] == ["pack-new"]
+    every = client.get("/v1/admin/packs?state=all", headers=ADMIN).json()
+    assert [p["id"] for p in every["data"]] == ["pack-new", "pack-old"] and every["has_more"] is False
+    [old] = client.get("/v1/admin/packs?state=finished", headers=ADMIN).json()["data"]
+    # No recorded capacity (no back-fills): sized for its trials; ended, it holds no slot.
+    assert (old["capacity"], old["slots"], old["utilisation"]) == (1, [], 0.0)
+    assert client.get("/v1/admin/packs?state=all&limit=1", headers=ADMIN).json()["has_more"] is True
+    r = client.get("/v1/admin/packs?state=sleeping", headers=ADMIN)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "state"
+    r = client.get("/v1/admin/packs/pack-nope", headers=ADMIN)
+    assert r.status_code == 404
+
+
+def test_cluster_sums_workers_slots_and_tenants(client: TestClient, tenant: TenantKey,
+                                                other_tenant: TenantKey) -> None:
+    ids = trial_ids(make_task(client, tenant)["id"])  # 4 trials
+    make_task(client, other_tenant)  # 4 pending trials
+    add_worker("gpu-0", max_slots=4)
+    add_worker("gpu-1", max_slots=4)
+    add_worker("gpu-2", state="lost", max_slots=8)
+    add_pack("pack-a", "gpu-0", ids[:3])
+
+    r = client.get("/v1/admin/cluster", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    c = r.json()
+    assert c["object"] == "cluster"
+    assert (c["workers_alive"], c["workers_lost"], c["workers_busy"]) == (2, 1, 1)
+    assert (c["slots_total"], c["slots_used"], c["utilisation"]) == (8, 3, 0.375)
+    assert (c["trials_pending"], c["trials_running"]) == (5, 3)
+    workers = {w["id"]: w for w in c["workers"]}
+    assert (workers["gpu-0"]["pack_id"], workers["gpu-0"]["used_slots"], workers["gpu-0"]["utilisation"]) == (
+        "pack-a", 3, 0.75)
+    assert (workers["gpu-1"]["pack_id"], workers["gpu-1"]["used_slots"]) == (None, 0)
+    assert workers["gpu-2"]["state"] == "lost" and workers["gpu-0"]["device"] == "cuda:0"
+    assert [(t["name"], t["running_trials"], t["pending_trials"]) for t in c["tenants"]] == [
+        ("acme", 3, 1), ("globex", 0, 4)]
+
+
+def test_an_empty_cluster_has_no_utilisation(client: TestClient) -> None:
+    c = client.get("/v1/admin/cluster", headers=ADMIN).json()
+    assert (c["workers_alive"], c["slots_total"], c["utilisation"], c["workers"], c["tenants"]) == (0, 0, 0.0, [], [])
+
+
+def test_packs_and_cluster_are_for_the_operator_only(client: TestClient, tenant: TenantKey) -> None:
+    for path in ("/v1/admin/packs", "/v1/admin/cluster"):
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers=tenant.headers).status_code == 403

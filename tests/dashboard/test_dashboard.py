@@ -1,0 +1,210 @@
+"""The dashboard's journeys in headless Chromium against `loraplane up`: sign in (keyboard only), submit a
+task through the form with an uploaded file, watch it train to the end live, download its best adapter;
+the operator's cluster and tenants pages. Any console error fails the test (conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.dashboard.conftest import ARTIFACTS, ROOT, WORKER_ID, Console, Service, missing_requirement
+from tests.e2e.flow import arithmetic_rows
+
+if (missing := missing_requirement()) is not None:
+    pytest.skip(missing, allow_module_level=True)  # one line in the summary, naming what is missing
+
+from playwright.sync_api import expect  # noqa: E402  (only once we know it is installed)
+
+DOCS_SCREENSHOT = ROOT / "docs" / "dashboard.png"
+
+
+def shot(page: Any, name: str) -> Path:
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def sign_in(page: Any, key: str) -> None:
+    page.goto("/")
+    page.get_by_label("API key").fill(key)
+    page.get_by_label("API key").press("Enter")
+
+
+def test_sign_in_with_the_keyboard_refuses_a_bad_key_then_lands_on_tasks(
+    page: Any, service: Service, console: Console
+) -> None:
+    page.goto("/")
+    expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+    key = page.get_by_label("API key")
+    expect(key).to_be_focused()  # the page puts the keyboard in the field
+    page.keyboard.press("Tab")  # the help text between them takes no focus
+    expect(page.get_by_role("button", name="Sign in")).to_be_focused()
+    page.keyboard.press("Shift+Tab")
+    expect(key).to_be_focused()
+
+    console.refusals_allowed = (401, 403)  # the API's answers to the bad key: the browser logs them itself
+    page.keyboard.type("lp_not-a-real-key")
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("alert")).to_contain_text("not accepted")
+    expect(key).to_be_focused()
+    shot(page, "01-sign-in-refused")
+    console.refusals_allowed = ()
+
+    page.keyboard.press("Control+A")
+    page.keyboard.type(service.tenant_key)
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("heading", name="Tasks")).to_be_visible()
+    assert page.evaluate("() => Object.keys(localStorage).length") == 0  # the key is in the session only
+    assert page.evaluate("() => sessionStorage.getItem('loraplane.session')").count(service.tenant_key) == 1
+
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+    assert page.evaluate("() => sessionStorage.length") == 0
+
+
+def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
+    page: Any, service: Service, console: Console
+) -> None:
+    sign_in(page, service.tenant_key)
+    page.get_by_role("navigation", name="Main").get_by_role("link", name="New task").click()
+    expect(page.get_by_role("heading", name="New task")).to_be_visible()
+
+    page.get_by_label("Training file (JSONL)").set_input_files(
+        {"name": "train.jsonl", "mimeType": "application/jsonl", "buffer": arithmetic_rows()})
+    page.get_by_label("Base model").select_option("tiny-random-llama")
+    count = page.locator("#trial-count")
+    expect(count).to_contain_text("expands to 1 trial ")  # every dimension at its default
+
+    lr, rank = page.get_by_label("Learning rate values"), page.get_by_label("LoRA rank values")
+    lr.fill("1e-3, nope")
+    expect(page.get_by_text("Learning rate: 'nope' is not a number")).to_be_visible()
+    console.refusals_allowed = (422,)  # the preview's refusal of the grid below
+    lr.fill("1e-3, 3e-3, 5e-3")
+    rank.fill("2, 4, 8")
+    expect(count).to_contain_text("9 trials; this tenant allows at most 8 per task")  # the server's verdict
+    lr.fill("1e-3, 5e-3")
+    rank.fill("2, 4")
+    expect(count).to_contain_text("expands to 4 trials")
+    assert count.get_attribute("data-count") == "4"
+    console.refusals_allowed = ()
+    page.get_by_label("Max steps").fill("6")
+    page.get_by_label("Max sequence length").fill("64")
+    shot(page, "02-submit-form")
+
+    page.get_by_role("button", name="Submit task").click()
+    expect(page).to_have_url(re.compile(r"#/tasks/task-"), timeout=15_000)
+    task_id = page.url.rsplit("/", 1)[1]
+    expect(page.locator("#live-mode")).to_have_attribute("data-mode", re.compile("stream|ended"))
+
+    # Live to the end: the page updates itself from the stream (no reload).
+    summary = page.get_by_role("region", name="Summary")
+    expect(summary.locator(".badge").first).to_have_text("succeeded", timeout=120_000)
+    expect(page.locator("#live-mode")).to_have_attribute("data-mode", "ended")
+    expect(page.locator(".log li[data-type='task.succeeded']")).to_have_count(1)
+    expect(page.locator(".log li[data-type='trial.completed']")).to_have_count(4)
+
+    # Every trial's curves are drawn: a train line and a validation line per trial, the best one marked.
+    trials = page.locator("svg.chart g.trial")
+    expect(trials).to_have_count(4)
+    for i in range(4):
+        for kind in ("train", "val"):
+            d = trials.nth(i).locator(f"path.{kind}").get_attribute("d") or ""
+            assert d.startswith("M") and d.count("L") >= 1, (i, kind, d)
+    expect(page.locator("svg.chart g.trial.best")).to_have_count(1)
+    expect(page.locator("#trials tbody tr")).to_have_count(4)
+    best_row = page.locator("#trials tbody tr.best")
+    expect(best_row).to_have_count(1)
+    best_trial = best_row.get_attribute("data-trial")
+    assert page.locator("svg.chart g.trial.best").get_attribute("data-trial") == best_trial
+
+    # The table sorts from the keyboard: focus the "Best val" header button, Enter twice (descending).
+    header = page.get_by_role("button", name=re.compile("^Best val"))
+    header.focus()
+    page.keyboard.press("Enter")
+    expect(page.locator("#trials th[aria-sort='descending']")).to_have_count(1)
+    expect(page.get_by_role("button", name=re.compile("^Best val"))).to_be_focused()
+    expect(page.locator("#trials tbody tr").last).to_have_attribute("data-trial", best_trial or "")
+    page.keyboard.press("Enter")
+    expect(page.locator("#trials tbody tr").first).to_have_attribute("data-trial", best_trial or "")
+    page.locator("#trials tbody tr").first.scroll_into_view_if_needed()
+    path = shot(page, "03-task-succeeded")
+    if os.environ.get("LORAPLANE_UPDATE_DOCS_SCREENSHOT"):
+        page.screenshot(path=str(DOCS_SCREENSHOT), full_page=False, clip={"x": 0, "y": 0, "width": 1360,
+                                                                           "height": 1000})
+    assert path.stat().st_size > 10_000
+
+    with page.expect_download() as download_info:
+        page.get_by_role("button", name="Download best adapter").click()
+    download = download_info.value
+    assert download.suggested_filename == f"{task_id}-{best_trial}-adapter.tar.gz"
+    archive = ARTIFACTS / download.suggested_filename
+    download.save_as(str(archive))
+    with tarfile.open(archive, "r:gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names, names
+
+    with page.expect_download() as download_info:
+        page.get_by_role("button", name="Download the adapter of trial 0").click()
+    assert download_info.value.suggested_filename.endswith("-adapter.tar.gz")
+
+    # Leaving the page closes its stream and timers: nothing about this task is asked for afterwards.
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if task_id in r.url else None)
+    page.get_by_role("navigation", name="Main").get_by_role("link", name="Tasks").click()
+    expect(page.locator(f"tr[data-task='{task_id}']")).to_contain_text("succeeded")
+    expect(page.locator(f"tr[data-task='{task_id}']")).to_contain_text("4 completed")
+    time.sleep(4)
+    assert asked == [], asked
+    shot(page, "04-tasks")
+
+
+def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Service) -> None:
+    # A long task keeps a pack of two trials training while the operator looks (cancelled at the end).
+    tenant = {"Authorization": f"Bearer {service.tenant_key}"}
+    file_id = httpx.post(f"{service.base_url}/v1/files", headers=tenant,
+                         files={"file": ("long.jsonl", arithmetic_rows())}).json()["id"]
+    task = httpx.post(f"{service.base_url}/v1/tasks", headers=tenant, json={
+        "base_model": "tiny-random-llama", "training_file": file_id, "validation_split": 0.2,
+        "search_space": {"lora_rank": [2, 4]}, "max_steps": 5000, "max_seq_len": 32}).json()
+    try:
+        sign_in(page, service.admin_token)
+        expect(page.get_by_role("heading", name="Cluster")).to_be_visible()
+        worker = page.locator(f"#workers tr[data-worker='{WORKER_ID}']")
+        expect(worker).to_contain_text("alive")
+        expect(worker).to_contain_text("cpu")
+        pack = page.locator("article.pack")
+        expect(pack).to_have_count(1, timeout=30_000)
+        expect(pack.locator(".slot.used")).not_to_have_count(0)
+        # The page shows what the API says: the pack's capacity as slots, the trials holding them.
+        # (Both are re-read until they agree: a back-fill may land between the page's refresh and ours.)
+        admin = {"Authorization": f"Bearer {service.admin_token}"}
+        for _ in range(6):
+            [live] = httpx.get(f"{service.base_url}/v1/admin/packs", headers=admin).json()["data"]
+            used = len(live["slots"])
+            if pack.locator(".slot.used").count() == used:
+                break
+            time.sleep(1)
+        expect(pack.locator(".slot")).to_have_count(live["capacity"])
+        expect(pack.locator(".slot.used")).to_have_count(used)
+        expect(pack).to_contain_text(task["id"][:13])
+        expect(worker).to_contain_text(f"{used}/")
+        expect(page.get_by_text("slot utilisation")).to_be_visible()
+        shot(page, "05-cluster")
+    finally:
+        httpx.post(f"{service.base_url}/v1/tasks/{task['id']}/cancel", headers=tenant)
+
+    page.get_by_role("navigation", name="Main").get_by_role("link", name="Tenants").click()
+    expect(page.get_by_role("heading", name="Tenants")).to_be_visible()
+    row = page.locator("#tenants tbody tr", has_text=service.tenant_name)
+    expect(row).to_contain_text(service.tenant_key[:12])  # the key's prefix, never the key
+    assert service.tenant_key not in page.content()
+    expect(page.get_by_role("link", name="New task")).to_have_count(0)  # tenant pages are not an operator's
+    shot(page, "06-tenants")
+
