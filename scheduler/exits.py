@@ -8,17 +8,20 @@ an end, a pause), so a decision is made on every new evaluation (DESIGN.md §4):
   numbers behind it. A running one is then taken out of its pack by a `stop_trials` command (`stop_requests`),
   which asks the worker to export its best-validation adapter first when it overfitted.
 - hold (reached its warm-up boundary before the rest of its task): it is asked to pause — checkpoint and
-  give up its slot, so the pending ones can have their warm-up (ALTO's rotation) — and waits in `waiting`.
-  It pauses even with nothing pending: training on past its boundary would spend samples on a trial that
-  three times in four is cut by the ranking, and the kept ones resume as soon as the ranking is made (the
-  last trial to reach its boundary is the one with the most steps, so the wait rarely delays the task).
+  give up its slot — and waits in `waiting` (`should_pause`): always while other trials of the task are
+  pending (ALTO's rotation: they need the slot for their warm-up), and with none pending when the running
+  trials it waits for are still at least PAUSE_MIN_STEPS steps from their boundaries (a trial of a larger
+  batch size reaches its boundary in fewer steps; training on would spend samples on a trial the ranking
+  cuts three times in four). A trial only a few steps ahead trains on: pausing it would cost a checkpoint
+  and a slot round trip, and when every member of a pack pauses at once the pack ends (measured: the
+  live early-exit sweep on the H100, benchmarks/results/sweeps/).
 - resume (kept by the warm-up ranking while waiting): back to pending, to continue from its checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -28,9 +31,26 @@ from sqlalchemy.orm import Session
 from common import states
 from common.events import record_event
 from common.models import MetricPoint, Pack, Task, Trial
-from scheduler.early_exit import EarlyExitConfig, EarlyExitSpecError, curves_from_losses, decide, from_spec
+from scheduler.early_exit import (
+    EarlyExitConfig,
+    EarlyExitSpecError,
+    curves_from_losses,
+    decide,
+    from_spec,
+    warmup_step,
+)
 
 log = logging.getLogger(__name__)
+
+
+# A held trial with nothing pending pauses only when the trials it waits for are this many steps away.
+PAUSE_MIN_STEPS = 5
+
+
+def should_pause(pending: bool, steps_to_go: Sequence[int]) -> bool:
+    """Whether a trial held at its warm-up boundary gives up its slot, given whether trials of its task are
+    pending and how many steps each running trial it waits for still has to its boundary."""
+    return pending or max(steps_to_go, default=0) >= PAUSE_MIN_STEPS
 
 
 @dataclass(frozen=True)
@@ -76,6 +96,10 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
         curves.append(curves_from_losses(t.id, t.state, t.total_steps, batch, batch * max_seq_len,
                                          points[t.id]["train"], points[t.id]["val"]))
     by_id = {t.id: t for t in trials}
+    pending = any(t.state == states.TRIAL_PENDING for t in trials)
+    steps_to_go = [warmup_step(config, t.total_steps) - t.steps_done for t in trials
+                   if t.state == states.TRIAL_RUNNING and t.steps_done < warmup_step(config, t.total_steps)]
+    pause = should_pause(pending, steps_to_go)
     pauses = []
     for decision in decide(config, curves):
         trial = by_id[decision.trial_id]
@@ -92,7 +116,7 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
             record_event(session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
                          type="trial.resumed", message=f"trial {trial.index}: {decision.message}",
                          data=decision.event_data())
-        elif decision.action == "hold" and trial.state == states.TRIAL_RUNNING and trial.pack_id:
+        elif decision.action == "hold" and trial.state == states.TRIAL_RUNNING and pause and trial.pack_id:
             pack = session.get(Pack, trial.pack_id)
             if pack is not None and pack.state in states.PACK_LIVE:
                 pauses.append(PauseRequest(pack.id, pack.worker_id, trial.id, placement(trial)))

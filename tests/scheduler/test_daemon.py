@@ -18,6 +18,7 @@ from common.models import Event, File, MetricPoint, Pack, Task, Tenant, Trial, W
 from common.registry import ensure_default_models
 from common.settings import get_settings
 from scheduler.daemon import SchedulerDaemon
+from scheduler.exits import PAUSE_MIN_STEPS, should_pause
 from tests.conftest import REDIS_URL
 
 WORKER = "w-test"
@@ -567,30 +568,40 @@ def test_warm_up_rotation_pauses_the_first_trial_until_the_second_has_warmed_up(
         assert "trial.waiting" in kinds and "trial.resumed" in kinds and "trial.stopped_early" not in kinds
 
 
-def test_a_trial_held_with_nothing_pending_still_pauses_and_rejoins_its_pack_when_kept(
+def test_a_trial_held_with_nothing_pending_pauses_only_when_the_others_are_steps_away_and_rejoins_when_kept(
         daemon: SchedulerDaemon) -> None:
-    """All three trials fit in one pack (none pending): the first to reach its boundary pauses all the same
-    (no samples spent past it), and once the ranking keeps it, it back-fills into the pack it left."""
+    """All three trials fit in one pack (none pending). The first to reach its boundary pauses when the others
+    are still PAUSE_MIN_STEPS or more from theirs (no samples spent past it), not when they are close; once
+    the ranking keeps it, it back-fills into the pack it left."""
     start = commands_tail()
-    _, (first, second, third) = make_task(3, cap=3, early_exit={"policy": "alto", "keep_ratio": 0.5}, steps=40)
+    _, (first, second, third) = make_task(3, cap=3, early_exit={"policy": "alto", "keep_ratio": 0.5}, steps=200)
     heartbeat()
     daemon.step(block_s=0.2)
     pack = live_pack()
     assert sorted(pack.trial_ids) == sorted([first, second, third]) and pack.capacity == 3
     report("pack.started", pack_id=pack.id)
-    curve(pack.id, first, [2.0, 1.8], {2: 1.5})
+    # Boundary at step 10 (5% of 200). The others are at steps 6 and 1: 4 and 9 steps to go.
+    curve(pack.id, second, [2.0] * 6, {})
+    curve(pack.id, third, [2.0], {})
+    curve(pack.id, first, [2.0] * 9 + [1.8], {10: 1.5})
     daemon.step(block_s=0.2)
     (pause,) = commands("stop_trials", start)
     assert (pause["mode"], pause["trial_ids"]) == ("pause", [first])
-    report("trial.checkpoint", pack_id=pack.id, trial_id=first, step=2, checkpoint_key="ckpt/first-2")
-    report("trial.finished", pack_id=pack.id, trial_id=first, status="paused", steps_done=2, best_val_loss=1.5,
-           best_step=2, final_train_loss=1.8, adapter_key=None)
+    report("trial.checkpoint", pack_id=pack.id, trial_id=first, step=10, checkpoint_key="ckpt/first-10")
+    report("trial.finished", pack_id=pack.id, trial_id=first, status="paused", steps_done=10, best_val_loss=1.5,
+           best_step=10, final_train_loss=1.8, adapter_key=None)
     daemon.step(block_s=0.2)
     with session_scope() as s:
         assert s.get_one(Trial, first).state == states.TRIAL_WAITING
+    # The second reaches its boundary while the third is 2 steps from its own: it is held but trains on.
+    curve(pack.id, second, [2.0] * 9 + [1.9], {10: 1.7})
+    curve(pack.id, third, [2.0] * 8, {})
+    daemon.step(block_s=0.2)
+    assert len(commands("stop_trials", start)) == 1
+    with session_scope() as s:
+        assert s.get_one(Trial, second).state == states.TRIAL_RUNNING
     # Ranked at their boundaries: first 1.5, third 1.6 kept (ceil(0.5 x 3) = 2), second 1.7 stopped.
-    curve(pack.id, second, [2.0, 1.9], {2: 1.7})
-    curve(pack.id, third, [2.0, 1.9], {2: 1.6})
+    curve(pack.id, third, [2.0] * 9 + [1.9], {10: 1.6})
     daemon.step(block_s=0.2)
     daemon.step(block_s=0.05)
     with session_scope() as s:
@@ -601,3 +612,9 @@ def test_a_trial_held_with_nothing_pending_still_pauses_and_rejoins_its_pack_whe
     (admit,) = commands("admit_trials", start)
     assert admit["pack_id"] == pack.id
     assert [t["trial_id"] for t in admit["trials"]] == [first]  # type: ignore[union-attr]
+
+
+def test_should_pause_frees_the_slot_for_pending_trials_or_a_long_wait_only() -> None:
+    assert should_pause(True, []) and should_pause(True, [1])  # rotation: the pending need the slot
+    assert should_pause(False, [1, PAUSE_MIN_STEPS])
+    assert not should_pause(False, [PAUSE_MIN_STEPS - 1, 0]) and not should_pause(False, [])
