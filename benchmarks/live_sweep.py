@@ -204,6 +204,15 @@ def main() -> None:
             if args.rows:
                 stem += f"-{args.rows[0]}rows"
             (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+            events, after = [], None
+            while True:  # the task's whole event log: where each trial ran, paused, resumed, stopped and why
+                page = lp.tasks.events(task_id, after=after, limit=500)
+                events += [{"id": e.id, "at": e.created_at.isoformat(), "type": e.type, "trial_id": e.trial_id,
+                            "message": e.message} for e in page.data]
+                if not page.has_more:
+                    break
+                after = page.next_after
+            (args.out / f"{stem}-events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
             (args.out / f"{stem}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lp.tasks.curves(task_id)))
             print_table(["trial", "state", "reason", "steps", "of", "best val loss"],
                         [[_label(t.hyperparameters), t.state, t.stop_reason or "-", t.steps_done, t.total_steps,
