@@ -151,6 +151,7 @@ class Trial(ApiObject):
     error: str | None
     attempts: int
     checkpoint_step: int | None
+    adapter_ready: bool | None  # whether its adapter can be downloaded now (None: a server that does not say)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

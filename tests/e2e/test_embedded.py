@@ -45,6 +45,7 @@ def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
             assert ended.state == "succeeded", [e.type for e in events]
             assert [e.type for e in events].count("trial.completed") == 4
             trials = lp.tasks.trials(task.id).data
+            assert all(t.state == "completed" and t.adapter_ready for t in trials)
             adapter = download_adapter(lp, task.id, tmp_path / "adapter", trial_id=trials[0].id)
         assert_adapter_changes_output(adapter, "tiny-random-llama", MODEL_CACHE)
 
