@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="compare planner policies on a trace with a simulated clock")
     sim.add_argument("--trace", choices=["alto-mix", "tenant-stream"], default="alto-mix")
     sim.add_argument("--gpus", type=int, default=8)
-    sim.add_argument("--policy", default="fifo,greedy,cpsat", help="comma list of fifo, greedy, cpsat")
+    sim.add_argument("--policy", default="fifo,greedy,cpsat", help="comma list of fifo, greedy, cpsat, cpsat-wc")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--time-limit", type=float, default=1.0, help="CP-SAT seconds per replan")
     sim.add_argument("--tasks", type=int, default=None, help="tasks of the tenant stream (default 200)")

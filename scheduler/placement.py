@@ -19,7 +19,9 @@ at its boundary, or one requeued from a checkpoint) rejoins a running pack of it
 (`rejoin`). The solver would weigh that back-fill against the members it slows and, with a per-token step
 cost, prefer to wait for the pack to end (shortest work first); but the pack ran with this trial in it a
 moment ago, and on a GPU not saturated by the pack (small models, where a step's fixed cost dominates)
-waiting doubled a task's wall-clock time in the live early-exit sweep (benchmarks/live_sweep.py).
+waiting doubled a task's wall-clock time in the live early-exit sweep (benchmarks/live_sweep.py). One rule
+comes after it: no worker free now is left idle while the plan holds a pack for later
+(`planning.work_conserving`: the earliest such pack starts now on it, within memory and quotas).
 """
 
 from __future__ import annotations
@@ -37,7 +39,15 @@ from scheduler.cost import (
 )
 from scheduler.cpsat import plan_cpsat
 from scheduler.planner import Backfill, BusyWorker, IdleWorker, PendingTrial, Plan, PlannedPack, Snapshot
-from scheduler.planning import GpuSpec, ModelCost, PlanningInput, PlanResult, PlanTrial, RunningPack
+from scheduler.planning import (
+    GpuSpec,
+    ModelCost,
+    PlanningInput,
+    PlanResult,
+    PlanTrial,
+    RunningPack,
+    work_conserving,
+)
 
 # A GPU whose worker did not report its memory: plan as for an 80 GB H100 (the profile's fit then decides).
 DEFAULT_GPU_BYTES = 80 * 2**30
@@ -109,7 +119,9 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
         trials=trials, gpus=gpus, costs={m: costs.get(m, PRIOR_COST) for m in models}, running=running,
         unit_s=UNIT_S,
     )
-    result = plan_cpsat(inp, time_limit_s=time_limit_s)
+    # The solver may hold a free worker back for a later pack (its cost model sees no gain in starting now);
+    # measured on the H100, a worker stood idle minutes that way: no worker idles while a pack waits.
+    result = work_conserving(inp, plan_cpsat(inp, time_limit_s=time_limit_s))
     idle = {w.worker_id: w for w in snapshot.idle_workers}
     pending = {t.trial_id: t for t in snapshot.pending}
     packs = tuple(

@@ -336,3 +336,49 @@ def finish_plan(prep: Prepared, packs: list[ScheduledPack], solve_s: float, stat
         unschedulable=prep.unschedulable, makespan=makespan, objective=objective, solve_s=solve_s, status=status,
         running_completion=theirs,
     )
+
+
+def work_conserving(inp: PlanningInput, result: PlanResult) -> PlanResult:
+    """The plan with no GPU left idle now while a pack waits for later: each GPU free now that the plan gives
+    nothing to takes the earliest later single-GPU pack that fits its memory and its tenants' quotas, started
+    now. Never later for the pack moved (it starts now instead of at its planned start) and never later for the
+    others (the GPU it leaves is only freed); the solver's cost model may still score the result worse (it
+    prefers to wait where packing buys nothing in it), which is why this is a rule outside the solver."""
+    prep = Prepared(inp)
+    busy = prep.fixed_busy()
+    taken = {g for p in result.start_now if not p.backfill for g in p.gpu_ids}
+    idle = [g for g in inp.gpus if busy.get(g.gpu_id, 0) == 0 and g.gpu_id not in taken]
+    later = sorted((p for p in result.packs if not p.backfill and p.start > 0 and len(p.gpu_ids) == 1),
+                   key=lambda p: (p.start, p.pack_key))
+    if not idle or not later:
+        return result
+    by_id = {t.trial_id: t for t in prep.trials}
+    now_count: dict[str, int] = {}
+    for r in inp.running:
+        for tenant, n in r.tenant_trials:
+            now_count[tenant] = now_count.get(tenant, 0) + n
+    for p in result.start_now:
+        for i in p.trial_ids:
+            now_count[by_id[i].tenant_id] = now_count.get(by_id[i].tenant_id, 0) + 1
+    moved: dict[str, ScheduledPack] = {}
+    for gpu in idle:
+        for p in later:
+            if p.pack_key in moved:
+                continue
+            members = [by_id[i] for i in p.trial_ids]
+            if prep.mem_base(p.base_model) + sum(prep.mem_item(t) for t in members) > gpu.memory_bytes:
+                continue
+            adds: dict[str, int] = {}
+            for t in members:
+                adds[t.tenant_id] = adds.get(t.tenant_id, 0) + 1
+            caps = {tenant: prep.quota_cap(tenant) for tenant in adds}
+            if any((cap := caps[tenant]) is not None and now_count.get(tenant, 0) + n > cap
+                   for tenant, n in adds.items()):
+                continue
+            for tenant, n in adds.items():
+                now_count[tenant] = now_count.get(tenant, 0) + n
+            moved[p.pack_key] = replace(p, gpu_ids=(gpu.gpu_id,), start=0)
+            break
+    if not moved:
+        return result
+    return finish_plan(prep, [moved.get(p.pack_key, p) for p in result.packs], result.solve_s, result.status)

@@ -35,10 +35,11 @@ from scheduler.planning import (
     RunningPack,
     ScheduledPack,
     finish_plan,
+    work_conserving,
 )
 from scheduler.traces import Trace, TraceTask
 
-POLICIES = ("fifo", "greedy", "cpsat")
+POLICIES = ("fifo", "greedy", "cpsat", "cpsat-wc")
 Planner = Callable[[PlanningInput], PlanResult]
 _REL_EPS = 1e-9  # relative tolerance of simulated times: events this close are one instant
 
@@ -80,6 +81,8 @@ def make_planner(policy: str, *, time_limit_s: float = 1.0, seed: int = 0) -> Pl
         return plan_greedy
     if policy == "cpsat":
         return lambda inp: plan_cpsat(inp, time_limit_s=time_limit_s, seed=seed)
+    if policy == "cpsat-wc":  # CP-SAT, then no GPU left idle now while a pack waits (planning.work_conserving)
+        return lambda inp: work_conserving(inp, plan_cpsat(inp, time_limit_s=time_limit_s, seed=seed))
     raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
 
 

@@ -18,8 +18,12 @@ from scheduler.planning import (
     PlanningInput,
     PlanResult,
     PlanTrial,
+    Prepared,
     RunningMember,
     RunningPack,
+    ScheduledPack,
+    finish_plan,
+    work_conserving,
 )
 
 GB = 10**9
@@ -349,3 +353,39 @@ def test_backfill_respects_the_caps_counting_the_running_trials() -> None:
     for res in (plan_greedy(inp), plan_cpsat(inp)):
         check_valid(inp, res)
         assert [len(p.trial_ids) for p in res.packs if p.backfill] == [1]
+
+
+# --- work conservation: no GPU idle now while a pack waits -------------------------------------------------------
+
+def _later_plan(inp: PlanningInput) -> PlanResult:
+    """A plan that leaves g1 idle now: t0 starts on g0 now, t1 after it on g0, t2 on the busy g2 later."""
+    t0, t1, t2 = (ScheduledPack(f"new-t{i}", (g,), "small", (f"t{i}",), start, 0)
+                  for i, g, start in ((0, "g0", 0), (1, "g0", 500), (2, "g2", 300)))
+    return finish_plan(Prepared(inp), [t0, t1, t2], 0.0, "feasible")
+
+
+def test_work_conserving_starts_the_earliest_waiting_pack_on_an_idle_gpu_now() -> None:
+    gpus = (GpuSpec("g0", 80 * GB), GpuSpec("g1", 80 * GB), GpuSpec("g2", 80 * GB, busy_until=300))
+    inp = PlanningInput(tuple(trial(i) for i in range(3)), gpus, COSTS)
+    before = _later_plan(inp)
+    after = work_conserving(inp, before)
+    assert sorted((p.pack_key, p.gpu_ids, p.start) for p in after.start_now) == [
+        ("new-t0", ("g0",), 0), ("new-t2", ("g1",), 0)]  # t2 (earliest later) moved to the idle g1
+    assert after.completion["t2"] < before.completion["t2"]
+    assert all(after.completion[t] <= before.completion[t] for t in before.completion)
+    # Nothing idle, or nothing waiting: the plan as it was.
+    busy = replace(inp, gpus=(gpus[0], replace(gpus[1], busy_until=10), gpus[2]))
+    assert work_conserving(busy, _later_plan(busy)) == _later_plan(busy)
+
+
+def test_work_conserving_respects_memory_and_quotas() -> None:
+    gpus = (GpuSpec("g0", 80 * GB), GpuSpec("g1", 11 * GB), GpuSpec("g2", 80 * GB, busy_until=300))
+    inp = PlanningInput(tuple(trial(i) for i in range(3)), gpus, COSTS)
+    # g1 cannot hold a pack of "small" (10 GB base + 2e6 x 2000 tokens per trial): nothing moves.
+    assert work_conserving(inp, _later_plan(inp)) == _later_plan(inp)
+    roomy = replace(inp, gpus=(gpus[0], replace(gpus[1], memory_bytes=80 * GB), gpus[2]))
+    # Tenant "a" may run one trial at a time: t0 runs now, so neither waiting pack may start beside it.
+    capped = replace(roomy, tenant_quota={"a": 1})
+    assert work_conserving(capped, _later_plan(capped)) == _later_plan(capped)
+    assert work_conserving(replace(roomy, tenant_quota={"a": 2}), _later_plan(roomy)).start_now != _later_plan(
+        roomy).start_now
