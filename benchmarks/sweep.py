@@ -66,6 +66,18 @@ def specs(train: list[dict[str, Any]], val: list[dict[str, Any]], epochs: float,
     return out
 
 
+def test_accuracy(engine: PackEngine, slot: int, test: list[dict[str, Any]], max_seq_len: int) -> float:
+    """The share of test rows solved by the adapter in `slot`: greedy decoding reproduces one of the row's
+    accepted answers (`answers`, else its assistant turn) exactly, end-of-turn included."""
+    candidates = [(i, {"messages": [row["messages"][0], {"role": "assistant", "content": answer}]})
+                  for i, row in enumerate(test) for answer in row.get("answers", [row["messages"][1]["content"]])]
+    examples = encode_rows([row for _, row in candidates], engine.tokenizer, 4 * max_seq_len)
+    assert len(examples) == len(candidates), "a test answer was truncated away"
+    matches = engine.greedy_matches(slot, examples)
+    solved = {i for (i, _), ok in zip(candidates, matches, strict=True) if ok}
+    return round(len(solved) / len(test), 4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dataset", choices=["trivia", "arithmetic"], required=True)
@@ -115,22 +127,16 @@ def main() -> None:
                 curves[trial_id]["val"].append(point(by_id[trial_id], state.steps_done, val_loss))
     train_s = time.perf_counter() - started
 
-    # Each trial's best-validation adapter on the held-out rows: solved when one accepted answer matches.
-    candidates = [(i, {"messages": [row["messages"][0], {"role": "assistant", "content": answer}]})
-                  for i, row in enumerate(test) for answer in row.get("answers", [row["messages"][1]["content"]])]
-    examples = encode_rows([row for _, row in candidates], tokenizer, 4 * args.max_seq_len)
-    assert len(examples) == len(candidates), "a test answer was truncated away"
+    # Each trial's best-validation adapter on the held-out rows.
     results: list[dict[str, Any]] = []
     for spec in trials:
         slot, state = slots[spec.trial_id], engine.state(slots[spec.trial_id])
         if state.best is not None:
             engine.store.load_slot(slot, state.best, rank=spec.lora_rank, scale=state.config.scale)
-        matches = engine.greedy_matches(slot, examples)
-        solved = {i for (i, _), ok in zip(candidates, matches, strict=True) if ok}
         results.append({"trial_id": spec.trial_id, "learning_rate": spec.learning_rate, "lora_rank": spec.lora_rank,
                         "batch_size": spec.batch_size, "steps": state.steps_done, "best_val_loss": state.best_val_loss,
                         "best_step": state.best_step, "final_train_loss": state.last_train_loss,
-                        "test_accuracy": round(len(solved) / len(test), 4)})
+                        "test_accuracy": test_accuracy(engine, slot, test, args.max_seq_len)})
     engine.close()
     total_s = time.perf_counter() - started
 
