@@ -97,9 +97,8 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
                                          points[t.id]["train"], points[t.id]["val"]))
     by_id = {t.id: t for t in trials}
     pending = any(t.state == states.TRIAL_PENDING for t in trials)
-    steps_to_go = [warmup_step(config, t.total_steps) - t.steps_done for t in trials
-                   if t.state == states.TRIAL_RUNNING and t.steps_done < warmup_step(config, t.total_steps)]
-    pause = should_pause(pending, steps_to_go)
+    to_boundary = [warmup_step(config, t.total_steps) - t.steps_done for t in trials if t.state == states.TRIAL_RUNNING]
+    pause = should_pause(pending, [n for n in to_boundary if n > 0])
     pauses = []
     for decision in decide(config, curves):
         trial = by_id[decision.trial_id]

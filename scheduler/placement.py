@@ -120,7 +120,7 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
         unit_s=UNIT_S,
     )
     # The solver may hold a free worker back for a later pack (its cost model sees no gain in starting now);
-    # measured on the H100, a worker stood idle minutes that way: no worker idles while a pack waits.
+    # in a live run on the H100 a worker stood idle for minutes with trials pending: none idles while a pack waits.
     result = work_conserving(inp, plan_cpsat(inp, time_limit_s=time_limit_s))
     idle = {w.worker_id: w for w in snapshot.idle_workers}
     pending = {t.trial_id: t for t in snapshot.pending}
