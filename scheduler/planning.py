@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -353,30 +354,22 @@ def work_conserving(inp: PlanningInput, result: PlanResult) -> PlanResult:
     if not idle or not later:
         return result
     by_id = {t.trial_id: t for t in prep.trials}
-    now_count: dict[str, int] = {}
+    running_now: Counter[str] = Counter()  # trials per tenant running now, and once this plan's first wave starts
     for r in inp.running:
         for tenant, n in r.tenant_trials:
-            now_count[tenant] = now_count.get(tenant, 0) + n
-    for p in result.start_now:
-        for i in p.trial_ids:
-            now_count[by_id[i].tenant_id] = now_count.get(by_id[i].tenant_id, 0) + 1
+            running_now[tenant] += n
+    running_now.update(by_id[i].tenant_id for p in result.start_now for i in p.trial_ids)
     moved: dict[str, ScheduledPack] = {}
     for gpu in idle:
         for p in later:
-            if p.pack_key in moved:
-                continue
             members = [by_id[i] for i in p.trial_ids]
-            if prep.mem_base(p.base_model) + sum(prep.mem_item(t) for t in members) > gpu.memory_bytes:
+            adds = Counter(t.tenant_id for t in members)
+            if (p.pack_key in moved
+                    or prep.mem_base(p.base_model) + sum(prep.mem_item(t) for t in members) > gpu.memory_bytes
+                    or any((cap := prep.quota_cap(tenant)) is not None and running_now[tenant] + n > cap
+                           for tenant, n in adds.items())):
                 continue
-            adds: dict[str, int] = {}
-            for t in members:
-                adds[t.tenant_id] = adds.get(t.tenant_id, 0) + 1
-            caps = {tenant: prep.quota_cap(tenant) for tenant in adds}
-            if any((cap := caps[tenant]) is not None and now_count.get(tenant, 0) + n > cap
-                   for tenant, n in adds.items()):
-                continue
-            for tenant, n in adds.items():
-                now_count[tenant] = now_count.get(tenant, 0) + n
+            running_now.update(adds)
             moved[p.pack_key] = replace(p, gpu_ids=(gpu.gpu_id,), start=0)
             break
     if not moved:
