@@ -19,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from common.private_files import private_sqlite_file
 from common.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ Message = tuple[str, dict[str, Any]]
 
 
 class Bus(Protocol):
+    resets: int  # how often the bus found its streams gone (an emptied Redis): commands sent before may be lost
+
     def publish(self, stream: str, message: dict[str, Any]) -> str: ...
 
     def consume(self, stream: str, group: str, consumer: str, count: int, block_s: float) -> list[Message]:
@@ -64,12 +67,27 @@ class Bus(Protocol):
 
 
 class RedisBus:
+    """Survives Redis restarts and outages: every call retries a lost connection with a short backoff (under a
+    second in all, then raises, so a caller can do its other work and try again later), and a consumer
+    group that vanished with an emptied Redis is created again instead of failing with NOGROUP forever.
+    `resets` counts those re-creations: what was sent before one may be gone (the daemon re-sends commands)."""
+
     def __init__(self, url: str, namespace: str) -> None:
         import redis
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
 
-        self._redis = redis.Redis.from_url(url, decode_responses=True)
+        self._redis = redis.Redis.from_url(
+            url, decode_responses=True, socket_connect_timeout=2, socket_keepalive=True, health_check_interval=10,
+            socket_timeout=10,  # above any blocking read's `block_s`: a silent peer raises instead of hanging
+            # Capped exponential backoff, ~0.75 s in all: a blip is ridden out, and a longer outage is left to the
+            # callers (the scheduler's next round, a worker's outbox) so their own work goes on meanwhile.
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=4),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        )
         self._ns = namespace
         self._groups: set[tuple[str, str]] = set()
+        self.resets = 0
 
     def _key(self, name: str) -> str:
         return f"{self._ns}:{name}"
@@ -103,6 +121,21 @@ class RedisBus:
         return out
 
     def consume(self, stream: str, group: str, consumer: str, count: int, block_s: float) -> list[Message]:
+        import redis
+
+        try:
+            return self._consume(stream, group, consumer, count, block_s)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            # Redis came back empty (restarted without persistence): its streams and groups are gone.
+            log.warning("the bus lost consumer group %s of %s (Redis restarted empty?); creating it again",
+                        group, stream)
+            self._groups.discard((stream, group))
+            self.resets += 1
+            return self._consume(stream, group, consumer, count, block_s)
+
+    def _consume(self, stream: str, group: str, consumer: str, count: int, block_s: float) -> list[Message]:
         self._ensure_group(stream, group)
         key = self._key(stream)
         pending = self._decode(self._redis.xreadgroup(group, consumer, {key: "0"}, count=count))
@@ -112,6 +145,8 @@ class RedisBus:
         return self._decode(self._redis.xreadgroup(group, consumer, {key: ">"}, count=count, block=block_ms))
 
     def ack(self, stream: str, group: str, ids: list[str]) -> None:
+        # XACK of a group that no longer exists (an emptied Redis) acks nothing and raises nothing that
+        # matters: those messages are gone anyway, and their effects were committed before the ack.
         if ids:
             self._redis.xack(self._key(stream), group, *ids)
 
@@ -134,9 +169,10 @@ class FileBus:
     """Streams in one SQLite file; safe across processes (SQLite locking) and threads (one lock)."""
 
     POLL_S = 0.05
+    resets = 0  # a file does not forget its streams
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite_file(path)  # reports and commands name tenants' tasks: the owner's alone
         self._conn = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
         with self._lock:

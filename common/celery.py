@@ -7,6 +7,7 @@ from functools import lru_cache
 
 from celery import Celery
 
+from common.private_files import private_dir
 from common.settings import Settings, get_settings
 
 RUN_PACK_TASK = "loraplane.run_pack"
@@ -21,8 +22,7 @@ def make_celery(settings: Settings) -> Celery:
     transport_options: dict[str, object] = {}
     if app.conf.broker_url.startswith("filesystem"):
         folder = settings.broker_dir
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "processed").mkdir(exist_ok=True)
+        private_dir(folder / "processed")  # 0700: the messages name tenants' tasks
         transport_options = {
             "data_folder_in": str(folder),
             "data_folder_out": str(folder),
@@ -38,6 +38,9 @@ def make_celery(settings: Settings) -> Celery:
         result_backend=None,
         broker_transport_options=transport_options,
         broker_connection_retry_on_startup=True,
+        # A worker waits out a broker outage (a Redis restart) however long it lasts, instead of exiting
+        # after Celery's default 100 retries.
+        broker_connection_max_retries=None,
         # One pack at a time per GPU, and no message held in reserve that another worker could run.
         worker_prefetch_multiplier=1,
         worker_concurrency=1,

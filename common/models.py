@@ -23,12 +23,19 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from common.settings import get_settings
+
 # SQLite only autoincrements an INTEGER PRIMARY KEY; Postgres gets a bigint identity.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def as_utc(value: datetime) -> datetime:
+    """A stored time as an aware UTC datetime: SQLite gives back naive ones (written as UTC)."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def new_id(prefix: str) -> str:
@@ -48,6 +55,11 @@ class Tenant(Base):
     max_concurrent_trials: Mapped[int] = mapped_column(Integer)
     max_trials_per_task: Mapped[int] = mapped_column(Integer)
     max_file_bytes: Mapped[int] = mapped_column(BigInteger)
+    # Storage quota over the tenant's live (not deleted) files. The defaults also serve rows made outside
+    # the admin API (the scheduler's tests, benchmarks).
+    max_storage_bytes: Mapped[int] = mapped_column(
+        BigInteger, default=lambda: get_settings().default_max_storage_bytes)
+    max_files: Mapped[int] = mapped_column(Integer, default=lambda: get_settings().default_max_files)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -173,6 +185,11 @@ class Worker(Base):
     max_slots: Mapped[int] = mapped_column(Integer, default=8)
     state: Mapped[str] = mapped_column(String(20))  # "alive" | "lost"
     current_pack_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    # The worker process now behind this id (new on every start) and when it started: a heartbeat from a
+    # newer one ends the older one's packs at once; one from an older one is a stale message.
+    incarnation: Mapped[str | None] = mapped_column(String(64), default=None)
+    incarnation_started_at: Mapped[datetime | None] = mapped_column(default=None)
+    # The time the newest heartbeat carried (when it was sent, not when it was read).
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -189,6 +206,8 @@ class Pack(Base):
     capacity: Mapped[int | None] = mapped_column(Integer, default=None)
     max_rank: Mapped[int | None] = mapped_column(Integer, default=None)
     target_modules: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    # The worker process that started it (its `pack.started`): reports from any other are dropped.
+    incarnation: Mapped[str | None] = mapped_column(String(64), default=None)
     # The worker's newest `pack.progress` (mean step seconds, tokens, slots of its last stretch of steps):
     # corrects the planner's step-time predictions while the pack runs.
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)

@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     default_max_concurrent_trials: int = Field(default=64, alias="LORAPLANE_DEFAULT_MAX_CONCURRENT_TRIALS")
     default_max_trials_per_task: int = Field(default=32, alias="LORAPLANE_DEFAULT_MAX_TRIALS_PER_TASK")
     default_max_file_bytes: int = Field(default=50 * 1024 * 1024, alias="LORAPLANE_DEFAULT_MAX_FILE_BYTES")
+    # A tenant's storage quota: the bytes and the number of its live (not deleted) files.
+    default_max_storage_bytes: int = Field(default=10 * 1024**3, alias="LORAPLANE_DEFAULT_MAX_STORAGE_BYTES")
+    default_max_files: int = Field(default=1000, alias="LORAPLANE_DEFAULT_MAX_FILES")
 
     @field_validator("database_url")
     @classmethod

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 from datetime import datetime, timedelta
 
 from celery import Celery
 from sqlalchemy import or_, select, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from common import states
 from common.bus import SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
@@ -46,6 +48,7 @@ from scheduler.planner import plan
 log = logging.getLogger(__name__)
 
 LEADER_LOCK_ID = 0x10_4A_91_A7  # pg advisory lock key: one active scheduler per database
+BATCH = 1000  # reports ingested per transaction
 
 
 class SchedulerDaemon:
@@ -57,26 +60,54 @@ class SchedulerDaemon:
         self._stops_sent: set[tuple[str, str, str]] = set()  # (pack, trial, placement)
         self._admits_sent: set[tuple[str, str]] = set()
         self._pauses: list[PauseRequest] = []  # decided, committed, not yet sent
+        self._aborts: set[tuple[str, str]] = set()  # (worker, pack): packs a worker runs that are over here
+        self._aborts_sent: set[tuple[str, str]] = set()
+        self._bus_resets = bus.resets
+        self._reap_after = 0.0  # monotonic time before which silent workers are not declared lost
 
     def step(self, block_s: float) -> int:
-        """One round: ingest what arrived (waiting up to block_s), then act. Returns messages handled."""
-        batch = self.bus.consume(SCHEDULER_STREAM, SCHEDULER_GROUP, self.consumer, count=1000, block_s=block_s)
+        """One round: ingest what arrived (waiting up to block_s), then act. Returns messages handled.
+
+        The round's own work (reaping, planning, dispatch) does not depend on the bus: when Redis is away
+        the read fails, and the round still reaps and plans from the database."""
+        try:
+            batch = self.bus.consume(SCHEDULER_STREAM, SCHEDULER_GROUP, self.consumer, count=BATCH, block_s=block_s)
+        except Exception as exc:  # noqa: BLE001 - the bus is away: work from the database, read again later
+            log.warning("could not read the bus (%s); this round goes on without it", exc)
+            batch = []
+            # No heartbeat can arrive while the bus is away, so silence proves nothing until the workers had a
+            # full timeout to be heard again.
+            self._hold_reaping()
+        if self.bus.resets != self._bus_resets:
+            # The bus came back empty: commands sent before may never have been read. Send them again (the
+            # worker takes each stop and each admission once).
+            self._bus_resets = self.bus.resets
+            self._stops_sent.clear()
+            self._admits_sent.clear()
+            self._aborts_sent.clear()
         if batch:
+            aborts: set[tuple[str, str]] = set()
             with session_scope() as session:
                 touched: set[str] = set()
-                ingest(session, [message for _, message in batch], touched=touched)
+                ingest(session, [message for _, message in batch], touched=touched,
+                       stale_after_s=self.settings.worker_timeout_s, aborts=aborts)
                 # Early exit on every new evaluation, in the same transaction as the points it rests on.
                 self._pauses += apply_early_exit(session, touched, utcnow())
+            self._aborts |= aborts
             # Acked only after the commit: a crash in between replays the batch, and ingest is idempotent.
-            self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
-        self.tick()
+            try:
+                self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - unacked messages come back and change nothing twice
+                log.warning("could not ack %d messages (%s); they will be read again", len(batch), exc)
+        # A full batch means heartbeats may still wait behind it: no one is declared lost before they are read.
+        self.tick(reap=len(batch) < BATCH and time.monotonic() >= self._reap_after)
         return len(batch)
 
-    def tick(self) -> None:
+    def tick(self, reap: bool = True) -> None:
         now = utcnow()
         timeout = self.settings.worker_timeout_s
         with session_scope() as session:
-            for worker_id in reap_lost_workers(session, now, timeout):
+            for worker_id in reap_lost_workers(session, now, timeout) if reap else []:
                 log.warning("worker %s lost (no heartbeat for %.0fs)", worker_id, timeout)
             finalize_tasks(session, now)
             snapshot = build_snapshot(session, now, timeout)
@@ -92,9 +123,15 @@ class SchedulerDaemon:
                 new_packs = []
         for pack_id in new_packs:
             log.info("planned pack %s", pack_id)
-        self._dispatch(now)
-        self._send_admissions()
-        self._send_stops()
+        # Each send is retried next round when it fails (the broker or the bus is away): one failing must not
+        # hold back the others.
+        sends = {"dispatch": lambda: self._dispatch(now), "admissions": self._send_admissions,
+                 "stops": self._send_stops, "aborts": self._send_aborts}
+        for what, send in sends.items():
+            try:
+                send()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("sending %s failed (%s); retrying next round", what, exc)
 
     def _dispatch(self, now: datetime) -> None:
         """Sends new packs, and re-sends packs a worker never started (lost message, scheduler restart)."""
@@ -163,21 +200,63 @@ class SchedulerDaemon:
                 self._stops_sent.add(key)
             self._pauses.pop(0)
 
+    def _send_aborts(self) -> None:
+        """Tells workers to stop packs that are over here (declared lost while the worker could not report)."""
+        for worker_id, pack_id in sorted(self._aborts - self._aborts_sent):
+            self.bus.publish(commands_stream(worker_id), {"type": "abort_pack", "pack_id": pack_id})
+            self._aborts_sent.add((worker_id, pack_id))
+        self._aborts.clear()
+
+    def _hold_reaping(self) -> None:
+        """No worker is declared lost for one worker timeout: its heartbeats may not have been readable."""
+        self._reap_after = time.monotonic() + self.settings.worker_timeout_s
+
     def run(self, stop: threading.Event) -> None:
         lock = self._acquire_leadership(stop)
+        # A scheduler that starts (or takes over) reads the backlog first, oldest first: it judges no worker
+        # before the heartbeats sent while no scheduler was reading could arrive.
+        self._hold_reaping()
         log.info("scheduler running (tick %.1fs, worker timeout %.0fs)",
                  self.settings.scheduler_tick_s, self.settings.worker_timeout_s)
+        failures = 0
         try:
             while not stop.is_set():
                 try:
+                    lock = self._keep_leadership(lock, stop)
                     self.step(block_s=self.settings.scheduler_tick_s)
+                    failures = 0
+                except DBAPIError as exc:
+                    # The database is away: nothing was acked, so nothing is lost. Wait it out, backing off.
+                    failures += 1
+                    log.warning("the database is unreachable (%s); retrying", str(exc).splitlines()[0])
+                    stop.wait(min(10.0, self.settings.scheduler_tick_s * failures))
+                    # The reports that piled up meanwhile come first, oldest first (the unacked batch again):
+                    # workers are not judged before their newest heartbeats could be read.
+                    self._hold_reaping()
                 except Exception:
-                    # The database or the bus blinked: nothing was acked, so nothing is lost. Try again.
+                    failures += 1
                     log.exception("scheduler round failed; retrying")
-                    stop.wait(self.settings.scheduler_tick_s)
+                    stop.wait(min(10.0, self.settings.scheduler_tick_s * failures))
         finally:
             if lock is not None:
                 lock.close()
+
+    def _keep_leadership(self, lock: Connection | None, stop: threading.Event) -> Connection | None:
+        """The advisory lock lives as long as its connection: after a database restart it is gone, and this
+        scheduler must win it again before it acts (a standby may have taken over)."""
+        if lock is None:
+            return None
+        try:
+            lock.execute(text("SELECT 1"))
+            lock.commit()
+            return lock
+        except DBAPIError:
+            log.warning("lost the scheduler lock's connection; taking the lock again")
+            lock.invalidate()
+            lock.close()
+            lock = self._acquire_leadership(stop)
+            self._hold_reaping()
+            return lock
 
     def _acquire_leadership(self, stop: threading.Event) -> Connection | None:
         """On Postgres, hold an advisory lock so a second scheduler waits as a hot standby."""
@@ -185,7 +264,12 @@ class SchedulerDaemon:
         if engine.dialect.name != "postgresql":
             return None
         while not stop.is_set():
-            conn = engine.connect()
+            try:
+                conn = engine.connect()
+            except DBAPIError as exc:
+                log.warning("the database is unreachable (%s); waiting", str(exc).splitlines()[0])
+                stop.wait(self.settings.scheduler_tick_s)
+                continue
             if conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LEADER_LOCK_ID}).scalar():
                 conn.commit()
                 return conn

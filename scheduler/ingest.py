@@ -3,35 +3,45 @@
 Idempotent by construction, so a batch replayed after a crash changes nothing twice: metric points are
 unique per (trial, step, split), and every state change is guarded by the trial still belonging to the
 reporting pack (a report from a pack that was declared lost is dropped).
+
+Liveness is judged by what a message carries, not by when it is read: a heartbeat counts from the time it
+was sent (an old one replayed after a restart proves nothing), a heartbeat from a new process under a known
+worker id (a new `incarnation`) ends the packs of the process it replaced at once, a heartbeat that names no
+pack or another pack ends the worker's running pack it does not name, and reports from a process other
+than the one that started their pack are dropped.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import delete, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from common import states
 from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
-from common.models import MetricPoint, Pack, Trial, Worker, utcnow
+from common.models import MetricPoint, Pack, Trial, Worker, as_utc, utcnow
 from scheduler.cost import Progress
-from scheduler.lifecycle import requeue_trial
+from scheduler.lifecycle import lose_pack, requeue_trial
 
 log = logging.getLogger(__name__)
 
 
 def ingest(
-    session: Session, messages: list[dict[str, Any]], now: datetime | None = None, touched: set[str] | None = None
+    session: Session, messages: list[dict[str, Any]], now: datetime | None = None, touched: set[str] | None = None,
+    *, stale_after_s: float = 30.0, aborts: set[tuple[str, str]] | None = None,
 ) -> bool:
     """Returns True when something changed that the planner should look at. ``touched`` collects the tasks
-    whose trials got a validation point or ended (their early-exit policy has something new to decide on)."""
+    whose trials got a validation point or ended (their early-exit policy has something new to decide on).
+    A heartbeat sent more than ``stale_after_s`` ago is ignored; ``aborts`` collects (worker, pack) for
+    workers whose heartbeat names a pack the scheduler no longer counts on (they should stop it)."""
     now = now or utcnow()
     touched = touched if touched is not None else set()
+    aborts = aborts if aborts is not None else set()
     replan = False
     for message in messages:
         kind = message.get("type")
@@ -39,18 +49,25 @@ def ingest(
             if kind == "wake":
                 replan = True
             elif kind == "heartbeat":
-                replan |= _heartbeat(session, message, now)
+                replan |= _heartbeat(session, message, now, stale_after_s, aborts)
+            elif not _from_pack_process(session, message):
+                log.info("dropping a %r report from a process that does not run pack %s", kind,
+                         message.get("pack_id"))
             elif kind == "pack.started":
                 _pack_started(session, message, now)
             elif kind == "points":
                 touched |= _points(session, message)
             elif kind == "trial.checkpoint":
+                touched |= _points(session, message)
                 _trial_checkpoint(session, message)
+            elif kind == "trial.checkpoint_lost":
+                _trial_checkpoint_lost(session, message)
             elif kind == "trial.admitted":
                 _trial_admitted(session, message)
             elif kind == "trial.rejected":
                 replan |= _trial_rejected(session, message)
             elif kind == "trial.finished":
+                touched |= _points(session, message)
                 replan |= _trial_finished(session, message, now, touched)
             elif kind == "pack.profile":
                 _pack_profile(session, message)
@@ -61,25 +78,85 @@ def ingest(
                 replan = True
             else:
                 log.warning("dropping a message of unknown type %r", kind)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             # A malformed report must not wedge the stream: log it and go on.
             log.exception("dropping a malformed %r message", kind)
     return replan
 
 
-def _heartbeat(session: Session, m: dict[str, Any], now: datetime) -> bool:
-    worker = session.get(Worker, m["worker_id"])
+def _sent_at(m: dict[str, Any], now: datetime) -> datetime:
+    """When the message was sent, by its sender's clock (never later than now); a message that does not say
+    counts as sent now."""
+    raw = m.get("sent_at")
+    return now if raw is None else min(now, datetime.fromtimestamp(float(raw), UTC))
+
+
+def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s: float,
+               aborts: set[tuple[str, str]]) -> bool:
+    sent_at = _sent_at(m, now)
+    if now - sent_at > timedelta(seconds=stale_after_s):
+        log.info("ignoring a heartbeat of worker %s sent %.0fs ago (stale, or its clock is behind)",
+                 m["worker_id"], (now - sent_at).total_seconds())
+        return False
+    incarnation = m.get("incarnation")
+    started_at = datetime.fromtimestamp(float(m["started_at"]), UTC) if m.get("started_at") else sent_at
+    worker = session.get(Worker, m["worker_id"], with_for_update=True)
     is_new = worker is None or worker.state != states.WORKER_ALIVE
     if worker is None:
-        worker = Worker(id=m["worker_id"], registered_at=now)
+        worker = Worker(id=m["worker_id"], registered_at=now, last_heartbeat=sent_at)
         session.add(worker)
+    elif incarnation and worker.incarnation and incarnation != worker.incarnation:
+        if worker.incarnation_started_at is not None and started_at < as_utc(worker.incarnation_started_at):
+            return False  # from the process a newer one replaced
+        # A new process under this id: the one before it is gone, and so are its packs.
+        for pack in _running_packs(session, worker.id):
+            lose_pack(session, pack, now, f"worker {worker.id} restarted (a new process took its place)")
+        is_new = True
+    elif sent_at < as_utc(worker.last_heartbeat):
+        return False  # older than one already applied (a replayed batch): it says nothing new
+    if incarnation and incarnation != worker.incarnation:
+        worker.incarnation, worker.incarnation_started_at = incarnation, started_at
     worker.queue = m["queue"]
     worker.device = m.get("device", "cpu")
     worker.memory_bytes = m.get("memory_bytes")
     worker.max_slots = int(m.get("max_slots", 8))
     worker.state = states.WORKER_ALIVE
-    worker.last_heartbeat = now
+    worker.last_heartbeat = sent_at if is_new else max(as_utc(worker.last_heartbeat), sent_at)
+    if "pack_id" in m:  # what the process runs now (a report from before this field cannot be judged)
+        is_new |= _check_named_pack(session, worker, m["pack_id"], sent_at, now, aborts)
     return is_new
+
+
+def _running_packs(session: Session, worker_id: str) -> list[Pack]:
+    return list(session.scalars(
+        select(Pack).where(Pack.worker_id == worker_id, Pack.state == states.PACK_RUNNING).with_for_update()
+    ).all())
+
+
+def _check_named_pack(session: Session, worker: Worker, named: str | None, sent_at: datetime, now: datetime,
+                      aborts: set[tuple[str, str]]) -> bool:
+    """A running pack the worker no longer names (it crashed out of it, or its reports were lost) is lost;
+    a pack it names that is over here is one it should stop. True when a pack was lost."""
+    lost = False
+    for pack in _running_packs(session, worker.id):
+        # A beat sent before the pack started does not name it yet (the worker names a pack from before its
+        # `pack.started` until after its last report).
+        if pack.id != named and (pack.started_at is None or sent_at > as_utc(pack.started_at)):
+            lose_pack(session, pack, now, f"worker {worker.id} is no longer running pack {pack.id}")
+            lost = True
+    over = session.get(Pack, named) if named is not None else None
+    if over is not None and over.state not in states.PACK_LIVE:
+        aborts.add((worker.id, over.id))
+    return lost
+
+
+def _from_pack_process(session: Session, m: dict[str, Any]) -> bool:
+    """False for a report from a worker process other than the one that started the report's pack."""
+    incarnation, pack_id = m.get("incarnation"), m.get("pack_id")
+    if not incarnation or not pack_id:
+        return True
+    pack = session.get(Pack, pack_id)
+    return pack is None or pack.incarnation is None or pack.incarnation == incarnation
 
 
 def _live_trial(session: Session, trial_id: str, pack_id: str) -> Trial | None:
@@ -100,7 +177,8 @@ def _pack_started(session: Session, m: dict[str, Any], now: datetime) -> None:
     if pack is None:
         return
     pack.state = states.PACK_RUNNING
-    pack.started_at = pack.started_at or now
+    pack.started_at = pack.started_at or _sent_at(m, now)
+    pack.incarnation = pack.incarnation or m.get("incarnation")
     worker = session.get(Worker, pack.worker_id)
     if worker is not None:
         worker.current_pack_id = pack.id
@@ -112,7 +190,7 @@ def _points(session: Session, m: dict[str, Any]) -> set[str]:
     validated: set[str] = set()
     rows: list[dict[str, Any]] = []
     trials: dict[str, Trial | None] = {}
-    for trial_id, step, split, loss in m["points"]:
+    for trial_id, step, split, loss in m.get("points") or ():
         if trial_id not in trials:
             trials[trial_id] = _live_trial(session, trial_id, pack_id)
         trial = trials[trial_id]
@@ -149,6 +227,23 @@ def _trial_checkpoint(session: Session, m: dict[str, Any]) -> None:
     trial = _live_trial(session, m["trial_id"], m["pack_id"])
     if trial is not None and int(m["step"]) >= (trial.checkpoint_step or 0):
         trial.checkpoint_key, trial.checkpoint_step = m["checkpoint_key"], int(m["step"])
+
+
+def _trial_checkpoint_lost(session: Session, m: dict[str, Any]) -> None:
+    """The worker could not find the checkpoint the trial was to resume from: it trains from step 0, so its
+    stored curve and checkpoint go (the new run's points replace them)."""
+    trial = _live_trial(session, m["trial_id"], m["pack_id"])
+    if trial is None:
+        return
+    session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id))
+    trial.checkpoint_key, trial.checkpoint_step = None, None
+    trial.steps_done, trial.best_val_loss, trial.best_step, trial.last_train_loss = 0, None, None, None
+    record_event(
+        session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.restarted",
+        level="warn", message=f"trial {trial.index} starts again from step 0: its checkpoint "
+                              f"{m.get('checkpoint_key')} was gone",
+        data={"checkpoint_key": m.get("checkpoint_key")},
+    )
 
 
 def _trial_admitted(session: Session, m: dict[str, Any]) -> None:

@@ -66,6 +66,22 @@ def _best_val(session: Session, trial_id: str) -> tuple[float | None, int | None
     return (row[0], row[1]) if row else (None, None)
 
 
+def lose_pack(session: Session, pack: Pack, now: datetime, reason: str) -> None:
+    """The pack's process is gone: the pack is lost and its running trials go back to pending (each from its
+    newest checkpoint). Reports that still arrive from it are dropped (their trials left the pack)."""
+    log.warning("pack %s lost: %s", pack.id, reason)
+    pack.state = states.PACK_LOST
+    pack.finished_at = now
+    worker = session.get(Worker, pack.worker_id)
+    if worker is not None and worker.current_pack_id == pack.id:
+        worker.current_pack_id = None
+    trials = session.scalars(
+        select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING).with_for_update()
+    ).all()
+    for trial in trials:
+        requeue_trial(session, trial, reason)
+
+
 def reap_lost_workers(session: Session, now: datetime, timeout_s: float) -> list[str]:
     """Workers silent for longer than the timeout are lost; their packs' trials go back to pending."""
     cutoff = now - timedelta(seconds=timeout_s)
@@ -79,15 +95,7 @@ def reap_lost_workers(session: Session, now: datetime, timeout_s: float) -> list
             select(Pack).where(Pack.worker_id == worker.id, Pack.state.in_(states.PACK_LIVE))
         ).all()
         for pack in packs:
-            pack.state = states.PACK_LOST
-            pack.finished_at = now
-            trials = session.scalars(
-                select(Trial)
-                .where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
-                .with_for_update()
-            ).all()
-            for trial in trials:
-                requeue_trial(session, trial, f"worker {worker.id} was lost")
+            lose_pack(session, pack, now, f"worker {worker.id} was lost")
     return [w.id for w in lost]
 
 

@@ -52,35 +52,77 @@ def _pg_bin(name: str) -> str | None:
     return candidates[-1] if candidates else None
 
 
+def _as_postgres_user() -> list[str]:
+    """The prefix that runs a PostgreSQL program: postgres refuses to run as root."""
+    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+
+class PostgresServer:
+    """A PostgreSQL server of our own: its data in `data` (initdb'd on the first start, trust auth), listening on
+    127.0.0.1:`port`. It can be stopped (`mode` "immediate" is a crash) and started again on the same data.
+    When root, `data`'s parent must be writable by the postgres user."""
+
+    def __init__(self, data: Path, port: int) -> None:
+        initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+        if not (initdb and pg_ctl):
+            raise MissingService(
+                "no PostgreSQL: set DATABASE_URL, run one on 127.0.0.1:5432, or install the server "
+                "(apt-get install postgresql) so the suite can start its own"
+            )
+        self.initdb, self.pg_ctl = initdb, pg_ctl
+        self.data = data
+        self.port = port
+        self.log_path = data.parent / f"{data.name}.log"
+
+    @property
+    def url(self) -> str:
+        """A server-level URL (database `postgres`)."""
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        user = _as_postgres_user()
+        if not (self.data / "PG_VERSION").exists():
+            subprocess.run([*user, self.initdb, "-D", str(self.data), "-U", "postgres", "--auth=trust"], check=True,
+                           capture_output=True)
+        subprocess.run(
+            [*user, self.pg_ctl, "-D", str(self.data), "-l", str(self.log_path), "-w",
+             "-o", f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1", "start"],
+            check=True, capture_output=True,
+        )
+        _wait_port(self.port, "PostgreSQL")
+
+    def stop(self, mode: str = "fast") -> None:
+        subprocess.run([*_as_postgres_user(), self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop"],
+                       check=True, capture_output=True)
+
+    def running(self) -> bool:
+        return (self.data / "postmaster.pid").exists()
+
+
 def find_postgres() -> str:
     """A server-level URL (database `test` or `postgres`) the suite may create databases on."""
     if os.environ.get("DATABASE_URL"):
         return os.environ["DATABASE_URL"]
     if _port_open("127.0.0.1", 5432):
         return "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
-    if not (initdb and pg_ctl):
-        raise MissingService(
-            "no PostgreSQL: set DATABASE_URL, run one on 127.0.0.1:5432, or install the server "
-            "(apt-get install postgresql) so the suite can start its own"
-        )
-    data = RUN_DIR / "pg"
-    port = _free_port()
-    user_args: list[str] = []
-    if os.geteuid() == 0:  # postgres refuses to run as root
-        user_args = ["runuser", "-u", "postgres", "--"]
-        RUN_DIR.mkdir(exist_ok=True)
+    server = PostgresServer(RUN_DIR / "pg", _free_port())
+    RUN_DIR.mkdir(exist_ok=True)
+    if os.geteuid() == 0:
         shutil.chown(RUN_DIR, "postgres")
-    if not (data / "PG_VERSION").exists():
-        subprocess.run([*user_args, initdb, "-D", str(data), "-U", "postgres", "--auth=trust"], check=True,
-                       capture_output=True)
-    subprocess.run(
-        [*user_args, pg_ctl, "-D", str(data), "-l", str(RUN_DIR / "pg.log"), "-w",
-         "-o", f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"],
-        check=True, capture_output=True,
-    )
-    _wait_port(port, "PostgreSQL")
-    return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+    server.start()
+    return server.url
+
+
+def redis_server_argv(port: int, workdir: Path) -> list[str]:
+    """A redis-server in the foreground on 127.0.0.1:`port` that persists nothing: a restart starts empty."""
+    server = shutil.which("redis-server")
+    if not server:
+        raise MissingService(
+            "no Redis: set REDIS_URL, run one on 127.0.0.1:6379, or install it (apt-get install redis-server) "
+            "so the suite can start its own"
+        )
+    return [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+            "--dir", str(workdir)]
 
 
 def find_redis() -> str:
@@ -88,19 +130,10 @@ def find_redis() -> str:
         return os.environ["REDIS_URL"]
     if _port_open("127.0.0.1", 6379):
         return "redis://127.0.0.1:6379/0"
-    server = shutil.which("redis-server")
-    if not server:
-        raise MissingService(
-            "no Redis: set REDIS_URL, run one on 127.0.0.1:6379, or install it (apt-get install redis-server) "
-            "so the suite can start its own"
-        )
     port = _free_port()
     RUN_DIR.mkdir(exist_ok=True)
-    subprocess.run(
-        [server, "--daemonize", "yes", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-         "--appendonly", "no", "--dir", str(RUN_DIR), "--logfile", str(RUN_DIR / "redis.log")],
-        check=True,
-    )
+    argv = redis_server_argv(port, RUN_DIR)
+    subprocess.run([*argv, "--daemonize", "yes", "--logfile", str(RUN_DIR / "redis.log")], check=True)
     _wait_port(port, "Redis")
     return f"redis://127.0.0.1:{port}/0"
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
+from collections import deque
 from typing import Any
 
 from common.bus import SCHEDULER_STREAM, Bus, commands_stream
@@ -16,48 +18,101 @@ from common.bus import SCHEDULER_STREAM, Bus, commands_stream
 log = logging.getLogger(__name__)
 
 
-class Heartbeat(threading.Thread):
-    """Publishes the worker's presence every `interval_s`; the scheduler declares it lost when it stops."""
+class Incarnation:
+    """This worker process: a new id on every start, so the scheduler tells a restarted worker (same worker
+    id) from the process it replaced, and can end that process's packs at once instead of waiting for a
+    heartbeat timeout that never comes (the new process beats under the same id)."""
 
-    def __init__(self, bus: Bus, interval_s: float, identity: dict[str, Any]) -> None:
+    def __init__(self) -> None:
+        self.id = uuid.uuid4().hex
+        self.started_at = time.time()
+
+
+class Heartbeat(threading.Thread):
+    """Publishes the worker's presence every `interval_s`; the scheduler declares it lost when it stops.
+
+    Each beat names the pack this process is running (or none). The scheduler ends any running pack of this
+    worker that a beat does not name, so the pack is set and cleared under the same lock as a beat is sent:
+    a beat sent before `pack.started` names no pack, and every beat after it names the pack until its last
+    report went out.
+    """
+
+    def __init__(self, bus: Bus, interval_s: float, identity: dict[str, Any], incarnation: Incarnation) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.bus = bus
         self.interval_s = interval_s
         self.identity = identity
-        self.current_pack_id: str | None = None
+        self.incarnation = incarnation
+        self._pack_id: str | None = None
+        self._lock = threading.Lock()
         self._stop = threading.Event()
 
+    @property
+    def current_pack_id(self) -> str | None:
+        return self._pack_id
+
+    def set_pack(self, pack_id: str | None) -> None:
+        with self._lock:
+            self._pack_id = pack_id
+
     def beat(self) -> None:
-        self.bus.publish(SCHEDULER_STREAM, {"type": "heartbeat", **self.identity, "pack_id": self.current_pack_id})
+        with self._lock:
+            self.bus.publish(SCHEDULER_STREAM, {
+                "type": "heartbeat", **self.identity, "pack_id": self._pack_id, "incarnation": self.incarnation.id,
+                "started_at": self.incarnation.started_at, "sent_at": time.time(),
+            })
 
     def run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.beat()
-            except Exception:  # noqa: BLE001 - the bus may blink; the next beat retries
-                log.warning("heartbeat failed", exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - the bus may blink; the next beat retries (none is queued:
+                log.warning("heartbeat failed: %s", exc)  # an old beat says nothing about now)
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
         self._stop.set()
 
 
-class Reporter:
-    """Buffers loss points and sends them in batches; other reports flush the buffer first, so the
-    scheduler always sees a trial's points before the trial's end."""
+class ReportsLost(RuntimeError):
+    """The bus was away for so long that the reports waiting for it outgrew their bound: the pack stops."""
 
-    def __init__(self, bus: Bus, pack_id: str, worker_id: str, flush_every_s: float = 0.5,
-                 max_points: int = 500) -> None:
+
+class Reporter:
+    """Sends a pack's reports in order through a bounded outbox, so training goes on while the bus is away.
+
+    Loss points are batched (≤ `max_points` or `flush_every_s`); other reports flush the batch first, so the
+    scheduler always sees a trial's points before the trial's end. A report that cannot be sent waits in
+    the outbox with everything after it; the outbox is retried with backoff (not on every step) and, once
+    it holds more than `max_outbox` messages, `send` raises `ReportsLost`: the pack fails, its heartbeat
+    then names no pack and the scheduler requeues its trials from their checkpoints.
+
+    Every `trial.checkpoint` and `trial.finished` also repeats the trial's points since the checkpoint before
+    its previous one (two checkpoint intervals), so points a restarted (emptied) Redis lost in flight are
+    filled in even when the lost message was a checkpoint's own (ingest ignores repeats).
+    """
+
+    def __init__(self, bus: Bus, pack_id: str, worker_id: str, incarnation: Incarnation,
+                 flush_every_s: float = 0.5, max_points: int = 500, max_outbox: int = 10_000) -> None:
         self.bus = bus
         self.pack_id = pack_id
         self.worker_id = worker_id
+        self.incarnation = incarnation
         self.flush_every_s = flush_every_s
         self.max_points = max_points
+        self.max_outbox = max_outbox
         self._points: list[list[Any]] = []
+        self._recent: dict[str, list[list[Any]]] = {}  # trial -> its points since the checkpoint before last
+        self._checkpoint_step: dict[str, int] = {}  # trial -> its newest checkpoint's step
         self._last_flush = time.monotonic()
+        self._outbox: deque[dict[str, Any]] = deque()
+        self._retry_at = 0.0
+        self._backoff_s = 0.0
 
     def point(self, trial_id: str, step: int, split: str, loss: float) -> None:
-        self._points.append([trial_id, step, split, loss])
+        point = [trial_id, step, split, loss]
+        self._points.append(point)
+        self._recent.setdefault(trial_id, []).append(point)
         if len(self._points) >= self.max_points or time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
 
@@ -70,18 +125,69 @@ class Reporter:
     def send(self, kind: str, **fields: Any) -> None:
         if kind != "points":
             self.flush()
-        self.bus.publish(SCHEDULER_STREAM, {"type": kind, "pack_id": self.pack_id, "worker_id": self.worker_id,
-                                            **fields})
+        if kind in ("trial.checkpoint", "trial.finished"):
+            fields["points"] = self._repeated_points(fields["trial_id"], fields.get("step"))
+        self._outbox.append({"type": kind, "pack_id": self.pack_id, "worker_id": self.worker_id,
+                             "incarnation": self.incarnation.id, "sent_at": time.time(), **fields})
+        if time.monotonic() >= self._retry_at:
+            self._drain()
+        if len(self._outbox) > self.max_outbox:
+            raise ReportsLost(f"{len(self._outbox)} reports could not be sent: the bus has been away too long")
+
+    def _repeated_points(self, trial_id: str, checkpoint_step: int | None) -> list[list[Any]]:
+        """The points a checkpoint at `checkpoint_step` (None: the trial's end) repeats; from then on the trial
+        keeps only those after its previous checkpoint."""
+        points = self._recent.get(trial_id, [])
+        if checkpoint_step is None:
+            self._recent.pop(trial_id, None)
+            self._checkpoint_step.pop(trial_id, None)
+            return points
+        previous = self._checkpoint_step.get(trial_id, 0)
+        self._checkpoint_step[trial_id] = checkpoint_step
+        self._recent[trial_id] = [p for p in points if p[1] > previous]
+        return [p for p in points if p[1] <= checkpoint_step]
+
+    def _drain(self) -> bool:
+        """Sends what waits, oldest first; True when nothing is left."""
+        while self._outbox:
+            try:
+                self.bus.publish(SCHEDULER_STREAM, self._outbox[0])
+            except Exception as exc:  # noqa: BLE001 - any bus failure: keep it, try again later
+                self._backoff_s = min(5.0, max(0.5, self._backoff_s * 2))
+                self._retry_at = time.monotonic() + self._backoff_s
+                log.warning("could not report to the scheduler (%s); %d reports wait, next try in %.1fs",
+                            exc, len(self._outbox), self._backoff_s)
+                return False
+            self._outbox.popleft()
+        self._backoff_s = 0.0
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        """At the pack's end: waits up to `timeout_s` for every report to go out. False if some never did
+        (the scheduler will not hear of them: past its heartbeat timeout it requeues the pack's trials)."""
+        self.flush()
+        deadline = time.monotonic() + timeout_s
+        while not self._drain():
+            if time.monotonic() >= deadline:
+                log.error("pack %s: %d reports dropped, the bus stayed away for %.0fs", self.pack_id,
+                          len(self._outbox), timeout_s)
+                self._outbox.clear()
+                return False
+            time.sleep(max(0.0, min(self._retry_at, deadline) - time.monotonic()))
+        return True
 
 
 class CommandInbox:
     """Reads this worker's command stream (from the moment the worker started) at most every poll_s.
 
     Commands: ``stop_trials`` (pack id, trial ids, and a mode: ``drop`` by default, ``export`` to save the
-    best-validation adapter first, ``pause`` to checkpoint and free the slot) and ``admit_trials`` (pack id,
-    trial payloads in the pack message's format: back-fills for a running pack's free slots). Admissions
-    wait here per pack, each trial once, until the pack takes them or ends.
+    best-validation adapter first, ``pause`` to checkpoint and free the slot), ``admit_trials`` (pack id,
+    trial payloads in the pack message's format: back-fills for a running pack's free slots) and
+    ``abort_pack`` (the scheduler no longer counts on this pack: it was declared lost, its trials requeued).
+    Admissions wait here per pack, each trial once, until the pack takes them or ends.
     """
+
+    OUTAGE_POLL_S = 5.0  # while the bus is away, each failed read would stall a training step: try less often
 
     def __init__(self, bus: Bus, worker_id: str, poll_s: float = 0.5) -> None:
         self.bus = bus
@@ -92,14 +198,23 @@ class CommandInbox:
         self._stopped: dict[str, dict[str, str]] = {}  # pack -> trial -> mode
         self._admissions: dict[str, dict[str, dict[str, Any]]] = {}  # pack -> trial id -> payload
         self._seen_admissions: set[tuple[str, str, str]] = set()  # (pack, trial, placement)
+        self._aborted: set[str] = set()
 
     def _poll(self) -> None:
         if time.monotonic() - self._last_poll < self.poll_s:
             return
         self._last_poll = time.monotonic()
-        for msg_id, message in self.bus.read_after(self.stream, self._last_id, count=100, block_s=0):
+        try:
+            messages = self.bus.read_after(self.stream, self._last_id, count=100, block_s=0)
+        except Exception as exc:  # noqa: BLE001 - the bus is away: train on, read the commands later
+            log.warning("could not read this worker's commands (%s); next try in %.0fs", exc, self.OUTAGE_POLL_S)
+            self._last_poll = time.monotonic() + self.OUTAGE_POLL_S - self.poll_s
+            return
+        for msg_id, message in messages:
             self._last_id = msg_id
-            if message.get("type") == "stop_trials":
+            if message.get("type") == "abort_pack":
+                self._aborted.add(message["pack_id"])
+            elif message.get("type") == "stop_trials":
                 mode = message.get("mode", "drop")
                 stops = self._stopped.setdefault(message["pack_id"], {})
                 stops.update((trial_id, mode) for trial_id in message["trial_ids"] if trial_id not in stops)
@@ -114,6 +229,10 @@ class CommandInbox:
                         self._seen_admissions.add(key)
                         queue[trial["trial_id"]] = trial
                         self._stopped.get(pack_id, {}).pop(trial["trial_id"], None)
+
+    def aborted(self, pack_id: str) -> bool:
+        self._poll()
+        return pack_id in self._aborted
 
     def stopped_trials(self, pack_id: str) -> dict[str, str]:
         """Trials of ``pack_id`` to take out, each with its mode (the first command for a trial wins)."""

@@ -12,7 +12,7 @@ from common.artifacts import get_artifact_store
 from common.bus import get_bus
 from common.celery import worker_queue
 from common.settings import get_settings
-from worker.agent import Heartbeat
+from worker.agent import Heartbeat, Incarnation
 from worker.runner import PackRunner
 
 log = logging.getLogger(__name__)
@@ -39,12 +39,16 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
     worker_id = worker_id or f"{socket.gethostname()}-{suffix}"
     queue = worker_queue(settings, worker_id)
     bus = get_bus()
+    # The same worker id comes back after a restart (`<hostname>-gpuN`, or `local` under `loraplane up`): the
+    # incarnation tells the scheduler this is a new process, whose predecessor's packs are gone.
+    incarnation = Incarnation()
     heartbeat = Heartbeat(bus, settings.heartbeat_interval_s, {
         "worker_id": worker_id, "queue": queue, "device": str(device), "memory_bytes": device_memory(device),
         "max_slots": settings.worker_max_trials_per_pack,
-    })
+    }, incarnation)
     runner = PackRunner(worker_id=worker_id, device=device, bus=bus, store=get_artifact_store(),
-                        model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat)
+                        model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat,
+                        report_timeout_s=settings.worker_timeout_s)
     from worker.tasks import celery_app, install_runner
 
     install_runner(runner)
@@ -53,7 +57,7 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
 
     hf_logging.disable_progress_bar()
     heartbeat.start()
-    log.info("worker %s on %s consuming %s", worker_id, device, queue)
+    log.info("worker %s (incarnation %s) on %s consuming %s", worker_id, incarnation.id[:8], device, queue)
     # The solo pool runs the pack in this process, where the model stays loaded between packs and the
     # heartbeat thread dies with it: a killed worker stops beating and the scheduler requeues its trials.
     celery_app.worker_main([

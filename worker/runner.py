@@ -22,7 +22,7 @@ import torch
 from common.artifacts import LocalArtifactStore, adapter_key, checkpoint_key
 from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
-from worker.agent import CommandInbox, Heartbeat, Reporter
+from worker.agent import CommandInbox, Heartbeat, Reporter, ReportsLost
 from worker.engine import ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
 from worker.engine.trainer import StopMode
 from worker.profile import PackProfiler
@@ -47,13 +47,17 @@ class PackRunner:
     """Holds what outlives one pack: the loaded base models (loaded once per process) and the bus."""
 
     def __init__(self, *, worker_id: str, device: torch.device, bus: Bus, store: LocalArtifactStore,
-                 model_cache_dir: Path, heartbeat: Heartbeat) -> None:
+                 model_cache_dir: Path, heartbeat: Heartbeat, report_timeout_s: float = 30.0) -> None:
         self.worker_id = worker_id
         self.device = device
         self.bus = bus
         self.store = store
         self.model_cache_dir = model_cache_dir
         self.heartbeat = heartbeat
+        self.incarnation = heartbeat.incarnation
+        # How long a pack's end waits for its reports to reach a bus that is away (then they are dropped,
+        # and the scheduler, past its heartbeat timeout, requeues the pack's trials from their checkpoints).
+        self.report_timeout_s = report_timeout_s
         self.inbox = CommandInbox(bus, worker_id)
         self._models: dict[str, tuple[Any, Any]] = {}
 
@@ -100,17 +104,32 @@ class PackRunner:
         if not self.bus.claim(f"pack:{pack_id}"):
             log.warning("pack %s was already claimed; skipping the duplicate delivery", pack_id)
             return
-        reporter = Reporter(self.bus, pack_id, self.worker_id)
-        self.heartbeat.current_pack_id = pack_id
-        reporter.send("pack.started")
+        reporter = Reporter(self.bus, pack_id, self.worker_id, self.incarnation)
+        # From here until its last report went out, every heartbeat names this pack (see Heartbeat).
+        self.heartbeat.set_pack(pack_id)
         try:
+            reporter.send("pack.started")
             self._train(pack, reporter)
             reporter.send("pack.finished")
+        except ReportsLost:
+            # The bus has been away too long to keep the reports: stop. The next heartbeat names no pack, so
+            # the scheduler requeues the trials from their checkpoints.
+            log.exception("pack %s stopped: its reports could not be sent", pack_id)
         except Exception as exc:  # the pack failed as a whole (model or data would not load)
             log.exception("pack %s failed", pack_id)
-            reporter.send("pack.failed", error=f"{type(exc).__name__}: {exc}")
+            try:
+                reporter.send("pack.failed", error=f"{type(exc).__name__}: {exc}")
+            except ReportsLost:
+                pass
         finally:
-            self.heartbeat.current_pack_id = None
+            reporter.close(self.report_timeout_s)
+            self.heartbeat.set_pack(None)
+
+    def should_stop(self, pack_id: str, trial_ids: list[str]) -> dict[str, StopMode]:
+        """The trials to take out now: those the scheduler stopped, or all of them once it aborted the pack."""
+        if self.inbox.aborted(pack_id):
+            return dict.fromkeys(trial_ids, "drop")
+        return stop_modes(self.inbox.stopped_trials(pack_id))
 
     def _train(self, pack: dict[str, Any], reporter: Reporter) -> None:
         pack_id = pack["pack_id"]
@@ -123,7 +142,7 @@ class PackRunner:
         profiler = PackProfiler(device=str(self.device))
         with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
             tmp = Path(tmp_name)
-            resume = self._fetch_checkpoints(pack["trials"], tmp / "resume")
+            resume = self._fetch_checkpoints(pack["trials"], tmp / "resume", reporter)
 
             written: dict[str, list[str]] = {}
 
@@ -144,7 +163,7 @@ class PackRunner:
                 for t in self.inbox.take_admissions(pack_id, free):
                     try:
                         spec = self.trial_spec(t, read_rows)
-                        path = self._fetch_checkpoints([t], tmp / "resume").get(t["trial_id"])
+                        path = self._fetch_checkpoints([t], tmp / "resume", reporter).get(t["trial_id"])
                     except Exception as exc:  # its files or its checkpoint cannot be read
                         reporter.send("trial.rejected", trial_id=t["trial_id"], reason=f"{type(exc).__name__}: {exc}")
                         continue
@@ -180,7 +199,7 @@ class PackRunner:
 
             train_pack(
                 model, tokenizer, specs, base_model_name=source.name, export_dir=tmp / "adapters",
-                on_point=reporter.point, should_stop=lambda: stop_modes(self.inbox.stopped_trials(pack_id)),
+                on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, list(task_of)),
                 on_step=stepped, resume=resume, checkpoint_dir=tmp / "checkpoints",
                 # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
                 checkpoint_interval=max([s.eval_interval for s in specs], default=None),
@@ -192,15 +211,23 @@ class PackRunner:
                 reporter.send("trial.rejected", trial_id=t["trial_id"], reason=BACKFILL_NOT_JOINED)
         reporter.send("pack.profile", profile=profiler.summary())
 
-    def _fetch_checkpoints(self, trials: list[dict[str, Any]], into: Path) -> dict[str, Path]:
-        """Unpacks the checkpoint of every trial that resumes (a requeued trial that had one)."""
+    def _fetch_checkpoints(self, trials: list[dict[str, Any]], into: Path, reporter: Reporter) -> dict[str, Path]:
+        """Unpacks the checkpoint of every trial that resumes (a requeued trial that had one). A checkpoint that
+        is gone (the database lagged behind the worker that replaced it, during an outage) costs that trial
+        its progress, not the pack: it starts again from step 0, and `trial.checkpoint_lost` tells the
+        scheduler to cut its curve back to nothing."""
         resume: dict[str, Path] = {}
         for t in trials:
-            if not t.get("resume_key"):
+            key = t.get("resume_key")
+            if not key:
+                continue
+            if not self.store.exists(key):
+                log.warning("trial %s: its checkpoint %s is gone; it starts again from step 0", t["trial_id"], key)
+                reporter.send("trial.checkpoint_lost", trial_id=t["trial_id"], checkpoint_key=key)
                 continue
             target = into / t["trial_id"]
             target.mkdir(parents=True)
-            with self.store.open(t["resume_key"]) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            with self.store.open(key) as f, tarfile.open(fileobj=f, mode="r:") as tar:
                 tar.extractall(target, filter="data")
             resume[t["trial_id"]] = target
         return resume

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -48,6 +49,11 @@ class Proc:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 self.kill()
+        else:
+            # The leader died alone (a test killed only it): what is left of its group (a child it should have
+            # taken with it) must not outlive the test. A pid is never reused while its group has members.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self._log.close()
 
     def tail(self, n: int = 60) -> str:
@@ -64,7 +70,12 @@ class Cluster:
         self.procs: list[Proc] = []
 
     def start(self, name: str, *args: str) -> Proc:
-        proc = Proc(name, [sys.executable, "-m", "loraplane.cli", *args], self.env, self.log_dir)
+        """`loraplane <args>` as a process named `name` (its log file's name: unique in the cluster)."""
+        return self.run(name, [sys.executable, "-m", "loraplane.cli", *args])
+
+    def run(self, name: str, argv: list[str]) -> Proc:
+        """Any program (a private redis-server), its log shown with the others'."""
+        proc = Proc(name, argv, self.env, self.log_dir)
         self.procs.append(proc)
         return proc
 
@@ -101,3 +112,53 @@ def cluster(env: dict[str, str], log_dir: Path) -> Iterator[Cluster]:
         raise
     finally:
         c.stop_all()
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and has not exited (a zombie has exited already). From /proc, as psutil may
+    not be installed."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return "\nState:\tZ" not in status
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of `pid`, of all its threads."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return [c for c in children if running(c)]
+
+
+def is_worker(pid: int) -> bool:
+    """Runs `loraplane worker` (`python -m loraplane.cli worker ...`)."""
+    argv = cmdline(pid)
+    return "loraplane.cli" in argv and "worker" in argv
+
+
+def workers_of_home(home: Path) -> list[int]:
+    """Every live `loraplane worker` process on this machine whose LORAPLANE_HOME is `home` (so another test
+    running beside this one is never counted)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not is_worker(int(entry.name)) or not running(int(entry.name)):
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if f"LORAPLANE_HOME={home}".encode() in environ:
+            found.append(int(entry.name))
+    return found
