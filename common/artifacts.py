@@ -1,7 +1,8 @@
 """The artifact store: uploaded datasets and trained adapters, addressed by key.
 
 Local directory by default (shared by the API, scheduler and workers on one host, or a shared
-volume). Writes are atomic (temp file + rename) so a reader never sees a half-written object.
+volume). Writes are atomic (temp file + rename) so a reader never sees a half-written object. What the
+store creates is its owner's alone: 0700 directories, 0600 objects (`mkstemp` creates them so).
 """
 
 from __future__ import annotations
@@ -13,13 +14,45 @@ from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO
 
+from common.private_files import private_dir
 from common.settings import get_settings
+
+
+class StagedObject:
+    """An object written piece by piece under a temporary name beside its key: readers see nothing until
+    `publish()` renames it into place; `discard()` removes it. One of the two must end every staging."""
+
+    def __init__(self, key: str, target: Path, fd: int, tmp: str) -> None:
+        self.key = key
+        self.size = 0
+        self._target = target
+        self._tmp = tmp
+        self._file = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes) -> None:
+        self._file.write(data)
+        self.size += len(data)
+
+    def sync(self) -> None:
+        """Makes what was written durable and ends the writing: `publish()` after it only renames."""
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+    def publish(self) -> None:
+        self.sync()
+        os.replace(self._tmp, self._target)
+
+    def discard(self) -> None:
+        self._file.close()
+        Path(self._tmp).unlink(missing_ok=True)
 
 
 class LocalArtifactStore:
     def __init__(self, root: Path) -> None:
         self.root = root
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)
 
     def path(self, key: str) -> Path:
         target = (self.root / key).resolve()
@@ -29,17 +62,22 @@ class LocalArtifactStore:
 
     def _atomic_target(self, key: str) -> tuple[Path, int, str]:
         target = self.path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+        private_dir(target.parent)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")  # 0600
         return target, fd, tmp
 
+    def stage(self, key: str) -> StagedObject:
+        """A new object for `key`, written in pieces (an upload as it arrives), invisible until published."""
+        return StagedObject(key, *self._atomic_target(key))
+
     def put_bytes(self, key: str, data: bytes) -> None:
-        target, fd, tmp = self._atomic_target(key)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        staged = self.stage(key)
+        try:
+            staged.write(data)
+            staged.publish()
+        except BaseException:
+            staged.discard()
+            raise
 
     def put_file(self, key: str, source: Path) -> None:
         target, fd, tmp = self._atomic_target(key)

@@ -1,7 +1,8 @@
 """JSONL training data: validation on upload and the deterministic train/validation split.
 
-Pure functions: the API validates with them and the worker splits with them, so both agree on
-row counts (the API derives each trial's step count from them).
+No I/O here: the API validates an upload with `JsonlValidator` as it streams in, the worker parses and
+splits with `parse_jsonl` and `split_rows`, and both split lines alike, so they agree on row counts (the
+API derives each trial's step count from them).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from typing import Any
 
 ROLES = {"system", "user", "assistant"}
 MAX_REPORTED_ERRORS = 20
+# The longest line (one row) an upload may have: 1 MiB is ~250k tokens, more than any model here trains on,
+# and bounds the memory one upload's validation takes (the line, and the Python objects parsed from it).
+MAX_LINE_BYTES = 1 << 20
 
 
 @dataclass
@@ -60,45 +64,106 @@ def _check_row(row: Any) -> tuple[str | None, str | None]:
     return None, "row needs either 'messages' or 'prompt' and 'completion'"
 
 
-def validate_jsonl(data: bytes) -> DatasetReport:
-    """Checks every line; reports the first MAX_REPORTED_ERRORS errors with their line numbers."""
-    report = DatasetReport()
+class JsonlValidator:
+    """Validates JSONL fed in pieces of any size (an upload as it arrives), line by line.
 
-    def fail(line: int, message: str) -> None:
-        report.error_count += 1
-        if len(report.errors) < MAX_REPORTED_ERRORS:
-            report.errors.append(RowError(line, message))
+    Lines end with "\n" (a "\r" before it is JSON whitespace). Memory is bounded whatever the file's size:
+    one line at most MAX_LINE_BYTES is held at a time, the rest of a longer line is skipped unread and the
+    line reported as an error, and at most MAX_REPORTED_ERRORS errors are kept (all are counted).
+    """
 
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        fail(0, f"file is not UTF-8: {exc}")
-        return report
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    def __init__(self) -> None:
+        self.report = DatasetReport()
+        self._line = bytearray()
+        self._line_number = 0
+        self._too_long = False
+
+    def feed(self, data: bytes) -> None:
+        start = 0
+        while (end := data.find(b"\n", start)) >= 0:
+            self._take(data, start, end)
+            self._end_line()
+            start = end + 1
+        self._take(data, start, len(data))
+
+    def finish(self) -> DatasetReport:
+        """The report, once the whole file was fed (a last line without its newline counts)."""
+        if self._line or self._too_long:
+            self._end_line()
+        if self.report.rows == 0 and self.report.error_count == 0:
+            self._fail(0, "file has no rows")
+        return self.report
+
+    def _take(self, data: bytes, start: int, end: int) -> None:
+        if self._too_long or start == end:
+            return
+        if len(self._line) + end - start > MAX_LINE_BYTES:
+            self._too_long = True
+            self._line = bytearray()  # frees the partial line now, not at its end
+            return
+        self._line += memoryview(data)[start:end]
+
+    def _end_line(self) -> None:
+        self._line_number += 1
+        if self._too_long:
+            self._fail(self._line_number, f"line is longer than {MAX_LINE_BYTES} bytes")
+        else:
+            self._check_line(self._line)
+        self._line = bytearray()
+        self._too_long = False
+
+    def _check_line(self, raw: bytearray) -> None:
+        number, report = self._line_number, self.report
         try:
-            row = json.loads(line)
+            row = _parse_line(raw)
+        except UnicodeDecodeError as exc:
+            self._fail(number, f"line is not UTF-8: {exc.reason} at byte {exc.start}")
+            return
         except json.JSONDecodeError as exc:
-            fail(number, f"invalid JSON: {exc.msg}")
-            continue
+            self._fail(number, f"invalid JSON: {exc.msg}")
+            return
+        if row is _BLANK:
+            return
         fmt, error = _check_row(row)
         if error:
-            fail(number, error)
-            continue
+            self._fail(number, error)
+            return
         if report.format is None:
             report.format = fmt
         elif fmt != report.format:
-            fail(number, f"row is in '{fmt}' format but the file started in '{report.format}' format")
-            continue
+            self._fail(number, f"row is in '{fmt}' format but the file started in '{report.format}' format")
+            return
         report.rows += 1
-    if report.rows == 0 and report.error_count == 0:
-        fail(0, "file has no rows")
-    return report
+
+    def _fail(self, line: int, message: str) -> None:
+        self.report.error_count += 1
+        if len(self.report.errors) < MAX_REPORTED_ERRORS:
+            self.report.errors.append(RowError(line, message))
+
+
+_BLANK = object()
+
+
+def _parse_line(raw: bytes | bytearray) -> Any:
+    """One line's row, or _BLANK for a blank line. The validator and `parse_jsonl` share it, so the API's
+    row count is the worker's."""
+    text = raw.decode("utf-8")
+    if not text.strip():
+        return _BLANK
+    return json.loads(text)
+
+
+def validate_jsonl(data: bytes) -> DatasetReport:
+    """Checks every line of a whole file in memory (the streaming `JsonlValidator`, fed once)."""
+    validator = JsonlValidator()
+    validator.feed(data)
+    return validator.finish()
 
 
 def parse_jsonl(data: bytes) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+    """The rows of a file that passed validation (lines split exactly as the validator splits them)."""
+    rows = (_parse_line(line) for line in data.split(b"\n"))
+    return [row for row in rows if row is not _BLANK]
 
 
 def validation_rows(total: int, fraction: float) -> int:

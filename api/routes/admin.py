@@ -12,7 +12,7 @@ from api.db import bad_cursor, commit, newest_first
 from api.deps import AdminDep, SessionDep, hash_api_key
 from api.errors import ApiError, conflict, not_found
 from api.schemas.admin import ApiKeyCreate, ApiKeyCreated, ApiKeyOut, TenantCreate, TenantOut, TenantUpdate, WorkerOut
-from api.schemas.common import ListPage, error_responses
+from api.schemas.common import ListPage, PathId, error_responses, id_query
 from common.models import ApiKey, Tenant, Worker, new_id, utcnow
 from common.settings import get_settings
 
@@ -46,6 +46,8 @@ def create_tenant(body: TenantCreate, session: SessionDep) -> TenantOut:
         max_concurrent_trials=body.max_concurrent_trials or settings.default_max_concurrent_trials,
         max_trials_per_task=body.max_trials_per_task or settings.default_max_trials_per_task,
         max_file_bytes=body.max_file_bytes or settings.default_max_file_bytes,
+        max_storage_bytes=body.max_storage_bytes or settings.default_max_storage_bytes,
+        max_files=body.max_files or settings.default_max_files,
         created_at=utcnow(),
     )
     session.add(tenant)
@@ -57,7 +59,7 @@ def create_tenant(body: TenantCreate, session: SessionDep) -> TenantOut:
 def list_tenants(
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    after: str | None = None,
+    after: Annotated[str | None, id_query("The id of the last tenant of the previous page.")] = None,
 ) -> ListPage[TenantOut]:
     cursor = None
     if after is not None and (cursor := session.get(Tenant, after)) is None:
@@ -67,12 +69,12 @@ def list_tenants(
 
 
 @router.get("/tenants/{tenant_id}")
-def get_tenant(tenant_id: str, session: SessionDep) -> TenantOut:
+def get_tenant(tenant_id: PathId, session: SessionDep) -> TenantOut:
     return TenantOut.of(_tenant(session, tenant_id))
 
 
 @router.patch("/tenants/{tenant_id}", responses=error_responses(409))
-def update_tenant(tenant_id: str, body: TenantUpdate, session: SessionDep) -> TenantOut:
+def update_tenant(tenant_id: PathId, body: TenantUpdate, session: SessionDep) -> TenantOut:
     tenant = _tenant(session, tenant_id)
     changes = body.model_dump(exclude_unset=True, exclude_none=True)
     name = changes.get("name")
@@ -85,7 +87,7 @@ def update_tenant(tenant_id: str, body: TenantUpdate, session: SessionDep) -> Te
 
 
 @router.post("/tenants/{tenant_id}/api-keys", status_code=status.HTTP_201_CREATED)
-def create_api_key(tenant_id: str, session: SessionDep, body: ApiKeyCreate | None = None) -> ApiKeyCreated:
+def create_api_key(tenant_id: PathId, session: SessionDep, body: ApiKeyCreate | None = None) -> ApiKeyCreated:
     """The key is in this response only; the server keeps its sha256."""
     tenant = _tenant(session, tenant_id)
     key = "lp_" + secrets.token_urlsafe(32)
@@ -99,14 +101,14 @@ def create_api_key(tenant_id: str, session: SessionDep, body: ApiKeyCreate | Non
 
 
 @router.get("/tenants/{tenant_id}/api-keys")
-def list_api_keys(tenant_id: str, session: SessionDep) -> ListPage[ApiKeyOut]:
+def list_api_keys(tenant_id: PathId, session: SessionDep) -> ListPage[ApiKeyOut]:
     tenant = _tenant(session, tenant_id)
     keys = session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.created_at, ApiKey.id))
     return ListPage(data=[ApiKeyOut.of(k) for k in keys])
 
 
 @router.delete("/api-keys/{key_id}")
-def revoke_api_key(key_id: str, session: SessionDep) -> ApiKeyOut:
+def revoke_api_key(key_id: PathId, session: SessionDep) -> ApiKeyOut:
     """Revokes the key at once (idempotent: revoking a revoked key changes nothing)."""
     key = session.get(ApiKey, key_id)
     if key is None:

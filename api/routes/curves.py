@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from api.deps import SessionDep, TenantDep
 from api.queries import get_task, list_trials
-from api.schemas.common import error_responses
+from api.schemas.common import INT32_MAX, PathId, error_responses
 from api.services.curves import curve_lines
 
 router = APIRouter(prefix="/tasks/{task_id}/curves", tags=["curves"], responses=error_responses(401, 404, 422))
@@ -22,11 +22,11 @@ router = APIRouter(prefix="/tasks/{task_id}/curves", tags=["curves"], responses=
                      "description": "One JSON object per trial, by index (format: api/services/curves.py)."}},
 )
 def export_curves(
-    task_id: str,
+    task_id: PathId,
     tenant: TenantDep,
     session: SessionDep,
-    after_step: Annotated[int | None, Query(ge=0, description="Only points past this step (every trial still "
-                                                              "has its line).")] = None,
+    after_step: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="Only points past this step (every "
+                                                                            "trial still has its line).")] = None,
 ) -> StreamingResponse:
     """Every trial's train and validation points with samples and tokens seen, one line per trial."""
     task = get_task(session, tenant_id=tenant.id, task_id=task_id)

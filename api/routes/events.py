@@ -11,19 +11,37 @@ from sqlalchemy import select
 from api.deps import SessionDep, TenantDep
 from api.errors import invalid
 from api.queries import get_task
-from api.schemas.common import error_responses
+from api.schemas.common import INT64_MAX, PathId, error_responses
 from api.schemas.events import EventOut, EventPage
 from api.sse import event_stream
 from common.models import Event
 
 router = APIRouter(prefix="/tasks/{task_id}/events", tags=["events"], responses=error_responses(401, 404, 422))
 
-After = Annotated[int | None, Query(ge=0, description="Only events with a larger id (the last id you saw).")]
+After = Annotated[
+    int | None, Query(ge=0, le=INT64_MAX, description="Only events with a larger id (the last id you saw).")
+]
+# ASCII digits only: str.isdigit() also takes '²', which int() then refuses (a 500 before), or '٣'.
+LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=19, pattern="^[0-9]*$")]
+
+
+def resume_after(after: int | None, last_event_id: str | None) -> int:
+    """The event id a stream starts after: `Last-Event-ID` (sent by a reconnecting browser) wins over `after`.
+
+    An empty header is ignored: a browser sends the last id it saw, which may be none. Any other value that is
+    not an event id is a 422 in the one error shape (its digits are checked by LastEventId), not a stream
+    resumed from a guessed place.
+    """
+    if not last_event_id:
+        return after or 0
+    if int(last_event_id) > INT64_MAX:
+        raise invalid("Last-Event-ID must be an event id (at most 2^63-1).", param="Last-Event-ID")
+    return int(last_event_id)
 
 
 @router.get("")
 def list_events(
-    task_id: str,
+    task_id: PathId,
     tenant: TenantDep,
     session: SessionDep,
     after: After = None,
@@ -45,19 +63,15 @@ def list_events(
     responses={200: {"content": {"text/event-stream": {}}, "description": "One SSE block per event, then `end`."}},
 )
 def stream_events(
-    task_id: str,
+    task_id: PathId,
     tenant: TenantDep,
     session: SessionDep,
     after: After = None,
-    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+    last_event_id: LastEventId = None,
 ) -> StreamingResponse:
     """Live events; resumes after `Last-Event-ID` (sent by browsers on reconnect) or `after`."""
     task = get_task(session, tenant_id=tenant.id, task_id=task_id)  # a 404 now, before the stream starts
-    start = after or 0
-    if last_event_id:
-        if not last_event_id.isdigit():
-            raise invalid("Last-Event-ID must be an event id.", param="Last-Event-ID")
-        start = int(last_event_id)
+    start = resume_after(after, last_event_id)  # a 422 now too: nothing can answer one once the stream started
     return StreamingResponse(
         event_stream(tenant.id, task.id, start),
         media_type="text/event-stream",

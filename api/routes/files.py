@@ -2,31 +2,57 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
-from fastapi import APIRouter, Form, Query, UploadFile, status
+from fastapi import APIRouter, Query, Request, status
 from sqlalchemy import select
 
 from api.db import bad_cursor, newest_first
 from api.deps import SessionDep, TenantDep
 from api.queries import find_file, get_file
-from api.schemas.common import ListPage, error_responses
+from api.schemas.common import ListPage, PathId, error_responses, id_query
 from api.schemas.files import FileDeleted, FileOut
 from api.services.files import delete_file, upload_file
+from api.uploads import request_body
 from common.models import File
 
 router = APIRouter(prefix="/files", tags=["files"], responses=error_responses(401, 404, 422))
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, responses=error_responses(413))
-def create_file(
-    tenant: TenantDep,
-    session: SessionDep,
-    file: UploadFile,
-    purpose: Annotated[Literal["fine-tune"], Form()] = "fine-tune",
-) -> FileOut:
-    """Upload a JSONL dataset (chat `messages` rows or `prompt`/`completion` rows); every row is checked."""
-    row = upload_file(session, tenant=tenant, content=file.file, filename=file.filename, purpose=purpose)
+# The body is read by the route itself, as it arrives (api/uploads.py), so OpenAPI is told its shape here.
+UPLOAD_FORM = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "contentMediaType": "application/octet-stream",
+                                 "description": "The JSONL dataset."},
+                        "purpose": {"type": "string", "const": "fine-tune", "default": "fine-tune"},
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+def _content_length(request: Request) -> int | None:
+    value = request.headers.get("content-length", "")
+    return int(value) if value.isascii() and value.isdigit() else None
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, responses=error_responses(413, 429), openapi_extra=UPLOAD_FORM)
+def create_file(request: Request, tenant: TenantDep, session: SessionDep) -> FileOut:
+    """Upload a JSONL dataset (chat `messages` rows or `prompt`/`completion` rows) as multipart/form-data;
+    every row is checked as it streams in. 413: larger than the tenant's `max_file_bytes` or what its
+    storage quota has left; 429: the tenant stores `max_files` files already."""
+    with request_body(request) as body:  # read only now: after authentication, never before
+        row = upload_file(session, tenant=tenant, content_type=request.headers.get("content-type"),
+                          content_length=_content_length(request), body=body)
     return FileOut.of(row)
 
 
@@ -35,7 +61,7 @@ def list_files(
     tenant: TenantDep,
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    after: Annotated[str | None, Query(description="The id of the last file of the previous page.")] = None,
+    after: Annotated[str | None, id_query("The id of the last file of the previous page.")] = None,
 ) -> ListPage[FileOut]:
     """This tenant's files, newest first."""
     cursor = None
@@ -49,12 +75,12 @@ def list_files(
 
 
 @router.get("/{file_id}")
-def read_file(file_id: str, tenant: TenantDep, session: SessionDep) -> FileOut:
+def read_file(file_id: PathId, tenant: TenantDep, session: SessionDep) -> FileOut:
     return FileOut.of(get_file(session, tenant_id=tenant.id, file_id=file_id))
 
 
 @router.delete("/{file_id}", responses=error_responses(409))
-def remove_file(file_id: str, tenant: TenantDep, session: SessionDep) -> FileDeleted:
+def remove_file(file_id: PathId, tenant: TenantDep, session: SessionDep) -> FileDeleted:
     """Deletes the file's content; refused while a task that has not finished uses it."""
     delete_file(session, tenant=tenant, file_id=file_id)
     return FileDeleted(id=file_id)

@@ -7,7 +7,7 @@ from sqlalchemy import select
 
 from api.deps import SessionDep, get_tenant
 from api.errors import not_found
-from api.schemas.common import ListPage, error_responses
+from api.schemas.common import ListPage, PathId, error_responses
 from api.schemas.models import ModelOut
 from common.models import BaseModelEntry
 
@@ -23,7 +23,7 @@ def list_models(session: SessionDep) -> ListPage[ModelOut]:
 
 
 @router.get("/{name:path}")
-def read_model(name: str, session: SessionDep) -> ModelOut:
+def read_model(name: PathId, session: SessionDep) -> ModelOut:
     """`name` may contain slashes (hub-style ids such as `org/model`)."""
     entry = session.get(BaseModelEntry, name)
     if entry is None:

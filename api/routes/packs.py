@@ -10,7 +10,7 @@ from sqlalchemy import select
 from api.deps import AdminDep, SessionDep
 from api.errors import invalid, not_found
 from api.schemas.cluster import PackOut
-from api.schemas.common import ListPage, error_responses
+from api.schemas.common import ListPage, PathId, error_responses
 from api.services.cluster import pack_views
 from common.models import Pack
 from common.states import PACK_DISPATCHED, PACK_FINISHED, PACK_LIVE, PACK_LOST, PACK_PLANNED, PACK_RUNNING
@@ -43,7 +43,7 @@ def list_packs(
 
 
 @router.get("/{pack_id}")
-def read_pack(pack_id: str, session: SessionDep) -> PackOut:
+def read_pack(pack_id: PathId, session: SessionDep) -> PackOut:
     pack = session.get(Pack, pack_id)
     if pack is None:
         raise not_found("pack", pack_id)

@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from api.deps import SessionDep, TenantDep
 from api.queries import get_trial, list_trials
-from api.schemas.common import ListPage, error_responses
+from api.schemas.common import INT32_MAX, ListPage, PathId, error_responses
 from api.schemas.trials import LossPoint, TrialMetrics, TrialOut
 from api.services.adapters import adapter_download
 from common.models import MetricPoint
@@ -19,24 +19,24 @@ router = APIRouter(prefix="/tasks/{task_id}/trials", tags=["trials"], responses=
 
 
 @router.get("")
-def list_task_trials(task_id: str, tenant: TenantDep, session: SessionDep) -> ListPage[TrialOut]:
+def list_task_trials(task_id: PathId, tenant: TenantDep, session: SessionDep) -> ListPage[TrialOut]:
     """All trials of the task, by index."""
     return ListPage(data=[TrialOut.of(t) for t in list_trials(session, tenant_id=tenant.id, task_id=task_id)])
 
 
 @router.get("/{trial_id}")
-def read_trial(task_id: str, trial_id: str, tenant: TenantDep, session: SessionDep) -> TrialOut:
+def read_trial(task_id: PathId, trial_id: PathId, tenant: TenantDep, session: SessionDep) -> TrialOut:
     return TrialOut.of(get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id))
 
 
 @router.get("/{trial_id}/metrics")
 def read_trial_metrics(
-    task_id: str,
-    trial_id: str,
+    task_id: PathId,
+    trial_id: PathId,
     tenant: TenantDep,
     session: SessionDep,
-    step_from: Annotated[int | None, Query(ge=0)] = None,
-    step_to: Annotated[int | None, Query(ge=0)] = None,
+    step_from: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
+    step_to: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
 ) -> TrialMetrics:
     """Train and validation loss by step, optionally within [step_from, step_to]."""
     trial = get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id)
@@ -56,6 +56,8 @@ def read_trial_metrics(
     response_class=StreamingResponse,
     responses={200: {"content": {"application/gzip": {}}}, **error_responses(409)},
 )
-def download_trial_adapter(task_id: str, trial_id: str, tenant: TenantDep, session: SessionDep) -> StreamingResponse:
+def download_trial_adapter(
+    task_id: PathId, trial_id: PathId, tenant: TenantDep, session: SessionDep
+) -> StreamingResponse:
     """This trial's adapter (PEFT directory as .tar.gz); 409 adapter_not_ready until there is one."""
     return adapter_download(get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id))

@@ -6,10 +6,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, StringConstraints
 
-from api.schemas.common import RequestModel, UtcDateTime
+from api.schemas.common import RequestModel, Text, UtcDateTime
 from common.models import ApiKey, Tenant, Worker
 
-TenantName = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
+TenantName = Annotated[Text, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
 Weight = Annotated[float, Field(gt=0, le=1000)]
 Count = Annotated[int, Field(ge=1, le=1_000_000)]
 Bytes = Annotated[int, Field(ge=1, le=1 << 40)]
@@ -22,6 +22,8 @@ class TenantCreate(RequestModel):
     max_concurrent_trials: Count | None = None
     max_trials_per_task: Count | None = None
     max_file_bytes: Bytes | None = None
+    max_storage_bytes: Bytes | None = None  # the bytes and the number of its live files the tenant may store
+    max_files: Count | None = None
 
 
 class TenantUpdate(RequestModel):
@@ -30,6 +32,8 @@ class TenantUpdate(RequestModel):
     max_concurrent_trials: Count | None = None
     max_trials_per_task: Count | None = None
     max_file_bytes: Bytes | None = None
+    max_storage_bytes: Bytes | None = None
+    max_files: Count | None = None
 
 
 class TenantOut(BaseModel):
@@ -40,18 +44,21 @@ class TenantOut(BaseModel):
     max_concurrent_trials: int
     max_trials_per_task: int
     max_file_bytes: int
+    max_storage_bytes: int
+    max_files: int
     created_at: UtcDateTime
 
     @classmethod
     def of(cls, t: Tenant) -> TenantOut:
         return cls(
             id=t.id, name=t.name, weight=t.weight, max_concurrent_trials=t.max_concurrent_trials,
-            max_trials_per_task=t.max_trials_per_task, max_file_bytes=t.max_file_bytes, created_at=t.created_at,
+            max_trials_per_task=t.max_trials_per_task, max_file_bytes=t.max_file_bytes,
+            max_storage_bytes=t.max_storage_bytes, max_files=t.max_files, created_at=t.created_at,
         )
 
 
 class ApiKeyCreate(RequestModel):
-    name: Annotated[str, StringConstraints(strip_whitespace=True, max_length=200)] = ""
+    name: Annotated[Text, StringConstraints(strip_whitespace=True, max_length=200)] = ""
 
 
 class ApiKeyOut(BaseModel):

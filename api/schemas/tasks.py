@@ -14,7 +14,6 @@ from pydantic import (
     BaseModel,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
     TypeAdapter,
     ValidationError,
@@ -24,21 +23,22 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from api.schemas.common import RequestModel, UtcDateTime
+from api.schemas.common import FiniteFloat, RequestModel, Text, UtcDateTime
 
 MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ModuleName = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-LearningRate = Annotated[StrictFloat, Field(gt=0, le=1)]
+# Strict and finite even where they are validated outside a RequestModel (the lists of `_dimension`).
+LearningRate = Annotated[FiniteFloat, Field(gt=0, le=1)]
 Rank = Annotated[StrictInt, Field(ge=1, le=256)]
-Alpha = Annotated[StrictFloat, Field(gt=0, le=100_000)]
+Alpha = Annotated[FiniteFloat, Field(gt=0, le=100_000)]
 BatchSize = Annotated[StrictInt, Field(ge=1, le=1024)]
-Dropout = Annotated[StrictFloat, Field(ge=0, lt=1)]
+Dropout = Annotated[FiniteFloat, Field(ge=0, lt=1)]
 
 
 class RangeSpec(RequestModel):
-    min: float
-    max: float
+    min: FiniteFloat
+    max: FiniteFloat
     num: Annotated[StrictInt, Field(ge=1, le=1000)] | None = Field(
         default=None, description="Number of points for a grid (evenly spaced in `scale`); random draws from them."
     )
@@ -164,15 +164,15 @@ class AltoEarlyExit(RequestModel):
         default=2, description="Evaluations in a row with both slopes >= tau_slope before a diverging trial stops.")
     patience_ovf: Annotated[StrictInt, Field(ge=1, le=100)] = Field(
         default=2, description="Evaluations in a row with a gap > tau_gap before an overfitting trial stops.")
-    tau_slope: Annotated[StrictFloat, Field(ge=0, le=100)] = Field(
+    tau_slope: Annotated[FiniteFloat, Field(ge=0, le=100)] = Field(
         default=0.001, description="Loss rise per evaluation that counts as diverging.")
-    tau_gap: Annotated[StrictFloat, Field(ge=0, le=100)] = Field(
+    tau_gap: Annotated[FiniteFloat, Field(ge=0, le=100)] = Field(
         default=0.1, description="(val - smoothed train) / smoothed train loss that counts as overfitting.")
-    warmup_ratio: Annotated[StrictFloat, Field(gt=0, le=0.5)] = Field(
+    warmup_ratio: Annotated[FiniteFloat, Field(gt=0, le=0.5)] = Field(
         default=0.05, description="Share of each trial's own steps before it is ranked against the others.")
-    keep_ratio: Annotated[StrictFloat, Field(gt=0, le=1)] = Field(
+    keep_ratio: Annotated[FiniteFloat, Field(gt=0, le=1)] = Field(
         default=0.25, description="Share of the ranked trials that continue past the warm-up boundary (rounded up).")
-    ema_alpha: Annotated[StrictFloat, Field(gt=0, le=1)] = Field(
+    ema_alpha: Annotated[FiniteFloat, Field(gt=0, le=1)] = Field(
         default=0.05, description="Weight of one step's train loss in the smoothed train loss.")
 
 
@@ -220,8 +220,8 @@ class Training(RequestModel):
 
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: Annotated[StrictInt, Field(ge=0, le=1_000_000)] = 0
-    weight_decay: Annotated[StrictFloat, Field(ge=0, le=1)] = 0.0
-    max_grad_norm: Annotated[StrictFloat, Field(gt=0)] | None = Field(
+    weight_decay: Annotated[FiniteFloat, Field(ge=0, le=1)] = 0.0
+    max_grad_norm: Annotated[FiniteFloat, Field(gt=0)] | None = Field(
         default=None, description="Clip each trial's gradient to this global norm (its own parameters only)."
     )
     use_rslora: StrictBool = Field(default=False, description="Scale adapters by alpha/sqrt(r) instead of alpha/r.")
@@ -232,10 +232,10 @@ class Scheduling(RequestModel):
 
 
 class TaskCreate(RequestModel):
-    base_model: str = Field(min_length=1, max_length=100)
-    training_file: str = Field(min_length=1, max_length=200)
-    validation_file: str | None = Field(default=None, min_length=1, max_length=200)
-    validation_split: Annotated[StrictFloat, Field(gt=0, le=0.5)] | None = Field(
+    base_model: Text = Field(min_length=1, max_length=100)
+    training_file: Text = Field(min_length=1, max_length=200)
+    validation_file: Text | None = Field(default=None, min_length=1, max_length=200)
+    validation_split: Annotated[FiniteFloat, Field(gt=0, le=0.5)] | None = Field(
         default=None, description="Fraction of the training file held out; 0.1 when no validation_file is given."
     )
     search_space: SearchSpace

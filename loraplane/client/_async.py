@@ -311,10 +311,12 @@ class AsyncAdmin:
         self._c = client
 
     async def create_tenant(self, name: str, *, weight: float | None = None, max_concurrent_trials: int | None = None,
-                      max_trials_per_task: int | None = None, max_file_bytes: int | None = None) -> Tenant:
+                      max_trials_per_task: int | None = None, max_file_bytes: int | None = None,
+                      max_storage_bytes: int | None = None, max_files: int | None = None) -> Tenant:
         """Left-out quotas take the deployment's defaults; 409 `tenant_exists` for a name in use."""
         body = _core.params(name=name, weight=weight, max_concurrent_trials=max_concurrent_trials,
-                       max_trials_per_task=max_trials_per_task, max_file_bytes=max_file_bytes)
+                       max_trials_per_task=max_trials_per_task, max_file_bytes=max_file_bytes,
+                       max_storage_bytes=max_storage_bytes, max_files=max_files)
         return Tenant.of(await self._c._json("POST", "/v1/admin/tenants", json=body, admin=True))
 
     async def list_tenants(self, *, limit: int | None = None, after: str | None = None) -> Page[Tenant]:
@@ -325,7 +327,8 @@ class AsyncAdmin:
         return Tenant.of(await self._c._json("GET", f"/v1/admin/tenants/{tenant_id}", admin=True))
 
     async def update_tenant(self, tenant_id: str, **changes: Any) -> Tenant:
-        """Any of name, weight, max_concurrent_trials, max_trials_per_task, max_file_bytes."""
+        """Any of name, weight, max_concurrent_trials, max_trials_per_task, max_file_bytes, max_storage_bytes,
+        max_files."""
         return Tenant.of(await self._c._json("PATCH", f"/v1/admin/tenants/{tenant_id}", json=changes, admin=True))
 
     async def create_api_key(self, tenant_id: str, *, name: str = "") -> ApiKey:

@@ -204,6 +204,8 @@ class Tenant(ApiObject):
     max_concurrent_trials: int
     max_trials_per_task: int
     max_file_bytes: int
+    max_storage_bytes: int
+    max_files: int
     created_at: datetime
 
     TIMES = frozenset({"created_at"})

@@ -49,9 +49,10 @@ def _tenant_id(lp: Client, ref: str) -> str:
 
 def _tenants_table(tenants: list[Tenant]) -> str:
     rows = [[t.id, t.name, f"{t.weight:g}", t.max_concurrent_trials, t.max_trials_per_task, size(t.max_file_bytes),
-             when(t.created_at)] for t in tenants]
-    headers = ["ID", "NAME", "WEIGHT", "MAX ACTIVE TRIALS", "MAX TRIALS/TASK", "MAX FILE", "CREATED"]
-    return table(headers, rows, right=(2, 3, 4, 5))
+             size(t.max_storage_bytes), t.max_files, when(t.created_at)] for t in tenants]
+    headers = ["ID", "NAME", "WEIGHT", "MAX ACTIVE TRIALS", "MAX TRIALS/TASK", "MAX FILE", "MAX STORAGE", "MAX FILES",
+               "CREATED"]
+    return table(headers, rows, right=(2, 3, 4, 5, 6, 7))
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
@@ -59,7 +60,8 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         if args.action == "create":
             tenant = lp.admin.create_tenant(
                 args.name, weight=args.weight, max_concurrent_trials=args.max_concurrent_trials,
-                max_trials_per_task=args.max_trials_per_task, max_file_bytes=args.max_file_bytes)
+                max_trials_per_task=args.max_trials_per_task, max_file_bytes=args.max_file_bytes,
+                max_storage_bytes=args.max_storage_bytes, max_files=args.max_files)
             tenants, raw = [tenant], tenant.raw
         elif args.action == "show":
             tenant = lp.admin.get_tenant(_tenant_id(lp, args.tenant))
@@ -144,6 +146,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     create.add_argument("--max-concurrent-trials", type=int, metavar="N")
     create.add_argument("--max-trials-per-task", type=int, metavar="N")
     create.add_argument("--max-file-bytes", type=int, metavar="N")
+    create.add_argument("--max-storage-bytes", type=int, metavar="N", help="bytes of live files it may store")
+    create.add_argument("--max-files", type=int, metavar="N", help="live files it may store")
     show = tsub.add_parser("show", parents=[inner], help="one tenant (by id or name)")
     show.add_argument("tenant")
 

@@ -49,7 +49,7 @@ def test_upload_prompt_completion_file(client: TestClient, tenant: TenantKey) ->
         (_line({"text": "x"}).encode(), 1, "messages"),
         (b"", 0, "no rows"),
         (b"\n\n  \n", 0, "no rows"),
-        (b"\xff\xfe\x00bad", 0, "UTF-8"),
+        (b"\xff\xfe\x00bad", 1, "UTF-8"),  # the line that is not UTF-8
     ],
     ids=["not-json", "mixed-formats", "bad-role", "no-assistant", "not-object", "no-known-keys", "empty",
          "blank-lines", "not-utf8"],
@@ -161,3 +161,14 @@ def test_deleted_file_cannot_start_a_task(client: TestClient, tenant: TenantKey)
                     json={"base_model": "tiny-random-llama", "training_file": file["id"], "search_space": {}})
     assert r.status_code == 422
     assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("invalid_file", "training_file")
+
+
+def test_control_characters_are_dropped_from_the_filename(client: TestClient, tenant: TenantKey) -> None:
+    # Sent raw (httpx would percent-encode most of them): NUL would be a database error on Postgres, the
+    # escape and the bell would reach whatever terminal lists the files.
+    body = (b'--b\r\nContent-Disposition: form-data; name="file"; filename="x\x00y\x1b[31m\x07.jsonl"\r\n\r\n'
+            + chat_rows(2) + b"\r\n--b--\r\n")
+    r = client.post("/v1/files", headers={**tenant.headers, "Content-Type": "multipart/form-data; boundary=b"},
+                    content=body)
+    assert r.status_code == 201, r.text
+    assert r.json()["filename"] == "xy[31m.jsonl"

@@ -24,14 +24,16 @@ export function mount(root) {
     status.textContent = `${tenants.length} tenant(s).`;
     clear(box).append(h("table", { class: "data", id: "tenants" },
       h("caption", { class: "sr-only" }, "Tenants, newest first"),
-      h("thead", {}, h("tr", {}, ["Tenant", "Weight", "Concurrent trials", "Trials per task", "Max file", "API keys",
-        "Created"].map((c) => h("th", { scope: "col" }, c)))),
+      h("thead", {}, h("tr", {}, ["Tenant", "Weight", "Concurrent trials", "Trials per task", "Max file",
+        "Max storage", "Max files", "API keys", "Created"].map((c) => h("th", { scope: "col" }, c)))),
       h("tbody", {}, tenants.map((t, i) => h("tr", { dataset: { tenant: t.id } },
         h("td", {}, h("strong", {}, t.name), h("div", { class: "mono small muted" }, t.id)),
         h("td", { class: "num" }, String(t.weight)),
         h("td", { class: "num" }, String(t.max_concurrent_trials)),
         h("td", { class: "num" }, String(t.max_trials_per_task)),
         h("td", { class: "num" }, fmt.bytes(t.max_file_bytes)),
+        h("td", { class: "num" }, fmt.bytes(t.max_storage_bytes)),
+        h("td", { class: "num" }, String(t.max_files)),
         h("td", { class: "small" }, keys[i].data.map((k) => h("div", {}, h("code", {}, `${k.prefix}…`),
           ` ${k.name}`, k.revoked_at ? h("span", { class: "muted" }, " (revoked)") : null))),
         h("td", { class: "small" }, fmt.datetime(t.created_at)))))));
