@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import select
+from sqlalchemy import Connection, and_, bindparam, select
 from sqlalchemy.orm import Session
 
 from api.db import get_session
@@ -42,19 +42,46 @@ def _bearer(request: Request, creds: HTTPAuthorizationCredentials | None, what: 
     return creds.credentials
 
 
-def get_tenant(
-    request: Request,
-    session: SessionDep,
-    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_api_key_scheme)],
-) -> Tenant:
-    key = _bearer(request, creds, "API key", "api_key")
-    tenant = session.scalar(
-        select(Tenant)
-        .join(ApiKey, ApiKey.tenant_id == Tenant.id)
-        .where(ApiKey.key_hash == hash_api_key(key), ApiKey.revoked_at.is_(None))
-    )
+async def api_key(
+    request: Request, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_api_key_scheme)]
+) -> str:
+    """The bearer API key as sent, not yet checked. `async` only so that it runs on the event loop: no
+    worker thread is taken for a header read, and a request without a key is answered without one."""
+    return _bearer(request, creds, "API key", "api_key")
+
+
+ApiKeyDep = Annotated[str, Depends(api_key)]
+
+
+def _invalid_api_key() -> ApiError:
+    return _unauthenticated("invalid_api_key", "The API key is not valid (unknown or revoked).")
+
+
+# An API key that authenticates, its hash bound as `key_hash`. The statements are built once: building one costs
+# more than running it.
+VALID_KEY = and_(ApiKey.key_hash == bindparam("key_hash"), ApiKey.revoked_at.is_(None))
+_TENANT_OF_KEY = select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(VALID_KEY)
+_TENANT_ID_OF_KEY = select(ApiKey.tenant_id).where(VALID_KEY)
+
+
+def tenant_id_for_key(conn: Connection, key: str) -> str:
+    """The tenant that owns a valid key (401 for any other key), by one indexed lookup, without loading the
+    tenant: what a status poll that found no task asks (api/routes/tasks.py)."""
+    tenant_id = conn.execute(_TENANT_ID_OF_KEY, {"key_hash": hash_api_key(key)}).scalar_one_or_none()
+    if tenant_id is None:
+        raise _invalid_api_key()
+    return str(tenant_id)
+
+
+def get_tenant(session: SessionDep, key: ApiKeyDep) -> Tenant:
+    tenant = session.scalar(_TENANT_OF_KEY, {"key_hash": hash_api_key(key)})
     if tenant is None:
-        raise _unauthenticated("invalid_api_key", "The API key is not valid (unknown or revoked).")
+        raise _invalid_api_key()
+    # Ends the lookup's read transaction (nothing was written; the tenant stays loaded), so its connection is
+    # back in the pool while this request waits for the worker thread that runs the route. Held across that
+    # wait, a burst of requests (100 SSE streams opening at once) deadlocked: every worker thread waited for a
+    # pooled connection that only a request waiting for a thread could give back.
+    session.commit()
     return tenant
 
 

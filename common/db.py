@@ -13,17 +13,31 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
+from common.private_files import private_sqlite_file
 from common.settings import get_settings
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 
-def make_engine(url: str) -> Engine:
+# Connections per process. Each API process runs its routes in anyio's 40 worker threads, so up to 40 can
+# want one at once; a thread that finds none waits for one (never while holding another: api/deps.py).
+# SQLite's cost nothing to keep and more than a query to open (the PRAGMAs below), so the pool keeps them all.
+# Postgres's are server processes: 10 kept and 10 more at a peak, plus the autocommit pool's 10, keep
+# `loraplane api --workers 2` (60), the scheduler and a few clients under the server's default 100.
+SQLITE_POOL = {"pool_size": 40, "max_overflow": 10}
+POSTGRES_POOL = {"pool_size": 10, "max_overflow": 10}
+# The API's status reads run at most 8 at once (api/routes/tasks.py) and its SSE watch one: never more.
+AUTOCOMMIT_POOL = {"pool_size": 10, "max_overflow": 0}
+
+
+def make_engine(url: str, *, autocommit: bool = False) -> Engine:
+    options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT"} if autocommit else {}
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+            private_sqlite_file(Path(path))  # the database holds every tenant's data: its owner's alone
+        pool = AUTOCOMMIT_POOL if autocommit else SQLITE_POOL
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, **pool, **options)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -35,12 +49,22 @@ def make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    pool = AUTOCOMMIT_POOL if autocommit else POSTGRES_POOL
+    return create_engine(url, pool_pre_ping=True, **pool, **options)
 
 
 @lru_cache
 def get_engine() -> Engine:
     return make_engine(get_settings().resolved_database_url)
+
+
+@lru_cache
+def get_autocommit_engine() -> Engine:
+    """The same database with connections in autocommit, for reads that need no transaction (the API's status
+    reads and SSE watch): each statement sees what is committed, as in a READ COMMITTED transaction, without
+    the BEGIN and ROLLBACK round trips around it. A pool of its own: the mode is set once per connection,
+    not on every checkout."""
+    return make_engine(get_settings().resolved_database_url, autocommit=True)
 
 
 @lru_cache

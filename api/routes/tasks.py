@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import anyio
+from anyio.lowlevel import RunVar
 from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
 from api.db import bad_cursor, newest_first
-from api.deps import SessionDep, TenantDep
-from api.errors import invalid
+from api.deps import ApiKeyDep, SessionDep, TenantDep, hash_api_key, tenant_id_for_key
+from api.errors import invalid, not_found
 from api.queries import find_task, get_task, get_trial
-from api.schemas.common import ListPage, error_responses
+from api.schemas.common import NO_CONTROL_CHARS, ListPage, PathId, error_responses, id_query
 from api.schemas.tasks import TaskCreate, TaskOut
 from api.services.adapters import adapter_download, no_best_trial
-from api.services.task_views import task_view, task_views
+from api.services.task_views import task_status, task_view, task_views
 from api.services.tasks import cancel_task, create_task
+from common.db import get_autocommit_engine
 from common.models import Task
 from common.states import TASK_CANCELLED, TASK_FAILED, TASK_QUEUED, TASK_RUNNING, TASK_SUCCEEDED, TASK_VALIDATING
 
@@ -35,7 +38,9 @@ def submit_task(
     tenant: TenantDep,
     session: SessionDep,
     response: Response,
-    idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200)] = None,
+    idempotency_key: Annotated[
+        str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)
+    ] = None,
 ) -> TaskOut:
     """Expand the search space into trials and queue them."""
     task, created = create_task(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
@@ -49,7 +54,7 @@ def list_tasks(
     tenant: TenantDep,
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    after: Annotated[str | None, Query(description="The id of the last task of the previous page.")] = None,
+    after: Annotated[str | None, id_query("The id of the last task of the previous page.")] = None,
     state: Annotated[str | None, Query(description=f"One of {', '.join(TASK_STATES)}.")] = None,
 ) -> ListPage[TaskOut]:
     """This tenant's tasks, newest first."""
@@ -65,13 +70,40 @@ def list_tasks(
     return ListPage(data=task_views(session, rows), has_more=has_more)
 
 
+# Status reads of this process (of its event loop) run at most two at a time: one can wait on the database
+# while the other runs; more threads only contend for the interpreter lock (with benchmarks/api_load.py's load,
+# eight at once took ~20% more CPU a request than two). More processes (`--workers`) are what scale.
+_STATUS_READS: RunVar[anyio.CapacityLimiter] = RunVar("status_reads")
+
+
+def _status_reads() -> anyio.CapacityLimiter:
+    try:
+        return _STATUS_READS.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(2)
+        _STATUS_READS.set(limiter)
+        return limiter
+
+
 @router.get("/{task_id}")
-def read_task(task_id: str, tenant: TenantDep, session: SessionDep) -> TaskOut:
-    return task_view(session, get_task(session, tenant_id=tenant.id, task_id=task_id))
+async def read_task(task_id: PathId, key: ApiKeyDep) -> TaskOut:
+    """The task now: state, trial counts, progress, best trial so far, ETA (what clients poll)."""
+    # The path clients poll: the key check and the reads run in one worker thread on one connection, rather
+    # than a thread hop (and a handover of the interpreter lock) for the session, the tenant and the route each.
+    return await anyio.to_thread.run_sync(_read_task, key, task_id, limiter=_status_reads())
+
+
+def _read_task(key: str, task_id: str) -> TaskOut:
+    with get_autocommit_engine().connect() as conn:
+        task = task_status(conn, key_hash=hash_api_key(key), task_id=task_id)  # the key is checked in its join
+        if task is None:
+            tenant_id_for_key(conn, key)  # 401 if the key is the reason...
+            raise not_found("task", task_id)  # ...else its tenant has no such task
+    return task
 
 
 @router.post("/{task_id}/cancel", responses=error_responses(409))
-def cancel(task_id: str, tenant: TenantDep, session: SessionDep) -> TaskOut:
+def cancel(task_id: PathId, tenant: TenantDep, session: SessionDep) -> TaskOut:
     """Cancel the task and its unfinished trials; 409 task_finished if it already finished."""
     return task_view(session, cancel_task(session, tenant=tenant, task_id=task_id))
 
@@ -81,7 +113,7 @@ def cancel(task_id: str, tenant: TenantDep, session: SessionDep) -> TaskOut:
     response_class=StreamingResponse,
     responses={200: {"content": {"application/gzip": {}}}, **error_responses(409)},
 )
-def download_best_adapter(task_id: str, tenant: TenantDep, session: SessionDep) -> StreamingResponse:
+def download_best_adapter(task_id: PathId, tenant: TenantDep, session: SessionDep) -> StreamingResponse:
     """The best trial's adapter (PEFT directory as .tar.gz); 409 adapter_not_ready until there is one."""
     task = get_task(session, tenant_id=tenant.id, task_id=task_id)
     if task.best_trial_id is None:
