@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import print_table, write_result
+from benchmarks.common import device_description, git_commit, print_table, write_result
 from benchmarks.models import SHAPES, load, make_rows, materialise
 from benchmarks.profiling import breakdown, side_by_side
 from kernels import set_backend
@@ -138,6 +138,47 @@ def peft_steps(model: Any, specs: list[TrialSpec], examples: list[Example], pad_
     return step
 
 
+def peft_one_adapter(model: Any, rank: int, batch: int, examples: list[Example], pad_id: int,
+                     device: torch.device, warmup: int, steps: int) -> float | str:
+    """What a careful user runs for one trial: one PeftModel with one adapter (bf16 base, SDPA attention,
+    fused AdamW), the trial's own batch padded to its longest row (as transformers' collator pads), loss on
+    the completion. Tokens/s of that one trial; the model is unwrapped again afterwards."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                  target_modules=PROJECTIONS, task_type="CAUSAL_LM"))
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    rng = random.Random(rank)
+
+    def step() -> int:
+        rows = collate([examples[rng.randrange(len(examples))] for _ in range(batch)], pad_id, 1).to(device)
+        out = peft_model(input_ids=rows.input_ids, attention_mask=rows.attention_mask, labels=rows.labels)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return real_tokens(rows)
+
+    try:
+        return measure(lambda: step, warmup, steps)
+    finally:
+        peft_model.unload()  # the bare model again, for the next rank
+
+
+def peft_strong(model: Any, specs: list[TrialSpec], examples: list[Example], pad_id: int, device: torch.device,
+                warmup: int, steps: int) -> float | str:
+    """The trials' mix trained one after another, each as `peft_one_adapter`: every trial trains the same
+    tokens, so the mix's rate is the trial-weighted harmonic mean of the per-rank rates."""
+    counts: dict[int, int] = {}
+    for spec in specs:
+        counts[spec.lora_rank] = counts.get(spec.lora_rank, 0) + 1
+    batch = specs[0].batch_size
+    rates = {r: peft_one_adapter(model, r, batch, examples, pad_id, device, warmup, steps) for r in counts}
+    if any(not isinstance(v, float) for v in rates.values()):
+        return "OOM"
+    return sum(counts.values()) / sum(n / float(rates[r]) for r, n in counts.items())
+
+
 def engine_steps(model: Any, tokenizer: Any, specs: list[TrialSpec], device: torch.device,
                  recompute: bool) -> tuple[Callable[[], int], Any]:
     from worker.engine import PackEngine
@@ -213,9 +254,12 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
     frozen_made.clear()
     restore_base_model(model)  # PEFT below trains without recompute, as its users run it
     peft: float | str = "-"
+    peft_multi: float | str = "-"
     if not args.skip_peft:
-        peft = measure(lambda: peft_steps(model, specs, examples, pad_id, device), args.warmup,
-                       args.peft_steps * args.trials)
+        # The strong baseline first: the multi-adapter variant below leaves its adapters in the model.
+        peft = peft_strong(model, specs, examples, pad_id, device, args.warmup, args.peft_steps * args.trials)
+        peft_multi = measure(lambda: peft_steps(model, specs, examples, pad_id, device), args.warmup,
+                             args.peft_steps * args.trials)
 
     def num(v: float | str) -> Any:
         return round(v) if isinstance(v, float) else v
@@ -223,16 +267,25 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
     def ratio(a: float | str, b: float | str) -> Any:
         return round(a / b, 2) if isinstance(a, float) and isinstance(b, float) else "-"
 
+    mfu = None
     if args.matmul_tflops and isinstance(engine, float):
-        mfu_rows.append([batch, round(engine * flops_per_token / 1e12, 1), args.matmul_tflops,
-                         round(engine * flops_per_token / 1e12 / args.matmul_tflops, 3)])
+        mfu = round(engine * flops_per_token / 1e12 / args.matmul_tflops, 3)
+        mfu_rows.append([batch, round(engine * flops_per_token / 1e12, 1), args.matmul_tflops, mfu])
+    profiled = profiles.get(f"engine[{args.backends[-1]}] b{batch}")
+    busy = (round(profiled["device_busy_ms_per_step"] / profiled["wall_ms_per_step"], 3)
+            if profiled and profiled["wall_ms_per_step"] else None)
+    summary.append({"shape": args.shape, "trials": args.trials, "batch": batch, "engine_tok_s": num(engine),
+                    "frozen_tok_s": num(frozen), "peft_tok_s": num(peft), "peft_multi_adapter_tok_s": num(peft_multi),
+                    "engine_over_frozen": ratio(engine, frozen), "engine_over_peft": ratio(engine, peft),
+                    "mfu": mfu, "gpu_busy_frac": busy, "device": device_description(), "commit": git_commit()})
     peak = stats.peak_memory_bytes / 2**30 if stats and stats.peak_memory_bytes else float("nan")
     padding = stats.padded_fraction if stats else float("nan")
-    return [batch, args.trials, num(peft), *[num(by_backend[b]) for b in args.backends], num(frozen),
-            ratio(engine, peft), ratio(engine, frozen), round(padding, 3), round(peak, 1)]
+    return [batch, args.trials, num(peft), num(peft_multi), *[num(by_backend[b]) for b in args.backends],
+            num(frozen), ratio(engine, peft), ratio(engine, frozen), round(padding, 3), round(peak, 1)]
 
 
 mfu_rows: list[list[Any]] = []
+summary: list[dict[str, Any]] = []  # one row per batch, the fields every engine result carries (issue 15)
 profiles: dict[str, dict[str, Any]] = {}  # --profile: "<method> b<batch>" -> benchmarks.profiling.breakdown
 
 
@@ -294,12 +347,18 @@ def main() -> None:
     write_result(
         f"engine_throughput-{args.shape}" + ("-recompute" if args.activation_checkpointing else "")
         + ("" if args.backends == ["auto"] else "-" + "-".join(args.backends)),
-        ["batch/trial", "trials", "PEFT 1-at-a-time tok/s", *[f"engine[{b}] tok/s" for b in args.backends],
+        ["batch/trial", "trials", "PEFT 1 adapter tok/s", "PEFT multi-adapter tok/s",
+         *[f"engine[{b}] tok/s" for b in args.backends],
          "frozen tok/s", "engine/PEFT", "engine/frozen", "engine padded frac", "engine peak GiB"],
         table,
         {"shape": args.shape, "seq_len": args.seq_len, "ranks": list(RANKS), "targets": PROJECTIONS,
          "activation_checkpointing": args.activation_checkpointing,
          "dropout": args.dropout, "steps": args.steps, "warmup": args.warmup, "backends": args.backends,
+         "summary": summary,
+         "peft": "PEFT 1 adapter: what a careful user runs, one PeftModel with one adapter per trial (bf16, SDPA, "
+                 "fused AdamW, its own batch padded to its longest row), trials one after another; ratios are "
+                 "against it. PEFT multi-adapter: all trials' adapters in one PeftModel, switched per step "
+                 "(a second column only).",
          "tokens": "real (non-pad) tokens per second; rows of 50-100% of seq_len, loss on completions only",
          "mfu": {"headers": ["batch/trial", "engine TFLOP/s", "bf16 matmul TFLOP/s", "MFU"], "rows": mfu_rows,
                  "flops per real token": "4 x (nn.Linear weights of the bare model, lm_head included) + 6 x "

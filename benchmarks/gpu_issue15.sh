@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 15's measurements on the device, in one call (the device tool runs it in the repository root):
+#   run: LORAPLANE_COMMIT=<hash of HEAD here> bash benchmarks/gpu_issue15.sh [stages]   (nvidia-h100-x1, 600 s)
+# Every result carries the `summary` rows issue 15 asks for (engine, frozen HF-eager, the strong PEFT baseline:
+# one adapter per trial, bf16, SDPA, fused AdamW), measured side by side in one run.
+# Stages (default "b1 small"): b1 = Llama-3.2-1B shape, 32 trials (ranks 16/32/64), batch 1, seq 512, torch and
+# Triton backends, profile and MFU; small = SmolLM2-135M shape, 24 trials, batch 4, seq 96, the same columns;
+# b24 = the 1B shape at batches 2 and 4 (decoder layers recomputed: without, they do not fit today).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+stages="${*:-b1 small}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, 'peft', peft.__version__)"
+touch /tmp/gpu_issue15.start
+save() { find benchmarks/results -name '*gpu*.json' -newer /tmp/gpu_issue15.start -exec cp {} "$OUT/" \; ; true; }
+for stage in $stages; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    b1) timeout 330 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 \
+          --seq-len 512 --backends torch triton --profile --mfu > "$OUT/b1.log" 2>&1; tail -32 "$OUT/b1.log" ;;
+    small) timeout 200 python -m benchmarks.engine_throughput --shape smollm2-135m --trials 24 --batch 4 \
+             --seq-len 96 --backends torch triton --profile --mfu > "$OUT/small.log" 2>&1; tail -32 "$OUT/small.log" ;;
+    b24) timeout 400 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 2 4 \
+           --seq-len 512 --backends torch triton --activation-checkpointing --mfu > "$OUT/b24.log" 2>&1
+         tail -14 "$OUT/b24.log" ;;
+  esac
+  save
+done
+echo "=== done $(date +%T)"
