@@ -5,6 +5,7 @@
 # one adapter per trial, bf16, SDPA, fused AdamW), measured side by side in one run.
 # Stages (default "b1 small"): b1 = Llama-3.2-1B shape, 32 trials (ranks 16/32/64), batch 1, seq 512, torch and
 # Triton backends, profile and MFU; small = SmolLM2-135M shape, 24 trials, batch 4, seq 96, the same columns;
+# host = where the host's time goes in a SmolLM2-shaped step (cProfile, torch.profiler; logs in $OUT);
 # b24 = the 1B shape at batches 2 and 4 (decoder layers recomputed: without, they do not fit today).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -22,6 +23,10 @@ for stage in $stages; do
           --seq-len 512 --backends torch triton --profile --mfu > "$OUT/b1.log" 2>&1; tail -32 "$OUT/b1.log" ;;
     small) timeout 200 python -m benchmarks.engine_throughput --shape smollm2-135m --trials 24 --batch 4 \
              --seq-len 96 --backends torch triton --profile --mfu > "$OUT/small.log" 2>&1; tail -32 "$OUT/small.log" ;;
+    host) for backend in torch triton; do
+            timeout 150 python -m benchmarks.step_host_profile --shape smollm2-135m --trials 24 --batch 4 \
+              --seq-len 96 --backend $backend > "$OUT/host-$backend.log" 2>&1; head -1 "$OUT/host-$backend.log"
+          done ;;
     b24) timeout 400 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 2 4 \
            --seq-len 512 --backends torch triton --activation-checkpointing --mfu > "$OUT/b24.log" 2>&1
          tail -14 "$OUT/b24.log" ;;
