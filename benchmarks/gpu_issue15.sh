@@ -6,7 +6,8 @@
 # Stages (default "b1 small"): b1 = Llama-3.2-1B shape, 32 trials (ranks 16/32/64), batch 1, seq 512, torch and
 # Triton backends, profile and MFU; small = SmolLM2-135M shape, 24 trials, batch 4, seq 96, the same columns;
 # host = where the host's time goes in a SmolLM2-shaped step (cProfile, torch.profiler; logs in $OUT);
-# b24 = the 1B shape at batches 2 and 4 (decoder layers recomputed: without, they do not fit today).
+# tests = the kernel tests and the engine's CUDA tests on the GPU; auto = what `auto` picks, beside the backend
+# it should equal, on both shapes; b24 = the 1B shape at batches 2 and 4 (decoder layers recomputed: without, they do not fit today).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -27,6 +28,15 @@ for stage in $stages; do
             timeout 150 python -m benchmarks.step_host_profile --shape smollm2-135m --trials 24 --batch 4 \
               --seq-len 96 --backend $backend > "$OUT/host-$backend.log" 2>&1; head -1 "$OUT/host-$backend.log"
           done ;;
+    tests) timeout 240 python -m pytest --confcutdir=tests/kernels -p no:cacheprovider -q tests/kernels \
+             > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"; grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20
+           timeout 240 python -m pytest --confcutdir=tests/engine -p no:cacheprovider -q tests/engine/test_cuda.py \
+             tests/engine/test_engine.py > "$OUT/enginetests.log" 2>&1; tail -3 "$OUT/enginetests.log"
+           grep -E "^(FAILED|E  )" "$OUT/enginetests.log" | head -20 ;;
+    auto) timeout 150 python -m benchmarks.engine_throughput --shape smollm2-135m --trials 24 --batch 4 --seq-len 96 \
+            --backends torch auto --skip-peft 2>&1 | grep -A3 "^batch"
+          timeout 250 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 --seq-len 512 \
+            --backends triton auto --skip-peft 2>&1 | grep -A3 "^batch" ;;
     b24) timeout 400 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 2 4 \
            --seq-len 512 --backends torch triton --activation-checkpointing --mfu > "$OUT/b24.log" 2>&1
          tail -14 "$OUT/b24.log" ;;

@@ -6,9 +6,9 @@ Two backends behind one function:
   four backward, the expand added inside the GEMM (CUDA, bf16/fp16/fp32);
 - ``"torch"``: ``F.linear`` then ``kernels.lora_delta`` (any device; the reference the tests compare with).
 
-``"auto"`` (the default) takes Triton for CUDA tensors when Triton imports, else torch. The environment
-variable ``LORAPLANE_LORA_BACKEND`` (auto / torch / triton) or ``set_backend`` overrides it, so a benchmark
-can time both in one process.
+``"auto"`` (the default) takes Triton for CUDA tensors when Triton imports and the layer is one where Triton
+was measured faster (``auto_backend``), else torch. The environment variable ``LORAPLANE_LORA_BACKEND``
+(auto / torch / triton) or ``set_backend`` overrides it, so a benchmark can time both in one process.
 """
 
 from __future__ import annotations
@@ -54,8 +54,21 @@ def triton_available() -> bool:
     return True
 
 
-def resolve_backend(x: torch.Tensor) -> Literal["torch", "triton"]:
-    """The backend a call with activations ``x`` takes."""
+# Where Triton beat the torch path, engine tokens/s on an H100 (benchmarks/results/engine_throughput-*-gpu-2026112*):
+# Llama-3.2-1B shape (d_in 2048), 32 slots: +5% at batch 1, +6% at batch 4 (-30% at batch 2); Llama-3.1-8B shape,
+# 8 slots: -6%; SmolLM2-135M shape (d_in 576/1536), 24 slots: -21 to -27% (there the step is host-bound, and each
+# Triton launch costs ~0.1 ms of Python: 840 a step). So Triton only for wide layers with many slots.
+AUTO_TRITON_MIN_D_IN = 2048
+AUTO_TRITON_MIN_SLOTS = 16
+
+
+def auto_backend(d_in: int, slots: int) -> Literal["torch", "triton"]:
+    """What ``"auto"`` picks on a GPU for a layer of input width ``d_in`` in a pack of ``slots`` slots."""
+    return "triton" if d_in >= AUTO_TRITON_MIN_D_IN and slots >= AUTO_TRITON_MIN_SLOTS else "torch"
+
+
+def resolve_backend(x: torch.Tensor, slots: int | None = None) -> Literal["torch", "triton"]:
+    """The backend a call with activations ``x`` (``(tokens, d_in)``) in a pack of ``slots`` slots takes."""
     chosen = _backend[0]
     if chosen == "torch":
         return "torch"
@@ -66,7 +79,9 @@ def resolve_backend(x: torch.Tensor) -> Literal["torch", "triton"]:
         if not usable:
             raise RuntimeError(f"the Triton LoRA backend cannot run on {x.device} {x.dtype} here")
         return "triton"
-    return "triton" if usable and x.is_cuda else "torch"
+    if not (usable and x.is_cuda):
+        return "torch"
+    return "triton" if slots is None else auto_backend(int(x.shape[-1]), slots)
 
 
 def lora_linear(
@@ -91,7 +106,7 @@ def lora_linear(
     Returns:
         ``(tokens, d_out)`` in x's dtype.
     """
-    if resolve_backend(x) == "triton":
+    if resolve_backend(x, slots=lora_a.shape[0]) == "triton":
         from kernels.triton_lora import LoraLinearFunction
 
         if meta.num_segments == 0 or x.shape[0] == 0:
