@@ -87,15 +87,11 @@ def _api_process(sock: socket.socket, parent_pid: int) -> None:
     """One server process of `loraplane api --workers N`, on its own listening socket."""
     import uvicorn
 
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        # SIGTERM (uvicorn's graceful shutdown) when the parent dies, even by SIGKILL: no server process is left
-        # serving beside a restarted `loraplane api` (SO_REUSEPORT would let both listen on the port).
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # it died before prctl took effect
-            return
+    # SIGTERM (uvicorn's graceful shutdown) when the parent dies, even by SIGKILL: no server process is left
+    # serving beside a restarted `loraplane api` (SO_REUSEPORT would let both listen on the port).
+    _signal_on_parent_death(signal.SIGTERM)
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        return
     uvicorn.Server(uvicorn.Config("api.main:app", log_level="info")).run(sockets=[sock])
 
 
@@ -223,16 +219,21 @@ def cmd_replay(args: argparse.Namespace) -> None:
 SUPERVISOR_PID_ENV = "LORAPLANE_SUPERVISOR_PID"
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: on Linux, the child is killed when `loraplane up` dies, even by SIGKILL,
-    so no orphaned worker keeps training for a service that is gone (and no second worker with the same id
-    shares the GPU after `up` restarts). SIGKILL, not SIGTERM: Celery's warm shutdown on SIGTERM would finish
-    the running pack first; the scheduler resumes its trials from their checkpoints instead."""
+def _signal_on_parent_death(sig: signal.Signals) -> None:
+    """On Linux, this process gets `sig` when its parent dies, even by SIGKILL (prctl PR_SET_PDEATHSIG)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, sig)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the worker is killed when `loraplane up` dies, even by SIGKILL, so no
+    orphaned worker keeps training for a service that is gone (and no second worker with the same id shares
+    the GPU after `up` restarts). SIGKILL, not SIGTERM: Celery's warm shutdown on SIGTERM would finish the
+    running pack first; the scheduler resumes its trials from their checkpoints instead."""
+    _signal_on_parent_death(signal.SIGKILL)
 
 
 def watch_supervisor() -> None:

@@ -25,6 +25,7 @@ from common import states
 from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
 from common.models import MetricPoint, Pack, Trial, Worker, as_utc, utcnow
+from common.settings import get_settings
 from scheduler.cost import Progress
 from scheduler.lifecycle import lose_pack, requeue_trial
 
@@ -33,15 +34,17 @@ log = logging.getLogger(__name__)
 
 def ingest(
     session: Session, messages: list[dict[str, Any]], now: datetime | None = None, touched: set[str] | None = None,
-    *, stale_after_s: float = 30.0, aborts: set[tuple[str, str]] | None = None,
+    *, stale_after_s: float | None = None, aborts: set[tuple[str, str]] | None = None,
 ) -> bool:
     """Returns True when something changed that the planner should look at. ``touched`` collects the tasks
     whose trials got a validation point or ended (their early-exit policy has something new to decide on).
-    A heartbeat sent more than ``stale_after_s`` ago is ignored; ``aborts`` collects (worker, pack) for
-    workers whose heartbeat names a pack the scheduler no longer counts on (they should stop it)."""
+    A heartbeat sent more than ``stale_after_s`` (default: the worker timeout) ago is ignored; ``aborts``
+    collects (worker, pack) for workers whose heartbeat names a pack the scheduler no longer counts on (they
+    should stop it)."""
     now = now or utcnow()
     touched = touched if touched is not None else set()
     aborts = aborts if aborts is not None else set()
+    stale_after_s = get_settings().worker_timeout_s if stale_after_s is None else stale_after_s
     replan = False
     for message in messages:
         kind = message.get("type")

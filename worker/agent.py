@@ -47,10 +47,6 @@ class Heartbeat(threading.Thread):
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-    @property
-    def current_pack_id(self) -> str | None:
-        return self._pack_id
-
     def set_pack(self, pack_id: str | None) -> None:
         with self._lock:
             self._pack_id = pack_id

@@ -13,7 +13,7 @@ import functools
 import logging
 import tarfile
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -125,7 +125,7 @@ class PackRunner:
             reporter.close(self.report_timeout_s)
             self.heartbeat.set_pack(None)
 
-    def should_stop(self, pack_id: str, trial_ids: list[str]) -> dict[str, StopMode]:
+    def should_stop(self, pack_id: str, trial_ids: Iterable[str]) -> dict[str, StopMode]:
         """The trials to take out now: those the scheduler stopped, or all of them once it aborted the pack."""
         if self.inbox.aborted(pack_id):
             return dict.fromkeys(trial_ids, "drop")
@@ -199,7 +199,7 @@ class PackRunner:
 
             train_pack(
                 model, tokenizer, specs, base_model_name=source.name, export_dir=tmp / "adapters",
-                on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, list(task_of)),
+                on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, task_of),
                 on_step=stepped, resume=resume, checkpoint_dir=tmp / "checkpoints",
                 # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
                 checkpoint_interval=max([s.eval_interval for s in specs], default=None),

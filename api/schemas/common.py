@@ -10,6 +10,8 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from fastapi import Path, Query
 from pydantic import AllowInfNan, BaseModel, ConfigDict, PlainSerializer, Strict, StringConstraints
 
+from common.models import as_utc
+
 T = TypeVar("T")
 
 # The ranges of the database's integer columns: a larger number in a query is a 422, never a database error
@@ -40,9 +42,7 @@ def id_query(description: str) -> Any:
 
 def iso_utc(value: datetime) -> str:
     """ISO-8601 in UTC with a 'Z' (SQLite hands back naive datetimes, which we always store as UTC)."""
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=UTC)
-    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+    return as_utc(value).astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 UtcDateTime = Annotated[datetime, PlainSerializer(iso_utc, return_type=str)]

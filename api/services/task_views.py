@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Protocol
 
 from sqlalchemy import Connection, Float, and_, bindparam, case, cast, func, or_, select
@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import VALID_KEY
 from api.schemas.tasks import BestTrial, TaskOut, TrialCounts
-from common.models import ApiKey, Task, Trial, utcnow
+from common.models import ApiKey, Task, Trial, as_utc, utcnow
 from common.states import TASK_RUNNING, TRIAL_FINAL, TRIAL_STATES
 
 
@@ -142,7 +142,7 @@ def seconds_left(task: TaskFields, progress: float, now: datetime) -> float | No
     """Elapsed x (1 - p) / p for a running task with some progress; None when there is nothing to go on."""
     if task.state != TASK_RUNNING or task.started_at is None or progress <= 0:
         return None
-    started = task.started_at if task.started_at.tzinfo else task.started_at.replace(tzinfo=UTC)
+    started = as_utc(task.started_at)
     elapsed = max(0.0, (now - started).total_seconds())
     return round(elapsed * (1 - progress) / progress, 1)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
-import threading
-import time
 import tracemalloc
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,12 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from common.artifacts import get_artifact_store
 from common.datasets import MAX_LINE_BYTES
 from common.models import File
-from tests.e2e.procs import free_port
+from tests.e2e.procs import app_in_thread
 from tests.factories import TenantKey, count_rows, make_tenant
 
 BOUNDARY = "lp-test-boundary-7c1f"
@@ -33,21 +30,8 @@ ROWS_PER_PIECE = 256  # the client sends about 256 KiB at a time
 
 @pytest.fixture(scope="module")
 def server(database: str) -> Iterator[tuple[str, int]]:
-    from api.main import create_app
-
-    port = free_port()
-    config = uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning",
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="api-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the API server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", port
-    server.should_exit = True
-    thread.join(timeout=10)
+    with app_in_thread() as port:
+        yield f"http://127.0.0.1:{port}", port
 
 
 @pytest.fixture

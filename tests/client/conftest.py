@@ -7,38 +7,21 @@ The client and the CLI talk to it over real HTTP: SSE streams, multipart uploads
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from tests.conftest import ADMIN_TOKEN
-from tests.e2e.procs import free_port
+from tests.e2e.procs import app_in_thread
 from tests.factories import TenantKey, make_tenant
 
 
 @pytest.fixture(scope="session")
 def api_url(database: str) -> Iterator[str]:
-    from api.main import create_app
-
-    port = free_port()
-    config = uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning",
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="api-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the API server did not start")
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with app_in_thread() as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(autouse=True)

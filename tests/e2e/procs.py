@@ -18,6 +18,32 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@contextmanager
+def app_in_thread() -> Iterator[int]:
+    """The API app served by uvicorn in a thread of this process on a free loopback port (yielded), stopped after."""
+    import threading
+
+    import uvicorn
+
+    from api.main import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(), host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, name="api-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the API server did not start")
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
