@@ -7,7 +7,9 @@
 # Triton backends, profile and MFU; small = SmolLM2-135M shape, 24 trials, batch 4, seq 96, the same columns;
 # host = where the host's time goes in a SmolLM2-shaped step (cProfile, torch.profiler; logs in $OUT);
 # tests = the kernel tests and the engine's CUDA tests on the GPU; auto = what `auto` picks, beside the backend
-# it should equal, on both shapes; b24 = the 1B shape at batches 2 and 4 (decoder layers recomputed: without, they do not fit today).
+# it should equal, on both shapes; b24 = the 1B shape at batches 2 and 4, without recompute (Triton, no PEFT);
+# fusedshare = the 1B shape with each fused base op alone (LORAPLANE_FUSED_OPS), beside all and none.
+# Liger-Kernel travels as a wheel: put liger_kernel-0.8.5-py3-none-any.whl in .whl/ and name .whl in `carry`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -15,15 +17,34 @@ stages="${*:-b1 small}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__, 'peft', peft.__version__)"
+# Liger-Kernel is not in the image: carried as a wheel in .whl (pure Python).
+if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/liger_kernel-*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+python - <<'PY'
+import importlib.util
+import torch
+from worker.engine.attention import attention_path
+from worker.engine.fused import chosen_ops
+q = torch.zeros(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+print("packed attention:", attention_path(q), "| fused ops:", chosen_ops(),
+      "| liger:", importlib.util.find_spec("liger_kernel") is not None)
+PY
 touch /tmp/gpu_issue15.start
 save() { find benchmarks/results -name '*gpu*.json' -newer /tmp/gpu_issue15.start -exec cp {} "$OUT/" \; ; true; }
 for stage in $stages; do
   echo "=== $stage $(date +%T)"
   case $stage in
     b1) timeout 330 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 \
-          --seq-len 512 --backends torch triton --profile --mfu > "$OUT/b1.log" 2>&1; tail -32 "$OUT/b1.log" ;;
+          --seq-len 512 --backends torch triton --profile --mfu --fused-variants none > "$OUT/b1.log" 2>&1
+        tail -36 "$OUT/b1.log" ;;
     small) timeout 200 python -m benchmarks.engine_throughput --shape smollm2-135m --trials 24 --batch 4 \
-             --seq-len 96 --backends torch triton --profile --mfu > "$OUT/small.log" 2>&1; tail -32 "$OUT/small.log" ;;
+             --seq-len 96 --backends torch triton --profile --mfu --fused-variants none > "$OUT/small.log" 2>&1
+           tail -36 "$OUT/small.log" ;;
+    fusedshare) timeout 300 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 \
+             --seq-len 512 --backends triton --skip-peft --fused-variants none rmsnorm swiglu rope \
+             > "$OUT/fusedshare.log" 2>&1; tail -12 "$OUT/fusedshare.log" ;;
     host) for backend in torch triton; do
             timeout 150 python -m benchmarks.step_host_profile --shape smollm2-135m --trials 24 --batch 4 \
               --seq-len 96 --backend $backend > "$OUT/host-$backend.log" 2>&1; head -1 "$OUT/host-$backend.log"
@@ -38,7 +59,7 @@ for stage in $stages; do
           timeout 250 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 --seq-len 512 \
             --backends triton auto --skip-peft 2>&1 | grep -A3 "^batch" ;;
     b24) timeout 400 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 2 4 \
-           --seq-len 512 --backends torch triton --activation-checkpointing --mfu > "$OUT/b24.log" 2>&1
+           --seq-len 512 --backends triton --skip-peft --mfu > "$OUT/b24.log" 2>&1
          tail -14 "$OUT/b24.log" ;;
   esac
   save

@@ -100,3 +100,50 @@ def test_cuda_pack_learns_equals_alone_and_matches_peft(model_cache: Path, tmp_p
     # bf16 logits: agreement to bf16 resolution, far closer than the adapter's own effect.
     torch.testing.assert_close(engine, reference, rtol=2e-2, atol=2e-2)
     assert (engine - base).abs().max() > 0.5
+
+
+def test_cuda_varlen_attention_equals_the_row_by_row_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashAttention's variable-length kernel, where it runs, computes what SDPA computes row by row."""
+    from worker.engine.attention import attention_path, packed_attention
+
+    torch.manual_seed(0)
+    query = torch.randn(1, 8, 300, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    key = torch.randn(1, 2, 300, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    value = torch.randn(1, 2, 300, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    bounds = torch.tensor([0, 17, 145, 146, 300], dtype=torch.int32, device=CUDA)
+    if attention_path(query) != "varlen":
+        pytest.skip("no varlen attention in this torch")
+    module = torch.nn.Module()
+    results = []
+    for path in ("varlen", "rows"):
+        monkeypatch.setenv("LORAPLANE_ATTENTION", path)
+        out, _ = packed_attention(module, query, key, value, None, cu_seq_lens_q=bounds, max_length_q=154)
+        grads = torch.autograd.grad(out.float().square().sum(), (query, key, value))
+        results.append((out.float(), *(g.float() for g in grads)))
+    for varlen, rows in zip(*results, strict=True):
+        torch.testing.assert_close(varlen, rows, rtol=2e-2, atol=2e-2)
+
+
+def test_cuda_fused_base_ops_compute_what_the_model_computes(model_cache: Path) -> None:
+    """Liger's RMSNorm / SwiGLU / RoPE on the base model: the same logits and input gradients as HF's code,
+    and ``unfuse`` gives back the bare model."""
+    from worker.engine.fused import FUSED_OPS, fuse, unfuse
+
+    model, _ = load_base_model(TINY, cache_dir=model_cache, device=CUDA)
+    ids = torch.randint(0, 250, (2, 37), device=CUDA)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        logits = model(inputs_embeds=inputs).logits.float()
+        logits.square().mean().backward()
+        assert inputs.grad is not None
+        return logits.detach(), inputs.grad.float()
+
+    plain = run()
+    assert fuse(model, FUSED_OPS) == list(FUSED_OPS)
+    fused = run()
+    unfuse(model)
+    assert not any("forward" in vars(m) for m in model.modules())
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(run()[0], plain[0], rtol=0, atol=0)  # unfused: bit-identical again

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tests.engine.factories import token_loss_sum
@@ -28,13 +29,21 @@ def _parts() -> list[SlotRows]:
     ]
 
 
-def test_rows_go_slot_by_slot_right_padded_with_their_segments() -> None:
+def test_rows_go_slot_by_slot_end_to_end_with_their_segments() -> None:
     batch = pack_rows(_parts(), pad_token_id=0, num_slots=3, device=CPU, loss_chunk=4)
-    assert batch.input_ids.shape == (3, 7) and batch.attention_mask.sum(1).tolist() == [5, 7, 4]
+    assert batch.input_ids.shape == (1, 16) and batch.n_rows == 3  # 5 + 7 + 4 tokens, no padding
+    flat = [t for part in _parts() for e in part.examples for t in e.input_ids]
+    assert batch.input_ids[0].tolist() == flat
+    assert batch.position_ids[0].tolist() == [*range(5), *range(7), *range(4)]  # restart with every row
+    assert batch.cu_seqlens.tolist() == [0, 5, 12, 16] and batch.max_row_len == 7
     meta = batch.routing.meta
-    assert (meta.slot_ids, meta.lengths) == ((2, 0), (14, 7))  # whole padded rows
+    assert (meta.slot_ids, meta.lengths, meta.pad_spans) == ((2, 0), (12, 4), ())
     assert batch.n_targets == {2: 3 + 4, 0: 3} and batch.target_counts.tolist() == [3.0, 1.0, 7.0]
     assert batch.targets.slots.tolist() == [2] * 7 + [0] * 3
+    assert batch.targets.rows.tolist() == [0] * 3 + [1] * 4 + [2] * 3
+    # A row's last token predicts nothing (the next token is another row's first).
+    assert batch.targets.positions.tolist() == [1, 2, 3, 7, 8, 9, 10, 12, 13, 14]
+    assert batch.targets.labels.tolist() == [flat[p + 1] for p in batch.targets.positions.tolist()]
     # Chunks of 4 targets cut slot 2's run; each chunk is routed by its own segments.
     assert [(c.start, c.end, c.routing.meta.slot_ids) for c in batch.targets.chunks] == [
         (0, 4, (2,)),
@@ -44,16 +53,27 @@ def test_rows_go_slot_by_slot_right_padded_with_their_segments() -> None:
     # Dropout keys of slot 2's rows do not depend on what else is in the pack.
     alone = pack_rows(_parts()[:1], pad_token_id=0, num_slots=3, device=CPU, loss_chunk=4)
     assert batch.routing.dropout is not None and alone.routing.dropout is not None
-    packed_keys = batch.routing.dropout.token_keys.view(3, 7)[:2, :5]
-    assert torch.equal(packed_keys, alone.routing.dropout.token_keys.view(2, 7)[:, :5])
-    assert batch.routing.dropout.threshold.view(3, 7)[2].eq(0).all()  # slot 0: p = 0 keeps everything
+    assert torch.equal(batch.routing.dropout.token_keys[:12], alone.routing.dropout.token_keys)
+    assert batch.routing.dropout.threshold[12:].eq(0).all()  # slot 0: p = 0 keeps everything
+
+
+def test_the_stream_is_padded_to_the_width_multiple_with_one_row_nothing_reads() -> None:
+    batch = pack_rows(_parts(), pad_token_id=9, num_slots=3, device=CPU, loss_chunk=4, pad_to_multiple=8)
+    assert batch.input_ids.shape == (1, 16)  # 16 is already a multiple of 8
+    batch = pack_rows(_parts(), pad_token_id=9, num_slots=3, device=CPU, loss_chunk=4, pad_to_multiple=64)
+    assert batch.input_ids.shape == (1, 64) and batch.input_ids[0, 16:].eq(9).all()
+    assert batch.cu_seqlens.tolist() == [0, 5, 12, 16, 64] and batch.max_row_len == 48
+    assert batch.position_ids[0, 16:].tolist() == list(range(48)) and batch.n_rows == 3
+    meta = batch.routing.meta
+    assert (meta.slot_ids, meta.lengths, meta.pad_spans) == ((2, 0), (12, 52), ((16, 64),))
+    assert batch.targets.positions.max() < 16 and batch.n_targets == {2: 7, 0: 3}
 
 
 def test_chunked_slot_losses_equal_the_full_logits_loss_and_its_gradients() -> None:
     torch.manual_seed(0)
     lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
     batch = pack_rows(_parts(), pad_token_id=0, num_slots=3, device=CPU, loss_chunk=3)
-    hidden = torch.randn(3, 7, HIDDEN, requires_grad=True)
+    hidden = torch.randn(1, 16, HIDDEN, requires_grad=True)
     weights = torch.tensor([0.5, 2.0, 1.5])
     sums = slot_loss_sums(hidden, lm_head, batch.targets, LoraContext(), num_slots=3, checkpointed=True)
     (sums * weights).sum().backward()
@@ -61,7 +81,12 @@ def test_chunked_slot_losses_equal_the_full_logits_loss_and_its_gradients() -> N
     assert chunked_grad is not None and lm_head.weight.grad is not None
     chunked_head_grad, lm_head.weight.grad = lm_head.weight.grad.clone(), None
 
-    logits = lm_head(hidden)  # (rows, seq, vocab): the full logits the engine never materialises
+    # The same hidden states as a right-padded (rows, seq) batch, and its full logits (never materialised).
+    bounds = batch.cu_seqlens.tolist()
+    padded = torch.stack(
+        [F.pad(hidden[0, a:b], (0, 0, 0, 7 - (b - a))) for a, b in zip(bounds, bounds[1:], strict=False)]
+    )
+    logits = lm_head(padded)
     labels = collate([e for part in _parts() for e in part.examples], 0).labels
     by_slot = [token_loss_sum(logits[2:], labels[2:]), torch.zeros(()), token_loss_sum(logits[:2], labels[:2])]
     full = torch.stack(by_slot)
@@ -71,5 +96,5 @@ def test_chunked_slot_losses_equal_the_full_logits_loss_and_its_gradients() -> N
     torch.testing.assert_close(chunked_head_grad, lm_head.weight.grad, rtol=1e-6, atol=1e-7)
 
     # The single-trial form used outside the engine: the mean over all targets.
-    mean = target_token_loss(hidden, labels, lm_head, chunk=2)
+    mean = target_token_loss(padded, labels, lm_head, chunk=2)
     torch.testing.assert_close(mean, token_loss_sum(logits, labels) / 10, rtol=1e-6, atol=1e-7)

@@ -1,10 +1,11 @@
 """One forward's input for the whole pack, assembled on the host and moved to the device once.
 
-Each slot contributes its own micro-batch; rows go slot by slot and are right-padded to the longest row,
-so slot ``z``'s tokens are one contiguous segment of the flattened ``(rows * seq)`` token axis. From the
-padded batch the host derives, once per forward, everything the device needs: the LoRA routing of every
-token, the dropout keys, and which hidden states feed the loss (target positions, grouped by slot, cut
-into chunks with their own routing for an adapted ``lm_head``).
+Each slot contributes its own micro-batch; its rows go end to end into one token stream, slot by slot,
+with no padding between them (sequence packing): slot ``z``'s tokens are one contiguous segment of the
+stream, position ids restart at 0 with every row and attention never crosses a row (``attention.py``).
+From the stream the host derives, once per forward, everything the device needs: the LoRA routing of every
+token, the dropout keys, the row boundaries, and which hidden states feed the loss (target positions,
+grouped by slot, cut into chunks with their own routing for an adapted ``lm_head``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from kernels import DropoutKeys, build_segments, keep_threshold, mix32
 from kernels.dropout import MASK32
-from worker.engine.data import IGNORE_INDEX, Example, collate
+from worker.engine.data import IGNORE_INDEX, Example
 from worker.engine.lora import TokenRouting
 
 
@@ -43,9 +44,10 @@ class LossChunk:
 class LossTargets:
     """The positions whose next token is a target, in token order (so grouped by slot); ``(targets,)`` each."""
 
-    positions: torch.Tensor  # int64 rows of the flattened (rows * seq, hidden) hidden states
+    positions: torch.Tensor  # int64 positions in the stream (rows of the flattened (tokens, hidden) states)
     labels: torch.Tensor  # int64 token to predict
     slots: torch.Tensor  # int64 slot of each target
+    rows: torch.Tensor  # int64 row (in the batch's row order) of each target
     chunks: tuple[LossChunk, ...]
 
 
@@ -54,20 +56,36 @@ class PackedBatch:
     """A forward's device tensors plus host counts.
 
     Attributes:
-        input_ids: ``(rows, seq)`` int64, right-padded.
-        attention_mask: ``(rows, seq)`` int64.
-        routing: LoRA routing of all ``rows * seq`` tokens.
+        input_ids: ``(1, tokens)`` int64, the rows end to end (then padding up to the width multiple, as
+            one more row that nothing reads).
+        position_ids: ``(1, tokens)`` int64, each row's own positions ``0 .. len - 1``.
+        cu_seqlens: ``(rows + 1,)`` int32 row boundaries, the padding row included.
+        max_row_len: the longest row.
+        n_rows: the examples in the batch (the padding row not counted).
+        routing: LoRA routing of all tokens.
         targets: what the loss reads.
         target_counts: ``(Z,)`` float32 targets per slot, 1 for slots without any (their sum is 0).
         n_targets: host copy, ``{slot: targets}`` for the slots in the batch.
     """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_row_len: int
+    n_rows: int
     routing: TokenRouting
     targets: LossTargets
     target_counts: torch.Tensor
     n_targets: dict[int, int]
+
+    def attention_kwargs(self) -> dict[str, object]:
+        """The model's keyword arguments that carry the row boundaries down to ``packed_attention``."""
+        return {
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_row_len,
+            "max_length_k": self.max_row_len,
+        }
 
 
 def dropout_key(seed: int, step: int) -> int:
@@ -76,10 +94,15 @@ def dropout_key(seed: int, step: int) -> int:
 
 
 def pack_rows(
-    parts: Sequence[SlotRows], *, pad_token_id: int, num_slots: int, device: torch.device, loss_chunk: int,
+    parts: Sequence[SlotRows],
+    *,
+    pad_token_id: int,
+    num_slots: int,
+    device: torch.device,
+    loss_chunk: int,
     pad_to_multiple: int = 1,
 ) -> PackedBatch:
-    """Concatenate the slots' micro-batches and derive the forward's routing and loss targets.
+    """Lay the slots' micro-batches end to end in one stream and derive the forward's routing and targets.
 
     Args:
         parts: one entry per slot in the forward, each with at least one example; the order is the row order.
@@ -87,25 +110,40 @@ def pack_rows(
         num_slots: ``Z``.
         device: where the forward runs.
         loss_chunk: targets per ``lm_head`` chunk of the loss.
-        pad_to_multiple: the batch width is rounded up to a multiple of this (see ``collate``).
+        pad_to_multiple: the stream's length is rounded up to a multiple of this (a bounded set of shapes).
     """
     rows = [(part, i) for part in parts for i in range(len(part.examples))]
-    host = collate([e for part in parts for e in part.examples], pad_token_id, pad_to_multiple)
-    n_rows, seq = host.input_ids.shape
-    # Right padding: nothing reads a padded position's output, so the LoRA kernels may skip it.
-    real = host.attention_mask.sum(1).tolist()
-    pads = [(r * seq + n, (r + 1) * seq) for r, n in enumerate(real) if n < seq]
-    meta = build_segments(
-        [p.slot for p in parts], [len(p.examples) * seq for p in parts], num_slots=num_slots, device=device,
-        pad_spans=pads,
-    )
-    keys = _token_dropout(rows, seq) if any(p.dropout > 0 for p in parts) else None
+    examples = [e for part in parts for e in part.examples]
+    lengths = [len(e.input_ids) for e in examples]
+    n_real = sum(lengths)
+    n_tokens = -(-n_real // pad_to_multiple) * pad_to_multiple
+    tail = n_tokens - n_real  # padding: one more row, of the last slot, that nothing reads
+    row_lengths = lengths + ([tail] if tail else [])
+    ends = torch.tensor(row_lengths, dtype=torch.int64).cumsum(0)
+    starts = ends - torch.tensor(row_lengths, dtype=torch.int64)
+    # One tensor per field from flat lists: a tensor per row costs ~30 us each on the host.
+    input_ids = torch.tensor([t for e in examples for t in e.input_ids] + [pad_token_id] * tail, dtype=torch.int64)
+    labels = torch.tensor([t for e in examples for t in e.labels] + [IGNORE_INDEX] * tail, dtype=torch.int64)
+    row_of_token = torch.repeat_interleave(torch.arange(len(row_lengths)), torch.tensor(row_lengths))
+    position_ids = torch.arange(n_tokens) - starts[row_of_token]
 
-    # Position t predicts token t + 1; only target tokens count.
-    row_idx, pos = (host.labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
-    positions = row_idx * seq + pos
-    labels = host.labels[row_idx, pos + 1]
-    slots = torch.tensor([p.slot for p, _ in rows], dtype=torch.int64)[row_idx]
+    slot_tokens = [sum(len(e.input_ids) for e in part.examples) for part in parts]
+    slot_tokens[-1] += tail
+    meta = build_segments(
+        [p.slot for p in parts],
+        slot_tokens,
+        num_slots=num_slots,
+        device=device,
+        pad_spans=[(n_real, n_tokens)] if tail else [],
+    )
+    keys = _token_dropout(rows, position_ids, row_of_token) if any(p.dropout > 0 for p in parts) else None
+
+    # Position t predicts token t + 1 of the same row; only target tokens count.
+    predicts = torch.zeros(n_tokens, dtype=torch.bool)
+    predicts[:-1] = (labels[1:] != IGNORE_INDEX) & (position_ids[1:] != 0)
+    positions = predicts.nonzero().squeeze(1)
+    target_rows = row_of_token[positions]
+    slots = torch.tensor([p.slot for p, _ in rows], dtype=torch.int64)[target_rows]
     counts = torch.bincount(slots, minlength=num_slots)
     chunks = []
     for start in range(0, len(positions), loss_chunk):
@@ -116,13 +154,17 @@ def pack_rows(
         chunks.append(LossChunk(start, end, TokenRouting(chunk_meta, _to_device(chunk_keys, device))))
 
     return PackedBatch(
-        input_ids=host.input_ids.to(device, non_blocking=True),
-        attention_mask=host.attention_mask.to(device, non_blocking=True),
+        input_ids=input_ids[None].to(device, non_blocking=True),
+        position_ids=position_ids[None].to(device, non_blocking=True),
+        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(device, non_blocking=True),
+        max_row_len=max(row_lengths),
+        n_rows=len(examples),
         routing=TokenRouting(meta, _to_device(keys, device)),
         targets=LossTargets(
             positions=positions.to(device, non_blocking=True),
-            labels=labels.to(device, non_blocking=True),
+            labels=labels[positions + 1].to(device, non_blocking=True),
             slots=slots.to(device, non_blocking=True),
+            rows=target_rows.to(device, non_blocking=True),
             chunks=tuple(chunks),
         ),
         target_counts=counts.clamp(min=1).to(torch.float32).to(device, non_blocking=True),
@@ -130,20 +172,23 @@ def pack_rows(
     )
 
 
-def _token_dropout(rows: list[tuple[SlotRows, int]], seq: int) -> DropoutKeys:
+def _token_dropout(
+    rows: list[tuple[SlotRows, int]], position_ids: torch.Tensor, row_of_token: torch.Tensor
+) -> DropoutKeys:
     """Host-side dropout keys of every token: hash(row key, position in the row).
 
     A row's key mixes the trial's step key with the row's index in the trial's own micro-batch, so a
-    token's key (and its mask) is the same however the pack around it looks.
+    token's key (and its mask) is the same however the pack around it looks. The padding row gets the
+    last row's threshold (its values are never read).
     """
-    row_keys = torch.tensor([mix32(part.dropout_key ^ i) for part, i in rows], dtype=torch.int64)
-    token_keys = mix32(row_keys[:, None] ^ torch.arange(seq, dtype=torch.int64)[None, :]).reshape(-1)
+    row_keys = torch.tensor([mix32(part.dropout_key ^ i) for part, i in rows] + [0], dtype=torch.int64)
     threshold = torch.tensor([keep_threshold(part.dropout) for part, _ in rows], dtype=torch.int64)
     inv_keep = torch.tensor([1.0 / (1.0 - part.dropout) for part, _ in rows], dtype=torch.float64)
+    row = row_of_token.clamp(max=len(rows) - 1)
     return DropoutKeys(
-        token_keys=token_keys,
-        threshold=threshold.repeat_interleave(seq),
-        inv_keep=inv_keep.to(torch.float32).repeat_interleave(seq),
+        token_keys=mix32(row_keys[row_of_token] ^ position_ids),
+        threshold=threshold[row],
+        inv_keep=inv_keep.to(torch.float32)[row],
     )
 
 

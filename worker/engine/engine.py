@@ -1,7 +1,8 @@
 """``PackEngine``: a pack of LoRA trials on one frozen base model, one forward and one backward per step.
 
 A step takes every training slot's next micro-batch (its own batch size and seeded data order), runs them
-as one right-padded batch through the model with every slot's adapter applied to its own rows, sums each
+as one packed token stream (rows end to end, no padding, attention within each row: ``attention.py``)
+through the model with every slot's adapter applied to its own rows, sums each
 slot's mean target-token loss, calls one backward and one vectorised AdamW update. Slots are independent
 (own rows, own adapter row, own optimizer row, own dropout keys), so a trial trains exactly as it would
 alone (DESIGN.md §3; tLoRA §3.1).
@@ -20,10 +21,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from worker.engine import checkpoint, feed
+from worker.engine.attention import use_packed_attention
 from worker.engine.batch import PackedBatch, SlotRows, pack_rows
 from worker.engine.data import BatchSampler, Example, encode_rows
 from worker.engine.export import export_peft_adapter
 from worker.engine.feed import BatchKey
+from worker.engine.fused import fuse, unfuse
 from worker.engine.lora import ALL_LINEAR, LoraContext, inject_lora, peft_target_modules, resolve_target_modules
 from worker.engine.lora import restore_base_model as _restore
 from worker.engine.loss import slot_loss_sums
@@ -35,9 +38,8 @@ from worker.engine.store import AdapterStore, ModuleTensors
 
 logger = logging.getLogger(__name__)
 
-# On CUDA, batch widths are rounded up to this: at most seq/64 distinct shapes, each with its attention plan
-# built once (a new width costs cuDNN a plan; on the CPU there is nothing to gain, and exact widths keep the
-# CPU tests' numbers).
+# On CUDA, the packed stream's length is rounded up to this: fewer distinct GEMM shapes for cuBLAS to plan, at
+# most 63 tokens of padding a step (on the CPU there is nothing to gain, and exact lengths keep the tests' numbers).
 CUDA_WIDTH_MULTIPLE = 64
 
 LOSS_CHUNK_TOKENS = 4096  # target tokens per lm_head chunk: bounds the (chunk, vocab) logits of the loss
@@ -89,12 +91,14 @@ class PackEngine:
         paths = resolve_target_modules(model, target_modules or [ALL_LINEAR])
         self.context = LoraContext()
         layers = inject_lora(model, paths, self.context)
+        self._base_attention = use_packed_attention(model.config)  # put back by close()
+        self.fused_ops = fuse(model)  # CUDA: Liger's RMSNorm / SwiGLU / RoPE kernels; none on the CPU
         try:
             self.store = AdapterStore(
                 layers, capacity=capacity, max_rank=max_rank, device=self.device, compute_dtype=parameter.dtype
             )
         except Exception:
-            _restore(model)
+            self._restore_model()
             raise
         if activation_checkpointing:
             enable_recompute(model, self.context)
@@ -195,7 +199,8 @@ class PackEngine:
             self.state(slot).steps_done += 1
             self.state(slot).last_train_loss = values[slot]
         self.pack_step += 1
-        self.last_stats = StepStats.measure(self.pack_step, parts, len(stepped), started, self.device)
+        multiple = self._width_multiple
+        self.last_stats = StepStats.measure(self.pack_step, parts, len(stepped), started, self.device, multiple)
         return {self.state(slot).spec.trial_id: values[slot] for slot in stepped}
 
     def _prefetch(self, stepped: list[int]) -> tuple[BatchKey, PackedBatch] | None:
@@ -242,10 +247,7 @@ class PackEngine:
 
     def _loss_sums(self, batch: PackedBatch, *, training: bool) -> torch.Tensor:
         """``(Z,)`` summed target-token losses of one forward (``lm_head`` chunks checkpointed in training)."""
-        with self.context.routed(batch.routing):
-            hidden = self.model.base_model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            ).last_hidden_state
+        hidden = self._hidden(batch)
         return slot_loss_sums(
             hidden, self.lm_head, batch.targets, self.context, num_slots=len(self.slots), checkpointed=training
         )
@@ -283,19 +285,15 @@ class PackEngine:
         matches: list[bool] = []
         for start in range(0, len(examples), batch_size):
             batch = self._pack([SlotRows(slot, examples[start : start + batch_size])])
-            with self.context.routed(batch.routing):
-                hidden = self.model.base_model(
-                    input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-                ).last_hidden_state
+            hidden = self._hidden(batch)
             picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.targets.positions)
             correct = torch.empty(len(picked), dtype=torch.bool, device=self.device)
             for chunk in batch.targets.chunks:
                 with self.context.routed(chunk.routing):
                     logits = self.lm_head(picked[chunk.start : chunk.end])
                 correct[chunk.start : chunk.end] = logits.argmax(-1) == batch.targets.labels[chunk.start : chunk.end]
-            rows = batch.targets.positions // batch.input_ids.shape[1]
-            wrong = torch.zeros(batch.input_ids.shape[0], dtype=torch.int64, device=self.device)
-            wrong.index_add_(0, rows, (~correct).long())
+            wrong = torch.zeros(batch.n_rows, dtype=torch.int64, device=self.device)
+            wrong.index_add_(0, batch.targets.rows, (~correct).long())
             matches.extend(bool(w == 0) for w in wrong.tolist())
         return matches
 
@@ -325,7 +323,7 @@ class PackEngine:
 
     def close(self) -> None:
         """Unwrap the model's layers: it is the bare frozen base model again, ready for the next pack."""
-        _restore(self.model)
+        self._restore_model()
         self.slots = [None] * len(self.slots)
         self._prefetched = None
 
@@ -343,6 +341,21 @@ class PackEngine:
         assert isinstance(head, torch.nn.Module), f"{type(self.model).__name__} has no output embeddings"
         return head
 
+    def _hidden(self, batch: PackedBatch) -> torch.Tensor:
+        """``(1, tokens, hidden)``: the decoder's last hidden states of the packed stream, LoRA-routed."""
+        with self.context.routed(batch.routing):
+            return self.model.base_model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                **batch.attention_kwargs(),
+            ).last_hidden_state
+
+    def _restore_model(self) -> None:
+        _restore(self.model)
+        unfuse(self.model)
+        self.model.config._attn_implementation = self._base_attention
+
     def _encode(self, rows: list[dict[str, Any]], max_seq_len: int) -> list[Example]:
         """Tokenised rows, shared by every trial of the pack with the same data and length: the trials of
         one task tokenise their dataset once, not once each (32 trials took seconds per pack start)."""
@@ -358,8 +371,12 @@ class PackEngine:
             num_slots=len(self.slots),
             device=self.device,
             loss_chunk=self.loss_chunk_tokens,
-            pad_to_multiple=CUDA_WIDTH_MULTIPLE if self.device.type == "cuda" else 1,
+            pad_to_multiple=self._width_multiple,
         )
+
+    @property
+    def _width_multiple(self) -> int:
+        return CUDA_WIDTH_MULTIPLE if self.device.type == "cuda" else 1
 
     def _fail(self, slot: int, exc: BaseException) -> None:
         state = self.state(slot)

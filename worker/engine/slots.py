@@ -77,7 +77,8 @@ class StepStats:
         step: the pack's step index (1-based, counts steps of the engine, not of any trial).
         active_slots: slots that trained in this step.
         tokens: real (non-padding) tokens of the step's batch.
-        padded_tokens: padding tokens added to right-pad every row to the longest row of the step.
+        padded_tokens: padding tokens computed with them: rows go end to end in one stream (no padding between
+            them), whose length is rounded up to the engine's width multiple (64 on CUDA, 1 on the CPU).
         target_tokens: tokens the loss was computed on.
         seconds: wall time of the step, device work included (it ends with the step's one device sync).
         peak_memory_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the pack started; CPU: ``None``.
@@ -93,15 +94,16 @@ class StepStats:
 
     @classmethod
     def measure(
-        cls, step: int, parts: Sequence[SlotRows], stepped: int, started: float, device: torch.device
+        cls, step: int, parts: Sequence[SlotRows], stepped: int, started: float, device: torch.device, multiple: int
     ) -> StepStats:
-        """Stats of the step that trained ``parts`` (``stepped`` slots of them) and began at ``started``."""
-        lengths = [len(e.input_ids) for p in parts for e in p.examples]
+        """Stats of the step that trained ``parts`` (``stepped`` slots of them) and began at ``started``, its
+        stream rounded up to ``multiple`` tokens."""
+        tokens = sum(len(e.input_ids) for p in parts for e in p.examples)
         return cls(
             step=step,
             active_slots=stepped,
-            tokens=sum(lengths),
-            padded_tokens=len(lengths) * max(lengths, default=0) - sum(lengths),
+            tokens=tokens,
+            padded_tokens=-(-tokens // multiple) * multiple - tokens,
             target_tokens=sum(e.n_targets for p in parts for e in p.examples),
             seconds=time.perf_counter() - started,
             peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
