@@ -240,16 +240,18 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
         while engines:  # (a loop variable would keep the last engine, and its ~20 GiB, alive)
             engines.pop().close()  # unwraps the model for the next backend and the PEFT run
         free()  # the engine's adapter store and optimizer state, before PEFT allocates its own
-    for variant in args.fused_variants:  # what each fused base op is worth: the last backend without it
-        os.environ["LORAPLANE_FUSED_OPS"] = variant
+    for variant in args.variants:  # what each setting is worth: the last backend under it
+        settings = dict(item.split("=", 1) for item in variant.split(","))
+        os.environ.update(settings)
         try:
             rate = measure(make_engine, args.warmup, args.steps)
         finally:
-            os.environ.pop("LORAPLANE_FUSED_OPS")
+            for name in settings:
+                os.environ.pop(name)
             while engines:
                 engines.pop().close()
             free()
-        fused_rows.append([batch, variant, num(rate), ratio(rate, by_backend[args.backends[-1]], 3)])
+        variant_rows.append([batch, variant, num(rate), ratio(rate, by_backend[args.backends[-1]], 3)])
     set_backend("auto")
     engine = by_backend[args.backends[-1]]
     pooled = batches(examples, args.trials, batch, 1, pad_id)
@@ -297,7 +299,7 @@ def ratio(a: float | str, b: float | str, digits: int = 2) -> Any:
     return round(a / b, digits) if isinstance(a, float) and isinstance(b, float) else "-"
 
 
-fused_rows: list[list[Any]] = []  # --fused-variants: [batch, LORAPLANE_FUSED_OPS, tok/s, over all fused]
+variant_rows: list[list[Any]] = []  # --variants: [batch, settings, tok/s, over the defaults]
 mfu_rows: list[list[Any]] = []
 summary: list[dict[str, Any]] = []  # one row per batch, the fields every engine result carries (issue 15)
 profiles: dict[str, dict[str, Any]] = {}  # --profile: "<method> b<batch>" -> benchmarks.profiling.breakdown
@@ -343,9 +345,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a profiler table of the last backend")
     parser.add_argument("--mfu", action="store_true",
                         help="also the model FLOP utilisation of the engine against this GPU's measured bf16 rate")
-    parser.add_argument("--fused-variants", nargs="*", default=[],
-                        help="LORAPLANE_FUSED_OPS settings (none, rmsnorm,swiglu, ...) to time the last backend "
-                             "with, beside the default (all): each fused op's share of the step")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="environment settings to time the last backend under, beside the defaults, each "
+                             "NAME=VALUE[,NAME=VALUE]: LORAPLANE_FUSED_OPS=none (each fused op's share), "
+                             "LORAPLANE_GROUPED_MM=0 (the padded grid instead of grouped_mm), ...")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute decoder layers in the backward, in the engine and the frozen ceiling alike")
     args = parser.parse_args()
@@ -380,15 +383,15 @@ def main() -> None:
          "mfu": {"headers": ["batch/trial", "engine TFLOP/s", "bf16 matmul TFLOP/s", "MFU"], "rows": mfu_rows,
                  "flops per real token": "4 x (nn.Linear weights of the bare model, lm_head included) + 6 x "
                                          "layers x hidden x mean row length (causal attention, fwd + bwd)"},
-         "fused_variants": {"headers": ["batch/trial", "LORAPLANE_FUSED_OPS", "engine tok/s", "over all fused"],
-                            "rows": fused_rows},
+         "variants": {"headers": ["batch/trial", "settings", "engine tok/s", "over the defaults"],
+                      "rows": variant_rows},
          "profile": {"what": "device ms per step by kernel family (torch.profiler), device-busy and "
                              "synchronised wall ms per step, top kernels", "methods": profiles}},
     )
     if mfu_rows:
         print_table(["batch/trial", "engine TFLOP/s", "bf16 matmul TFLOP/s", "MFU"], mfu_rows)
-    if fused_rows:
-        print_table(["batch/trial", "LORAPLANE_FUSED_OPS", "engine tok/s", "over all fused"], fused_rows)
+    if variant_rows:
+        print_table(["batch/trial", "settings", "engine tok/s", "over the defaults"], variant_rows)
     if profiles:
         print()
         print_table(*side_by_side(profiles))

@@ -37,13 +37,15 @@ for stage in $stages; do
   echo "=== $stage $(date +%T)"
   case $stage in
     b1) timeout 330 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 \
-          --seq-len 512 --backends torch triton --profile --mfu --fused-variants none > "$OUT/b1.log" 2>&1
+          --seq-len 512 --backends torch triton --profile --mfu --variants LORAPLANE_FUSED_OPS=none > "$OUT/b1.log" 2>&1
         tail -36 "$OUT/b1.log" ;;
-    small) timeout 200 python -m benchmarks.engine_throughput --shape smollm2-135m --trials 24 --batch 4 \
-             --seq-len 96 --backends torch triton --profile --mfu --fused-variants none > "$OUT/small.log" 2>&1
+    small) timeout 300 python -m benchmarks.engine_throughput --shape smollm2-135m --trials 24 --batch 4 \
+             --seq-len 96 --backends triton torch --profile --mfu --variants LORAPLANE_FUSED_OPS=none \
+             LORAPLANE_GROUPED_MM=0 LORAPLANE_GROUPED_MM=0,LORAPLANE_FUSED_OPS=none > "$OUT/small.log" 2>&1
            tail -36 "$OUT/small.log" ;;
     fusedshare) timeout 300 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 \
-             --seq-len 512 --backends triton --skip-peft --fused-variants none rmsnorm swiglu rope \
+             --seq-len 512 --backends triton --skip-peft --variants LORAPLANE_FUSED_OPS=none \
+             LORAPLANE_FUSED_OPS=rmsnorm LORAPLANE_FUSED_OPS=swiglu LORAPLANE_FUSED_OPS=rope \
              > "$OUT/fusedshare.log" 2>&1; tail -12 "$OUT/fusedshare.log" ;;
     host) for backend in torch triton; do
             timeout 150 python -m benchmarks.step_host_profile --shape smollm2-135m --trials 24 --batch 4 \

@@ -4,13 +4,17 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels.segments import SegmentMeta
 
-# Use torch._grouped_mm for ragged segments on CUDA where it exists (bf16, sm90+). Module-level so a
-# benchmark can switch it off and compare with the padded-grid bmm path.
-USE_GROUPED_MM = True
+
+def use_grouped_mm() -> bool:
+    """Whether ragged segments go through ``torch._grouped_mm`` where it runs (bf16, sm90+); else the padded
+    grid. ``LORAPLANE_GROUPED_MM=0`` switches it off (read per call, so a benchmark can compare both)."""
+    return os.environ.get("LORAPLANE_GROUPED_MM", "1") != "0"
 
 
 class Layout:
@@ -145,7 +149,7 @@ class GroupedLayout(Layout):
 
 def layout_for(x: torch.Tensor, meta: SegmentMeta, dims: tuple[int, ...]) -> Layout:
     """Equal segments: the grid (a free view); ragged: grouped_mm where supported, else the padded grid."""
-    if not meta.uniform and USE_GROUPED_MM and grouped_mm_supported(x, dims):
+    if not meta.uniform and use_grouped_mm() and grouped_mm_supported(x, dims):
         return GroupedLayout(meta)
     return GridLayout(meta)
 
