@@ -8,6 +8,7 @@
 # host = where the host's time goes in a SmolLM2-shaped step (cProfile, torch.profiler; logs in $OUT);
 # tests = the kernel tests and the engine's CUDA tests on the GPU; auto = what `auto` picks, beside the backend
 # it should equal, on both shapes; b24 = the 1B shape at batches 2 and 4, without recompute (Triton, no PEFT);
+# b8 = the Llama-3.1-8B shape, 8 trials, batch 1, seq 512 (Triton, no PEFT: MFU);
 # fusedshare = the 1B shape with each fused base op alone (LORAPLANE_FUSED_OPS), beside all and none.
 # Liger-Kernel travels as a wheel: put liger_kernel-0.8.5-py3-none-any.whl in .whl/ and name .whl in `carry`.
 set -uo pipefail
@@ -60,6 +61,8 @@ for stage in $stages; do
             --backends torch auto --skip-peft 2>&1 | grep -A3 "^batch"
           timeout 250 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 --seq-len 512 \
             --backends triton auto --skip-peft 2>&1 | grep -A3 "^batch" ;;
+    b8) timeout 300 python -m benchmarks.engine_throughput --shape llama-3.1-8b --trials 8 --batch 1 \
+          --seq-len 512 --backends triton --skip-peft --mfu --profile > "$OUT/b8.log" 2>&1; tail -24 "$OUT/b8.log" ;;
     b24) timeout 400 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 2 4 \
            --seq-len 512 --backends triton --skip-peft --mfu > "$OUT/b24.log" 2>&1
          tail -14 "$OUT/b24.log" ;;

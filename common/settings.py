@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     # The scheduler replans at least this often even when no event arrives (Redis is not the source of truth).
     scheduler_tick_s: float = Field(default=2.0, alias="LORAPLANE_SCHEDULER_TICK_S")
     worker_max_trials_per_pack: int = Field(default=8, alias="LORAPLANE_WORKER_MAX_SLOTS")
+    # Registry names (comma-separated) of base models a worker loads at start, before its first pack: the
+    # first pack of a task then pays no model load (tens of seconds for a GGUF model).
+    worker_preload_models: str = Field(default="", alias="LORAPLANE_WORKER_PRELOAD")
     # cpsat: CP-SAT over all pending trials and workers (greedy fallback); greedy: the FIFO first-fit packer.
     planner: Literal["cpsat", "greedy"] = Field(default="cpsat", alias="LORAPLANE_PLANNER")
     planner_time_limit_s: float = Field(default=1.0, gt=0, alias="LORAPLANE_PLANNER_TIME_LIMIT_S")

@@ -104,31 +104,36 @@ class Reporter:
         self._outbox: deque[dict[str, Any]] = deque()
         self._retry_at = 0.0
         self._backoff_s = 0.0
+        # Points come from the training thread, checkpoint and end reports from the pack's writer thread.
+        self._lock = threading.RLock()
 
     def point(self, trial_id: str, step: int, split: str, loss: float) -> None:
-        point = [trial_id, step, split, loss]
-        self._points.append(point)
-        self._recent.setdefault(trial_id, []).append(point)
-        if len(self._points) >= self.max_points or time.monotonic() - self._last_flush >= self.flush_every_s:
-            self.flush()
+        with self._lock:
+            point = [trial_id, step, split, loss]
+            self._points.append(point)
+            self._recent.setdefault(trial_id, []).append(point)
+            if len(self._points) >= self.max_points or time.monotonic() - self._last_flush >= self.flush_every_s:
+                self.flush()
 
     def flush(self) -> None:
-        self._last_flush = time.monotonic()
-        if self._points:
-            points, self._points = self._points, []
-            self.send("points", points=points)
+        with self._lock:
+            self._last_flush = time.monotonic()
+            if self._points:
+                points, self._points = self._points, []
+                self.send("points", points=points)
 
     def send(self, kind: str, **fields: Any) -> None:
-        if kind != "points":
-            self.flush()
-        if kind in ("trial.checkpoint", "trial.finished"):
-            fields["points"] = self._repeated_points(fields["trial_id"], fields.get("step"))
-        self._outbox.append({"type": kind, "pack_id": self.pack_id, "worker_id": self.worker_id,
-                             "incarnation": self.incarnation.id, "sent_at": time.time(), **fields})
-        if time.monotonic() >= self._retry_at:
-            self._drain()
-        if len(self._outbox) > self.max_outbox:
-            raise ReportsLost(f"{len(self._outbox)} reports could not be sent: the bus has been away too long")
+        with self._lock:
+            if kind != "points":
+                self.flush()
+            if kind in ("trial.checkpoint", "trial.finished"):
+                fields["points"] = self._repeated_points(fields["trial_id"], fields.get("step"))
+            self._outbox.append({"type": kind, "pack_id": self.pack_id, "worker_id": self.worker_id,
+                                 "incarnation": self.incarnation.id, "sent_at": time.time(), **fields})
+            if time.monotonic() >= self._retry_at:
+                self._drain()
+            if len(self._outbox) > self.max_outbox:
+                raise ReportsLost(f"{len(self._outbox)} reports could not be sent: the bus has been away too long")
 
     def _repeated_points(self, trial_id: str, checkpoint_step: int | None) -> list[list[Any]]:
         """The points a checkpoint at `checkpoint_step` (None: the trial's end) repeats; from then on the trial
@@ -142,6 +147,10 @@ class Reporter:
         self._checkpoint_step[trial_id] = checkpoint_step
         self._recent[trial_id] = [p for p in points if p[1] > previous]
         return [p for p in points if p[1] <= checkpoint_step]
+
+    def _locked_drain(self) -> bool:
+        with self._lock:
+            return self._drain()
 
     def _drain(self) -> bool:
         """Sends what waits, oldest first; True when nothing is left."""
@@ -163,7 +172,7 @@ class Reporter:
         (the scheduler will not hear of them: past its heartbeat timeout it requeues the pack's trials)."""
         self.flush()
         deadline = time.monotonic() + timeout_s
-        while not self._drain():
+        while not self._locked_drain():
             if time.monotonic() >= deadline:
                 log.error("pack %s: %d reports dropped, the bus stayed away for %.0fs", self.pack_id,
                           len(self._outbox), timeout_s)

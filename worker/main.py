@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 import torch
 
 from common.artifacts import get_artifact_store
 from common.bus import get_bus
 from common.celery import worker_queue
+from common.registry import DEFAULT_MODELS
 from common.settings import get_settings
 from worker.agent import Heartbeat, Incarnation
+from worker.engine import ModelSource
 from worker.runner import PackRunner
 
 log = logging.getLogger(__name__)
@@ -30,6 +33,18 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def preload_models(load: Callable[[ModelSource], object], names: str) -> None:
+    """Load the named default-registry models now with ``load`` (``PackRunner.model``, which keeps them);
+    ``names`` is ``LORAPLANE_WORKER_PRELOAD``. An unknown name is logged and skipped."""
+    known = {m.name: m for m in DEFAULT_MODELS}
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        if name not in known:
+            log.warning("LORAPLANE_WORKER_PRELOAD: %r is not a default registry model; not preloaded", name)
+            continue
+        m = known[name]
+        load(ModelSource(name=m.name, kind=m.kind, path=m.path, package=m.package, gguf_file=m.gguf_file))
 
 
 def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel: str = "INFO") -> None:
@@ -56,7 +71,8 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    heartbeat.start()
+    heartbeat.start()  # beating while models load: the scheduler sees the worker, busy with no pack
+    preload_models(runner.model, settings.worker_preload_models)
     log.info("worker %s (incarnation %s) on %s consuming %s", worker_id, incarnation.id[:8], device, queue)
     # The solo pool runs the pack in this process, where the model stays loaded between packs and the
     # heartbeat thread dies with it: a killed worker stops beating and the scheduler requeues its trials.

@@ -24,14 +24,15 @@ from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
 from worker.agent import CommandInbox, Heartbeat, Reporter, ReportsLost
 from worker.engine import ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
-from worker.engine.trainer import StopMode
+from worker.engine.trainer import PackTimings, StopMode
 from worker.profile import PackProfiler
 
 log = logging.getLogger(__name__)
 
 
 def _tar(source_dir: Path, archive: Path, *, gzip: bool) -> Path:
-    with tarfile.open(archive, "w:gz" if gzip else "w") as tar:
+    # Level 1: adapter weights are fp32 noise to gzip; higher levels cost seconds per adapter and save ~nothing.
+    with tarfile.open(archive, "w:gz", compresslevel=1) if gzip else tarfile.open(archive, "w") as tar:
         for item in sorted(source_dir.iterdir()):
             tar.add(item, arcname=item.name)
     return archive
@@ -140,6 +141,7 @@ class PackRunner:
         read_rows = functools.cache(lambda key: parse_jsonl(self.store.get_bytes(key)))
         specs = [self.trial_spec(t, read_rows) for t in pack["trials"]]
         profiler = PackProfiler(device=str(self.device))
+        timings = PackTimings()
         with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
             tmp = Path(tmp_name)
             resume = self._fetch_checkpoints(pack["trials"], tmp / "resume", reporter)
@@ -205,11 +207,11 @@ class PackRunner:
                 checkpoint_interval=max([s.eval_interval for s in specs], default=None),
                 on_checkpoint=upload_checkpoint, capacity=pack.get("capacity"), max_rank=pack.get("max_rank"),
                 target_modules=pack.get("target_modules"), admissions=admissions, on_admitted=admitted,
-                on_outcome=finished,
+                on_outcome=finished, timings=timings,
             )
             for t in self.inbox.drain_admissions(pack_id):
                 reporter.send("trial.rejected", trial_id=t["trial_id"], reason=BACKFILL_NOT_JOINED)
-        reporter.send("pack.profile", profile=profiler.summary())
+        reporter.send("pack.profile", profile={**profiler.summary(), "phases": timings.summary()})
 
     def _fetch_checkpoints(self, trials: list[dict[str, Any]], into: Path, reporter: Reporter) -> dict[str, Path]:
         """Unpacks the checkpoint of every trial that resumes (a requeued trial that had one). A checkpoint that

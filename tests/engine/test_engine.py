@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tests.engine.factories import CPU, assert_rel_close, chat_rows, completion_rows, make_spec, token_loss_sum
 from worker.engine import PackEngine, TrialSpec
+from worker.engine.batch import SlotRows
 from worker.engine.data import BatchSampler, collate, encode_rows
 from worker.engine.lora import resolve_target_modules
 from worker.engine.spec import trial_seed
@@ -276,3 +277,45 @@ def test_greedy_matches_is_greedy_decoding_of_every_target_token(tiny: Tiny) -> 
         assert engine.greedy_matches(slot, off) == [True, False]
         assert engine.greedy_matches(slot, off, batch_size=1) == [True, False]
         assert engine.greedy_matches(slot, []) == []
+
+
+def test_validation_of_many_slots_in_shared_forwards_equals_each_slot_alone(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.engine import engine as engine_module
+
+    specs = [
+        make_spec("v1", seed=1),
+        make_spec("v2", seed=2, lora_rank=8, val_rows=chat_rows(6)),
+        make_spec("v3", seed=3, val_rows=[]),
+    ]
+    with _engine(tiny, specs) as engine:
+        slots = [engine.admit(s) for s in specs]
+        for _ in range(3):
+            engine.step()
+        alone = {slot: engine.evaluate(slot) for slot in slots}
+        # A small token budget cuts the validation rows into several forwards, some shared by two slots.
+        monkeypatch.setattr(engine_module, "EVAL_MAX_TOKENS", 150)
+        forwards = engine_module._eval_forwards([(s, engine.state(s).val) for s in slots], 150)
+        assert len(forwards) > 2 and any(len({p.slot for p in parts}) > 1 for parts in forwards)
+        together = engine.evaluate_slots(slots)
+    assert together[slots[2]] is None and alone[slots[2]] is None
+    for slot in slots[:2]:
+        value, reference = together[slot], alone[slot]
+        assert value is not None and reference is not None
+        assert value == pytest.approx(reference, rel=1e-6)
+    assert alone[slots[0]] != pytest.approx(alone[slots[1]], rel=1e-3)  # different trials, different losses
+
+
+def test_eval_forwards_keep_every_row_once_in_order_within_the_token_budget() -> None:
+    from worker.engine.data import Example
+    from worker.engine.engine import _eval_forwards
+
+    def rows(*lengths: int) -> list[Example]:
+        return [Example([1] * n, [1] * n) for n in lengths]
+
+    a, b = rows(4, 4, 4), rows(10, 3)
+    forwards = _eval_forwards([(0, a), (1, b), (2, [])], max_tokens=9)
+    sizes = [[(p.slot, [len(e.input_ids) for e in p.examples]) for p in parts] for parts in forwards]
+    assert sizes == [[(0, [4, 4])], [(0, [4])], [(1, [10])], [(1, [3])]]  # a 10-token row goes alone
+    assert _eval_forwards([(0, a), (1, b)], max_tokens=100) == [[SlotRows(0, a), SlotRows(1, b)]]

@@ -299,3 +299,55 @@ def test_stop_modes_export_the_best_adapter_or_pause_to_resume_exactly(tiny: Tin
     packed, single = _weights(outcomes[2].adapter_dir), _weights(alone.adapter_dir)
     for key in packed:
         assert_rel_close(packed[key], single[key])
+
+
+def test_files_and_their_callbacks_run_off_the_training_thread_in_order(tiny: Tiny, tmp_path: Path) -> None:
+    """Checkpoints and exports are written on the pack's writer thread; each trial's checkpoint reports come
+    before its end, its adapter is on disk when its end is reported, and the pack's phases are timed."""
+    import threading
+
+    from worker.engine.trainer import PackTimings
+
+    model, tokenizer = tiny
+    specs = [make_spec("w1", max_steps=8, eval_interval=4), make_spec("w2", max_steps=6, eval_interval=3, seed=4)]
+    events: list[tuple[str, str, int | str, str]] = []
+    main = threading.current_thread().name
+
+    def on_checkpoint(trial_id: str, step: int, path: Path) -> None:
+        assert (path / "slot.safetensors").is_file()
+        events.append(("checkpoint", trial_id, step, threading.current_thread().name))
+
+    def on_outcome(outcome: TrialOutcome) -> None:
+        assert outcome.adapter_dir is not None and (outcome.adapter_dir / "adapter_model.safetensors").is_file()
+        events.append(("outcome", outcome.trial_id, outcome.status, threading.current_thread().name))
+
+    timings = PackTimings()
+    outcomes = train_pack(
+        model, tokenizer, specs, base_model_name="tiny", export_dir=tmp_path / "out", on_point=lambda *p: None,
+        checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=2, on_checkpoint=on_checkpoint,
+        on_outcome=on_outcome, timings=timings,
+    )  # fmt: skip
+    assert [o.status for o in outcomes] == ["completed", "completed"]
+    assert {thread for *_, thread in events} != {main}  # not on the training thread
+    for trial_id, steps in (("w1", [2, 4, 6, 8]), ("w2", [2, 4, 6])):
+        mine = [(kind, what) for kind, tid, what, _ in events if tid == trial_id]
+        assert mine == [("checkpoint", s) for s in steps] + [("outcome", "completed")]
+    summary = timings.summary()
+    assert timings.steps_s > 0 and timings.validation_s > 0 and timings.checkpoints_s > 0 and timings.exports_s > 0
+    parts = timings.steps_s + timings.validation_s + timings.checkpoints_s + timings.exports_s + timings.waiting_s
+    assert parts <= timings.wall_s and summary["outside_steps_frac"] == round(1 - timings.steps_s / timings.wall_s, 4)
+
+
+def test_a_callback_that_raises_on_the_writer_thread_stops_the_pack(tiny: Tiny, tmp_path: Path) -> None:
+    model, tokenizer = tiny
+
+    def on_checkpoint(trial_id: str, step: int, path: Path) -> None:
+        raise RuntimeError("the artifact store is full")
+
+    with pytest.raises(RuntimeError, match="store is full"):
+        train_pack(
+            model, tokenizer, [make_spec("x", max_steps=50)], base_model_name="tiny", export_dir=tmp_path / "out",
+            on_point=lambda *p: None, checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=1,
+            on_checkpoint=on_checkpoint,
+        )  # fmt: skip
+    assert not any(isinstance(m, StackedLoraLinear) for m in model.modules())  # the model is bare again

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,35 @@ FORMAT = 1
 TENSORS, STATE = "slot.safetensors", "slot.json"
 
 
-def save_slot(directory: Path, *, slot: int, state: SlotState, store: AdapterStore, optimizer: SlotAdamW) -> Path:
-    """Write ``slot``'s checkpoint to ``directory`` atomically (an older one there is replaced)."""
+@dataclass(frozen=True)
+class SlotSnapshot:
+    """A slot's checkpoint as of one moment: device clones of its tensors and its state, not yet on disk.
+
+    Taking one is cheap device work on the training thread; ``write`` (the copy to the host and the files)
+    may run on another thread while training goes on: nothing it reads changes.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    info: dict[str, Any]
+
+    def write(self, directory: Path) -> Path:
+        """Write the checkpoint to ``directory`` atomically (an older one there is replaced)."""
+
+        def write(tmp: Path) -> None:
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in self.tensors.items()}, str(tmp / TENSORS))
+            (tmp / STATE).write_text(json.dumps(self.info, indent=1) + "\n")
+
+        return write_dir_atomically(Path(directory), write)
+
+
+def snapshot_slot(*, slot: int, state: SlotState, store: AdapterStore, optimizer: SlotAdamW) -> SlotSnapshot:
+    """Everything needed to resume ``slot`` exactly, as it is now (``SlotSnapshot.write`` saves it)."""
     tensors: dict[str, torch.Tensor] = {}
     matrices = {"adapter": store.weights, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
     for kind, matrix in matrices.items():
         tensors |= _flatten(kind, store.read(matrix, slot))
     if state.best is not None:
-        tensors |= _flatten("best", state.best)
+        tensors |= _flatten("best", state.best)  # replaced, never changed in place, by a better validation
     generator_state, pending = state.sampler.state()
     tensors["sampler/generator"] = generator_state
     spec = {k: v for k, v in dataclasses.asdict(state.spec).items() if k not in ("train_rows", "val_rows")}
@@ -48,12 +70,12 @@ def save_slot(directory: Path, *, slot: int, state: SlotState, store: AdapterSto
         "best_step": state.best_step,
         "sampler_pending": pending,
     }
+    return SlotSnapshot(tensors, info)
 
-    def write(tmp: Path) -> None:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
-        (tmp / STATE).write_text(json.dumps(info, indent=1) + "\n")
 
-    return write_dir_atomically(Path(directory), write)
+def save_slot(directory: Path, *, slot: int, state: SlotState, store: AdapterStore, optimizer: SlotAdamW) -> Path:
+    """Write ``slot``'s checkpoint to ``directory`` atomically (an older one there is replaced)."""
+    return snapshot_slot(slot=slot, state=state, store=store, optimizer=optimizer).write(directory)
 
 
 def load_slot(directory: Path, *, slot: int, state: SlotState, store: AdapterStore, optimizer: SlotAdamW) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,9 @@ logger = logging.getLogger(__name__)
 CUDA_WIDTH_MULTIPLE = 64
 
 LOSS_CHUNK_TOKENS = 4096  # target tokens per lm_head chunk: bounds the (chunk, vocab) logits of the loss
-EVAL_MIN_ROWS = 16  # validation rows per forward, at least (see evaluate)
+# Tokens per validation forward (evaluate_slots): no activations are kept for a backward, so a forward holds
+# one layer's intermediates at a time; as large as a training step of a full pack, and bounded.
+EVAL_MAX_TOKENS = 32768
 
 
 class PackEngine:
@@ -252,29 +255,36 @@ class PackEngine:
             hidden, self.lm_head, batch.targets, self.context, num_slots=len(self.slots), checkpointed=training
         )
 
-    @torch.no_grad()
     def evaluate(self, slot: int) -> float | None:
         """Token-weighted mean loss on the slot's validation rows (no dropout); ``None`` without any.
 
         A loss below the best so far (NaN never is) makes the current adapter the slot's best.
         """
-        state = self.state(slot)
-        if not state.val:
-            return None
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        n_targets = 0
-        # Batches of at least EVAL_MIN_ROWS rows: no gradient is kept, and a small training batch size would
-        # otherwise make validation many tiny forwards (the loss is a token-weighted sum: batching is free).
-        size = max(state.spec.batch_size, EVAL_MIN_ROWS)
-        for start in range(0, len(state.val), size):
-            batch = self._pack([SlotRows(slot, state.val[start : start + size])])
-            total += self._loss_sums(batch, training=False)[slot].double()
-            n_targets += batch.n_targets[slot]
-        loss = float(total.item()) / n_targets  # device sync
-        if loss == loss and (state.best_val_loss is None or loss < state.best_val_loss):
-            state.best_val_loss, state.best_step = loss, state.steps_done
-            state.best = self.store.read(self.store.weights, slot)
-        return loss
+        return self.evaluate_slots([slot])[slot]
+
+    @torch.no_grad()
+    def evaluate_slots(self, slots: list[int]) -> dict[int, float | None]:
+        """``evaluate`` of several slots at once: their validation rows go through the model together, in
+        packed forwards of up to ``EVAL_MAX_TOKENS`` tokens (no per-trial loop; one device sync at the end)."""
+        states = {slot: self.state(slot) for slot in slots}
+        totals = torch.zeros(len(self.slots), dtype=torch.float64, device=self.device)
+        n_targets = dict.fromkeys(slots, 0)
+        for parts in _eval_forwards([(slot, state.val) for slot, state in states.items()], EVAL_MAX_TOKENS):
+            batch = self._pack(parts)
+            totals += self._loss_sums(batch, training=False).double()
+            for slot, n in batch.n_targets.items():
+                n_targets[slot] += n
+        values = totals.tolist()  # device sync
+        losses: dict[int, float | None] = {}
+        for slot, state in states.items():
+            if not state.val:
+                losses[slot] = None
+                continue
+            loss = losses[slot] = values[slot] / n_targets[slot]
+            if loss == loss and (state.best_val_loss is None or loss < state.best_val_loss):
+                state.best_val_loss, state.best_step = loss, state.steps_done
+                state.best = self.store.read(self.store.weights, slot)
+        return losses
 
     @torch.no_grad()
     def greedy_matches(self, slot: int, examples: list[Example], batch_size: int = 64) -> list[bool]:
@@ -306,19 +316,26 @@ class PackEngine:
 
     def checkpoint(self, slot: int, directory: Path) -> Path:
         """Save everything needed to resume the slot exactly (``admit(spec, resume=directory)``)."""
-        return checkpoint.save_slot(
-            directory, slot=slot, state=self.state(slot), store=self.store, optimizer=self.optimizer
-        )
+        return self.prepare_checkpoint(slot, directory)()
+
+    def prepare_checkpoint(self, slot: int, directory: Path) -> Callable[[], Path]:
+        """``checkpoint`` in two halves: this call snapshots the slot now (device clones); the function it
+        returns writes that snapshot to ``directory`` and may run later, on another thread."""
+        state, store, optimizer = self.state(slot), self.store, self.optimizer
+        snapshot = checkpoint.snapshot_slot(slot=slot, state=state, store=store, optimizer=optimizer)
+        return lambda: snapshot.write(directory)
 
     def export(self, slot: int, directory: Path, *, base_model_name: str) -> Path:
         """Write the slot's best-validation adapter (the current one if it has none) in PEFT format."""
+        return self.prepare_export(slot, directory, base_model_name=base_model_name)()
+
+    def prepare_export(self, slot: int, directory: Path, *, base_model_name: str) -> Callable[[], Path]:
+        """``export`` in two halves, as ``prepare_checkpoint``: what to write is fixed now, the files later."""
         state = self.state(slot)
-        return export_peft_adapter(
-            directory,
-            state.best if state.best is not None else self.adapter(slot),
-            config=state.config,
-            target_modules=peft_target_modules(self.model, state.paths),
-            base_model_name=base_model_name,
+        tensors = state.best if state.best is not None else self.adapter(slot)
+        config, targets = state.config, peft_target_modules(self.model, state.paths)
+        return lambda: export_peft_adapter(
+            directory, tensors, config=config, target_modules=targets, base_model_name=base_model_name
         )
 
     def close(self) -> None:
@@ -383,3 +400,25 @@ class PackEngine:
         logger.warning("trial %s failed at step %d: %s", state.spec.trial_id, state.steps_done + 1, exc)
         state.failed = True
         self.failures[state.spec.trial_id] = f"{type(exc).__name__}: {exc}"
+
+
+def _eval_forwards(rows: list[tuple[int, list[Example]]], max_tokens: int) -> list[list[SlotRows]]:
+    """The slots' validation rows cut into forwards of at most ``max_tokens`` tokens (a longer row alone),
+    each a list of per-slot parts in slot order."""
+    forwards: list[list[SlotRows]] = []
+    current: list[SlotRows] = []
+    size = 0
+    for slot, examples in rows:
+        start = 0
+        for i, example in enumerate(examples):
+            if size and size + len(example.input_ids) > max_tokens:
+                if i > start:
+                    current.append(SlotRows(slot, examples[start:i]))
+                forwards.append(current)
+                current, size, start = [], 0, i
+            size += len(example.input_ids)
+        if len(examples) > start:
+            current.append(SlotRows(slot, examples[start:]))
+    if current:
+        forwards.append(current)
+    return forwards

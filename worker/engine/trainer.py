@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -46,6 +50,7 @@ def train_pack(
     admissions: Admissions | None = None,
     on_admitted: Callable[[str, str | None], None] | None = None,
     on_outcome: Callable[[TrialOutcome], None] | None = None,
+    timings: PackTimings | None = None,
 ) -> list[TrialOutcome]:
     """Train ``trials`` together on ``model`` and export each completed one to ``export_dir/<trial_id>/``.
 
@@ -70,7 +75,13 @@ def train_pack(
         checkpoint_dir, checkpoint_interval: checkpoint each trial to ``checkpoint_dir/<trial_id>/`` every
             ``checkpoint_interval`` of its steps (replaced atomically), then call ``on_checkpoint(trial_id,
             step, path)``.
-        on_outcome: called with each trial's outcome as soon as the trial ends (its slot is free after).
+        on_outcome: called with each trial's outcome as soon as the trial ends and its adapter is written.
+        timings: filled in with where the pack's wall time went on the training thread.
+
+    Checkpoint and adapter files are written on a background thread while training goes on (the training
+    thread only snapshots them, on the device); ``on_checkpoint`` and ``on_outcome`` run there too, after
+    their files and in order, and an exception they raise is raised here before the next step. ``train_pack``
+    returns once every write and callback is done.
 
     Returns:
         One outcome per stay of a trial in the pack: ``trials`` in order, then the admitted ones in the order
@@ -80,7 +91,10 @@ def train_pack(
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate trial ids in pack: {ids}")
     outcomes: list[TrialOutcome] = []
-    report = _Reporter(outcomes, on_outcome)
+    clock = timings if timings is not None else PackTimings()
+    started = time.perf_counter()
+    writer = _Writer()
+    report = _Reporter(outcomes, on_outcome, writer)
     ready: list[tuple[TrialSpec, list[str]]] = []
     for spec in trials:
         try:
@@ -89,60 +103,138 @@ def train_pack(
         except Exception as exc:
             logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
             report(TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)))
-    if not ready and admissions is None:
-        return outcomes
-    hooks = _Hooks(on_point, Path(export_dir), base_model_name, checkpoint_dir, checkpoint_interval, on_checkpoint)
+    hooks = _Hooks(
+        on_point, Path(export_dir), base_model_name, checkpoint_dir, checkpoint_interval, on_checkpoint, writer, clock
+    )
     layers = {path for _, paths in ready for path in paths}
     for pattern in target_modules or []:  # room for back-fills; a pattern this model lacks wraps nothing
         try:
             layers |= set(resolve_target_modules(model, [pattern]))
         except ValueError as exc:
             logger.warning("pack layers: %s", exc)
-    with PackEngine(
-        model,
-        tokenizer,
-        capacity=max(capacity or 0, len(ready), 1),
-        max_rank=max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64,
-        target_modules=sorted(layers) or None,
-        activation_checkpointing=activation_checkpointing,
-    ) as engine:
-        for spec, _ in ready:
-            try:
-                engine.admit(spec, resume=(resume or {}).get(spec.trial_id))
-            except Exception as exc:
-                logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
-                report(TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)))
-        while True:
-            if admissions is not None:
-                _admit(engine, admissions, on_admitted)
-            live = _live(engine)
-            if not live:
-                break
-            stop = should_stop()
-            for slot in [s for s in live if engine.state(s).spec.trial_id in stop]:
-                report(_take_out(engine, slot, stop[engine.state(slot).spec.trial_id], hooks))
-            losses = engine.step() if any(state.training for state in engine.slots if state) else {}
-            if on_step is not None and engine.last_stats is not None and losses:
-                on_step(engine.last_stats)
-            for slot in _live(engine):
-                outcome = _after_step(engine, slot, losses, hooks)
-                if outcome is not None:
-                    report(outcome)
+    try:
+        if ready or admissions is not None:
+            engine = PackEngine(
+                model,
+                tokenizer,
+                capacity=max(capacity or 0, len(ready), 1),
+                max_rank=max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64,
+                target_modules=sorted(layers) or None,
+                activation_checkpointing=activation_checkpointing,
+            )
+            with engine:
+                _run(engine, ready, resume or {}, report, hooks, admissions, on_admitted, should_stop, on_step)
+    finally:
+        with clock.measure("waiting_s"):
+            writer.close()
+        clock.wall_s += time.perf_counter() - started
     order = {trial_id: i for i, trial_id in enumerate(ids)}
     return sorted(outcomes, key=lambda o: order.get(o.trial_id, len(ids)))  # stable: admitted ones as they ended
 
 
+
+def _run(
+    engine: PackEngine,
+    ready: list[tuple[TrialSpec, list[str]]],
+    resume: dict[str, Path],
+    report: _Reporter,
+    hooks: _Hooks,
+    admissions: Admissions | None,
+    on_admitted: Callable[[str, str | None], None] | None,
+    should_stop: Callable[[], Mapping[str, StopMode]],
+    on_step: Callable[[StepStats], None] | None,
+) -> None:
+    """The pack's loop: admit, take out what should stop, step, validate, then each slot's after-step work."""
+    for spec, _ in ready:
+        try:
+            engine.admit(spec, resume=resume.get(spec.trial_id))
+        except Exception as exc:
+            logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
+            report(TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)))
+    while True:
+        hooks.writer.poll()  # a write or callback that failed stops the pack here
+        if admissions is not None:
+            _admit(engine, admissions, on_admitted)
+        live = _live(engine)
+        if not live:
+            break
+        stop = should_stop()
+        for slot in [s for s in live if engine.state(s).spec.trial_id in stop]:
+            report(_take_out(engine, slot, stop[engine.state(slot).spec.trial_id], hooks))
+        with hooks.clock.measure("steps_s"):
+            losses = engine.step() if any(state.training for state in engine.slots if state) else {}
+        if on_step is not None and engine.last_stats is not None and losses:
+            on_step(engine.last_stats)
+        with hooks.clock.measure("validation_s"):
+            validation = _validate(engine, losses)
+        for slot in _live(engine):
+            outcome = _after_step(engine, slot, losses, validation.get(slot), hooks)
+            if outcome is not None:
+                report(outcome)
+
+
+@dataclass
+class PackTimings:
+    """Where a pack's wall time went on the training thread, in seconds (the rest: callbacks, admissions)."""
+
+    wall_s: float = 0.0
+    steps_s: float = 0.0  # engine.step: forward, backward, optimizer
+    validation_s: float = 0.0
+    checkpoints_s: float = 0.0  # snapshots of checkpoints (their files are written off this thread)
+    exports_s: float = 0.0  # snapshots of finished adapters (likewise)
+    waiting_s: float = 0.0  # the pack's end waiting for writes still under way
+
+    @contextmanager
+    def measure(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, phase, getattr(self, phase) + time.perf_counter() - started)
+
+    def summary(self) -> dict[str, float | None]:
+        """The phases rounded, and the share of the wall time outside training steps."""
+        out: dict[str, float | None] = {k: round(v, 3) for k, v in asdict(self).items()}
+        out["outside_steps_frac"] = round(1 - self.steps_s / self.wall_s, 4) if self.wall_s > 0 else None
+        return out
+
+
+class _Writer:
+    """Artifact writes and the callbacks after them, in submission order, on one background thread."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pack-writer")
+        self._pending: deque[Future[None]] = deque()
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self._pending.append(self._pool.submit(work))
+
+    def poll(self) -> None:
+        """Raise the exception of finished work that failed, oldest first."""
+        while self._pending and self._pending[0].done():
+            self._pending.popleft().result()
+
+    def close(self) -> None:
+        """Wait for all work; raise the first failure."""
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self._pool.shutdown(wait=True)
+
 @dataclass
 class _Reporter:
-    """Records each outcome and passes it on at once."""
+    """Records each outcome and passes it on once the writes queued before it (its adapter) are done."""
 
     outcomes: list[TrialOutcome]
     on_outcome: Callable[[TrialOutcome], None] | None
+    writer: _Writer
 
     def __call__(self, outcome: TrialOutcome) -> None:
         self.outcomes.append(outcome)
-        if self.on_outcome is not None:
-            self.on_outcome(outcome)
+        on_outcome = self.on_outcome
+        if on_outcome is not None:
+            self.writer.submit(lambda: on_outcome(outcome))
 
 
 def _admit(
@@ -172,10 +264,55 @@ class _Hooks:
     checkpoint_dir: Path | None
     checkpoint_interval: int | None
     on_checkpoint: Callable[[str, int, Path], None] | None
+    writer: _Writer
+    clock: PackTimings
+
+    def checkpoint(self, engine: PackEngine, slot: int) -> None:
+        """Snapshot the slot now; write it and call ``on_checkpoint`` on the writer thread."""
+        assert self.checkpoint_dir is not None
+        trial_id, step = engine.state(slot).spec.trial_id, engine.state(slot).steps_done
+        with self.clock.measure("checkpoints_s"):
+            write = engine.prepare_checkpoint(slot, self.checkpoint_dir / trial_id)
+        on_checkpoint = self.on_checkpoint
+
+        def work() -> None:
+            path = write()
+            if on_checkpoint is not None:
+                on_checkpoint(trial_id, step, path)
+
+        self.writer.submit(work)
 
 
-def _after_step(engine: PackEngine, slot: int, losses: dict[str, float], hooks: _Hooks) -> TrialOutcome | None:
-    """Report, validate, checkpoint and, once done, export one slot after a pack step.
+def _validate(engine: PackEngine, losses: dict[str, float]) -> dict[int, float | BaseException | None]:
+    """Validation of every slot due after this step, in shared forwards; if those raise, slot by slot, so
+    only the slots that break fail (their exception is their result)."""
+    due = [
+        slot
+        for slot in _live(engine)
+        if engine.state(slot).spec.trial_id in losses
+        and engine.state(slot).spec.trial_id not in engine.failures
+        and engine.state(slot).eval_due
+    ]
+    if not due:
+        return {}
+    try:
+        return dict(engine.evaluate_slots(due))
+    except Exception as exc:
+        logger.warning("joint validation of %d slots failed (%s); validating them one by one", len(due), exc)
+    results: dict[int, float | BaseException | None] = {}
+    for slot in due:
+        try:
+            results[slot] = engine.evaluate(slot)
+        except Exception as exc:
+            results[slot] = exc
+    return results
+
+
+def _after_step(
+    engine: PackEngine, slot: int, losses: dict[str, float], validated: float | BaseException | None, hooks: _Hooks
+) -> TrialOutcome | None:
+    """Report, checkpoint and, once done, export one slot after a pack step (``validated``: its validation
+    loss of this step, if it was due, or the exception its validation raised).
 
     Engine work that raises fails this trial only; exceptions from the callbacks propagate.
     Returns the trial's outcome once it has one (the slot is then free).
@@ -184,13 +321,14 @@ def _after_step(engine: PackEngine, slot: int, losses: dict[str, float], hooks: 
     trial_id, step = state.spec.trial_id, state.steps_done
     if trial_id in engine.failures:
         return _finish(engine, slot, "failed", engine.failures[trial_id])
-    val_loss = checkpoint = None
+    val_loss = None
     try:
-        if trial_id in losses and state.eval_due:
-            val_loss = engine.evaluate(slot)
+        if isinstance(validated, BaseException):
+            raise validated
+        val_loss = validated
         interval = hooks.checkpoint_interval
         if trial_id in losses and hooks.checkpoint_dir is not None and interval and step % interval == 0:
-            checkpoint = engine.checkpoint(slot, hooks.checkpoint_dir / trial_id)
+            hooks.checkpoint(engine, slot)
         outcome = None if state.training else _finish(engine, slot, "completed", export_to=hooks)
     except Exception as exc:
         logger.exception("trial %s failed after step %d", trial_id, step)
@@ -199,8 +337,6 @@ def _after_step(engine: PackEngine, slot: int, losses: dict[str, float], hooks: 
         hooks.on_point(trial_id, step, "train", losses[trial_id])
     if val_loss is not None:
         hooks.on_point(trial_id, step, "val", val_loss)
-    if checkpoint is not None and hooks.on_checkpoint is not None:
-        hooks.on_checkpoint(trial_id, step, checkpoint)
     return outcome
 
 
@@ -209,11 +345,8 @@ def _take_out(engine: PackEngine, slot: int, mode: StopMode, hooks: _Hooks) -> T
     if mode == "export":
         return _finish(engine, slot, "stopped", export_to=hooks)
     if mode == "pause":
-        state = engine.state(slot)
         if hooks.checkpoint_dir is not None:
-            path = engine.checkpoint(slot, hooks.checkpoint_dir / state.spec.trial_id)
-            if hooks.on_checkpoint is not None:
-                hooks.on_checkpoint(state.spec.trial_id, state.steps_done, path)
+            hooks.checkpoint(engine, slot)
         return _finish(engine, slot, "paused")
     return _finish(engine, slot, "stopped")
 
@@ -225,8 +358,10 @@ def _finish(
     state = engine.state(slot)
     adapter_dir = None
     if export_to is not None:
-        out = export_to.export_dir / state.spec.trial_id
-        adapter_dir = engine.export(slot, out, base_model_name=export_to.base_model_name)
+        adapter_dir = export_to.export_dir / state.spec.trial_id
+        with export_to.clock.measure("exports_s"):
+            write = engine.prepare_export(slot, adapter_dir, base_model_name=export_to.base_model_name)
+        export_to.writer.submit(lambda: None if write() else None)  # the outcome's report is queued after it
     best_step = state.best_step
     if adapter_dir is not None and state.best is None:  # no (finite) validation: the final adapter is the result
         best_step = state.steps_done
