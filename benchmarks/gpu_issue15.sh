@@ -62,7 +62,8 @@ for stage in $stages; do
           timeout 250 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 1 --seq-len 512 \
             --backends triton auto --skip-peft 2>&1 | grep -A3 "^batch" ;;
     b8) timeout 300 python -m benchmarks.engine_throughput --shape llama-3.1-8b --trials 8 --batch 1 \
-          --seq-len 512 --backends triton --skip-peft --mfu --profile > "$OUT/b8.log" 2>&1; tail -24 "$OUT/b8.log" ;;
+          --seq-len 512 --backends torch triton --skip-peft --mfu --profile --variants LORAPLANE_FUSED_OPS=none \
+          > "$OUT/b8.log" 2>&1; tail -28 "$OUT/b8.log" ;;
     b24) timeout 400 python -m benchmarks.engine_throughput --shape llama-3.2-1b --trials 32 --batch 2 4 \
            --seq-len 512 --backends triton --skip-peft --mfu > "$OUT/b24.log" 2>&1
          tail -14 "$OUT/b24.log" ;;

@@ -1,7 +1,7 @@
 """Issue 6's live run: the sweep of `benchmarks.sweep`, submitted through the running service with early exit.
 
     python -m benchmarks.live_sweep --data .sweepdata --datasets trivia arithmetic --policy alto
-    python -m benchmarks.live_sweep --data .sweepdata --datasets arithmetic --model tiny-random-llama \\
+    python -m benchmarks.live_sweep --data .sweepdata --datasets arithmetic --model tiny-random-llama --max-seq-len 512 \\
         --rows 64 16 16 --epochs 1                                            # a CPU smoke run
 
 It starts the whole service (`loraplane up`, the embedded default: SQLite, file-backed bus and broker) in a
@@ -15,7 +15,10 @@ test rows exactly as `benchmarks.sweep` scores its trials (greedy decoding repro
 
 Writes `benchmarks/results/sweeps/<dataset>-<model>-live-<policy>.json`: wall-clock from submission to the
 task's end, samples trained (sum of steps done x batch size over the trials), each trial's state, steps
-and stop reason, the best trial and its test accuracy, device, date and command.
+and stop reason, the best trial and its test accuracy, device, date and command; on a GPU also its
+utilisation sampled through NVML every half second from submission to the last task's end, and every pack's
+profile as the worker measured it (step time, tokens, and its phases: training steps, validation,
+checkpoints, exports, and the share of its wall time outside training steps).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -112,6 +116,63 @@ def best_adapter_accuracy(model_key: str, adapter_dir: Path, test: list[dict[str
     return accuracy
 
 
+class GpuBusy:
+    """Samples the GPU's utilisation (NVML: the share of time a kernel ran) every ``every_s`` in a thread."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._every_s = every_s
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> GpuBusy:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception as exc:  # no NVIDIA GPU or no NVML: nothing to sample
+            print(f"no GPU utilisation samples ({exc})", flush=True)
+            return self
+        t0 = time.monotonic()
+
+        def run() -> None:
+            while not self._stop.wait(self._every_s):
+                self.samples.append((round(time.monotonic() - t0, 1), pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, Any] | None:
+        self._stop.set()
+        if self._thread is None or not self.samples:
+            return None
+        self._thread.join()
+        busy = [u for _, u in self.samples]
+        first = next(i for i, u in enumerate(busy) if u > 0) if any(busy) else len(busy)
+        training = busy[first:]  # from the first kernel on (the model's load and the first plan come before)
+        return {"mean_pct": round(sum(busy) / len(busy), 1),
+                "mean_pct_from_first_kernel": round(sum(training) / len(training), 1) if training else None,
+                "samples": self.samples}
+
+
+def pack_profiles(home: Path) -> list[dict[str, Any]]:
+    """Every pack's profile from the service's embedded database (its step and phase measurements)."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from common.db import make_engine
+    from common.models import Pack
+
+    with Session(make_engine(f"sqlite:///{(home / 'loraplane.db').resolve()}")) as session:
+        packs = session.scalars(select(Pack).order_by(Pack.created_at)).all()
+        return [{"pack_id": p.id, "worker_id": p.worker_id, "trials": len(p.trial_ids), "state": p.state,
+                 "started_at": p.started_at.isoformat() if p.started_at else None,
+                 "finished_at": p.finished_at.isoformat() if p.finished_at else None,
+                 "profile": {k: v for k, v in (p.profile or {}).items() if k != "samples"}} for p in packs]
+
+
 def _label(hp: dict[str, Any]) -> str:
     return f"lr{hp['learning_rate']:g}-r{hp['lora_rank']}-b{hp['batch_size']}"
 
@@ -145,6 +206,7 @@ def main() -> None:
         lp = Client(base, key, timeout=60)
         data: dict[str, tuple[list[dict[str, Any]], ...]] = {}
         submitted: dict[str, tuple[str, float]] = {}
+        gpu = GpuBusy().start()
         for name in args.datasets:
             splits = tuple(read(args.data / name / f"{split}.jsonl") for split in ("train", "val", "test"))
             if args.rows:
@@ -167,9 +229,18 @@ def main() -> None:
                     finished[name] = time.monotonic() - t0
                     print(f"{name}: task {task.state} after {finished[name]:.0f} s", flush=True)
             time.sleep(2)
+        gpu_busy = gpu.stop()
         if len(finished) < len(submitted):
             late = sorted(set(submitted) - set(finished))
             raise SystemExit(f"tasks not finished within {args.timeout:.0f} s: {late}")
+        packs = pack_profiles(home)
+        for pack in packs:
+            phases = pack["profile"].get("phases", {})
+            print(f"pack {pack['pack_id'][:8]}: {pack['trials']} trials, {pack['profile'].get('steps')} steps, "
+                  f"{phases.get('wall_s')} s, outside training steps {phases.get('outside_steps_frac')}", flush=True)
+        if gpu_busy is not None:
+            print(f"GPU busy {gpu_busy['mean_pct']}% over the run, {gpu_busy['mean_pct_from_first_kernel']}% from "
+                  "the first kernel on", flush=True)
 
         args.out.mkdir(parents=True, exist_ok=True)
         for name, (task_id, _t0) in submitted.items():
@@ -193,7 +264,7 @@ def main() -> None:
                 "best_trial": best.id if best else None,
                 "best_hyperparameters": best.hyperparameters if best else None,
                 "best_val_loss": best.best_val_loss if best else None, "best_test_accuracy": accuracy,
-                "trials": rows,
+                "gpu_busy": gpu_busy, "packs": packs, "trials": rows,
             }  # fmt: skip
             stem = f"{name}-{'smollm2' if args.model.startswith('smollm2') else 'tiny'}-live-{args.policy}"
             if args.rows:
