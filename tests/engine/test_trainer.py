@@ -351,3 +351,24 @@ def test_a_callback_that_raises_on_the_writer_thread_stops_the_pack(tiny: Tiny, 
             on_checkpoint=on_checkpoint,
         )  # fmt: skip
     assert not any(isinstance(m, StackedLoraLinear) for m in model.modules())  # the model is bare again
+
+
+def test_a_validation_that_breaks_fails_only_its_trial(
+    tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared validation forward raises: the due slots are validated one by one, the one that breaks
+    fails, the others keep their validation points and complete."""
+    real_loss_sums = PackEngine._loss_sums
+
+    def breaks_for_v(engine: PackEngine, batch: PackedBatch, *, training: bool) -> Any:
+        v = [slot for slot, state in enumerate(engine.slots) if state is not None and state.spec.trial_id == "v"]
+        if not training and v and v[0] in batch.n_targets:
+            raise RuntimeError("CUDA out of memory in validation")
+        return real_loss_sums(engine, batch, training=training)
+
+    monkeypatch.setattr(PackEngine, "_loss_sums", breaks_for_v)
+    (fine, v), points = _run(tiny, [make_spec("fine"), make_spec("v", seed=5)], tmp_path)
+    assert (fine.status, fine.steps_done) == ("completed", 12)
+    assert (v.status, v.steps_done, v.error) == ("failed", 4, "RuntimeError: CUDA out of memory in validation")
+    assert [step for trial, step, split, _ in points if trial == "fine" and split == "val"] == [4, 8, 12]
+    assert not [p for p in points if p[0] == "v" and p[2] == "val"]
