@@ -65,7 +65,7 @@ python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlo
     # benchmarks/live_sweep.py. Needs `store` and `store-service` first; carry [".gguf2", ".sweepdata", ".whl"].
     test -d /root/lp/svcsite || { echo "the service's wheels are gone: run store-service again"; exit 3; }
     join_model
-    rm -rf /root/lp/repo && cp -r . /root/lp/repo
+    rm -rf /root/lp/repo /root/lp/home /root/lp/*.log && cp -r . /root/lp/repo  # each policy in a fresh service
     (cd /root/lp/repo && PYTHONPATH=/root/lp/pkg:/root/lp/svcsite:/root/lp/site:. setsid nohup timeout 3000 \
       python -m benchmarks.live_sweep --data .sweepdata --policy "${1:-alto}" --home /root/lp/home \
       --out /root/lp/sweeps > /root/lp/live.log 2>&1 < /dev/null &)

@@ -1,8 +1,8 @@
 """Issue 6's live run: the sweep of `benchmarks.sweep`, submitted through the running service with early exit.
 
     python -m benchmarks.live_sweep --data .sweepdata --datasets trivia arithmetic --policy alto
-    python -m benchmarks.live_sweep --data .sweepdata --datasets arithmetic --model tiny-random-llama --max-seq-len 512 \\
-        --rows 64 16 16 --epochs 1                                            # a CPU smoke run
+    python -m benchmarks.live_sweep --data .sweepdata --datasets arithmetic --model tiny-random-llama \\
+        --max-seq-len 512 --rows 64 16 16 --epochs 1                          # a CPU smoke run
 
 It starts the whole service (`loraplane up`, the embedded default: SQLite, file-backed bus and broker) in a
 fresh LORAPLANE_HOME with one worker per dataset (so the datasets' tasks run side by side, as the two full

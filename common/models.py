@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from common.settings import get_settings
+from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 
 # SQLite only autoincrements an INTEGER PRIMARY KEY; Postgres gets a bigint identity.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -182,7 +182,7 @@ class Worker(Base):
     queue: Mapped[str] = mapped_column(String(300))
     device: Mapped[str] = mapped_column(String(200))
     memory_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
-    max_slots: Mapped[int] = mapped_column(Integer, default=8)
+    max_slots: Mapped[int] = mapped_column(Integer, default=DEFAULT_MAX_TRIALS_PER_PACK)
     state: Mapped[str] = mapped_column(String(20))  # "alive" | "lost"
     current_pack_id: Mapped[str | None] = mapped_column(String(40), default=None)
     # The worker process now behind this id (new on every start) and when it started: a heartbeat from a

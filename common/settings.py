@@ -14,6 +14,14 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# How many trials share one pack by default: a worker's slot cap (`LORAPLANE_WORKER_MAX_SLOTS`) and a task's
+# `scheduling.max_trials_per_pack` (one value, one default). Measured on one H100 80 GB with the packed engine
+# (benchmarks/results/engine_throughput-*-gpu-20261123-packed*.json): 24 trials of the SmolLM2-135M shape (batch 4,
+# 96 tokens) peak at 13.5 GiB and a step of 24 costs about what a step of 8 does (the step is host-bound); 32 trials
+# of the Llama-3.2-1B shape (batch 1, 512 tokens) peak at 46.9 GiB. So a task of up to 32 trials of a small model is
+# one pack; for larger models memory is the limit, and the planner's memory model enforces it (scheduler/cost.py).
+DEFAULT_MAX_TRIALS_PER_PACK = 32
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", extra="ignore")
@@ -33,7 +41,9 @@ class Settings(BaseSettings):
     worker_timeout_s: float = Field(default=30.0, alias="LORAPLANE_WORKER_TIMEOUT_S")
     # The scheduler replans at least this often even when no event arrives (Redis is not the source of truth).
     scheduler_tick_s: float = Field(default=2.0, alias="LORAPLANE_SCHEDULER_TICK_S")
-    worker_max_trials_per_pack: int = Field(default=8, alias="LORAPLANE_WORKER_MAX_SLOTS")
+    # The most trials one pack of this worker holds (its heartbeat reports it as `max_slots`).
+    worker_max_trials_per_pack: int = Field(default=DEFAULT_MAX_TRIALS_PER_PACK, ge=1,
+                                            alias="LORAPLANE_WORKER_MAX_SLOTS")
     # Registry names (comma-separated) of base models a worker loads at start, before its first pack: the
     # first pack of a task then pays no model load (tens of seconds for a GGUF model).
     worker_preload_models: str = Field(default="", alias="LORAPLANE_WORKER_PRELOAD")

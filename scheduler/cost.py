@@ -16,10 +16,28 @@ import numpy as np
 # fp32 weight + fp32 grad + two fp32 AdamW moments per trainable adapter parameter (PLoRA Eq. 21, c_grad = 3).
 BYTES_PER_ADAPTER_PARAM = 16
 
-# Priors used when profiles cannot determine a coefficient (too few or degenerate samples). Conservative on
-# purpose: over-estimating memory only packs fewer trials, under-estimating risks an OOM.
-PRIOR_K1_BYTES_PER_TOKEN = 256 * 1024
-PRIOR_STEP_S_PER_TOKEN = 1e-4
+# Priors: the cost model of a base model no pack has profiled yet (scheduler/placement.py, `PRIOR_COST`), and the
+# coefficients profiles cannot determine (too few or degenerate samples). From the packed engine on one H100 80 GB
+# (benchmarks/results/engine_throughput-*-gpu-20261123-packed*.json; "tokens" are the planner's, batch × max_seq_len):
+# - SmolLM2-135M shape, 24 trials × batch 4 × 96 tokens (9,216): 293-338 ms per step of which 40-60 ms is GPU work;
+#   the step is host-bound, so its time barely grows with the trials in it (24 cost about what 8 do). A step's
+#   shared cost is therefore most of it: `PRIOR_STEP_BASE_S`.
+# - Llama-3.2-1B shape, 32 trials × batch 1 × 512 tokens (16,384): 214 ms per step, GPU-bound (187 ms busy), i.e.
+#   1.3e-5 s per token; a per-token cost measured on the larger model over-estimates the small one's (safe).
+# - Per slot: the slot's AdamW update is ~0.1 ms of GPU work (2.6 ms for 24 slots); 1 ms also covers its host work.
+# - Memory, everything in k1 (k0 = 0): peaks include the frozen weights and the pack's adapter store (24-32 slots,
+#   rank up to 64, fp32 weights, grads and AdamW moments). The 1B shape peaks at 46.9 GiB at batch 1 (16,384 tokens)
+#   and 62.9 GiB at batch 2 (32,768: 2.0 MiB per token), i.e. ~31 GiB fixed + ~1 MiB per token; at batch 4 it does
+#   not fit in 80 GB. SmolLM2: 13.5 GiB at 9,216 tokens (1.5 MiB per token). At 2 MiB per token the prior admits at
+#   most ~40k tokens on an 80 GB GPU, where the 1B shape needs ~71 GiB and SmolLM2 far less: no OOM on either, and
+#   it still packs 18 SmolLM2 trials at batch 4 × 512 tokens (the API's default max_seq_len) into one pack. A
+#   steeper prior only packs fewer trials; a flatter one risks an OOM.
+# The earlier priors (a 50 ms shared cost, 1e-4 s per token, 256 KiB per token) made a pack's step grow almost
+# linearly with its trials (SmolLM2 at batch 4 × 96: 39 ms per trial against 50 ms shared), so the objective preferred
+# a few small packs one after another, and a task's first plan held most of its trials back (issue 15).
+PRIOR_K1_BYTES_PER_TOKEN = 2 * 1024**2
+PRIOR_STEP_BASE_S = 0.25
+PRIOR_STEP_S_PER_TOKEN = 1.3e-5
 PRIOR_STEP_S_PER_SLOT = 1e-3
 
 

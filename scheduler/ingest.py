@@ -25,7 +25,7 @@ from common import states
 from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
 from common.models import MetricPoint, Pack, Trial, Worker, as_utc, utcnow
-from common.settings import get_settings
+from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from scheduler.cost import Progress
 from scheduler.lifecycle import lose_pack, requeue_trial
 
@@ -122,7 +122,7 @@ def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s
     worker.queue = m["queue"]
     worker.device = m.get("device", "cpu")
     worker.memory_bytes = m.get("memory_bytes")
-    worker.max_slots = int(m.get("max_slots", 8))
+    worker.max_slots = int(m.get("max_slots", DEFAULT_MAX_TRIALS_PER_PACK))
     worker.state = states.WORKER_ALIVE
     worker.last_heartbeat = sent_at if is_new else max(as_utc(worker.last_heartbeat), sent_at)
     if "pack_id" in m:  # what the process runs now (a report from before this field cannot be judged)

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from common import states
 from common.events import record_event
 from common.models import MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
+from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from scheduler.cost import Progress, fit_profiles, samples_from_profiles
 from scheduler.exits import stop_mode
 from scheduler.placement import PRIOR_COST
@@ -221,7 +222,8 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
             task_id=task.id,
             tenant_id=task.tenant_id,
             base_model=task.base_model,
-            max_trials_per_pack=int(task.spec.get("scheduling", {}).get("max_trials_per_pack", 8)),
+            max_trials_per_pack=int(task.spec.get("scheduling", {}).get("max_trials_per_pack",
+                                                                         DEFAULT_MAX_TRIALS_PER_PACK)),
             remaining_steps=max(1, trial.total_steps - (trial.checkpoint_step or 0)),
             tokens_per_step=_tokens_per_step(trial, task),
             # The objective's weights are integers: a tenant's weight rounds to the nearest, at least 1.

@@ -21,7 +21,10 @@ cost, prefer to wait for the pack to end (shortest work first); but the pack ran
 moment ago, and on a GPU not saturated by the pack (small models, where a step's fixed cost dominates)
 waiting doubled a task's wall-clock time in the live early-exit sweep (benchmarks/live_sweep.py). One rule
 comes after it: no worker free now is left idle while the plan holds a pack for later
-(`planning.work_conserving`: the earliest such pack starts now on it, within memory and quotas).
+(`planning.work_conserving`: the earliest such pack starts now on it, within memory and quotas). And for a base
+model no pack has measured yet (its plan rests on the cost priors), no trial is held for a later pack while a
+pack of its model starting now has room (`planning.fill_now`): with a prior step time the objective cannot tell
+whether a bigger pack pays, and a held-back trial made an early-exit task slower than one without (issue 15).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from scheduler.cost import (
     PRIOR_K1_BYTES_PER_TOKEN,
+    PRIOR_STEP_BASE_S,
     PRIOR_STEP_S_PER_SLOT,
     PRIOR_STEP_S_PER_TOKEN,
     MemoryModel,
@@ -46,13 +50,13 @@ from scheduler.planning import (
     PlanResult,
     PlanTrial,
     RunningPack,
+    fill_now,
     work_conserving,
 )
 
 # A GPU whose worker did not report its memory: plan as for an 80 GB H100 (the profile's fit then decides).
 DEFAULT_GPU_BYTES = 80 * 2**30
-# Without a profile: a fixed per-step cost for the frozen base's own work (seconds), then the cost priors.
-PRIOR_STEP_BASE_S = 0.05
+# Without a profile: the cost priors (scheduler/cost.py says where their numbers come from).
 PRIOR_COST = ModelCost(
     memory=MemoryModel(k0_bytes=0.0, k1_bytes_per_token=PRIOR_K1_BYTES_PER_TOKEN),
     step=StepTimeModel(a_s=PRIOR_STEP_BASE_S, b_s_per_token=PRIOR_STEP_S_PER_TOKEN, c_s_per_slot=PRIOR_STEP_S_PER_SLOT),
@@ -122,6 +126,8 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
     # The solver may hold a free worker back for a later pack (its cost model sees no gain in starting now);
     # in a live run on the H100 a worker stood idle for minutes with trials pending: none idles while a pack waits.
     result = work_conserving(inp, plan_cpsat(inp, time_limit_s=time_limit_s))
+    # On the priors alone, no trial waits for a later pack while a pack of its model starting now has room.
+    result = fill_now(inp, result, models - costs.keys())
     idle = {w.worker_id: w for w in snapshot.idle_workers}
     pending = {t.trial_id: t for t in snapshot.pending}
     packs = tuple(

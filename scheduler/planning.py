@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler.cost import MemoryModel, StepTimeModel
@@ -375,3 +375,55 @@ def work_conserving(inp: PlanningInput, result: PlanResult) -> PlanResult:
     if not moved:
         return result
     return finish_plan(prep, [moved.get(p.pack_key, p) for p in result.packs], result.solve_s, result.status)
+
+
+def fill_now(inp: PlanningInput, result: PlanResult, models: Collection[str]) -> PlanResult:
+    """The plan with no trial of a base model in `models` held for a later pack while a new pack of its model
+    starting now has room: each such pack takes, earliest-planned first, the trials of its model and GPU count that
+    the plan starts later, within its cap, its GPUs' memory and its tenants' quotas.
+
+    For models planned on the cost priors (no pack measured yet). The priors cannot tell how much a pack's step
+    grows with its trials, and near the margin (short trials, the rounding of each step to whole time units) the
+    objective still holds some back; but on the measured engine a pack of a small model steps in about the time
+    of a smaller one (host-bound), a held-back trial waits a whole pack, and with early exit it holds its task's
+    warm-up ranking back too. The first pack is profiled, and the plans after it weigh measured costs."""
+    prep = Prepared(inp)
+    now = [p for p in result.packs if not p.backfill and p.start == 0 and p.base_model in models]
+    later = sorted((p for p in result.packs if not p.backfill and p.start > 0 and p.base_model in models),
+                   key=lambda p: (p.start, p.pack_key))
+    if not now or not later:
+        return result
+    by_id = {t.trial_id: t for t in prep.trials}
+    running_now: Counter[str] = Counter()  # trials per tenant running now, and once this plan's first wave starts
+    for r in inp.running:
+        for tenant, n in r.tenant_trials:
+            running_now[tenant] += n
+    running_now.update(by_id[i].tenant_id for p in result.start_now for i in p.trial_ids)
+    moved: set[str] = set()
+    grown: dict[str, ScheduledPack] = {}
+    for p in now:
+        members = [by_id[i] for i in p.trial_ids]
+        room = min(prep.gpu_mem[g] for g in p.gpu_ids) - prep.mem_base(p.base_model)
+        room -= sum(prep.mem_item(t) for t in members)
+        cap = min(t.max_trials_per_pack for t in members)
+        added: list[str] = []
+        for q in later:
+            if q.base_model != p.base_model or len(q.gpu_ids) != len(p.gpu_ids):
+                continue
+            for t in (by_id[i] for i in q.trial_ids if i not in moved):
+                quota = prep.quota_cap(t.tenant_id)
+                if (len(members) + len(added) + 1 > min(cap, t.max_trials_per_pack) or prep.mem_item(t) > room
+                        or (quota is not None and running_now[t.tenant_id] + 1 > quota)):
+                    continue
+                cap = min(cap, t.max_trials_per_pack)
+                room -= prep.mem_item(t)
+                running_now[t.tenant_id] += 1
+                moved.add(t.trial_id)
+                added.append(t.trial_id)
+        if added:
+            grown[p.pack_key] = replace(p, trial_ids=(*p.trial_ids, *added))
+    if not moved:
+        return result
+    packs = [grown.get(p.pack_key, p) if p.start == 0 or p.backfill
+             else replace(p, trial_ids=tuple(i for i in p.trial_ids if i not in moved)) for p in result.packs]
+    return finish_plan(prep, [p for p in packs if p.trial_ids], result.solve_s, result.status)

@@ -23,7 +23,9 @@ Assumptions where the papers give no number (all fixed before any simulation was
   base models Llama-3.1-8B and Qwen2.5-7B with equal odds (tLoRA evaluates 8B backbones), one GPU per job;
   8 tenants, all of weight 1 (tLoRA has no tenant priorities); one trial per task, so a task's JCT is
   tLoRA's per-job JCT.
-- Max trials per pack: 8 (the API's default `scheduling.max_trials_per_pack`).
+- Max trials per pack: 8, the API's default `scheduling.max_trials_per_pack` when these traces were fixed (the
+  service's default is now `common.settings.DEFAULT_MAX_TRIALS_PER_PACK`, 32); kept at 8 so that the recorded
+  simulations (benchmarks/results/planner-*.json) reproduce, and ALTO's tasks have 8 trials each anyway.
 
 Cost model per base model on an 80 GB H100 SXM, from first principles (`model_cost`), per GPU of the pack:
 

@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from api.schemas.common import FiniteFloat, RequestModel, Text, UtcDateTime
+from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 
 MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ModuleName = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -228,7 +229,9 @@ class Training(RequestModel):
 
 
 class Scheduling(RequestModel):
-    max_trials_per_pack: Annotated[StrictInt, Field(ge=1, le=64)] = 8
+    max_trials_per_pack: Annotated[StrictInt, Field(ge=1, le=64)] = Field(
+        default=DEFAULT_MAX_TRIALS_PER_PACK,
+        description="The most trials of this task that share one pack (a worker's slot cap may lower it).")
 
 
 class TaskCreate(RequestModel):

@@ -16,7 +16,7 @@ from common.celery import get_celery, worker_queue
 from common.db import session_scope
 from common.models import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
 from common.registry import ensure_default_models
-from common.settings import get_settings
+from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from scheduler.daemon import SchedulerDaemon
 from scheduler.exits import PAUSE_MIN_STEPS, should_pause
 from tests.conftest import REDIS_URL
@@ -36,17 +36,17 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
     yield d
 
 
-def make_task(n_trials: int, cap: int = 8, early_exit: dict[str, object] | None = None,
-              steps: int = 4) -> tuple[str, list[str]]:
+def make_task(n_trials: int, cap: int = 8, early_exit: dict[str, object] | None = None, steps: int = 4, *,
+              model: str = "tiny-random-llama", seq_len: int = 64, batch: int = 2) -> tuple[str, list[str]]:
     with session_scope() as s:
         ensure_default_models(s)
         tenant = Tenant(id=new_id("ten"), name=new_id("n"), max_concurrent_trials=10, max_trials_per_task=10,
                         max_file_bytes=10**6)
         file = File(id=new_id("file"), tenant_id=tenant.id, filename="d.jsonl", bytes=1, rows=10,
                     format="prompt_completion", sha256="0" * 64, storage_key="files/x.jsonl")
-        task = Task(id=new_id("task"), tenant_id=tenant.id, base_model="tiny-random-llama",
+        task = Task(id=new_id("task"), tenant_id=tenant.id, base_model=model,
                     training_file_id=file.id, state=states.TASK_QUEUED,
-                    spec={"max_seq_len": 64, "eval_interval": 2, "validation_split": 0.2, "seed": 0,
+                    spec={"max_seq_len": seq_len, "eval_interval": 2, "validation_split": 0.2, "seed": 0,
                           "scheduling": {"max_trials_per_pack": cap},
                           "early_exit": early_exit or {"policy": "none"}})
         s.add(tenant)
@@ -57,7 +57,7 @@ def make_task(n_trials: int, cap: int = 8, early_exit: dict[str, object] | None 
         s.flush()
         trials = [Trial(id=new_id("trial"), task_id=task.id, tenant_id=tenant.id, index=i,
                         state=states.TRIAL_PENDING, total_steps=steps,
-                        hyperparameters={"learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8, "batch_size": 2,
+                        hyperparameters={"learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8, "batch_size": batch,
                                          "lora_dropout": 0.0, "target_modules": ["q_proj"], "seed": i})
                   for i in range(n_trials)]
         s.add_all(trials)
@@ -116,6 +116,22 @@ def test_trials_are_packed_dispatched_ingested_and_the_best_wins(daemon: Schedul
         assert planned.data["trials_placed"] == 3 and planned.data["status"] in ("optimal", "feasible")
         assert planned.data["solve_ms"] >= 0
 
+
+
+@pytest.mark.parametrize("policy", ["none", "alto"])
+def test_the_first_plan_of_an_18_trial_small_model_task_is_one_pack(daemon: SchedulerDaemon, policy: str) -> None:
+    """Issue 15, through the daemon: an idle H100 worker with its default slot cap, an 18-trial SmolLM2-135M task
+    (batch 4, 96-token rows) with the API's default pack cap and no measured costs. Early exit must not change
+    the first plan: all 18 trials start now, in one pack (held-back trials delayed ALTO's warm-up ranking and made
+    the early-exit task slower than the one without)."""
+    _, trial_ids = make_task(18, cap=DEFAULT_MAX_TRIALS_PER_PACK, early_exit={"policy": policy}, steps=500,
+                             model="smollm2-135m-instruct", seq_len=96, batch=4)
+    report("heartbeat", queue=worker_queue(get_settings(), WORKER), device="cuda:0", memory_bytes=80 * 10**9,
+           max_slots=get_settings().worker_max_trials_per_pack)
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    assert pack.worker_id == WORKER and sorted(pack.trial_ids) == sorted(trial_ids)
+    assert pack.capacity == DEFAULT_MAX_TRIALS_PER_PACK
 
 def test_a_lost_worker_sends_its_trials_back_and_its_late_reports_are_dropped(daemon: SchedulerDaemon) -> None:
     task_id, trial_ids = make_task(2)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from scheduler.placement import place, rejoin
+import pytest
+
+from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
+from scheduler.cost import StepTimeModel
+from scheduler.placement import PRIOR_COST, place, rejoin
 from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, RunningMember, Snapshot
+from scheduler.planning import ModelCost
 
 
 def trial(i: int, model: str = "m", cap: int = 8, task: str = "t1", steps: int = 100) -> PendingTrial:
@@ -92,3 +97,59 @@ def test_rejoin_respects_free_slots_and_what_the_pack_can_take() -> None:
     assert left.live_packs[0].free_slots == 0
     assert rejoin(replace(snap, live_packs=(replace(pack, task_ids=frozenset({"t9"})),))) == (
         (), replace(snap, live_packs=(replace(pack, task_ids=frozenset({"t9"})),)))
+
+
+H100_BYTES = 80 * 10**9  # what an 80 GB H100 reports, a little under DEFAULT_GPU_BYTES
+
+
+def grid_task(n: int, model: str, batches: tuple[int, ...], seq_len: int, rows: int = 2000) -> tuple[PendingTrial, ...]:
+    """One task's grid as `lifecycle.build_snapshot` sees it: tokens per step = batch × max_seq_len, one epoch of
+    `rows` rows, the task's default pack cap; learning rates and ranks cycle (the planner does not weigh them)."""
+    return tuple(
+        PendingTrial(trial_id=f"tr{i:02d}", task_id="t1", tenant_id="ten", base_model=model,
+                     max_trials_per_pack=DEFAULT_MAX_TRIALS_PER_PACK, remaining_steps=-(-rows // batch),
+                     tokens_per_step=batch * seq_len, lora_rank=(4, 16, 64)[i % 3])
+        for i, batch in enumerate(batches[i % len(batches)] for i in range(n))
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("batches", "seq_len"), [((4,), 96), ((4,), 128), ((4,), 512), ((4, 8, 16), 96),
+                                                   ((4, 8, 16), 128)])
+def test_the_first_plan_of_a_small_model_task_puts_every_trial_in_one_pack(batches: tuple[int, ...],
+                                                                            seq_len: int) -> None:
+    """Issue 15: an 18-trial SmolLM2-135M task (30 layers, hidden 576, intermediate 1536; ~100-token rows) on an idle
+    H100, no measured costs yet. The packed engine steps 24 such trials in about the time of 8 (host-bound), so
+    holding trials back for a later pack only makes the task slower; with early exit it also holds the warm-up
+    ranking back. The plan from the cost priors must start all 18 now, in one pack (512: the API's default
+    max_seq_len, which the planner counts in full)."""
+    snap = Snapshot(pending=grid_task(18, "smollm2-135m-instruct", batches, seq_len),
+                    idle_workers=(IdleWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),))
+    placement = place(snap, {})
+    (pack,) = placement.plan.packs
+    assert (pack.worker_id, sorted(pack.trial_ids)) == ("w0", sorted(t.trial_id for t in snap.pending))
+    assert placement.result is not None and len(placement.result.packs) == 1
+
+
+def test_the_memory_prior_keeps_a_1b_model_from_over_packing() -> None:
+    """The Llama-3.2-1B shape measured on the H100: 32 trials at batch 1 × 512 tokens peak at 46.9 GiB (one pack);
+    at batch 4 they do not fit in 80 GB, so the first plan must not put all 32 in one pack."""
+    idle = (IdleWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),)
+    (pack,) = place(Snapshot(pending=grid_task(32, "llama-3.2-1b", (1,), 512), idle_workers=idle), {}).plan.packs
+    assert len(pack.trial_ids) == 32
+    (pack,) = place(Snapshot(pending=grid_task(32, "llama-3.2-1b", (4,), 512), idle_workers=idle), {}).plan.packs
+    assert 1 <= len(pack.trial_ids) < 32
+    assert len(pack.trial_ids) * 4 * 512 * PRIOR_COST.memory.k1_bytes_per_token <= H100_BYTES
+
+
+def test_on_the_priors_no_trial_waits_for_a_later_pack_while_the_pack_starting_now_has_room() -> None:
+    """Near the margin (13-step trials, whole time units) the objective on the priors still splits the task; the
+    plan must not (`planning.fill_now`). With measured costs that say packing does not pay (a GPU-bound step that
+    grows with every trial), the solver's choice to run the trials one pack after another stands."""
+    pending = grid_task(18, "m", (4, 8, 16), 128, rows=50)
+    idle = (IdleWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),)
+    (pack,) = place(Snapshot(pending=pending, idle_workers=idle), {}).plan.packs
+    assert len(pack.trial_ids) == 18
+    gpu_bound = ModelCost(memory=PRIOR_COST.memory, step=StepTimeModel(a_s=0.001, b_s_per_token=1e-3, c_s_per_slot=0))
+    placement = place(Snapshot(pending=pending, idle_workers=idle), {"m": gpu_bound})
+    (pack,) = placement.plan.packs
+    assert len(pack.trial_ids) < 18 and placement.result is not None and len(placement.result.packs) > 1
