@@ -372,3 +372,19 @@ def test_a_validation_that_breaks_fails_only_its_trial(
     assert (v.status, v.steps_done, v.error) == ("failed", 4, "RuntimeError: CUDA out of memory in validation")
     assert [step for trial, step, split, _ in points if trial == "fine" and split == "val"] == [4, 8, 12]
     assert not [p for p in points if p[0] == "v" and p[2] == "val"]
+
+
+def test_spare_slots_are_allocated_only_where_memory_allows() -> None:
+    """A pack's spare slots (room for back-fills) take at most a quarter of the free device memory."""
+    from worker.engine.store import slot_bytes
+    from worker.engine.trainer import SPARE_SLOTS_MEMORY_FRACTION, spare_slots
+
+    # Llama-3.1-8B's seven projections in 32 layers at rank 64, bf16 compute: ~2.7 GB a slot.
+    layer = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)]
+    per_slot = slot_bytes(layer * 32, 64, torch.bfloat16)
+    assert per_slot == 64 * 32 * sum(a + b for a, b in layer) * (4 + 2 + 2 + 4 + 4)
+    free = 40 * 2**30  # what an 80 GB GPU has left with the 8B model and 8 slots' stores loaded
+    assert spare_slots(per_slot, free, wanted=24) == int(free * SPARE_SLOTS_MEMORY_FRACTION) // per_slot == 4
+    assert spare_slots(per_slot, None, wanted=24) == 24  # the CPU: no limit
+    assert spare_slots(per_slot, 2**20, wanted=24) == 0
+    assert slot_bytes([(8, 16)], 4, torch.float32) == 4 * 24 * (4 + 4 + 4 + 4)  # fp32: no compute copy

@@ -48,6 +48,15 @@ class _Block:
         return self.layer.out_features
 
 
+def slot_bytes(dims: list[tuple[int, int]], max_rank: int, compute_dtype: torch.dtype) -> int:
+    """Device bytes one slot of an ``AdapterStore`` takes: its row of the fp32 weights, of their compute copy
+    (none in fp32), of the gradients (compute dtype) and of the optimizer's two fp32 moments, over layers of
+    ``(d_in, d_out)`` ``dims`` at rank ``max_rank``."""
+    params = max_rank * sum(d_in + d_out for d_in, d_out in dims)
+    size = torch.empty((), dtype=compute_dtype).element_size()
+    return params * (4 + (size if compute_dtype != torch.float32 else 0) + size + 4 + 4)
+
+
 class AdapterStore:
     """Stacked adapters of ``capacity`` slots for ``layers``, rank-padded to ``max_rank``.
 

@@ -12,12 +12,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from worker.engine.engine import PackEngine
-from worker.engine.lora import resolve_target_modules
+from worker.engine.lora import ALL_LINEAR, resolve_target_modules
 from worker.engine.slots import StepStats
 from worker.engine.spec import TrialOutcome, TrialSpec, validate_spec
+from worker.engine.store import slot_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,9 @@ PointCallback = Callable[[str, int, str, float], None]  # (trial_id, step, "trai
 StopMode = Literal["drop", "export", "pause"]
 # Given the free slots, the trials to admit now, each with the checkpoint it resumes from (or None).
 Admissions = Callable[[int], list[tuple[TrialSpec, Path | None]]]
+# Spare slots (for back-fills) may take this share of the device's free memory at the pack's start; the rest
+# is for the trials' activations.
+SPARE_SLOTS_MEMORY_FRACTION = 0.25
 
 
 def train_pack(
@@ -112,13 +117,14 @@ def train_pack(
             layers |= set(resolve_target_modules(model, [pattern]))
         except ValueError as exc:
             logger.warning("pack layers: %s", exc)
+    rank = max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64
     try:
         if ready or admissions is not None:
             engine = PackEngine(
                 model,
                 tokenizer,
-                capacity=max(capacity or 0, len(ready), 1),
-                max_rank=max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64,
+                capacity=_capacity(model, layers, rank, wanted=capacity or 0, needed=max(len(ready), 1)),
+                max_rank=rank,
                 target_modules=sorted(layers) or None,
                 activation_checkpointing=activation_checkpointing,
             )
@@ -131,6 +137,40 @@ def train_pack(
     order = {trial_id: i for i, trial_id in enumerate(ids)}
     return sorted(outcomes, key=lambda o: order.get(o.trial_id, len(ids)))  # stable: admitted ones as they ended
 
+
+
+def spare_slots(slot_bytes: int, free_bytes: int | None, wanted: int) -> int:
+    """How many of ``wanted`` spare slots (room for later back-fills) a pack allocates: as many as fit in
+    ``SPARE_SLOTS_MEMORY_FRACTION`` of the device's free memory (``None``: no limit, the CPU)."""
+    if free_bytes is None or slot_bytes <= 0:
+        return wanted
+    return max(0, min(wanted, int(free_bytes * SPARE_SLOTS_MEMORY_FRACTION) // slot_bytes))
+
+
+def _capacity(model: PreTrainedModel, layers: set[str], max_rank: int, *, wanted: int, needed: int) -> int:
+    """The pack's slots: one per trial it starts with, plus spare ones up to ``wanted`` where memory allows.
+
+    The adapter store is allocated for every slot at the pack's largest rank: 32 slots of rank 64 on all
+    projections of an 8B model would take ~97 GB, more than the GPU. A back-fill the pack has no slot for is
+    refused, and the scheduler places it elsewhere.
+    """
+    if wanted <= needed:
+        return needed
+    parameter = next(model.parameters())
+    free = torch.cuda.mem_get_info(parameter.device)[0] if parameter.is_cuda else None
+    linears = dict(model.named_modules())
+    all_layers = layers or set(resolve_target_modules(model, [ALL_LINEAR]))
+    dims = [(_linear(linears[path]).in_features, _linear(linears[path]).out_features) for path in sorted(all_layers)]
+    spare = spare_slots(slot_bytes(dims, max_rank, parameter.dtype), free, wanted - needed)
+    if spare < wanted - needed:
+        logger.warning("pack of %d trials: %d of %d spare slots fit in memory", needed, spare, wanted - needed)
+    return needed + spare
+
+
+def _linear(module: torch.nn.Module) -> torch.nn.Linear:
+    inner = getattr(module, "base_layer", module)  # a layer already wrapped by a pack
+    assert isinstance(inner, torch.nn.Linear), f"{type(module).__name__} is not a linear layer"
+    return inner
 
 
 def _run(
