@@ -354,11 +354,7 @@ def work_conserving(inp: PlanningInput, result: PlanResult) -> PlanResult:
     if not idle or not later:
         return result
     by_id = {t.trial_id: t for t in prep.trials}
-    running_now: Counter[str] = Counter()  # trials per tenant running now, and once this plan's first wave starts
-    for r in inp.running:
-        for tenant, n in r.tenant_trials:
-            running_now[tenant] += n
-    running_now.update(by_id[i].tenant_id for p in result.start_now for i in p.trial_ids)
+    running_now = _tenant_trials_now(inp, result, by_id)
     moved: dict[str, ScheduledPack] = {}
     for gpu in idle:
         for p in later:
@@ -375,6 +371,16 @@ def work_conserving(inp: PlanningInput, result: PlanResult) -> PlanResult:
     if not moved:
         return result
     return finish_plan(prep, [moved.get(p.pack_key, p) for p in result.packs], result.solve_s, result.status)
+
+
+def _tenant_trials_now(inp: PlanningInput, result: PlanResult, by_id: Mapping[str, PlanTrial]) -> Counter[str]:
+    """Trials per tenant running now, and once the plan's first wave has started."""
+    running_now: Counter[str] = Counter()
+    for r in inp.running:
+        for tenant, n in r.tenant_trials:
+            running_now[tenant] += n
+    running_now.update(by_id[i].tenant_id for p in result.start_now for i in p.trial_ids)
+    return running_now
 
 
 def fill_now(inp: PlanningInput, result: PlanResult, models: Collection[str]) -> PlanResult:
@@ -394,11 +400,7 @@ def fill_now(inp: PlanningInput, result: PlanResult, models: Collection[str]) ->
     if not now or not later:
         return result
     by_id = {t.trial_id: t for t in prep.trials}
-    running_now: Counter[str] = Counter()  # trials per tenant running now, and once this plan's first wave starts
-    for r in inp.running:
-        for tenant, n in r.tenant_trials:
-            running_now[tenant] += n
-    running_now.update(by_id[i].tenant_id for p in result.start_now for i in p.trial_ids)
+    running_now = _tenant_trials_now(inp, result, by_id)
     moved: set[str] = set()
     grown: dict[str, ScheduledPack] = {}
     for p in now:
