@@ -138,7 +138,6 @@ def train_pack(
     return sorted(outcomes, key=lambda o: order.get(o.trial_id, len(ids)))  # stable: admitted ones as they ended
 
 
-
 def spare_slots(slot_bytes: int, free_bytes: int | None, wanted: int) -> int:
     """How many of ``wanted`` spare slots (room for later back-fills) a pack allocates: as many as fit in
     ``SPARE_SLOTS_MEMORY_FRACTION`` of the device's free memory (``None``: no limit, the CPU)."""
@@ -151,7 +150,7 @@ def _capacity(model: PreTrainedModel, layers: set[str], max_rank: int, *, wanted
     """The pack's slots: one per trial it starts with, plus spare ones up to ``wanted`` where memory allows.
 
     The adapter store is allocated for every slot at the pack's largest rank: 32 slots of rank 64 on all
-    projections of an 8B model would take ~97 GB, more than the GPU. A back-fill the pack has no slot for is
+    projections of an 8B model would take ~86 GB, more than the GPU's. A back-fill the pack has no slot for is
     refused, and the scheduler places it elsewhere.
     """
     if wanted <= needed:
