@@ -18,7 +18,8 @@ task's end, samples trained (sum of steps done x batch size over the trials), ea
 and stop reason, the best trial and its test accuracy, device, date and command; on a GPU also its
 utilisation sampled through NVML every half second from submission to the last task's end, and every pack's
 profile as the worker measured it (step time, tokens, and its phases: training steps, validation,
-checkpoints, exports, and the share of its wall time outside training steps).
+checkpoints, exports, and the share of its wall time outside training steps; its steps' seconds split into
+waiting for the device, building batches on the critical path, and other host work).
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ def main() -> None:
         for pack in packs:
             phases = pack["profile"].get("phases", {})
             print(f"pack {pack['pack_id'][:8]}: {pack['trials']} trials, {pack['profile'].get('steps')} steps, "
-                  f"{phases.get('wall_s')} s, outside training steps {phases.get('outside_steps_frac')}", flush=True)
+                  f"{phases.get('wall_s')} s, outside training steps {phases.get('outside_steps_frac')}, "
+                  f"steps' seconds {pack['profile'].get('step_breakdown_s')}", flush=True)
         if gpu_busy is not None:
             print(f"GPU busy {gpu_busy['mean_pct']}% over the run, {gpu_busy['mean_pct_from_first_kernel']}% from "
                   "the first kernel on", flush=True)

@@ -23,6 +23,9 @@ class PackProfiler:
     tokens: int = 0
     padded_tokens: int = 0
     peak_memory_bytes: int | None = None
+    data_s: float = 0.0  # batch building on the steps' critical path (prefetch misses)
+    prefetch_s: float = 0.0  # batch building overlapped with the device
+    sync_wait_s: float = 0.0  # the host waiting for the device at each step's sync
     samples: list[list[Any]] = field(default_factory=list)  # [active slots, tokens, padded, seconds, peak]
     window: list[StepStats] = field(default_factory=list)  # steps since the last progress report
 
@@ -32,6 +35,9 @@ class PackProfiler:
         self.seconds += stats.seconds
         self.tokens += stats.tokens
         self.padded_tokens += stats.padded_tokens
+        self.data_s += stats.data_s
+        self.prefetch_s += stats.prefetch_s
+        self.sync_wait_s += stats.sync_wait_s
         if stats.peak_memory_bytes is not None:
             self.peak_memory_bytes = max(self.peak_memory_bytes or 0, stats.peak_memory_bytes)
         if len(self.samples) < MAX_SAMPLES:
@@ -61,6 +67,14 @@ class PackProfiler:
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else None,
             "padded_fraction": round(self.padded_tokens / total, 4) if total else None,
             "peak_memory_bytes": self.peak_memory_bytes,
+            # Where a step's wall time went: waiting for the device (the rest is host work on the critical
+            # path, of which `data_s` built batches the prefetch missed).
+            "step_breakdown_s": {
+                "data": round(self.data_s, 3),
+                "prefetch_overlapped": round(self.prefetch_s, 3),
+                "device_wait": round(self.sync_wait_s, 3),
+                "host_other": round(self.seconds - self.data_s - self.sync_wait_s, 3),
+            },
             "samples": self.samples,
             "sample_fields": ["active_slots", "tokens", "padded_tokens", "seconds", "peak_memory_bytes"],
         }

@@ -319,3 +319,20 @@ def test_eval_forwards_keep_every_row_once_in_order_within_the_token_budget() ->
     sizes = [[(p.slot, [len(e.input_ids) for e in p.examples]) for p in parts] for parts in forwards]
     assert sizes == [[(0, [4, 4])], [(0, [4])], [(1, [10])], [(1, [3])]]  # a 10-token row goes alone
     assert _eval_forwards([(0, a), (1, b)], max_tokens=100) == [[SlotRows(0, a), SlotRows(1, b)]]
+
+
+def test_step_stats_say_where_the_host_time_went(tiny: Tiny) -> None:
+    """The first step builds its batch itself (on its critical path); the next ones use the batch prefetched
+    while the device worked on the step before."""
+    specs = [make_spec("h1"), make_spec("h2", seed=5, batch_size=2)]
+    with _engine(tiny, specs) as engine:
+        for spec in specs:
+            engine.admit(spec)
+        stats = []
+        for _ in range(3):
+            engine.step()
+            assert engine.last_stats is not None
+            stats.append(engine.last_stats)
+    assert stats[0].data_s > 0
+    assert [s.data_s for s in stats[1:]] == [0.0, 0.0]  # prefetched
+    assert all(s.prefetch_s > 0 and 0 <= s.sync_wait_s <= s.seconds for s in stats)

@@ -22,6 +22,16 @@ def test_profile_sums_steps_and_keeps_the_first_samples() -> None:
     assert len(profiler.summary()["samples"]) == MAX_SAMPLES and profiler.summary()["steps"] == MAX_SAMPLES + 12
 
 
+def test_profile_breaks_the_steps_down_into_data_device_wait_and_other_host_work() -> None:
+    profiler = PackProfiler(device="cuda:0")
+    for data_s in (0.2, 0.0):
+        profiler.record(StepStats(step=1, active_slots=2, tokens=10, padded_tokens=0, target_tokens=5, seconds=1.0,
+                                  peak_memory_bytes=None, data_s=data_s, prefetch_s=0.1, sync_wait_s=0.3))
+    assert profiler.summary()["step_breakdown_s"] == {
+        "data": 0.2, "prefetch_overlapped": 0.2, "device_wait": 0.6, "host_other": 1.2,
+    }
+
+
 def test_profile_on_cpu_has_no_memory_and_no_rate_before_a_step() -> None:
     summary = PackProfiler(device="cpu").summary()
     assert summary["peak_memory_bytes"] is None and summary["tokens_per_s"] is None and summary["steps"] == 0

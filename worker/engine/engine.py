@@ -190,20 +190,33 @@ class PackEngine:
         parts, key = feed.draw(self.slots, self._fail)
         prefetched, self._prefetched = self._prefetched, None
         batch = prefetched[1] if prefetched is not None and prefetched[0] == key else None
+        data_s = 0.0
+        if batch is None and parts:  # the prefetch missed: the batch is built on the step's critical path
+            data_started = time.perf_counter()
+            try:
+                batch = self._pack(parts)
+            except Exception:  # _losses_and_grads packs again, slot by slot, and fails only what breaks
+                batch = None
+            data_s = time.perf_counter() - data_started
         self.store.grads.zero_()
         losses = self._losses_and_grads(parts, batch)
         stepped = [p.slot for p in parts if not self.state(p.slot).failed]
         self.optimizer.step(  # also refreshes store.compute; only as far into each row as its rank reaches
             {slot: self.state(slot).lr() for slot in stepped}, {slot: self.store.live_columns(slot) for slot in stepped}
         )
+        prefetch_started = time.perf_counter()
         self._prefetched = self._prefetch(stepped)  # host work while the device computes this step
+        sync_started = time.perf_counter()
         values = losses.tolist()  # the step's one device sync: it waits for the update queued above
+        sync_s = time.perf_counter() - sync_started
         for slot in stepped:
             self.state(slot).steps_done += 1
             self.state(slot).last_train_loss = values[slot]
         self.pack_step += 1
-        multiple = self._width_multiple
-        self.last_stats = StepStats.measure(self.pack_step, parts, len(stepped), started, self.device, multiple)
+        self.last_stats = StepStats.measure(
+            self.pack_step, parts, len(stepped), started, self.device, self._width_multiple,
+            data_s=data_s, prefetch_s=sync_started - prefetch_started, sync_wait_s=sync_s,
+        )  # fmt: skip
         return {self.state(slot).spec.trial_id: values[slot] for slot in stepped}
 
     def _prefetch(self, stepped: list[int]) -> tuple[BatchKey, PackedBatch] | None:

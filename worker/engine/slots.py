@@ -82,6 +82,10 @@ class StepStats:
         target_tokens: tokens the loss was computed on.
         seconds: wall time of the step, device work included (it ends with the step's one device sync).
         peak_memory_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the pack started; CPU: ``None``.
+        data_s: host time building the step's batch on its critical path (0 when the prefetch had it).
+        prefetch_s: host time building the next step's batch while the device worked (off the critical path).
+        sync_wait_s: time the host waited at the step's device sync for work it had queued: near 0, the
+            host was the bottleneck; most of ``seconds``, the device was.
     """
 
     step: int
@@ -91,10 +95,14 @@ class StepStats:
     target_tokens: int
     seconds: float
     peak_memory_bytes: int | None
+    data_s: float = 0.0
+    prefetch_s: float = 0.0
+    sync_wait_s: float = 0.0
 
     @classmethod
     def measure(
-        cls, step: int, parts: Sequence[SlotRows], stepped: int, started: float, device: torch.device, multiple: int
+        cls, step: int, parts: Sequence[SlotRows], stepped: int, started: float, device: torch.device, multiple: int,
+        *, data_s: float = 0.0, prefetch_s: float = 0.0, sync_wait_s: float = 0.0,
     ) -> StepStats:
         """Stats of the step that trained ``parts`` (``stepped`` slots of them) and began at ``started``, its
         stream rounded up to ``multiple`` tokens."""
@@ -107,6 +115,9 @@ class StepStats:
             target_tokens=sum(e.n_targets for p in parts for e in p.examples),
             seconds=time.perf_counter() - started,
             peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            data_s=data_s,
+            prefetch_s=prefetch_s,
+            sync_wait_s=sync_wait_s,
         )
 
     @property
