@@ -136,7 +136,7 @@ def _varlen_attn() -> tuple[Callable[..., torch.Tensor], dict[str, Any], bool] |
     """torch's variable-length attention, the keyword arguments that make it causal and whether it takes
     fewer key/value heads (``enable_gqa``); ``None`` without it.
 
-    Its signature moved between releases: ``is_causal=True`` (torch 2.10), ``window_size=(-1, 0)`` later.
+    Its signature moved between releases: causal is ``is_causal=True`` in some, ``window_size=(-1, 0)`` in others.
     """
     try:
         from torch.nn.attention.varlen import varlen_attn
