@@ -1,6 +1,6 @@
 """The planner's cost model: pack memory and step time per (base model, GPU kind), fitted from pack profiles.
 
-Pure functions, no I/O (DESIGN.md §5, ALTO §7.1, PLoRA Appendix A). Memory follows ALTO's linear model
+Pure functions, no I/O (ALTO §7.1, PLoRA Appendix A). Memory follows ALTO's linear model
 `M(B) = k0 + k1·tokens` plus adapter and optimizer bytes per slot; step time is linear in pooled tokens and
 active slots. Measured step times from running packs correct the prediction online (`corrected`).
 """

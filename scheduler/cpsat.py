@@ -1,4 +1,6 @@
-"""The CP-SAT planner: which pending trials share a pack, on which GPU(s), starting when (DESIGN.md §5).
+"""The CP-SAT planner: which pending trials share a pack, on which GPU(s), starting when.
+
+docs/ARCHITECTURE.md ("A task's way through the system") says where it sits in the daemon.
 
 Pure: `plan_cpsat(PlanningInput) -> PlanResult`, no I/O. ALTO §7.2 (Table 1) schedules rigid multi-GPU
 tasks for makespan; PLoRA §6 adds the packing (configuration → job); tLoRA §3.4 lets trials of different

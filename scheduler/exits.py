@@ -2,7 +2,7 @@
 stored curves, and its decisions made into state changes, events and worker commands.
 
 Runs in the scheduler's ingest transaction for the tasks whose trials reported something (a validation point,
-an end, a pause), so a decision is made on every new evaluation (DESIGN.md §4):
+an end, a pause), so a decision is made on every new evaluation (README, "Early exit"):
 
 - stop: the trial becomes `stopped_early` with its reason, and a `trial.stopped_early` event carries the
   numbers behind it. A running one is then taken out of its pack by a `stop_trials` command (`stop_requests`),

@@ -1,4 +1,4 @@
-"""Trace-driven planner simulator: the real planners and cost model on a simulated clock (DESIGN.md §5).
+"""Trace-driven planner simulator: the real planners and cost model on a simulated clock (docs/ARCHITECTURE.md).
 
 Pure except for `time.perf_counter`, which measures each planner call. Events are task arrivals, trial
 completions and pack ends; after each batch of events at one instant the chosen policy replans from the

@@ -1,4 +1,4 @@
-"""A pack's measured profile: step time and peak memory against batch tokens (DESIGN.md §5).
+"""A pack's measured profile: step time and peak memory against batch tokens.
 
 The scheduler stores it on the pack; the planner's cost model fits `M(B) = k0 + k1·B·L` and step time
 from many of them.

@@ -5,7 +5,7 @@ as one packed token stream (rows end to end, no padding, attention within each r
 through the model with every slot's adapter applied to its own rows, sums each
 slot's mean target-token loss, calls one backward and one vectorised AdamW update. Slots are independent
 (own rows, own adapter row, own optimizer row, own dropout keys), so a trial trains exactly as it would
-alone (DESIGN.md §3; tLoRA §3.1).
+alone (docs/ARCHITECTURE.md, "The training step"; tLoRA §3.1).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Base-model sources and loading: real checkpoints and a tiny synthetic Llama for tests.
 
 Every model, the synthetic one included, is loaded through ``AutoModelForCausalLM.from_pretrained`` /
-``AutoTokenizer.from_pretrained`` so tests exercise the same path as production (DESIGN.md §7).
+``AutoTokenizer.from_pretrained`` so tests exercise the same path as production.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class SlotState:
 
 @dataclass(frozen=True)
 class StepStats:
-    """Measurements of one pack step, for throughput and the planner's cost model (DESIGN.md §5).
+    """Measurements of one pack step, for throughput and the planner's cost model (fitted in scheduler/cost.py).
 
     Attributes:
         step: the pack's step index (1-based, counts steps of the engine, not of any trial).
