@@ -95,7 +95,7 @@ class PackEngine:
         self.context = LoraContext()
         layers = inject_lora(model, paths, self.context)
         self._base_attention = use_packed_attention(model.config)  # put back by close()
-        self.fused_ops = fuse(model)  # CUDA: Liger's RMSNorm / SwiGLU / RoPE kernels; none on the CPU
+        fuse(model)  # CUDA: Liger's RMSNorm / SwiGLU / RoPE kernels; none on the CPU
         try:
             self.store = AdapterStore(
                 layers, capacity=capacity, max_rank=max_rank, device=self.device, compute_dtype=parameter.dtype
@@ -190,16 +190,8 @@ class PackEngine:
         parts, key = feed.draw(self.slots, self._fail)
         prefetched, self._prefetched = self._prefetched, None
         batch = prefetched[1] if prefetched is not None and prefetched[0] == key else None
-        data_s = 0.0
-        if batch is None and parts:  # the prefetch missed: the batch is built on the step's critical path
-            data_started = time.perf_counter()
-            try:
-                batch = self._pack(parts)
-            except Exception:  # _losses_and_grads packs again, slot by slot, and fails only what breaks
-                batch = None
-            data_s = time.perf_counter() - data_started
         self.store.grads.zero_()
-        losses = self._losses_and_grads(parts, batch)
+        losses, data_s = self._losses_and_grads(parts, batch)
         stepped = [p.slot for p in parts if not self.state(p.slot).failed]
         self.optimizer.step(  # also refreshes store.compute; only as far into each row as its rank reaches
             {slot: self.state(slot).lr() for slot in stepped}, {slot: self.store.live_columns(slot) for slot in stepped}
@@ -230,21 +222,27 @@ class PackEngine:
         except Exception:  # the step that needs it packs again and fails (or not) on its own
             return None
 
-    def _losses_and_grads(self, parts: list[SlotRows], batch: PackedBatch | None) -> torch.Tensor:
-        """``(Z,)`` per-slot mean losses, gradients accumulated into ``store.grads``.
+    def _losses_and_grads(self, parts: list[SlotRows], batch: PackedBatch | None) -> tuple[torch.Tensor, float]:
+        """``(Z,)`` per-slot mean losses, gradients accumulated into ``store.grads``, and the seconds spent
+        packing the joint batch on the step's critical path (0 when ``batch`` came prefetched).
 
         If the joint forward/backward raises, each slot is retried alone (slots are independent, so the
         gradients are the same), to fail only the slot(s) that break.
         """
         losses = torch.zeros(len(self.slots), device=self.device)
+        data_s = 0.0
         if not parts:
-            return losses
+            return losses, data_s
         try:
-            return self._forward_backward(batch if batch is not None else self._pack(parts))
+            if batch is None:  # the prefetch missed
+                data_started = time.perf_counter()
+                batch = self._pack(parts)
+                data_s = time.perf_counter() - data_started
+            return self._forward_backward(batch), data_s
         except Exception as exc:
             if len(parts) == 1:
                 self._fail(parts[0].slot, exc)
-                return losses
+                return losses, data_s
             logger.warning("joint step failed (%s); retrying its %d slots one by one", exc, len(parts))
         self.store.grads.zero_()
         for part in parts:
@@ -253,7 +251,7 @@ class PackEngine:
             except Exception as exc:
                 self.store.grads[part.slot].zero_()
                 self._fail(part.slot, exc)
-        return losses
+        return losses, data_s
 
     def _forward_backward(self, batch: PackedBatch) -> torch.Tensor:
         """One forward of ``batch``, per-slot loss normalised by the slot's own target count, one backward."""

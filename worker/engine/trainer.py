@@ -243,9 +243,9 @@ class _Writer:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pack-writer")
-        self._pending: deque[Future[None]] = deque()
+        self._pending: deque[Future[object]] = deque()
 
-    def submit(self, work: Callable[[], None]) -> None:
+    def submit(self, work: Callable[[], object]) -> None:
         self._pending.append(self._pool.submit(work))
 
     def poll(self) -> None:
@@ -260,6 +260,7 @@ class _Writer:
                 self._pending.popleft().result()
         finally:
             self._pool.shutdown(wait=True)
+
 
 @dataclass
 class _Reporter:
@@ -325,13 +326,7 @@ class _Hooks:
 def _validate(engine: PackEngine, losses: dict[str, float]) -> dict[int, float | BaseException | None]:
     """Validation of every slot due after this step, in shared forwards; if those raise, slot by slot, so
     only the slots that break fail (their exception is their result)."""
-    due = [
-        slot
-        for slot in _live(engine)
-        if engine.state(slot).spec.trial_id in losses
-        and engine.state(slot).spec.trial_id not in engine.failures
-        and engine.state(slot).eval_due
-    ]
+    due = [s for s in _live(engine) if engine.state(s).spec.trial_id in losses and engine.state(s).eval_due]
     if not due:
         return {}
     try:
@@ -400,7 +395,7 @@ def _finish(
         adapter_dir = export_to.export_dir / state.spec.trial_id
         with export_to.clock.measure("exports_s"):
             write = engine.prepare_export(slot, adapter_dir, base_model_name=export_to.base_model_name)
-        export_to.writer.submit(lambda: None if write() else None)  # the outcome's report is queued after it
+        export_to.writer.submit(write)  # the outcome's report is queued after it
     best_step = state.best_step
     if adapter_dir is not None and state.best is None:  # no (finite) validation: the final adapter is the result
         best_step = state.steps_done
