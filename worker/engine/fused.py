@@ -29,13 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.engine.lora import override_forward, restore_forwards
+
 logger = logging.getLogger(__name__)
 
 FUSED_OPS = ("rmsnorm", "swiglu", "rope")
 FUSED_MARK = "_loraplane_fused"  # set on a module whose forward fuse() replaced (an instance attribute)
+FUSED_ROPE = "_loraplane_fused_rope"  # on the model: (its architecture's module, the RoPE function fuse() swapped)
 # Families whose RMSNorm, MLP and apply_rotary_pos_emb are Llama's (checked by class name and module).
 ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-RMSNORM_CLASSES = tuple(f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Olmo2"))
+RMSNORM_CLASSES = tuple(f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3"))
 
 
 def chosen_ops() -> tuple[str, ...]:
@@ -78,7 +81,7 @@ def fuse(model: nn.Module, ops: tuple[str, ...] | None = None) -> list[str]:
     if "rope" in ops:
         module = _family_module(model)
         if module is not None and callable(getattr(module, "apply_rotary_pos_emb", None)):
-            setattr(model, FUSED_MARK, (module, module.apply_rotary_pos_emb))
+            setattr(model, FUSED_ROPE, (module, module.apply_rotary_pos_emb))
             module.apply_rotary_pos_emb = liger_rope
             done.append("rope")
     return done
@@ -86,15 +89,12 @@ def fuse(model: nn.Module, ops: tuple[str, ...] | None = None) -> list[str]:
 
 def unfuse(model: nn.Module) -> None:
     """Undo ``fuse``: the modules' own forwards and the architecture's RoPE function are back."""
-    for module in model.modules():
-        if getattr(module, FUSED_MARK, None) is True:
-            del module.forward  # the instance attribute: the class's forward shows through again
-            delattr(module, FUSED_MARK)
-    rope = getattr(model, FUSED_MARK, None)
+    restore_forwards(model, FUSED_MARK)
+    rope = getattr(model, FUSED_ROPE, None)
     if rope is not None:
         family, original = rope
         family.apply_rotary_pos_emb = original
-        delattr(model, FUSED_MARK)
+        delattr(model, FUSED_ROPE)
 
 
 def _replace_forwards(
@@ -103,8 +103,7 @@ def _replace_forwards(
     found = False
     for module in model.modules():
         if wanted(module) and not getattr(module, FUSED_MARK, False):
-            module.forward = make(module)
-            setattr(module, FUSED_MARK, True)
+            override_forward(module, make(module), FUSED_MARK)
             found = True
     return found
 

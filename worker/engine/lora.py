@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -145,13 +146,25 @@ def inject_lora(model: nn.Module, paths: list[str], context: LoraContext) -> lis
 RECOMPUTE_MARK = "_loraplane_recompute"
 
 
+def override_forward(module: nn.Module, forward: Callable[..., Any], mark: str) -> None:
+    """Give ``module`` an instance ``forward`` (the class's stays underneath), marked ``mark`` for
+    ``restore_forwards``."""
+    module.forward = forward
+    setattr(module, mark, True)
+
+
+def restore_forwards(model: nn.Module, mark: str) -> None:
+    """Drop every instance ``forward`` that ``override_forward`` set under ``mark``."""
+    for module in model.modules():
+        if getattr(module, mark, False):
+            del module.forward  # the instance attribute: the class's forward shows through again
+            delattr(module, mark)
+
+
 def restore_base_model(model: nn.Module) -> None:
     """Unwrap every ``StackedLoraLinear`` and undo activation checkpointing: the model is exactly the
     frozen base model again."""
-    for module in model.modules():
-        if getattr(module, RECOMPUTE_MARK, False):
-            del module.forward  # the instance attribute: the class's forward shows through again
-            delattr(module, RECOMPUTE_MARK)
+    restore_forwards(model, RECOMPUTE_MARK)
     wrapped = [(p, m) for p, m in model.named_modules() if isinstance(m, StackedLoraLinear)]
     for path, module in wrapped:
         _set_submodule(model, path, module.base_layer)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from worker.engine.lora import RECOMPUTE_MARK, LoraContext
+from worker.engine.lora import RECOMPUTE_MARK, LoraContext, override_forward
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -46,6 +46,5 @@ def enable_recompute(model: nn.Module, context: LoraContext) -> None:
                 return run(*args, **kwargs)
             return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
-        layer.forward = forward
-        setattr(layer, RECOMPUTE_MARK, True)
+        override_forward(layer, forward, RECOMPUTE_MARK)
 
