@@ -11,7 +11,9 @@
 # b8 = the Llama-3.1-8B shape, 8 trials, batch 1, seq 512 (Triton, no PEFT: MFU);
 # fusedshare = the 1B shape with each fused base op alone (LORAPLANE_FUSED_OPS), beside all and none;
 # capture = the eager step against its forward+backward replayed from a CUDA graph, one fixed batch, on the
-# SmolLM2, 1B and 8B shapes (benchmarks/step_capture.py: the ceiling of docs/step-capture.md).
+# SmolLM2, 1B and 8B shapes (benchmarks/step_capture.py: the ceiling of docs/step-capture.md);
+# graphs = the SmolLM2 shape with its steps replayed from CUDA graphs (worker/engine/capture.py: the torch path),
+# beside the same with LORAPLANE_STEP_CAPTURE=off and the Triton path, the frozen model and PEFT.
 # Liger-Kernel travels as a wheel: put liger_kernel-0.8.5-py3-none-any.whl in .whl/ and name .whl in `carry`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -66,6 +68,9 @@ for stage in $stages; do
     b8) timeout 300 python -m benchmarks.engine_throughput --shape llama-3.1-8b --trials 8 --batch 1 \
           --seq-len 512 --backends torch triton --skip-peft --mfu --profile --variants LORAPLANE_FUSED_OPS=none \
           > "$OUT/b8.log" 2>&1; tail -28 "$OUT/b8.log" ;;
+    graphs) timeout 420 python -m benchmarks.engine_throughput --shape smollm2-135m --trials 24 --batch 4 \
+              --seq-len 96 --backends triton torch --profile --mfu --warmup 30 --steps 20 \
+              --variants LORAPLANE_STEP_CAPTURE=off > "$OUT/graphs.log" 2>&1; tail -40 "$OUT/graphs.log" ;;
     capture) timeout 150 python -m benchmarks.step_capture --shape smollm2-135m --trials 24 --batch 4 --seq-len 96 \
                --backends torch triton > "$OUT/capture-small.log" 2>&1; tail -8 "$OUT/capture-small.log"
              timeout 150 python -m benchmarks.step_capture --shape llama-3.2-1b --trials 32 --batch 1 --seq-len 512 \

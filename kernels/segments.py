@@ -32,7 +32,8 @@ class SegmentMeta:
         num_slots: ``Z``, slots of the stacked adapter weights.
         slot_ids: host copy: the slot of each (non-empty) segment, in token order.
         lengths: host copy: tokens per segment.
-        max_len: the longest segment (0 when there is none).
+        max_len: the padded grid's row length: the longest segment (0 when there is none), or for
+            ``build_slot_segments`` the token count.
         uniform: every segment has ``max_len`` tokens, so ``x.view(S, max_len, d)`` needs no copy.
         identity: ``slot_ids == (0, 1, ..., Z - 1)``: the stacked weights are used as they are, no gather.
         seg_slots: ``(S,)`` int64: ``slot_ids`` on the device.
@@ -101,16 +102,49 @@ def build_segments(
     if any(n < 0 for n in lengths):
         raise ValueError(f"negative segment length in {list(lengths)}")
     kept = [(int(z), int(n)) for z, n in zip(slot_ids, lengths, strict=True) if n > 0]
-    slots = tuple(z for z, _ in kept)
-    lens = tuple(n for _, n in kept)
-    n_tokens, max_len = sum(lens), max(lens, default=0)
+    return _segment_meta(tuple(z for z, _ in kept), tuple(n for _, n in kept), num_slots, device, pad_spans)
+
+
+def build_slot_segments(
+    lengths: Sequence[int], *, device: torch.device, pad_spans: Sequence[tuple[int, int]] = ()
+) -> SegmentMeta:
+    """One segment per slot, in slot order, empty ones kept: ``lengths[z]`` tokens of slot ``z``.
+
+    The metadata's shapes then depend only on the slot count and the token count, never on which slots
+    have tokens: what a step replayed from a CUDA graph needs. It is never
+    ``uniform`` (a graph captured on the grid's free view would be wrong for a ragged step of the same size),
+    and its grid rows (``max_len``) are as long as all the tokens, so the grid tables' shapes are fixed too
+    (backends with ``torch._grouped_mm`` never build the grid).
+
+    Raises:
+        ValueError: a negative length, or bad pad spans (as ``build_segments``).
+    """
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"negative segment length in {list(lengths)}")
+    slots = tuple(range(len(lengths)))
+    return _segment_meta(slots, tuple(int(n) for n in lengths), len(lengths), device, pad_spans, ragged=True)
+
+
+def _segment_meta(
+    slots: tuple[int, ...],
+    lens: tuple[int, ...],
+    num_slots: int,
+    device: torch.device,
+    pad_spans: Sequence[tuple[int, int]],
+    *,
+    ragged: bool = False,
+) -> SegmentMeta:
+    """The metadata of segments ``lens`` (of slots ``slots``) laid end to end; ``ragged``: never uniform, and
+    the grid's rows as long as all the tokens."""
+    n_tokens = sum(lens)
+    max_len = n_tokens if ragged else max(lens, default=0)
     spans = tuple((int(a), int(b)) for a, b in pad_spans)
     previous_end = 0
     for start, end in spans:
         if not previous_end <= start < end <= n_tokens:
             raise ValueError(f"pad spans {list(spans)} are not sorted disjoint ranges inside [0, {n_tokens})")
         previous_end = end
-    uniform = all(n == max_len for n in lens)
+    uniform = not ragged and all(n == max_len for n in lens)
 
     lens_t = torch.tensor(lens, dtype=torch.int64)
     ends = torch.cumsum(lens_t, 0)
@@ -121,7 +155,9 @@ def build_segments(
     if not uniform:
         cells = torch.arange(max_len)
         is_real = cells[None, :] < lens_t[:, None]  # (S, max_len)
-        gather = torch.where(is_real, starts[:, None] + cells[None, :], starts[:, None]).reshape(-1)
+        # An empty segment's cells (never read back) read a token that exists: its start, or the last token.
+        first = starts.clamp(max=max(n_tokens - 1, 0))
+        gather = torch.where(is_real, starts[:, None] + cells[None, :], first[:, None]).reshape(-1)
         scatter = seg_of_token * max_len + (torch.arange(n_tokens) - starts[seg_of_token])
         int64_parts += [gather, scatter]
     moved = _to_device(int64_parts, device)

@@ -26,6 +26,7 @@ class PackProfiler:
     data_s: float = 0.0  # batch building on the steps' critical path (prefetch misses)
     prefetch_s: float = 0.0  # batch building overlapped with the device
     sync_wait_s: float = 0.0  # the host waiting for the device at each step's sync
+    captured_steps: int = 0  # steps replayed from a CUDA graph (worker/engine/capture.py)
     samples: list[list[Any]] = field(default_factory=list)  # [active slots, tokens, padded, seconds, peak]
     window: list[StepStats] = field(default_factory=list)  # steps since the last progress report
 
@@ -38,6 +39,7 @@ class PackProfiler:
         self.data_s += stats.data_s
         self.prefetch_s += stats.prefetch_s
         self.sync_wait_s += stats.sync_wait_s
+        self.captured_steps += stats.captured
         if stats.peak_memory_bytes is not None:
             self.peak_memory_bytes = max(self.peak_memory_bytes or 0, stats.peak_memory_bytes)
         if len(self.samples) < MAX_SAMPLES:
@@ -75,6 +77,7 @@ class PackProfiler:
                 "device_wait": round(self.sync_wait_s, 3),
                 "host_other": round(self.seconds - self.data_s - self.sync_wait_s, 3),
             },
+            "captured_steps": self.captured_steps,
             "samples": self.samples,
             "sample_fields": ["active_slots", "tokens", "padded_tokens", "seconds", "peak_memory_bytes"],
         }

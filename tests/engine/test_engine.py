@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tests.engine.factories import CPU, assert_rel_close, chat_rows, completion_rows, make_spec, token_loss_sum
-from worker.engine import PackEngine, TrialSpec
+from worker.engine import PackEngine, TrialSpec, feed
 from worker.engine.batch import SlotRows
 from worker.engine.data import BatchSampler, collate, encode_rows
 from worker.engine.lora import resolve_target_modules
@@ -179,9 +179,9 @@ def test_the_next_batch_is_packed_ahead_and_dropped_when_the_pack_changes(
     packed: list[list[int]] = []
     real_pack = PackEngine._pack
 
-    def recording_pack(engine: PackEngine, parts: Any) -> Any:
+    def recording_pack(engine: PackEngine, parts: Any, **kwargs: Any) -> Any:
         packed.append([p.slot for p in parts])
-        return real_pack(engine, parts)
+        return real_pack(engine, parts, **kwargs)
 
     monkeypatch.setattr(PackEngine, "_pack", recording_pack)
     with _engine(tiny, specs) as engine:
@@ -336,3 +336,25 @@ def test_step_stats_say_where_the_host_time_went(tiny: Tiny) -> None:
     assert stats[0].data_s > 0
     assert [s.data_s for s in stats[1:]] == [0.0, 0.0]  # prefetched
     assert all(s.prefetch_s > 0 and 0 <= s.sync_wait_s <= s.seconds for s in stats)
+
+
+def test_a_batch_with_static_shapes_trains_as_the_packed_batch(tiny: Tiny) -> None:
+    """What a step replayed from a CUDA graph computes on (capture.py): the stream and the targets padded to
+    their buckets, one LoRA segment per slot (an idle one included): the same losses and gradients."""
+    specs = [make_spec(tid, **MIXED[tid]) for tid in ("a", "b", "c")]  # dropout, lm_head, rsLoRA among them
+    with _engine(tiny, specs, capacity=4) as engine:
+        for spec in specs:
+            engine.admit(spec)
+        parts, _ = feed.draw(engine.slots, engine._fail)
+        results = []
+        for static_shapes in (False, True):
+            batch = engine._pack(parts, static_shapes=static_shapes)
+            engine.store.grads.zero_()
+            results.append((engine._forward_backward(batch), engine.store.grads.clone(), batch))
+        (dynamic_losses, dynamic_grads, dynamic), (static_losses, static_grads, static) = results
+        padding = static.input_ids.shape[1] - dynamic.input_ids.shape[1]
+        assert padding > 0  # the tiny model's rows leave a gap to their bucket: the idle slot 3 holds it
+        assert static.routing.meta.slot_ids == (0, 1, 2, 3) and static.routing.meta.lengths[3] == padding
+        assert static.targets.labels.shape[0] >= dynamic.targets.labels.shape[0]
+        torch.testing.assert_close(static_losses, dynamic_losses, rtol=1e-6, atol=1e-7)
+        assert_rel_close(static_grads, dynamic_grads)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.engine.factories import token_loss_sum
-from worker.engine.batch import SlotRows, pack_rows
+from worker.engine.batch import SlotRows, pack_rows, shape_bucket
+from worker.engine.capture import _tensors
 from worker.engine.data import IGNORE_INDEX, Example, collate
 from worker.engine.lora import LoraContext
 from worker.engine.loss import slot_loss_sums, target_token_loss
@@ -67,6 +68,39 @@ def test_the_stream_is_padded_to_the_width_multiple_with_one_row_nothing_reads()
     meta = batch.routing.meta
     assert (meta.slot_ids, meta.lengths, meta.pad_spans) == ((2, 0), (12, 52), ((16, 64),))
     assert batch.targets.positions.max() < 16 and batch.n_targets == {2: 7, 0: 3}
+
+
+def test_shape_buckets_are_few_and_waste_at_most_a_sixteenth() -> None:
+    sizes = {shape_bucket(n, 64) for n in range(4000, 8001)}
+    assert len(sizes) <= 17 and all(size % 64 == 0 for size in sizes)
+    for n in [1, 63, 64, 65, 100, 1000, 4097, 7010, 70_000]:
+        assert n <= shape_bucket(n, 64) <= -(-(n + n / 16) // 64) * 64
+        assert n <= shape_bucket(n, 1) <= n + n / 16
+    assert shape_bucket(0, 64) == 64 and shape_bucket(7010, 1) == 7168
+
+
+def test_static_shapes_depend_on_the_buckets_only_not_on_which_slots_train() -> None:
+    """Two steps whose tokens and targets fall in the same buckets: the same tensors' shapes and host values,
+    so one captured graph replays both (capture.py)."""
+    moved = [SlotRows(1, [e for part in _parts() for e in part.examples], dropout=0.1)]  # the same rows, slot 1
+    batches = [
+        pack_rows(parts, pad_token_id=9, num_slots=3, device=CPU, loss_chunk=4, pad_to_multiple=64, static_shapes=True)
+        for parts in (_parts(), moved)
+    ]
+    first, second = batches
+    assert first.shape_key() == second.shape_key() == (64, 5, 128, 10, 3, 1)
+    assert [t.shape for t in _tensors(first)] == [t.shape for t in _tensors(second)]
+    # Slot order (slot 0's row first), the padding row with the last slot.
+    assert first.routing.meta.slot_ids == (0, 1, 2) and first.routing.meta.lengths == (4, 0, 60)
+    assert first.position_ids[0, :16].tolist() == [*range(4), *range(5), *range(7)]
+    assert second.routing.meta.lengths == (0, 16, 48)
+    assert all(chunk.routing.meta.slot_ids == (0, 1, 2) for chunk in first.targets.chunks)
+    assert first.n_targets == {2: 7, 0: 3} and first.target_counts.tolist() == [3.0, 1.0, 7.0]
+    # 37 targets are padded to their bucket with ignored labels of the last slot.
+    padded = pack_rows([SlotRows(0, [_example(40, 3, 5)])], pad_token_id=9, num_slots=3, device=CPU, loss_chunk=8,
+                       static_shapes=True)  # fmt: skip
+    assert padded.n_targets == {0: 37} and padded.targets.labels.shape[0] == shape_bucket(37, 1) == 38
+    assert padded.targets.labels[37] == IGNORE_INDEX and padded.targets.slots[37] == 2
 
 
 def test_chunked_slot_losses_equal_the_full_logits_loss_and_its_gradients() -> None:

@@ -15,10 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import DropoutKeys, build_segments, keep_threshold, mix32
+from kernels import DropoutKeys, SegmentMeta, build_segments, build_slot_segments, keep_threshold, mix32
 from kernels.dropout import MASK32
 from worker.engine.data import IGNORE_INDEX, Example
 from worker.engine.lora import TokenRouting
+
+# With static shapes, the longest row is rounded up to this: the variable-length attention's launch grid (blocks
+# of 128 query rows) depends on it, so it is part of a captured step's shape.
+ROW_LENGTH_MULTIPLE = 128
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,13 @@ class PackedBatch:
     target_counts: torch.Tensor
     n_targets: dict[int, int]
 
+    def shape_key(self) -> tuple[int, ...]:
+        """What the shapes of this batch's tensors depend on (with ``static_shapes``, all they depend on):
+        tokens, row boundaries, longest row, targets, loss chunks, dropout or not."""
+        has_dropout = int(self.routing.dropout is not None)
+        return (self.input_ids.shape[1], self.cu_seqlens.shape[0], self.max_row_len, self.targets.labels.shape[0],
+                len(self.targets.chunks), has_dropout)  # fmt: skip
+
     def attention_kwargs(self) -> dict[str, object]:
         """The model's keyword arguments that carry the row boundaries down to ``packed_attention``."""
         return {
@@ -101,6 +112,7 @@ def pack_rows(
     device: torch.device,
     loss_chunk: int,
     pad_to_multiple: int = 1,
+    static_shapes: bool = False,
 ) -> PackedBatch:
     """Lay the slots' micro-batches end to end in one stream and derive the forward's routing and targets.
 
@@ -111,12 +123,22 @@ def pack_rows(
         device: where the forward runs.
         loss_chunk: targets per ``lm_head`` chunk of the loss.
         pad_to_multiple: the stream's length is rounded up to a multiple of this (a bounded set of shapes).
+        static_shapes: make every tensor's shape depend only on a few buckets (``shape_bucket``), never on
+            which slots are in the batch, so that a step captured in a CUDA graph replays on any batch of
+            the same ``shape_key``: the stream and the targets padded to their buckets (padding targets are
+            ignored labels of the last slot), one LoRA segment per slot (``build_slot_segments``), the
+            longest row rounded up to ``ROW_LENGTH_MULTIPLE``; the parts go in slot order. The losses and
+            gradients are the same.
     """
+    if static_shapes:
+        parts = sorted(parts, key=lambda part: part.slot)  # one segment per slot: slots in stream order
     rows = [(part, i) for part in parts for i in range(len(part.examples))]
     examples = [e for part in parts for e in part.examples]
     lengths = [len(e.input_ids) for e in examples]
     n_real = sum(lengths)
     n_tokens = -(-n_real // pad_to_multiple) * pad_to_multiple
+    if static_shapes:
+        n_tokens = shape_bucket(n_real, pad_to_multiple)
     tail = n_tokens - n_real  # padding: one more row, of the last slot, that nothing reads
     row_lengths = lengths + ([tail] if tail else [])
     ends = torch.tensor(row_lengths, dtype=torch.int64).cumsum(0)
@@ -128,14 +150,17 @@ def pack_rows(
     position_ids = torch.arange(n_tokens) - starts[row_of_token]
 
     slot_tokens = [sum(len(e.input_ids) for e in part.examples) for part in parts]
-    slot_tokens[-1] += tail
-    meta = build_segments(
-        [p.slot for p in parts],
-        slot_tokens,
-        num_slots=num_slots,
-        device=device,
-        pad_spans=[(n_real, n_tokens)] if tail else [],
-    )
+    pad_spans = [(n_real, n_tokens)] if tail else []
+    if static_shapes:
+        per_slot = [0] * num_slots
+        for part, n in zip(parts, slot_tokens, strict=True):
+            per_slot[part.slot] += n
+        per_slot[-1] += tail  # the padding row goes with the last slot (after every real token)
+        meta = build_slot_segments(per_slot, device=device, pad_spans=pad_spans)
+    else:
+        slot_tokens[-1] += tail
+        meta = build_segments([p.slot for p in parts], slot_tokens, num_slots=num_slots, device=device,
+                              pad_spans=pad_spans)  # fmt: skip
     keys = _token_dropout(rows, position_ids, row_of_token) if any(p.dropout > 0 for p in parts) else None
 
     # Position t predicts token t + 1 of the same row; only target tokens count.
@@ -145,24 +170,33 @@ def pack_rows(
     target_rows = row_of_token[positions]
     slots = torch.tensor([p.slot for p, _ in rows], dtype=torch.int64)[target_rows]
     counts = torch.bincount(slots, minlength=num_slots)
+    target_labels = labels[positions + 1]
+    if static_shapes:  # ignored targets of the last slot: they add 0 to its loss and nothing to any gradient
+        extra = shape_bucket(len(positions), 1) - len(positions)
+        positions = torch.cat([positions, torch.full((extra,), n_tokens - 1)])
+        target_rows = torch.cat([target_rows, torch.full((extra,), len(row_lengths) - 1)])
+        slots = torch.cat([slots, torch.full((extra,), num_slots - 1)])
+        target_labels = torch.cat([target_labels, torch.full((extra,), IGNORE_INDEX)])
     chunks = []
     for start in range(0, len(positions), loss_chunk):
         end = min(start + loss_chunk, len(positions))
-        run_slots, run_lengths = torch.unique_consecutive(slots[start:end], return_counts=True)
-        chunk_meta = build_segments(run_slots.tolist(), run_lengths.tolist(), num_slots=num_slots, device=device)
+        chunk_meta = _chunk_segments(slots[start:end], num_slots, device, static_shapes)
         chunk_keys = None if keys is None else _select(keys, positions[start:end])
         chunks.append(LossChunk(start, end, TokenRouting(chunk_meta, _to_device(chunk_keys, device))))
 
+    max_row_len = max(row_lengths)
+    if static_shapes:
+        max_row_len = -(-max_row_len // ROW_LENGTH_MULTIPLE) * ROW_LENGTH_MULTIPLE
     return PackedBatch(
         input_ids=input_ids[None].to(device, non_blocking=True),
         position_ids=position_ids[None].to(device, non_blocking=True),
         cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(device, non_blocking=True),
-        max_row_len=max(row_lengths),
+        max_row_len=max_row_len,
         n_rows=len(examples),
         routing=TokenRouting(meta, _to_device(keys, device)),
         targets=LossTargets(
             positions=positions.to(device, non_blocking=True),
-            labels=labels[positions + 1].to(device, non_blocking=True),
+            labels=target_labels.to(device, non_blocking=True),
             slots=slots.to(device, non_blocking=True),
             rows=target_rows.to(device, non_blocking=True),
             chunks=tuple(chunks),
@@ -170,6 +204,22 @@ def pack_rows(
         target_counts=counts.clamp(min=1).to(torch.float32).to(device, non_blocking=True),
         n_targets={p.slot: int(counts[p.slot]) for p in parts},
     )
+
+
+def shape_bucket(n: int, multiple: int) -> int:
+    """``n`` rounded up to one of 16 sizes per power of two (at most ``n / 16`` more) that are multiples of
+    ``multiple``: the few sizes that steps of varying length share."""
+    step = max(multiple, 2 ** max(0, n.bit_length() - 5))
+    step = -(-step // multiple) * multiple
+    return max(multiple, -(-n // step) * step)
+
+
+def _chunk_segments(slots: torch.Tensor, num_slots: int, device: torch.device, static_shapes: bool) -> SegmentMeta:
+    """The LoRA routing of one loss chunk's targets (``slots``: each target's slot, in slot order)."""
+    if static_shapes:
+        return build_slot_segments(torch.bincount(slots, minlength=num_slots).tolist(), device=device)
+    run_slots, run_lengths = torch.unique_consecutive(slots, return_counts=True)
+    return build_segments(run_slots.tolist(), run_lengths.tolist(), num_slots=num_slots, device=device)
 
 
 def _token_dropout(

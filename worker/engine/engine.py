@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from worker.engine import checkpoint, feed
 from worker.engine.attention import use_packed_attention
 from worker.engine.batch import PackedBatch, SlotRows, pack_rows
+from worker.engine.capture import StepGraphs, capturable
 from worker.engine.data import BatchSampler, Example, encode_rows
 from worker.engine.export import export_peft_adapter
 from worker.engine.feed import BatchKey
@@ -106,6 +107,10 @@ class PackEngine:
         if activation_checkpointing:
             enable_recompute(model, self.context)
         self.optimizer = SlotAdamW(self.store.weights, self.store.grads, self.store.compute)
+        # CUDA graphs of the step where the layers allow (capture.py); None: every step runs eagerly.
+        self.graphs: StepGraphs | None = None
+        if capturable(layers, capacity=capacity, max_rank=max_rank, dtype=parameter.dtype, device=self.device):
+            self.graphs = StepGraphs(self._forward_backward, self.store.grads, layers)
         self.slots: list[SlotState | None] = [None] * capacity
         self.pack_step = 0
         self._encodings: dict[tuple[str, int], list[Example]] = {}  # see _encode
@@ -191,7 +196,7 @@ class PackEngine:
         prefetched, self._prefetched = self._prefetched, None
         batch = prefetched[1] if prefetched is not None and prefetched[0] == key else None
         self.store.grads.zero_()
-        losses, data_s = self._losses_and_grads(parts, batch)
+        losses, data_s, width, captured = self._losses_and_grads(parts, batch)
         stepped = [p.slot for p in parts if not self.state(p.slot).failed]
         self.optimizer.step(  # also refreshes store.compute; only as far into each row as its rank reaches
             {slot: self.state(slot).lr() for slot in stepped}, {slot: self.store.live_columns(slot) for slot in stepped}
@@ -206,8 +211,8 @@ class PackEngine:
             self.state(slot).last_train_loss = values[slot]
         self.pack_step += 1
         self.last_stats = StepStats.measure(
-            self.pack_step, parts, len(stepped), started, self.device, self._width_multiple,
-            data_s=data_s, prefetch_s=sync_started - prefetch_started, sync_wait_s=sync_s,
+            self.pack_step, parts, len(stepped), started, self.device, width,
+            data_s=data_s, prefetch_s=sync_started - prefetch_started, sync_wait_s=sync_s, captured=captured,
         )  # fmt: skip
         return {self.state(slot).spec.trial_id: values[slot] for slot in stepped}
 
@@ -218,13 +223,16 @@ class PackEngine:
         if not parts:
             return None
         try:
-            return key, self._pack(parts)
+            return key, self._pack(parts, static_shapes=self.graphs is not None)
         except Exception:  # the step that needs it packs again and fails (or not) on its own
             return None
 
-    def _losses_and_grads(self, parts: list[SlotRows], batch: PackedBatch | None) -> tuple[torch.Tensor, float]:
-        """``(Z,)`` per-slot mean losses, gradients accumulated into ``store.grads``, and the seconds spent
-        packing the joint batch on the step's critical path (0 when ``batch`` came prefetched).
+    def _losses_and_grads(
+        self, parts: list[SlotRows], batch: PackedBatch | None
+    ) -> tuple[torch.Tensor, float, int, bool]:
+        """``(Z,)`` per-slot mean losses, gradients accumulated into ``store.grads``, the seconds spent
+        packing the joint batch on the step's critical path (0 when ``batch`` came prefetched), the stream's
+        tokens (padding included) and whether a CUDA graph ran the step.
 
         If the joint forward/backward raises, each slot is retried alone (slots are independent, so the
         gradients are the same), to fail only the slot(s) that break.
@@ -232,26 +240,33 @@ class PackEngine:
         losses = torch.zeros(len(self.slots), device=self.device)
         data_s = 0.0
         if not parts:
-            return losses, data_s
+            return losses, data_s, 0, False
         try:
             if batch is None:  # the prefetch missed
                 data_started = time.perf_counter()
-                batch = self._pack(parts)
+                batch = self._pack(parts, static_shapes=self.graphs is not None)
                 data_s = time.perf_counter() - data_started
-            return self._forward_backward(batch), data_s
+            width = int(batch.input_ids.shape[1])
+            captured = self.graphs.run(batch) if self.graphs is not None else None
+            if captured is not None:
+                return captured, data_s, width, True
+            return self._forward_backward(batch), data_s, width, False
         except Exception as exc:
             if len(parts) == 1:
                 self._fail(parts[0].slot, exc)
-                return losses, data_s
+                return losses, data_s, 0, False
             logger.warning("joint step failed (%s); retrying its %d slots one by one", exc, len(parts))
         self.store.grads.zero_()
+        width = 0
         for part in parts:
             try:
-                losses += self._forward_backward(self._pack([part]))
+                batch = self._pack([part])
+                width += int(batch.input_ids.shape[1])
+                losses += self._forward_backward(batch)
             except Exception as exc:
                 self.store.grads[part.slot].zero_()
                 self._fail(part.slot, exc)
-        return losses, data_s
+        return losses, data_s, width, False
 
     def _forward_backward(self, batch: PackedBatch) -> torch.Tensor:
         """One forward of ``batch``, per-slot loss normalised by the slot's own target count, one backward."""
@@ -351,6 +366,9 @@ class PackEngine:
 
     def close(self) -> None:
         """Unwrap the model's layers: it is the bare frozen base model again, ready for the next pack."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
         self._restore_model()
         self.slots = [None] * len(self.slots)
         self._prefetched = None
@@ -392,7 +410,7 @@ class PackEngine:
             self._encodings[key] = encode_rows(rows, self.tokenizer, max_seq_len)
         return self._encodings[key]
 
-    def _pack(self, parts: list[SlotRows]) -> PackedBatch:
+    def _pack(self, parts: list[SlotRows], *, static_shapes: bool = False) -> PackedBatch:
         return pack_rows(
             parts,
             pad_token_id=self.pad_token_id,
@@ -400,6 +418,7 @@ class PackEngine:
             device=self.device,
             loss_chunk=self.loss_chunk_tokens,
             pad_to_multiple=self._width_multiple,
+            static_shapes=static_shapes,
         )
 
     @property

@@ -78,7 +78,8 @@ class StepStats:
         active_slots: slots that trained in this step.
         tokens: real (non-padding) tokens of the step's batch.
         padded_tokens: padding tokens computed with them: rows go end to end in one stream (no padding between
-            them), whose length is rounded up to the engine's width multiple (64 on CUDA, 1 on the CPU).
+            them), whose length is rounded up to the engine's width multiple (64 on CUDA, 1 on the CPU), or
+            to its shape bucket when the step is captured.
         target_tokens: tokens the loss was computed on.
         seconds: wall time of the step, device work included (it ends with the step's one device sync).
         peak_memory_bytes: CUDA: ``torch.cuda.max_memory_allocated`` since the pack started; CPU: ``None``.
@@ -86,6 +87,7 @@ class StepStats:
         prefetch_s: host time building the next step's batch while the device worked (off the critical path).
         sync_wait_s: time the host waited at the step's device sync for work it had queued: near 0, the
             host was the bottleneck; most of ``seconds``, the device was.
+        captured: the forward and backward replayed from a CUDA graph (``capture.py``).
     """
 
     step: int
@@ -98,26 +100,28 @@ class StepStats:
     data_s: float = 0.0
     prefetch_s: float = 0.0
     sync_wait_s: float = 0.0
+    captured: bool = False
 
     @classmethod
     def measure(
-        cls, step: int, parts: Sequence[SlotRows], stepped: int, started: float, device: torch.device, multiple: int,
-        *, data_s: float = 0.0, prefetch_s: float = 0.0, sync_wait_s: float = 0.0,
+        cls, step: int, parts: Sequence[SlotRows], stepped: int, started: float, device: torch.device, width: int,
+        *, data_s: float = 0.0, prefetch_s: float = 0.0, sync_wait_s: float = 0.0, captured: bool = False,
     ) -> StepStats:
-        """Stats of the step that trained ``parts`` (``stepped`` slots of them) and began at ``started``, its
-        stream rounded up to ``multiple`` tokens."""
+        """Stats of the step that trained ``parts`` (``stepped`` slots of them) and began at ``started``, in a
+        stream of ``width`` tokens (padding included)."""
         tokens = sum(len(e.input_ids) for p in parts for e in p.examples)
         return cls(
             step=step,
             active_slots=stepped,
             tokens=tokens,
-            padded_tokens=-(-tokens // multiple) * multiple - tokens,
+            padded_tokens=width - tokens,
             target_tokens=sum(e.n_targets for p in parts for e in p.examples),
             seconds=time.perf_counter() - started,
             peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             data_s=data_s,
             prefetch_s=prefetch_s,
             sync_wait_s=sync_wait_s,
+            captured=captured,
         )
 
     @property
