@@ -6,7 +6,7 @@
 # Stages (default "b1 small"): b1 = Llama-3.2-1B shape, 32 trials (ranks 16/32/64), batch 1, seq 512, torch and
 # Triton backends, profile and MFU; small = SmolLM2-135M shape, 24 trials, batch 4, seq 96, the same columns;
 # host = where the host's time goes in a SmolLM2-shaped step (cProfile, torch.profiler; logs in $OUT);
-# tests = the kernel tests and the engine's CUDA tests on the GPU; auto = what `auto` picks, beside the backend
+# tests = the kernel tests and the engine's CUDA tests on the GPU (enginetests: the latter only); auto = what `auto` picks, beside the backend
 # it should equal, on both shapes; b24 = the 1B shape at batches 2 and 4, without recompute (Triton, no PEFT);
 # b8 = the Llama-3.1-8B shape, 8 trials, batch 1, seq 512 (Triton, no PEFT: MFU);
 # fusedshare = the 1B shape with each fused base op alone (LORAPLANE_FUSED_OPS), beside all and none;
@@ -56,6 +56,9 @@ for stage in $stages; do
             timeout 150 python -m benchmarks.step_host_profile --shape smollm2-135m --trials 24 --batch 4 \
               --seq-len 96 --backend $backend > "$OUT/host-$backend.log" 2>&1; head -1 "$OUT/host-$backend.log"
           done ;;
+    enginetests) timeout 240 python -m pytest --confcutdir=tests/engine -p no:cacheprovider -q tests/engine/test_cuda.py \
+             > "$OUT/enginetests.log" 2>&1; tail -3 "$OUT/enginetests.log"
+           grep -E "^(FAILED|E  )" "$OUT/enginetests.log" | head -20 ;;
     tests) timeout 240 python -m pytest --confcutdir=tests/kernels -p no:cacheprovider -q tests/kernels \
              > "$OUT/tests.log" 2>&1; tail -3 "$OUT/tests.log"; grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20
            timeout 240 python -m pytest --confcutdir=tests/engine -p no:cacheprovider -q tests/engine/test_cuda.py \

@@ -84,11 +84,13 @@ def test_static_shapes_depend_on_the_buckets_only_not_on_which_slots_train() -> 
     so one captured graph replays both (capture.py)."""
     moved = [SlotRows(1, [e for part in _parts() for e in part.examples], dropout=0.1)]  # the same rows, slot 1
     batches = [
-        pack_rows(parts, pad_token_id=9, num_slots=3, device=CPU, loss_chunk=4, pad_to_multiple=64, static_shapes=True)
+        pack_rows(parts, pad_token_id=9, num_slots=3, device=CPU, loss_chunk=128, pad_to_multiple=64,
+                  static_shapes=True)
         for parts in (_parts(), moved)
     ]
     first, second = batches
-    assert first.shape_key() == second.shape_key() == (64, 5, 128, 10, 3, 1)
+    # 16 tokens in a stream of 64: 48 of padding, in rows of at most 128 (one here).
+    assert first.shape_key() == second.shape_key() == (64, 5, 128, 256, 2, 1)
     assert [t.shape for t in _tensors(first)] == [t.shape for t in _tensors(second)]
     # Slot order (slot 0's row first), the padding row with the last slot.
     assert first.routing.meta.slot_ids == (0, 1, 2) and first.routing.meta.lengths == (4, 0, 60)
@@ -96,11 +98,19 @@ def test_static_shapes_depend_on_the_buckets_only_not_on_which_slots_train() -> 
     assert second.routing.meta.lengths == (0, 16, 48)
     assert all(chunk.routing.meta.slot_ids == (0, 1, 2) for chunk in first.targets.chunks)
     assert first.n_targets == {2: 7, 0: 3} and first.target_counts.tolist() == [3.0, 1.0, 7.0]
-    # 37 targets are padded to their bucket with ignored labels of the last slot.
-    padded = pack_rows([SlotRows(0, [_example(40, 3, 5)])], pad_token_id=9, num_slots=3, device=CPU, loss_chunk=8,
-                       static_shapes=True)  # fmt: skip
-    assert padded.n_targets == {0: 37} and padded.targets.labels.shape[0] == shape_bucket(37, 1) == 38
-    assert padded.targets.labels[37] == IGNORE_INDEX and padded.targets.slots[37] == 2
+    # 37 targets are padded to their bucket with ignored labels of the last slot, in chunks of 64.
+    padded = pack_rows([SlotRows(0, [_example(40, 3, 5)])], pad_token_id=9, num_slots=3, device=CPU,
+                       loss_chunk=64, pad_to_multiple=64, static_shapes=True)  # fmt: skip
+    assert padded.n_targets == {0: 37} and padded.targets.labels.shape[0] == shape_bucket(37, 256) == 256
+    assert padded.targets.labels[37:].eq(IGNORE_INDEX).all() and padded.targets.slots[37:].eq(2).all()
+    assert len(padded.targets.chunks) == 4 and padded.targets.chunks[-1].routing.meta.lengths == (0, 0, 64)
+    # A larger stream: its padding (up to the bucket's step, 256 here) goes in two rows of at most 128.
+    rows = [SlotRows(0, [_example(90, 3, seed) for seed in range(50)])]  # 4500 tokens, bucket 4608
+    large = pack_rows(rows, pad_token_id=9, num_slots=3, device=CPU, loss_chunk=4096, pad_to_multiple=64,
+                      static_shapes=True)  # fmt: skip
+    bounds = large.cu_seqlens.tolist()
+    assert large.input_ids.shape[1] == 4608 and len(bounds) == 50 + 2 + 1
+    assert [b - a for a, b in zip(bounds[-3:-1], bounds[-2:], strict=True)] == [54, 54] and large.max_row_len == 128
 
 
 def test_chunked_slot_losses_equal_the_full_logits_loss_and_its_gradients() -> None:

@@ -21,8 +21,11 @@ from worker.engine.data import IGNORE_INDEX, Example
 from worker.engine.lora import TokenRouting
 
 # With static shapes, the longest row is rounded up to this: the variable-length attention's launch grid (blocks
-# of 128 query rows) depends on it, so it is part of a captured step's shape.
+# of 128 query rows) depends on it, so it is part of a captured step's shape. Padding rows are no longer.
 ROW_LENGTH_MULTIPLE = 128
+# With static shapes, the loss's targets are padded to a shape bucket that is a multiple of this: their count
+# varies more from step to step than the tokens' (relatively), and a coarser bucket keeps the graphs few.
+TARGET_MULTIPLE = 256
 
 
 @dataclass(frozen=True)
@@ -126,9 +129,10 @@ def pack_rows(
         static_shapes: make every tensor's shape depend only on a few buckets (``shape_bucket``), never on
             which slots are in the batch, so that a step captured in a CUDA graph replays on any batch of
             the same ``shape_key``: the stream and the targets padded to their buckets (padding targets are
-            ignored labels of the last slot), one LoRA segment per slot (``build_slot_segments``), the
-            longest row rounded up to ``ROW_LENGTH_MULTIPLE``; the parts go in slot order. The losses and
-            gradients are the same.
+            ignored labels of the last slot), the stream's padding as a fixed number of rows of at most
+            ``ROW_LENGTH_MULTIPLE`` tokens (some may be empty), the longest row rounded up to that, one LoRA
+            segment per slot (``build_slot_segments``); the parts go in slot order. The losses and gradients
+            are the same.
     """
     if static_shapes:
         parts = sorted(parts, key=lambda part: part.slot)  # one segment per slot: slots in stream order
@@ -137,10 +141,14 @@ def pack_rows(
     lengths = [len(e.input_ids) for e in examples]
     n_real = sum(lengths)
     n_tokens = -(-n_real // pad_to_multiple) * pad_to_multiple
-    if static_shapes:
-        n_tokens = shape_bucket(n_real, pad_to_multiple)
     tail = n_tokens - n_real  # padding: one more row, of the last slot, that nothing reads
-    row_lengths = lengths + ([tail] if tail else [])
+    pad_rows = [tail] if tail else []
+    if static_shapes:  # padding: rows of the last slot that nothing reads, as many as the bucket's size says
+        n_tokens = shape_bucket(n_real, pad_to_multiple)
+        tail = n_tokens - n_real  # < the bucket's step, so rows of at most ROW_LENGTH_MULTIPLE tokens hold it
+        count = -(-_bucket_step(n_tokens, pad_to_multiple) // ROW_LENGTH_MULTIPLE)
+        pad_rows = [tail // count + (i < tail % count) for i in range(count)]
+    row_lengths = lengths + pad_rows
     ends = torch.tensor(row_lengths, dtype=torch.int64).cumsum(0)
     starts = ends - torch.tensor(row_lengths, dtype=torch.int64)
     # One tensor per field from flat lists: a tensor per row costs ~30 us each on the host.
@@ -172,7 +180,7 @@ def pack_rows(
     counts = torch.bincount(slots, minlength=num_slots)
     target_labels = labels[positions + 1]
     if static_shapes:  # ignored targets of the last slot: they add 0 to its loss and nothing to any gradient
-        extra = shape_bucket(len(positions), 1) - len(positions)
+        extra = shape_bucket(len(positions), TARGET_MULTIPLE) - len(positions)
         positions = torch.cat([positions, torch.full((extra,), n_tokens - 1)])
         target_rows = torch.cat([target_rows, torch.full((extra,), len(row_lengths) - 1)])
         slots = torch.cat([slots, torch.full((extra,), num_slots - 1)])
@@ -209,9 +217,14 @@ def pack_rows(
 def shape_bucket(n: int, multiple: int) -> int:
     """``n`` rounded up to one of 16 sizes per power of two (at most ``n / 16`` more) that are multiples of
     ``multiple``: the few sizes that steps of varying length share."""
-    step = max(multiple, 2 ** max(0, n.bit_length() - 5))
-    step = -(-step // multiple) * multiple
+    step = _bucket_step(n, multiple)
     return max(multiple, -(-n // step) * step)
+
+
+def _bucket_step(n: int, multiple: int) -> int:
+    """The spacing of ``shape_bucket``'s sizes around ``n``: ``n / 32`` to ``n / 16``, a multiple of ``multiple``."""
+    step = max(multiple, 2 ** max(0, n.bit_length() - 5))
+    return -(-step // multiple) * multiple
 
 
 def _chunk_segments(slots: torch.Tensor, num_slots: int, device: torch.device, static_shapes: bool) -> SegmentMeta:
@@ -228,15 +241,15 @@ def _token_dropout(
     """Host-side dropout keys of every token: hash(row key, position in the row).
 
     A row's key mixes the trial's step key with the row's index in the trial's own micro-batch, so a
-    token's key (and its mask) is the same however the pack around it looks. The padding row gets the
-    last row's threshold (its values are never read).
+    token's key (and its mask) is the same however the pack around it looks. Padding rows get key 0
+    and the last row's threshold (their values are never read).
     """
     row_keys = torch.tensor([mix32(part.dropout_key ^ i) for part, i in rows] + [0], dtype=torch.int64)
     threshold = torch.tensor([keep_threshold(part.dropout) for part, _ in rows], dtype=torch.int64)
     inv_keep = torch.tensor([1.0 / (1.0 - part.dropout) for part, _ in rows], dtype=torch.float64)
     row = row_of_token.clamp(max=len(rows) - 1)
     return DropoutKeys(
-        token_keys=mix32(row_keys[row_of_token] ^ position_ids),
+        token_keys=mix32(row_keys[row_of_token.clamp(max=len(rows))] ^ position_ids),
         threshold=threshold[row],
         inv_keep=inv_keep.to(torch.float32)[row],
     )
