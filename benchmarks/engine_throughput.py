@@ -235,6 +235,9 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
         set_backend(backend)
         by_backend[backend] = measure(make_engine, args.warmup, args.steps)
         stats = engines[0].last_stats if engines and engines[0].last_stats else None
+        graphs = engines[0].graphs if engines else None
+        if graphs is not None:  # steps replayed from CUDA graphs (worker/engine/capture.py)
+            print(f"engine[{backend}] b{batch}: {graphs.captures} graphs captured, {graphs.replays} steps replayed")
         if args.profile and backend == args.backends[-1] and engines:
             profiles[f"engine[{backend}] b{batch}"] = breakdown(engine_step(engines[0]))
         while engines:  # (a loop variable would keep the last engine, and its ~20 GiB, alive)

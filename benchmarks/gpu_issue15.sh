@@ -72,7 +72,7 @@ for stage in $stages; do
           --seq-len 512 --backends torch triton --skip-peft --mfu --profile --variants LORAPLANE_FUSED_OPS=none \
           > "$OUT/b8.log" 2>&1; tail -28 "$OUT/b8.log" ;;
     graphs) timeout 420 python -m benchmarks.engine_throughput --shape smollm2-135m --trials 24 --batch 4 \
-              --seq-len 96 --backends triton torch --profile --mfu --warmup 30 --steps 20 \
+              --seq-len 96 --backends triton torch --profile --mfu --warmup 60 --steps 20 \
               --variants LORAPLANE_STEP_CAPTURE=off > "$OUT/graphs.log" 2>&1; tail -40 "$OUT/graphs.log" ;;
     capture) timeout 150 python -m benchmarks.step_capture --shape smollm2-135m --trials 24 --batch 4 --seq-len 96 \
                --backends torch triton > "$OUT/capture-small.log" 2>&1; tail -8 "$OUT/capture-small.log"

@@ -10,7 +10,7 @@ How (design and alternatives: docs/step-capture.md):
 - The engine packs each step's batch with static shapes (``pack_rows(static_shapes=True)``): every tensor's
   shape depends only on ``PackedBatch.shape_key()`` (token and target counts rounded up to a few buckets,
   one LoRA segment per slot whether it has tokens or not), and host values the kernels read are part of it.
-- The first batch of each key (and set of layers with adapters) is captured after two eager warm-up runs:
+- The first batch of each key (and set of layers with adapters) is captured after eager warm-up runs:
   its tensors become the graph's inputs. A later batch of the same key is copied into them, and the graph
   replays: the gradients' zeroing, the forward, the loss and the backward into the store, as one launch.
   The AdamW update stays outside (one kernel; its per-slot scalars change every step).
@@ -44,7 +44,9 @@ logger = logging.getLogger(__name__)
 
 STEP_CAPTURE_MODES = ("auto", "off")
 MAX_GRAPHS = 16  # distinct batch shapes captured per engine; a steady pack needs a few (token, target buckets)
-WARMUP_RUNS = 2  # eager runs before a capture: kernels autotuned, libraries' lazy state built
+# Eager runs before a capture: kernels autotuned, libraries' lazy state built (the first capture of an engine),
+# the new shape's autotuning (later ones).
+FIRST_WARMUP_RUNS, WARMUP_RUNS = 2, 1
 
 
 def capture_mode() -> str:
@@ -136,7 +138,7 @@ class StepGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
+            for _ in range(WARMUP_RUNS if self.captures else FIRST_WARMUP_RUNS):
                 body()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.empty_cache()  # the warm-up's activations: the graph's own come from its pool
