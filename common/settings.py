@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     # Registry names (comma-separated) of base models a worker loads at start, before its first pack: the
     # first pack of a task then pays no model load (tens of seconds for a GGUF model).
     worker_preload_models: str = Field(default="", alias="LORAPLANE_WORKER_PRELOAD")
+    # torch's CPU threads in a worker process: its host work is many small ops a step (batch packing, launch
+    # tables), which gain nothing from more threads, and several workers on one host would otherwise each
+    # start one thread per core and contend (0: torch's own default).
+    worker_cpu_threads: int = Field(default=2, ge=0, alias="LORAPLANE_WORKER_CPU_THREADS")
     # cpsat: CP-SAT over all pending trials and workers (greedy fallback); greedy: the FIFO first-fit packer.
     planner: Literal["cpsat", "greedy"] = Field(default="cpsat", alias="LORAPLANE_PLANNER")
     planner_time_limit_s: float = Field(default=1.0, gt=0, alias="LORAPLANE_PLANNER_TIME_LIMIT_S")

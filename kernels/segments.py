@@ -171,16 +171,26 @@ def _segment_meta(
         identity=slots == tuple(range(num_slots)),
         seg_slots=moved[0],
         token_slots=moved[1],
-        offsets=ends.to(torch.int32).to(device, non_blocking=True),
+        offsets=upload(ends.to(torch.int32), device),
         gather_idx=moved[2] if not uniform else None,
         scatter_idx=moved[3] if not uniform else None,
         pad_spans=spans,
     )
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without making the host wait: a CUDA copy goes through pinned memory, so it is
+    truly asynchronous (a copy from pageable memory may wait for the work already queued on the device)."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Move same-dtype 1-d host tensors to ``device`` in one copy (one launch instead of one per tensor)."""
     if device.type == "cpu":
         return parts
-    flat = torch.cat(parts).to(device, non_blocking=True)
+    flat = upload(torch.cat(parts), device)
     return list(torch.split(flat, [p.numel() for p in parts]))

@@ -52,6 +52,8 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
     device = pick_device(gpu)
     suffix = f"gpu{gpu}" if gpu is not None else device.type
     worker_id = worker_id or f"{socket.gethostname()}-{suffix}"
+    if settings.worker_cpu_threads:
+        torch.set_num_threads(settings.worker_cpu_threads)
     queue = worker_queue(settings, worker_id)
     bus = get_bus()
     # The same worker id comes back after a restart (`<hostname>-gpuN`, or `local` under `loraplane up`): the

@@ -17,6 +17,7 @@ import torch
 
 from kernels import DropoutKeys, SegmentMeta, build_segments, build_slot_segments, keep_threshold, mix32
 from kernels.dropout import MASK32
+from kernels.segments import upload
 from worker.engine.data import IGNORE_INDEX, Example
 from worker.engine.lora import TokenRouting
 
@@ -196,20 +197,20 @@ def pack_rows(
     if static_shapes:
         max_row_len = -(-max_row_len // ROW_LENGTH_MULTIPLE) * ROW_LENGTH_MULTIPLE
     return PackedBatch(
-        input_ids=input_ids[None].to(device, non_blocking=True),
-        position_ids=position_ids[None].to(device, non_blocking=True),
-        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32).to(device, non_blocking=True),
+        input_ids=upload(input_ids[None], device),
+        position_ids=upload(position_ids[None], device),
+        cu_seqlens=upload(torch.cat([torch.zeros(1, dtype=torch.int64), ends]).to(torch.int32), device),
         max_row_len=max_row_len,
         n_rows=len(examples),
         routing=TokenRouting(meta, _to_device(keys, device)),
         targets=LossTargets(
-            positions=positions.to(device, non_blocking=True),
-            labels=target_labels.to(device, non_blocking=True),
-            slots=slots.to(device, non_blocking=True),
-            rows=target_rows.to(device, non_blocking=True),
+            positions=upload(positions, device),
+            labels=upload(target_labels, device),
+            slots=upload(slots, device),
+            rows=upload(target_rows, device),
             chunks=tuple(chunks),
         ),
-        target_counts=counts.clamp(min=1).to(torch.float32).to(device, non_blocking=True),
+        target_counts=upload(counts.clamp(min=1).to(torch.float32), device),
         n_targets={p.slot: int(counts[p.slot]) for p in parts},
     )
 
@@ -262,4 +263,4 @@ def _select(keys: DropoutKeys, index: torch.Tensor) -> DropoutKeys:
 def _to_device(keys: DropoutKeys | None, device: torch.device) -> DropoutKeys | None:
     if keys is None:
         return None
-    return DropoutKeys(*(t.to(device, non_blocking=True) for t in (keys.token_keys, keys.threshold, keys.inv_keep)))
+    return DropoutKeys(*(upload(t, device) for t in (keys.token_keys, keys.threshold, keys.inv_keep)))
