@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.engine.files import write_dir_atomically
+from worker.engine.files import to_host, write_dir_atomically
 from worker.engine.optim import SlotAdamW
 from worker.engine.slots import SlotState
 from worker.engine.store import AdapterStore, ModuleTensors
@@ -42,7 +42,7 @@ class SlotSnapshot:
         """Write the checkpoint to ``directory`` atomically (an older one there is replaced)."""
 
         def write(tmp: Path) -> None:
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in self.tensors.items()}, str(tmp / TENSORS))
+            save_file(to_host(self.tensors), str(tmp / TENSORS))
             (tmp / STATE).write_text(json.dumps(self.info, indent=1) + "\n")
 
         return write_dir_atomically(Path(directory), write)

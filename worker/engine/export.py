@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from kernels import build_segments
-from worker.engine.files import write_dir_atomically
+from worker.engine.files import to_host, write_dir_atomically
 from worker.engine.lora import LoraConfig, LoraContext, TokenRouting, inject_lora, restore_base_model
 from worker.engine.store import AdapterStore, ModuleTensors
 
@@ -43,10 +43,11 @@ def export_peft_adapter(
         target_modules: the ``target_modules`` list PEFT will match layers with.
         base_model_name: recorded as ``base_model_name_or_path``.
     """
-    state = {}
+    named = {}
     for path, (lora_a, lora_b) in tensors.items():
-        state[f"{_PREFIX}{path}.lora_A.weight"] = lora_a.detach().to("cpu", torch.float32).contiguous()
-        state[f"{_PREFIX}{path}.lora_B.weight"] = lora_b.detach().to("cpu", torch.float32).contiguous()
+        named[f"{_PREFIX}{path}.lora_A.weight"] = lora_a
+        named[f"{_PREFIX}{path}.lora_B.weight"] = lora_b
+    state = to_host(named, torch.float32)
     adapter_config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
