@@ -16,6 +16,7 @@ from worker.engine import models as engine_models
 
 
 def test_tiny_model_materialises_deterministically(tmp_path: Path, model_cache: Path) -> None:
+    engine_models.materialize_tiny_llama(model_cache / TINY.name)  # a no-op once another test has loaded it
     engine_models.materialize_tiny_llama(tmp_path / "again")
     first = load_file(str(model_cache / TINY.name / "model.safetensors"))
     second = load_file(str(tmp_path / "again" / "model.safetensors"))
@@ -79,3 +80,8 @@ def test_unknown_kind_and_missing_package_fail_clearly(tmp_path: Path) -> None:
         load_base_model(missing, cache_dir=tmp_path, device=CPU)
     with pytest.raises(ValueError, match="needs a path"):
         load_base_model(ModelSource("x", "hf"), cache_dir=tmp_path, device=CPU)
+    with pytest.raises(FileNotFoundError, match="m.gguf does not exist"):  # an operator's gguf registration
+        load_base_model(ModelSource("x", "gguf", path=str(tmp_path), gguf_file="m.gguf"), cache_dir=tmp_path,
+                        device=CPU)  # fmt: skip
+    with pytest.raises(ValueError, match="needs path and gguf_file"):
+        load_base_model(ModelSource("x", "gguf", path=str(tmp_path)), cache_dir=tmp_path, device=CPU)

