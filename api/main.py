@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from api.errors import install_error_handlers
 from api.routes import (
     admin,
+    admin_models,
     cluster,
     curves,
     dashboard,
@@ -64,7 +65,7 @@ def create_app() -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(health.router)
-    for module in (admin, cluster, packs, files, models, search_spaces, tasks, trials, curves, events):
+    for module in (admin, admin_models, cluster, packs, files, models, search_spaces, tasks, trials, curves, events):
         app.include_router(module.router, prefix="/v1")
     dashboard.install(app)
     return app

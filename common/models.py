@@ -93,13 +93,18 @@ class File(Base):
 class BaseModelEntry(Base):
     __tablename__ = "base_models"
     name: Mapped[str] = mapped_column(String(100), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(40))  # "tiny-random-llama" | "hf" | "gguf-package"
+    kind: Mapped[str] = mapped_column(String(40))  # "tiny-random-llama" | "hf" | "gguf-package" | "gguf"
     path: Mapped[str | None] = mapped_column(String(500), default=None)
     package: Mapped[str | None] = mapped_column(String(100), default=None)
     gguf_file: Mapped[str | None] = mapped_column(String(200), default=None)
     description: Mapped[str] = mapped_column(Text, default="")
     parameters: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    # The tenant ids that may use the model; None: every tenant.
+    tenants: Mapped[list[Any] | None] = mapped_column(default=None)
+    architecture: Mapped[str | None] = mapped_column(String(100), default=None)  # config.json's model_type
+    max_context: Mapped[int | None] = mapped_column(Integer, default=None)  # config.json's max_position_embeddings
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class Task(Base):

@@ -44,6 +44,11 @@ def ensure_default_models(session: Session) -> None:
             session.add(BaseModelEntry(**asdict(definition)))
 
 
+def may_use(entry: BaseModelEntry, tenant_id: str) -> bool:
+    """Whether the tenant may see and tune the model: `tenants` None is every tenant."""
+    return entry.tenants is None or tenant_id in entry.tenants
+
+
 def model_source_fields(entry: BaseModelEntry) -> dict[str, str | None]:
     """What a worker needs to load the model (sent in the pack message)."""
     return {

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import bindparam, create_engine, text
 
 from tests.services import MissingService, find_postgres, find_redis
 
@@ -88,15 +88,32 @@ TABLES = ("metric_points", "events", "trials", "tasks", "packs", "workers", "api
 
 @pytest.fixture
 def clean_db(database: str) -> Iterator[None]:
-    """Empties every table a test may fill (the model registry stays), before and after the test."""
-    from common.db import get_engine
+    """Empties every table a test may fill, before and after the test. The model registry goes back to its
+    default entries, open to every tenant (admin calls may have added, restricted or removed entries)."""
+    from common.db import get_engine, session_scope
+    from common.registry import DEFAULT_MODELS, ensure_default_models
+
+    defaults = {"names": [m.name for m in DEFAULT_MODELS]}
 
     def truncate() -> None:
         # Row deletes in foreign-key order: on tables this small, much faster than TRUNCATE.
         with get_engine().begin() as conn:
             for table in TABLES:
                 conn.execute(text(f"DELETE FROM {table}"))
+            conn.execute(text("DELETE FROM base_models WHERE name NOT IN :names").bindparams(
+                bindparam("names", expanding=True)), defaults)
+            conn.execute(text("UPDATE base_models SET tenants = NULL"))
+        with session_scope() as session:
+            ensure_default_models(session)
 
     truncate()
     yield
     truncate()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real Hugging Face model directory (tiny random Llama, safetensors, tokenizer), written once a session."""
+    from tests.model_dirs import tiny_llama_dir  # imports torch: only the tests that use it pay for it
+
+    return tiny_llama_dir(tmp_path_factory.mktemp("models") / "tiny-llama")

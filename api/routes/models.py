@@ -1,31 +1,31 @@
-"""The base models tasks can tune (the registry)."""
+"""The base models tasks can tune (the registry), as the calling tenant may use them."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from sqlalchemy import select
 
-from api.deps import SessionDep, get_tenant
+from api.deps import SessionDep, TenantDep
 from api.errors import not_found
 from api.schemas.common import ListPage, PathId, error_responses
 from api.schemas.models import ModelOut
 from common.models import BaseModelEntry
+from common.registry import may_use
 
-router = APIRouter(
-    prefix="/models", tags=["models"], dependencies=[Depends(get_tenant)], responses=error_responses(401, 404)
-)
+router = APIRouter(prefix="/models", tags=["models"], responses=error_responses(401, 404))
 
 
 @router.get("")
-def list_models(session: SessionDep) -> ListPage[ModelOut]:
+def list_models(session: SessionDep, tenant: TenantDep) -> ListPage[ModelOut]:
+    """The models this tenant may use (an entry restricted to other tenants is left out)."""
     entries = session.scalars(select(BaseModelEntry).order_by(BaseModelEntry.name))
-    return ListPage(data=[ModelOut.of(m) for m in entries])
+    return ListPage(data=[ModelOut.of(m) for m in entries if may_use(m, tenant.id)])
 
 
 @router.get("/{name:path}")
-def read_model(name: PathId, session: SessionDep) -> ModelOut:
-    """`name` may contain slashes (hub-style ids such as `org/model`)."""
+def read_model(name: PathId, session: SessionDep, tenant: TenantDep) -> ModelOut:
+    """`name` may contain slashes (hub-style ids such as `org/model`). A model the tenant may not use is a 404."""
     entry = session.get(BaseModelEntry, name)
-    if entry is None:
+    if entry is None or not may_use(entry, tenant.id):
         raise not_found("model", name)
     return ModelOut.of(entry)

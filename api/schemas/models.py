@@ -1,21 +1,83 @@
-"""Base models of the registry."""
+"""Base models of the registry: what tenants see, and what operators register and edit."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, StringConstraints
 
+from api.schemas.common import RequestModel, Text, UtcDateTime
+from common.architectures import target_modules_for
 from common.models import BaseModelEntry
+
+# Hub-style ids are allowed ("org/model"), but no empty segment (no leading, trailing or doubled slash).
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$"
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=100, pattern=MODEL_NAME_PATTERN)]
+ModelPath = Annotated[Text, StringConstraints(min_length=1, max_length=500)]
+Description = Annotated[Text, StringConstraints(strip_whitespace=True, max_length=2000)]
+GgufFile = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")]
+TenantId = Annotated[Text, StringConstraints(min_length=1, max_length=40)]
+TenantIds = Annotated[list[TenantId], Field(max_length=1000)]
 
 
 class ModelOut(BaseModel):
+    """A model as a tenant sees it. architecture, max_context and target_modules are null where unknown."""
+
     id: str
     object: Literal["model"] = "model"
     kind: str
     description: str
     parameters: int | None
+    architecture: str | None
+    max_context: int | None
+    target_modules: list[str] | None
 
     @classmethod
     def of(cls, m: BaseModelEntry) -> ModelOut:
-        return cls(id=m.name, kind=m.kind, description=m.description, parameters=m.parameters)
+        targets = target_modules_for(m.architecture)
+        return cls(id=m.name, kind=m.kind, description=m.description, parameters=m.parameters,
+                   architecture=m.architecture, max_context=m.max_context,
+                   target_modules=list(targets) if targets is not None else None)
+
+
+class ModelCreate(RequestModel):
+    name: ModelName
+    path: ModelPath = Field(description="The model directory as the workers see it.")
+    description: Description = ""
+    kind: Literal["hf", "gguf"] = "hf"
+    file: GgufFile | None = Field(default=None, description="The GGUF file inside `path` (kind gguf only).")
+    tenants: TenantIds | None = Field(default=None, description="The tenant ids that may use it; null: every tenant.")
+
+
+class ModelUpdate(RequestModel):
+    description: Description | None = None
+    tenants: TenantIds | None = Field(default=None, description="null opens the model to every tenant.")
+
+
+class AdminModelOut(BaseModel):
+    """A registry entry as the operator sees it: where it lives and who may use it."""
+
+    name: str
+    object: Literal["model"] = "model"
+    kind: str
+    path: str | None
+    file: str | None
+    description: str
+    parameters: int | None
+    architecture: str | None
+    max_context: int | None
+    target_modules: list[str] | None
+    tenants: list[str] | None
+    created_at: UtcDateTime
+    updated_at: UtcDateTime | None
+
+    @classmethod
+    def of(cls, m: BaseModelEntry) -> AdminModelOut:
+        targets = target_modules_for(m.architecture)
+        return cls(
+            name=m.name, kind=m.kind, path=m.path, file=m.gguf_file, description=m.description,
+            parameters=m.parameters, architecture=m.architecture, max_context=m.max_context,
+            target_modules=list(targets) if targets is not None else None,
+            tenants=list(m.tenants) if m.tenants is not None else None, created_at=m.created_at,
+            updated_at=m.updated_at,
+        )

@@ -24,6 +24,7 @@ from common.bus import wake_scheduler
 from common.datasets import validation_rows
 from common.events import record_event
 from common.models import BaseModelEntry, File, Task, Tenant, Trial, new_id, utcnow
+from common.registry import may_use
 from common.states import TASK_CANCELLED, TASK_FINAL, TASK_QUEUED, TRIAL_ACTIVE, TRIAL_CANCELLED, TRIAL_PENDING
 
 DEFAULT_VALIDATION_SPLIT = 0.1
@@ -183,7 +184,8 @@ def create_task(
     if existing := _by_idempotency_key(session, tenant, idempotency_key):
         return existing, False
     budget = _check_request(body)
-    if session.get(BaseModelEntry, body.base_model) is None:
+    model = session.get(BaseModelEntry, body.base_model)
+    if model is None or not may_use(model, tenant.id):  # a model the tenant may not use reads as unknown
         raise invalid(f"No base model named '{body.base_model}'; see GET /v1/models.", param="base_model",
                       code="unknown_model")
     train = _owned_file(session, tenant, body.training_file, "training_file")

@@ -23,6 +23,7 @@ from loraplane.client.models import (
     LossPoint,
     Model,
     Page,
+    RegisteredModel,
     Task,
     Tenant,
     Trial,
@@ -34,6 +35,6 @@ from loraplane.client.models import (
 __all__ = [
     "TASK_FINAL_STATES", "TRIAL_FINAL_STATES", "APIConnectionError", "APIError", "ApiKey", "AsyncClient",
     "BestTrial", "Client", "ConfigurationError", "Event", "File", "FileDeleted", "LoraplaneError", "LossPoint",
-    "Model", "Page", "Settings", "Task", "Tenant", "Trial", "TrialCounts", "TrialMetrics", "WaitTimeout", "Worker",
-    "config_path", "read_config", "resolve", "write_config",
+    "Model", "Page", "RegisteredModel", "Settings", "Task", "Tenant", "Trial", "TrialCounts", "TrialMetrics",
+    "WaitTimeout", "Worker", "config_path", "read_config", "resolve", "write_config",
 ]

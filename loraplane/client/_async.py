@@ -27,6 +27,7 @@ from loraplane.client.models import (
     FileDeleted,
     Model,
     Page,
+    RegisteredModel,
     Task,
     Tenant,
     Trial,
@@ -345,3 +346,25 @@ class AsyncAdmin:
 
     async def list_workers(self) -> Page[Worker]:
         return page(await self._c._json("GET", "/v1/admin/workers", admin=True), Worker)
+
+    async def register_model(self, name: str, path: str, *, description: str | None = None, kind: str | None = None,
+                      file: str | None = None, tenants: list[str] | None = None) -> RegisteredModel:
+        """`path`: a model directory as the workers see it (kind "hf", the default) or the folder of a GGUF `file`
+        (kind "gguf"). `tenants`: the ids that may use it (default every tenant). 409 `model_exists`; 422 naming
+        what is wrong with the directory."""
+        body = _core.params(name=name, path=path, description=description, kind=kind, file=file, tenants=tenants)
+        return RegisteredModel.of(await self._c._json("POST", "/v1/admin/models", json=body, admin=True))
+
+    async def list_models(self) -> Page[RegisteredModel]:
+        return page(await self._c._json("GET", "/v1/admin/models", admin=True), RegisteredModel)
+
+    async def get_model(self, name: str) -> RegisteredModel:
+        return RegisteredModel.of(await self._c._json("GET", f"/v1/admin/models/{name}", admin=True))
+
+    async def update_model(self, name: str, **changes: Any) -> RegisteredModel:
+        """`description`, `tenants` (None: every tenant)."""
+        return RegisteredModel.of(await self._c._json("PATCH", f"/v1/admin/models/{name}", json=changes, admin=True))
+
+    async def delete_model(self, name: str) -> None:
+        """Refused (409 `model_in_use`) while a queued or running task uses it."""
+        await self._c.request("DELETE", f"/v1/admin/models/{name}", admin=True)

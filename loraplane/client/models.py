@@ -64,6 +64,26 @@ class Model(ApiObject):
     kind: str
     description: str
     parameters: int | None
+    architecture: str | None = None
+    max_context: int | None = None
+    target_modules: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class RegisteredModel(ApiObject):
+    """A registry entry as the operator sees it (`admin.list_models`): where it lives and who may use it."""
+
+    name: str
+    kind: str
+    path: str | None
+    description: str
+    architecture: str | None
+    max_context: int | None
+    target_modules: list[str] | None
+    tenants: list[str] | None
+    created_at: datetime
+
+    TIMES = frozenset({"created_at"})
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""`loraplane admin tenants|keys|workers`: the operator's commands (the admin token)."""
+"""`loraplane admin tenants|keys|workers|models`: the operator's commands (the admin token)."""
 
 from __future__ import annotations
 
 import argparse
 
-from loraplane.client import ApiKey, Client, Tenant
+from loraplane.client import ApiKey, Client, RegisteredModel, Tenant
 from loraplane.commands.base import (
     UsageError,
     common_options,
@@ -128,11 +128,45 @@ def cmd_workers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models_table(models: list[RegisteredModel], names: dict[str, str]) -> str:
+    rows = [[m.name, m.kind, m.architecture or "-", m.max_context or "-",
+             "all" if m.tenants is None else ", ".join(names.get(t, t) for t in m.tenants) or "none",
+             m.path or "-", when(m.created_at)] for m in models]
+    return table(["NAME", "KIND", "ARCHITECTURE", "CONTEXT", "TENANTS", "PATH", "CREATED"], rows, right=(3,))
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    with _admin(args) as lp:
+        if args.action == "remove":
+            lp.admin.delete_model(args.name)
+            if args.json:
+                emit({"name": args.name, "deleted": True})
+            else:
+                out(f"Removed model {args.name}.")
+            return 0
+        if args.action == "add":
+            tenants = [_tenant_id(lp, t) for t in args.tenant] if args.tenant else None
+            model = lp.admin.register_model(args.name, args.path, description=args.description, kind=args.kind,
+                                            file=args.file, tenants=tenants)
+            models, raw = [model], model.raw
+        else:
+            page = lp.admin.list_models()
+            models, raw = page.data, page.raw
+        names = {t.id: t.name for t in _all_tenants(lp)} if any(m.tenants for m in models) else {}
+    if args.json:
+        emit(raw)
+        return 0
+    out(_models_table(models, names) if models else "No models.")
+    if args.action == "add" and models[0].target_modules:
+        out(f"\nLoRA target modules: {', '.join(models[0].target_modules)}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # The options at both levels (`admin tenants --json create x` and `admin tenants create x --json`); the
     # inner level's are SUPPRESSed so that its defaults do not overwrite what the outer level parsed.
     outer, inner = common_options(admin=True), common_options(admin=True, suppress=True)
-    admin = sub.add_parser("admin", help="operator commands: tenants, API keys, workers (the admin token)")
+    admin = sub.add_parser("admin", help="operator commands: tenants, API keys, workers, models (the admin token)")
     asub = admin.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
 
     tenants = asub.add_parser("tenants", parents=[outer], help="list tenants, or create / show one")
@@ -163,3 +197,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     workers = asub.add_parser("workers", parents=[outer], help="the GPU workers and their state")
     workers.set_defaults(func=guarded(cmd_workers), client=True)
+
+    models = asub.add_parser("models", parents=[outer], help="the base-model registry: list, add or remove a model")
+    models.set_defaults(func=guarded(cmd_models), client=True, action=None)
+    msub = models.add_subparsers(dest="action", metavar="ACTION")
+    madd = msub.add_parser("add", parents=[inner], help="register a model directory (as the workers see it)")
+    madd.add_argument("name", help="its name in the registry (hub-style ids such as org/model are fine)")
+    madd.add_argument("path", help="the Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    madd.add_argument("--description")
+    madd.add_argument("--tenant", action="append", metavar="TENANT",
+                      help="a tenant (id or name) that may use it; repeat for more (default: every tenant)")
+    madd.add_argument("--kind", choices=("hf", "gguf"), help="hf (default) or gguf (then give --file)")
+    madd.add_argument("--file", help="the GGUF file in PATH (kind gguf)")
+    msub.add_parser("list", parents=[inner], help="every registered model")
+    mremove = msub.add_parser("remove", parents=[inner], help="remove a model no queued or running task uses")
+    mremove.add_argument("name")

@@ -12,7 +12,9 @@ def test_list_models_shows_the_registry(client: TestClient, tenant: TenantKey) -
     assert {"tiny-random-llama", "smollm2-135m-instruct"} <= set(models)
     smol = models["smollm2-135m-instruct"]
     assert (smol["object"], smol["kind"], smol["parameters"]) == ("model", "gguf-package", 134_515_008)
-    assert set(smol) == {"id", "object", "kind", "description", "parameters"}
+    assert set(smol) == {"id", "object", "kind", "description", "parameters", "architecture", "max_context",
+                         "target_modules"}
+    assert smol["target_modules"] is None  # unknown for the built-ins
 
 
 def test_get_model_by_name(client: TestClient, tenant: TenantKey) -> None:

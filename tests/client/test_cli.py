@@ -539,3 +539,32 @@ def test_the_client_and_its_commands_import_nothing_of_the_service() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_admin_models_add_list_remove(
+    cli: Cli, api_url: str, tenant: TenantKey, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LORAPLANE_API_URL", api_url)
+    added = cli("admin", "models", "add", "acme/tiny", str(tiny_model_dir), "--description", "ours",
+                "--tenant", "acme", "--json")
+    assert added.code == 0, added.err
+    model = added.json()
+    assert (model["name"], model["kind"], model["architecture"], model["tenants"]) == (
+        "acme/tiny", "hf", "llama", [tenant.id])
+
+    human = cli("admin", "models", "list")
+    assert human.code == 0 and "acme/tiny" in human.out and "llama" in human.out and "acme" in human.out
+    names = [m["name"] for m in cli("admin", "models", "list", "--json").json()["data"]]
+    assert "acme/tiny" in names and "tiny-random-llama" in names
+    with Client(api_url, tenant.key) as lp:
+        assert lp.models.get("acme/tiny").target_modules[:2] == ["q_proj", "k_proj"]  # type: ignore[index]
+
+    dup = cli("admin", "models", "add", "acme/tiny", str(tiny_model_dir))
+    assert dup.code == 1 and "already exists" in dup.err
+    broken = cli("admin", "models", "add", "other", str(tiny_model_dir / "nowhere"))
+    assert broken.code == 1 and "does not exist" in broken.err
+
+    removed = cli("admin", "models", "remove", "acme/tiny")
+    assert removed.code == 0 and "Removed model acme/tiny" in removed.out
+    assert "acme/tiny" not in [m["name"] for m in cli("admin", "models", "--json").json()["data"]]
+    assert cli("admin", "models", "remove", "acme/tiny").code == 1

@@ -1,0 +1,172 @@
+"""The operator's model registry (admin token): register a real model directory, who may use it, retiring it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.factories import ADMIN, TenantKey, make_task, task_body, upload
+from tests.model_dirs import copy_without, with_config
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_register_and_list(client: TestClient, tenant: TenantKey, tiny_model_dir: Path) -> None:
+    r = client.post("/v1/admin/models", headers=ADMIN,
+                    json={"name": "acme/llama-tiny", "path": str(tiny_model_dir), "description": "ours"})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert (body["name"], body["kind"], body["path"], body["description"]) == (
+        "acme/llama-tiny", "hf", str(tiny_model_dir), "ours")
+    assert (body["architecture"], body["max_context"], body["target_modules"], body["tenants"]) == (
+        "llama", 2048, LLAMA_TARGETS, None)
+    assert body["created_at"].endswith("Z")
+
+    listed = client.get("/v1/admin/models", headers=ADMIN).json()["data"]
+    assert {"acme/llama-tiny", "tiny-random-llama", "smollm2-135m-instruct"} <= {m["name"] for m in listed}
+    assert client.get("/v1/admin/models/acme/llama-tiny", headers=ADMIN).json() == body
+
+    seen = client.get("/v1/models/acme/llama-tiny", headers=tenant.headers).json()
+    assert (seen["id"], seen["architecture"], seen["max_context"], seen["target_modules"]) == (
+        "acme/llama-tiny", "llama", 2048, LLAMA_TARGETS)
+    assert "path" not in seen and "tenants" not in seen  # where it lives and who else may use it are the operator's
+    make_task(client, tenant, base_model="acme/llama-tiny")  # and a task can be submitted for it
+
+
+def test_duplicate_name_is_409(client: TestClient, tiny_model_dir: Path) -> None:
+    assert client.post("/v1/admin/models", json={"name": "mine", "path": str(tiny_model_dir)},
+                       headers=ADMIN).status_code == 201
+    r = client.post("/v1/admin/models", json={"name": "mine", "path": str(tiny_model_dir)}, headers=ADMIN)
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "model_exists"
+    r = client.post("/v1/admin/models", json={"name": "tiny-random-llama", "path": str(tiny_model_dir)}, headers=ADMIN)
+    assert r.status_code == 409  # the built-ins too
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "words"),
+    [
+        ("missing", "model_path_not_found", "does not exist"),
+        ("file", "model_path_not_a_directory", "not a directory"),
+        ("no_config", "model_config_missing", "no config.json"),
+        ("bad_json", "model_config_invalid", "not readable JSON"),
+        ("unsupported", "unsupported_architecture", "model_type 'gpt2'"),
+        ("no_weights", "model_weights_missing", "safetensors"),
+        ("no_tokenizer", "model_tokenizer_missing", "no tokenizer"),
+    ],
+)
+def test_a_directory_that_cannot_be_registered_is_422(
+    client: TestClient, tiny_model_dir: Path, tmp_path: Path, case: str, code: str, words: str
+) -> None:
+    target = tmp_path / "model"
+    if case == "missing":
+        path = tmp_path / "nowhere"
+    elif case == "file":
+        path = tiny_model_dir / "config.json"
+    elif case == "no_config":
+        path = copy_without(tiny_model_dir, target, "config.json")
+    elif case == "bad_json":
+        path = copy_without(tiny_model_dir, target)
+        (path / "config.json").write_text("{not json")
+    elif case == "unsupported":
+        path = with_config(tiny_model_dir, target, model_type="gpt2")
+    elif case == "no_weights":
+        path = copy_without(tiny_model_dir, target, "model.safetensors")
+    else:
+        path = copy_without(tiny_model_dir, target, "tokenizer.json")
+    r = client.post("/v1/admin/models", json={"name": "broken", "path": str(path)}, headers=ADMIN)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, "path")
+    assert words in error["message"]
+    if case == "unsupported":
+        assert "llama, mistral, phi3, qwen2, qwen3" in error["message"]  # the supported ones are listed
+    assert client.get("/v1/admin/models/broken", headers=ADMIN).status_code == 404  # nothing was stored
+
+
+def test_unknown_tenant_and_bad_names_are_422(client: TestClient, tenant: TenantKey, tiny_model_dir: Path) -> None:
+    r = client.post("/v1/admin/models", headers=ADMIN,
+                    json={"name": "m", "path": str(tiny_model_dir), "tenants": [tenant.id, "tenant-nope"]})
+    assert r.status_code == 422
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("unknown_tenant", "tenants[1]")
+    assert "tenant-nope" in r.json()["error"]["message"]
+    for name in ("", "/lead", "a//b", "has space", "x" * 101):
+        r = client.post("/v1/admin/models", json={"name": name, "path": str(tiny_model_dir)}, headers=ADMIN)
+        assert (r.status_code, r.json()["error"]["param"]) == (422, "name"), name
+
+
+def test_gguf_needs_an_existing_file(client: TestClient, tmp_path: Path) -> None:
+    r = client.post("/v1/admin/models", json={"name": "g", "path": str(tmp_path), "kind": "gguf"}, headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["param"]) == (422, "file")
+    r = client.post("/v1/admin/models", headers=ADMIN,
+                    json={"name": "g", "path": str(tmp_path), "kind": "gguf", "file": "m.gguf"})
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "model_file_not_found")
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    r = client.post("/v1/admin/models", headers=ADMIN,
+                    json={"name": "g", "path": str(tmp_path), "kind": "gguf", "file": "m.gguf"})
+    assert r.status_code == 201, r.text
+    assert (r.json()["kind"], r.json()["file"], r.json()["architecture"]) == ("gguf", "m.gguf", None)
+
+
+def test_restricted_model_is_hidden_from_other_tenants(
+    client: TestClient, tenant: TenantKey, other_tenant: TenantKey, tiny_model_dir: Path
+) -> None:
+    r = client.post("/v1/admin/models", headers=ADMIN,
+                    json={"name": "private", "path": str(tiny_model_dir), "tenants": [tenant.id]})
+    assert r.status_code == 201, r.text
+    assert r.json()["tenants"] == [tenant.id]
+
+    assert "private" in {m["id"] for m in client.get("/v1/models", headers=tenant.headers).json()["data"]}
+    assert "private" not in {m["id"] for m in client.get("/v1/models", headers=other_tenant.headers).json()["data"]}
+    hidden = client.get("/v1/models/private", headers=other_tenant.headers)
+    unknown = client.get("/v1/models/no-such-model", headers=other_tenant.headers)
+    assert (hidden.status_code, hidden.json()["error"]["code"]) == (404, "model_not_found")
+    assert hidden.json()["error"]["message"] == unknown.json()["error"]["message"].replace("no-such-model", "private")
+
+    make_task(client, tenant, base_model="private")
+    file_id = upload(client, other_tenant)["id"]
+    refused = client.post("/v1/tasks", headers=other_tenant.headers, json=task_body(file_id, base_model="private"))
+    unknown = client.post("/v1/tasks", headers=other_tenant.headers, json=task_body(file_id, base_model="nope"))
+    assert refused.status_code == unknown.status_code == 422
+    assert refused.json()["error"]["code"] == unknown.json()["error"]["code"] == "unknown_model"
+    assert refused.json()["error"]["message"] == unknown.json()["error"]["message"].replace("nope", "private")
+
+    # Opening it to everyone (tenants null) shows it to the other tenant too.
+    r = client.patch("/v1/admin/models/private", json={"tenants": None, "description": "open"}, headers=ADMIN)
+    assert (r.status_code, r.json()["tenants"], r.json()["description"]) == (200, None, "open")
+    assert r.json()["updated_at"].endswith("Z")
+    assert client.get("/v1/models/private", headers=other_tenant.headers).status_code == 200
+
+
+def test_delete_is_refused_while_a_queued_task_uses_the_model(
+    client: TestClient, tenant: TenantKey, tiny_model_dir: Path
+) -> None:
+    assert client.post("/v1/admin/models", json={"name": "busy", "path": str(tiny_model_dir)},
+                       headers=ADMIN).status_code == 201
+    assert client.post("/v1/admin/models", json={"name": "idle", "path": str(tiny_model_dir)},
+                       headers=ADMIN).status_code == 201
+    task = make_task(client, tenant, base_model="busy")
+    assert task["state"] == "queued"
+
+    r = client.delete("/v1/admin/models/busy", headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["code"]) == (409, "conflict_error",
+                                                                                     "model_in_use")
+    assert client.get("/v1/admin/models/busy", headers=ADMIN).status_code == 200  # nothing lost
+
+    # Once cancelled the task no longer uses it, but it still refers to it (history keeps the model's name).
+    assert client.post(f"/v1/tasks/{task['id']}/cancel", headers=tenant.headers).status_code == 200
+    r = client.delete("/v1/admin/models/busy", headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "model_has_tasks")
+
+    r = client.delete("/v1/admin/models/idle", headers=ADMIN)
+    assert (r.status_code, r.content) == (204, b"")
+    assert client.get("/v1/admin/models/idle", headers=ADMIN).status_code == 404
+    assert client.delete("/v1/admin/models/idle", headers=ADMIN).status_code == 404
+
+
+def test_model_routes_need_the_admin_token(client: TestClient, tenant: TenantKey, tiny_model_dir: Path) -> None:
+    r = client.post("/v1/admin/models", json={"name": "m", "path": str(tiny_model_dir)}, headers=tenant.headers)
+    assert r.status_code == 403
+    assert client.get("/v1/admin/models").status_code == 401
