@@ -141,14 +141,16 @@ def pack_rows(
     examples = [e for part in parts for e in part.examples]
     lengths = [len(e.input_ids) for e in examples]
     n_real = sum(lengths)
-    n_tokens = -(-n_real // pad_to_multiple) * pad_to_multiple
-    tail = n_tokens - n_real  # padding: one more row, of the last slot, that nothing reads
-    pad_rows = [tail] if tail else []
-    if static_shapes:  # padding: rows of the last slot that nothing reads, as many as the bucket's size says
+    # Padding after the real tokens, in rows of the last slot that nothing reads.
+    if static_shapes:  # as many rows as the bucket's size says, each of at most ROW_LENGTH_MULTIPLE tokens
         n_tokens = shape_bucket(n_real, pad_to_multiple)
-        tail = n_tokens - n_real  # < the bucket's step, so rows of at most ROW_LENGTH_MULTIPLE tokens hold it
+        tail = n_tokens - n_real  # < the bucket's step
         count = -(-_bucket_step(n_tokens, pad_to_multiple) // ROW_LENGTH_MULTIPLE)
         pad_rows = [tail // count + (i < tail % count) for i in range(count)]
+    else:  # one row, up to the width multiple
+        n_tokens = -(-n_real // pad_to_multiple) * pad_to_multiple
+        tail = n_tokens - n_real
+        pad_rows = [tail] if tail else []
     row_lengths = lengths + pad_rows
     ends = torch.tensor(row_lengths, dtype=torch.int64).cumsum(0)
     starts = ends - torch.tensor(row_lengths, dtype=torch.int64)
