@@ -29,22 +29,22 @@ from typing import Any
 import torch
 
 from benchmarks.common import device_description, git_commit, print_table, write_result
-from benchmarks.models import SHAPES, load, make_rows, materialise
+from benchmarks.models import SHAPES, load, make_rows, materialise, projections
 from benchmarks.profiling import breakdown, side_by_side
 from kernels import set_backend
 from worker.engine import TrialSpec, restore_base_model
 from worker.engine.data import Example, collate, encode_rows
 from worker.engine.engine import CUDA_WIDTH_MULTIPLE
 
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANKS = (16, 32, 64)
 
 
-def trial_specs(k: int, batch: int, seq_len: int, rows: list[dict[str, str]], dropout: float) -> list[TrialSpec]:
+def trial_specs(k: int, batch: int, seq_len: int, rows: list[dict[str, str]], dropout: float,
+                targets: list[str]) -> list[TrialSpec]:
     return [
         TrialSpec(trial_id=f"t{i}", learning_rate=1e-4 * (1 + i % 4), lora_rank=RANKS[i * len(RANKS) // k],
                   lora_alpha=2.0 * RANKS[i * len(RANKS) // k], lora_dropout=dropout, batch_size=batch,
-                  target_modules=PROJECTIONS, seed=i, max_steps=10**6, max_seq_len=seq_len,
+                  target_modules=targets, seed=i, max_steps=10**6, max_seq_len=seq_len,
                   eval_interval=10**9, train_rows=rows, val_rows=[])
         for i in range(k)
     ]
@@ -114,7 +114,7 @@ def peft_steps(model: Any, specs: list[TrialSpec], examples: list[Example], pad_
 
     def config(spec: TrialSpec) -> LoraConfig:
         return LoraConfig(r=spec.lora_rank, lora_alpha=int(spec.lora_alpha), lora_dropout=spec.lora_dropout,
-                          target_modules=PROJECTIONS, task_type="CAUSAL_LM")
+                          target_modules=spec.target_modules, task_type="CAUSAL_LM")
 
     peft_model = get_peft_model(model, config(specs[0]), adapter_name=specs[0].trial_id)
     for spec in specs[1:]:
@@ -140,14 +140,14 @@ def peft_steps(model: Any, specs: list[TrialSpec], examples: list[Example], pad_
 
 
 def peft_one_adapter(model: Any, rank: int, batch: int, examples: list[Example], pad_id: int,
-                     device: torch.device, warmup: int, steps: int) -> float | str:
+                     device: torch.device, warmup: int, steps: int, targets: list[str]) -> float | str:
     """What a careful user runs for one trial: one PeftModel with one adapter (bf16 base, SDPA attention,
     fused AdamW), the trial's own batch padded to its longest row (as transformers' collator pads), loss on
     the completion. Tokens/s of that one trial; the model is unwrapped again afterwards."""
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                  target_modules=PROJECTIONS, task_type="CAUSAL_LM"))
+                                                  target_modules=targets, task_type="CAUSAL_LM"))
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     rng = random.Random(rank)
@@ -174,7 +174,8 @@ def peft_strong(model: Any, specs: list[TrialSpec], examples: list[Example], pad
     for spec in specs:
         counts[spec.lora_rank] = counts.get(spec.lora_rank, 0) + 1
     batch = specs[0].batch_size
-    rates = {r: peft_one_adapter(model, r, batch, examples, pad_id, device, warmup, steps) for r in counts}
+    targets = specs[0].target_modules
+    rates = {r: peft_one_adapter(model, r, batch, examples, pad_id, device, warmup, steps, targets) for r in counts}
     if any(not isinstance(v, float) for v in rates.values()):
         return "OOM"
     return sum(counts.values()) / sum(n / float(rates[r]) for r, n in counts.items())
@@ -185,7 +186,7 @@ def engine_steps(model: Any, tokenizer: Any, specs: list[TrialSpec], device: tor
     from worker.engine import PackEngine
 
     engine = PackEngine(model, tokenizer, capacity=len(specs), device=device, max_rank=max(RANKS),
-                        target_modules=PROJECTIONS, activation_checkpointing=recompute)
+                        target_modules=specs[0].target_modules, activation_checkpointing=recompute)
     for spec in specs:
         engine.admit(spec)
 
@@ -217,7 +218,7 @@ def run_batch(args: argparse.Namespace, batch: int, base: Path, tokenizer: Any, 
               examples: list[Example], device: torch.device) -> list[Any]:
     """One table row: PEFT one at a time, the engine and the frozen ceiling at one per-trial batch."""
     pad_id = int(tokenizer.pad_token_id)
-    specs = trial_specs(args.trials, batch, args.seq_len, rows, args.dropout)
+    specs = trial_specs(args.trials, batch, args.seq_len, rows, args.dropout, projections(args.shape))
     model = load(base, device)
     # Counted on the bare model: once PEFT has wrapped it, its adapters' nn.Linear modules would count too.
     flops_per_token = 4 * linear_params(model) + 6 * model.config.num_hidden_layers * model.config.hidden_size * (
@@ -374,7 +375,7 @@ def main() -> None:
          *[f"engine[{b}] tok/s" for b in args.backends],
          "frozen tok/s", "engine/PEFT", "engine/frozen", "engine padded frac", "engine peak GiB"],
         table,
-        {"shape": args.shape, "seq_len": args.seq_len, "ranks": list(RANKS), "targets": PROJECTIONS,
+        {"shape": args.shape, "seq_len": args.seq_len, "ranks": list(RANKS), "targets": projections(args.shape),
          "activation_checkpointing": args.activation_checkpointing,
          "dropout": args.dropout, "steps": args.steps, "warmup": args.warmup, "backends": args.backends,
          "summary": summary,

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from common.architectures import target_modules_for
 from worker.engine import ModelSource, load_base_model
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -23,7 +24,24 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256),
+    # Other families (the `model_type` key; Llama where none): Qwen2's q/k/v biases, Phi-3's fused projections,
+    # Gemma 2's soft caps (its attention takes the rows path: torch's varlen kernel has no soft cap).
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "phi-3-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, vocab_size=32064),
+    "gemma-2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000),
 }
+
+
+def model_type(shape: str) -> str:
+    return str(SHAPES[shape].get("model_type", "llama"))
+
+
+def projections(shape: str) -> list[str]:
+    """Every projection of a decoder layer of `shape`'s family: the benchmarks' LoRA targets."""
+    return list(target_modules_for(model_type(shape)) or ())
 
 
 def materialise(shape: str, directory: Path) -> tuple[Any, Path]:
@@ -36,7 +54,9 @@ def materialise(shape: str, directory: Path) -> tuple[Any, Path]:
                                    cache_dir=directory, device=torch.device("cpu"))
     torch.manual_seed(0)
     base = directory / "base"
-    LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=4096)).save_pretrained(base)
+    fields = {k: v for k, v in SHAPES[shape].items() if k != "model_type"}
+    config = AutoConfig.for_model(model_type(shape), **fields, max_position_embeddings=4096)
+    AutoModelForCausalLM.from_config(config).save_pretrained(base)
     return tokenizer, base
 
 

@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.common import write_result
 from benchmarks.engine_throughput import engine_steps, trial_specs
-from benchmarks.models import SHAPES, load, make_rows, materialise
+from benchmarks.models import SHAPES, load, make_rows, materialise, projections
 from kernels import set_backend
 from worker.engine import feed
 
@@ -52,8 +52,8 @@ def measure(args: argparse.Namespace, backend: str, base: Path, tokenizer: Any) 
     set_backend(backend)  # type: ignore[arg-type]
     rows = make_rows(512, args.seq_len, seed=0)
     model = load(base, device)
-    _, engine = engine_steps(model, tokenizer, trial_specs(args.trials, args.batch, args.seq_len, rows, 0.0),
-                             device, recompute=False)
+    specs = trial_specs(args.trials, args.batch, args.seq_len, rows, 0.0, projections(args.shape))
+    _, engine = engine_steps(model, tokenizer, specs, device, recompute=False)
     try:
         parts, _ = feed.draw(engine.slots, engine._fail)
         batch = engine._pack(parts)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_throughput import engine_steps, sync, trial_specs
-from benchmarks.models import SHAPES, load, make_rows, materialise
+from benchmarks.models import SHAPES, load, make_rows, materialise, projections
 from kernels import set_backend
 
 
@@ -40,8 +40,8 @@ def main() -> None:
         tokenizer, base = materialise(args.shape, Path(tmp))
         rows = make_rows(512, args.seq_len, seed=0)
         model = load(base, device)
-        step, engine = engine_steps(model, tokenizer, trial_specs(args.trials, args.batch, args.seq_len, rows, 0.0),
-                                    device, recompute=False)
+        specs = trial_specs(args.trials, args.batch, args.seq_len, rows, 0.0, projections(args.shape))
+        step, engine = engine_steps(model, tokenizer, specs, device, recompute=False)
         for _ in range(args.warmup):
             step()
         sync()

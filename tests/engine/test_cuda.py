@@ -103,8 +103,10 @@ def test_cuda_pack_learns_equals_alone_and_matches_peft(model_cache: Path, tmp_p
     assert (engine - base).abs().max() > 0.5
 
 
-def test_cuda_varlen_attention_equals_the_row_by_row_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FlashAttention's variable-length kernel, where it runs, computes what SDPA computes row by row."""
+@pytest.mark.parametrize("window", [None, 32])
+def test_cuda_varlen_attention_equals_the_row_by_row_path(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """FlashAttention's variable-length kernel, where it runs, computes what SDPA computes row by row (with a
+    sliding window too)."""
     from worker.engine.attention import attention_path, packed_attention
 
     torch.manual_seed(0)
@@ -119,7 +121,9 @@ def test_cuda_varlen_attention_equals_the_row_by_row_path(monkeypatch: pytest.Mo
     results = []
     for path in ("varlen", "rows"):
         monkeypatch.setenv("LORAPLANE_ATTENTION", path)
-        out, _ = packed_attention(module, query, key, value, None, cu_seq_lens_q=bounds, max_length_q=154)
+        out, _ = packed_attention(
+            module, query, key, value, None, cu_seq_lens_q=bounds, max_length_q=154, sliding_window=window
+        )
         grads = torch.autograd.grad(out.float().square().sum(), (query, key, value))
         results.append((out.float(), *(g.float() for g in grads)))
     for varlen, rows in zip(*results, strict=True):

@@ -14,6 +14,11 @@ Two paths, the same function:
 - ``rows``: ``scaled_dot_product_attention`` with a causal mask on each row in turn; any device and dtype,
   exact, what the CPU tests run (a row's output equals the row run alone through the model's own SDPA).
 
+Sliding windows (Mistral, Qwen2, Gemma 2/3's local layers) follow transformers' rule: query ``i`` sees keys
+``i - window < j <= i``; the varlen kernel takes that as ``window_size=(window - 1, 0)``. A soft cap on the
+attention scores (Gemma 2's ``attn_logit_softcapping``: ``cap * tanh(scores / cap)``) has no varlen form in
+torch, so such layers take the rows path, computed as the model's own eager attention computes it.
+
 ``LORAPLANE_ATTENTION`` (auto / varlen / rows) overrides the choice, so a benchmark can time both.
 """
 
@@ -57,36 +62,37 @@ def packed_attention(
 
     Raises:
         ValueError: no row boundaries (a model that does not pass its keyword arguments down), a batch of
-            more than one stream, a mask, attention dropout, a soft cap or a sliding window the rows exceed.
+            more than one stream, a mask, attention dropout, or a non-causal layer.
     """
     cu_seqlens, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu_seqlens is None or max_len is None:
         raise ValueError(f"{type(module).__name__}: packed attention needs cu_seq_lens_q and max_length_q")
     if query.shape[0] != 1 or attention_mask is not None:
         raise ValueError("packed attention takes one stream of shape (1, tokens) and no attention mask")
-    if dropout or kwargs.get("softcap") is not None or not getattr(module, "is_causal", True):
-        raise ValueError(f"{type(module).__name__}: packed attention is causal, without dropout or soft cap")
+    if dropout or not getattr(module, "is_causal", True):
+        raise ValueError(f"{type(module).__name__}: packed attention is causal, without dropout")
+    softcap = kwargs.get("softcap")
     window = kwargs.get("sliding_window")
-    if window is not None and int(max_len) > int(window):
-        raise ValueError(f"rows of {max_len} tokens exceed the sliding window ({window}): not supported")
+    # A window no row reaches the end of changes nothing: the rows then run as plain causal attention.
+    window = int(window) if window is not None and int(max_len) > int(window) else None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    path = attention_path(query)
+    path = attention_path(query, softcap=softcap is not None)
     if path == "varlen":
-        out = _varlen(query, key, value, cu_seqlens, int(max_len), scale)
+        out = _varlen(query, key, value, cu_seqlens, int(max_len), scale, window)
     else:
-        out = _rows(query, key, value, cu_seqlens, scale)
+        out = _rows(query, key, value, cu_seqlens, scale, window, None if softcap is None else float(softcap))
     return out, None
 
 
-def attention_path(query: torch.Tensor) -> str:
+def attention_path(query: torch.Tensor, *, softcap: bool = False) -> str:
     """``"varlen"`` or ``"rows"``: what ``packed_attention`` runs for ``query`` (see the module docstring)."""
     chosen = os.environ.get("LORAPLANE_ATTENTION", "auto")
     if chosen not in ATTENTION_PATHS:
         raise ValueError(f"LORAPLANE_ATTENTION={chosen!r}: choose one of {ATTENTION_PATHS}")
     usable = query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_attn() is not None
-    if chosen == "varlen" and not usable:
-        raise RuntimeError(f"varlen attention cannot run on {query.device} {query.dtype} here")
-    return "varlen" if usable and chosen != "rows" else "rows"
+    if chosen == "varlen" and (not usable or softcap):
+        raise RuntimeError(f"varlen attention cannot run on {query.device} {query.dtype} (soft cap: {softcap}) here")
+    return "varlen" if usable and not softcap and chosen != "rows" else "rows"
 
 
 def use_packed_attention(config: PretrainedConfig) -> str:
@@ -97,7 +103,13 @@ def use_packed_attention(config: PretrainedConfig) -> str:
 
 
 def _rows(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
@@ -105,22 +117,46 @@ def _rows(
     bounds = cu_seqlens.tolist()
     out = torch.empty_like(query)
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        if end > start:
-            rows = slice(start, end)
-            out[:, :, rows] = F.scaled_dot_product_attention(
-                query[:, :, rows], key[:, :, rows], value[:, :, rows], is_causal=True, scale=scale
-            )
+        if end == start:
+            continue
+        rows = slice(start, end)
+        q, k, v = query[:, :, rows], key[:, :, rows], value[:, :, rows]
+        if window is None and softcap is None:
+            out[:, :, rows] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            continue
+        positions = torch.arange(end - start, device=query.device)
+        offset = positions[:, None] - positions[None, :]  # query i minus key j
+        visible = (offset >= 0) & (offset < window if window is not None else True)
+        if softcap is None:
+            out[:, :, rows] = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+            continue
+        # As the model's eager attention: scores in its dtype, capped, masked, softmax in fp32.
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[:, :, rows] = torch.matmul(weights, v)
     return out.transpose(1, 2)
 
 
 def _varlen(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     found = _varlen_attn()
     assert found is not None
     varlen_attn, causal, gqa = found
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, head_dim)
     extra = dict(causal)
+    if window is not None:
+        if "window_size" not in causal:
+            raise RuntimeError("this torch's varlen attention takes no window_size: set LORAPLANE_ATTENTION=rows")
+        extra["window_size"] = (window - 1, 0)  # keys i - window < j <= i, transformers' rule
     if q.shape[1] != k.shape[1]:  # grouped-query attention
         if gqa:
             extra["enable_gqa"] = True

@@ -31,7 +31,7 @@ from worker.engine.feed import BatchKey
 from worker.engine.fused import fuse, unfuse
 from worker.engine.lora import ALL_LINEAR, LoraContext, inject_lora, peft_target_modules, resolve_target_modules
 from worker.engine.lora import restore_base_model as _restore
-from worker.engine.loss import slot_loss_sums
+from worker.engine.loss import SoftCappedHead, slot_loss_sums
 from worker.engine.optim import SlotAdamW
 from worker.engine.recompute import enable_recompute
 from worker.engine.slots import SlotState, StepStats
@@ -83,9 +83,10 @@ class PackEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ValueError("tokenizer has neither a pad nor an eos token")
-        for name in ("final_logit_softcapping", "logit_scale"):
-            if getattr(model.config, name, None) not in (None, 1, 1.0):
-                raise ValueError(f"{type(model).__name__} has {name}: the chunked loss applies lm_head only")
+        if getattr(model.config, "logit_scale", None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__} has logit_scale: the chunked loss applies lm_head only")
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        self.logit_softcap = float(cap) if cap else None  # Gemma 2: the loss caps the logits as the model does
         parameter = next(model.parameters())
         self.model, self.tokenizer, self.pad_token_id = model, tokenizer, int(pad)
         self.device = device or parameter.device
@@ -383,9 +384,10 @@ class PackEngine:
 
     @property
     def lm_head(self) -> torch.nn.Module:
+        """The output projection (LoRA-wrapped where a slot targets it), soft-capped where the model caps."""
         head = self.model.get_output_embeddings()
         assert isinstance(head, torch.nn.Module), f"{type(self.model).__name__} has no output embeddings"
-        return head
+        return head if self.logit_softcap is None else SoftCappedHead(head, self.logit_softcap)
 
     def _hidden(self, batch: PackedBatch) -> torch.Tensor:
         """``(1, tokens, hidden)``: the decoder's last hidden states of the packed stream, LoRA-routed."""

@@ -18,6 +18,18 @@ from worker.engine.data import IGNORE_INDEX
 from worker.engine.lora import LoraContext, TokenRouting
 
 
+class SoftCappedHead(nn.Module):
+    """``cap * tanh(head(h) / cap)``: the output projection with Gemma 2's final logit soft cap
+    (``final_logit_softcapping``), as its ``ForCausalLM.forward`` applies it to the logits."""
+
+    def __init__(self, head: nn.Module, cap: float) -> None:
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(h) / self.cap) * self.cap
+
+
 def slot_loss_sums(
     hidden: torch.Tensor,
     lm_head: nn.Module,
