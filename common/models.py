@@ -105,6 +105,10 @@ class BaseModelEntry(Base):
     max_context: Mapped[int | None] = mapped_column(Integer, default=None)  # config.json's max_position_embeddings
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime | None] = mapped_column(default=None)
+    # Whether the tokenizer has a chat template (chat rows need one); None: not inspected.
+    chat_template: Mapped[bool | None] = mapped_column(Boolean, default=None)
+    # Set by DELETE /v1/admin/models/{name}: hidden and unusable, kept for the finished tasks that name it.
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class Task(Base):
@@ -194,6 +198,8 @@ class Worker(Base):
     # newer one ends the older one's packs at once; one from an older one is a stale message.
     incarnation: Mapped[str | None] = mapped_column(String(64), default=None)
     incarnation_started_at: Mapped[datetime | None] = mapped_column(default=None)
+    # The registered models this worker can load (its heartbeat says); None: it does not say, taken as every one.
+    models: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
     # The time the newest heartbeat carried (when it was sent, not when it was read).
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)

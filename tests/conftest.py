@@ -89,7 +89,8 @@ TABLES = ("metric_points", "events", "trials", "tasks", "packs", "workers", "api
 @pytest.fixture
 def clean_db(database: str) -> Iterator[None]:
     """Empties every table a test may fill, before and after the test. The model registry goes back to its
-    default entries, open to every tenant (admin calls may have added, restricted or removed entries)."""
+    default entries, open to every tenant and not retired (admin calls may have added, restricted or retired
+    entries)."""
     from common.db import get_engine, session_scope
     from common.registry import DEFAULT_MODELS, ensure_default_models
 
@@ -102,7 +103,9 @@ def clean_db(database: str) -> Iterator[None]:
                 conn.execute(text(f"DELETE FROM {table}"))
             conn.execute(text("DELETE FROM base_models WHERE name NOT IN :names").bindparams(
                 bindparam("names", expanding=True)), defaults)
-            conn.execute(text("UPDATE base_models SET tenants = NULL"))
+            # The fields ensure_default_models fills in where null go back to the built-ins' own.
+            conn.execute(text("UPDATE base_models SET tenants = NULL, deleted_at = NULL, architecture = NULL, "
+                              "max_context = NULL, chat_template = NULL"))
         with session_scope() as session:
             ensure_default_models(session)
 

@@ -3,9 +3,11 @@ it, retire it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Query, Response, status
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -14,7 +16,7 @@ from api.deps import AdminDep, SessionDep
 from api.errors import ApiError, conflict, invalid, not_found
 from api.schemas.common import ListPage, PathId, error_responses
 from api.schemas.models import AdminModelOut, ModelCreate, ModelUpdate
-from common.architectures import ModelDirError, inspect_model_dir
+from common.architectures import ModelDirError, inspect_gguf, inspect_model_dir
 from common.models import BaseModelEntry, Task, Tenant, utcnow
 from common.states import TASK_QUEUED, TASK_RUNNING, TASK_VALIDATING
 
@@ -26,9 +28,10 @@ router = APIRouter(
 _USING_STATES = (TASK_VALIDATING, TASK_QUEUED, TASK_RUNNING)
 
 
-def _model(session: Session, name: str) -> BaseModelEntry:
-    entry = session.get(BaseModelEntry, name)
-    if entry is None:
+def _model(session: Session, name: str, *, lock: bool = False) -> BaseModelEntry:
+    """The entry; a retired one (deleted_at set) reads as missing."""
+    entry = session.get(BaseModelEntry, name, with_for_update=True if lock else None, populate_existing=lock)
+    if entry is None or entry.deleted_at is not None:
         raise not_found("model", name)
     return entry
 
@@ -49,63 +52,98 @@ def _tenant_ids(session: Session, tenants: list[str] | None) -> list[str] | None
     return unique
 
 
-def _inspected(body: ModelCreate) -> BaseModelEntry:
-    """The entry for the request, after checking the files at `path` (a 422 naming what is wrong)."""
-    if body.kind == "gguf":
-        if body.file is None:
+@dataclass(frozen=True)
+class _Inspected:
+    """What the model's files say (None: not known)."""
+
+    architecture: str | None
+    max_context: int | None
+    chat_template: bool | None
+
+
+def _inspect(kind: str, path: str, file: str | None) -> _Inspected:
+    """Check the files at `path` (a 422 naming what is wrong) and describe them."""
+    if kind == "gguf":
+        if file is None:
             raise invalid("A gguf model needs `file`: the name of the GGUF file in `path`.", param="file",
                           code="missing_field")
-        gguf = Path(body.path) / body.file
+        gguf = Path(path) / file
         if not gguf.is_file():
             raise invalid(f"{gguf} does not exist or is not a file.", param="file", code="model_file_not_found")
-        return BaseModelEntry(name=body.name, kind="gguf", path=body.path, gguf_file=body.file,
-                              description=body.description)
-    if body.file is not None:
+        try:
+            header = inspect_gguf(gguf)
+        except ModelDirError as exc:
+            raise invalid(exc.message, param="file", code=exc.code) from exc
+        return _Inspected(header.architecture, header.max_context, header.has_chat_template)
+    if file is not None:
         raise invalid("`file` is only for kind gguf.", param="file", code="unknown_field")
     try:
-        info = inspect_model_dir(body.path)
+        info = inspect_model_dir(path)
     except ModelDirError as exc:
         raise invalid(exc.message, param="path", code=exc.code) from exc
-    return BaseModelEntry(name=body.name, kind="hf", path=body.path, description=body.description,
-                          architecture=info.architecture, max_context=info.max_context)
+    return _Inspected(info.architecture, info.max_context, info.has_chat_template)
+
+
+def _describe(entry: BaseModelEntry, inspected: _Inspected) -> None:
+    entry.architecture = inspected.architecture
+    entry.max_context = inspected.max_context
+    entry.chat_template = inspected.chat_template
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, responses=error_responses(409))
 def register_model(body: ModelCreate, session: SessionDep) -> AdminModelOut:
     """Register a model directory (config.json of a supported architecture, safetensors weights, tokenizer) or,
-    with kind gguf, a GGUF file in a directory. `path` is where the workers find it."""
-    if session.get(BaseModelEntry, body.name) is not None:
+    with kind gguf, a GGUF file in a directory. `path` is where the workers find it. The name of a retired model
+    may be registered again: the new entry replaces the retired one."""
+    # Locked: two registrations of one retired name do not both replace it.
+    entry = session.get(BaseModelEntry, body.name, with_for_update=True, populate_existing=True)
+    if entry is not None and entry.deleted_at is None:
         raise _name_taken(body.name)
     tenants = _tenant_ids(session, body.tenants)
-    entry = _inspected(body)
-    entry.tenants = tenants
-    entry.created_at = utcnow()
-    session.add(entry)
+    inspected = _inspect(body.kind, body.path, body.file)
+    if entry is None:
+        entry = BaseModelEntry(name=body.name)
+        session.add(entry)
+    # Every field, so nothing of a retired entry this one replaces is left over.
+    entry.kind, entry.path, entry.gguf_file, entry.package = body.kind, body.path, body.file, None
+    entry.description, entry.parameters, entry.tenants = body.description, None, tenants
+    _describe(entry, inspected)
+    entry.created_at, entry.updated_at, entry.deleted_at = utcnow(), None, None
     commit(session, conflict_code="model_exists", conflict_message=f"A model named '{body.name}' already exists.")
     return AdminModelOut.of(entry)
 
 
 @router.get("")
-def list_registered_models(session: SessionDep) -> ListPage[AdminModelOut]:
-    """Every entry of the registry, whoever may use it, by name."""
-    entries = session.scalars(select(BaseModelEntry).order_by(BaseModelEntry.name))
-    return ListPage(data=[AdminModelOut.of(m) for m in entries])
+def list_registered_models(
+    session: SessionDep,
+    include_deleted: Annotated[bool, Query(description="Also the retired entries (deleted_at set).")] = False,
+) -> ListPage[AdminModelOut]:
+    """Every entry of the registry, whoever may use it, by name; retired ones only with include_deleted."""
+    stmt = select(BaseModelEntry).order_by(BaseModelEntry.name)
+    if not include_deleted:
+        stmt = stmt.where(BaseModelEntry.deleted_at.is_(None))
+    return ListPage(data=[AdminModelOut.of(m) for m in session.scalars(stmt)])
 
 
 @router.get("/{name:path}")
 def get_registered_model(name: PathId, session: SessionDep) -> AdminModelOut:
+    """A retired model is a 404."""
     return AdminModelOut.of(_model(session, name))
 
 
 @router.patch("/{name:path}")
 def update_registered_model(name: PathId, body: ModelUpdate, session: SessionDep) -> AdminModelOut:
-    """`description`, and `tenants` (null: every tenant). Tasks already submitted keep running."""
-    entry = _model(session, name)
+    """`description`, and `tenants` (null: every tenant). The files of a registered directory or GGUF file are
+    read again (architecture, max_context, chat_template are refreshed; `{}` does only that), with the checks of
+    registration: a 422 naming what is wrong, and nothing changed. Tasks already submitted keep running."""
+    entry = _model(session, name, lock=True)
     changes = body.model_dump(exclude_unset=True)
+    tenants = _tenant_ids(session, changes["tenants"]) if "tenants" in changes else entry.tenants
+    if entry.kind in ("hf", "gguf") and entry.path is not None:
+        _describe(entry, _inspect(entry.kind, entry.path, entry.gguf_file))
     if "description" in changes and changes["description"] is not None:
         entry.description = changes["description"]
-    if "tenants" in changes:
-        entry.tenants = _tenant_ids(session, changes["tenants"])
+    entry.tenants = tenants
     entry.updated_at = utcnow()
     commit(session)
     return AdminModelOut.of(entry)
@@ -113,20 +151,17 @@ def update_registered_model(name: PathId, body: ModelUpdate, session: SessionDep
 
 @router.delete("/{name:path}", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409))
 def delete_registered_model(name: PathId, session: SessionDep) -> Response:
-    """Refused (409) while a task that is not finished uses the model, and while finished tasks still refer to it
-    (restrict it with `tenants: []` instead to retire it)."""
-    entry = _model(session, name)
-    # Lock the entry so that no task is submitted for it between the check and the delete.
-    session.execute(select(BaseModelEntry.name).where(BaseModelEntry.name == entry.name).with_for_update())
+    """Retire the model: refused (409 `model_in_use`) while a validating, queued or running task uses it;
+    otherwise the entry is kept (finished tasks still name it) but hidden: not listed, a 404 here, unknown to task
+    submission; its name may be registered again. Built-in models too (they are not seeded again)."""
+    # Locked, so that no task is submitted for it between the check and the retirement (submission locks it
+    # FOR SHARE and reads deleted_at after the lock).
+    entry = _model(session, name, lock=True)
     active = session.scalar(select(func.count()).select_from(Task).where(
         Task.base_model == entry.name, Task.state.in_(_USING_STATES)))
     if active:
-        raise conflict("model_in_use", f"{active} queued or running task(s) use model '{entry.name}'; "
+        raise conflict("model_in_use", f"{active} validating, queued or running task(s) use model '{entry.name}'; "
                        "delete it once they have finished or been cancelled.")
-    finished = session.scalar(select(func.count()).select_from(Task).where(Task.base_model == entry.name))
-    if finished:
-        raise conflict("model_has_tasks", f"{finished} finished task(s) refer to model '{entry.name}'; "
-                       "restrict it with tenants [] to retire it.")
-    session.delete(entry)
-    commit(session, conflict_code="model_in_use", conflict_message=f"Tasks refer to model '{entry.name}'.")
+    entry.deleted_at = utcnow()
+    commit(session)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -17,15 +17,17 @@ router = APIRouter(prefix="/models", tags=["models"], responses=error_responses(
 
 @router.get("")
 def list_models(session: SessionDep, tenant: TenantDep) -> ListPage[ModelOut]:
-    """The models this tenant may use (an entry restricted to other tenants is left out)."""
-    entries = session.scalars(select(BaseModelEntry).order_by(BaseModelEntry.name))
+    """The models this tenant may use (an entry restricted to other tenants, or retired, is left out)."""
+    entries = session.scalars(
+        select(BaseModelEntry).where(BaseModelEntry.deleted_at.is_(None)).order_by(BaseModelEntry.name))
     return ListPage(data=[ModelOut.of(m) for m in entries if may_use(m, tenant.id)])
 
 
 @router.get("/{name:path}")
 def read_model(name: PathId, session: SessionDep, tenant: TenantDep) -> ModelOut:
-    """`name` may contain slashes (hub-style ids such as `org/model`). A model the tenant may not use is a 404."""
+    """`name` may contain slashes (hub-style ids such as `org/model`). A model the tenant may not use, or a retired
+    one, is a 404."""
     entry = session.get(BaseModelEntry, name)
-    if entry is None or not may_use(entry, tenant.id):
+    if entry is None or entry.deleted_at is not None or not may_use(entry, tenant.id):
         raise not_found("model", name)
     return ModelOut.of(entry)

@@ -6,10 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.deps import TenantDep
+from api.deps import SessionDep, TenantDep
 from api.schemas.common import error_responses
 from api.schemas.search_spaces import SearchSpaceExpand, SearchSpaceExpansion
-from api.services.tasks import expand_trials, require_max_trials, space_of
+from api.services.tasks import check_target_modules, expand_trials, require_max_trials, space_of, usable_model
+from common.architectures import target_modules_for
 
 router = APIRouter(prefix="/search-spaces", tags=["search_spaces"], responses=error_responses(401, 422))
 
@@ -18,16 +19,23 @@ router = APIRouter(prefix="/search-spaces", tags=["search_spaces"], responses=er
 def expand_search_space(
     body: SearchSpaceExpand,
     tenant: TenantDep,
+    session: SessionDep,
     limit: Annotated[int, Query(ge=0, le=1000, description="At most this many trials listed.")] = 100,
 ) -> SearchSpaceExpansion:
     """The trials `POST /v1/tasks` would create from this space, by the same code: the same count, the same
     hyperparameters, and the same 422 where the task would be refused (a grid over `max_trials` or over the
-    tenant's quota). Nothing is written."""
+    tenant's quota; with `base_model`, an unknown model or a module it does not have). Nothing is written."""
     require_max_trials(body.strategy, body.max_trials)
-    trials = expand_trials(space_of(body.search_space), strategy=body.strategy, max_trials=body.max_trials,
-                           seed=body.seed, tenant=tenant)
+    space = space_of(body.search_space)
+    all_linear = None
+    if body.base_model is not None:
+        model = usable_model(session, tenant, body.base_model)
+        check_target_modules(model, space)
+        targets = target_modules_for(model.architecture)
+        all_linear = list(targets) if targets is not None else None
+    trials = expand_trials(space, strategy=body.strategy, max_trials=body.max_trials, seed=body.seed, tenant=tenant)
     return SearchSpaceExpansion(
         strategy=body.strategy, count=len(trials), max_trials_per_task=tenant.max_trials_per_task,
         trials=[{**config, "seed": body.seed + i} for i, config in enumerate(trials[:limit])],
-        has_more=len(trials) > limit,
+        has_more=len(trials) > limit, all_linear=all_linear,
     )

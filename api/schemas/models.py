@@ -20,8 +20,16 @@ TenantId = Annotated[Text, StringConstraints(min_length=1, max_length=40)]
 TenantIds = Annotated[list[TenantId], Field(max_length=1000)]
 
 
+TARGET_MODULES_DESCRIPTION = ("The names a search space's target_modules may list; \"all-linear\" is all of them "
+                              "(every linear layer of the decoder except lm_head). Null: not known.")
+MAX_CONTEXT_DESCRIPTION = "The longest max_seq_len a task may ask for. Null: not known."
+CHAT_TEMPLATE_DESCRIPTION = ("Whether the tokenizer has a chat template: without one, tasks on chat-format files "
+                             "(messages) are refused. Null: not known.")
+
+
 class ModelOut(BaseModel):
-    """A model as a tenant sees it. architecture, max_context and target_modules are null where unknown."""
+    """A model as a tenant sees it. architecture, max_context, target_modules and chat_template are null where
+    unknown."""
 
     id: str
     object: Literal["model"] = "model"
@@ -29,15 +37,16 @@ class ModelOut(BaseModel):
     description: str
     parameters: int | None
     architecture: str | None
-    max_context: int | None
-    target_modules: list[str] | None
+    max_context: int | None = Field(description=MAX_CONTEXT_DESCRIPTION)
+    target_modules: list[str] | None = Field(description=TARGET_MODULES_DESCRIPTION)
+    chat_template: bool | None = Field(description=CHAT_TEMPLATE_DESCRIPTION)
 
     @classmethod
     def of(cls, m: BaseModelEntry) -> ModelOut:
         targets = target_modules_for(m.architecture)
         return cls(id=m.name, kind=m.kind, description=m.description, parameters=m.parameters,
                    architecture=m.architecture, max_context=m.max_context,
-                   target_modules=list(targets) if targets is not None else None)
+                   target_modules=list(targets) if targets is not None else None, chat_template=m.chat_template)
 
 
 class ModelCreate(RequestModel):
@@ -50,6 +59,8 @@ class ModelCreate(RequestModel):
 
 
 class ModelUpdate(RequestModel):
+    """Also re-reads the model's files (architecture, max_context, chat_template), so `{}` refreshes them."""
+
     description: Description | None = None
     tenants: TenantIds | None = Field(default=None, description="null opens the model to every tenant.")
 
@@ -65,11 +76,13 @@ class AdminModelOut(BaseModel):
     description: str
     parameters: int | None
     architecture: str | None
-    max_context: int | None
-    target_modules: list[str] | None
+    max_context: int | None = Field(description=MAX_CONTEXT_DESCRIPTION)
+    target_modules: list[str] | None = Field(description=TARGET_MODULES_DESCRIPTION)
+    chat_template: bool | None = Field(description=CHAT_TEMPLATE_DESCRIPTION)
     tenants: list[str] | None
     created_at: UtcDateTime
     updated_at: UtcDateTime | None
+    deleted_at: UtcDateTime | None = Field(description="When DELETE retired it (listed with include_deleted=true).")
 
     @classmethod
     def of(cls, m: BaseModelEntry) -> AdminModelOut:
@@ -77,7 +90,7 @@ class AdminModelOut(BaseModel):
         return cls(
             name=m.name, kind=m.kind, path=m.path, file=m.gguf_file, description=m.description,
             parameters=m.parameters, architecture=m.architecture, max_context=m.max_context,
-            target_modules=list(targets) if targets is not None else None,
+            target_modules=list(targets) if targets is not None else None, chat_template=m.chat_template,
             tenants=list(m.tenants) if m.tenants is not None else None, created_at=m.created_at,
-            updated_at=m.updated_at,
+            updated_at=m.updated_at, deleted_at=m.deleted_at,
         )

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt
 
-from api.schemas.common import RequestModel
+from api.schemas.common import RequestModel, Text
 from api.schemas.tasks import SearchSpace
 
 
@@ -14,6 +14,9 @@ class SearchSpaceExpand(RequestModel):
     """The fields of a task that decide its trials, with the same names, rules and defaults as
     `POST /v1/tasks`, so an error names the same place (`search_space.lora_rank.max`)."""
 
+    base_model: Text | None = Field(
+        default=None, min_length=1, max_length=100,
+        description="Check target_modules against this model (as a task would) and say what all-linear is on it.")
     search_space: SearchSpace
     strategy: Literal["grid", "random"] = "grid"
     max_trials: Annotated[StrictInt, Field(ge=1, le=10_000)] | None = None
@@ -27,3 +30,6 @@ class SearchSpaceExpansion(BaseModel):
     max_trials_per_task: int = Field(description="This tenant's quota of trials per task.")
     trials: list[dict[str, Any]] = Field(description="The trials' hyperparameters, in trial order (at most `limit`).")
     has_more: bool = Field(description="Whether trials were left out of `trials`.")
+    all_linear: list[str] | None = Field(
+        default=None, description='The modules "all-linear" stands for on base_model (every linear layer of the '
+        "decoder except lm_head); null without base_model or where its architecture is not known.")

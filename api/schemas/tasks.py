@@ -8,7 +8,7 @@ try both union members, which would report two confusing errors for one mistake.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -24,10 +24,16 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from api.schemas.common import FiniteFloat, RequestModel, Text, UtcDateTime
+from common.architectures import ALL_TARGET_MODULES
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 
-MODULE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ModuleName = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The target names of every supported architecture, in canonical order; which of them a model has is checked
+# against the model at submission (api.services.tasks.check_target_modules).
+MODULE_NAMES = ALL_TARGET_MODULES
+ModuleName = Literal[
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"
+]
+assert get_args(ModuleName) == MODULE_NAMES
 
 # Strict and finite even where they are validated outside a RequestModel (the lists of `_dimension`).
 LearningRate = Annotated[FiniteFloat, Field(gt=0, le=1)]
@@ -144,7 +150,10 @@ class SearchSpace(RequestModel):
     )
     target_modules: Annotated[
         list[ModuleChoice] | Literal["all-linear"], WrapValidator(_modules_dimension)
-    ] | None = Field(default=None, description='Default [["q_proj", "v_proj"]].')
+    ] | None = Field(
+        default=None,
+        description='Default [["q_proj", "v_proj"]]. Each choice is a list of module names of the model (GET '
+        '/v1/models lists them) or "all-linear": every linear layer of the decoder except lm_head, i.e. all of them.')
 
 
 class NoEarlyExit(RequestModel):

@@ -1,8 +1,9 @@
 """Creating and cancelling tasks.
 
-`create_task` checks everything before it writes anything: the request's cross-field rules, the model,
-the files, the expanded trials and the tenant's quotas. Then it inserts the task, its trials and the
-`task.created` event, commits once, and only then wakes the scheduler.
+`create_task` checks everything before it writes anything: the request's cross-field rules, the model (and the
+request against it: target modules, max_seq_len, chat rows), the files, the expanded trials and the tenant's
+quotas. Then it inserts the task, its trials and the `task.created` event, commits once, and only then wakes
+the scheduler.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from api.db import commit
 from api.errors import RATE_LIMIT, ApiError, conflict, invalid
 from api.queries import find_file, get_task
 from api.schemas.tasks import RangeSpec, SearchSpace, TaskCreate
+from common.architectures import ALL_LINEAR, target_modules_for
 from common.bus import wake_scheduler
 from common.datasets import validation_rows
 from common.events import record_event
@@ -108,6 +110,55 @@ def expand_trials(
         raise invalid(exc.message, param=f"search_space.{exc.param}") from exc
 
 
+def usable_model(session: Session, tenant: Tenant, name: str, *, lock: bool = False) -> BaseModelEntry:
+    """The registry entry a task of this tenant may name. A retired model or one the tenant may not use reads as
+    unknown. `lock`: FOR SHARE, so that a concurrent DELETE (FOR UPDATE) waits for the task, or the task for the
+    retirement (and then reads deleted_at)."""
+    model = session.get(BaseModelEntry, name, with_for_update={"read": True} if lock else None, populate_existing=lock)
+    if model is None or model.deleted_at is not None or not may_use(model, tenant.id):
+        raise invalid(f"No base model named '{name}'; see GET /v1/models.", param="base_model", code="unknown_model")
+    return model
+
+
+def check_target_modules(model: BaseModelEntry, space: dict[str, ss.Dimension]) -> None:
+    """Every module a choice of `target_modules` names (the default too) is one of the model's LoRA targets, when
+    its architecture is known; "all-linear" is always valid (it stands for all of them)."""
+    valid = target_modules_for(model.architecture)
+    if valid is None:
+        return
+    given = "target_modules" in space
+    choices = space["target_modules"] if given else ss.DEFAULTS["target_modules"]
+    assert isinstance(choices, list)
+    for index, choice in enumerate(choices):
+        if choice == ALL_LINEAR:
+            continue
+        unknown = [name for name in choice if name not in valid]
+        if unknown:
+            lead = "" if given else f"The default target_modules {choices} do not fit: "
+            raise invalid(
+                f"{lead}model '{model.name}' ({model.architecture}) has no module {', '.join(unknown)}; its LoRA "
+                f"target modules are {', '.join(valid)} (\"{ALL_LINEAR}\" is all of them).",
+                param=f"search_space.target_modules[{index}]" if given else "search_space.target_modules",
+                code="unknown_target_module",
+            )
+
+
+def _check_context(model: BaseModelEntry, max_seq_len: int) -> None:
+    if model.max_context is not None and max_seq_len > model.max_context:
+        raise invalid(f"max_seq_len {max_seq_len} is longer than the context of model '{model.name}' "
+                      f"({model.max_context} tokens); give at most {model.max_context}.", param="max_seq_len",
+                      code="max_seq_len_over_context")
+
+
+def _check_chat_template(model: BaseModelEntry, file: File, field: str) -> None:
+    """Chat rows are rendered with the tokenizer's chat template: refused where the model has none (None: not
+    known, accepted)."""
+    if file.format == "messages" and model.chat_template is False:
+        raise invalid(f"{field} '{file.id}' holds chat rows (messages), but model '{model.name}' has no chat "
+                      "template to render them; use prompt/completion rows or a model with a chat template.",
+                      param=field, code="model_has_no_chat_template")
+
+
 def _owned_file(session: Session, tenant: Tenant, file_id: str, field: str) -> File:
     # FOR SHARE: a concurrent DELETE of this file waits for us, then sees the task that uses it.
     file = find_file(session, tenant_id=tenant.id, file_id=file_id, lock="share")
@@ -184,15 +235,16 @@ def create_task(
     if existing := _by_idempotency_key(session, tenant, idempotency_key):
         return existing, False
     budget = _check_request(body)
-    model = session.get(BaseModelEntry, body.base_model)
-    if model is None or not may_use(model, tenant.id):  # a model the tenant may not use reads as unknown
-        raise invalid(f"No base model named '{body.base_model}'; see GET /v1/models.", param="base_model",
-                      code="unknown_model")
-    train = _owned_file(session, tenant, body.training_file, "training_file")
-    if body.validation_file is not None:
-        _owned_file(session, tenant, body.validation_file, "validation_file")
-    n_train = _train_rows(train, budget.validation_split)
+    model = usable_model(session, tenant, body.base_model, lock=True)
     space = space_of(body.search_space)
+    check_target_modules(model, space)
+    _check_context(model, body.max_seq_len)
+    train = _owned_file(session, tenant, body.training_file, "training_file")
+    _check_chat_template(model, train, "training_file")
+    if body.validation_file is not None:
+        _check_chat_template(model, _owned_file(session, tenant, body.validation_file, "validation_file"),
+                             "validation_file")
+    n_train = _train_rows(train, budget.validation_split)
     configs = expand_trials(space, strategy=body.strategy, max_trials=body.max_trials, seed=body.seed, tenant=tenant)
     steps = [budget.max_steps or (budget.epochs or DEFAULT_EPOCHS) * math.ceil(n_train / c["batch_size"])
              for c in configs]

@@ -337,16 +337,19 @@ class Admin:
         body = _core.params(name=name, path=path, description=description, kind=kind, file=file, tenants=tenants)
         return RegisteredModel.of(self._c._json("POST", "/v1/admin/models", json=body, admin=True))
 
-    def list_models(self) -> Page[RegisteredModel]:
-        return page(self._c._json("GET", "/v1/admin/models", admin=True), RegisteredModel)
+    def list_models(self, *, include_deleted: bool = False) -> Page[RegisteredModel]:
+        """Every registered model; retired ones (`deleted_at` set) too with `include_deleted`."""
+        params = {"include_deleted": "true"} if include_deleted else None
+        return page(self._c._json("GET", "/v1/admin/models", params=params, admin=True), RegisteredModel)
 
     def get_model(self, name: str) -> RegisteredModel:
         return RegisteredModel.of(self._c._json("GET", f"/v1/admin/models/{name}", admin=True))
 
     def update_model(self, name: str, **changes: Any) -> RegisteredModel:
-        """`description`, `tenants` (None: every tenant)."""
+        """`description`, `tenants` (None: every tenant); the model's files are read again (chat_template...)."""
         return RegisteredModel.of(self._c._json("PATCH", f"/v1/admin/models/{name}", json=changes, admin=True))
 
     def delete_model(self, name: str) -> None:
-        """Refused (409 `model_in_use`) while a queued or running task uses it."""
+        """Retire the model: hidden, unknown to new tasks, its name free to register again (finished tasks keep
+        naming it). Refused (409 `model_in_use`) while a validating, queued or running task uses it."""
         self._c.request("DELETE", f"/v1/admin/models/{name}", admin=True)

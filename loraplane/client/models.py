@@ -67,6 +67,7 @@ class Model(ApiObject):
     architecture: str | None = None
     max_context: int | None = None
     target_modules: list[str] | None = None
+    chat_template: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,10 @@ class RegisteredModel(ApiObject):
     target_modules: list[str] | None
     tenants: list[str] | None
     created_at: datetime
+    chat_template: bool | None = None
+    deleted_at: datetime | None = None
 
-    TIMES = frozenset({"created_at"})
+    TIMES = frozenset({"created_at", "deleted_at"})
 
 
 @dataclass(frozen=True)
@@ -255,6 +258,7 @@ class Worker(ApiObject):
     current_pack_id: str | None
     last_heartbeat: datetime
     registered_at: datetime
+    models: list[str] | None = None  # the registered models it can load; None: it does not say (every one)
 
     TIMES = frozenset({"last_heartbeat", "registered_at"})
 

@@ -130,9 +130,11 @@ def cmd_workers(args: argparse.Namespace) -> int:
 
 def _models_table(models: list[RegisteredModel], names: dict[str, str]) -> str:
     rows = [[m.name, m.kind, m.architecture or "-", m.max_context or "-",
+             "-" if m.chat_template is None else "yes" if m.chat_template else "no",
              "all" if m.tenants is None else ", ".join(names.get(t, t) for t in m.tenants) or "none",
              m.path or "-", when(m.created_at)] for m in models]
-    return table(["NAME", "KIND", "ARCHITECTURE", "CONTEXT", "TENANTS", "PATH", "CREATED"], rows, right=(3,))
+    return table(["NAME", "KIND", "ARCHITECTURE", "CONTEXT", "CHAT TEMPLATE", "TENANTS", "PATH", "CREATED"], rows,
+                 right=(3,))
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -142,7 +144,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             if args.json:
                 emit({"name": args.name, "deleted": True})
             else:
-                out(f"Removed model {args.name}.")
+                out(f"Removed model {args.name} (retired: new tasks cannot use it; the name can be registered again).")
             return 0
         if args.action == "add":
             tenants = [_tenant_id(lp, t) for t in args.tenant] if args.tenant else None
@@ -210,5 +212,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     madd.add_argument("--kind", choices=("hf", "gguf"), help="hf (default) or gguf (then give --file)")
     madd.add_argument("--file", help="the GGUF file in PATH (kind gguf)")
     msub.add_parser("list", parents=[inner], help="every registered model")
-    mremove = msub.add_parser("remove", parents=[inner], help="remove a model no queued or running task uses")
+    mremove = msub.add_parser("remove", parents=[inner],
+                              help="retire a model no queued or running task uses (finished tasks keep its name)")
     mremove.add_argument("name")

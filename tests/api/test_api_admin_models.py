@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.factories import ADMIN, TenantKey, make_task, task_body, upload
+from common.models import Task
+from tests.common.gguf_files import llama_gguf
+from tests.factories import ADMIN, TenantKey, count_rows, make_task, prompt_rows, task_body, update_row, upload
 from tests.model_dirs import copy_without, with_config
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -22,6 +24,7 @@ def test_register_and_list(client: TestClient, tenant: TenantKey, tiny_model_dir
         "acme/llama-tiny", "hf", str(tiny_model_dir), "ours")
     assert (body["architecture"], body["max_context"], body["target_modules"], body["tenants"]) == (
         "llama", 2048, LLAMA_TARGETS, None)
+    assert (body["chat_template"], body["deleted_at"]) == (True, None)
     assert body["created_at"].endswith("Z")
 
     listed = client.get("/v1/admin/models", headers=ADMIN).json()["data"]
@@ -29,8 +32,8 @@ def test_register_and_list(client: TestClient, tenant: TenantKey, tiny_model_dir
     assert client.get("/v1/admin/models/acme/llama-tiny", headers=ADMIN).json() == body
 
     seen = client.get("/v1/models/acme/llama-tiny", headers=tenant.headers).json()
-    assert (seen["id"], seen["architecture"], seen["max_context"], seen["target_modules"]) == (
-        "acme/llama-tiny", "llama", 2048, LLAMA_TARGETS)
+    assert (seen["id"], seen["architecture"], seen["max_context"], seen["target_modules"], seen["chat_template"]) == (
+        "acme/llama-tiny", "llama", 2048, LLAMA_TARGETS, True)
     assert "path" not in seen and "tenants" not in seen  # where it lives and who else may use it are the operator's
     make_task(client, tenant, base_model="acme/llama-tiny")  # and a task can be submitted for it
 
@@ -107,7 +110,31 @@ def test_gguf_needs_an_existing_file(client: TestClient, tmp_path: Path) -> None
     r = client.post("/v1/admin/models", headers=ADMIN,
                     json={"name": "g", "path": str(tmp_path), "kind": "gguf", "file": "m.gguf"})
     assert r.status_code == 201, r.text
-    assert (r.json()["kind"], r.json()["file"], r.json()["architecture"]) == ("gguf", "m.gguf", None)
+    # A header that cannot be read (here: the magic alone) says nothing: each field is unknown, null.
+    assert (r.json()["kind"], r.json()["file"], r.json()["architecture"], r.json()["chat_template"]) == (
+        "gguf", "m.gguf", None, None)
+
+
+def test_a_gguf_file_is_described_by_its_header(client: TestClient, tenant: TenantKey, tmp_path: Path) -> None:
+    llama_gguf(tmp_path / "chat.gguf", context=4096)
+    llama_gguf(tmp_path / "plain.gguf", chat_template=False)
+    r = client.post("/v1/admin/models", headers=ADMIN,
+                    json={"name": "g", "path": str(tmp_path), "kind": "gguf", "file": "chat.gguf"})
+    assert r.status_code == 201, r.text
+    assert (r.json()["architecture"], r.json()["max_context"], r.json()["target_modules"],
+            r.json()["chat_template"]) == ("llama", 4096, LLAMA_TARGETS, True)
+    r = client.post("/v1/admin/models", headers=ADMIN,
+                    json={"name": "p", "path": str(tmp_path), "kind": "gguf", "file": "plain.gguf"})
+    assert (r.status_code, r.json()["chat_template"]) == (201, False)
+
+    (tmp_path / "zip.gguf").write_bytes(b"PK\x03\x04")
+    llama_gguf(tmp_path / "gpt2.gguf", architecture="gpt2")
+    for file, code in (("zip.gguf", "model_file_invalid"), ("gpt2.gguf", "unsupported_architecture")):
+        r = client.post("/v1/admin/models", headers=ADMIN,
+                        json={"name": "bad", "path": str(tmp_path), "kind": "gguf", "file": file})
+        assert r.status_code == 422, r.text
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == (code, "file")
+    assert client.get("/v1/admin/models/bad", headers=ADMIN).status_code == 404
 
 
 def test_restricted_model_is_hidden_from_other_tenants(
@@ -140,7 +167,7 @@ def test_restricted_model_is_hidden_from_other_tenants(
     assert client.get("/v1/models/private", headers=other_tenant.headers).status_code == 200
 
 
-def test_delete_is_refused_while_a_queued_task_uses_the_model(
+def test_delete_is_refused_while_a_queued_task_uses_the_model_and_retires_it_after(
     client: TestClient, tenant: TenantKey, tiny_model_dir: Path
 ) -> None:
     assert client.post("/v1/admin/models", json={"name": "busy", "path": str(tiny_model_dir)},
@@ -153,17 +180,122 @@ def test_delete_is_refused_while_a_queued_task_uses_the_model(
     r = client.delete("/v1/admin/models/busy", headers=ADMIN)
     assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["code"]) == (409, "conflict_error",
                                                                                      "model_in_use")
-    assert client.get("/v1/admin/models/busy", headers=ADMIN).status_code == 200  # nothing lost
+    assert client.get("/v1/admin/models/busy", headers=ADMIN).json()["deleted_at"] is None  # nothing lost
 
-    # Once cancelled the task no longer uses it, but it still refers to it (history keeps the model's name).
+    # Once cancelled the task no longer uses it: the model is retired, and the task still names it.
     assert client.post(f"/v1/tasks/{task['id']}/cancel", headers=tenant.headers).status_code == 200
     r = client.delete("/v1/admin/models/busy", headers=ADMIN)
-    assert (r.status_code, r.json()["error"]["code"]) == (409, "model_has_tasks")
-
-    r = client.delete("/v1/admin/models/idle", headers=ADMIN)
     assert (r.status_code, r.content) == (204, b"")
-    assert client.get("/v1/admin/models/idle", headers=ADMIN).status_code == 404
-    assert client.delete("/v1/admin/models/idle", headers=ADMIN).status_code == 404
+    assert client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()["base_model"] == "busy"
+
+    r = client.delete("/v1/admin/models/idle", headers=ADMIN)  # one no task ever named: retired alike
+    assert (r.status_code, r.content) == (204, b"")
+    for name in ("busy", "idle"):
+        missing = client.get(f"/v1/admin/models/{name}", headers=ADMIN)
+        assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
+        assert client.delete(f"/v1/admin/models/{name}", headers=ADMIN).status_code == 404
+        assert client.patch(f"/v1/admin/models/{name}", json={}, headers=ADMIN).status_code == 404
+        assert client.get(f"/v1/models/{name}", headers=tenant.headers).status_code == 404
+    assert not {"busy", "idle"} & {m["name"] for m in client.get("/v1/admin/models", headers=ADMIN).json()["data"]}
+    assert not {"busy", "idle"} & {m["id"] for m in client.get("/v1/models", headers=tenant.headers).json()["data"]}
+    retired = {m["name"]: m for m in client.get("/v1/admin/models?include_deleted=true",
+                                                headers=ADMIN).json()["data"]}
+    assert retired["busy"]["deleted_at"].endswith("Z") and retired["tiny-random-llama"]["deleted_at"] is None
+
+    # A retired model reads as unknown to task submission, exactly like a name never registered.
+    file_id = upload(client, tenant)["id"]
+    refused = client.post("/v1/tasks", headers=tenant.headers, json=task_body(file_id, base_model="busy"))
+    unknown = client.post("/v1/tasks", headers=tenant.headers, json=task_body(file_id, base_model="nope"))
+    assert refused.status_code == unknown.status_code == 422
+    assert refused.json()["error"]["code"] == unknown.json()["error"]["code"] == "unknown_model"
+    assert refused.json()["error"]["message"] == unknown.json()["error"]["message"].replace("nope", "busy")
+    assert count_rows(Task) == 1
+
+
+def test_a_retired_name_can_be_registered_again(
+    client: TestClient, tenant: TenantKey, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    r = client.post("/v1/admin/models", headers=ADMIN,
+                    json={"name": "acme/m", "path": str(tiny_model_dir), "tenants": [tenant.id]})
+    assert r.status_code == 201, r.text
+    old = make_task(client, tenant, base_model="acme/m")
+    assert client.post(f"/v1/tasks/{old['id']}/cancel", headers=tenant.headers).status_code == 200
+    assert client.delete("/v1/admin/models/acme/m", headers=ADMIN).status_code == 204
+
+    plain = copy_without(tiny_model_dir, tmp_path / "plain", "chat_template.jinja")
+    r = client.post("/v1/admin/models", headers=ADMIN,
+                    json={"name": "acme/m", "path": str(plain), "description": "second"})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    # The new entry replaces the retired one entirely: its path, description, tenants (every one), files.
+    assert (body["path"], body["description"], body["tenants"], body["chat_template"], body["deleted_at"],
+            body["updated_at"]) == (str(plain), "second", None, False, None, None)
+    assert client.get("/v1/admin/models/acme/m", headers=ADMIN).json() == body
+    assert client.get("/v1/models/acme/m", headers=tenant.headers).status_code == 200
+    make_task(client, tenant, upload(client, tenant, prompt_rows())["id"], base_model="acme/m")
+    # And a second registration of the name, now live again, is the usual 409.
+    r = client.post("/v1/admin/models", headers=ADMIN, json={"name": "acme/m", "path": str(plain)})
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "model_exists")
+
+
+def test_a_refused_re_registration_keeps_the_retired_entry(client: TestClient, tmp_path: Path,
+                                                           tiny_model_dir: Path) -> None:
+    assert client.post("/v1/admin/models", json={"name": "m", "path": str(tiny_model_dir)},
+                       headers=ADMIN).status_code == 201
+    assert client.delete("/v1/admin/models/m", headers=ADMIN).status_code == 204
+    r = client.post("/v1/admin/models", json={"name": "m", "path": str(tmp_path / "nowhere")}, headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "model_path_not_found")
+    assert client.get("/v1/admin/models/m", headers=ADMIN).status_code == 404
+    retired = [m for m in client.get("/v1/admin/models?include_deleted=true", headers=ADMIN).json()["data"]
+               if m["name"] == "m"]
+    assert retired[0]["path"] == str(tiny_model_dir) and retired[0]["deleted_at"] is not None
+
+
+def test_a_built_in_model_can_be_retired_and_stays_retired(client: TestClient, tenant: TenantKey) -> None:
+    from api.main import create_app
+    from common.db import session_scope
+    from common.registry import ensure_default_models
+
+    assert client.delete("/v1/admin/models/tiny-random-llama", headers=ADMIN).status_code == 204
+    with session_scope() as session:
+        ensure_default_models(session)
+    with TestClient(create_app()) as restarted:  # the API's start seeds the registry again
+        assert restarted.get("/v1/admin/models/tiny-random-llama", headers=ADMIN).status_code == 404
+        names = {m["id"] for m in restarted.get("/v1/models", headers=tenant.headers).json()["data"]}
+    assert names == {"smollm2-135m-instruct"}
+
+
+def test_seeding_fills_the_built_ins_missing_fields_but_keeps_an_operators(client: TestClient) -> None:
+    from common.db import session_scope
+    from common.models import BaseModelEntry
+    from common.registry import ensure_default_models
+
+    # A registry seeded before these fields existed, where an operator has since set tiny-random-llama's context.
+    update_row(BaseModelEntry, "smollm2-135m-instruct", architecture=None, max_context=None, chat_template=None)
+    update_row(BaseModelEntry, "tiny-random-llama", max_context=1024, chat_template=False)
+    with session_scope() as session:
+        ensure_default_models(session)
+    models = {m["name"]: m for m in client.get("/v1/admin/models", headers=ADMIN).json()["data"]}
+    smol, tiny = models["smollm2-135m-instruct"], models["tiny-random-llama"]
+    assert (smol["architecture"], smol["max_context"], smol["chat_template"]) == ("llama", 8192, True)
+    assert (tiny["architecture"], tiny["max_context"], tiny["chat_template"]) == ("llama", 1024, False)
+
+
+def test_patch_reads_the_files_again(client: TestClient, tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = copy_without(tiny_model_dir, tmp_path / "m", "chat_template.jinja")
+    r = client.post("/v1/admin/models", json={"name": "m", "path": str(path), "description": "d"}, headers=ADMIN)
+    assert (r.status_code, r.json()["chat_template"]) == (201, False)
+
+    (path / "chat_template.jinja").write_text((tiny_model_dir / "chat_template.jinja").read_text())
+    r = client.patch("/v1/admin/models/m", json={}, headers=ADMIN)
+    assert (r.status_code, r.json()["chat_template"], r.json()["description"]) == (200, True, "d")
+
+    (path / "config.json").unlink()
+    r = client.patch("/v1/admin/models/m", json={"description": "new"}, headers=ADMIN)
+    assert r.status_code == 422
+    assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("model_config_missing", "path")
+    stored = client.get("/v1/admin/models/m", headers=ADMIN).json()
+    assert (stored["description"], stored["chat_template"], stored["architecture"]) == ("d", True, "llama")
 
 
 def test_model_routes_need_the_admin_token(client: TestClient, tenant: TenantKey, tiny_model_dir: Path) -> None:

@@ -13,8 +13,14 @@ def test_list_models_shows_the_registry(client: TestClient, tenant: TenantKey) -
     smol = models["smollm2-135m-instruct"]
     assert (smol["object"], smol["kind"], smol["parameters"]) == ("model", "gguf-package", 134_515_008)
     assert set(smol) == {"id", "object", "kind", "description", "parameters", "architecture", "max_context",
-                         "target_modules"}
-    assert smol["target_modules"] is None  # unknown for the built-ins
+                         "target_modules", "chat_template"}
+    # The built-ins say what tasks are checked against: both are Llamas with a chat template.
+    llama_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert (smol["architecture"], smol["max_context"], smol["target_modules"], smol["chat_template"]) == (
+        "llama", 8192, llama_targets, True)
+    tiny = models["tiny-random-llama"]
+    assert (tiny["architecture"], tiny["max_context"], tiny["target_modules"], tiny["chat_template"]) == (
+        "llama", 2048, llama_targets, True)
 
 
 def test_get_model_by_name(client: TestClient, tenant: TenantKey) -> None:
