@@ -1,4 +1,5 @@
-"""The message bus between processes: durable-until-acked streams plus one-shot claims.
+"""The message bus between processes: durable-until-acked streams, one-shot claims, and a few small values
+(`put`/`get`: the model registry the scheduler publishes for workers).
 
 Two implementations of one small interface:
 - ``RedisBus``: Redis streams with consumer groups (distributed mode).
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 SCHEDULER_STREAM = "scheduler"  # worker reports and API wake-ups, consumed by the scheduler daemon
 SCHEDULER_GROUP = "scheduler"
 STREAM_MAXLEN = 200_000
+# The key under which the scheduler publishes the model registry (`put`): name -> what a worker needs to load
+# the model (common/registry.py, `published_registry`). Workers read it to say which models they can load.
+REGISTRY_KEY = "model-registry"
 
 
 # What a worker says of a back-fill its pack ended before admitting: not the trial's fault, so the scheduler
@@ -61,6 +65,14 @@ class Bus(Protocol):
 
     def claim(self, key: str) -> bool:
         """True exactly once per key across all processes (used to make dispatch idempotent)."""
+        ...
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        """Stores a small JSON value under `key`, replacing what was there (the newest write wins)."""
+        ...
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The value last `put` under `key`; None if none was (or an emptied Redis forgot it)."""
         ...
 
     def ping(self) -> bool: ...
@@ -161,6 +173,13 @@ class RedisBus:
     def claim(self, key: str) -> bool:
         return bool(self._redis.set(self._key(f"claim:{key}"), "1", nx=True, ex=30 * 24 * 3600))
 
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        self._redis.set(self._key(f"kv:{key}"), json.dumps(value))
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        raw = self._redis.get(self._key(f"kv:{key}"))
+        return None if raw is None else dict(json.loads(raw))
+
     def ping(self) -> bool:
         return bool(self._redis.ping())
 
@@ -187,6 +206,7 @@ class FileBus:
                 CREATE TABLE IF NOT EXISTS pending (
                     stream TEXT, grp TEXT, consumer TEXT, msg_id INTEGER, PRIMARY KEY (stream, grp, msg_id));
                 CREATE TABLE IF NOT EXISTS claims (key TEXT PRIMARY KEY);
+                CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
                 """
             )
 
@@ -270,6 +290,15 @@ class FileBus:
         with self._lock:
             cur = self._conn.execute("INSERT OR IGNORE INTO claims (key) VALUES (?)", (key,))
             return cur.rowcount == 1
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        with self._lock:
+            self._conn.execute("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
+        return None if row is None else dict(json.loads(row[0]))
 
     def ping(self) -> bool:
         with self._lock:

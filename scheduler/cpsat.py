@@ -8,8 +8,9 @@ tasks and tenants share one backbone. Here the three are one model:
 
 - candidate packs per (base model, GPU count): pack j holds pending trial j as its lowest-index member or is
   empty (bin-packing symmetry breaking: n trials need n(n+1)/2 membership literals, not n²);
-- a pack is one start and duration on k GPUs chosen together: an optional interval per (pack, GPU) and
-  `NoOverlap` per GPU, with busy GPUs and running packs as intervals from 0;
+- a pack is one start and duration on k GPUs chosen together, among those whose worker can load its model:
+  an optional interval per (pack, GPU) and `NoOverlap` per GPU, with busy GPUs and running packs as intervals
+  from 0;
 - step time `a + b·tokens + c·slots` is linear in membership and a member leaves when its steps are done, so
   every trial's completion `start + n_t·a + Σ_u item_u·min(n_u, n_t)` is linear too (planning.py);
 - back-fill puts a pending trial into a running pack's free slot, starting now; with the pack's members known,
@@ -121,7 +122,9 @@ class _Model:
                 used = members[0][1]
                 s, d, e = (m.new_int_var(0, h, f"{n}_{lead.trial_id}") for n in "SDE")
                 m.add(e == s + d)
-                gpus = [g for g in inp.gpus if g.memory_bytes >= base_mem + prep.mem_item(lead)]
+                # Only GPUs that hold its leader and whose worker can load the model (its heartbeat says).
+                gpus = [g for g in inp.gpus
+                        if g.memory_bytes >= base_mem + prep.mem_item(lead) and prep.loads(g.gpu_id, model)]
                 y = {g.gpu_id: m.new_bool_var(f"y_{lead.trial_id}_{g.gpu_id}") for g in gpus}
                 m.add(sum(y.values()) == k * used)
                 for g in gpus:

@@ -7,6 +7,9 @@ absence) all lead to a new plan within one round.
 It wakes on every bus message (worker reports, API wake-ups) and at least every `scheduler_tick_s`, so
 a lost wake-up only delays it. Every decision is read from and written to the database first; the bus
 and Celery only carry what was already committed.
+
+Each round also keeps the model registry published on the bus, for workers to say in their heartbeats which
+models they can load; a task whose model no live worker can load waits, told so by one event.
 """
 
 from __future__ import annotations
@@ -16,16 +19,19 @@ import threading
 import time
 from dataclasses import replace
 from datetime import datetime, timedelta
+from typing import Any
 
 from celery import Celery
 from sqlalchemy import or_, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 
 from common import states
-from common.bus import SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
+from common.bus import REGISTRY_KEY, SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
 from common.db import get_engine, session_scope
 from common.models import Pack, Task, utcnow
+from common.registry import published_registry
 from common.settings import Settings
 from scheduler.dispatch import send_pack, trial_payload
 from scheduler.exits import PauseRequest, apply_early_exit, placement
@@ -37,6 +43,7 @@ from scheduler.lifecycle import (
     finalize_tasks,
     live_packs,
     load_costs,
+    note_model_waits,
     packs_with_room,
     reap_lost_workers,
     record_plan,
@@ -49,6 +56,7 @@ log = logging.getLogger(__name__)
 
 LEADER_LOCK_ID = 0x10_4A_91_A7  # pg advisory lock key: one active scheduler per database
 BATCH = 1000  # reports ingested per transaction
+REGISTRY_REPUBLISH_S = 60.0  # the model registry is published again this often even when it did not change
 
 
 class SchedulerDaemon:
@@ -64,6 +72,8 @@ class SchedulerDaemon:
         self._aborts_sent: set[tuple[str, str]] = set()
         self._bus_resets = bus.resets
         self._reap_after = 0.0  # monotonic time before which silent workers are not declared lost
+        self._registry_sent: dict[str, Any] | None = None  # the model registry last published, and when
+        self._registry_sent_at = 0.0
 
     def step(self, block_s: float) -> int:
         """One round: ingest what arrived (waiting up to block_s), then act. Returns messages handled.
@@ -85,6 +95,7 @@ class SchedulerDaemon:
             self._stops_sent.clear()
             self._admits_sent.clear()
             self._aborts_sent.clear()
+            self._registry_sent = None  # and the registry it held for workers
         if batch:
             aborts: set[tuple[str, str]] = set()
             with session_scope() as session:
@@ -110,10 +121,14 @@ class SchedulerDaemon:
             for worker_id in reap_lost_workers(session, now, timeout) if reap else []:
                 log.warning("worker %s lost (no heartbeat for %.0fs)", worker_id, timeout)
             finalize_tasks(session, now)
+            self._publish_registry(session)
             snapshot = build_snapshot(session, now, timeout)
+            note_model_waits(session, snapshot.pending, now, timeout)
+            waiting_models = {t.base_model for t in snapshot.pending}
             if self.settings.planner == "greedy":
                 new_packs = record_plan(session, plan(snapshot), now)
-            elif snapshot.pending and (snapshot.idle_workers or packs_with_room(session)):
+            elif snapshot.pending and (any(w.models is None or not w.models.isdisjoint(waiting_models)
+                                           for w in snapshot.idle_workers) or packs_with_room(session)):
                 costs = load_costs(session)
                 snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs),
                                    live_packs=live_packs(session, costs))
@@ -132,6 +147,22 @@ class SchedulerDaemon:
                 send()
             except Exception as exc:  # noqa: BLE001
                 log.warning("sending %s failed (%s); retrying next round", what, exc)
+
+    def _publish_registry(self, session: Session) -> None:
+        """Publishes the model registry for workers (`REGISTRY_KEY`): at start, whenever it changed, and every
+        `REGISTRY_REPUBLISH_S` besides (an emptied Redis forgets it). Each worker's heartbeat names the models of
+        it that the worker can load. A bus that is away is tried again next round."""
+        registry = {"models": published_registry(session)}
+        if registry == self._registry_sent and time.monotonic() - self._registry_sent_at < REGISTRY_REPUBLISH_S:
+            return
+        try:
+            self.bus.put(REGISTRY_KEY, registry)
+        except Exception as exc:  # noqa: BLE001 - workers keep the registry they read last
+            log.warning("could not publish the model registry (%s); retrying next round", exc)
+            return
+        if registry != self._registry_sent:
+            log.info("published the model registry: %s", ", ".join(registry["models"]) or "no model")
+        self._registry_sent, self._registry_sent_at = registry, time.monotonic()
 
     def _dispatch(self, now: datetime) -> None:
         """Sends new packs, and re-sends packs a worker never started (lost message, scheduler restart)."""

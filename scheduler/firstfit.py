@@ -4,8 +4,8 @@ List scheduling by Smith's rule with cheapest insertion. Pending trials are take
 of tenant weight first (`Prepared.priority`); each goes wherever it adds the least to the objective
 `Σ weight·completion + makespan_weight·makespan`, given what is already placed:
 
-- a new pack of its own on the k earliest-free GPUs that hold it, at the earliest time its tenant's quota
-  allows; or
+- a new pack of its own on the k earliest-free GPUs that hold it and load its model, at the earliest time its
+  tenant's quota allows; or
 - an open pack of its model (a running pack, or a new pack of this plan that nothing is planned after on its
   GPUs), if memory, caps and quotas still hold. Joining costs its own slower completion plus the delay it
   causes every member it shares the pack with (planning.py: a short member slows a long one only while they
@@ -150,15 +150,20 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
             publish(p)
 
     def earliest_gpus(t: PlanTrial, need: int) -> list[str]:
-        """The t.gpus_needed earliest-free GPUs with `need` bytes (ties by id), from the heaps, stale skipped."""
+        """The t.gpus_needed earliest-free GPUs with `need` bytes that load t's model (ties by id), from the
+        heaps, stale entries dropped; those that cannot load the model are passed over and put back."""
         picked: list[tuple[int, str]] = []
         for m in sizes[bisect.bisect_left(sizes, need):]:
-            h, got = free_heaps[m], list[tuple[int, str]]()
+            h, got, passed = free_heaps[m], list[tuple[int, str]](), set[tuple[int, str]]()
             while h and len(got) < t.gpus_needed:
                 at, gid = heapq.heappop(h)
-                if at == avail[gid] and (at, gid) not in got:
+                if at != avail[gid] or (at, gid) in got or (at, gid) in passed:
+                    continue
+                if prep.loads(gid, t.base_model):
                     got.append((at, gid))
-            for e in got:
+                else:
+                    passed.add((at, gid))
+            for e in [*got, *passed]:
                 heapq.heappush(h, e)
             picked.extend(got)
         return [gid for _, gid in sorted(picked)[: t.gpus_needed]]

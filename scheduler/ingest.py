@@ -123,11 +123,26 @@ def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s
     worker.device = m.get("device", "cpu")
     worker.memory_bytes = m.get("memory_bytes")
     worker.max_slots = int(m.get("max_slots", DEFAULT_MAX_TRIALS_PER_PACK))
+    models = _models(m.get("models"))
+    models_changed = models != worker.models  # it can load other models now: worth a replan
+    if models_changed:
+        worker.models = models
     worker.state = states.WORKER_ALIVE
     worker.last_heartbeat = sent_at if is_new else max(as_utc(worker.last_heartbeat), sent_at)
     if "pack_id" in m:  # what the process runs now (a report from before this field cannot be judged)
         is_new |= _check_named_pack(session, worker, m["pack_id"], sent_at, now, aborts)
-    return is_new
+    return is_new or models_changed
+
+
+def _models(raw: Any) -> list[str] | None:
+    """The registered models a heartbeat says its worker can load, sorted; None when it does not say (a worker
+    from before this field, or one that has not read the registry yet: taken as able to load every model)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):  # malformed: the beat still proves the worker alive, its models are unknown
+        log.warning("ignoring a heartbeat's models that are not a list: %r", raw)
+        return None
+    return sorted({str(name) for name in raw})
 
 
 def _running_packs(session: Session, worker_id: str) -> list[Pack]:

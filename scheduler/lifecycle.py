@@ -6,6 +6,7 @@ Each function does one thing inside the caller's transaction; scheduler/daemon.p
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, select
@@ -13,12 +14,12 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.models import MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
+from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from scheduler.cost import Progress, fit_profiles, samples_from_profiles
 from scheduler.exits import stop_mode
 from scheduler.placement import PRIOR_COST
-from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, Plan, Snapshot
+from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, Plan, Snapshot, loads
 from scheduler.planning import ModelCost, PlanResult, RunningMember
 
 log = logging.getLogger(__name__)
@@ -234,8 +235,75 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
         )
         for trial, task, weight in rows
     )
-    idle = tuple(IdleWorker(w.id, w.max_slots, w.memory_bytes) for w in workers if w.id not in busy_ids)
+    idle = tuple(IdleWorker(w.id, w.max_slots, w.memory_bytes, _models(w)) for w in workers if w.id not in busy_ids)
     return Snapshot(pending=pending, idle_workers=idle)
+
+
+def _models(worker: Worker) -> frozenset[str] | None:
+    """The models the worker's newest heartbeat says it can load; None: it does not say (every model)."""
+    return None if worker.models is None else frozenset(str(m) for m in worker.models)
+
+
+WAITING_FOR_MODEL = "task.waiting_for_model"
+MODEL_AVAILABLE = "task.model_available"
+
+
+def note_model_waits(session: Session, pending: Sequence[PendingTrial], now: datetime, timeout_s: float) -> None:
+    """Tells each task with pending trials whose base model no live worker can load, once, that it waits for
+    one (`task.waiting_for_model`), and tells it again when a live worker can load its model
+    (`task.model_available`); its trials stay pending meanwhile (the planners place a model's trials only on
+    workers that load it). Nothing is said while no worker is alive at all: there is no one to judge by.
+
+    Once per episode, not once per replan: whether the task was already told is read back from its own
+    events (the newer of the two kinds), so it holds across scheduler restarts and needs no column. Costs
+    one query of the live workers and one of those events (indexed by task) per round with pending trials.
+
+    A model registered (or edited) within the last `timeout_s` is not judged yet: the workers' heartbeats may
+    predate it (each checks the registry it read, every few seconds), and a fresh model's first task would be
+    told it waits for nothing."""
+    if not pending:
+        return
+    workers = _alive_workers(session, now, timeout_s)
+    if not workers:
+        return
+    tasks: dict[str, tuple[str, str]] = {}  # task -> (tenant, base model)
+    for t in pending:
+        tasks.setdefault(t.task_id, (t.tenant_id, t.base_model))
+    loadable = {model: any(loads(_models(w), model) for w in workers) for _, model in tasks.values()}
+    if not all(loadable.values()):
+        recent = now - timedelta(seconds=timeout_s)
+        for name, created_at, updated_at in session.execute(
+            select(BaseModelEntry.name, BaseModelEntry.created_at, BaseModelEntry.updated_at)
+            .where(BaseModelEntry.name.in_([m for m, ok in loadable.items() if not ok]))
+        ):
+            if as_utc(updated_at or created_at) > recent:
+                del loadable[name]  # too new to judge: the workers may not have checked it yet
+    told: dict[str, str] = {}  # the newest of the two kinds per task (rows in id order: the last one wins)
+    for task_id, kind in session.execute(
+        select(Event.task_id, Event.type)
+        .where(Event.task_id.in_(list(tasks)), Event.type.in_((WAITING_FOR_MODEL, MODEL_AVAILABLE)))
+        .order_by(Event.id)
+    ):
+        told[task_id] = kind
+    for task_id, (tenant_id, model) in tasks.items():
+        if model not in loadable:
+            continue
+        waiting = told.get(task_id) == WAITING_FOR_MODEL
+        if not loadable[model] and not waiting:
+            record_event(
+                session, tenant_id=tenant_id, task_id=task_id, type=WAITING_FOR_MODEL, level="warn",
+                message=f"no live worker can load model {model} ({len(workers)} worker(s) alive); the task waits "
+                        "until one can",
+                data={"base_model": model, "workers_alive": len(workers)},
+            )
+        elif loadable[model] and waiting:
+            able = sorted(w.id for w in workers if loads(_models(w), model))
+            record_event(
+                session, tenant_id=tenant_id, task_id=task_id, type=MODEL_AVAILABLE,
+                message=f"worker {able[0]} can load model {model}: the task's trials can be placed"
+                        + (f" (and {len(able) - 1} more)" if len(able) > 1 else ""),
+                data={"base_model": model, "workers": able},
+            )
 
 
 def busy_workers(
@@ -245,7 +313,7 @@ def busy_workers(
     wait for one rather than open a worse pack now). Only worth its queries when something is to be placed."""
     live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
     return tuple(
-        BusyWorker(w.id, w.max_slots, w.memory_bytes, _predicted_remaining_s(session, live[w.id], costs))
+        BusyWorker(w.id, w.max_slots, w.memory_bytes, _predicted_remaining_s(session, live[w.id], costs), _models(w))
         for w in _alive_workers(session, now, timeout_s)
         if w.id in live
     )

@@ -2,6 +2,8 @@
 
 Pure, no I/O. One worker is one GPU (`loraplane worker --gpu N`); a busy worker is a GPU whose pack is
 predicted to end at `busy_for_s`, so the solver may choose to wait for it rather than open a worse pack now.
+A worker that names the models it can load (`IdleWorker.models`) gets packs of those models only; a trial
+whose model no worker can load is left out of the plan (`PlanResult.unschedulable`) and stays pending.
 What a snapshot cannot know yet is estimated and said so: a trial's pooled tokens per step are its batch
 size times the task's `max_seq_len` (rows are at most that long: an upper bound, so memory is
 over-estimated, never under), adapter bytes are not counted until a profile has measured them (they are
@@ -87,10 +89,11 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
     # One cap per pack for the whole cluster: the smallest worker's slots (workers of one deployment share it).
     max_slots = min(w.max_slots for w in workers)
     gpus = tuple(
-        GpuSpec(gpu_id=w.worker_id, memory_bytes=w.memory_bytes or DEFAULT_GPU_BYTES) for w in snapshot.idle_workers
+        GpuSpec(gpu_id=w.worker_id, memory_bytes=w.memory_bytes or DEFAULT_GPU_BYTES, models=w.models)
+        for w in snapshot.idle_workers
     ) + tuple(
         GpuSpec(gpu_id=w.worker_id, memory_bytes=w.memory_bytes or DEFAULT_GPU_BYTES,
-                busy_until=max(1, math.ceil(w.busy_for_s / UNIT_S)))
+                busy_until=max(1, math.ceil(w.busy_for_s / UNIT_S)), models=w.models)
         for w in snapshot.busy_workers
     )  # fmt: skip
     trials = tuple(

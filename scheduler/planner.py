@@ -32,11 +32,22 @@ class PendingTrial:
     resumed: bool = False
 
 
+def loads(models: frozenset[str] | None, model: str) -> bool:
+    """Whether a worker that says it can load ``models`` (None: it does not say, taken as every one) loads
+    ``model``."""
+    return models is None or model in models
+
+
 @dataclass(frozen=True)
 class IdleWorker:
     worker_id: str
     max_slots: int
     memory_bytes: int | None = None
+    # The registered models it can load (its heartbeat says); None: it does not say, taken as every one.
+    models: frozenset[str] | None = None
+
+    def can_load(self, model: str) -> bool:
+        return loads(self.models, model)
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,10 @@ class BusyWorker:
     max_slots: int
     memory_bytes: int | None
     busy_for_s: float  # predicted seconds until its pack ends
+    models: frozenset[str] | None = None  # as IdleWorker's
+
+    def can_load(self, model: str) -> bool:
+        return loads(self.models, model)
 
 
 @dataclass(frozen=True)
@@ -109,19 +124,22 @@ class Plan:
 def plan(snapshot: Snapshot) -> Plan:
     """Fill each idle worker with one pack of pending trials that share a base model.
 
-    The oldest pending trial picks the base model of the next pack; later trials of the same base model
-    (of any task or tenant: tLoRA §3.4 groups jobs on a shared backbone) join it until the pack reaches
-    the smallest cap among the worker's slots and its members' `max_trials_per_pack`.
+    The oldest pending trial whose base model the worker can load picks the base model of the next pack; later
+    trials of the same base model (of any task or tenant: tLoRA §3.4 groups jobs on a shared backbone) join it
+    until the pack reaches the smallest cap among the worker's slots and its members' `max_trials_per_pack`.
     """
     remaining = list(snapshot.pending)
     packs: list[PlannedPack] = []
     for worker in sorted(snapshot.idle_workers, key=lambda w: w.worker_id):
         if not remaining:
             break
-        first = remaining[0]
+        at = next((i for i, t in enumerate(remaining) if worker.can_load(t.base_model)), None)
+        if at is None:  # it can load none of the models that wait
+            continue
+        first = remaining[at]
         members = [first]
         cap = min(worker.max_slots, first.max_trials_per_pack)
-        for trial in remaining[1:]:
+        for trial in remaining[at + 1:]:
             if len(members) >= cap:
                 break
             if trial.base_model != first.base_model:

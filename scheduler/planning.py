@@ -45,6 +45,8 @@ class GpuSpec:
     gpu_id: str
     memory_bytes: int
     busy_until: int = 0  # time units from now; 0 = free now
+    # The base models its worker can load; None: every one. A pack goes only on GPUs that all load its model.
+    models: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class PlanResult:
     packs: tuple[ScheduledPack, ...]  # the full schedule, by (start, pack_key)
     start_now: tuple[ScheduledPack, ...]  # the first wave: new packs starting at 0 and all back-fills
     completion: Mapping[str, int]  # trial id -> completion time (units)
-    unschedulable: tuple[str, ...]  # pending trials no GPU set can ever hold
+    unschedulable: tuple[str, ...]  # pending trials no GPU set can hold (memory) or load (the model) now
     makespan: int
     objective: int
     solve_s: float
@@ -173,6 +175,8 @@ class Prepared:
         self.inp = inp
         self.gpu_mem = {g.gpu_id: g.memory_bytes for g in inp.gpus}
         self._memories = sorted(g.memory_bytes for g in inp.gpus)  # for counting the GPUs that hold a trial
+        self._gpu_models = {g.gpu_id: g.models for g in inp.gpus}
+        self._restricted = any(g.models is not None for g in inp.gpus)  # some GPU loads only some models
         placeable = [self._placeable(t) for t in inp.trials]
         self.trials = [t for t, ok in zip(inp.trials, placeable, strict=True) if ok]
         self.unschedulable = tuple(t.trial_id for t, ok in zip(inp.trials, placeable, strict=True) if not ok)
@@ -188,7 +192,15 @@ class Prepared:
         if self.inp.tenant_quota.get(t.tenant_id, 1) < 1:
             return False
         solo = self.mem_base(t.base_model) + self.mem_item(t)
+        if self._restricted:
+            hold = sum(1 for g in self.inp.gpus if g.memory_bytes >= solo and self.loads(g.gpu_id, t.base_model))
+            return hold >= t.gpus_needed
         return len(self._memories) - bisect.bisect_left(self._memories, solo) >= t.gpus_needed
+
+    def loads(self, gpu_id: str, model: str) -> bool:
+        """Whether the GPU's worker can load ``model`` (its heartbeat's models; None: every one)."""
+        models = self._gpu_models[gpu_id]
+        return models is None or model in models
 
     # Memory: base + Σ items ≤ GPU bytes. Each term is rounded up so the sum never under-estimates.
     def mem_base(self, model: str) -> int:
@@ -360,7 +372,7 @@ def work_conserving(inp: PlanningInput, result: PlanResult) -> PlanResult:
         for p in later:
             members = [by_id[i] for i in p.trial_ids]
             adds = Counter(t.tenant_id for t in members)
-            if (p.pack_key in moved
+            if (p.pack_key in moved or not prep.loads(gpu.gpu_id, p.base_model)
                     or prep.mem_base(p.base_model) + sum(prep.mem_item(t) for t in members) > gpu.memory_bytes
                     or any((cap := prep.quota_cap(tenant)) is not None and running_now[tenant] + n > cap
                            for tenant, n in adds.items())):

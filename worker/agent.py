@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from common.bus import SCHEDULER_STREAM, Bus, commands_stream
@@ -35,14 +36,20 @@ class Heartbeat(threading.Thread):
     worker that a beat does not name, so the pack is set and cleared under the same lock as a beat is sent:
     a beat sent before `pack.started` names no pack, and every beat after it names the pack until its last
     report went out.
+
+    Each beat also names the registered models this machine can load (`models`, e.g.
+    `worker.availability.ModelAvailability.models`), when it knows them: the planner places a model's trials
+    only on workers that name it. A beat without them (no registry published yet) is taken as "every model".
     """
 
-    def __init__(self, bus: Bus, interval_s: float, identity: dict[str, Any], incarnation: Incarnation) -> None:
+    def __init__(self, bus: Bus, interval_s: float, identity: dict[str, Any], incarnation: Incarnation,
+                 models: Callable[[], list[str] | None] | None = None) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.bus = bus
         self.interval_s = interval_s
         self.identity = identity
         self.incarnation = incarnation
+        self._models = models
         self._pack_id: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -52,10 +59,19 @@ class Heartbeat(threading.Thread):
             self._pack_id = pack_id
 
     def beat(self) -> None:
+        extra: dict[str, Any] = {}
+        if self._models is not None:
+            try:  # outside the lock: a pack's start does not wait for a look at the disks
+                models = self._models()
+            except Exception:  # noqa: BLE001 - a failed check must not silence the beat (it would look dead)
+                log.exception("could not tell which models this worker can load")
+                models = None
+            if models is not None:
+                extra["models"] = models
         with self._lock:
             self.bus.publish(SCHEDULER_STREAM, {
                 "type": "heartbeat", **self.identity, "pack_id": self._pack_id, "incarnation": self.incarnation.id,
-                "started_at": self.incarnation.started_at, "sent_at": time.time(),
+                "started_at": self.incarnation.started_at, "sent_at": time.time(), **extra,
             })
 
     def run(self) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -15,6 +16,7 @@ from common.celery import worker_queue
 from common.registry import DEFAULT_MODELS
 from common.settings import get_settings
 from worker.agent import Heartbeat, Incarnation
+from worker.availability import ModelAvailability
 from worker.engine import ModelSource
 from worker.runner import PackRunner
 
@@ -35,16 +37,25 @@ def device_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def preload_models(load: Callable[[ModelSource], object], names: str) -> None:
-    """Load the named default-registry models now with ``load`` (``PackRunner.model``, which keeps them);
-    ``names`` is ``LORAPLANE_WORKER_PRELOAD``. An unknown name is logged and skipped."""
-    known = {m.name: m for m in DEFAULT_MODELS}
+def preload_models(load: Callable[[ModelSource], object], names: str,
+                   registry: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Load the named registry models now with ``load`` (``PackRunner.model``, which keeps them); ``names`` is
+    ``LORAPLANE_WORKER_PRELOAD``. A name is looked up in ``registry`` (the one the scheduler published, with
+    the models an operator registered), then among the default models; an unknown name is logged and skipped,
+    and so is a model that fails to load (its packs will say why)."""
+    sources = {m.name: ModelSource(name=m.name, kind=m.kind, path=m.path, package=m.package, gguf_file=m.gguf_file)
+               for m in DEFAULT_MODELS}
+    for name, fields in (registry or {}).items():
+        sources[name] = ModelSource(name=name, kind=str(fields.get("kind")), path=fields.get("path"),
+                                    package=fields.get("package"), gguf_file=fields.get("gguf_file"))
     for name in filter(None, (n.strip() for n in names.split(","))):
-        if name not in known:
-            log.warning("LORAPLANE_WORKER_PRELOAD: %r is not a default registry model; not preloaded", name)
+        if name not in sources:
+            log.warning("LORAPLANE_WORKER_PRELOAD: %r is not a registered model; not preloaded", name)
             continue
-        m = known[name]
-        load(ModelSource(name=m.name, kind=m.kind, path=m.path, package=m.package, gguf_file=m.gguf_file))
+        try:
+            load(sources[name])
+        except Exception:  # noqa: BLE001 - the worker still serves the models it can load
+            log.exception("LORAPLANE_WORKER_PRELOAD: %r could not be loaded", name)
 
 
 def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel: str = "INFO") -> None:
@@ -59,10 +70,12 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
     # The same worker id comes back after a restart (`<hostname>-gpuN`, or `local` under `loraplane up`): the
     # incarnation tells the scheduler this is a new process, whose predecessor's packs are gone.
     incarnation = Incarnation()
+    # Every beat names the registered models this machine can load (the registry the scheduler published).
+    availability = ModelAvailability(bus)
     heartbeat = Heartbeat(bus, settings.heartbeat_interval_s, {
         "worker_id": worker_id, "queue": queue, "device": str(device), "memory_bytes": device_memory(device),
         "max_slots": settings.worker_max_trials_per_pack,
-    }, incarnation)
+    }, incarnation, models=availability.models)
     runner = PackRunner(worker_id=worker_id, device=device, bus=bus, store=get_artifact_store(),
                         model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat,
                         report_timeout_s=settings.worker_timeout_s)
@@ -74,7 +87,8 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
 
     hf_logging.disable_progress_bar()
     heartbeat.start()  # beating while models load: the scheduler sees the worker, busy with no pack
-    preload_models(runner.model, settings.worker_preload_models)
+    preload_models(runner.model, settings.worker_preload_models,
+                   availability.registry() if settings.worker_preload_models else None)
     log.info("worker %s (incarnation %s) on %s consuming %s", worker_id, incarnation.id[:8], device, queue)
     # The solo pool runs the pack in this process, where the model stays loaded between packs and the
     # heartbeat thread dies with it: a killed worker stops beating and the scheduler requeues its trials.

@@ -44,6 +44,12 @@ def stop_modes(requested: dict[str, str]) -> dict[str, StopMode]:
             for trial_id, mode in requested.items()}
 
 
+def export_base_name(source: ModelSource) -> str:
+    """What an exported adapter names as ``base_model_name_or_path``: a registered directory as the workers
+    see it (what PEFT itself writes for a model loaded from a directory), else the registry name."""
+    return source.path if source.kind == "hf" and source.path else source.name
+
+
 class PackRunner:
     """Holds what outlives one pack: the loaded base models (loaded once per process) and the bus."""
 
@@ -60,13 +66,22 @@ class PackRunner:
         # and the scheduler, past its heartbeat timeout, requeues the pack's trials from their checkpoints).
         self.report_timeout_s = report_timeout_s
         self.inbox = CommandInbox(bus, worker_id)
-        self._models: dict[str, tuple[Any, Any]] = {}
+        self._models: dict[str, tuple[ModelSource, tuple[Any, Any]]] = {}  # name -> (its source, model and tokenizer)
 
     def model(self, source: ModelSource) -> tuple[Any, Any]:
-        if source.name not in self._models:
-            log.info("loading base model %s on %s", source.name, self.device)
-            self._models[source.name] = load_base_model(source, cache_dir=self.model_cache_dir, device=self.device)
-        return self._models[source.name]
+        """The base model and tokenizer of ``source``, loaded on first use and kept for every later pack (and
+        back-fill) of it. A model whose registry entry changed since (another path) is loaded again, replacing
+        the old copy."""
+        cached = self._models.get(source.name)
+        if cached is not None:
+            if cached[0] == source:
+                return cached[1]
+            log.info("base model %s changed in the registry; loading it again", source.name)
+            del self._models[source.name], cached  # the old copy's memory can go before the new one comes
+        log.info("loading base model %s on %s", source.name, self.device)
+        loaded = load_base_model(source, cache_dir=self.model_cache_dir, device=self.device)
+        self._models[source.name] = (source, loaded)
+        return loaded
 
     def trial_spec(self, t: dict[str, Any], read_rows: Callable[[str], list[dict[str, Any]]]) -> TrialSpec:
         rows = read_rows(t["training_file_key"])
@@ -200,7 +215,7 @@ class PackRunner:
                     reporter.send("pack.progress", **progress)
 
             train_pack(
-                model, tokenizer, specs, base_model_name=source.name, export_dir=tmp / "adapters",
+                model, tokenizer, specs, base_model_name=export_base_name(source), export_dir=tmp / "adapters",
                 on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, task_of),
                 on_step=stepped, resume=resume, checkpoint_dir=tmp / "checkpoints",
                 # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.

@@ -91,6 +91,9 @@ class WorkerOut(BaseModel):
     max_slots: int
     state: str
     current_pack_id: str | None
+    models: list[str] | None = Field(
+        default=None, description="The registered models its newest heartbeat says it can load (path present, "
+                                  "config readable); null: it does not say, and is taken as able to load every one.")
     last_heartbeat: UtcDateTime
     registered_at: UtcDateTime
 
@@ -98,6 +101,6 @@ class WorkerOut(BaseModel):
     def of(cls, w: Worker) -> WorkerOut:
         return cls(
             id=w.id, queue=w.queue, device=w.device, memory_bytes=w.memory_bytes, max_slots=w.max_slots,
-            state=w.state, current_pack_id=w.current_pack_id, last_heartbeat=w.last_heartbeat,
+            state=w.state, current_pack_id=w.current_pack_id, models=w.models, last_heartbeat=w.last_heartbeat,
             registered_at=w.registered_at,
         )

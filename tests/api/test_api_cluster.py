@@ -11,10 +11,11 @@ from common.models import Pack, Trial, Worker, utcnow
 from tests.factories import ADMIN, TenantKey, make_task, trial_ids, update_row
 
 
-def add_worker(worker_id: str, *, state: str = "alive", max_slots: int = 8) -> None:
+def add_worker(worker_id: str, *, state: str = "alive", max_slots: int = 8, models: list[str] | None = None) -> None:
     with session_scope() as session:
         session.add(Worker(id=worker_id, queue=f"lp:{worker_id}", device="cuda:0", memory_bytes=80 << 30,
-                           max_slots=max_slots, state=state, last_heartbeat=utcnow(), registered_at=utcnow()))
+                           max_slots=max_slots, state=state, last_heartbeat=utcnow(), registered_at=utcnow(),
+                           models=models))
 
 
 def add_pack(pack_id: str, worker_id: str, trials: list[str], *, state: str = "running", capacity: int | None = 4,
@@ -91,6 +92,16 @@ def test_cluster_sums_workers_slots_and_tenants(client: TestClient, tenant: Tena
     assert workers["gpu-2"]["state"] == "lost" and workers["gpu-0"]["device"] == "cuda:0"
     assert [(t["name"], t["running_trials"], t["pending_trials"]) for t in c["tenants"]] == [
         ("acme", 3, 1), ("globex", 0, 4)]
+
+
+def test_each_worker_says_which_models_it_can_load(client: TestClient) -> None:
+    add_worker("gpu-0", models=["smollm2-135m-instruct", "tiny-random-llama"])
+    add_worker("gpu-1")  # its heartbeat does not say: taken as able to load every model
+    add_worker("gpu-2", models=[])
+    workers = {w["id"]: w["models"] for w in client.get("/v1/admin/cluster", headers=ADMIN).json()["workers"]}
+    assert workers == {"gpu-0": ["smollm2-135m-instruct", "tiny-random-llama"], "gpu-1": None, "gpu-2": []}
+    listed = {w["id"]: w["models"] for w in client.get("/v1/admin/workers", headers=ADMIN).json()["data"]}
+    assert listed == workers
 
 
 def test_an_empty_cluster_has_no_utilisation(client: TestClient) -> None:

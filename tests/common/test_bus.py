@@ -1,5 +1,5 @@
 """Both bus implementations keep the same promises: at-least-once delivery until acked, ordered
-read_after, and a claim that succeeds exactly once."""
+read_after, a claim that succeeds exactly once, and put/get of small values (the newest wins)."""
 
 from __future__ import annotations
 
@@ -70,3 +70,18 @@ def test_file_bus_is_shared_between_instances(tmp_path: Path) -> None:
     a.publish("s", {"from": "a"})
     assert [m for _, m in b.consume("s", "g", "c", count=10, block_s=0.1)] == [{"from": "a"}]
     assert b.claim("k") and not a.claim("k")
+
+
+def test_put_get_keeps_the_newest_value_of_each_key(bus: Bus) -> None:
+    assert bus.get("registry") is None
+    bus.put("registry", {"models": {"a": {"kind": "hf", "path": "/m/a"}}})
+    bus.put("other", {"x": 1})
+    bus.put("registry", {"models": {}})  # replaced, not merged
+    assert bus.get("registry") == {"models": {}}
+    assert bus.get("other") == {"x": 1}
+
+
+def test_file_bus_values_are_shared_between_instances(tmp_path: Path) -> None:
+    a, b = FileBus(tmp_path / "bus.db"), FileBus(tmp_path / "bus.db")
+    a.put("k", {"v": [1, 2]})
+    assert b.get("k") == {"v": [1, 2]}

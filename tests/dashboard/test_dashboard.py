@@ -179,6 +179,8 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
         worker = page.locator(f"#workers tr[data-worker='{WORKER_ID}']")
         expect(worker).to_contain_text("alive")
         expect(worker).to_contain_text("cpu")
+        # The models it can load, from its heartbeats (the synthetic model always loads).
+        expect(worker).to_contain_text("tiny-random-llama", timeout=20_000)
         pack = page.locator("article.pack")
         expect(pack).to_have_count(1, timeout=30_000)
         expect(pack.locator(".slot.used")).not_to_have_count(0)

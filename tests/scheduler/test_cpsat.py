@@ -70,6 +70,10 @@ def _durations(inp: PlanningInput, model: str, trials: list[PlanTrial], running:
     return out
 
 
+def _loads(g: GpuSpec, model: str) -> bool:
+    return g.models is None or model in g.models
+
+
 def check_valid(inp: PlanningInput, res: PlanResult) -> None:
     """Every constraint the planner promises, checked from scratch on its output."""
     by_id = {t.trial_id: t for t in inp.trials}
@@ -107,6 +111,7 @@ def check_valid(inp: PlanningInput, res: PlanResult) -> None:
             mem = _mem(inp, p.base_model, ts, r.tokens_per_step, r.slot_bytes)
         else:
             assert p.start >= 0
+            assert all(_loads(gpu[g], p.base_model) for g in p.gpu_ids), "a GPU whose worker cannot load the model"
             mem = _mem(inp, p.base_model, ts)
         assert all(mem <= gpu[g].memory_bytes for g in p.gpu_ids), "memory"
         durs = _durations(inp, p.base_model, ts, r)
@@ -151,8 +156,8 @@ def brute_force(inp: PlanningInput) -> int:
     which block (if any) back-fills the one running pack. No quotas."""
     best = math.inf
     # A trial no GPU set can hold even alone is left out (the planner reports it as unschedulable).
-    placeable = [t for t in inp.trials
-                 if sum(_mem(inp, t.base_model, [t]) <= g.memory_bytes for g in inp.gpus) >= t.gpus_needed]
+    placeable = [t for t in inp.trials if sum(_mem(inp, t.base_model, [t]) <= g.memory_bytes and _loads(g, t.base_model)
+                                              for g in inp.gpus) >= t.gpus_needed]
     (r,) = inp.running or (None,)
     weight = {t.trial_id: t.tenant_weight for t in inp.trials} | {m.trial_id: m.tenant_weight
                                                                    for m in (r.members if r else ())}
@@ -174,7 +179,8 @@ def brute_force(inp: PlanningInput) -> int:
             rest = [p for p in part if p is not fill]
             for order in itertools.permutations(rest):
                 choices = [[c for c in itertools.combinations(inp.gpus, p[0].gpus_needed)
-                            if all(_mem(inp, p[0].base_model, list(p)) <= g.memory_bytes for g in c)] for p in order]
+                            if all(_mem(inp, p[0].base_model, list(p)) <= g.memory_bytes and _loads(g, p[0].base_model)
+                                   for g in c)] for p in order]
                 for pick in itertools.product(*choices):
                     avail = {g.gpu_id: max(g.busy_until, r_end if r and g.gpu_id in r.gpu_ids else 0)
                              for g in inp.gpus}
@@ -263,6 +269,59 @@ def test_random_instances_never_violate_constraints() -> None:
         res = plan_cpsat(inp, time_limit_s=0.3)
         check_valid(inp, res)
         assert res.objective <= greedy.objective
+
+
+MODEL_SETS = (None, None, frozenset({"small"}), frozenset({"big"}), frozenset(), frozenset({"small", "big"}))
+
+
+def test_tiny_instances_with_workers_that_load_some_models_match_brute_force() -> None:
+    # A GPU whose worker cannot load a model gets none of its packs; a trial whose model too few GPUs load is
+    # unschedulable. CP-SAT's optimum is brute force's over the GPUs that load each pack's model.
+    rng = random.Random(16)
+    for case in range(40):
+        n, n_gpus = rng.randint(1, 4), rng.randint(1, 3)
+        trials = tuple(
+            trial(i, rng.choice(["small", "big"]), steps=rng.randint(10, 400), tokens=rng.choice([500, 2000, 8000]),
+                  weight=rng.randint(1, 3), gpus=rng.choice([1, 1, n_gpus]), cap=rng.randint(1, 4))
+            for i in range(n))
+        gpus = tuple(GpuSpec(f"g{j}", rng.choice([40, 80]) * GB, busy_until=rng.choice([0, 0, 20]),
+                             models=rng.choice(MODEL_SETS)) for j in range(n_gpus))
+        inp = PlanningInput(trials, gpus, COSTS)
+        greedy = plan_greedy(inp)
+        check_valid(inp, greedy)
+        res = plan_cpsat(inp, time_limit_s=5.0)
+        check_valid(inp, res)
+        check_valid(inp, work_conserving(inp, res))
+        assert res.status == "optimal", case
+        assert res.objective == brute_force(inp), case
+        assert set(res.unschedulable) == set(greedy.unschedulable)
+
+
+def test_random_instances_with_workers_that_load_some_models_never_violate_constraints() -> None:
+    rng = random.Random(4242)
+    for _ in range(50):
+        inp = random_instance(rng)
+        inp = replace(inp, gpus=tuple(replace(g, models=rng.choice(MODEL_SETS)) for g in inp.gpus))
+        greedy = plan_greedy(inp)
+        check_valid(inp, greedy)
+        res = plan_cpsat(inp, time_limit_s=0.3)
+        check_valid(inp, res)
+        check_valid(inp, work_conserving(inp, res))
+        assert res.objective <= greedy.objective
+
+
+def test_a_model_goes_only_to_gpus_whose_worker_can_load_it() -> None:
+    # g0 is free now but loads only "small"; g1 loads every model but is busy for a while: the big trials wait
+    # for g1 rather than start on g0, and a model that no GPU loads is not planned at all.
+    gpus = (GpuSpec("g0", 80 * GB, models=frozenset({"small"})), GpuSpec("g1", 80 * GB, busy_until=50))
+    inp = PlanningInput((trial(0, "big"), trial(1, "big"), trial(2, "small")), gpus, COSTS)
+    for res in (plan_greedy(inp), plan_cpsat(inp), work_conserving(inp, plan_cpsat(inp))):
+        check_valid(inp, res)
+        assert {p.gpu_ids for p in res.packs if p.base_model == "big"} == {("g1",)}
+        assert all(p.start >= 50 for p in res.packs if p.base_model == "big")
+    only_small = (GpuSpec("g0", 80 * GB, models=frozenset({"small"})),)
+    for res in (plan_greedy(replace(inp, gpus=only_small)), plan_cpsat(replace(inp, gpus=only_small))):
+        assert set(res.unschedulable) == {"t0", "t1"} and [p.trial_ids for p in res.packs] == [("t2",)]
 
 
 def test_greedy_fallback_when_the_model_is_too_big() -> None:

@@ -62,6 +62,34 @@ def test_caps_models_and_busy_workers_are_respected_on_random_snapshots() -> Non
             assert packs, "idle workers and pending trials, but nothing started"
 
 
+def test_a_models_trials_go_only_to_workers_that_can_load_it_on_random_snapshots() -> None:
+    rng = random.Random(16)
+    sets = (None, frozenset({"a"}), frozenset({"b"}), frozenset())
+    for _ in range(25):
+        idle = tuple(IdleWorker(f"w{i}", 8, models=rng.choice(sets)) for i in range(rng.randint(1, 3)))
+        busy = tuple(BusyWorker(f"b{i}", 8, None, rng.uniform(1, 500), rng.choice(sets))
+                     for i in range(rng.randint(0, 2)))
+        pending = tuple(trial(i, model=rng.choice(["a", "b"]), steps=rng.randint(1, 300)) for i in range(6))
+        by_id = {t.trial_id: t for t in pending}
+        placement = place(Snapshot(pending, idle, busy), {}, time_limit_s=0.5)
+        workers = {w.worker_id: w for w in idle}
+        for p in placement.plan.packs:
+            assert workers[p.worker_id].can_load(p.base_model), (p, workers[p.worker_id])
+            assert {by_id[t].base_model for t in p.trial_ids} == {p.base_model}
+        unloadable = {t.trial_id for t in pending if not any(w.can_load(t.base_model) for w in (*idle, *busy))}
+        assert placement.result is not None and unloadable <= set(placement.result.unschedulable)
+        assert not unloadable & {t for p in placement.plan.packs for t in p.trial_ids}
+
+
+def test_an_idle_worker_that_cannot_load_the_model_is_left_idle() -> None:
+    pending = (trial(0, model="big"), trial(1, model="big"))
+    snap = Snapshot(pending, idle_workers=(IdleWorker("w-small", 8, models=frozenset({"m"})),))
+    assert place(snap, {}).plan.packs == ()
+    snap = replace(snap, idle_workers=(*snap.idle_workers, IdleWorker("w-any", 8)))
+    (pack,) = place(snap, {}).plan.packs
+    assert (pack.worker_id, pack.base_model, sorted(pack.trial_ids)) == ("w-any", "big", ["tr0", "tr1"])
+
+
 def live_pack(pack_id: str, tasks: frozenset[str], free: int, max_rank: int = 16) -> LivePack:
     members = tuple(RunningMember(f"{pack_id}-m{i}", "ten", 1, 400, 512) for i in range(4))
     return LivePack(pack_id=pack_id, worker_id=f"w-{pack_id}", base_model="m", free_slots=free, members=4,

@@ -42,3 +42,22 @@ def test_plan_a_smaller_cap_of_a_later_task_does_not_shrink_a_full_pack() -> Non
     snapshot = Snapshot(pending=pending, idle_workers=(IdleWorker("w1", 8),))
     # tr2 (cap 1) cannot join a pack that already has two trials; tr3 still can.
     assert plan(snapshot).packs == (PlannedPack("w1", "m1", ("tr0", "tr1", "tr3")),)
+
+
+def test_plan_places_a_model_only_on_workers_that_can_load_it() -> None:
+    pending = (trial(0, "big"), trial(1, "m1"), trial(2, "big"), trial(3, "m1"))
+    # w1 cannot load the oldest trial's model: it takes the oldest it can; w2 loads every model (None).
+    snapshot = Snapshot(pending=pending, idle_workers=(IdleWorker("w1", 8, models=frozenset({"m1"})),
+                                                      IdleWorker("w2", 8)))
+    assert plan(snapshot).packs == (
+        PlannedPack("w1", "m1", ("tr1", "tr3")),
+        PlannedPack("w2", "big", ("tr0", "tr2")),
+    )
+
+
+def test_plan_leaves_a_worker_idle_when_it_can_load_none_of_the_waiting_models() -> None:
+    snapshot = Snapshot(pending=(trial(0, "big"),), idle_workers=(IdleWorker("w1", 8, models=frozenset({"m1"})),
+                                                                 IdleWorker("w2", 8, models=frozenset())))
+    assert plan(snapshot).packs == ()
+    can = Snapshot(pending=(trial(0, "big"),), idle_workers=(IdleWorker("w1", 8, models=frozenset({"m1", "big"})),))
+    assert plan(can).packs == (PlannedPack("w1", "big", ("tr0",)),)

@@ -12,14 +12,16 @@ function stat(label, value) {
 function workersTable(workers) {
   return h("table", { class: "data", id: "workers" },
     h("caption", {}, "Workers"),
-    h("thead", {}, h("tr", {}, ["Worker", "State", "Device", "Memory", "Slots in use", "Pack", "Last heartbeat"]
-      .map((c) => h("th", { scope: "col" }, c)))),
+    h("thead", {}, h("tr", {}, ["Worker", "State", "Device", "Memory", "Slots in use", "Pack", "Models",
+      "Last heartbeat"].map((c) => h("th", { scope: "col" }, c)))),
     h("tbody", {}, workers.map((w) => h("tr", { dataset: { worker: w.id } },
       h("td", { class: "mono" }, w.id), h("td", {}, badge(w.state)), h("td", {}, w.device),
       h("td", { class: "num" }, fmt.bytes(w.memory_bytes)),
       h("td", { class: "progress-cell" }, progressBar(w.utilisation, `Slots in use on ${w.id}`),
         `${w.used_slots}/${w.max_slots}`),
       h("td", { class: "mono small" }, w.pack_id || "idle"),
+      // The registered models it can load (null: it does not say, taken as every one).
+      h("td", { class: "small" }, w.models == null ? "any" : (w.models.join(", ") || "none")),
       h("td", { class: "small" }, fmt.time(w.last_heartbeat))))));
 }
 

@@ -46,7 +46,9 @@ function capped(points) {
 
 export function mount(root, { params }) {
   const [taskId] = params;
-  const state = { task: null, trials: [], curves: new Map(), sort: { key: "val", dir: 1 }, events: [] };
+  // waiting: why the task's trials cannot start (the message of its newest `task.waiting_for_model` event, until
+  // a `task.model_available` one), or null.
+  const state = { task: null, trials: [], curves: new Map(), sort: { key: "val", dir: 1 }, events: [], waiting: null };
 
   const heading = h("h1", {}, "Task ", h("span", { class: "mono" }, taskId));
   const liveNote = h("span", { class: "muted small", role: "status", id: "live-mode" }, "connecting…");
@@ -83,6 +85,8 @@ export function mount(root, { params }) {
     clear(summary);
     const items = [
       ["State", badge(t.state)],
+      ...(state.waiting && !FINAL.has(t.state)
+        ? [["Waiting", h("span", { class: "waiting", id: "waiting-reason", role: "status" }, state.waiting)]] : []),
       ["Base model", t.base_model],
       ["Progress", h("span", { class: "progress-cell" }, progressBar(t.progress, "Task progress"), fmt.pct(t.progress))],
       ["Trials", trialSummary(t.trial_counts)],
@@ -172,6 +176,8 @@ export function mount(root, { params }) {
   }
 
   function addEvent(event) {
+    if (event.type === "task.waiting_for_model") state.waiting = event.message;
+    else if (event.type === "task.model_available") state.waiting = null;
     state.events.push(event);
     log.prepend(h("li", { class: `level-${event.level}`, dataset: { type: event.type } },
       h("time", { datetime: event.created_at }, fmt.time(event.created_at)), " ",

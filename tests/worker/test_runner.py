@@ -1,0 +1,93 @@
+"""A worker keeps its loaded base models: packs of one model, one after another, load it once (PackRunner.model,
+which the preload fills too). Real packs of the tiny model train on the CPU; the bus is a file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import worker.runner
+from common.artifacts import LocalArtifactStore
+from common.bus import SCHEDULER_STREAM, FileBus
+from worker.agent import Heartbeat, Incarnation
+from worker.engine import ModelSource
+from worker.main import preload_models
+from worker.runner import PackRunner
+
+TINY = {"name": "tiny-random-llama", "kind": "tiny-random-llama", "path": None, "package": None, "gguf_file": None}
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every real load of a base model the runner makes, by name."""
+    calls: list[str] = []
+    real = worker.runner.load_base_model
+
+    def counting(source: ModelSource, **kwargs: Any) -> Any:
+        calls.append(source.name)
+        return real(source, **kwargs)
+
+    monkeypatch.setattr(worker.runner, "load_base_model", counting)
+    return calls
+
+
+@pytest.fixture
+def runner(tmp_path: Path, model_cache: Path) -> PackRunner:
+    bus = FileBus(tmp_path / "bus.db")
+    store = LocalArtifactStore(tmp_path / "artifacts")
+    rows = [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(8)]
+    store.put_bytes("files/data.jsonl", "\n".join(json.dumps(r) for r in rows).encode())
+    heartbeat = Heartbeat(bus, 1.0, {"worker_id": "w"}, Incarnation())
+    return PackRunner(worker_id="w", device=torch.device("cpu"), bus=bus, store=store, model_cache_dir=model_cache,
+                      heartbeat=heartbeat, report_timeout_s=5.0)
+
+
+@pytest.fixture
+def model_cache() -> Path:
+    from tests.conftest import MODEL_CACHE
+
+    return MODEL_CACHE
+
+
+def pack(pack_id: str, source: dict[str, Any] = TINY) -> dict[str, Any]:
+    trial = {
+        "trial_id": f"{pack_id}-t0", "task_id": "task", "total_steps": 2, "max_seq_len": 32, "eval_interval": 2,
+        "hyperparameters": {"learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                            "batch_size": 2, "target_modules": ["q_proj"], "seed": 0},
+        "training_file_key": "files/data.jsonl", "validation_file_key": None, "validation_split": 0.25,
+        "split_seed": 0, "training": {},
+    }
+    return {"pack_id": pack_id, "worker_id": "w", "base_model": source, "trials": [trial]}
+
+
+def ends(runner: PackRunner) -> list[tuple[str, str]]:
+    messages = [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
+    return [(m["pack_id"], m["type"]) for m in messages if m["type"] in ("pack.finished", "pack.failed")]
+
+
+def test_two_packs_of_one_model_load_it_once(runner: PackRunner, loads: list[str]) -> None:
+    runner.run(pack("pack-1"))
+    runner.run(pack("pack-2"))
+    assert ends(runner) == [("pack-1", "pack.finished"), ("pack-2", "pack.finished")]
+    assert loads == ["tiny-random-llama"]
+
+
+def test_a_preloaded_model_is_not_loaded_again_by_its_first_pack(runner: PackRunner, loads: list[str]) -> None:
+    preload_models(runner.model, "tiny-random-llama")
+    runner.run(pack("pack-1"))
+    assert ends(runner) == [("pack-1", "pack.finished")]
+    assert loads == ["tiny-random-llama"]
+
+
+def test_a_model_whose_registry_entry_changed_is_loaded_again(runner: PackRunner, loads: list[str],
+                                                               tmp_path: Path) -> None:
+    first = runner.model(ModelSource(**TINY))
+    assert runner.model(ModelSource(**TINY)) is first
+    moved = ModelSource(**{**TINY, "path": str(tmp_path / "elsewhere")})  # PATCHed: another source, same name
+    assert runner.model(moved) is not first
+    assert runner.model(moved) is runner.model(moved)
+    assert loads == ["tiny-random-llama", "tiny-random-llama"]
