@@ -29,7 +29,8 @@ from worker.engine.models import build_tiny_tokenizer, materialize_tiny_llama
 # projections; the windowed families get a window of 16 tokens, shorter than the tests' rows, so the sliding
 # window is exercised (and one layer of each Gemma keeps full attention).
 _SHAPE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+                          "initializer_range": 0.1}
 _WINDOW = {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}
 ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "llama": (LlamaConfig, {"tie_word_embeddings": False}),

@@ -248,3 +248,53 @@ def test_smollm2_trains_on_a_small_chat_dataset(services: tuple[Cluster, str], t
     adapter = download_adapter(lp, task_id, tmp_path / "adapter")
     lp.close()
     assert_adapter_changes_output(adapter, "smollm2-135m-instruct", MODEL_CACHE)
+
+
+def test_registered_models_of_two_families_train_and_export_end_to_end(
+    services: tuple[Cluster, str], tmp_path: Path
+) -> None:
+    """An operator registers a Qwen2 and a Phi-3 directory (fused qkv_proj / gate_up_proj); a tenant sees them
+    with their target modules, tunes a 2x2 grid on each, and the best adapters download, name the model's
+    directory and its target modules, and load in PEFT on the registered model, changing its logits."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loraplane.client import APIError, Client
+    from tests.model_dirs import tiny_model_dir
+
+    c, base_url = services
+    c.start("worker-a", "worker", "--worker-id", "e2e-byo")
+    dirs = {family: tiny_model_dir(family, tmp_path / "models" / family) for family in ("qwen2", "phi3")}
+    with Client(base_url, admin_token=ADMIN_TOKEN, timeout=30) as operator:
+        for family, path in dirs.items():
+            assert operator.admin.register_model(f"tiny-{family}", str(path)).architecture == family
+    targets = {"qwen2": [["q_proj", "v_proj"]], "phi3": ["all-linear"]}
+    with tenant_client(base_url, ADMIN_TOKEN, "team-byo") as lp:
+        listed = {m.id: m for m in lp.models.list().data}
+        assert listed["tiny-phi3"].target_modules == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+        file_id = upload(lp, arithmetic_rows())
+        wrong = grid_task(file_id, base_model="tiny-phi3")  # q_proj / v_proj: Phi-3 has them fused
+        with pytest.raises(APIError) as refused:
+            submit(lp, wrong)
+        assert (refused.value.status_code, refused.value.code) == (422, "unknown_target_module")
+        tasks = {}
+        for family in dirs:
+            body = grid_task(file_id, base_model=f"tiny-{family}")
+            body["search_space"]["target_modules"] = targets[family]
+            tasks[family] = submit(lp, body).id
+        for family, task_id in tasks.items():
+            events, ended = follow_events(lp, task_id, timeout_s=300)
+            assert ended.state == "succeeded", (family, [(e.type, e.message) for e in events])
+            assert ended.trial_counts.completed == 4
+            adapter = download_adapter(lp, task_id, tmp_path / f"adapter-{family}")
+            config = json.loads((adapter / "adapter_config.json").read_text())
+            assert config["base_model_name_or_path"] == str(dirs[family])
+            want = ["q_proj", "v_proj"] if family == "qwen2" else ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+            assert config["target_modules"] == want
+            model = AutoModelForCausalLM.from_pretrained(dirs[family])
+            inputs = AutoTokenizer.from_pretrained(dirs[family])("3 plus 4 is", return_tensors="pt")
+            with torch.no_grad():
+                base_logits = model(**inputs).logits.clone()
+                tuned_logits = PeftModel.from_pretrained(model, str(adapter))(**inputs).logits
+            assert (tuned_logits - base_logits).abs().max().item() > 1e-4, family
