@@ -437,7 +437,8 @@ def test_watch_on_a_terminal_redraws_a_progress_bar_and_the_trials(env: TenantKe
     from loraplane.commands.watch import watch
 
     task_id = submit(lp)
-    sim.later(0.3, lambda: sim.start(task_id, steps_done=2), lambda: sim.finish(task_id, [3.0, 2.0, 2.5, 2.8]))
+    # The task runs for more than the view's redraw period (REFRESH_S), so a frame always catches it running.
+    sim.later(1.2, lambda: sim.start(task_id, steps_done=2), lambda: sim.finish(task_id, [3.0, 2.0, 2.5, 2.8]))
     screen = Terminal()
     assert watch(lp, task_id, stream=screen) == 0
     text = screen.getvalue()

@@ -31,6 +31,15 @@ Model = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 FAMILIES = [a for a in ARCHITECTURES if a != "llama"]  # Llama: tests/engine/test_engine.py and test_export.py
 # Rows longer than the families' 16-token sliding window.
 ROWS = chat_rows(6)
+# Relative tolerance of trained adapters and losses. Bit-equal on a 2-core host; on a 16-core one the CPU BLAS blocks
+# differently for a pack's token count than for one trial's (or PEFT's padded batch), and the tiny Gemmas amplify
+# those last bits most: 1.4e-5 to 2.4e-5 measured there, where a 1e-7 perturbation of the base weights moves their
+# adapters by 1e-4 after five AdamW steps (the others': 1e-6 to 3e-5).
+TOLERANCE = {"gemma2": 1e-4, "gemma3_text": 1e-4}
+
+
+def _tolerance(architecture: str) -> float:
+    return TOLERANCE.get(architecture, 1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +102,11 @@ def test_training_matches_peft_with_torch_adamw(model_dirs: dict[str, Path], arc
         optimizer.step()
         optimizer.zero_grad()
         reference.append(loss.item())
-    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses, reference, rtol=_tolerance(architecture), atol=1e-6)
     for path, (a, b) in trained.items():
         layer = peft_model.base_model.model.get_submodule(path)
-        assert_rel_close(a, layer.lora_A["default"].weight.detach(), rel=1e-4)
-        assert_rel_close(b, layer.lora_B["default"].weight.detach(), rel=1e-4)
+        assert_rel_close(a, layer.lora_A["default"].weight.detach(), rel=10 * _tolerance(architecture))
+        assert_rel_close(b, layer.lora_B["default"].weight.detach(), rel=10 * _tolerance(architecture))
 
 
 @pytest.mark.parametrize("architecture", FAMILIES)
@@ -113,9 +122,10 @@ def test_a_pack_trains_each_trial_as_it_would_alone(model_dirs: dict[str, Path],
     for spec in specs:
         alone, losses = _train(model, [spec], 5)
         for got, want in zip(packed[spec.trial_id].values(), alone[spec.trial_id].values(), strict=True):
-            assert_rel_close(got[0], want[0])
-            assert_rel_close(got[1], want[1])
-        torch.testing.assert_close(curves[spec.trial_id], losses[spec.trial_id], rtol=1e-5, atol=1e-6)
+            assert_rel_close(got[0], want[0], rel=_tolerance(architecture))
+            assert_rel_close(got[1], want[1], rel=_tolerance(architecture))
+        rtol = _tolerance(architecture)
+        torch.testing.assert_close(curves[spec.trial_id], losses[spec.trial_id], rtol=rtol, atol=1e-6)
     assert all(b.abs().max() > 1e-3 for adapter in packed.values() for _, b in adapter.values())  # they trained
 
 
