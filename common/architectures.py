@@ -5,6 +5,7 @@ transformers or gguf, so the API can run it."""
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class ModelInfo:
     max_context: int | None
     target_modules: tuple[str, ...]
     has_chat_template: bool
+    parameters: int | None = None  # from the safetensors headers; None where they cannot be read
 
 
 def target_modules_for(architecture: str | None) -> tuple[str, ...] | None:
@@ -126,7 +128,30 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
         max_context=max_context if isinstance(max_context, int) and not isinstance(max_context, bool) else None,
         target_modules=TARGET_MODULES[architecture],
         has_chat_template=_has_chat_template(directory),
+        parameters=_parameter_count(directory),
     )
+
+
+_SAFETENSORS_MAX_HEADER = 100 * 2**20
+
+
+def _parameter_count(directory: Path) -> int | None:
+    """The parameters in the directory's safetensors files, from their headers (a little-endian u64 length, then
+    JSON naming each tensor's shape): no weights are read. None where a header cannot be read."""
+    total = 0
+    try:
+        for file in sorted(directory.glob("*.safetensors")):
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > _SAFETENSORS_MAX_HEADER:
+                    return None
+                header = json.loads(f.read(length))
+            for name, tensor in header.items():
+                if name != "__metadata__":
+                    total += math.prod(int(n) for n in tensor["shape"])
+    except (OSError, struct.error, ValueError, TypeError, KeyError):  # JSONDecodeError is a ValueError
+        return None
+    return total
 
 
 # ---- GGUF files -------------------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class _Inspected:
     architecture: str | None
     max_context: int | None
     chat_template: bool | None
+    parameters: int | None = None
 
 
 def _inspect(kind: str, path: str, file: str | None) -> _Inspected:
@@ -81,13 +82,14 @@ def _inspect(kind: str, path: str, file: str | None) -> _Inspected:
         info = inspect_model_dir(path)
     except ModelDirError as exc:
         raise invalid(exc.message, param="path", code=exc.code) from exc
-    return _Inspected(info.architecture, info.max_context, info.has_chat_template)
+    return _Inspected(info.architecture, info.max_context, info.has_chat_template, info.parameters)
 
 
 def _describe(entry: BaseModelEntry, inspected: _Inspected) -> None:
     entry.architecture = inspected.architecture
     entry.max_context = inspected.max_context
     entry.chat_template = inspected.chat_template
+    entry.parameters = inspected.parameters
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, responses=error_responses(409))
@@ -106,7 +108,7 @@ def register_model(body: ModelCreate, session: SessionDep) -> AdminModelOut:
         session.add(entry)
     # Every field, so nothing of a retired entry this one replaces is left over.
     entry.kind, entry.path, entry.gguf_file, entry.package = body.kind, body.path, body.file, None
-    entry.description, entry.parameters, entry.tenants = body.description, None, tenants
+    entry.description, entry.tenants = body.description, tenants
     _describe(entry, inspected)
     entry.created_at, entry.updated_at, entry.deleted_at = utcnow(), None, None
     commit(session, conflict_code="model_exists", conflict_message=f"A model named '{body.name}' already exists.")

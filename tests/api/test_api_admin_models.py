@@ -25,6 +25,7 @@ def test_register_and_list(client: TestClient, tenant: TenantKey, tiny_model_dir
     assert (body["architecture"], body["max_context"], body["target_modules"], body["tenants"]) == (
         "llama", 2048, LLAMA_TARGETS, None)
     assert (body["chat_template"], body["deleted_at"]) == (True, None)
+    assert body["parameters"] == 107_200  # the tiny Llama's (2 layers of 64 wide, 259-token vocabulary, untied)
     assert body["created_at"].endswith("Z")
 
     listed = client.get("/v1/admin/models", headers=ADMIN).json()["data"]

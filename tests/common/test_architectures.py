@@ -101,3 +101,15 @@ def test_every_target_name_is_in_the_canonical_list() -> None:
         assert set(names) <= set(ALL_TARGET_MODULES), architecture
         assert target_modules_for(architecture) == names
     assert target_modules_for(None) is None and target_modules_for("gpt2") is None
+
+
+def test_the_parameter_count_comes_from_the_safetensors_headers(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.model_dirs import tiny_model_dir
+
+    path = tiny_model_dir("qwen2", tmp_path / "q")  # tied embeddings: saved, and counted, once
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert inspect_model_dir(path).parameters == sum(p.numel() for p in model.parameters()) > 0
+    (path / "model.safetensors").write_bytes(b"\xff" * 16)  # a header longer than the file
+    assert inspect_model_dir(path).parameters is None
