@@ -99,6 +99,10 @@ def load_base_model(
     else:
         raise ValueError(f"model source {source.name!r}: unknown kind {source.kind!r}, want one of {MODEL_KINDS}")
 
+    if getattr(model.config, "attn_logit_softcapping", None) and model.config._attn_implementation == "sdpa":
+        # Gemma 2: SDPA has no soft cap, and some transformers releases (5.17) pick it and drop the cap. The
+        # engine's own packed attention caps; eager is for the plain forwards (adapter_logits, baselines).
+        model.set_attn_implementation("eager")
     nn.Module.to(model, device)  # unbound: transformers' decorated ``to`` trips mypy
     model.requires_grad_(False)
     model.eval()
