@@ -9,6 +9,8 @@
 #   device:  bash benchmarks/gpu_issue6.sh store               # carry [".gguf1"]
 #   device:  LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue6.sh run [trivia arithmetic]
 #                                                              # carry [".gguf2", ".sweepdata", ".whl"]
+#            (a new sweep of the same grid: build .sweepdata with `benchmarks.sweep_data --seed N` and run with
+#            SWEEP_ARGS="--seed N": results named <dataset>-smollm2-full-seedN.*)
 #   device:  bash benchmarks/gpu_issue6.sh wait 540           # again until it says "all done"
 # The live run through the service (benchmarks/live_sweep.py) also needs the service's wheels:
 #   here:    bash benchmarks/gpu_issue6.sh prepare-service     # .whlsvc (cp312 wheels the image lacks)
@@ -79,7 +81,7 @@ python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlo
     datasets=("$@"); [ ${#datasets[@]} -eq 0 ] && datasets=(trivia arithmetic)
     for d in "${datasets[@]}"; do
       (cd /root/lp/repo && PYTHONPATH=/root/lp/pkg:/root/lp/site:. setsid nohup timeout 3000 \
-        python -m benchmarks.sweep --dataset "$d" --data .sweepdata --out /root/lp/sweeps \
+        python -m benchmarks.sweep --dataset "$d" --data .sweepdata --out /root/lp/sweeps ${SWEEP_ARGS:-} \
         > /root/lp/"$d".log 2>&1 < /dev/null &)
     done
     sleep 5; exec bash "$0" wait 540 ;;

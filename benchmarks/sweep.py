@@ -53,13 +53,13 @@ def read(path: Path) -> list[dict[str, Any]]:
 
 
 def specs(train: list[dict[str, Any]], val: list[dict[str, Any]], epochs: float, eval_points: int,
-          max_seq_len: int, batches: tuple[int, ...] = BATCHES) -> list[TrialSpec]:
+          max_seq_len: int, batches: tuple[int, ...] = BATCHES, seed: int = 0) -> list[TrialSpec]:
     out = []
     for i, (lr, rank, batch) in enumerate(itertools.product(LRS, RANKS, batches)):
         steps = max(1, math.ceil(epochs * len(train) / batch))
         out.append(TrialSpec(
             trial_id=f"lr{lr:g}-r{rank}-b{batch}", learning_rate=lr, lora_rank=rank, lora_alpha=2.0 * rank,
-            lora_dropout=0.05, batch_size=batch, target_modules=["all-linear"], seed=i, max_steps=steps,
+            lora_dropout=0.05, batch_size=batch, target_modules=["all-linear"], seed=seed * 1000 + i, max_steps=steps,
             max_seq_len=max_seq_len, eval_interval=max(1, steps // eval_points), train_rows=train, val_rows=val,
             extra_eval_steps=(warmup_step(EarlyExitConfig(policy="alto"), steps),),
         ))  # fmt: skip
@@ -90,6 +90,9 @@ def main() -> None:
                         help="use only the first rows of each split (a smaller sweep, for a CPU)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--out", type=Path, default=RESULTS / "sweeps")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the trials' seeds (adapter init, data order); pair it with the data's "
+                             "(`benchmarks.sweep_data --seed`): a new sweep of the same grid, named <stem>-seed<N>")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = args.data / args.dataset
@@ -98,7 +101,7 @@ def main() -> None:
         train, val, test = (rows[:n] for rows, n in zip((train, val, test), args.rows, strict=True))
     cache = Path(tempfile.gettempdir()) / "loraplane-models"
     model, tokenizer = load_base_model(MODELS[args.model], cache_dir=cache, device=device)
-    trials = specs(train, val, args.epochs, args.eval_points, args.max_seq_len, tuple(args.batches))
+    trials = specs(train, val, args.epochs, args.eval_points, args.max_seq_len, tuple(args.batches), args.seed)
     train_examples = encode_rows(train, tokenizer, args.max_seq_len)
     tokens_per_row = sum(len(e.input_ids) for e in train_examples) / len(train_examples)
 
@@ -141,7 +144,8 @@ def main() -> None:
     total_s = time.perf_counter() - started
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.dataset}-{args.model}-full" + (f"-{args.rows[0]}rows" if args.rows else "")
+    stem = (f"{args.dataset}-{args.model}-full" + (f"-{args.rows[0]}rows" if args.rows else "")
+            + (f"-seed{args.seed}" if args.seed else ""))
     with (args.out / f"{stem}.jsonl").open("w") as f:
         for spec in trials:
             f.write(json.dumps({
@@ -157,7 +161,7 @@ def main() -> None:
             }) + "\n")  # fmt: skip
     best = min(results, key=lambda r: r["best_val_loss"] if r["best_val_loss"] is not None else math.inf)
     summary = {
-        "benchmark": "sweep", "dataset": args.dataset, "model": MODELS[args.model].name,
+        "benchmark": "sweep", "dataset": args.dataset, "seed": args.seed, "model": MODELS[args.model].name,
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_description(),
         "command": command_line(), "commit": git_commit(), "trials": len(trials),
         "train_rows": len(train), "val_rows": len(val), "test_rows": len(test), "epochs": args.epochs,
