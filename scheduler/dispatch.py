@@ -17,7 +17,7 @@ from common.artifacts import file_key
 from common.celery import RUN_PACK_TASK
 from common.models import BaseModelEntry, Pack, Task, Trial, Worker
 from common.registry import model_source_fields
-from scheduler.early_exit import EarlyExitSpecError, from_spec, warmup_step
+from scheduler.early_exit import EarlyExitSpecError, from_spec, rung_steps
 
 
 def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
@@ -47,12 +47,12 @@ def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
 
 def eval_steps(task: Task, trial: Trial) -> list[int]:
     """Steps the task's early-exit policy must see a validation at besides the regular ones: alto ranks
-    each trial at its warm-up boundary, so the trial validates exactly there."""
+    each trial at its warm-up rungs, so the trial validates exactly there."""
     try:
         config = from_spec(task.spec.get("early_exit") or {"policy": "none"})
     except EarlyExitSpecError:
         return []
-    return [warmup_step(config, trial.total_steps)] if config.policy == "alto" else []
+    return sorted(set(rung_steps(config, trial.total_steps))) if config.policy == "alto" else []
 
 
 def pack_message(session: Session, pack: Pack) -> dict[str, Any]:

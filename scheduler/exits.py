@@ -37,7 +37,7 @@ from scheduler.early_exit import (
     curves_from_losses,
     decide,
     from_spec,
-    warmup_step,
+    rung_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
                                          points[t.id]["train"], points[t.id]["val"]))
     by_id = {t.id: t for t in trials}
     pending = any(t.state == states.TRIAL_PENDING for t in trials)
-    to_boundary = [warmup_step(config, t.total_steps) - t.steps_done for t in trials if t.state == states.TRIAL_RUNNING]
+    to_boundary = [next_rung - t.steps_done for t in trials if t.state == states.TRIAL_RUNNING
+                   for next_rung in [s for s in rung_steps(config, t.total_steps) if s > t.steps_done][:1]]
     pause = should_pause(pending, [n for n in to_boundary if n > 0])
     pauses = []
     for decision in decide(config, curves):

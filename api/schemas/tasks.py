@@ -179,9 +179,11 @@ class AltoEarlyExit(RequestModel):
     tau_gap: Annotated[FiniteFloat, Field(ge=0, le=100)] = Field(
         default=0.1, description="(val - smoothed train) / smoothed train loss that counts as overfitting.")
     warmup_ratio: Annotated[FiniteFloat, Field(gt=0, le=0.5)] = Field(
-        default=0.05, description="Share of each trial's own steps before it is ranked against the others.")
+        default=0.05, description="Share of each trial's own steps before it is first ranked against the others.")
     keep_ratio: Annotated[FiniteFloat, Field(gt=0, le=1)] = Field(
-        default=0.25, description="Share of the ranked trials that continue past the warm-up boundary (rounded up).")
+        default=0.45, description="Share of the trials ranked at a warm-up rung that continue past it (rounded up).")
+    rungs: Annotated[StrictInt, Field(ge=1, le=5)] = Field(
+        default=2, description="Warm-up rungs, at warmup_ratio x 2^k of each trial's own steps (ALTO's: 1).")
     ema_alpha: Annotated[FiniteFloat, Field(gt=0, le=1)] = Field(
         default=0.05, description="Weight of one step's train loss in the smoothed train loss.")
 

@@ -142,7 +142,7 @@ def test_alto_rotates_trials_through_their_warm_up_and_stops_the_weakest(service
     body = grid_task(file_id, max_steps=1000)
     body["eval_interval"] = 250
     body["scheduling"] = {"max_trials_per_pack": 2}
-    body["early_exit"] = {"policy": "alto", "keep_ratio": 0.5, "tau_slope": 100.0, "tau_gap": 100.0}
+    body["early_exit"] = {"policy": "alto", "rungs": 1, "keep_ratio": 0.5, "tau_slope": 100.0, "tau_gap": 100.0}
     task_id = submit(lp, body).id
     events, ended = follow_events(lp, task_id, timeout_s=300)
     assert ended.state == "succeeded", ended

@@ -483,7 +483,8 @@ def curve(pack_id: str, trial_id: str, train: list[float], val: dict[int, float]
 
 def test_alto_keeps_the_best_quarter_at_the_warm_up_boundary_and_stops_the_rest(daemon: SchedulerDaemon) -> None:
     start = commands_tail()
-    task_id, trials = make_task(4, early_exit={"policy": "alto"}, steps=40)  # warm-up ends at step 2
+    # ALTO's own single cut to a quarter; warm-up ends at step 2.
+    task_id, trials = make_task(4, early_exit={"policy": "alto", "rungs": 1, "keep_ratio": 0.25}, steps=40)
     heartbeat()
     daemon.step(block_s=0.2)
     pack = live_pack()
@@ -590,7 +591,8 @@ def test_a_trial_held_with_nothing_pending_pauses_only_when_the_others_are_steps
     are still PAUSE_MIN_STEPS or more from theirs (no samples spent past it), not when they are close; once
     the ranking keeps it, it back-fills into the pack it left."""
     start = commands_tail()
-    _, (first, second, third) = make_task(3, cap=3, early_exit={"policy": "alto", "keep_ratio": 0.5}, steps=200)
+    _, (first, second, third) = make_task(3, cap=3, early_exit={"policy": "alto", "keep_ratio": 0.5, "rungs": 1},
+                                          steps=200)
     heartbeat()
     daemon.step(block_s=0.2)
     pack = live_pack()

@@ -23,6 +23,7 @@ from scheduler.early_exit import (
     defaults,
     evaluations,
     from_spec,
+    rung_steps,
     to_spec,
     warmup_step,
 )
@@ -41,8 +42,9 @@ def trial(tid: str, val: Sequence[tuple[int, float]], train: Sequence[tuple[int,
                        val=pts(val, bs))
 
 
-# ema_alpha = 1: the smoothed train loss is the last train loss, so the numbers are exact.
-ALTO = EarlyExitConfig(policy="alto", ema_alpha=1.0, tau_slope=0.25, tau_gap=0.5)
+# ema_alpha = 1: the smoothed train loss is the last train loss, so the numbers are exact. One rung keeping a
+# quarter: ALTO's own warm-up cut (the multi-rung default has tests of its own below).
+ALTO = EarlyExitConfig(policy="alto", ema_alpha=1.0, tau_slope=0.25, tau_gap=0.5, rungs=1, keep_ratio=0.25)
 
 
 def stops(decisions: Sequence) -> dict[str, str]:
@@ -54,7 +56,8 @@ def stops(decisions: Sequence) -> dict[str, str]:
 
 def test_defaults_are_altos_and_ashas() -> None:
     assert defaults("alto") == {"window": 2, "patience_div": 2, "patience_ovf": 2, "tau_slope": 0.001,
-                                "tau_gap": 0.1, "warmup_ratio": 0.05, "keep_ratio": 0.25, "ema_alpha": 0.05}
+                                "tau_gap": 0.1, "warmup_ratio": 0.05, "keep_ratio": 0.45, "rungs": 2,
+                                "ema_alpha": 0.05}
     assert defaults("asha") == {"reduction_factor": 4, "num_rungs": 3}
     assert defaults("none") == {}
 
@@ -327,3 +330,45 @@ def test_asha_counts_stopped_trials_records_at_their_rung() -> None:
     done = [asha_trial(f"s{i}", [(10, 0.5)], state="stopped_early") for i in range(3)]
     late = asha_trial("late", [(10, 1.0)])  # 4 at rung 1: keep 1, and the three earlier ones are better
     assert stops(decide(ASHA, [*done, late])) == {"late": "asha"}
+
+
+# ---- warm-up rungs (the default: two, keeping 45% at each) ---------------------------------------------
+
+RUNGS = EarlyExitConfig(policy="alto", ema_alpha=1.0, tau_slope=0.25, tau_gap=0.5)  # rungs 2, keep 0.45
+
+
+def test_rungs_double_from_the_warm_up_step_within_the_trials_own_steps() -> None:
+    assert rung_steps(RUNGS, 100) == (5, 10)
+    assert rung_steps(RUNGS, 500) == (25, 50)
+    assert rung_steps(EarlyExitConfig(policy="alto", rungs=4, warmup_ratio=0.2), 10) == (2, 4, 8, 10)  # capped
+    assert rung_steps(RUNGS, 1) == (1, 1)
+
+
+def test_a_second_rung_ranks_the_survivors_of_the_first_again() -> None:
+    # Rung 1 (step 5): 8 trials, keep ceil(0.45 x 8) = 4 (t0..t3). Rung 2 (step 10): those 4, keep 2.
+    trials = [trial(f"t{i}", [(5, 1.0 + i / 8), (10, 0.9 + i / 8 - (0.3 if i == 3 else 0))]) for i in range(8)]
+    decisions = decide(RUNGS, trials)
+    assert stops(decisions) == {f"t{i}": "underperforming" for i in (1, 2, 4, 5, 6, 7)}  # t3 overtook t1, t2
+    second = next(d for d in decisions if d.trial_id == "t1")
+    assert (second.step, second.numbers["rung"], second.numbers["rungs"], second.numbers["ranked"],
+            second.numbers["keep"]) == (10, 2, 2, 4, 2)
+    assert "rung 2 of 2" in second.message
+    first = next(d for d in decisions if d.trial_id == "t4")
+    assert (first.step, first.numbers["rung"], first.numbers["ranked"], first.numbers["keep"]) == (5, 1, 8, 4)
+
+
+def test_a_trial_kept_at_the_first_rung_resumes_to_reach_the_second_while_the_others_are_held() -> None:
+    # a reached both rungs early; b (four times a's steps) has its first rung point only, held there earlier.
+    a = trial("a", [(5, 1.0), (10, 0.8)])
+    b_held = TrialCurves("b", "waiting", 400, 1, TOKENS, pts([(20, 1.2)]), pts([(20, 1.2)]))
+    c = trial("c", [(5, 2.0)])
+    decisions = {d.trial_id: (d.action, d.reason, d.numbers["rung"]) for d in decide(RUNGS, [a, b_held, c])}
+    # Rung 1: 3 ranked, keep 2 (a, b); c stops. Rung 2: b has no point yet: it resumes, a is held at its rung 2.
+    assert decisions == {"c": ("stop", "underperforming", 1), "b": ("resume", "warmup_kept", 1),
+                         "a": ("hold", "warmup_boundary", 2)}
+    # b trains to its rung 2 (step 40) and is worse than a there: keep ceil(0.45 x 2) = 1 -> b stops, a resumes.
+    a_held = TrialCurves("a", "waiting", 100, 1, TOKENS, a.train, a.val)
+    b = trial("b", [(20, 1.2), (40, 1.1)], total=400)
+    c_stopped = TrialCurves("c", "stopped_early", 100, 1, TOKENS, c.train, c.val)
+    decisions = {d.trial_id: (d.action, d.reason, d.numbers["rung"]) for d in decide(RUNGS, [a_held, b, c_stopped])}
+    assert decisions == {"b": ("stop", "underperforming", 2), "a": ("resume", "warmup_kept", 2)}

@@ -18,7 +18,8 @@ from scheduler.early_exit import EarlyExitConfig
 from scheduler.replay import CurvesFormatError, parse_rows, read_curves, replay, spearman
 
 ROOT = Path(__file__).resolve().parents[2]
-ALTO = EarlyExitConfig(policy="alto")
+ALTO = EarlyExitConfig(policy="alto", rungs=1, keep_ratio=0.25)  # ALTO's own single cut to a quarter
+SWEEPS = ROOT / "benchmarks" / "results" / "sweeps"
 
 
 def row(tid: str, loss: Callable[[int], float], *, total: int = 100, bs: int = 2, every: int = 5,
@@ -59,6 +60,28 @@ def test_alto_cuts_to_a_quarter_at_the_boundary_and_keeps_the_best() -> None:
         f"t{i}": (5, "underperforming") for i in range(2, 8)}
     assert (result.best_trial, result.best_kept, result.best_val_ratio) == ("t0", True, 1.0)
     assert result.spearman_warmup == pytest.approx(1.0)
+
+
+def test_the_default_cuts_twice_gently_at_five_and_ten_percent() -> None:
+    result = replay(EarlyExitConfig(policy="alto"), sweep_of(eight()))
+    # Rung 1 (step 5) keeps ceil(0.45 x 8) = 4; rung 2 (step 10) keeps ceil(0.45 x 4) = 2. t4..t7 are charged
+    # 5 steps, t2 and t3 10 steps, t0 and t1 all 100 (2 samples a step).
+    assert {o.trial_id: (o.stopped_at, o.reason) for o in result.outcomes if o.reason} == {
+        **{f"t{i}": (5, "underperforming") for i in range(4, 8)}, "t2": (10, "underperforming"),
+        "t3": (10, "underperforming")}
+    assert result.samples_trained == 4 * 10 + 2 * 20 + 2 * 200
+    assert (result.best_trial, result.best_kept, result.best_val_ratio) == ("t0", True, 1.0)
+
+
+@pytest.mark.parametrize("name", ["trivia", "arithmetic", "trivia-seed1", "arithmetic-seed1"])
+def test_the_defaults_keep_the_best_and_save_most_of_every_committed_sweep(name: str) -> None:
+    """The bar the defaults were set by (issue 17), on the committed full sweeps: the two they were chosen on and
+    two of new data and seeds (benchmarks/results/sweeps/SUMMARY.md)."""
+    dataset, _, seed = name.partition("-")
+    sweep = read_curves(SWEEPS / f"{dataset}-smollm2-full{'-' + seed if seed else ''}.jsonl")
+    result = replay(EarlyExitConfig(policy="alto"), sweep)
+    assert result.samples_saved_frac >= 0.70 and result.best_kept
+    assert result.best_val_ratio is not None and result.best_val_ratio <= 1.01
 
 
 def test_a_late_bloomer_cut_at_the_boundary_is_reported_lost() -> None:
@@ -183,7 +206,7 @@ def write(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
 
 def test_cli_json_is_one_object_with_the_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path, eight())
-    main(["replay", str(path), "--policy", "alto", "--json"])
+    main(["replay", str(path), "--policy", "alto", "--param", "rungs=1", "--param", "keep_ratio=0.25", "--json"])
     out = capsys.readouterr().out
     assert out.count("\n") == 1
     summary = json.loads(out)
@@ -194,7 +217,7 @@ def test_cli_json_is_one_object_with_the_metrics(tmp_path: Path, capsys: pytest.
 
 def test_cli_table_and_parameters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path, eight())
-    main(["replay", str(path), "--policy", "alto", "--param", "keep_ratio=0.5"])
+    main(["replay", str(path), "--policy", "alto", "--param", "rungs=1", "--param", "keep_ratio=0.5"])
     out = capsys.readouterr().out
     assert "samples saved       47.5% (760 of 1,600)" in out  # keep 4: 4 x 10 + 4 x 200 trained
     assert "underperforming 4" in out and "t7" in out
