@@ -11,13 +11,13 @@ from typing import Any
 
 from celery import Celery
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from common.artifacts import file_key
 from common.celery import RUN_PACK_TASK
 from common.models import BaseModelEntry, Pack, Task, Trial, Worker
 from common.registry import model_source_fields
-from scheduler.early_exit import EarlyExitSpecError, from_spec, rung_steps
+from scheduler.early_exit import EarlyExitSpecError, asha_rung_steps, from_spec, rung_steps
 
 
 def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
@@ -46,13 +46,25 @@ def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
 
 
 def eval_steps(task: Task, trial: Trial) -> list[int]:
-    """Steps the task's early-exit policy must see a validation at besides the regular ones: alto ranks
-    each trial at its warm-up rungs, so the trial validates exactly there."""
+    """Steps the task's early-exit policy must see a validation at besides the regular ones: alto ranks each
+    trial at its warm-up rungs, ASHA at its token rungs, so the trial validates exactly there (not at the next
+    regular validation, which may be far past it)."""
     try:
         config = from_spec(task.spec.get("early_exit") or {"policy": "none"})
     except EarlyExitSpecError:
         return []
-    return sorted(set(rung_steps(config, trial.total_steps))) if config.policy == "alto" else []
+    if config.policy == "alto":
+        return sorted(set(rung_steps(config, trial.total_steps)))
+    if config.policy == "asha":
+        session = object_session(trial)
+        assert session is not None
+        # Tokens per step as the policy counts them (scheduler/exits.py): batch size x max_seq_len.
+        max_seq_len = int(task.spec["max_seq_len"])
+        budget = max(steps * int(hp.get("batch_size", 1)) * max_seq_len for steps, hp in session.execute(
+            select(Trial.total_steps, Trial.hyperparameters).where(Trial.task_id == task.id)))
+        tokens_per_step = int(trial.hyperparameters.get("batch_size", 1)) * max_seq_len
+        return list(asha_rung_steps(config, budget, tokens_per_step, trial.total_steps))
+    return []
 
 
 def pack_message(session: Session, pack: Pack) -> dict[str, Any]:

@@ -23,7 +23,8 @@ Policies
                      "waiting" (held) gets "resume". ALTO itself cuts once (rungs 1, keep 0.25); the
                      defaults here cut twice, gently (see `EarlyExitConfig`).
   asha  asynchronous successive halving (Li et al., 2018) with reduction factor eta and rungs measured in
-        training tokens: see `asha_rungs`. A trial is judged at the highest rung it has reached against
+        training tokens: see `asha_rungs` (the service validates each trial where it reaches a rung:
+        `asha_rung_steps`). A trial is judged at the highest rung it has reached against
         every trial of the task that reached that rung so far and continues only in the best ceil(n / eta).
   none  decides nothing.
 Both alto and asha stop a trial at once when any of its losses is not finite (NaN/inf): reason "diverging"
@@ -443,11 +444,22 @@ def asha_rungs(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> tuple[
     same amount of training data whatever their batch size. The grace period is one rung: nothing is
     stopped before it reached R / eta^num_rungs (ASHA's minimum resource r, early-stopping rate s = 0).
     Rungs that round to the same count are merged."""
-    budget = max((t.total_steps * t.tokens_per_step for t in trials), default=0)
+    return asha_rung_tokens(config, max((t.total_steps * t.tokens_per_step for t in trials), default=0))
+
+
+def asha_rung_tokens(config: EarlyExitConfig, budget: int) -> tuple[int, ...]:
+    """`asha_rungs` for a task whose largest token budget is `budget`."""
     if budget <= 0:
         return ()
     eta = config.reduction_factor
     return tuple(sorted({max(1, math.ceil(budget / eta**k)) for k in range(config.num_rungs, 0, -1)}))
+
+
+def asha_rung_steps(config: EarlyExitConfig, budget: int, tokens_per_step: int, total_steps: int) -> tuple[int, ...]:
+    """The steps at which a trial (`tokens_per_step`, `total_steps`) reaches each ASHA rung of a task whose largest
+    token budget is `budget`, within its own steps: where it must validate so that its rung points fall there."""
+    steps = (math.ceil(tokens / tokens_per_step) for tokens in asha_rung_tokens(config, budget))
+    return tuple(sorted({s for s in steps if s <= total_steps}))
 
 
 def _rung_points(trial: TrialCurves, rungs: Sequence[int]) -> list[Point]:

@@ -636,3 +636,17 @@ def test_should_pause_frees_the_slot_for_pending_trials_or_a_long_wait_only() ->
     assert should_pause(True, []) and should_pause(True, [1])  # rotation: the pending need the slot
     assert should_pause(False, [1, PAUSE_MIN_STEPS])
     assert not should_pause(False, [PAUSE_MIN_STEPS - 1, 0]) and not should_pause(False, [])
+
+
+def test_the_pack_message_asks_each_trial_to_validate_at_its_policys_rungs(daemon: SchedulerDaemon) -> None:
+    """alto: at each warm-up rung of the trial's own steps; ASHA: where the trial reaches each token rung (its
+    next regular validation may be far past it). The task's token budget R: 64 steps x 2 rows x 64 tokens."""
+    from scheduler.dispatch import eval_steps
+
+    _, alto_trials = make_task(2, early_exit={"policy": "alto"}, steps=100)
+    _, asha_trials = make_task(2, early_exit={"policy": "asha", "reduction_factor": 4, "num_rungs": 3}, steps=64)
+    with session_scope() as s:
+        alto, asha = (s.get_one(Trial, trials[0]) for trials in (alto_trials, asha_trials))
+        assert eval_steps(s.get_one(Task, alto.task_id), alto) == [5, 10]
+        # Rungs at R/64, R/16, R/4 tokens = 1, 4 and 16 steps of 128 tokens.
+        assert eval_steps(s.get_one(Task, asha.task_id), asha) == [1, 4, 16]
