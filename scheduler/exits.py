@@ -103,7 +103,18 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
     pauses = []
     for decision in decide(config, curves):
         trial = by_id[decision.trial_id]
-        if decision.action == "stop" and trial.state in states.TRIAL_ACTIVE:
+        if (decision.action == "stop" and decision.export_best and trial.checkpoint_key
+                and trial.state in (states.TRIAL_WAITING, states.TRIAL_PENDING)):
+            # Overfitting while it is out of any pack (held in its checkpoint), with no worker to export its best
+            # adapter: it is placed again (resuming from the checkpoint, which holds its best adapter), the same
+            # decision recurs from its unchanged curve once it runs, and its worker exports that adapter as it
+            # takes it out (stop_mode "export").
+            if trial.state == states.TRIAL_WAITING:
+                trial.state = states.TRIAL_PENDING
+                record_event(session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
+                             type="trial.resumed", message=f"trial {trial.index}: resumed to export its best "
+                             f"adapter. {decision.message}", data={**decision.event_data(), "to_export": True})
+        elif decision.action == "stop" and trial.state in states.TRIAL_ACTIVE:
             trial.state = states.TRIAL_STOPPED_EARLY
             trial.stop_reason = decision.reason
             trial.finished_at = now

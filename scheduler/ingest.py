@@ -37,7 +37,8 @@ def ingest(
     *, stale_after_s: float | None = None, aborts: set[tuple[str, str]] | None = None,
 ) -> bool:
     """Returns True when something changed that the planner should look at. ``touched`` collects the tasks
-    whose trials got a validation point or ended (their early-exit policy has something new to decide on).
+    whose trials got a validation point, started in a pack or ended (their early-exit policy has something new
+    to decide on).
     A heartbeat sent more than ``stale_after_s`` (default: the worker timeout) ago is ignored; ``aborts``
     collects (worker, pack) for workers whose heartbeat names a pack the scheduler no longer counts on (they
     should stop it)."""
@@ -57,7 +58,7 @@ def ingest(
                 log.info("dropping a %r report from a process that does not run pack %s", kind,
                          message.get("pack_id"))
             elif kind == "pack.started":
-                _pack_started(session, message, now)
+                touched |= _pack_started(session, message, now)
             elif kind == "points":
                 touched |= _points(session, message)
             elif kind == "trial.checkpoint":
@@ -66,7 +67,7 @@ def ingest(
             elif kind == "trial.checkpoint_lost":
                 _trial_checkpoint_lost(session, message)
             elif kind == "trial.admitted":
-                _trial_admitted(session, message)
+                touched |= _trial_admitted(session, message)
             elif kind == "trial.rejected":
                 replan |= _trial_rejected(session, message)
             elif kind == "trial.finished":
@@ -190,16 +191,19 @@ def _live_pack(session: Session, pack_id: str) -> Pack | None:
     return pack if pack is not None and pack.state in states.PACK_LIVE else None
 
 
-def _pack_started(session: Session, m: dict[str, Any], now: datetime) -> None:
+def _pack_started(session: Session, m: dict[str, Any], now: datetime) -> set[str]:
+    """Marks the pack running; returns its trials' tasks (a trial resumed only to export its best adapter is
+    stopped as soon as it runs: the policy decides on a pack's start, not only on new validation points)."""
     pack = _live_pack(session, m["pack_id"])
     if pack is None:
-        return
+        return set()
     pack.state = states.PACK_RUNNING
     pack.started_at = pack.started_at or _sent_at(m, now)
     pack.incarnation = pack.incarnation or m.get("incarnation")
     worker = session.get(Worker, pack.worker_id)
     if worker is not None:
         worker.current_pack_id = pack.id
+    return set(session.scalars(select(Trial.task_id).where(Trial.id.in_(list(pack.trial_ids)))))
 
 
 def _points(session: Session, m: dict[str, Any]) -> set[str]:
@@ -264,10 +268,13 @@ def _trial_checkpoint_lost(session: Session, m: dict[str, Any]) -> None:
     )
 
 
-def _trial_admitted(session: Session, m: dict[str, Any]) -> None:
+def _trial_admitted(session: Session, m: dict[str, Any]) -> set[str]:
+    """A back-fill joined its pack; returns its task (as `_pack_started`)."""
     trial = _live_trial(session, m["trial_id"], m["pack_id"])
-    if trial is not None:
-        trial.awaiting_admission = False
+    if trial is None:
+        return set()
+    trial.awaiting_admission = False
+    return {trial.task_id}
 
 
 def _trial_rejected(session: Session, m: dict[str, Any]) -> bool:

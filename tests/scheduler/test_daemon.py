@@ -650,3 +650,44 @@ def test_the_pack_message_asks_each_trial_to_validate_at_its_policys_rungs(daemo
         assert eval_steps(s.get_one(Task, alto.task_id), alto) == [5, 10]
         # Rungs at R/64, R/16, R/4 tokens = 1, 4 and 16 steps of 128 tokens.
         assert eval_steps(s.get_one(Task, asha.task_id), asha) == [1, 4, 16]
+
+
+def test_a_trial_that_overfits_while_it_waits_is_placed_again_to_export_its_best_adapter(
+        daemon: SchedulerDaemon) -> None:
+    """The reports of a trial paused at its warm-up boundary can carry the points that show it overfitting, so
+    the stop comes while it waits in its checkpoint, where no worker holds its best adapter. It is placed again
+    and, as soon as its pack starts, stopped with its best adapter exported (not dropped without one)."""
+    start = commands_tail()
+    _, (first, second) = make_task(2, cap=1, early_exit={"policy": "alto", "rungs": 1, "keep_ratio": 1.0,
+                                                         "ema_alpha": 1.0}, steps=40)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    curve(pack.id, first, [2.0, 1.8], {2: 1.5})
+    daemon.step(block_s=0.2)
+    (pause,) = commands("stop_trials", start)
+    assert (pause["mode"], pause["trial_ids"]) == ("pause", [first])
+    # It trained on to step 6 before the pause reached it: val far above train at steps 4 and 6 (gaps 2.0).
+    late = [[first, s, "train", 1.0] for s in range(3, 7)] + [[first, 4, "val", 3.0], [first, 6, "val", 3.0]]
+    report("trial.checkpoint", pack_id=pack.id, trial_id=first, step=6, checkpoint_key="ckpt/first-6")
+    report("trial.finished", pack_id=pack.id, trial_id=first, status="paused", steps_done=6, best_val_loss=1.5,
+           best_step=2, final_train_loss=1.0, adapter_key=None, points=late)
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        trial = s.get_one(Trial, first)
+        assert trial.state in (states.TRIAL_PENDING, states.TRIAL_RUNNING) and trial.stop_reason is None
+        resumed = s.scalars(select(Event).where(Event.trial_id == first, Event.type == "trial.resumed")).one()
+        assert resumed.data["to_export"] is True and resumed.data["reason"] == "overfitting"
+    daemon.step(block_s=0.2)
+    again = live_pack()
+    assert first in again.trial_ids
+    start = commands_tail()
+    report("pack.started", pack_id=again.id)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        trial = s.get_one(Trial, first)
+        assert (trial.state, trial.stop_reason) == (states.TRIAL_STOPPED_EARLY, "overfitting")
+    (command,) = commands("stop_trials", start)
+    assert (command["mode"], command["trial_ids"]) == ("export", [first])
