@@ -22,8 +22,9 @@ import torch
 from common.artifacts import LocalArtifactStore, adapter_key, checkpoint_key
 from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
+from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS
 from worker.agent import CommandInbox, Heartbeat, Reporter, ReportsLost
-from worker.engine import ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
+from worker.engine import Evaluation, ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
 from worker.engine.trainer import PackTimings, StopMode
 from worker.profile import PackProfiler
 
@@ -48,6 +49,15 @@ def export_base_name(source: ModelSource) -> str:
     """What an exported adapter names as ``base_model_name_or_path``: a registered directory as the workers
     see it (what PEFT itself writes for a model loaded from a directory), else the registry name."""
     return source.path if source.kind == "hf" and source.path else source.name
+
+
+def evaluation_of(stored: dict[str, Any] | None) -> Evaluation | None:
+    """The trial's generative metric from the task's stored `evaluation` (None: scored by its loss)."""
+    if not stored or stored.get("metric", DEFAULT_METRIC) not in GENERATIVE_METRICS:
+        return None
+    return Evaluation(metric=str(stored["metric"]),
+                      max_new_tokens=int(stored.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
+                      pattern=stored.get("pattern"))
 
 
 class PackRunner:
@@ -113,6 +123,7 @@ class PackRunner:
             max_grad_norm=training.get("max_grad_norm"),
             use_rslora=bool(training.get("use_rslora", False)),
             extra_eval_steps=tuple(int(s) for s in t.get("extra_eval_steps") or ()),
+            evaluation=evaluation_of(t.get("evaluation")),
         )
 
     def run(self, pack: dict[str, Any]) -> None:

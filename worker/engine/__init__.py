@@ -26,6 +26,9 @@ The engine underneath, for benchmarks and for schedulers that back-fill slots::
     engine.evict(slot)                          # free the slot (zeros; nothing kept)
     engine.close()                              # unwrap the model (also on ``with PackEngine(...)``)
 
+``engine.generate({slot: prompts}, max_new_tokens=n, stop_ids=ids)`` decodes greedily under each slot's adapter
+(all slots in shared forwards), for a task's generative metric.
+
 ``engine.state(slot)`` is the trial's ``SlotState`` (spec, steps_done, last_train_loss, best_val_loss,
 best_step, training). Capacity, max rank and the set of wrappable layers are fixed when the engine starts.
 """
@@ -36,10 +39,11 @@ from worker.engine.lora import restore_base_model
 from worker.engine.models import ModelSource, load_base_model
 from worker.engine.schedule import lr_at
 from worker.engine.slots import SlotState, StepStats
-from worker.engine.spec import TrialOutcome, TrialSpec
+from worker.engine.spec import Evaluation, TrialOutcome, TrialSpec
 from worker.engine.trainer import train_pack
 
 __all__ = [
+    "Evaluation",
     "ModelSource",
     "PackEngine",
     "SlotState",

@@ -75,6 +75,25 @@ def encode_row(row: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase) -> tu
     raise ValueError(f"row has neither 'messages' nor 'prompt'/'completion': keys {sorted(row)}")
 
 
+def eval_prompt(row: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], str]:
+    """``(prompt ids, reference answer)`` of a validation row for a generative metric (common/metrics.py): a chat
+    row's conversation up to its last assistant turn, rendered with the generation prompt, and that turn's
+    content; a prompt/completion row's prompt (as training encodes it) and its completion."""
+    if "messages" in row:
+        messages = row["messages"]
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+        if last is None:
+            raise ValueError("a chat row without an assistant turn has no reference answer")
+        prompt = _render(tokenizer, messages[:last], add_generation_prompt=True)
+        return _tokenize(tokenizer, prompt, add_special_tokens=False), str(messages[last].get("content", ""))
+    if "prompt" in row and "completion" in row:
+        ids = _tokenize(tokenizer, str(row["prompt"]), add_special_tokens=True)
+        if ids and ids[-1] == tokenizer.eos_token_id:  # as _encode_prompt_completion
+            ids = ids[:-1]
+        return ids, str(row["completion"])
+    raise ValueError(f"row has neither 'messages' nor 'prompt'/'completion': keys {sorted(row)}")
+
+
 def _encode_chat(
     messages: Sequence[Mapping[str, Any]], tokenizer: PreTrainedTokenizerBase
 ) -> tuple[list[int], list[int]]:

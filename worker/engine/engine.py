@@ -25,7 +25,7 @@ from worker.engine import checkpoint, feed
 from worker.engine.attention import use_packed_attention
 from worker.engine.batch import PackedBatch, SlotRows, pack_rows
 from worker.engine.capture import StepGraphs, capturable
-from worker.engine.data import BatchSampler, Example, encode_rows
+from worker.engine.data import IGNORE_INDEX, BatchSampler, Example, encode_rows
 from worker.engine.export import export_peft_adapter
 from worker.engine.feed import BatchKey
 from worker.engine.fused import fuse, unfuse
@@ -333,6 +333,54 @@ class PackEngine:
             wrong.index_add_(0, batch.targets.rows, (~correct).long())
             matches.extend(bool(w == 0) for w in wrong.tolist())
         return matches
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: dict[int, list[list[int]]], *, max_new_tokens: int, stop_ids: frozenset[int]
+    ) -> dict[int, list[list[int]]]:
+        """Greedy continuations of each slot's prompts under the slot's current adapter: every row of every slot
+        in one packed forward per new token (no KV cache: each forward runs the rows so far, which for short
+        answers on validation-sized sets costs less than keeping a cache per slot). A row ends at a token of
+        ``stop_ids`` (not included) or after ``max_new_tokens``.
+
+        Returns:
+            ``{slot: [new token ids per prompt]}``, in the prompts' order.
+        """
+        for slot in prompts:
+            self.state(slot)
+        answers: dict[int, list[list[int]]] = {slot: [[] for _ in rows] for slot, rows in prompts.items()}
+        open_rows = [(slot, i) for slot in sorted(prompts) for i in range(len(prompts[slot])) if prompts[slot][i]]
+        for _ in range(max_new_tokens):
+            if not open_rows:
+                break
+            # Each row gets a placeholder token with a label, so that its last real token is a loss target:
+            # the targets' hidden states are exactly the rows' last positions, in row order.
+            parts: dict[int, list[Example]] = {}
+            for slot, i in open_rows:
+                ids = prompts[slot][i] + answers[slot][i]
+                parts.setdefault(slot, []).append(Example([*ids, self.pad_token_id], [IGNORE_INDEX] * len(ids) + [0]))
+            batch = self._pack([SlotRows(slot, examples) for slot, examples in parts.items()])
+            hidden = self._hidden(batch)
+            picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.targets.positions)
+            tokens = torch.empty(len(picked), dtype=torch.int64, device=self.device)
+            for chunk in batch.targets.chunks:
+                with self.context.routed(chunk.routing):
+                    tokens[chunk.start : chunk.end] = self.lm_head(picked[chunk.start : chunk.end]).argmax(-1)
+            still_open = []
+            for (slot, i), token in zip(open_rows, tokens.tolist(), strict=True):  # one device sync per token
+                if token in stop_ids:
+                    continue
+                answers[slot][i].append(token)
+                still_open.append((slot, i))
+            open_rows = still_open
+        return answers
+
+    def use_best(self, slot: int) -> None:
+        """Make the slot's best-validation adapter its current weights (for a trial that is finishing: scoring it
+        by generation then uses the adapter it will be exported with); nothing without a best."""
+        state = self.state(slot)
+        if state.best is not None:
+            self.store.install(slot, state.best)
 
     # -- artifacts -----------------------------------------------------------------------------------
 

@@ -10,6 +10,15 @@ from typing import Any
 from worker.engine.schedule import LR_SCHEDULES
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """A generative metric the trial is scored by at its end (common/metrics.py); None on a spec: the loss."""
+
+    metric: str  # one of common.metrics.GENERATIVE_METRICS
+    max_new_tokens: int = 32
+    pattern: str | None = None  # the regex metric's
+
+
 @dataclass
 class TrialSpec:
     """One hyperparameter configuration and its data. Rows are raw JSONL rows (chat or prompt/completion)."""
@@ -37,6 +46,7 @@ class TrialSpec:
     max_grad_norm: float | None = None  # clip by this trial's own global gradient norm
     # Also validate after these steps (the scheduler's early-exit warm-up boundary, which a ranking needs).
     extra_eval_steps: tuple[int, ...] = ()
+    evaluation: Evaluation | None = None  # a generative metric, scored on the validation rows at the end
 
 
 @dataclass

@@ -193,6 +193,12 @@ class AdapterStore:
             b[:rank].copy_(lora_b.T)
 
     @torch.no_grad()
+    def install(self, slot: int, tensors: ModuleTensors) -> None:
+        """Make ``tensors`` (the slot's own layers and rank: its best adapter, say) the slot's current weights;
+        its optimizer state, gradient and scales are left as they are."""
+        self.write(self.weights, slot, tensors)
+        self._sync_compute(slot)
+
     def _sync_compute(self, slot: int) -> None:
         if self.compute is not self.weights:
             self.compute[slot].copy_(self.weights[slot])

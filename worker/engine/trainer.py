@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from common.metrics import score_answers
+from worker.engine.data import eval_prompt
 from worker.engine.engine import PackEngine
 from worker.engine.lora import ALL_LINEAR, resolve_target_modules
 from worker.engine.slots import StepStats
@@ -23,7 +25,8 @@ from worker.engine.store import slot_bytes
 
 logger = logging.getLogger(__name__)
 
-PointCallback = Callable[[str, int, str, float], None]  # (trial_id, step, "train" | "val", loss)
+# (trial_id, step, "train" | "val" | "metric", value): a loss, or a generative metric's score in [0, 1]
+PointCallback = Callable[[str, int, str, float], None]
 # How to take a trial out of the pack: "drop" it, "export" its best-validation adapter first (an early exit
 # for overfitting), or "pause" it (checkpoint, free the slot; it resumes later from the checkpoint).
 StopMode = Literal["drop", "export", "pause"]
@@ -198,7 +201,9 @@ def _run(
         if not live:
             break
         stop = should_stop()
-        for slot in [s for s in live if engine.state(s).spec.trial_id in stop]:
+        leaving = [s for s in live if engine.state(s).spec.trial_id in stop]
+        _score(engine, [s for s in leaving if stop[engine.state(s).spec.trial_id] == "export"], hooks)
+        for slot in leaving:
             report(_take_out(engine, slot, stop[engine.state(slot).spec.trial_id], hooks))
         with hooks.clock.measure("steps_s"):
             losses = engine.step() if any(state.training for state in engine.slots if state) else {}
@@ -206,6 +211,10 @@ def _run(
             on_step(engine.last_stats)
         with hooks.clock.measure("validation_s"):
             validation = _validate(engine, losses)
+        finishing = [s for s in _live(engine) if not engine.state(s).training
+                     and not isinstance(validation.get(s), BaseException)
+                     and engine.state(s).spec.trial_id not in engine.failures]
+        _score(engine, finishing, hooks)
         for slot in _live(engine):
             outcome = _after_step(engine, slot, losses, validation.get(slot), hooks)
             if outcome is not None:
@@ -219,6 +228,7 @@ class PackTimings:
     wall_s: float = 0.0
     steps_s: float = 0.0  # engine.step: forward, backward, optimizer
     validation_s: float = 0.0
+    metric_s: float = 0.0  # generation for the trials' generative metric, at their end
     checkpoints_s: float = 0.0  # snapshots of checkpoints (their files are written off this thread)
     exports_s: float = 0.0  # snapshots of finished adapters (likewise)
     waiting_s: float = 0.0  # the pack's end waiting for writes still under way
@@ -321,6 +331,49 @@ class _Hooks:
                 on_checkpoint(trial_id, step, path)
 
         self.writer.submit(work)
+
+
+def _score(engine: PackEngine, slots: list[int], hooks: _Hooks) -> None:
+    """The generative metric of trials that finish now with their adapter (completed, or exported on request):
+    their best adapters answer their validation rows in one batched greedy generation (``PackEngine.generate``)
+    and each trial's share of passing answers (common/metrics.py) is reported as its "metric" point. A failure
+    here costs the trials their score, not their result."""
+    wanted = [s for s in slots if engine.state(s).spec.evaluation is not None and engine.state(s).spec.val_rows]
+    if not wanted:
+        return
+    tokenizer = engine.tokenizer
+    with hooks.clock.measure("metric_s"):
+        try:
+            prompts: dict[int, list[list[int]]] = {}
+            references: dict[int, list[str]] = {}
+            for slot in wanted:
+                spec = engine.state(slot).spec
+                pairs = [eval_prompt(row, tokenizer) for row in spec.val_rows]
+                prompts[slot] = [ids[-spec.max_seq_len:] for ids, _ in pairs]  # the prompt's end, as training cuts
+                references[slot] = [reference for _, reference in pairs]
+                engine.use_best(slot)
+            evaluations = {slot: engine.state(slot).spec.evaluation for slot in wanted}
+            longest = max(e.max_new_tokens for e in evaluations.values() if e is not None)
+            answers = engine.generate(prompts, max_new_tokens=longest, stop_ids=_stop_ids(engine))
+        except Exception:
+            logger.exception("scoring %d trials by generation failed; they end without a metric", len(wanted))
+            return
+    for slot in wanted:
+        state, evaluation = engine.state(slot), evaluations[slot]
+        assert evaluation is not None
+        # Greedy decoding is prefix-stable: a trial's shorter budget is the first max_new_tokens of the longest.
+        texts = [str(tokenizer.decode(ids[: evaluation.max_new_tokens], skip_special_tokens=True))
+                 for ids in answers[slot]]
+        score = score_answers(evaluation.metric, texts, references[slot], evaluation.pattern)
+        hooks.on_point(state.spec.trial_id, state.steps_done, "metric", score)
+
+
+def _stop_ids(engine: PackEngine) -> frozenset[int]:
+    """The tokens that end an answer: the tokenizer's eos and the model's generation eos (end of turn)."""
+    ids = {engine.tokenizer.eos_token_id}
+    configured = getattr(getattr(engine.model, "generation_config", None), "eos_token_id", None)
+    ids |= set(configured) if isinstance(configured, list | tuple) else {configured}
+    return frozenset(int(i) for i in ids if i is not None)
 
 
 def _validate(engine: PackEngine, losses: dict[str, float]) -> dict[int, float | BaseException | None]:

@@ -1,0 +1,112 @@
+"""The task's own metric: how a trial's greedy answers to the validation rows are scored (pure, no torch).
+
+A task picks one with `evaluation: {"metric": ..., "max_new_tokens": ..., "pattern": ...}` (default "loss": the
+validation loss, and no generation). For a generative metric the worker decodes each validation row's prompt
+greedily with the trial's best adapter, up to `max_new_tokens` or the end of the turn, and the score is the share
+of rows whose answer passes:
+
+    exact_match  the normalised answer equals the normalised reference (the row's assistant turn or completion)
+    contains     the normalised reference occurs in the normalised answer
+    regex        `pattern` matches somewhere in the answer (Python `re.search`, on the raw answer)
+    json_valid   the answer, stripped of whitespace, parses as JSON
+
+Normalisation (`normalize_answer`): the end-of-turn marker and anything after it are cut by the decoding (it
+stops there, and special tokens are not decoded); then case is folded, runs of whitespace become one space, the
+ends are stripped, and trailing sentence punctuation (. , ! ? ; :) is removed. So "Paris." and " paris" match
+"Paris", while "Paris, France" does not (contains does).
+
+The worker reports the score as a point of split "metric" when a trial ends; the best trial of a task with a
+generative metric is the one with the highest score, ties broken by validation loss (`rank_key`, which the
+scheduler's final ranking and the API's best trial so far share).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+METRICS = ("loss", "exact_match", "contains", "regex", "json_valid")
+GENERATIVE_METRICS = METRICS[1:]
+DEFAULT_METRIC = "loss"
+DEFAULT_MAX_NEW_TOKENS = 32
+MAX_NEW_TOKENS_LIMIT = 512
+
+MAX_PATTERN_LENGTH = 500
+# The split of the point a worker reports a trial's score in: [trial_id, step, "metric", score].
+METRIC_SPLIT = "metric"
+
+_TRAILING_PUNCTUATION = ".,!?;:"
+_WHITESPACE = re.compile(r"\s+")
+
+
+def normalize_answer(text: str) -> str:
+    """Case-folded, whitespace collapsed and stripped, trailing sentence punctuation removed."""
+    return _WHITESPACE.sub(" ", text.casefold()).strip().rstrip(_TRAILING_PUNCTUATION).rstrip()
+
+
+def score_answer(metric: str, answer: str, reference: str, pattern: str | None = None) -> bool:
+    """Whether one greedy `answer` passes `metric` against the row's `reference`.
+
+    Raises:
+        ValueError: an unknown or non-generative metric, or "regex" without a pattern.
+    """
+    if metric == "exact_match":
+        return normalize_answer(answer) == normalize_answer(reference)
+    if metric == "contains":
+        return normalize_answer(reference) in normalize_answer(answer)
+    if metric == "regex":
+        if pattern is None:
+            raise ValueError("the regex metric needs a pattern")
+        return re.search(pattern, answer) is not None
+    if metric == "json_valid":
+        try:
+            json.loads(answer.strip())
+        except ValueError:
+            return False
+        return True
+    raise ValueError(f"not a generative metric: {metric!r}; choose one of {', '.join(GENERATIVE_METRICS)}")
+
+
+def score_answers(metric: str, answers: list[str], references: list[str], pattern: str | None = None) -> float:
+    """The share of answers that pass (0.0 for no rows)."""
+    if len(answers) != len(references):
+        raise ValueError(f"{len(answers)} answers for {len(references)} references")
+    if not answers:
+        return 0.0
+    return sum(score_answer(metric, a, r, pattern) for a, r in zip(answers, references, strict=True)) / len(answers)
+
+
+def pattern_error(pattern: str) -> str | None:
+    """Why `pattern` cannot be the regex metric's pattern (None: Python's `re` compiles it)."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        return str(exc)
+    except (RecursionError, OverflowError) as exc:  # nested too deeply, a repeat count too large
+        return f"too complex to compile ({exc})"
+    return None
+
+
+def metric_of(spec: dict[str, Any]) -> str:
+    """The metric a task's stored spec judges its trials by ("loss" for a task stored before `evaluation`)."""
+    evaluation = spec.get("evaluation") or {}
+    return str(evaluation.get("metric") or DEFAULT_METRIC)
+
+
+RankKey = tuple[Any, ...]
+
+
+def rank_key(metric: str, *, metric_score: float | None, best_val_loss: float | None,
+             last_train_loss: float | None, index: int) -> RankKey:
+    """Sort key of a trial among its task's trials: the smallest is the best.
+
+    By loss (metric "loss"): the lowest best validation loss; a trial without one ranks after those with one,
+    by its last train loss. By a generative metric: the highest metric score first; ties, and trials without a
+    score (ranked after those with one), by loss as above. Then the lowest index."""
+    by_loss = ((0, best_val_loss, index) if best_val_loss is not None
+               else (1, last_train_loss if last_train_loss is not None else math.inf, index))
+    if metric not in GENERATIVE_METRICS:
+        return by_loss
+    return (0, -metric_score, *by_loss) if metric_score is not None else (1, 0.0, *by_loss)

@@ -1,0 +1,87 @@
+"""Greedy generation for a generative metric (issue 17): every slot's rows in shared packed forwards, each under
+its own adapter, equal to what PEFT's `generate` decodes with that adapter alone; and the prompts it starts from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tests.engine.factories import CPU, TINY, chat_rows, completion_rows, make_spec
+from worker.engine import PackEngine, load_base_model
+from worker.engine.data import eval_prompt
+
+Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+
+
+def test_eval_prompts_end_where_the_answer_starts(tiny: Tiny) -> None:
+    _, tokenizer = tiny
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                         {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]}
+    ids, reference = eval_prompt(chat, tokenizer)
+    assert reference == "4"
+    assert tokenizer.decode(ids).endswith("<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    ids, reference = eval_prompt({"prompt": "spell cat:", "completion": " c-a-t"}, tokenizer)
+    assert (tokenizer.decode(ids), reference) == ("spell cat:", " c-a-t")
+
+
+def test_generation_of_two_slots_at_once_equals_peft_generate_with_each_adapter(
+    tiny: Tiny, model_cache: Path, tmp_path: Path
+) -> None:
+    model, tokenizer = tiny
+    specs = [make_spec("a", target_modules=["all-linear"], val_rows=[]),
+             make_spec("b", target_modules=["q_proj", "v_proj"], train_rows=completion_rows(4), seed=5, val_rows=[])]
+    rows = {"a": chat_rows(3), "b": completion_rows(3)}
+    stop = frozenset({int(tokenizer.eos_token_id)})
+    with PackEngine(model, tokenizer, capacity=2, max_rank=4) as engine:
+        slots = {s.trial_id: engine.admit(s) for s in specs}
+        for _ in range(15):
+            engine.step()
+        prompts = {slots[t]: [eval_prompt(r, tokenizer)[0] for r in rows[t]] for t in slots}
+        answers = engine.generate(prompts, max_new_tokens=12, stop_ids=stop)
+        for trial_id, slot in slots.items():
+            engine.export(slot, tmp_path / trial_id, base_model_name="tiny")
+    assert any(answers[slots["a"]]) and any(answers[slots["b"]])
+    for trial_id, slot in slots.items():
+        fresh, _ = load_base_model(TINY, cache_dir=model_cache, device=CPU)
+        peft_model = PeftModel.from_pretrained(fresh, tmp_path / trial_id).eval()
+        for prompt, answer in zip(prompts[slot], answers[slot], strict=True):
+            with torch.no_grad():
+                out = peft_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                          eos_token_id=list(stop), pad_token_id=tokenizer.pad_token_id)
+            expected = out[0, len(prompt):].tolist()
+            if expected and expected[-1] in stop:
+                expected = expected[:-1]
+            assert answer == expected, (trial_id, tokenizer.decode(prompt))
+
+
+def test_a_trial_with_a_generative_metric_reports_its_best_adapters_score_once_at_its_end(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    from common.metrics import score_answers
+    from worker.engine import Evaluation, train_pack
+    from worker.engine.export import read_peft_adapter
+
+    model, tokenizer = tiny
+    val = chat_rows(4)
+    scored = make_spec("m", max_steps=24, eval_interval=8, val_rows=val, target_modules=["all-linear"],
+                       evaluation=Evaluation(metric="contains", max_new_tokens=10))
+    plain = make_spec("p", max_steps=16, val_rows=val, seed=3)
+    points: list[tuple[str, int, str, float]] = []
+    outcomes = train_pack(model, tokenizer, [scored, plain], base_model_name="tiny", export_dir=tmp_path,
+                          on_point=lambda *p: points.append(p))
+    metric = [p for p in points if p[2] == "metric"]
+    assert [(p[0], p[1]) for p in metric] == [("m", 24)]  # the scored trial only, once, at its last step
+    # The same score from its exported (best) adapter, generated and scored again here.
+    config, tensors = read_peft_adapter(next(o for o in outcomes if o.trial_id == "m").adapter_dir)
+    with PackEngine(model, tokenizer, capacity=1, max_rank=4) as engine:
+        slot = engine.admit(make_spec("again", target_modules=["all-linear"]))
+        engine.store.load_slot(slot, tensors, rank=config.rank, scale=config.scale)
+        pairs = [eval_prompt(row, tokenizer) for row in val]
+        answers = engine.generate({slot: [ids for ids, _ in pairs]}, max_new_tokens=10,
+                                  stop_ids=frozenset({int(tokenizer.eos_token_id)}))[slot]
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
+    assert any(texts)  # it answered something (a score of 0 would otherwise be easy to match)
+    assert metric[0][3] == score_answers("contains", texts, [ref for _, ref in pairs])
