@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from benchmarks.common import RESULTS, command_line, device_description, git_commit, print_table
+from common.metrics import DEFAULT_MAX_NEW_TOKENS, score_answers
 from scheduler.early_exit import EarlyExitConfig, warmup_step
 from worker.engine import ModelSource, PackEngine, TrialSpec, load_base_model
-from worker.engine.data import encode_rows
+from worker.engine.data import encode_rows, eval_prompt
 
 LRS = (1e-4, 3e-4, 1e-3, 3e-3)
 RANKS = (4, 16)
@@ -76,6 +77,16 @@ def test_accuracy(engine: PackEngine, slot: int, test: list[dict[str, Any]], max
     matches = engine.greedy_matches(slot, examples)
     solved = {i for (i, _), ok in zip(candidates, matches, strict=True) if ok}
     return round(len(solved) / len(test), 4)
+
+
+def val_exact_match(engine: PackEngine, slot: int, val: list[dict[str, Any]], max_seq_len: int) -> float:
+    """The service's `exact_match` metric of the adapter in `slot` on the validation rows: what a task with
+    `evaluation: {"metric": "exact_match"}` scores a trial by (greedy generation, common/metrics.py)."""
+    pairs = [eval_prompt(row, engine.tokenizer) for row in val]
+    answers = engine.generate({slot: [ids[-max_seq_len:] for ids, _ in pairs]}, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                              stop_ids=engine.answer_stop_ids)[slot]
+    texts = [str(engine.tokenizer.decode(ids, skip_special_tokens=True)) for ids in answers]
+    return round(score_answers("exact_match", texts, [reference for _, reference in pairs]), 4)
 
 
 def main() -> None:
@@ -139,6 +150,7 @@ def main() -> None:
         results.append({"trial_id": spec.trial_id, "learning_rate": spec.learning_rate, "lora_rank": spec.lora_rank,
                         "batch_size": spec.batch_size, "steps": state.steps_done, "best_val_loss": state.best_val_loss,
                         "best_step": state.best_step, "final_train_loss": state.last_train_loss,
+                        "val_exact_match": val_exact_match(engine, slot, val, args.max_seq_len),
                         "test_accuracy": test_accuracy(engine, slot, test, args.max_seq_len)})
     engine.close()
     total_s = time.perf_counter() - started
@@ -160,6 +172,9 @@ def main() -> None:
                 "val": curves[spec.trial_id]["val"],
             }) + "\n")  # fmt: skip
     best = min(results, key=lambda r: r["best_val_loss"] if r["best_val_loss"] is not None else math.inf)
+    # The winner as a task with `evaluation: {"metric": "exact_match"}` picks it: the highest validation score,
+    # ties to the lower validation loss.
+    by_metric = max(results, key=lambda r: (r["val_exact_match"], -(r["best_val_loss"] or math.inf)))
     summary = {
         "benchmark": "sweep", "dataset": args.dataset, "seed": args.seed, "model": MODELS[args.model].name,
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_description(),
@@ -170,11 +185,14 @@ def main() -> None:
         "train_wall_s": round(train_s, 1), "total_wall_s": round(total_s, 1),
         "samples_trained": sum(r["steps"] * r["batch_size"] for r in results),
         "best_trial": best["trial_id"], "best_test_accuracy": best["test_accuracy"],
+        "best_trial_by_metric": by_metric["trial_id"], "best_by_metric_test_accuracy": by_metric["test_accuracy"],
         "results": results,
     }  # fmt: skip
     (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print_table(["trial", "steps", "best val loss", "test acc"],
-                [[r["trial_id"], r["steps"], r["best_val_loss"], r["test_accuracy"]] for r in results])
+    print_table(["trial", "steps", "best val loss", "val exact match", "test acc"],
+                [[r["trial_id"], r["steps"], r["best_val_loss"], r["val_exact_match"], r["test_accuracy"]]
+                 for r in results])
+    print(f"best by validation exact match: {by_metric['trial_id']} (test accuracy {by_metric['test_accuracy']})")
     print(f"best by validation loss: {best['trial_id']} (test accuracy {best['test_accuracy']}); "
           f"training {train_s:.0f} s, total {total_s:.0f} s; written to {args.out / stem}.{{jsonl,json}}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -85,3 +86,23 @@ def test_a_trial_with_a_generative_metric_reports_its_best_adapters_score_once_a
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
     assert any(texts)  # it answered something (a score of 0 would otherwise be easy to match)
     assert metric[0][3] == score_answers("contains", texts, [ref for _, ref in pairs])
+
+
+def test_generation_split_into_forwards_of_a_token_budget_gives_the_same_answers(
+    tiny: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.engine.engine as engine_module
+
+    model, tokenizer = tiny
+    spec = make_spec("s", target_modules=["all-linear"], val_rows=[])
+    prompts = [eval_prompt(row, tokenizer)[0] for row in chat_rows(5)]
+    stop = frozenset({int(tokenizer.eos_token_id)})
+    results = []
+    for budget in (engine_module.EVAL_MAX_TOKENS, 40):  # 40 tokens: about one row per forward
+        monkeypatch.setattr(engine_module, "EVAL_MAX_TOKENS", budget)
+        with PackEngine(model, tokenizer, capacity=1, max_rank=4) as engine:
+            slot = engine.admit(spec)
+            for _ in range(10):
+                engine.step()
+            results.append(engine.generate({slot: prompts}, max_new_tokens=8, stop_ids=stop)[slot])
+    assert results[0] == results[1] and any(results[0])

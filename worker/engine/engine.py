@@ -353,27 +353,43 @@ class PackEngine:
         for _ in range(max_new_tokens):
             if not open_rows:
                 break
-            # Each row gets a placeholder token with a label, so that its last real token is a loss target:
-            # the targets' hidden states are exactly the rows' last positions, in row order.
-            parts: dict[int, list[Example]] = {}
-            for slot, i in open_rows:
-                ids = prompts[slot][i] + answers[slot][i]
-                parts.setdefault(slot, []).append(Example([*ids, self.pad_token_id], [IGNORE_INDEX] * len(ids) + [0]))
-            batch = self._pack([SlotRows(slot, examples) for slot, examples in parts.items()])
-            hidden = self._hidden(batch)
-            picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.targets.positions)
-            tokens = torch.empty(len(picked), dtype=torch.int64, device=self.device)
-            for chunk in batch.targets.chunks:
-                with self.context.routed(chunk.routing):
-                    tokens[chunk.start : chunk.end] = self.lm_head(picked[chunk.start : chunk.end]).argmax(-1)
+            tokens: list[int] = []
+            for group in _token_groups(open_rows, lambda r: len(prompts[r[0]][r[1]]) + len(answers[r[0]][r[1]]) + 1,
+                                       EVAL_MAX_TOKENS):
+                tokens += self._next_tokens([(slot, prompts[slot][i] + answers[slot][i]) for slot, i in group])
             still_open = []
-            for (slot, i), token in zip(open_rows, tokens.tolist(), strict=True):  # one device sync per token
+            for (slot, i), token in zip(open_rows, tokens, strict=True):
                 if token in stop_ids:
                     continue
                 answers[slot][i].append(token)
                 still_open.append((slot, i))
             open_rows = still_open
         return answers
+
+    def _next_tokens(self, rows: list[tuple[int, list[int]]]) -> list[int]:
+        """The greedy next token of each ``(slot, ids)`` row (rows grouped by slot), one packed forward."""
+        # Each row gets a placeholder token with a label, so that its last real token is a loss target: the
+        # targets' hidden states are exactly the rows' last positions, in row order.
+        parts: dict[int, list[Example]] = {}
+        for slot, ids in rows:
+            parts.setdefault(slot, []).append(Example([*ids, self.pad_token_id], [IGNORE_INDEX] * len(ids) + [0]))
+        batch = self._pack([SlotRows(slot, examples) for slot, examples in parts.items()])
+        hidden = self._hidden(batch)
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.targets.positions)
+        tokens = torch.empty(len(picked), dtype=torch.int64, device=self.device)
+        for chunk in batch.targets.chunks:
+            with self.context.routed(chunk.routing):
+                tokens[chunk.start : chunk.end] = self.lm_head(picked[chunk.start : chunk.end]).argmax(-1)
+        return [int(t) for t in tokens.tolist()]  # one device sync per forward
+
+    @property
+    def answer_stop_ids(self) -> frozenset[int]:
+        """The tokens that end a generated answer: the tokenizer's eos and the model's generation eos (the chat
+        template's end of turn, where the model says)."""
+        ids = {self.tokenizer.eos_token_id}
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids |= set(configured) if isinstance(configured, list | tuple) else {configured}
+        return frozenset(int(i) for i in ids if i is not None)
 
     def use_best(self, slot: int) -> None:
         """Make the slot's best-validation adapter its current weights (for a trial that is finishing: scoring it
@@ -480,6 +496,20 @@ class PackEngine:
         logger.warning("trial %s failed at step %d: %s", state.spec.trial_id, state.steps_done + 1, exc)
         state.failed = True
         self.failures[state.spec.trial_id] = f"{type(exc).__name__}: {exc}"
+
+
+def _token_groups(rows: list[Any], length: Callable[[Any], int], max_tokens: int) -> list[list[Any]]:
+    """``rows`` in order, cut into consecutive groups of at most ``max_tokens`` tokens (a longer row alone)."""
+    groups: list[list[Any]] = [[]]
+    used = 0
+    for row in rows:
+        n = length(row)
+        if groups[-1] and used + n > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append(row)
+        used += n
+    return [g for g in groups if g]
 
 
 def _eval_forwards(rows: list[tuple[int, list[Example]]], max_tokens: int) -> list[list[SlotRows]]:

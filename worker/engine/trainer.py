@@ -354,7 +354,7 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks) -> None:
                 engine.use_best(slot)
             evaluations = {slot: engine.state(slot).spec.evaluation for slot in wanted}
             longest = max(e.max_new_tokens for e in evaluations.values() if e is not None)
-            answers = engine.generate(prompts, max_new_tokens=longest, stop_ids=_stop_ids(engine))
+            answers = engine.generate(prompts, max_new_tokens=longest, stop_ids=engine.answer_stop_ids)
         except Exception:
             logger.exception("scoring %d trials by generation failed; they end without a metric", len(wanted))
             return
@@ -366,14 +366,6 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks) -> None:
                  for ids in answers[slot]]
         score = score_answers(evaluation.metric, texts, references[slot], evaluation.pattern)
         hooks.on_point(state.spec.trial_id, state.steps_done, "metric", score)
-
-
-def _stop_ids(engine: PackEngine) -> frozenset[int]:
-    """The tokens that end an answer: the tokenizer's eos and the model's generation eos (end of turn)."""
-    ids = {engine.tokenizer.eos_token_id}
-    configured = getattr(getattr(engine.model, "generation_config", None), "eos_token_id", None)
-    ids |= set(configured) if isinstance(configured, list | tuple) else {configured}
-    return frozenset(int(i) for i in ids if i is not None)
 
 
 def _validate(engine: PackEngine, losses: dict[str, float]) -> dict[int, float | BaseException | None]:
