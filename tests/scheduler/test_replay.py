@@ -84,6 +84,16 @@ def test_the_defaults_keep_the_best_and_save_most_of_every_committed_sweep(name:
     assert result.best_val_ratio is not None and result.best_val_ratio <= 1.01
 
 
+@pytest.mark.parametrize("dataset", ["trivia", "arithmetic"])
+def test_on_the_reruns_the_defaults_save_most_and_stay_within_one_percent_of_the_best(dataset: str) -> None:
+    """The issue-6 grids rerun on today's engine (new numerics): the defaults save >= 70% and reach a validation loss
+    within 1.01 of the best, but on arithmetic the best trial itself is cut (ratio 1.0098; docs/early-exit.md)."""
+    result = replay(EarlyExitConfig(policy="alto"), read_curves(SWEEPS / f"{dataset}-smollm2-full-rerun.jsonl"))
+    assert result.samples_saved_frac >= 0.70
+    assert result.best_val_ratio is not None and result.best_val_ratio <= 1.01
+    assert result.best_kept is (dataset == "trivia")
+
+
 def test_a_late_bloomer_cut_at_the_boundary_is_reported_lost() -> None:
     result = replay(ALTO, sweep_of(eight(late_bloomer=True)))
     assert (result.best_trial, result.best_kept) == ("t7", False)
