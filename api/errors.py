@@ -96,7 +96,7 @@ def param_from_loc(loc: Sequence[str | int]) -> str | None:
 
 
 _PYDANTIC_CODES = {"missing": "missing_field", "extra_forbidden": "unknown_field", "json_invalid": "invalid_json",
-                   "unknown_parameter": "unknown_field"}
+                   "unknown_parameter": "unknown_field", "regex_invalid": "invalid_regex"}
 CONTROL_CHARS_MESSAGE = "Control characters (such as NUL, ESC, bell or a line break) are not allowed."
 
 

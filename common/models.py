@@ -145,6 +145,9 @@ class Trial(Base):
     best_val_loss: Mapped[float | None] = mapped_column(Float, default=None)
     best_step: Mapped[int | None] = mapped_column(Integer, default=None)
     last_train_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    # The score on the task's generative metric (common/metrics.py) of its best adapter, from the worker's newest
+    # "metric" point; None for the loss metric, and until the trial has ended.
+    metric_score: Mapped[float | None] = mapped_column(Float, default=None)
     stop_reason: Mapped[str | None] = mapped_column(Text, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     adapter_key: Mapped[str | None] = mapped_column(String(300), default=None)
@@ -164,8 +167,8 @@ class MetricPoint(Base):
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     trial_id: Mapped[str] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
-    split: Mapped[str] = mapped_column(String(10))  # "train" | "val"
-    loss: Mapped[float] = mapped_column(Float)
+    split: Mapped[str] = mapped_column(String(10))  # "train" | "val" | "metric"
+    loss: Mapped[float] = mapped_column(Float)  # "metric": the score in [0, 1], the share of rows that passed
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     # A point replayed from the bus after a scheduler crash must not be stored twice.
     __table_args__ = (UniqueConstraint("trial_id", "step", "split", name="uq_metric_points_trial_step_split"),)

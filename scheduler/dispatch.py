@@ -36,6 +36,9 @@ def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
         # The split depends on the task only, so every trial validates on the same rows.
         "split_seed": spec.get("seed", 0),
         "training": spec.get("training", {}),
+        # How the trial is judged (common/metrics.py): a generative metric has the worker decode the validation rows
+        # with the trial's best adapter when it ends and report the score as a "metric" point. None: loss.
+        "evaluation": spec.get("evaluation"),
         # A requeued trial resumes from its newest checkpoint instead of step 0.
         "resume_key": trial.checkpoint_key,
         "resume_step": trial.checkpoint_step,

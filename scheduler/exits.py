@@ -86,7 +86,7 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
     points: dict[str, dict[str, list[tuple[int, float]]]] = {t.id: {"train": [], "val": []} for t in trials}
     for trial_id, step, split, loss in session.execute(
         select(MetricPoint.trial_id, MetricPoint.step, MetricPoint.split, MetricPoint.loss)
-        .where(MetricPoint.trial_id.in_(points))
+        .where(MetricPoint.trial_id.in_(points), MetricPoint.split.in_(("train", "val")))  # not "metric" scores
     ):
         points[trial_id][split].append((step, loss))
     max_seq_len = int(task.spec.get("max_seq_len", 512))

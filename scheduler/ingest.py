@@ -24,10 +24,11 @@ from sqlalchemy.orm import Session
 from common import states
 from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
+from common.metrics import METRIC_SPLIT
 from common.models import MetricPoint, Pack, Trial, Worker, as_utc, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from scheduler.cost import Progress
-from scheduler.lifecycle import lose_pack, requeue_trial
+from scheduler.lifecycle import lose_pack, newest_metric_score, requeue_trial
 
 log = logging.getLogger(__name__)
 
@@ -207,18 +208,24 @@ def _pack_started(session: Session, m: dict[str, Any], now: datetime) -> set[str
 
 
 def _points(session: Session, m: dict[str, Any]) -> set[str]:
-    """Stores the points; returns the tasks that got a validation point."""
+    """Stores the points; returns the tasks that got a validation point. A "metric" point (a trial's score on
+    its task's generative metric, sent when it ends) is stored too and sets the trial's metric_score; it is
+    no validation point (early exit reads train and val only)."""
     pack_id = m["pack_id"]
     validated: set[str] = set()
     rows: list[dict[str, Any]] = []
     trials: dict[str, Trial | None] = {}
+    scored: dict[str, Trial] = {}
     for trial_id, step, split, loss in m.get("points") or ():
         if trial_id not in trials:
-            trials[trial_id] = _live_trial(session, trial_id, pack_id)
+            trials[trial_id] = _reporting_trial(session, trial_id, pack_id)
         trial = trials[trial_id]
-        if trial is None:
+        if trial is None or (split != METRIC_SPLIT and trial.state != states.TRIAL_RUNNING):
             continue
         step, loss = int(step), float(loss)
+        if split == METRIC_SPLIT and not 0.0 <= loss <= 1.0:  # a share of rows (NaN fails too): it would mis-rank
+            log.warning("dropping trial %s's metric score %r at step %s: not in [0, 1]", trial_id, loss, step)
+            continue
         rows.append({"trial_id": trial_id, "step": step, "split": split, "loss": loss})
         if split == "train" and step >= trial.steps_done:
             trial.steps_done = step
@@ -227,9 +234,25 @@ def _points(session: Session, m: dict[str, Any]) -> set[str]:
             validated.add(trial.task_id)
             if trial.best_val_loss is None or loss < trial.best_val_loss:
                 trial.best_val_loss, trial.best_step = loss, step
+        elif split == METRIC_SPLIT:
+            scored[trial_id] = trial
     if rows:
         session.execute(_insert_ignoring_duplicates(session, rows))
+    for trial in scored.values():
+        trial.metric_score = newest_metric_score(session, trial.id)
     return validated
+
+
+def _reporting_trial(session: Session, trial_id: str, pack_id: str) -> Trial | None:
+    """The trial, when its points from this pack count: running in it, or ended in it (a metric score comes when
+    a trial ends, also one stopped early whose best adapter its worker exported); locked as `_live_trial`."""
+    trial = session.get(Trial, trial_id, with_for_update=True)
+    if trial is None or trial.pack_id != pack_id or trial.state not in _REPORTING_STATES:
+        return None
+    return trial
+
+
+_REPORTING_STATES = (states.TRIAL_RUNNING, states.TRIAL_COMPLETED, states.TRIAL_STOPPED_EARLY)
 
 
 def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) -> Any:
@@ -260,6 +283,7 @@ def _trial_checkpoint_lost(session: Session, m: dict[str, Any]) -> None:
     session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id))
     trial.checkpoint_key, trial.checkpoint_step = None, None
     trial.steps_done, trial.best_val_loss, trial.best_step, trial.last_train_loss = 0, None, None, None
+    trial.metric_score = None
     record_event(
         session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.restarted",
         level="warn", message=f"trial {trial.index} starts again from step 0: its checkpoint "

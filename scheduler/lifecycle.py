@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
+from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, metric_of, rank_key
 from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from scheduler.cost import Progress, fit_profiles, samples_from_profiles
@@ -39,6 +41,7 @@ def requeue_trial(session: Session, trial: Trial, reason: str, *, refund: bool =
     trial.pack_id = None
     trial.steps_done = kept_step
     trial.best_val_loss, trial.best_step = _best_val(session, trial.id)
+    trial.metric_score = newest_metric_score(session, trial.id)
     trial.last_train_loss = session.scalar(
         select(MetricPoint.loss).where(MetricPoint.trial_id == trial.id, MetricPoint.split == "train",
                                        MetricPoint.step == kept_step)
@@ -66,6 +69,16 @@ def _best_val(session: Session, trial_id: str) -> tuple[float | None, int | None
         .limit(1)
     ).first()
     return (row[0], row[1]) if row else (None, None)
+
+
+def newest_metric_score(session: Session, trial_id: str) -> float | None:
+    """The score of the trial's "metric" point of the highest step (a later score replaces an earlier one)."""
+    return session.scalar(
+        select(MetricPoint.loss)
+        .where(MetricPoint.trial_id == trial_id, MetricPoint.split == METRIC_SPLIT)
+        .order_by(MetricPoint.step.desc())
+        .limit(1)
+    )
 
 
 def lose_pack(session: Session, pack: Pack, now: datetime, reason: str) -> None:
@@ -127,21 +140,26 @@ def finalize_tasks(session: Session, now: datetime) -> None:
             record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.failed",
                          level="error", message=task.error)
             continue
-        best = min(done, key=_rank_key)
+        metric = metric_of(task.spec)
+        best = best_trial(metric, done)
         task.state = states.TASK_SUCCEEDED
         task.best_trial_id = best.id
+        data: dict[str, Any] = {"best_trial_id": best.id, "best_val_loss": best.best_val_loss}
+        by = ""
+        if metric in GENERATIVE_METRICS:
+            data.update(metric=metric, metric_score=best.metric_score)
+            by = f" ({metric} {'n/a' if best.metric_score is None else f'{best.metric_score:.3f}'})"
         record_event(
             session, tenant_id=task.tenant_id, task_id=task.id, trial_id=best.id, type="task.succeeded",
-            message=f"{len(done)} of {len(trials)} trials completed; best is trial {best.index}",
-            data={"best_trial_id": best.id, "best_val_loss": best.best_val_loss},
+            message=f"{len(done)} of {len(trials)} trials completed; best is trial {best.index}{by}", data=data,
         )
 
 
-def _rank_key(trial: Trial) -> tuple[int, float, int]:
-    # Lowest validation loss wins; a trial without validation ranks after those with it, by train loss.
-    if trial.best_val_loss is not None:
-        return (0, trial.best_val_loss, trial.index)
-    return (1, trial.last_train_loss if trial.last_train_loss is not None else float("inf"), trial.index)
+def best_trial(metric: str, trials: Sequence[Trial]) -> Trial:
+    """The task's best of its finished trials, by its metric (common.metrics.rank_key): the lowest validation
+    loss, or the highest metric score (ties and unscored trials by validation loss)."""
+    return min(trials, key=lambda t: rank_key(metric, metric_score=t.metric_score, best_val_loss=t.best_val_loss,
+                                              last_train_loss=t.last_train_loss, index=t.index))
 
 
 def load_costs(session: Session) -> dict[str, ModelCost]:

@@ -15,7 +15,7 @@ One JSON object per line, one line per trial:
 
 Steps are integers from 0 to total_steps, strictly increasing within each list; samples and tokens seen
 are integers >= 0 (real counts, or step x per-step when that is all there is); a loss is a number, or null
-for a non-finite one (a diverged step). Other keys (the API adds task_id, index and state) are ignored.
+for a non-finite one (a diverged step). Other keys (the API adds task_id, index, state and metric) are ignored.
 
 Replay: all trials advance together, step by step (as the slots of a pack do). At every step at which
 any trial has a validation point (or reaches the end of its curve), `decide()` sees every trial's curve up

@@ -11,8 +11,9 @@ from sqlalchemy import select
 from api.deps import SessionDep, TenantDep
 from api.queries import get_trial, list_trials
 from api.schemas.common import INT32_MAX, ListPage, PathId, error_responses
-from api.schemas.trials import LossPoint, TrialMetrics, TrialOut
+from api.schemas.trials import LossPoint, MetricScore, TrialMetrics, TrialOut
 from api.services.adapters import adapter_download
+from common.metrics import METRIC_SPLIT
 from common.models import MetricPoint
 
 router = APIRouter(prefix="/tasks/{task_id}/trials", tags=["trials"], responses=error_responses(401, 404, 422))
@@ -38,7 +39,8 @@ def read_trial_metrics(
     step_from: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
     step_to: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
 ) -> TrialMetrics:
-    """Train and validation loss by step, optionally within [step_from, step_to]."""
+    """Train and validation loss by step, and the scores on the task's generative metric, optionally within
+    [step_from, step_to]."""
     trial = get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id)
     stmt = select(MetricPoint).where(MetricPoint.trial_id == trial.id)
     if step_from is not None:
@@ -46,9 +48,13 @@ def read_trial_metrics(
     if step_to is not None:
         stmt = stmt.where(MetricPoint.step <= step_to)
     curves: dict[str, list[LossPoint]] = {"train": [], "val": []}
+    scores: list[MetricScore] = []
     for point in session.scalars(stmt.order_by(MetricPoint.step)):
-        curves.setdefault(point.split, []).append(LossPoint(step=point.step, loss=point.loss))
-    return TrialMetrics(trial_id=trial.id, train=curves["train"], val=curves["val"])
+        if point.split == METRIC_SPLIT:
+            scores.append(MetricScore(step=point.step, score=point.loss))
+        else:
+            curves.setdefault(point.split, []).append(LossPoint(step=point.step, loss=point.loss))
+    return TrialMetrics(trial_id=trial.id, train=curves["train"], val=curves["val"], metric=scores)
 
 
 @router.get(

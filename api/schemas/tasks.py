@@ -19,12 +19,21 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    field_validator,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from api.schemas.common import FiniteFloat, RequestModel, Text, UtcDateTime
 from common.architectures import ALL_TARGET_MODULES
+from common.metrics import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_METRIC,
+    MAX_NEW_TOKENS_LIMIT,
+    MAX_PATTERN_LENGTH,
+    METRICS,
+    pattern_error,
+)
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 
 # The target names of every supported architecture, in canonical order; which of them a model has is checked
@@ -239,6 +248,51 @@ class Training(RequestModel):
     use_rslora: StrictBool = Field(default=False, description="Scale adapters by alpha/sqrt(r) instead of alpha/r.")
 
 
+def _not_for_metric(name: str, metric: str, reason: str) -> ValidationError:
+    return ValidationError.from_exception_data("Evaluation", [InitErrorDetails(
+        type=PydanticCustomError("unknown_parameter", "'{name}' is not a parameter of the '{metric}' metric "
+                                 "({reason}).", {"name": name, "metric": metric, "reason": reason}),
+        loc=(name,), input=None)])
+
+
+MetricName = Literal["loss", "exact_match", "contains", "regex", "json_valid"]
+assert get_args(MetricName) == METRICS and DEFAULT_METRIC == "loss"
+
+
+class Evaluation(RequestModel):
+    """How the trials are judged, and so which one is the best (common/metrics.py scores them)."""
+
+    metric: MetricName = Field(
+        default="loss",
+        description='"loss": the lowest validation loss wins. The others decode each validation row greedily with '
+        "every trial's best adapter when it ends and score the share of rows whose answer passes: exact_match "
+        "(the normalised answer equals the reference), contains (the normalised reference is in the answer), regex "
+        "(`pattern` matches the answer), json_valid (the answer parses as JSON); the highest score wins.")
+    max_new_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)] = Field(
+        default=DEFAULT_MAX_NEW_TOKENS, description="The longest answer decoded per row (generative metrics).")
+    pattern: Text | None = Field(
+        default=None, min_length=1, max_length=MAX_PATTERN_LENGTH,
+        description="A Python regular expression searched for in each answer; required by the regex metric, "
+        "refused by the others.")
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern is not None and (why := pattern_error(pattern)) is not None:
+            raise PydanticCustomError("regex_invalid", "Not a valid Python regular expression: {why}.", {"why": why})
+        return pattern
+
+    @model_validator(mode="after")
+    def _pattern_iff_regex(self) -> Evaluation:
+        if self.metric == "regex" and self.pattern is None:
+            raise ValidationError.from_exception_data("Evaluation", [InitErrorDetails(
+                type=PydanticCustomError("missing", "The regex metric needs a pattern."), loc=("pattern",),
+                input=None)])
+        if self.metric != "regex" and self.pattern is not None:
+            raise _not_for_metric("pattern", self.metric, "only regex takes a pattern")
+        return self
+
+
 class Scheduling(RequestModel):
     max_trials_per_pack: Annotated[StrictInt, Field(ge=1, le=64)] = Field(
         default=DEFAULT_MAX_TRIALS_PER_PACK,
@@ -267,6 +321,10 @@ class TaskCreate(RequestModel):
     seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
     training: Training = Field(default_factory=Training)
     scheduling: Scheduling = Field(default_factory=Scheduling)
+    evaluation: Evaluation = Field(
+        default_factory=Evaluation,
+        description='{"metric": "loss" | "exact_match" | "contains" | "regex" | "json_valid", "max_new_tokens", '
+        '"pattern"}: how the best trial is chosen; default the validation loss.')
 
 
 class TrialCounts(BaseModel):
@@ -284,6 +342,8 @@ class BestTrial(BaseModel):
     hyperparameters: dict[str, Any]
     best_val_loss: float | None
     best_step: int | None
+    metric_score: float | None = Field(
+        default=None, description="Its score on the task's generative metric (null for the loss metric).")
 
 
 class TaskOut(BaseModel):
@@ -305,6 +365,7 @@ class TaskOut(BaseModel):
     seed: int
     training: dict[str, Any]
     scheduling: dict[str, Any]
+    evaluation: dict[str, Any]
     trial_counts: TrialCounts
     progress: float = Field(ge=0, le=1)
     best_trial: BestTrial | None

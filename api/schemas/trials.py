@@ -1,4 +1,4 @@
-"""Trials of a task and their loss curves."""
+"""Trials of a task and their loss curves (and metric scores)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ class TrialOut(BaseModel):
     best_val_loss: float | None
     best_step: int | None
     last_train_loss: float | None
+    metric_score: float | None = Field(
+        description="The share of validation rows its best adapter answered right by the task's generative "
+        "metric (null for the loss metric, and until it has ended).")
     stop_reason: str | None
     error: str | None
     attempts: int
@@ -36,7 +39,8 @@ class TrialOut(BaseModel):
         return cls(
             id=t.id, task_id=t.task_id, index=t.index, state=t.state, hyperparameters=t.hyperparameters,
             total_steps=t.total_steps, steps_done=t.steps_done, best_val_loss=t.best_val_loss,
-            best_step=t.best_step, last_train_loss=t.last_train_loss, stop_reason=t.stop_reason,
+            best_step=t.best_step, last_train_loss=t.last_train_loss, metric_score=t.metric_score,
+            stop_reason=t.stop_reason,
             error=t.error, attempts=t.attempts, checkpoint_step=t.checkpoint_step,
             adapter_ready=t.adapter_key is not None, created_at=t.created_at,
             started_at=t.started_at, finished_at=t.finished_at,
@@ -48,8 +52,15 @@ class LossPoint(BaseModel):
     loss: float
 
 
+class MetricScore(BaseModel):
+    step: int
+    score: float = Field(description="The share of validation rows that passed the task's metric, in [0, 1].")
+
+
 class TrialMetrics(BaseModel):
     trial_id: str
     object: Literal["trial.metrics"] = "trial.metrics"
     train: list[LossPoint]
     val: list[LossPoint]
+    metric: list[MetricScore] = Field(
+        default_factory=list, description="Scores on the task's generative metric (one when the trial ended).")

@@ -2,12 +2,15 @@
 
     {"trial_id": "trial-…", "task_id": "task-…", "index": 0, "state": "completed",
      "hyperparameters": {...}, "samples_per_step": 4, "tokens_per_step": 2048, "total_steps": 500,
-     "train": [[step, samples seen, tokens seen, loss], ...], "val": [[...], ...]}
+     "train": [[step, samples seen, tokens seen, loss], ...], "val": [[...], ...],
+     "metric": [[step, samples seen, tokens seen, score], ...]}
 
 From the stored metric points: samples seen = batch size x step; tokens seen = batch size x max_seq_len x
 step, i.e. tokens_per_step is the task's max_seq_len per row — an upper bound (rows are cut at max_seq_len
 and shorter ones are padded, and padding is not trained on), the same for every trial of the task, which is
-what ranking trials at equal tokens needs. A non-finite loss is written as null. A task trained with
+what ranking trials at equal tokens needs. `metric`: the trial's scores on its task's generative metric (one
+point, at the step it ended; empty for the loss metric), which `loraplane replay` ignores. A non-finite loss is
+written as null. A task trained with
 early exit gives curves that end where its trials stopped; replaying a policy needs a sweep trained
 without (`early_exit: {"policy": "none"}`). The format is documented in scheduler/replay.py.
 """
@@ -23,6 +26,7 @@ from typing import Any
 from sqlalchemy import select
 
 from api.db import session_factory
+from common.metrics import METRIC_SPLIT
 from common.models import MetricPoint, Task, Trial
 
 
@@ -47,13 +51,14 @@ def curve_row(
     """The row of one trial from its (split, step, loss) points in step order."""
     batch = int(trial.hyperparameters.get("batch_size", 1))
     tokens_per_step = batch * max_seq_len
-    curves: dict[str, list[list[Any]]] = {"train": [], "val": []}
+    curves: dict[str, list[list[Any]]] = {"train": [], "val": [], METRIC_SPLIT: []}
     for split, step, loss in points:
         if split in curves:
             curves[split].append([step, step * batch, step * tokens_per_step, loss if math.isfinite(loss) else None])
     return {"trial_id": trial.id, "task_id": task_id, "index": trial.index, "state": trial.state,
             "hyperparameters": trial.hyperparameters, "samples_per_step": batch, "tokens_per_step": tokens_per_step,
-            "total_steps": trial.total_steps, "train": curves["train"], "val": curves["val"]}
+            "total_steps": trial.total_steps, "train": curves["train"], "val": curves["val"],
+            "metric": curves[METRIC_SPLIT]}
 
 
 def curve_lines(task: Task, trials: Sequence[Trial], after_step: int | None = None) -> Iterator[bytes]:

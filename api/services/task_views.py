@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import VALID_KEY
 from api.schemas.tasks import BestTrial, TaskOut, TrialCounts
+from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, RankKey, metric_of, rank_key
 from common.models import ApiKey, Task, Trial, as_utc, utcnow
 from common.states import TASK_RUNNING, TRIAL_FINAL, TRIAL_STATES
 
@@ -84,16 +85,20 @@ _TASK_STATUS = (
     .where(VALID_KEY, Task.id == bindparam("task_id"))
     .group_by(Task.id, Trial.state)
 )
-# The final best trial of a task that has one; for the others, every trial with a validation loss, ordered
-# so that the last row of a task is its lowest loss (the lowest index on ties).
+# The final best trial of a task that has one; for the others, every trial with a validation loss (the best
+# so far is picked from them by the task's metric: common.metrics.rank_key).
 _BEST_TRIALS = (
-    select(Trial.task_id, Trial.id, Trial.hyperparameters, Trial.best_val_loss, Trial.best_step)
+    select(Trial.task_id, Trial.id, Trial.hyperparameters, Trial.best_val_loss, Trial.best_step, Trial.metric_score,
+           Trial.last_train_loss, Trial.index)
     .where(or_(
         Trial.id.in_(bindparam("best_ids", expanding=True)),
         and_(Trial.task_id.in_(bindparam("open_ids", expanding=True)), Trial.best_val_loss.is_not(None)),
     ))
-    .order_by(Trial.best_val_loss.desc(), Trial.index.desc())
 )
+
+
+# The evaluation of a task stored before tasks chose one.
+LOSS_EVALUATION = {"metric": DEFAULT_METRIC, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "pattern": None}
 
 
 @dataclass
@@ -124,17 +129,25 @@ def trial_summaries(conn: Connection, task_ids: Sequence[str]) -> dict[str, Tria
 def best_trials(
     conn: Connection, tasks: Sequence[TaskFields], summaries: dict[str, TrialSummary]
 ) -> dict[str, BestTrial]:
-    """The final best trial once the task succeeded; until then, the lowest validation loss so far."""
+    """The final best trial once the task succeeded; until then, the best so far by the task's metric (the
+    lowest validation loss, or the highest metric score)."""
     best_ids = [t.best_trial_id for t in tasks if t.best_trial_id]
     open_ids = [t.id for t in tasks if not t.best_trial_id and summaries[t.id].with_val_loss]
     best: dict[str, BestTrial] = {}
     if not best_ids and not open_ids:
         return best
-    for task_id, trial_id, hyperparameters, best_val_loss, best_step in conn.execute(
-        _BEST_TRIALS, {"best_ids": best_ids, "open_ids": open_ids}
+    metrics = {t.id: metric_of(t.spec) for t in tasks}
+    keys: dict[str, RankKey] = {}
+    for task_id, trial_id, hyperparameters, best_val_loss, best_step, metric_score, last_train_loss, index in (
+        conn.execute(_BEST_TRIALS, {"best_ids": best_ids, "open_ids": open_ids})
     ):
+        key = rank_key(metrics[task_id], metric_score=metric_score, best_val_loss=best_val_loss,
+                       last_train_loss=last_train_loss, index=index)
+        if task_id in keys and keys[task_id] <= key:
+            continue
+        keys[task_id] = key
         best[task_id] = BestTrial(id=trial_id, hyperparameters=hyperparameters, best_val_loss=best_val_loss,
-                                  best_step=best_step)
+                                  best_step=best_step, metric_score=metric_score)
     return best
 
 
@@ -168,6 +181,7 @@ def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, n
         seed=spec["seed"],
         training=spec.get("training", {}),
         scheduling=spec["scheduling"],
+        evaluation=spec.get("evaluation") or LOSS_EVALUATION,
         trial_counts=counts,
         progress=round(summary.progress, 6),
         best_trial=best,

@@ -51,6 +51,8 @@ def _check_request(body: TaskCreate) -> Budget:
         raise invalid("Give epochs or max_steps, not both.", param="max_steps", code="conflicting_fields")
     require_max_trials(body.strategy, body.max_trials)
     split = None if body.validation_file is not None else body.validation_split or DEFAULT_VALIDATION_SPLIT
+    # A generative metric scores answers to validation rows, and every task has some: a validation_file, or a
+    # split > 0 (the schema refuses 0; default 0.1) that `_train_rows` refuses when it would hold out no row.
     epochs = None if body.max_steps is not None else body.epochs or DEFAULT_EPOCHS
     return Budget(epochs=epochs, max_steps=body.max_steps, validation_split=split)
 
@@ -213,6 +215,7 @@ def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], step
         "seed": body.seed,
         "training": body.training.model_dump(),
         "scheduling": body.scheduling.model_dump(),
+        "evaluation": body.evaluation.model_dump(),  # every field, defaults too: the worker reads it as stored
     }
 
 

@@ -21,6 +21,7 @@ from loraplane.client.models import (
     File,
     FileDeleted,
     LossPoint,
+    MetricScore,
     Model,
     Page,
     RegisteredModel,
@@ -35,6 +36,6 @@ from loraplane.client.models import (
 __all__ = [
     "TASK_FINAL_STATES", "TRIAL_FINAL_STATES", "APIConnectionError", "APIError", "ApiKey", "AsyncClient",
     "BestTrial", "Client", "ConfigurationError", "Event", "File", "FileDeleted", "LoraplaneError", "LossPoint",
-    "Model", "Page", "RegisteredModel", "Settings", "Task", "Tenant", "Trial", "TrialCounts", "TrialMetrics",
-    "WaitTimeout", "Worker", "config_path", "read_config", "resolve", "write_config",
+    "MetricScore", "Model", "Page", "RegisteredModel", "Settings", "Task", "Tenant", "Trial", "TrialCounts",
+    "TrialMetrics", "WaitTimeout", "Worker", "config_path", "read_config", "resolve", "write_config",
 ]

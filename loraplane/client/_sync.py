@@ -188,7 +188,8 @@ class Tasks:
 
     def metrics(self, task_id: str, trial_id: str, *, step_from: int | None = None,
                 step_to: int | None = None) -> TrialMetrics:
-        """The trial's train and validation loss by step, optionally within [step_from, step_to]."""
+        """The trial's train and validation loss by step (and `metric`: its scores on the task's generative metric),
+        optionally within [step_from, step_to]."""
         params = _core.params(step_from=step_from, step_to=step_to)
         return TrialMetrics.of(self._c._json("GET", f"/v1/tasks/{task_id}/trials/{trial_id}/metrics", params=params))
 

@@ -114,6 +114,7 @@ class BestTrial(ApiObject):
     hyperparameters: dict[str, Any]
     best_val_loss: float | None
     best_step: int | None
+    metric_score: float | None = None  # its score on the task's generative metric (None for the loss metric)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class Task(ApiObject):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    # {"metric", "max_new_tokens", "pattern"}: how the best trial is chosen (None: a server that does not say, loss).
+    evaluation: dict[str, Any] | None = None
 
     TIMES = frozenset({"created_at", "started_at", "finished_at"})
 
@@ -156,6 +159,16 @@ class Task(ApiObject):
     def done(self) -> bool:
         """succeeded, failed or cancelled: nothing will change any more."""
         return self.state in TASK_FINAL_STATES
+
+    @property
+    def metric(self) -> str:
+        """The metric the trials are judged by: "loss", or a generative one (exact_match, contains, regex,
+        json_valid) whose score is each trial's `metric_score`."""
+        return str((self.evaluation or {}).get("metric") or "loss")
+
+    @property
+    def generative(self) -> bool:
+        return self.metric != "loss"
 
 
 @dataclass(frozen=True)
@@ -178,6 +191,9 @@ class Trial(ApiObject):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    # The share of validation rows its best adapter answered right by the task's generative metric (None: the loss
+    # metric, or not scored yet).
+    metric_score: float | None = None
 
     TIMES = frozenset({"created_at", "started_at", "finished_at"})
 
@@ -193,17 +209,26 @@ class LossPoint:
 
 
 @dataclass(frozen=True)
+class MetricScore:
+    step: int
+    score: float
+
+
+@dataclass(frozen=True)
 class TrialMetrics(ApiObject):
     trial_id: str
     train: list[LossPoint]
     val: list[LossPoint]
+    metric: list[MetricScore] = field(default_factory=list)  # scores on the task's generative metric
 
     @classmethod
     def of(cls, raw: dict[str, Any]) -> TrialMetrics:
         def points(key: str) -> list[LossPoint]:
             return [LossPoint(step=int(p["step"]), loss=float(p["loss"])) for p in raw.get(key) or []]
 
-        return cls(trial_id=str(raw.get("trial_id")), train=points("train"), val=points("val"), raw=raw)
+        scores = [MetricScore(step=int(p["step"]), score=float(p["score"])) for p in raw.get("metric") or []]
+        return cls(trial_id=str(raw.get("trial_id")), train=points("train"), val=points("val"), metric=scores,
+                   raw=raw)
 
 
 @dataclass(frozen=True)

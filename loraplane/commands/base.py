@@ -139,6 +139,11 @@ def loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def score(value: float | None) -> str:
+    """A metric score (the share of validation rows that passed)."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def size(n: int | None) -> str:
     if n is None:
         return "-"

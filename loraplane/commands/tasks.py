@@ -26,7 +26,7 @@ from loraplane.commands.base import (
     table,
     when,
 )
-from loraplane.commands.watch import TRIAL_HEADERS, counts_text, outcome, trial_rows, watch
+from loraplane.commands.watch import counts_text, outcome, trial_headers, trial_rows, watch
 
 FILE_KEYS = ("training_file", "validation_file")
 
@@ -137,10 +137,26 @@ def by_val_loss(trials: list[Trial]) -> list[Trial]:
     return sorted(trials, key=lambda t: (t.best_val_loss is None, t.best_val_loss or 0.0, t.index))
 
 
+def ranked(task: Task, trials: list[Trial]) -> list[Trial]:
+    """As the task judges them: by validation loss, or for a generative metric the highest score first (trials
+    without one after them), ties by validation loss."""
+    trials = by_val_loss(trials)
+    if not task.generative:
+        return trials
+    return sorted(trials, key=lambda t: (t.metric_score is None, -(t.metric_score or 0.0)))  # stable: ties by loss
+
+
+def evaluation_text(task: Task) -> str:
+    evaluation = task.evaluation or {}
+    pattern = f" /{evaluation.get('pattern')}/" if task.metric == "regex" else ""
+    return (f"{task.metric}{pattern} on the validation rows, up to {evaluation.get('max_new_tokens')} new tokens "
+            "per answer")
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     with make_client(args) as lp:
         task = lp.tasks.get(args.task_id)
-        trials = by_val_loss(lp.tasks.trials(args.task_id).data)
+        trials = ranked(task, lp.tasks.trials(args.task_id).data)
     if args.json:
         emit({"task": task.raw, "trials": [t.raw for t in trials]})
         return 0
@@ -155,6 +171,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("budget", ", ".join(budget)),
         ("search", f"{task.strategy}, {counts_text(task)}"),
         ("early exit", policy),
+        *([("judged by", evaluation_text(task))] if task.generative else []),
         ("created", when(task.created_at)),
         ("started", when(task.started_at)),
         ("finished", when(task.finished_at)),
@@ -164,8 +181,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     for label, value in details:
         out(f"  {label:<11} {value}")
     out()
-    rows = [[*row[:1], trial.id, *row[1:]] for trial, row in zip(trials, trial_rows(trials), strict=True)]
-    out(table([TRIAL_HEADERS[0], "TRIAL", *TRIAL_HEADERS[1:]], rows, right=(0, 4, 5)))
+    metric = task.generative
+    rows = [[*row[:1], trial.id, *row[1:]] for trial, row in zip(trials, trial_rows(trials, metric), strict=True)]
+    headers = trial_headers(metric)
+    out(table([headers[0], "TRIAL", *headers[1:]], rows, right=(0, 4, 5, 6) if metric else (0, 4, 5)))
     stopped = [t for t in trials if t.stop_reason or t.error]
     for t in stopped:
         out(f"  #{t.index}: {t.stop_reason or ''}{': ' if t.stop_reason and t.error else ''}{t.error or ''}")
@@ -246,7 +265,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ls.add_argument("--after", metavar="TASK_ID", help="the page after this task")
     ls.set_defaults(func=guarded(cmd_list), client=True)
 
-    show = tsub.add_parser("show", parents=[common], help="a task, its trials by validation loss, its best trial")
+    show = tsub.add_parser("show", parents=[common],
+                           help="a task, its trials by validation loss (or its metric), its best trial")
     show.add_argument("task_id")
     show.set_defaults(func=guarded(cmd_show), client=True)
 

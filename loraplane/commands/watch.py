@@ -28,6 +28,7 @@ from loraplane.commands.base import (
     hyperparameters,
     loss,
     percent,
+    score,
     table,
 )
 
@@ -121,18 +122,24 @@ def outcome(task: Task, trials: list[Trial]) -> list[str]:
     if best is not None:
         index = next((t.index for t in trials if t.id == best.id), None)
         at = f" at step {best.best_step}" if best.best_step is not None else ""
-        lines.append(f"best trial: {best.id}" + (f" (#{index})" if index is not None else "")
+        scored = f"  {task.metric} {score(best.metric_score)}" if task.generative else ""
+        lines.append(f"best trial: {best.id}" + (f" (#{index})" if index is not None else "") + scored
                      + f"  val loss {loss(best.best_val_loss)}{at}  {hyperparameters(best.hyperparameters)}")
         lines.append(f"download it: loraplane tasks download {task.id}")
     return lines
 
 
-def trial_rows(trials: list[Trial]) -> list[list[Any]]:
+def trial_rows(trials: list[Trial], metric: bool = False) -> list[list[Any]]:
+    """`metric`: with the METRIC column (a task judged by a generative metric)."""
     return [[t.index, t.state, f"{t.steps_done}/{t.total_steps}", loss(t.last_train_loss), loss(t.best_val_loss),
-             hyperparameters(t.hyperparameters)] for t in trials]
+             *([score(t.metric_score)] if metric else []), hyperparameters(t.hyperparameters)] for t in trials]
 
 
 TRIAL_HEADERS = ["#", "STATE", "STEPS", "TRAIN", "BEST VAL", "HYPERPARAMETERS"]
+
+
+def trial_headers(metric: bool = False) -> list[str]:
+    return [*TRIAL_HEADERS[:-1], "METRIC", TRIAL_HEADERS[-1]] if metric else list(TRIAL_HEADERS)
 
 
 class _View:
@@ -212,7 +219,9 @@ class _LiveView(_View):
                 f"{percent(task.progress):>4}  {counts_text(task)}" + (f"  ETA {duration(eta)}" if eta else ""))
         room = max(1, height - 5)
         shown = trials[:room]
-        body = table(TRIAL_HEADERS, trial_rows(shown), right=(0, 3, 4)).splitlines() if trials else []
+        metric = task.generative
+        body = (table(trial_headers(metric), trial_rows(shown, metric), right=(0, 3, 4, 5) if metric else (0, 3, 4))
+                .splitlines() if trials else [])
         if len(trials) > room:
             body.append(f"... and {len(trials) - room} more trials")
         block = [head, *body] + ([self.last_event] if self.last_event else [])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 
 from fastapi.testclient import TestClient
 
@@ -14,9 +15,10 @@ from scheduler.replay import parse_rows, replay
 from tests.factories import TenantKey, make_task, trial_ids
 
 
-def add_points(trial_id: str, train: list[tuple[int, float]], val: list[tuple[int, float]]) -> None:
+def add_points(trial_id: str, train: list[tuple[int, float]], val: list[tuple[int, float]],
+               metric: Sequence[tuple[int, float]] = ()) -> None:
     with session_scope() as session:
-        for split, points in (("train", train), ("val", val)):
+        for split, points in (("train", train), ("val", val), ("metric", metric)):
             for step, loss in points:
                 session.add(MetricPoint(trial_id=trial_id, step=step, split=split, loss=loss))
 
@@ -39,7 +41,8 @@ def test_curves_are_one_row_per_trial_with_samples_and_tokens_seen(client: TestC
     assert first["train"] == [[1, batch, batch * 128, 3.0], [2, 2 * batch, 2 * batch * 128, None],
                               [3, 3 * batch, 3 * batch * 128, 2.5]]
     assert first["val"] == [[2, 2 * batch, 2 * batch * 128, 2.75]]
-    assert rows[1]["train"] == rows[1]["val"] == []
+    assert first["metric"] == []
+    assert rows[1]["train"] == rows[1]["val"] == rows[1]["metric"] == []
     assert {row["samples_per_step"] for row in rows} == {2, 8}
 
 
@@ -48,8 +51,9 @@ def test_exported_curves_replay(client: TestClient, tenant: TenantKey) -> None:
     curves = {}
     for i, trial_id in enumerate(trial_ids(task["id"])):
         curves[trial_id] = ([(s, 3.0 + i - s / 100) for s in range(1, 11)], [(5, 3.0 + i), (10, 2.9 + i)])
-        add_points(trial_id, *curves[trial_id])
+        add_points(trial_id, *curves[trial_id], metric=[(10, 0.5 - i / 10)])
     body = client.get(f"/v1/tasks/{task['id']}/curves", headers=tenant.headers).text
+    assert json.loads(body.splitlines()[0])["metric"] == [[10, 40, 40 * 512, 0.5]]  # replay ignores it
     sweep = parse_rows(body.splitlines())
     assert len(sweep) == 4 and sweep[0].curves.val[0].samples == 20 and sweep[0].curves.total_steps == 10
     # The scheduler builds the same curves from the same stored points (batch 4, max_seq_len 512).

@@ -40,6 +40,7 @@ def test_grid_2x2_makes_4_trials_with_their_hyperparameters_and_steps(client: Te
     assert task["eval_interval"] == 1  # max(1, 6 // 10)
     assert task["training"] == {"lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0,
                                 "max_grad_norm": None, "use_rslora": False}
+    assert task["evaluation"] == {"metric": "loss", "max_new_tokens": 32, "pattern": None}
 
 
 def test_training_options_are_stored_with_the_task(client: TestClient, tenant: TenantKey) -> None:
@@ -48,6 +49,41 @@ def test_training_options_are_stored_with_the_task(client: TestClient, tenant: T
     task = make_task(client, tenant, training=training)
     assert task["training"] == training
     assert client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()["training"] == training
+
+
+@pytest.mark.parametrize(("evaluation", "stored"), [
+    ({}, {"metric": "loss", "max_new_tokens": 32, "pattern": None}),
+    ({"metric": "exact_match"}, {"metric": "exact_match", "max_new_tokens": 32, "pattern": None}),
+    ({"metric": "contains", "max_new_tokens": 1}, {"metric": "contains", "max_new_tokens": 1, "pattern": None}),
+    ({"metric": "json_valid", "max_new_tokens": 512}, {"metric": "json_valid", "max_new_tokens": 512,
+                                                       "pattern": None}),
+    ({"metric": "regex", "pattern": r"^\s*(yes|no)\b"}, {"metric": "regex", "max_new_tokens": 32,
+                                                         "pattern": r"^\s*(yes|no)\b"}),
+])
+def test_evaluation_is_stored_with_its_defaults(client: TestClient, tenant: TenantKey, evaluation: dict,
+                                                stored: dict) -> None:
+    from common.db import session_scope
+
+    task = make_task(client, tenant, evaluation=evaluation)
+    assert task["evaluation"] == stored
+    assert client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()["evaluation"] == stored
+    with session_scope() as session:
+        row = session.get(Task, task["id"])
+        assert row is not None and row.spec["evaluation"] == stored  # what the worker reads, via the pack message
+    # Every task has validation rows to score (here the default split of 0.1).
+    assert task["validation_split"] == 0.1
+
+
+def test_a_task_stored_before_evaluation_shows_the_loss_metric(client: TestClient, tenant: TenantKey) -> None:
+    from common.db import session_scope
+
+    task = make_task(client, tenant)
+    with session_scope() as session:
+        row = session.get(Task, task["id"])
+        assert row is not None
+        row.spec = {k: v for k, v in row.spec.items() if k != "evaluation"}
+    shown = client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()
+    assert shown["evaluation"] == {"metric": "loss", "max_new_tokens": 32, "pattern": None}
 
 
 def test_total_steps_follow_each_trials_batch_size(client: TestClient, tenant: TenantKey) -> None:

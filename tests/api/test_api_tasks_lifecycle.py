@@ -24,7 +24,7 @@ def test_task_reports_counts_progress_best_trial_and_eta(client: TestClient, ten
                                     "failed": 0, "cancelled": 0}
     assert body["progress"] == 0.375  # (1 + 3/6) / 4
     assert body["best_trial"] == {
-        "id": ids[0], "best_val_loss": 0.42, "best_step": 5,
+        "id": ids[0], "best_val_loss": 0.42, "best_step": 5, "metric_score": None,
         "hyperparameters": client.get(f"/v1/tasks/{task['id']}/trials/{ids[0]}",
                                       headers=tenant.headers).json()["hyperparameters"],
     }
@@ -44,6 +44,29 @@ def test_best_trial_so_far_is_the_lowest_validation_loss_while_running(client: T
     assert body["best_trial"]["id"] == ids[1] and body["best_trial"]["best_val_loss"] == 0.7
     listed = client.get("/v1/tasks", headers=tenant.headers).json()["data"][0]
     assert listed["best_trial"]["id"] == ids[1]
+
+
+def test_best_trial_so_far_is_the_highest_metric_score_for_a_generative_metric(
+    client: TestClient, tenant: TenantKey
+) -> None:
+    task = make_task(client, tenant, evaluation={"metric": "contains"})
+    loss_task = make_task(client, tenant)
+    for t in (task, loss_task):
+        ids = trial_ids(t["id"])
+        update_row(Trial, ids[0], state="running", steps_done=3, best_val_loss=0.9, best_step=3)
+        update_row(Trial, ids[1], state="completed", steps_done=6, best_val_loss=0.7, best_step=6, metric_score=0.25)
+        update_row(Trial, ids[2], state="completed", steps_done=6, best_val_loss=0.8, best_step=6, metric_score=0.5)
+        update_row(Trial, ids[3], state="completed", steps_done=6, best_val_loss=0.75, best_step=6, metric_score=0.5)
+        update_row(Task, t["id"], state="running", started_at=utcnow())
+    ids = trial_ids(task["id"])
+    body = client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()
+    # The highest score; of the two at 0.5 the lower validation loss. A trial not scored yet ranks last.
+    assert body["best_trial"]["id"] == ids[3] and body["best_trial"]["metric_score"] == 0.5
+    assert body["evaluation"] == {"metric": "contains", "max_new_tokens": 32, "pattern": None}
+    listed = {t["id"]: t for t in client.get("/v1/tasks", headers=tenant.headers).json()["data"]}
+    assert listed[task["id"]]["best_trial"]["id"] == ids[3]
+    # The same trials judged by loss: the lowest validation loss, whatever the scores.
+    assert listed[loss_task["id"]]["best_trial"]["id"] == trial_ids(loss_task["id"])[1]
 
 
 def test_finished_and_stopped_trials_count_fully(client: TestClient, tenant: TenantKey) -> None:

@@ -76,6 +76,37 @@ CASES: list[tuple[str, dict[str, Any], int, str | None, str]] = [
      "invalid_value"),
     ("pack-big", {"scheduling": {"max_trials_per_pack": 65}}, 422, "scheduling.max_trials_per_pack",
      "invalid_value"),
+    ("metric-unknown", {"evaluation": {"metric": "bleu"}}, 422, "evaluation.metric", "invalid_value"),
+    ("metric-null", {"evaluation": {"metric": None}}, 422, "evaluation.metric", "invalid_value"),
+    ("evaluation-string", {"evaluation": "exact_match"}, 422, "evaluation", "invalid_value"),
+    ("evaluation-extra", {"evaluation": {"metric": "contains", "temperature": 0.7}}, 422, "evaluation.temperature",
+     "unknown_field"),
+    ("regex-no-pattern", {"evaluation": {"metric": "regex"}}, 422, "evaluation.pattern", "missing_field"),
+    ("regex-bad-pattern", {"evaluation": {"metric": "regex", "pattern": "(unclosed"}}, 422, "evaluation.pattern",
+     "invalid_regex"),
+    ("regex-bad-escape", {"evaluation": {"metric": "regex", "pattern": "\\"}}, 422, "evaluation.pattern",
+     "invalid_regex"),
+    ("regex-repeat-too-large", {"evaluation": {"metric": "regex", "pattern": "a{99999999999}"}}, 422,
+     "evaluation.pattern", "invalid_regex"),
+    ("regex-empty-pattern", {"evaluation": {"metric": "regex", "pattern": ""}}, 422, "evaluation.pattern",
+     "invalid_value"),
+    ("regex-pattern-too-long", {"evaluation": {"metric": "regex", "pattern": "a" * 501}}, 422, "evaluation.pattern",
+     "invalid_value"),
+    ("regex-pattern-not-string", {"evaluation": {"metric": "regex", "pattern": 1}}, 422, "evaluation.pattern",
+     "invalid_value"),
+    ("regex-pattern-control-char", {"evaluation": {"metric": "regex", "pattern": "a\nb"}}, 422,
+     "evaluation.pattern", "invalid_characters"),
+    ("pattern-for-exact-match", {"evaluation": {"metric": "exact_match", "pattern": "\\d+"}}, 422,
+     "evaluation.pattern", "unknown_field"),
+    ("pattern-for-loss", {"evaluation": {"pattern": "\\d+"}}, 422, "evaluation.pattern", "unknown_field"),
+    ("new-tokens-zero", {"evaluation": {"metric": "exact_match", "max_new_tokens": 0}}, 422,
+     "evaluation.max_new_tokens", "invalid_value"),
+    ("new-tokens-over-limit", {"evaluation": {"metric": "exact_match", "max_new_tokens": 513}}, 422,
+     "evaluation.max_new_tokens", "invalid_value"),
+    ("new-tokens-float", {"evaluation": {"metric": "contains", "max_new_tokens": 16.0}}, 422,
+     "evaluation.max_new_tokens", "invalid_value"),
+    ("generative-split-zero", {"evaluation": {"metric": "exact_match"}, "validation_split": 0}, 422,
+     "validation_split", "invalid_value"),
     ("no-space", {"search_space": None}, 422, "search_space", "missing_field"),
     ("space-not-object", {"search_space": [1]}, 422, "search_space", "invalid_value"),
     ("space-unknown-dim", {"search_space": {"rank": [8]}}, 422, "search_space.rank", "unknown_field"),
@@ -165,6 +196,28 @@ def test_one_row_file_cannot_be_split(client: TestClient, tenant: TenantKey) -> 
     r = client.post("/v1/tasks", headers=tenant.headers, json=task_body(file["id"]))
     assert (r.status_code, r.json()["error"]["param"]) == (422, "training_file")
     assert "validation_file" in r.json()["error"]["message"]
+
+
+def test_a_generative_metric_on_a_file_too_small_to_split_is_refused(client: TestClient, tenant: TenantKey) -> None:
+    """A generative metric scores answers to validation rows: a task always has some (a validation_file, or a
+    split > 0 that holds out at least one row), so it is refused where it would have none."""
+    file = upload(client, tenant, b'{"prompt": "a", "completion": "b"}\n')
+    body = task_body(file["id"], evaluation={"metric": "exact_match"})
+    r = client.post("/v1/tasks", headers=tenant.headers, json=body)
+    assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (422, "training_file",
+                                                                                      "invalid_file")
+    assert (count_rows(Task), count_rows(Trial)) == (0, 0)
+
+
+def test_a_bad_regex_is_a_422_in_the_one_error_shape(client: TestClient, tenant: TenantKey) -> None:
+    file = upload(client, tenant)
+    r = client.post("/v1/tasks", headers=tenant.headers,
+                    json=task_body(file["id"], evaluation={"metric": "regex", "pattern": "[a-"}))
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith("evaluation.pattern: Not a valid Python regular expression: ")
+    assert error["errors"] == [{"param": "evaluation.pattern", "code": "invalid_regex", "message": error["message"]
+                                .removeprefix("evaluation.pattern: ")}]
 
 
 def test_validation_errors_list_every_problem(client: TestClient, tenant: TenantKey) -> None:

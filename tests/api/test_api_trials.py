@@ -16,11 +16,15 @@ def test_list_and_get_trials(client: TestClient, tenant: TenantKey) -> None:
     first = trials["data"][0]
     assert set(first) == {
         "id", "object", "task_id", "index", "state", "hyperparameters", "total_steps", "steps_done", "best_val_loss",
-        "best_step", "last_train_loss", "stop_reason", "error", "attempts", "checkpoint_step", "adapter_ready",
-        "created_at", "started_at", "finished_at",
+        "best_step", "last_train_loss", "metric_score", "stop_reason", "error", "attempts", "checkpoint_step",
+        "adapter_ready", "created_at", "started_at", "finished_at",
     }
+    assert first["metric_score"] is None
     one = client.get(f"/v1/tasks/{task['id']}/trials/{first['id']}", headers=tenant.headers)
     assert one.status_code == 200 and one.json() == first
+    update_row(Trial, first["id"], metric_score=0.75)
+    assert client.get(f"/v1/tasks/{task['id']}/trials/{first['id']}", headers=tenant.headers).json()[
+        "metric_score"] == 0.75
 
 
 def test_trial_of_another_task_is_404(client: TestClient, tenant: TenantKey) -> None:
@@ -38,16 +42,19 @@ def test_trial_metrics_split_by_train_and_val_within_a_step_window(client: TestC
             session.add(MetricPoint(trial_id=trial_id, step=step, split="train", loss=3.0 - step * 0.1))
         for step in (2, 4, 6):
             session.add(MetricPoint(trial_id=trial_id, step=step, split="val", loss=3.5 - step * 0.1))
+        session.add(MetricPoint(trial_id=trial_id, step=6, split="metric", loss=0.625))
     url = f"/v1/tasks/{task['id']}/trials/{trial_id}/metrics"
     full = client.get(url, headers=tenant.headers).json()
     assert full["object"] == "trial.metrics" and full["trial_id"] == trial_id
     assert [p["step"] for p in full["train"]] == [1, 2, 3, 4, 5, 6]
     assert full["val"][0] == {"step": 2, "loss": 3.3}
+    assert full["metric"] == [{"step": 6, "score": 0.625}]  # the generative metric's score, beside the losses
     window = client.get(f"{url}?step_from=2&step_to=4", headers=tenant.headers).json()
     assert [p["step"] for p in window["train"]] == [2, 3, 4]
     assert [p["step"] for p in window["val"]] == [2, 4]
+    assert window["metric"] == []
     empty = client.get(f"/v1/tasks/{task['id']}/trials/{trial_ids(task['id'])[1]}/metrics", headers=tenant.headers)
-    assert empty.json()["train"] == [] and empty.json()["val"] == []
+    assert empty.json()["train"] == [] and empty.json()["val"] == [] and empty.json()["metric"] == []
 
 
 def test_adapter_is_409_until_it_exists_then_downloads(client: TestClient, tenant: TenantKey) -> None:

@@ -52,9 +52,11 @@ def start(task_id: str, steps_done: int = 1) -> list[str]:
     return ids
 
 
-def finish(task_id: str, val_losses: Sequence[float | None], states: Sequence[str] | None = None) -> list[str]:
+def finish(task_id: str, val_losses: Sequence[float | None], states: Sequence[str] | None = None,
+           metric_scores: Sequence[float | None] | None = None) -> list[str]:
     """Trial i ends in states[i] (completed) with best validation loss val_losses[i], its train and
-    validation points stored, and (when completed) its adapter; then the task gets its result."""
+    validation points stored, and (when completed) its adapter; then the task gets its result.
+    `metric_scores`: each trial's score on the task's generative metric (a "metric" point at its last step)."""
     from common.artifacts import adapter_key, get_artifact_store
     from common.db import session_scope
     from common.events import record_event
@@ -62,8 +64,9 @@ def finish(task_id: str, val_losses: Sequence[float | None], states: Sequence[st
 
     ids = trial_ids(task_id)
     states = states or ["completed"] * len(ids)
+    scores = metric_scores or [None] * len(ids)
     with session_scope() as session:
-        for trial_id, val, state in zip(ids, val_losses, states, strict=True):
+        for trial_id, val, state, score in zip(ids, val_losses, states, scores, strict=True):
             trial = session.get(Trial, trial_id)
             assert trial is not None
             n = trial.total_steps
@@ -76,6 +79,9 @@ def finish(task_id: str, val_losses: Sequence[float | None], states: Sequence[st
                              for s in range(1, n + 1)])
             if val is not None:
                 session.add(MetricPoint(trial_id=trial.id, step=n, split="val", loss=val))
+            if score is not None:
+                trial.metric_score = score
+                session.add(MetricPoint(trial_id=trial.id, step=n, split="metric", loss=score))
             if state == "completed":
                 key = adapter_key(task_id, trial.id)
                 get_artifact_store().put_bytes(key, adapter_archive(trial.hyperparameters["lora_rank"]))

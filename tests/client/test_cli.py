@@ -335,6 +335,37 @@ def test_tasks_list_show_cancel(cli: Cli, env: TenantKey, lp: Client) -> None:
     one_error_line(missing, "No task with id 'task-missing'.", "task_not_found")
 
 
+def test_tasks_show_a_generative_metric_with_its_column_and_ranking(cli: Cli, env: TenantKey, lp: Client) -> None:
+    task_id = submit(lp, evaluation={"metric": "regex", "pattern": r"^\d+$", "max_new_tokens": 8})
+    # Trial 1 has the lowest validation loss, trial 3 the highest score; trial 2 failed before it was scored.
+    trial_ids = sim.finish(task_id, [5.2, 4.9, None, 5.0], states=["completed", "completed", "failed", "completed"],
+                           metric_scores=[0.5, 0.25, None, 0.75])
+    task = lp.tasks.get(task_id)
+    assert (task.metric, task.generative) == ("regex", True)
+    assert task.evaluation == {"metric": "regex", "max_new_tokens": 8, "pattern": r"^\d+$"}
+    assert task.best_trial is not None and (task.best_trial.id, task.best_trial.metric_score) == (trial_ids[3], 0.75)
+    assert [t.metric_score for t in lp.tasks.trials(task_id)] == [0.5, 0.25, None, 0.75]
+    metrics = lp.tasks.metrics(task_id, trial_ids[3])
+    assert [(p.step, p.score) for p in metrics.metric] == [(4, 0.75)]
+
+    shown = cli("tasks", "show", task_id)
+    assert shown.code == 0, shown.err
+    lines = shown.out.splitlines()
+    assert "  judged by   regex /^\\d+$/ on the validation rows, up to 8 new tokens per answer" in lines
+    header = next(i for i, line in enumerate(lines) if line.startswith("#"))
+    assert lines[header].split()[:8] == ["#", "TRIAL", "STATE", "STEPS", "TRAIN", "BEST", "VAL", "METRIC"]
+    rows = [line.split() for line in lines[header + 1:header + 5]]
+    # By score (the one without any last), each with its score.
+    assert [(r[1], r[6]) for r in rows] == [(trial_ids[3], "0.750"), (trial_ids[0], "0.500"),
+                                            (trial_ids[1], "0.250"), (trial_ids[2], "-")]
+    assert f"best trial: {trial_ids[3]} (#3)  regex 0.750  val loss 5.0000" in shown.out
+
+    loss_id = submit(lp)
+    sim.finish(loss_id, [5.2, 4.9, 5.1, 5.0])
+    plain = cli("tasks", "show", loss_id).out
+    assert "METRIC" not in plain and "judged by" not in plain and "best trial: " in plain
+
+
 def test_tasks_download_unpacks_adapters(cli: Cli, env: TenantKey, lp: Client, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     task_id = submit(lp)

@@ -119,6 +119,7 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
             assert d.startswith("M") and d.count("L") >= 1, (i, kind, d)
     expect(page.locator("svg.chart g.trial.best")).to_have_count(1)
     expect(page.locator("#trials tbody tr")).to_have_count(4)
+    expect(page.locator("#trials td.metric")).to_have_count(0)  # judged by loss: no metric column
     best_row = page.locator("#trials tbody tr.best")
     expect(best_row).to_have_count(1)
     best_trial = best_row.get_attribute("data-trial")
@@ -163,6 +164,35 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
     time.sleep(4)
     assert asked == [], asked
     shot(page, "04-tasks")
+
+
+def test_a_task_judged_by_its_own_metric_shows_each_trials_score(
+    page: Any, service: Service, console: Console
+) -> None:
+    """Issue 17 end to end: the worker scores each trial's best adapter on the validation rows when it ends
+    (the tiny random model answers nonsense, so the scores are low but present) and the page shows them."""
+    tenant = {"Authorization": f"Bearer {service.tenant_key}"}
+    file_id = httpx.post(f"{service.base_url}/v1/files", headers=tenant,
+                         files={"file": ("metric.jsonl", arithmetic_rows())}).json()["id"]
+    task = httpx.post(f"{service.base_url}/v1/tasks", headers=tenant, json={
+        "base_model": "tiny-random-llama", "training_file": file_id, "validation_split": 0.1,
+        "search_space": {"lora_rank": [2, 4]}, "max_steps": 4, "max_seq_len": 64,
+        "evaluation": {"metric": "exact_match", "max_new_tokens": 4}}).json()
+    assert task["evaluation"] == {"metric": "exact_match", "max_new_tokens": 4, "pattern": None}, task
+    sign_in(page, service.tenant_key)
+    expect(page.get_by_role("heading", name="Tasks")).to_be_visible()
+    page.goto(f"/#/tasks/{task['id']}")
+    summary = page.get_by_role("region", name="Summary")
+    expect(summary.locator(".badge").first).to_have_text("succeeded", timeout=120_000)
+    expect(page.get_by_role("button", name=re.compile(r"^Metric \(exact_match\)"))).to_be_visible()
+    cells = page.locator("#trials td.metric")
+    expect(cells).to_have_count(2)
+    for i in range(2):
+        expect(cells.nth(i)).to_have_text(re.compile(r"^[01]\.\d{3}$"))
+    expect(page.locator("#best-metric")).to_have_text(re.compile(r"^[01]\.\d{3}$"))
+    trials = httpx.get(f"{service.base_url}/v1/tasks/{task['id']}/trials", headers=tenant).json()["data"]
+    assert all(t["metric_score"] is not None and 0 <= t["metric_score"] <= 1 for t in trials), trials
+    shot(page, "04b-task-metric")
 
 
 def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Service) -> None:

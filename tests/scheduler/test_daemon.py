@@ -37,7 +37,8 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
 
 
 def make_task(n_trials: int, cap: int = 8, early_exit: dict[str, object] | None = None, steps: int = 4, *,
-              model: str = "tiny-random-llama", seq_len: int = 64, batch: int = 2) -> tuple[str, list[str]]:
+              model: str = "tiny-random-llama", seq_len: int = 64, batch: int = 2,
+              evaluation: dict[str, object] | None = None) -> tuple[str, list[str]]:
     with session_scope() as s:
         ensure_default_models(s)
         tenant = Tenant(id=new_id("ten"), name=new_id("n"), max_concurrent_trials=10, max_trials_per_task=10,
@@ -48,7 +49,8 @@ def make_task(n_trials: int, cap: int = 8, early_exit: dict[str, object] | None 
                     training_file_id=file.id, state=states.TASK_QUEUED,
                     spec={"max_seq_len": seq_len, "eval_interval": 2, "validation_split": 0.2, "seed": 0,
                           "scheduling": {"max_trials_per_pack": cap},
-                          "early_exit": early_exit or {"policy": "none"}})
+                          "early_exit": early_exit or {"policy": "none"},
+                          **({"evaluation": evaluation} if evaluation is not None else {})})
         s.add(tenant)
         s.flush()
         s.add(file)
@@ -691,3 +693,133 @@ def test_a_trial_that_overfits_while_it_waits_is_placed_again_to_export_its_best
         assert (trial.state, trial.stop_reason) == (states.TRIAL_STOPPED_EARLY, "overfitting")
     (command,) = commands("stop_trials", start)
     assert (command["mode"], command["trial_ids"]) == ("export", [first])
+
+
+# ---- the task's own metric (issue 17): "metric" points, metric_score, the best trial by score ----------------------
+
+
+def exact_match(max_new_tokens: int = 32) -> dict[str, object]:
+    return {"metric": "exact_match", "max_new_tokens": max_new_tokens, "pattern": None}
+
+
+@pytest.mark.parametrize(("evaluation", "winner"), [(exact_match(), 0), (None, 1),
+                                                    ({"metric": "loss", "max_new_tokens": 32, "pattern": None}, 1)])
+def test_metric_points_set_the_score_and_a_generative_metric_picks_the_highest(
+        daemon: SchedulerDaemon, evaluation: dict[str, object] | None, winner: int) -> None:
+    """Trial 0 answers better (0.75 against 0.25) with a worse validation loss (1.0 against 0.5): it wins when
+    the task is judged by exact_match, and trial 1 wins by loss. The score is the "metric" point of the highest
+    step (a later one replaces an earlier; a replayed one changes nothing), sent in a "points" message and
+    repeated in the trial's "trial.finished"."""
+    task_id, trials = make_task(2, evaluation=evaluation)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    scores, losses = (0.75, 0.25), (1.0, 0.5)
+    for trial_id, score, loss in zip(trials, scores, losses, strict=True):
+        curve(pack.id, trial_id, [2.0, 1.5, 1.2, 1.1], {2: loss + 0.1, 4: loss})
+        report("points", pack_id=pack.id, points=[[trial_id, 2, "metric", 0.0], [trial_id, 4, "metric", score]])
+        report("points", pack_id=pack.id, points=[[trial_id, 2, "metric", 0.5]])  # replayed, older: no change
+        report("trial.finished", pack_id=pack.id, trial_id=trial_id, status="completed", steps_done=4,
+               best_val_loss=loss, best_step=4, final_train_loss=1.1, adapter_key=f"adapters/{trial_id}.tar.gz",
+               points=[[trial_id, 4, "metric", score]])
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        got = {t.id: t.metric_score for t in s.scalars(select(Trial))}
+        assert got == dict(zip(trials, scores, strict=True))
+        stored = sorted((p.trial_id, p.step, p.loss) for p in s.scalars(
+            select(MetricPoint).where(MetricPoint.split == "metric")))
+        assert stored == sorted([(t, 2, 0.0) for t in trials] + list(zip(trials, (4, 4), scores, strict=True)))
+        # Not validation points: best_val_loss comes from the val points only.
+        assert {t.id: t.best_val_loss for t in s.scalars(select(Trial))} == dict(zip(trials, losses, strict=True))
+        task = s.get_one(Task, task_id)
+        assert task.state == states.TASK_SUCCEEDED and task.best_trial_id == trials[winner]
+        succeeded = s.scalars(select(Event).where(Event.type == "task.succeeded")).one()
+        if evaluation and evaluation["metric"] == "exact_match":
+            assert succeeded.data["metric_score"] == 0.75 and "exact_match 0.750" in succeeded.message
+        else:
+            assert "metric_score" not in succeeded.data
+
+
+def test_the_pack_message_carries_the_tasks_evaluation(daemon: SchedulerDaemon) -> None:
+    from scheduler.dispatch import pack_message, trial_payload
+
+    evaluation = {"metric": "regex", "max_new_tokens": 8, "pattern": r"\d+"}
+    _, (scored,) = make_task(1, evaluation=evaluation)
+    _, (old,) = make_task(1)  # a task stored before evaluation existed
+    heartbeat()
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        pack = s.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE))).one()
+        sent = {t["trial_id"]: t["evaluation"] for t in pack_message(s, pack)["trials"]}
+        assert sent.get(scored, evaluation) == evaluation and sent.get(old) is None
+        payloads = {}
+        for trial_id in (scored, old):
+            trial = s.get_one(Trial, trial_id)
+            payloads[trial_id] = trial_payload(trial, s.get_one(Task, trial.task_id))["evaluation"]
+    assert payloads == {scored: evaluation, old: None}
+
+
+def test_an_overfitting_trial_scored_as_its_adapter_is_exported_can_win_by_its_metric(
+        daemon: SchedulerDaemon) -> None:
+    """A trial stopped early for overfitting is scored with its exported best adapter: its "metric" point comes
+    with the trial.finished that reports the export (the trial is no longer running), and counts. Early exit,
+    which decides again on that report, reads the train and val points only."""
+    task_id, (fit, over) = make_task(2, early_exit={"policy": "alto", "keep_ratio": 1.0, "ema_alpha": 1.0},
+                                     steps=40, evaluation={"metric": "contains", "max_new_tokens": 16,
+                                                           "pattern": None})
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    curve(pack.id, fit, [2.0] * 10, {2: 2.2, 6: 2.15, 10: 2.1})
+    curve(pack.id, over, [2.0] + [1.0] * 9, {2: 2.0, 6: 1.5, 10: 1.9})
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Trial, over).state == states.TRIAL_STOPPED_EARLY
+    report("trial.finished", pack_id=pack.id, trial_id=over, status="stopped", steps_done=10, best_val_loss=1.5,
+           best_step=6, final_train_loss=1.0, adapter_key="adapters/over.tar.gz", points=[[over, 10, "metric", 0.9]])
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Trial, over).metric_score == 0.9
+        assert s.get_one(Trial, fit).state == states.TRIAL_RUNNING
+    # The other trial trains on to a better validation loss than "over" had, but answers worse.
+    curve(pack.id, fit, [1.0] * 40, {20: 1.2, 40: 1.1})
+    report("trial.finished", pack_id=pack.id, trial_id=fit, status="completed", steps_done=40, best_val_loss=1.1,
+           best_step=40, final_train_loss=1.0, adapter_key="adapters/fit.tar.gz", points=[[fit, 40, "metric", 0.4]])
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        assert s.get_one(Trial, fit).metric_score == 0.4
+        task = s.get_one(Task, task_id)
+        assert task.state == states.TASK_SUCCEEDED and task.best_trial_id == over
+
+
+def test_a_metric_point_from_another_pack_or_out_of_range_is_dropped(daemon: SchedulerDaemon) -> None:
+    _, (trial_id,) = make_task(1, evaluation=exact_match())
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    report("points", pack_id="pack-other", points=[[trial_id, 4, "metric", 1.0]])
+    report("points", pack_id=pack.id, points=[[trial_id, 2, "metric", 1.5], [trial_id, 3, "metric", float("nan")],
+                                              [trial_id, 1, "metric", 0.5]])
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Trial, trial_id).metric_score == 0.5
+        assert [(p.step, p.loss) for p in s.scalars(select(MetricPoint))] == [(1, 0.5)]
+
+
+def test_the_best_trial_is_ranked_by_the_tasks_metric() -> None:
+    from scheduler.lifecycle import best_trial
+
+    def trial(index: int, score: float | None, val: float | None) -> Trial:
+        return Trial(id=f"t{index}", index=index, metric_score=score, best_val_loss=val, last_train_loss=2.0)
+
+    trials = [trial(0, 0.5, 1.0), trial(1, 0.5, 0.9), trial(2, None, 0.1), trial(3, 0.25, 0.2)]
+    assert best_trial("exact_match", trials).id == "t1"  # the highest score, then the lower validation loss
+    assert best_trial("loss", trials).id == "t2"
+    assert best_trial("json_valid", [trials[2], trial(4, None, 0.05)]).id == "t4"  # none scored: by loss

@@ -27,6 +27,16 @@ const COLUMNS = [
   { key: "train", label: "Last train", value: (t) => t.last_train_loss },
   { key: "val", label: "Best val", value: (t) => t.best_val_loss },
 ];
+// A task judged by a generative metric (exact_match, contains, regex, json_valid) adds its score per trial.
+const METRIC_COLUMN = { key: "metric", label: "Metric", value: (t) => t.metric_score };
+
+/** The task's generative metric, or null when it is judged by validation loss. */
+function metricOf(task) {
+  const metric = task?.evaluation?.metric;
+  return metric && metric !== "loss" ? metric : null;
+}
+
+const score = (x) => (x === null || x === undefined ? "—" : Number(x).toFixed(3));
 
 function compare(a, b) {
   if (a === b) return 0;
@@ -91,6 +101,8 @@ export function mount(root, { params }) {
       ["Progress", h("span", { class: "progress-cell" }, progressBar(t.progress, "Task progress"), fmt.pct(t.progress))],
       ["Trials", trialSummary(t.trial_counts)],
       ["Best val loss", t.best_trial ? `${fmt.loss(t.best_trial.best_val_loss)} (step ${fmt.num(t.best_trial.best_step)})` : "—"],
+      ...(metricOf(t) ? [["Best " + metricOf(t), h("span", { id: "best-metric" },
+        t.best_trial ? score(t.best_trial.metric_score) : "—")]] : []),
       ["Time left", t.state === "running" ? fmt.duration(t.estimated_seconds_left) : "—"],
       ["Early exit", t.early_exit.policy],
       ["Created", fmt.datetime(t.created_at)],
@@ -140,10 +152,12 @@ export function mount(root, { params }) {
   }
 
   function renderTable() {
+    const metric = metricOf(state.task);
+    const columns = metric ? [...COLUMNS, { ...METRIC_COLUMN, label: `Metric (${metric})` }] : COLUMNS;
     const { key, dir } = state.sort;
-    const column = COLUMNS.find((c) => c.key === key);
+    const column = columns.find((c) => c.key === key) || COLUMNS.find((c) => c.key === "val");
     const rows = [...state.trials].sort((a, b) => dir * compare(column.value(a), column.value(b)) || a.index - b.index);
-    const head = h("tr", {}, COLUMNS.map((c) => h("th", { scope: "col",
+    const head = h("tr", {}, columns.map((c) => h("th", { scope: "col",
       "aria-sort": c.key === key ? (dir > 0 ? "ascending" : "descending") : "none" },
     h("button", { type: "button", class: "sort", onclick: () => {
       state.sort = { key: c.key, dir: c.key === key ? -dir : 1 };
@@ -166,6 +180,7 @@ export function mount(root, { params }) {
         h("td", {}, fmt.modules(hp.target_modules)),
         h("td", { class: "num" }, fmt.loss(t.last_train_loss)),
         h("td", { class: "num" }, fmt.loss(t.best_val_loss)),
+        metric ? h("td", { class: "num metric" }, score(t.metric_score)) : null,
         h("td", { class: "small" }, t.stop_reason || t.error || ""),
         h("td", {}, h("button", { type: "button", class: "small-button", disabled: !t.adapter_ready,
           "aria-label": `Download the adapter of trial ${t.index}`,
