@@ -68,8 +68,8 @@ def _read_json(path: Path) -> Any:
         raise ModelDirError("model_config_invalid", message) from exc
 
 
-def _architecture(config: dict[str, Any], where: Path) -> tuple[str, dict[str, Any]]:
-    """(model_type, the config holding the language model's fields)."""
+def _architecture(config: dict[str, Any], where: Path) -> str:
+    """The config's model_type, when it is a supported one."""
     model_type = config.get("model_type")
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     if not isinstance(model_type, str) or not model_type:
@@ -82,7 +82,7 @@ def _architecture(config: dict[str, Any], where: Path) -> tuple[str, dict[str, A
     if model_type not in TARGET_MODULES:
         raise ModelDirError("unsupported_architecture",
                             f"model_type '{model_type}' in {where} is not supported; supported: {supported}.")
-    return model_type, config
+    return model_type
 
 
 def _has_chat_template(directory: Path) -> bool:
@@ -116,13 +116,13 @@ def inspect_model_dir(path: str | Path) -> ModelInfo:
     config = _read_json(config_path)
     if not isinstance(config, dict):
         raise ModelDirError("model_config_invalid", f"config.json in {directory} is not a JSON object.")
-    architecture, text_config = _architecture(config, directory)
+    architecture = _architecture(config, directory)
     if not any(directory.glob("*.safetensors")):
         raise ModelDirError("model_weights_missing", f"{directory} has no weights (*.safetensors files).")
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ModelDirError("model_tokenizer_missing",
                             f"{directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)}).")
-    max_context = text_config.get("max_position_embeddings")
+    max_context = config.get("max_position_embeddings")
     return ModelInfo(
         architecture=architecture,
         max_context=max_context if isinstance(max_context, int) and not isinstance(max_context, bool) else None,
