@@ -7,6 +7,9 @@ from typing import Any
 import torch
 
 from worker.engine import ModelSource, TrialSpec
+from worker.engine.data import BatchSampler, collate, encode_rows
+from worker.engine.spec import trial_seed
+from worker.engine.store import ModuleTensors
 
 TINY = ModelSource(name="tiny-random-llama", kind="tiny-random-llama")
 CPU = torch.device("cpu")
@@ -65,3 +68,36 @@ def assert_rel_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -
     near-zero weight."""
     err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
     assert err < rel, f"relative error {err:.2e} >= {rel:.0e}"
+
+
+def peft_adamw_reference(model: Any, tokenizer: Any, spec: TrialSpec, init: ModuleTensors, steps: int
+                         ) -> tuple[Any, list[float]]:
+    """What the engine's training of one trial must equal: ``model`` wrapped by PEFT with ``spec``'s LoRA, starting
+    from the engine's initial adapter ``init``, trained ``steps`` steps by torch AdamW with ``spec``'s
+    hyperparameters on ``spec``'s batches (the same sampler, padded batches, the mean target-token loss, no
+    dropout). Returns the PEFT model and its losses."""
+    import peft
+
+    assert spec.lora_alpha.is_integer(), "PEFT's LoraConfig takes an integer alpha"
+    config = peft.LoraConfig(r=spec.lora_rank, lora_alpha=int(spec.lora_alpha), lora_dropout=0.0,
+                             target_modules=list(spec.target_modules))
+    peft_model: Any = peft.get_peft_model(model, config)
+    for path, (a, b) in init.items():
+        layer = peft_model.base_model.model.get_submodule(path)
+        layer.lora_A["default"].weight.data.copy_(a)
+        layer.lora_B["default"].weight.data.copy_(b)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=spec.learning_rate, betas=(spec.beta1, spec.beta2), eps=spec.eps,
+                                  weight_decay=spec.weight_decay)
+    examples = encode_rows(spec.train_rows, tokenizer, spec.max_seq_len)
+    sampler = BatchSampler(len(examples), spec.batch_size, trial_seed(spec.seed, "data"))
+    losses = []
+    for _ in range(steps):
+        batch = collate([examples[i] for i in sampler.next_indices()], int(tokenizer.pad_token_id))
+        logits = peft_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        loss = token_loss_sum(logits, batch.labels) / int((batch.labels[:, 1:] != -100).sum())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return peft_model, losses

@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-import peft
 import pytest
 import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from common.architectures import target_modules_for
-from tests.engine.factories import CPU, assert_rel_close, chat_rows, completion_rows, make_spec, token_loss_sum
+from tests.engine.factories import CPU, assert_rel_close, chat_rows, completion_rows, make_spec, peft_adamw_reference
 from tests.model_dirs import ARCHITECTURES, tiny_model_dir
 from worker.engine import ModelSource, PackEngine, TrialSpec, adapter_logits, load_base_model, train_pack
-from worker.engine.data import BatchSampler, collate, encode_rows
+from worker.engine.data import encode_rows
 from worker.engine.lora import resolve_target_modules
-from worker.engine.spec import trial_seed
 from worker.engine.store import ModuleTensors
 
 Model = tuple[PreTrainedModel, PreTrainedTokenizerBase]
@@ -89,27 +86,11 @@ def test_training_matches_peft_with_torch_adamw(model_dirs: dict[str, Path], arc
         trained = engine.adapter(slot)
 
     reference_model, tokenizer = _reference(model_dirs, architecture)
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
-    peft_model: Any = peft.get_peft_model(reference_model, config)
-    for path, (a, b) in init.items():
-        layer = peft_model.base_model.model.get_submodule(path)
-        layer.lora_A["default"].weight.data.copy_(a)
-        layer.lora_B["default"].weight.data.copy_(b)
+    peft_model, reference = peft_adamw_reference(reference_model, tokenizer, spec, init, 4)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     assert len(params) == 2 * len(init) > 0
-    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
     examples = encode_rows(spec.train_rows, tokenizer, spec.max_seq_len)
     assert max(len(e.input_ids) for e in examples) > 16  # past the sliding window
-    sampler = BatchSampler(len(examples), 3, trial_seed(spec.seed, "data"))
-    reference = []
-    for _ in range(4):
-        batch = collate([examples[i] for i in sampler.next_indices()], int(tokenizer.pad_token_id))
-        logits = peft_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        loss = token_loss_sum(logits, batch.labels) / int((batch.labels[:, 1:] != -100).sum())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        reference.append(loss.item())
     torch.testing.assert_close(losses, reference, rtol=_tolerance(architecture), atol=1e-6)
     for path, (a, b) in trained.items():
         layer = peft_model.base_model.model.get_submodule(path)

@@ -5,15 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import peft
 import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import CPU, assert_rel_close, chat_rows, completion_rows, make_spec, token_loss_sum
+from tests.engine.factories import (
+    CPU,
+    assert_rel_close,
+    chat_rows,
+    completion_rows,
+    make_spec,
+    peft_adamw_reference,
+)
 from worker.engine import PackEngine, TrialSpec, feed
 from worker.engine.batch import SlotRows
-from worker.engine.data import BatchSampler, collate, encode_rows
+from worker.engine.data import BatchSampler, encode_rows
 from worker.engine.lora import resolve_target_modules
 from worker.engine.spec import trial_seed
 from worker.engine.store import ModuleTensors
@@ -123,26 +129,7 @@ def test_one_trial_matches_peft_with_torch_adamw(tiny: Tiny, fresh_tiny: Tiny) -
         losses = [engine.step()["p"] for _ in range(5)]
         trained = engine.adapter(slot)
 
-    model, tokenizer = fresh_tiny
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
-    peft_model: Any = peft.get_peft_model(model, config)
-    for path, (a, b) in init.items():
-        layer = peft_model.base_model.model.get_submodule(path)
-        layer.lora_A["default"].weight.data.copy_(a)
-        layer.lora_B["default"].weight.data.copy_(b)
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.05)
-    examples = encode_rows(spec.train_rows, tokenizer, spec.max_seq_len)
-    sampler = BatchSampler(len(examples), 2, trial_seed(spec.seed, "data"))
-    reference = []
-    for _ in range(5):
-        batch = collate([examples[i] for i in sampler.next_indices()], int(tokenizer.pad_token_id))
-        logits = peft_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        loss = token_loss_sum(logits, batch.labels) / int((batch.labels[:, 1:] != -100).sum())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        reference.append(loss.item())
+    peft_model, reference = peft_adamw_reference(*fresh_tiny, spec, init, 5)
     torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6)
     for path, (a, b) in trained.items():
         layer = peft_model.base_model.model.get_submodule(path)
