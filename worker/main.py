@@ -46,8 +46,7 @@ def preload_models(load: Callable[[ModelSource], object], names: str,
     sources = {m.name: ModelSource(name=m.name, kind=m.kind, path=m.path, package=m.package, gguf_file=m.gguf_file)
                for m in DEFAULT_MODELS}
     for name, fields in (registry or {}).items():
-        sources[name] = ModelSource(name=name, kind=str(fields.get("kind")), path=fields.get("path"),
-                                    package=fields.get("package"), gguf_file=fields.get("gguf_file"))
+        sources[name] = ModelSource(**fields)  # common.registry.model_source_fields, as a pack message carries them
     for name in filter(None, (n.strip() for n in names.split(","))):
         if name not in sources:
             log.warning("LORAPLANE_WORKER_PRELOAD: %r is not a registered model; not preloaded", name)
