@@ -12,6 +12,10 @@
 #            (a new sweep of the same grid: build .sweepdata with `benchmarks.sweep_data --seed N` and run with
 #            SWEEP_ARGS="--seed N": results named <dataset>-smollm2-full-seedN.*)
 #   device:  bash benchmarks/gpu_issue6.sh wait 540           # again until it says "all done"
+#            (SWEEP_DATA=<folder> reads another data folder than .sweepdata)
+# Issue 17's defaults (benchmarks/defaults.py) on the data of each seed, .sweepdata/seed<N> (`benchmarks.sweep_data
+# --out .sweepdata/seed<N> --seed <N>`), every dataset and seed side by side:
+#   device:  LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue6.sh defaults 0 1 2    # after store; carry as run
 # The live run through the service (benchmarks/live_sweep.py) also needs the service's wheels:
 #   here:    bash benchmarks/gpu_issue6.sh prepare-service     # .whlsvc (cp312 wheels the image lacks)
 #   device:  bash benchmarks/gpu_issue6.sh store               # carry [".gguf1"]
@@ -81,16 +85,28 @@ python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlo
     datasets=("$@"); [ ${#datasets[@]} -eq 0 ] && datasets=(trivia arithmetic)
     for d in "${datasets[@]}"; do
       (cd /root/lp/repo && PYTHONPATH=/root/lp/pkg:/root/lp/site:. setsid nohup timeout 3000 \
-        python -m benchmarks.sweep --dataset "$d" --data .sweepdata --out /root/lp/sweeps ${SWEEP_ARGS:-} \
+        python -m benchmarks.sweep --dataset "$d" --data "${SWEEP_DATA:-.sweepdata}" --out /root/lp/sweeps ${SWEEP_ARGS:-} \
         > /root/lp/"$d".log 2>&1 < /dev/null &)
     done
     sleep 5; exec bash "$0" wait 540 ;;
+  defaults)
+    # Starts benchmarks/defaults.py for both datasets on the data of each seed given (default 0), in a copy of the
+    # tree of its own (a later `run` replaces /root/lp/repo), and returns at once: `wait` collects them.
+    join_model
+    rm -rf /root/lp/repo-defaults && cp -r . /root/lp/repo-defaults
+    seeds=("$@"); [ ${#seeds[@]} -eq 0 ] && seeds=(0)
+    for s in "${seeds[@]}"; do for d in trivia arithmetic; do
+      (cd /root/lp/repo-defaults && PYTHONPATH=/root/lp/pkg:/root/lp/site:. setsid nohup timeout 3000 bash -c \
+        "python -m benchmarks.defaults --dataset $d --data .sweepdata/seed$s --seed $s && \
+         cp benchmarks/results/defaults-$d-seed$s-*.json /root/lp/sweeps/" > /root/lp/defaults-$d-$s.log 2>&1 < /dev/null &)
+    done; done
+    sleep 5; pgrep -fa "benchmarks.defaults" | head ;;
   wait)
     # Waits for the sweeps (at most $1 seconds), then brings their logs and results back through $OUT.
     deadline=$(( $(date +%s) + ${1:-540} ))
-    while pgrep -f "benchmarks.(live_)?sweep" >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 15; done
-    for log in /root/lp/*.log; do echo "== $log"; grep -E "^step|^best|Error|error|: task|written" "$log" | tail -5; done
-    pgrep -f "benchmarks.(live_)?sweep" >/dev/null && echo "still running" || echo "all done"
+    while pgrep -f "benchmarks.(live_sweep|sweep|defaults)" >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 15; done
+    for log in /root/lp/*.log; do echo "== $log"; grep -E "^step|^best|Error|error|: task|written|^\{" "$log" | tail -5; done
+    pgrep -f "benchmarks.(live_sweep|sweep|defaults)" >/dev/null && echo "still running" || echo "all done"
     cp /root/lp/*.log /root/lp/sweeps/* "$OUT"/ 2>/dev/null; cp /root/lp/home/service.log "$OUT"/ 2>/dev/null
     ls "$OUT" ;;
 esac

@@ -23,6 +23,7 @@ from common.artifacts import LocalArtifactStore, adapter_key, checkpoint_key
 from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS
+from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
 from worker.agent import CommandInbox, Heartbeat, Reporter, ReportsLost
 from worker.engine import Evaluation, ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
 from worker.engine.trainer import PackTimings, StopMode
@@ -118,8 +119,8 @@ class PackRunner:
             train_rows=train,
             val_rows=val,
             weight_decay=float(training.get("weight_decay", 0.0)),
-            warmup_steps=int(training.get("warmup_steps", 0)),
-            lr_schedule=str(training.get("lr_schedule", "constant")),
+            warmup_steps=warmup_steps_for(int(t["total_steps"]), training.get("warmup_steps")),
+            lr_schedule=str(training.get("lr_schedule", DEFAULT_LR_SCHEDULE)),
             max_grad_norm=training.get("max_grad_norm"),
             use_rslora=bool(training.get("use_rslora", False)),
             extra_eval_steps=tuple(int(s) for s in t.get("extra_eval_steps") or ()),

@@ -34,6 +34,7 @@ from common.metrics import (
     METRICS,
     pattern_error,
 )
+from common.search_space import AUTO, DEFAULT_LR_SCHEDULE
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 
 # The target names of every supported architecture, in canonical order; which of them a model has is checked
@@ -161,8 +162,21 @@ class SearchSpace(RequestModel):
         list[ModuleChoice] | Literal["all-linear"], WrapValidator(_modules_dimension)
     ] | None = Field(
         default=None,
-        description='Default [["q_proj", "v_proj"]]. Each choice is a list of module names of the model (GET '
-        '/v1/models lists them) or "all-linear": every linear layer of the decoder except lm_head, i.e. all of them.')
+        description='Default "all-linear": every linear layer of the decoder except lm_head. Each choice is a list of '
+        'module names of the model (GET /v1/models lists them) or "all-linear".')
+
+
+def _search_space(v: Any, _handler: ValidatorFunctionWrapHandler) -> Any:
+    """ "auto", or an object of dimensions validated as `SearchSpace` (its errors keep their own locations:
+    `search_space.learning_rate[1]`, not a union member's name)."""
+    if v == AUTO or isinstance(v, SearchSpace):
+        return v
+    if not isinstance(v, dict):
+        raise PydanticCustomError("search_space_type", 'Give an object of dimensions, or "auto".')
+    return SearchSpace.model_validate(v)
+
+
+SearchSpaceOrAuto = Annotated[SearchSpace | Literal["auto"], WrapValidator(_search_space)]
 
 
 class NoEarlyExit(RequestModel):
@@ -239,8 +253,10 @@ EarlyExit = Annotated[NoEarlyExit | AltoEarlyExit | AshaEarlyExit, WrapValidator
 class Training(RequestModel):
     """How every trial of the task trains (the same for all of them; the search space varies the rest)."""
 
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: Annotated[StrictInt, Field(ge=0, le=1_000_000)] = 0
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        default=DEFAULT_LR_SCHEDULE, description="The learning rate after warm-up; default cosine decay to zero.")
+    warmup_steps: Annotated[StrictInt, Field(ge=0, le=1_000_000)] | None = Field(
+        default=None, description="Steps of linear warm-up; default 3% of each trial's steps.")
     weight_decay: Annotated[FiniteFloat, Field(ge=0, le=1)] = 0.0
     max_grad_norm: Annotated[FiniteFloat, Field(gt=0)] | None = Field(
         default=None, description="Clip each trial's gradient to this global norm (its own parameters only)."
@@ -306,7 +322,10 @@ class TaskCreate(RequestModel):
     validation_split: Annotated[FiniteFloat, Field(gt=0, le=0.5)] | None = Field(
         default=None, description="Fraction of the training file held out; 0.1 when no validation_file is given."
     )
-    search_space: SearchSpace
+    search_space: SearchSpaceOrAuto = Field(
+        default=AUTO,
+        description='The dimensions to search (each left out takes its default), or "auto" (the default): learning '
+        'rates for the model\'s size x ranks for the dataset\'s size, six trials (docs/defaults.md).')
     strategy: Literal["grid", "random"] = "grid"
     max_trials: Annotated[StrictInt, Field(ge=1, le=10_000)] | None = None
     epochs: Annotated[StrictInt, Field(ge=1, le=100)] | None = Field(default=None, description="Default 1.")

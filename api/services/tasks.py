@@ -16,11 +16,11 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api import search_space as ss
 from api.db import commit
 from api.errors import RATE_LIMIT, ApiError, conflict, invalid
 from api.queries import find_file, get_task
 from api.schemas.tasks import RangeSpec, SearchSpace, TaskCreate
+from common import search_space as ss
 from common.architectures import ALL_LINEAR, target_modules_for
 from common.bus import wake_scheduler
 from common.datasets import validation_rows
@@ -63,7 +63,7 @@ def require_max_trials(strategy: str, max_trials: int | None) -> None:
 
 
 def space_of(search_space: SearchSpace) -> dict[str, ss.Dimension]:
-    """The validated request's space in the pure expansion's terms (`api.search_space`)."""
+    """The validated request's space in the pure expansion's terms (`common.search_space`)."""
     space: dict[str, ss.Dimension] = {}
     for name in ss.DIMENSIONS:
         dim = getattr(search_space, name)
@@ -239,8 +239,6 @@ def create_task(
         return existing, False
     budget = _check_request(body)
     model = usable_model(session, tenant, body.base_model, lock=True)
-    space = space_of(body.search_space)
-    check_target_modules(model, space)
     _check_context(model, body.max_seq_len)
     train = _owned_file(session, tenant, body.training_file, "training_file")
     _check_chat_template(model, train, "training_file")
@@ -248,6 +246,9 @@ def create_task(
         _check_chat_template(model, _owned_file(session, tenant, body.validation_file, "validation_file"),
                              "validation_file")
     n_train = _train_rows(train, budget.validation_split)
+    space = (space_of(body.search_space) if isinstance(body.search_space, SearchSpace)
+             else ss.auto_space(model.parameters, n_train))
+    check_target_modules(model, space)
     configs = expand_trials(space, strategy=body.strategy, max_trials=body.max_trials, seed=body.seed, tenant=tenant)
     steps = [budget.max_steps or (budget.epochs or DEFAULT_EPOCHS) * math.ceil(n_train / c["batch_size"])
              for c in configs]

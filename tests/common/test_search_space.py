@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from api.search_space import Range, SearchSpaceError, expand_grid, grid_size, range_points, sample_random
+from common.search_space import Range, SearchSpaceError, expand_grid, grid_size, range_points, sample_random
 
 
 def test_grid_is_the_cartesian_product_in_dimension_order() -> None:

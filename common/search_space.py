@@ -7,6 +7,10 @@ draws with `random.Random(seed)`, so one seed always gives the same trials.
     >>> [(c["learning_rate"], c["lora_rank"], c["lora_alpha"])
     ...  for c in expand_grid({"learning_rate": [1e-4, 1e-3], "lora_rank": [8, 16]})]
     [(0.0001, 8, 16.0), (0.0001, 16, 32.0), (0.001, 8, 16.0), (0.001, 16, 32.0)]
+
+A dimension left out takes its default (`DEFAULTS`: one value, best-known practice for a single trial); a task
+that gives no space at all gets `auto_space` (a small grid from the model's and the dataset's size). The
+measurements behind both: docs/defaults.md.
 """
 
 from __future__ import annotations
@@ -17,18 +21,32 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
+AUTO: Final = "auto"  # a task's search_space that asks for `auto_space`
 DIMENSIONS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size", "lora_dropout", "target_modules")
 INTEGER_DIMENSIONS = frozenset({"lora_rank", "batch_size"})
 # lora_alpha has no list default: left out, it is 2 x each trial's rank (torchtune's and Predibase's rule).
+# Adapters on every linear layer (QLoRA's finding, PEFT's "all-linear"): docs/defaults.md measures them against
+# the q_proj/v_proj default this service had before.
 DEFAULTS: dict[str, list[Any]] = {
     "learning_rate": [2e-4],
     "lora_rank": [8],
     "batch_size": [4],
     "lora_dropout": [0.0],
-    "target_modules": [["q_proj", "v_proj"]],
+    "target_modules": ["all-linear"],
 }
+# The auto grid: three learning rates around a centre set by the model's size, two ranks set by the dataset's.
+# Centres: 1e-3 measured best on SmolLM2-135M (benchmarks/results/sweeps), 2e-4 and 1e-4 QLoRA's for 7-13B and
+# 33-65B models (Dettmers et al. 2023, table 9); a model of unknown size gets the middle one.
+AUTO_LR_CENTRES: tuple[tuple[float, float], ...] = ((1e9, 1e-3), (2e10, 2e-4), (math.inf, 1e-4))
+AUTO_LR_UNKNOWN_SIZE = 2e-4
+AUTO_LR_FACTORS = (0.3, 1.0, 3.0)
+# How every trial trains unless the task's `training` says otherwise: a linear warm-up over 3% of its steps
+# (QLoRA's and the Hugging Face recipes' ratio), then a cosine decay to zero.
+DEFAULT_LR_SCHEDULE: Final = "cosine"
+DEFAULT_WARMUP_RATIO = 0.03
+AUTO_RANKS: tuple[tuple[float, tuple[int, int]], ...] = ((10_000, (4, 16)), (100_000, (8, 32)), (math.inf, (16, 64)))
 # Random search draws at most this many times per wanted trial before settling for fewer unique ones.
 MAX_DRAWS_PER_TRIAL = 20
 
@@ -52,6 +70,34 @@ class SearchSpaceError(ValueError):
         super().__init__(message)
         self.param = param
         self.message = message
+
+
+def warmup_steps_for(total_steps: int, warmup_steps: int | None) -> int:
+    """A trial's warm-up steps: the task's `training.warmup_steps` when it gives them, else 3% of the trial's own
+    steps, rounded up (a trial of one step gets none).
+
+    >>> warmup_steps_for(500, None), warmup_steps_for(500, 0), warmup_steps_for(1, None)
+    (15, 0, 0)
+    """
+    if warmup_steps is not None:
+        return warmup_steps
+    return math.ceil(round(DEFAULT_WARMUP_RATIO * total_steps, 9)) if total_steps > 1 else 0
+
+
+def auto_space(parameters: int | None, train_rows: int) -> dict[str, Dimension]:
+    """The search space of a task that gives none (`search_space` omitted or "auto"): learning rates around a
+    centre for the model's size (`parameters`, None when unknown) x two ranks for the number of training rows;
+    the other dimensions keep their defaults. Six trials.
+
+    >>> auto_space(135_000_000, 2_000)
+    {'learning_rate': [0.0003, 0.001, 0.003], 'lora_rank': [4, 16]}
+    """
+    if parameters is None:
+        centre = AUTO_LR_UNKNOWN_SIZE
+    else:
+        centre = next(lr for size, lr in AUTO_LR_CENTRES if parameters < size)
+    ranks = next(r for rows, r in AUTO_RANKS if train_rows < rows)
+    return {"learning_rate": [_clean(centre * f) for f in AUTO_LR_FACTORS], "lora_rank": list(ranks)}
 
 
 def _clean(x: float) -> float:
