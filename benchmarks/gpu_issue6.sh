@@ -16,14 +16,15 @@
 # Issue 17's defaults (benchmarks/defaults.py) on the data of each seed, .sweepdata/seed<N> (`benchmarks.sweep_data
 # --out .sweepdata/seed<N> --seed <N>`), every dataset and seed side by side:
 #   device:  LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue6.sh defaults 0 1 2    # after store; carry as run
+#            (or DATASET:SEED pairs: defaults trivia:0 arithmetic:2)
 # The live run through the service (benchmarks/live_sweep.py) also needs the service's wheels:
 #   here:    bash benchmarks/gpu_issue6.sh prepare-service     # .whlsvc (cp312 wheels the image lacks)
 #   device:  bash benchmarks/gpu_issue6.sh store               # carry [".gguf1"]
 #   device:  bash benchmarks/gpu_issue6.sh store-service       # carry [".whlsvc"]
 #   device:  LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue6.sh live alto   # carry [".gguf2", ".sweepdata", ".whl"]
 #   device:  bash benchmarks/gpu_issue6.sh wait 540
-# (.gguf1 .gguf2 .sweepdata .whl are listed in .git/info/exclude.) Results land in $OUT and in
-# benchmarks/results/sweeps/ there; copy them back into benchmarks/results/sweeps/ here and commit them.
+# (.gguf1 .gguf2 .sweepdata .whl are listed in .git/info/exclude.) Results come back in $OUT/results.tar.gz (the
+# logs and /root/lp/sweeps); unpack it and copy them into benchmarks/results/ here and commit them.
 set -uo pipefail
 stage="${1:-run}"; shift || true
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -90,16 +91,17 @@ python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlo
     done
     sleep 5; exec bash "$0" wait 540 ;;
   defaults)
-    # Starts benchmarks/defaults.py for both datasets on the data of each seed given (default 0), in a copy of the
-    # tree of its own (a later `run` replaces /root/lp/repo), and returns at once: `wait` collects them.
+    # Starts benchmarks/defaults.py for both datasets on the data of each seed given (default 0; or DATASET:SEED for
+    # one), in a copy of the tree of its own (a later `run` replaces /root/lp/repo), and returns at once: `wait`
+    # collects them.
     join_model
     rm -rf /root/lp/repo-defaults && cp -r . /root/lp/repo-defaults
-    seeds=("$@"); [ ${#seeds[@]} -eq 0 ] && seeds=(0)
-    for s in "${seeds[@]}"; do for d in trivia arithmetic; do
+    runs=(); for a in "${@:-0}"; do case $a in *:*) runs+=("$a") ;; *) runs+=("trivia:$a" "arithmetic:$a") ;; esac; done
+    for run in "${runs[@]}"; do d=${run%%:*}; s=${run##*:}
       (cd /root/lp/repo-defaults && PYTHONPATH=/root/lp/pkg:/root/lp/site:. setsid nohup timeout 3000 bash -c \
         "python -m benchmarks.defaults --dataset $d --data .sweepdata/seed$s --seed $s && \
          cp benchmarks/results/defaults-$d-seed$s-*.json /root/lp/sweeps/" > /root/lp/defaults-$d-$s.log 2>&1 < /dev/null &)
-    done; done
+    done
     sleep 5; pgrep -fa "benchmarks.defaults" | head ;;
   wait)
     # Waits for the sweeps (at most $1 seconds), then brings their logs and results back through $OUT.
@@ -107,6 +109,7 @@ python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlo
     while pgrep -f "benchmarks.(live_sweep|sweep|defaults)" >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 15; done
     for log in /root/lp/*.log; do echo "== $log"; grep -E "^step|^best|Error|error|: task|written|^\{" "$log" | tail -5; done
     pgrep -f "benchmarks.(live_sweep|sweep|defaults)" >/dev/null && echo "still running" || echo "all done"
-    cp /root/lp/*.log /root/lp/sweeps/* "$OUT"/ 2>/dev/null; cp /root/lp/home/service.log "$OUT"/ 2>/dev/null
-    ls "$OUT" ;;
+    # One archive: the device tool brings back only so many files, and the machine goes cold 30 s after a call.
+    cp /root/lp/home/service.log /root/lp/ 2>/dev/null
+    (cd /root/lp && tar czf "$OUT"/results.tar.gz sweeps *.log) && tar tzf "$OUT"/results.tar.gz ;;
 esac
