@@ -46,6 +46,7 @@ DEFAULT_MODELS = (
         name="tiny-random-llama",
         kind="tiny-random-llama",
         description="A 2-layer randomly initialised Llama with a byte-level tokenizer, for quick runs and tests.",
+        parameters=107_200,  # build_tiny_llama's, counted by benchmarks/defaults.py --model tiny
         architecture="llama",
         max_context=2048,  # worker/engine/models.py build_tiny_llama: max_position_embeddings
         chat_template=True,  # build_tiny_tokenizer: TINY_CHAT_TEMPLATE

@@ -123,25 +123,22 @@ def usable_model(session: Session, tenant: Tenant, name: str, *, lock: bool = Fa
 
 
 def check_target_modules(model: BaseModelEntry, space: dict[str, ss.Dimension]) -> None:
-    """Every module a choice of `target_modules` names (the default too) is one of the model's LoRA targets, when
-    its architecture is known; "all-linear" is always valid (it stands for all of them)."""
+    """Every module a choice of `target_modules` names is one of the model's LoRA targets, when its architecture is
+    known; "all-linear" (also the default) is always valid: it stands for all of them."""
     valid = target_modules_for(model.architecture)
-    if valid is None:
+    choices = space.get("target_modules")
+    if valid is None or choices is None:
         return
-    given = "target_modules" in space
-    choices = space["target_modules"] if given else ss.DEFAULTS["target_modules"]
     assert isinstance(choices, list)
     for index, choice in enumerate(choices):
         if choice == ALL_LINEAR:
             continue
         unknown = [name for name in choice if name not in valid]
         if unknown:
-            lead = "" if given else f"The default target_modules {choices} do not fit: "
             raise invalid(
-                f"{lead}model '{model.name}' ({model.architecture}) has no module {', '.join(unknown)}; its LoRA "
+                f"Model '{model.name}' ({model.architecture}) has no module {', '.join(unknown)}; its LoRA "
                 f"target modules are {', '.join(valid)} (\"{ALL_LINEAR}\" is all of them).",
-                param=f"search_space.target_modules[{index}]" if given else "search_space.target_modules",
-                code="unknown_target_module",
+                param=f"search_space.target_modules[{index}]", code="unknown_target_module",
             )
 
 

@@ -26,7 +26,7 @@ def test_grid_2x2_makes_4_trials_with_their_hyperparameters_and_steps(client: Te
     assert (task["validation_split"], task["epochs"], task["max_steps"], task["max_seq_len"]) == (0.1, 2, None, 512)
     assert task["search_space"] == {
         "learning_rate": [1e-4, 3e-4], "lora_rank": [8, 16], "lora_alpha": None, "batch_size": [4],
-        "lora_dropout": [0.0], "target_modules": [["q_proj", "v_proj"]],
+        "lora_dropout": [0.0], "target_modules": ["all-linear"],
     }
     trials = _trials(client, tenant, task["id"])
     # 10 rows - 1 held out = 9 train rows; ceil(9 / 4) = 3 steps per epoch; 2 epochs.
@@ -34,13 +34,34 @@ def test_grid_2x2_makes_4_trials_with_their_hyperparameters_and_steps(client: Te
     assert [(t["index"], t["state"]) for t in trials] == [(i, "pending") for i in range(4)]
     assert [t["hyperparameters"] for t in trials] == [
         {"learning_rate": lr, "lora_rank": r, "lora_alpha": 2.0 * r, "batch_size": 4, "lora_dropout": 0.0,
-         "target_modules": ["q_proj", "v_proj"], "seed": 7 + i}
+         "target_modules": "all-linear", "seed": 7 + i}
         for i, (lr, r) in enumerate([(1e-4, 8), (1e-4, 16), (3e-4, 8), (3e-4, 16)])
     ]
     assert task["eval_interval"] == 1  # max(1, 6 // 10)
-    assert task["training"] == {"lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+    # The defaults: cosine after a warm-up of 3% of each trial's steps (null: the worker resolves it per trial).
+    assert task["training"] == {"lr_schedule": "cosine", "warmup_steps": None, "weight_decay": 0.0,
                                 "max_grad_norm": None, "use_rslora": False}
     assert task["evaluation"] == {"metric": "loss", "max_new_tokens": 32, "pattern": None}
+
+
+@pytest.mark.parametrize("space", ["auto", None])
+def test_a_task_without_a_search_space_gets_the_auto_grid_for_its_model_and_data(
+    client: TestClient, tenant: TenantKey, space: str | None
+) -> None:
+    file = upload(client, tenant, chat_rows(10))
+    body = task_body(file["id"], search_space=space)
+    if space is None:
+        del body["search_space"]
+    r = client.post("/v1/tasks", headers=tenant.headers, json=body)
+    assert r.status_code == 201, r.text
+    task = r.json()
+    # tiny-random-llama: a model far below 1B parameters (centre 1e-3), and 9 training rows (ranks 4 and 16).
+    assert task["search_space"]["learning_rate"] == [3e-4, 1e-3, 3e-3]
+    assert task["search_space"]["lora_rank"] == [4, 16]
+    assert task["search_space"]["target_modules"] == ["all-linear"]
+    trials = _trials(client, tenant, task["id"])
+    assert [(t["hyperparameters"]["learning_rate"], t["hyperparameters"]["lora_rank"]) for t in trials] == [
+        (lr, r) for lr in (3e-4, 1e-3, 3e-3) for r in (4, 16)]
 
 
 def test_training_options_are_stored_with_the_task(client: TestClient, tenant: TenantKey) -> None:
@@ -107,7 +128,7 @@ def test_max_steps_and_validation_file(client: TestClient, tenant: TenantKey) ->
     assert trial["total_steps"] == 50
     assert trial["hyperparameters"] == {
         "learning_rate": 2e-4, "lora_rank": 8, "lora_alpha": 16.0, "batch_size": 4, "lora_dropout": 0.0,
-        "target_modules": ["q_proj", "v_proj"], "seed": 0,
+        "target_modules": "all-linear", "seed": 0,
     }
 
 

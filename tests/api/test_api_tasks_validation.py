@@ -107,7 +107,8 @@ CASES: list[tuple[str, dict[str, Any], int, str | None, str]] = [
      "evaluation.max_new_tokens", "invalid_value"),
     ("generative-split-zero", {"evaluation": {"metric": "exact_match"}, "validation_split": 0}, 422,
      "validation_split", "invalid_value"),
-    ("no-space", {"search_space": None}, 422, "search_space", "missing_field"),
+    ("space-other-word", {"search_space": "grid"}, 422, "search_space", "invalid_value"),
+    ("space-null", {"search_space": "@null"}, 422, "search_space", "invalid_value"),
     ("space-not-object", {"search_space": [1]}, 422, "search_space", "invalid_value"),
     ("space-unknown-dim", {"search_space": {"rank": [8]}}, 422, "search_space.rank", "unknown_field"),
     ("lr-too-big", {"search_space": {"learning_rate": [1e-4, 2]}}, 422, "search_space.learning_rate[1]",
@@ -167,7 +168,7 @@ def test_invalid_task_field_is_rejected_naming_the_field(
         if value is None:
             body.pop(key, None)
         else:
-            body[key] = file["id"] if value == "@file" else value
+            body[key] = file["id"] if value == "@file" else None if value == "@null" else value
     r = client.post("/v1/tasks", headers=tenant.headers, json=body)
     assert r.status_code == status, r.text
     error = r.json()["error"]

@@ -412,7 +412,7 @@ def test_watch_follows_a_running_task_and_exits_0_when_it_succeeds(cli: Cli, env
     best = lp.tasks.get(task_id).best_trial
     assert best is not None
     assert lines[-2] == (f"best trial: {best.id} (#1)  val loss 2.0000 at step 4  lr=0.0001 rank=16 alpha=32 batch=4 "
-                         "dropout=0 modules=q,v seed=1")
+                         "dropout=0 modules=all-linear seed=1")
     assert lines[-1] == f"download it: loraplane tasks download {task_id}"
 
 

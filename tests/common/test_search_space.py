@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from common.search_space import Range, SearchSpaceError, expand_grid, grid_size, range_points, sample_random
+from common.search_space import (
+    Range,
+    SearchSpaceError,
+    auto_space,
+    expand_grid,
+    grid_size,
+    range_points,
+    sample_random,
+    warmup_steps_for,
+)
 
 
 def test_grid_is_the_cartesian_product_in_dimension_order() -> None:
@@ -17,7 +26,7 @@ def test_grid_is_the_cartesian_product_in_dimension_order() -> None:
 
 def test_empty_space_is_one_trial_of_defaults() -> None:
     assert expand_grid({}) == [{"learning_rate": 2e-4, "lora_rank": 8, "lora_alpha": 16.0, "batch_size": 4,
-                                "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}]
+                                "lora_dropout": 0.0, "target_modules": "all-linear"}]
 
 
 def test_alpha_defaults_to_twice_each_rank_unless_given() -> None:
@@ -70,3 +79,26 @@ def test_random_is_seeded_distinct_and_in_bounds() -> None:
 
 def test_random_from_a_small_space_gives_fewer_trials() -> None:
     assert len(sample_random({"lora_rank": [8, 16], "batch_size": [1, 2]}, 10, seed=0)) == 4
+
+
+@pytest.mark.parametrize(("parameters", "rows", "rates", "ranks"), [
+    (134_515_008, 2_000, [3e-4, 1e-3, 3e-3], [4, 16]),  # SmolLM2-135M on the sweeps' 2,000 rows
+    (999_999_999, 9_999, [3e-4, 1e-3, 3e-3], [4, 16]),
+    (1_000_000_000, 10_000, [6e-5, 2e-4, 6e-4], [8, 32]),  # 1B: QLoRA's 7B/13B centre; 10k rows: the next ranks
+    (8_030_261_248, 99_999, [6e-5, 2e-4, 6e-4], [8, 32]),
+    (70_553_706_496, 100_000, [3e-5, 1e-4, 3e-4], [16, 64]),
+    (None, 500, [6e-5, 2e-4, 6e-4], [4, 16]),  # a model of unknown size: the middle centre
+])
+def test_the_auto_space_follows_the_models_and_the_datasets_size(
+    parameters: int | None, rows: int, rates: list[float], ranks: list[int]
+) -> None:
+    space = auto_space(parameters, rows)
+    assert space == {"learning_rate": rates, "lora_rank": ranks}
+    configs = expand_grid(space)  # six trials; every other dimension at its default
+    assert len(configs) == 6 and {c["target_modules"] for c in configs} == {"all-linear"}
+    assert [c["lora_alpha"] for c in configs] == [2.0 * c["lora_rank"] for c in configs]
+
+
+def test_warmup_is_three_percent_of_a_trials_own_steps_unless_given() -> None:
+    assert [warmup_steps_for(n, None) for n in (1, 2, 33, 34, 100, 125, 500)] == [0, 1, 1, 2, 3, 4, 15]
+    assert warmup_steps_for(500, 0) == 0 and warmup_steps_for(500, 40) == 40

@@ -91,3 +91,17 @@ def test_a_model_whose_registry_entry_changed_is_loaded_again(runner: PackRunner
     assert runner.model(moved) is not first
     assert runner.model(moved) is runner.model(moved)
     assert loads == ["tiny-random-llama", "tiny-random-llama"]
+
+
+@pytest.mark.parametrize(("training", "warmup", "schedule"), [
+    ({"lr_schedule": "cosine", "warmup_steps": None}, 4, "cosine"),  # the default: 3% of 120 steps, rounded up
+    ({"lr_schedule": "constant", "warmup_steps": 0}, 0, "constant"),  # a task stored before these defaults
+    ({"lr_schedule": "linear", "warmup_steps": 7}, 7, "linear"),
+    ({}, 4, "cosine"),
+])
+def test_a_trials_warm_up_and_schedule_come_from_its_task_or_the_defaults(
+    runner: PackRunner, training: dict[str, Any], warmup: int, schedule: str
+) -> None:
+    trial = {**pack("p")["trials"][0], "total_steps": 120, "training": training}
+    spec = runner.trial_spec(trial, lambda key: [json.loads(line) for line in runner.store.get_bytes(key).splitlines()])
+    assert (spec.warmup_steps, spec.lr_schedule, spec.max_steps) == (warmup, schedule, 120)
