@@ -88,6 +88,37 @@ def test_a_trial_with_a_generative_metric_reports_its_best_adapters_score_once_a
     assert metric[0][3] == score_answers("contains", texts, [ref for _, ref in pairs])
 
 
+def test_a_trial_is_scored_at_its_early_exit_rungs_too_and_trains_on_exactly_as_unscored(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    from worker.engine import Evaluation, train_pack
+    from worker.engine.export import read_peft_adapter
+
+    model, tokenizer = tiny
+    val = chat_rows(4)
+    # Validation every 8 steps; the scheduler's rungs at 5 and 11 (extra validations), and at 16 on an interval.
+    common = dict(max_steps=24, eval_interval=8, val_rows=val, target_modules=["all-linear"], learning_rate=0.1,
+                  extra_eval_steps=(5, 11, 16))
+    runs = {}
+    for name, evaluation in (("scored", Evaluation(metric="contains", max_new_tokens=10)), ("plain", None)):
+        points: list[tuple[str, int, str, float]] = []
+        outcomes = train_pack(model, tokenizer, [make_spec("t", evaluation=evaluation, **common)],
+                              base_model_name="tiny", export_dir=tmp_path / name,
+                              on_point=lambda *p, into=points: into.append(p))
+        runs[name] = (points, outcomes[0])
+    scored_points, scored = runs["scored"]
+    plain_points, plain = runs["plain"]
+    assert [p[1] for p in scored_points if p[2] == "metric"] == [5, 11, 16, 24]  # each rung, then the end
+    assert all(0.0 <= p[3] <= 1.0 for p in scored_points if p[2] == "metric")
+    # Generating with the best adapter in between left the training untouched: the same curves and adapter.
+    assert [p for p in scored_points if p[2] != "metric"] == plain_points
+    val_losses = [p[3] for p in plain_points if p[2] == "val"]
+    # (At some rung the best adapter was an earlier one, so the weights put back differed from those generated with.)
+    assert any(v > min(val_losses[:i]) for i, v in enumerate(val_losses) if i), val_losses
+    (_, a), (_, b) = read_peft_adapter(scored.adapter_dir), read_peft_adapter(plain.adapter_dir)
+    assert all(torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]) for k in a)
+
+
 def test_generation_split_into_forwards_of_a_token_budget_gives_the_same_answers(
     tiny: Tiny, monkeypatch: pytest.MonkeyPatch
 ) -> None:

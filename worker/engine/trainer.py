@@ -215,6 +215,10 @@ def _run(
                      and not isinstance(validation.get(s), BaseException)
                      and engine.state(s).spec.trial_id not in engine.failures]
         _score(engine, finishing, hooks)
+        # At the steps the scheduler's early exit ranks trials at (their rungs) the trials that go on are scored too.
+        at_rung = [s for s in _live(engine) if engine.state(s).training and isinstance(validation.get(s), float)
+                   and engine.state(s).steps_done in engine.state(s).spec.extra_eval_steps]
+        _score(engine, at_rung, hooks, training=True)
         for slot in _live(engine):
             outcome = _after_step(engine, slot, losses, validation.get(slot), hooks)
             if outcome is not None:
@@ -228,7 +232,7 @@ class PackTimings:
     wall_s: float = 0.0
     steps_s: float = 0.0  # engine.step: forward, backward, optimizer
     validation_s: float = 0.0
-    metric_s: float = 0.0  # generation for the trials' generative metric, at their end
+    metric_s: float = 0.0  # generation for the trials' generative metric, at their rungs and their end
     checkpoints_s: float = 0.0  # snapshots of checkpoints (their files are written off this thread)
     exports_s: float = 0.0  # snapshots of finished adapters (likewise)
     waiting_s: float = 0.0  # the pack's end waiting for writes still under way
@@ -333,15 +337,17 @@ class _Hooks:
         self.writer.submit(work)
 
 
-def _score(engine: PackEngine, slots: list[int], hooks: _Hooks) -> None:
-    """The generative metric of trials that finish now with their adapter (completed, or exported on request):
-    their best adapters answer their validation rows in one batched greedy generation (``PackEngine.generate``)
-    and each trial's share of passing answers (common/metrics.py) is reported as its "metric" point. A failure
-    here costs the trials their score, not their result."""
+def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: bool = False) -> None:
+    """The generative metric of trials that finish now with their adapter (completed, or exported on request), or,
+    with ``training``, of trials at an early-exit rung that go on training: their best adapters answer their
+    validation rows in one batched greedy generation (``PackEngine.generate``) and each trial's share of passing
+    answers (common/metrics.py) is reported as its "metric" point. A trial that goes on training gets its current
+    weights back afterwards. A failure here costs the trials their score, not their result."""
     wanted = [s for s in slots if engine.state(s).spec.evaluation is not None and engine.state(s).spec.val_rows]
     if not wanted:
         return
     tokenizer = engine.tokenizer
+    current = {slot: engine.adapter(slot) for slot in wanted} if training else {}
     with hooks.clock.measure("metric_s"):
         try:
             prompts: dict[int, list[list[int]]] = {}
@@ -356,8 +362,11 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks) -> None:
             longest = max(e.max_new_tokens for e in evaluations.values() if e is not None)
             answers = engine.generate(prompts, max_new_tokens=longest, stop_ids=engine.answer_stop_ids)
         except Exception:
-            logger.exception("scoring %d trials by generation failed; they end without a metric", len(wanted))
+            logger.exception("scoring %d trials by generation failed; they go without a metric", len(wanted))
             return
+        finally:
+            for slot, tensors in current.items():
+                engine.store.install(slot, tensors)
     for slot in wanted:
         state, evaluation = engine.state(slot), evaluations[slot]
         assert evaluation is not None
