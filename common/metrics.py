@@ -7,7 +7,9 @@ of rows whose answer passes:
 
     exact_match  the normalised answer equals the normalised reference (the row's assistant turn or completion)
     contains     the normalised reference occurs in the normalised answer
-    regex        `pattern` matches somewhere in the answer (Python `re.search`, on the raw answer)
+    regex        `pattern` matches somewhere in the answer (the `regex` package's `search`, Python `re` syntax, on
+                 the raw answer); a search that takes longer than REGEX_TIMEOUT_S on one answer (a pattern
+                 that backtracks without end) counts as no match, so a pattern cannot stall a worker
     json_valid   the answer, stripped of whitespace, parses as JSON
 
 Normalisation (`normalize_answer`): the end-of-turn marker and anything after it are cut by the decoding (it
@@ -15,9 +17,11 @@ stops there, and special tokens are not decoded); then case is folded, runs of w
 ends are stripped, and trailing sentence punctuation (. , ! ? ; :) is removed. So "Paris." and " paris" match
 "Paris", while "Paris, France" does not (contains does).
 
-The worker reports the score as a point of split "metric" when a trial ends; the best trial of a task with a
-generative metric is the one with the highest score, ties broken by validation loss (`rank_key`, which the
-scheduler's final ranking and the API's best trial so far share).
+The worker reports the score as a point of split "metric" at each early-exit rung a trial validates at (the
+scheduler's `extra_eval_steps`; the trial trains on with its own weights) and when it ends; the newest is the
+trial's `metric_score`. Early exit itself still ranks by validation loss (docs/early-exit.md says why). The best
+trial of a task with a generative metric is the one with the highest score, ties broken by validation loss
+(`rank_key`, which the scheduler's final ranking and the API's best trial so far share).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import math
 import re
 from typing import Any
 
+import regex
+
 METRICS = ("loss", "exact_match", "contains", "regex", "json_valid")
 GENERATIVE_METRICS = METRICS[1:]
 DEFAULT_METRIC = "loss"
@@ -34,6 +40,8 @@ DEFAULT_MAX_NEW_TOKENS = 32
 MAX_NEW_TOKENS_LIMIT = 512
 
 MAX_PATTERN_LENGTH = 500
+# The longest one answer's search for a regex metric's pattern may take: 128 answers at most ~6 s in all.
+REGEX_TIMEOUT_S = 0.05
 # The split of the point a worker reports a trial's score in: [trial_id, step, "metric", score].
 METRIC_SPLIT = "metric"
 
@@ -59,7 +67,10 @@ def score_answer(metric: str, answer: str, reference: str, pattern: str | None =
     if metric == "regex":
         if pattern is None:
             raise ValueError("the regex metric needs a pattern")
-        return re.search(pattern, answer) is not None
+        try:
+            return regex.search(pattern, answer, timeout=REGEX_TIMEOUT_S) is not None
+        except TimeoutError:
+            return False
     if metric == "json_valid":
         try:
             json.loads(answer.strip())
@@ -79,10 +90,12 @@ def score_answers(metric: str, answers: list[str], references: list[str], patter
 
 
 def pattern_error(pattern: str) -> str | None:
-    """Why `pattern` cannot be the regex metric's pattern (None: Python's `re` compiles it)."""
+    """Why `pattern` cannot be the regex metric's pattern (None: both Python's `re` and the `regex` package the
+    worker searches with compile it)."""
     try:
         re.compile(pattern)
-    except re.error as exc:
+        regex.compile(pattern)
+    except (re.error, regex.error) as exc:
         return str(exc)
     except (RecursionError, OverflowError) as exc:  # nested too deeply, a repeat count too large
         return f"too complex to compile ({exc})"

@@ -144,3 +144,10 @@ def test_rank_key_by_a_generative_metric_is_the_highest_score_then_the_loss() ->
     assert rank_key("exact_match", metric_score=0.0, best_val_loss=None, last_train_loss=None, index=0) < rank_key(
         "exact_match", metric_score=None, best_val_loss=0.0, last_train_loss=0.0, index=0)
     assert rank_key("loss", metric_score=None, best_val_loss=None, last_train_loss=None, index=0)[1] == math.inf
+
+
+@pytest.mark.timeout(60)  # Python's re would search one of these answers for hours
+def test_a_regex_that_backtracks_without_end_counts_as_no_match() -> None:
+    pattern = "(a|aa)+$"  # exponential backtracking on a run of a's that does not end the string
+    assert pattern_error(pattern) is None and score_answer("regex", "aaaa", "", pattern)
+    assert score_answers("regex", ["a" * 60 + "!"] * 3, [""] * 3, pattern) == 0.0
