@@ -81,6 +81,11 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
     page.get_by_label("Base model").select_option("tiny-random-llama")
     count = page.locator("#trial-count")
     expect(count).to_contain_text("expands to 1 trial ")  # every dimension at its default
+    auto = page.get_by_label(re.compile("^Choose it for me"))
+    auto.check()
+    expect(count).to_contain_text("Six trials, chosen when the task is created")
+    auto.uncheck()
+    expect(count).to_contain_text("expands to 1 trial ")
 
     lr, rank = page.get_by_label("Learning rate values"), page.get_by_label("LoRA rank values")
     lr.fill("1e-3, nope")
@@ -169,19 +174,24 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
 def test_a_task_judged_by_its_own_metric_shows_each_trials_score(
     page: Any, service: Service, console: Console
 ) -> None:
-    """Issue 17 end to end: the worker scores each trial's best adapter on the validation rows when it ends
-    (the tiny random model answers nonsense, so the scores are low but present) and the page shows them."""
+    """Issue 17 end to end: a task submitted from the form with a metric; the worker scores each trial's best
+    adapter on the validation rows when it ends (the tiny random model answers nonsense, so the scores are low but
+    present) and the page shows them."""
     tenant = {"Authorization": f"Bearer {service.tenant_key}"}
-    file_id = httpx.post(f"{service.base_url}/v1/files", headers=tenant,
-                         files={"file": ("metric.jsonl", arithmetic_rows())}).json()["id"]
-    task = httpx.post(f"{service.base_url}/v1/tasks", headers=tenant, json={
-        "base_model": "tiny-random-llama", "training_file": file_id, "validation_split": 0.1,
-        "search_space": {"lora_rank": [2, 4]}, "max_steps": 4, "max_seq_len": 64,
-        "evaluation": {"metric": "exact_match", "max_new_tokens": 4}}).json()
-    assert task["evaluation"] == {"metric": "exact_match", "max_new_tokens": 4, "pattern": None}, task
     sign_in(page, service.tenant_key)
-    expect(page.get_by_role("heading", name="Tasks")).to_be_visible()
-    page.goto(f"/#/tasks/{task['id']}")
+    page.get_by_role("navigation", name="Main").get_by_role("link", name="New task").click()
+    page.get_by_label("Training file (JSONL)").set_input_files(
+        {"name": "metric.jsonl", "mimeType": "application/jsonl", "buffer": arithmetic_rows()})
+    page.get_by_label("Base model").select_option("tiny-random-llama")
+    page.get_by_label("LoRA rank values").fill("2, 4")
+    page.get_by_label("Max steps").fill("4")
+    page.get_by_label("Max sequence length").fill("64")
+    expect(page.get_by_label("Pattern")).to_be_disabled()  # only the regex metric takes one
+    page.get_by_label("Best trial by").select_option("exact_match")
+    page.get_by_role("button", name="Submit task").click()
+    expect(page).to_have_url(re.compile(r"#/tasks/task-"), timeout=15_000)
+    task = httpx.get(f"{service.base_url}/v1/tasks/{page.url.rsplit('/', 1)[1]}", headers=tenant).json()
+    assert task["evaluation"] == {"metric": "exact_match", "max_new_tokens": 32, "pattern": None}, task
     summary = page.get_by_role("region", name="Summary")
     expect(summary.locator(".badge").first).to_have_text("succeeded", timeout=120_000)
     expect(page.get_by_role("button", name=re.compile(r"^Metric \(exact_match\)"))).to_be_visible()

@@ -12,6 +12,9 @@ const DIMENSIONS = [
   { name: "lora_dropout", label: "LoRA dropout", integer: false, placeholder: "0", example: "0, 0.05" },
 ];
 const MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+// The task's `evaluation.metric` choices (common/metrics.py).
+const METRICS = [["loss", "validation loss"], ["exact_match", "exact match"], ["contains", "contains the answer"],
+  ["regex", "matches a pattern"], ["json_valid", "valid JSON"]];
 
 // crypto.getRandomValues, not randomUUID: the latter exists only on https or localhost pages.
 const randomKey = () => Array.from(crypto.getRandomValues(new Uint8Array(16)),
@@ -105,11 +108,15 @@ export async function mount(root, { go }) {
   const seed = h("input", { id: id("seed"), type: "number", min: 0, value: "0" });
   const policy = h("select", { id: id("policy") }, h("option", { value: "none" }, "none"),
     h("option", { value: "alto" }, "alto (ALTO §5)"), h("option", { value: "asha" }, "asha (successive halving)"));
+  const metric = h("select", { id: id("metric") }, METRICS.map(([value, text]) => h("option", { value }, text)));
+  const pattern = h("input", { id: id("pattern"), type: "text", maxlength: 500, disabled: true,
+    placeholder: "a Python regular expression" });
+  metric.addEventListener("change", () => { pattern.disabled = metric.value !== "regex"; });
+  const auto = h("input", { type: "checkbox", id: id("auto") });
 
   const dims = DIMENSIONS.map(dimensionRow);
-  const allLinear = h("input", { type: "checkbox", id: id("all-linear"), value: "all-linear" });
-  const moduleBoxes = MODULES.map((m) => h("input", { type: "checkbox", id: id(m), value: m,
-    checked: m === "q_proj" || m === "v_proj" }));
+  const allLinear = h("input", { type: "checkbox", id: id("all-linear"), value: "all-linear", checked: true });
+  const moduleBoxes = MODULES.map((m) => h("input", { type: "checkbox", id: id(m), value: m }));
 
   const count = h("output", { id: "trial-count", "aria-live": "polite" });
   const formError = h("div", { class: "error", role: "alert", id: "submit-error" });
@@ -123,7 +130,9 @@ export async function mount(root, { go }) {
       field("Base model", model),
       field("Validation split", split, "The share of the training rows held out for validation.")),
     h("fieldset", {}, h("legend", {}, "Search space"),
-      h("p", { class: "help" }, "Values: a list (comma separated). Range: min, max, points and scale."),
+      h("label", { class: "check" }, auto, "Choose it for me: six trials picked from the model's and the data's size"),
+      h("p", { class: "help" }, "Values: a list (comma separated). Range: min, max, points and scale. " +
+        "A dimension left empty takes its default."),
       dims.map((d) => d.row),
       h("fieldset", { class: "modules" }, h("legend", {}, "Target modules"),
         moduleBoxes.map((box) => h("label", { class: "check" }, box, box.value)),
@@ -136,6 +145,9 @@ export async function mount(root, { go }) {
       field("Epochs", epochs),
       field("Max sequence length", seqLen),
       field("Early exit", policy)),
+    h("fieldset", {}, h("legend", {}, "Evaluation"),
+      field("Best trial by", metric, "A generative metric scores each trial's greedy answers to the validation rows."),
+      field("Pattern", pattern, "For the regex metric: an answer passes when the pattern matches in it.")),
     h("p", { class: "count" }, count),
     submit, formError);
   root.append(form);
@@ -144,6 +156,7 @@ export async function mount(root, { go }) {
 
   /** The fields that decide the trials (what the preview takes), or null when one cannot be read. */
   function spaceBody() {
+    if (auto.checked) return { search_space: "auto" };
     const space = {};
     let ok = true;
     for (const [i, d] of dims.entries()) {
@@ -170,6 +183,12 @@ export async function mount(root, { go }) {
   async function preview() {
     const seq = ++previewSeq;
     const body = spaceBody();
+    if (body && body.search_space === "auto") {
+      count.textContent = "Six trials, chosen when the task is created: three learning rates for the model's size " +
+        "times two ranks for the number of training rows.";
+      count.dataset.count = "6";
+      return;
+    }
     if (!body) {
       count.textContent = "Fix the search space to see how many trials it makes.";
       count.dataset.count = "";
@@ -214,6 +233,10 @@ export async function mount(root, { go }) {
       }
       const body = { ...space, base_model: model.value, training_file: fileId, max_seq_len: intOr(seqLen) ?? 512,
         early_exit: { policy: policy.value } };
+      if (metric.value !== "loss") {
+        body.evaluation = { metric: metric.value };
+        if (metric.value === "regex") body.evaluation.pattern = pattern.value;
+      }
       if (split.value) body.validation_split = Number(split.value);
       if (maxSteps.value) body.max_steps = intOr(maxSteps);
       else if (epochs.value) body.epochs = intOr(epochs);
