@@ -84,14 +84,20 @@ def test_the_defaults_keep_the_best_and_save_most_of_every_committed_sweep(name:
     assert result.best_val_ratio is not None and result.best_val_ratio <= 1.01
 
 
-@pytest.mark.parametrize("dataset", ["trivia", "arithmetic"])
-def test_on_the_reruns_the_defaults_save_most_and_stay_within_one_percent_of_the_best(dataset: str) -> None:
-    """The issue-6 grids rerun on today's engine (new numerics): the defaults save >= 70% and reach a validation loss
-    within 1.01 of the best, but on arithmetic the best trial itself is cut (ratio 1.0098; docs/early-exit.md)."""
-    result = replay(EarlyExitConfig(policy="alto"), read_curves(SWEEPS / f"{dataset}-smollm2-full-rerun.jsonl"))
+@pytest.mark.parametrize(("name", "best_kept"), [
+    ("trivia-smollm2-full-rerun", True), ("arithmetic-smollm2-full-rerun", False),
+    ("trivia-smollm2-full-seed2", False), ("arithmetic-smollm2-full-seed2", True),
+])
+def test_on_the_later_sweeps_the_defaults_save_most_and_stay_within_one_percent_of_the_best(
+    name: str, best_kept: bool
+) -> None:
+    """The issue-6 grids rerun on today's engine (new numerics), and a third seed run after the defaults were fixed:
+    the defaults save >= 70% and reach a validation loss within 1.01 of the best, but on two of the four the best
+    trial itself is cut (arithmetic's rerun 1.0098, trivia's seed 2 1.0079; docs/early-exit.md)."""
+    result = replay(EarlyExitConfig(policy="alto"), read_curves(SWEEPS / f"{name}.jsonl"))
     assert result.samples_saved_frac >= 0.70
     assert result.best_val_ratio is not None and result.best_val_ratio <= 1.01
-    assert result.best_kept is (dataset == "trivia")
+    assert result.best_kept is best_kept
 
 
 def test_a_late_bloomer_cut_at_the_boundary_is_reported_lost() -> None:
