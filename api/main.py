@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from sqlalchemy.exc import IntegrityError
 
+from api import telemetry
 from api.errors import install_error_handlers
 from api.routes import (
     admin,
@@ -29,6 +30,8 @@ from api.routes import (
     search_spaces,
     tasks,
     trials,
+    usage,
+    webhooks,
 )
 from common.db import session_scope
 from common.registry import ensure_default_models
@@ -67,7 +70,11 @@ def create_app() -> FastAPI:
     app.include_router(health.router)
     for module in (admin, admin_models, cluster, packs, files, models, search_spaces, tasks, trials, curves, events):
         app.include_router(module.router, prefix="/v1")
+    app.include_router(usage.router, prefix="/v1")
+    app.include_router(usage.admin_router, prefix="/v1")
+    app.include_router(webhooks.router, prefix="/v1")
     dashboard.install(app)
+    telemetry.install(app)  # GET /metrics (admin token) and the request counters
     return app
 
 

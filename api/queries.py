@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import not_found
-from common.models import File, Task, Trial
+from common.models import File, Task, Trial, WebhookEndpoint
 
 Lock = Literal["update", "share"] | None
 
@@ -66,3 +66,12 @@ def list_trials(session: Session, *, tenant_id: str, task_id: str) -> list[Trial
     get_task(session, tenant_id=tenant_id, task_id=task_id)
     stmt = select(Trial).where(Trial.task_id == task_id, Trial.tenant_id == tenant_id).order_by(Trial.index)
     return list(session.scalars(stmt))
+
+
+def get_webhook(session: Session, *, tenant_id: str, webhook_id: str) -> WebhookEndpoint:
+    endpoint = session.scalar(
+        select(WebhookEndpoint).where(WebhookEndpoint.id == webhook_id, WebhookEndpoint.tenant_id == tenant_id)
+    )
+    if endpoint is None:
+        raise not_found("webhook", webhook_id)
+    return endpoint

@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from common.models import Event
+from common.webhooks import enqueue_deliveries
 
 _LOCKED = "loraplane.event_locks"  # session.info key: (transaction, the tasks it already locked)
 
@@ -55,4 +56,6 @@ def record_event(
         data=data or {},
     )
     session.add(event)
+    # Webhook deliveries of the event, in its transaction (the outbox): committed with it or not at all.
+    enqueue_deliveries(session, event)
     return event

@@ -123,6 +123,9 @@ class Task(Base):
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
     best_trial_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    # What the task was predicted to take at submission ({"tokens", "gpu_seconds", "wall_seconds"}) and, once it
+    # ended, what it took (`"actual"`, the same keys): api/services/estimates.py.
+    estimate: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -231,3 +234,61 @@ class Pack(Base):
     dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class TrialUsage(Base):
+    """What one trial trained in one pack, from its worker's `trial.finished` report (completed, stopped, paused or
+    failed there): the pack's GPU time is shared among its trials by these tokens (common/usage.py)."""
+
+    __tablename__ = "trial_usage"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    pack_id: Mapped[str] = mapped_column(String(40), index=True)
+    trial_id: Mapped[str] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    tokens: Mapped[int] = mapped_column(BigInteger)  # real (non-padding) training tokens
+    steps: Mapped[int] = mapped_column(Integer)  # optimizer steps taken in the pack
+    end_step: Mapped[int] = mapped_column(Integer)  # the trial's step when it left the pack
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # A report replayed from the bus after a scheduler crash is not counted twice; a trial paused and resumed into
+    # the same pack leaves it twice, at two different steps.
+    __table_args__ = (UniqueConstraint("pack_id", "trial_id", "end_step", name="uq_trial_usage_pack_trial_step"),)
+
+
+class WebhookEndpoint(Base):
+    __tablename__ = "webhook_endpoints"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    url: Mapped[str] = mapped_column(String(2000))
+    events: Mapped[list[Any]] = mapped_column(JSON)  # the event types it receives (common/webhooks.py)
+    description: Mapped[str] = mapped_column(String(500), default="")
+    # Kept as issued, not hashed: the sender signs every delivery with it (HMAC needs the secret itself, unlike
+    # an API key, which is only ever compared). The database is the system of record and already holds every
+    # tenant's data; encrypting here would only move the question to where the scheduler keeps the key.
+    secret: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """The outbox: one row per (event, endpoint), written in the event's own transaction (common/events.py), so
+    an event that happened always has its deliveries. Marked delivered only after a 2xx answer."""
+
+    __tablename__ = "webhook_deliveries"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True)
+    event_id: Mapped[int] = mapped_column(BigInteger)
+    event_type: Mapped[str] = mapped_column(String(60))
+    # The body as sent, built when the event happened: a retry sends the same bytes' content as the first try.
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(20))  # "pending" | "delivered" | "failed"
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # When the sender may take it next: due now, the next retry, or the end of a claim (a sender that died while
+    # sending leaves it claimed until then, and another round sends it again).
+    next_attempt_at: Mapped[datetime | None] = mapped_column(default=utcnow)
+    last_attempt_at: Mapped[datetime | None] = mapped_column(default=None)
+    last_status_code: Mapped[int | None] = mapped_column(Integer, default=None)
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    delivered_at: Mapped[datetime | None] = mapped_column(default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (Index("ix_webhook_deliveries_due", "state", "next_attempt_at"),)

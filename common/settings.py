@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     # cpsat: CP-SAT over all pending trials and workers (greedy fallback); greedy: the FIFO first-fit packer.
     planner: Literal["cpsat", "greedy"] = Field(default="cpsat", alias="LORAPLANE_PLANNER")
     planner_time_limit_s: float = Field(default=1.0, gt=0, alias="LORAPLANE_PLANNER_TIME_LIMIT_S")
+    # Prometheus metrics of the scheduler and of a worker, each on its own port (0: off; several workers on one
+    # host need one port each). Served without authentication on `metrics_host` (common/telemetry.py); the
+    # API's are at its own `GET /metrics`, behind the admin token.
+    scheduler_metrics_port: int = Field(default=0, ge=0, le=65535, alias="LORAPLANE_SCHEDULER_METRICS_PORT")
+    worker_metrics_port: int = Field(default=0, ge=0, le=65535, alias="LORAPLANE_WORKER_METRICS_PORT")
+    metrics_host: str = Field(default="0.0.0.0", alias="LORAPLANE_METRICS_HOST")
 
     default_max_concurrent_trials: int = Field(default=64, alias="LORAPLANE_DEFAULT_MAX_CONCURRENT_TRIALS")
     default_max_trials_per_task: int = Field(default=32, alias="LORAPLANE_DEFAULT_MAX_TRIALS_PER_TASK")

@@ -21,6 +21,7 @@ client (loraplane/commands/, on loraplane.client; `--json` on each):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +32,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 log = logging.getLogger("loraplane")
 
@@ -67,7 +70,23 @@ def cmd_api(args: argparse.Namespace) -> None:
         # Imported by name so this package never imports api/ (dependencies point one way).
         uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="info")
     else:
-        _serve_api_processes(args.host, args.port, args.workers)
+        with _api_metrics_dir() as metrics_dir:
+            _serve_api_processes(args.host, args.port, args.workers, metrics_dir)
+
+
+@contextlib.contextmanager
+def _api_metrics_dir() -> Iterator[Path]:
+    """Prometheus' multiprocess mode for the server processes: each writes its metrics into this run's own fresh
+    directory (the spawned processes inherit the variable) and `GET /metrics` on any of them sums them all.
+    Removed at the end: values of an earlier run must not be summed in."""
+    from common import telemetry
+
+    metrics_dir = telemetry.create_multiprocess_dir()
+    os.environ[telemetry.MULTIPROC_ENV] = str(metrics_dir)
+    try:
+        yield metrics_dir
+    finally:
+        telemetry.remove_multiprocess_dir(metrics_dir)
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
@@ -95,12 +114,14 @@ def _api_process(sock: socket.socket, parent_pid: int) -> None:
     uvicorn.Server(uvicorn.Config("api.main:app", log_level="info")).run(sockets=[sock])
 
 
-def _serve_api_processes(host: str, port: int, workers: int) -> None:
+def _serve_api_processes(host: str, port: int, workers: int, metrics_dir: Path) -> None:
     """`workers` server processes, each on a socket of its own: with uvicorn's `workers=N` they share one
     socket, and whichever process wakes first accepts a whole burst of connections (asyncio accepts up to the
     backlog at once) and keeps them while they are kept alive; measured under wrk, all 32 of 32 went to one
     process. Each process is a fresh interpreter (spawn): its own database engines, event loop and SSE watch."""
     import multiprocessing
+
+    from common.telemetry import mark_process_dead
 
     context = multiprocessing.get_context("spawn")
     sockets = [_listening_socket(host, port) for _ in range(workers)]  # a port in use fails here, at once
@@ -120,6 +141,7 @@ def _serve_api_processes(host: str, port: int, workers: int) -> None:
         for i, process in enumerate(processes):
             if not process.is_alive():
                 log.warning("API process %s exited with %s; starting another", process.pid, process.exitcode)
+                mark_process_dead(int(process.pid or 0), metrics_dir)
                 processes[i] = start(sockets[i])
     for process in processes:
         process.terminate()

@@ -8,15 +8,26 @@ active slots. Measured step times from running packs correct the prediction onli
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+# A trial's batch size when its hyperparameters name none (trials stored before batch_size was a dimension).
+DEFAULT_BATCH_SIZE = 1
+
+
+def tokens_per_step(hyperparameters: Mapping[str, Any], max_seq_len: int) -> int:
+    """The tokens a trial adds to its pack's step, as the planner, the early-exit policies and the estimates count
+    them: batch size x max_seq_len. Rows are at most max_seq_len long, so this is an upper bound (padding included)."""
+    return int(hyperparameters.get("batch_size", DEFAULT_BATCH_SIZE)) * max_seq_len
+
 
 # fp32 weight + fp32 grad + two fp32 AdamW moments per trainable adapter parameter (PLoRA Eq. 21, c_grad = 3).
 BYTES_PER_ADAPTER_PARAM = 16
 
-# Priors: the cost model of a base model no pack has profiled yet (scheduler/placement.py, `PRIOR_COST`), and the
+# Priors: the cost model of a base model no pack has profiled yet (scheduler/planning.py, `PRIOR_COST`), and the
 # coefficients profiles cannot determine (too few or degenerate samples). From the packed engine on one H100 80 GB
 # (benchmarks/results/engine_throughput-*-gpu-20261123-packed*.json; "tokens" are the planner's, batch × max_seq_len):
 # - SmolLM2-135M shape, 24 trials × batch 4 × 96 tokens (9,216): 293-338 ms per step of which 40-60 ms is GPU work;

@@ -51,6 +51,8 @@ from scheduler.lifecycle import (
 )
 from scheduler.placement import place
 from scheduler.planner import plan
+from scheduler.telemetry import SchedulerTelemetry
+from scheduler.webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class SchedulerDaemon:
         self._reap_after = 0.0  # monotonic time before which silent workers are not declared lost
         self._registry_sent: dict[str, Any] | None = None  # the model registry last published, and when
         self._registry_sent_at = 0.0
+        self.telemetry = SchedulerTelemetry(enabled=False)  # `run` serves it when a metrics port is set
 
     def step(self, block_s: float) -> int:
         """One round: ingest what arrived (waiting up to block_s), then act. Returns messages handled.
@@ -105,6 +108,7 @@ class SchedulerDaemon:
                 # Early exit on every new evaluation, in the same transaction as the points it rests on.
                 self._pauses += apply_early_exit(session, touched, utcnow())
             self._aborts |= aborts
+            self.telemetry.ingested(message for _, message in batch)
             # Acked only after the commit: a crash in between replays the batch, and ingest is idempotent.
             try:
                 self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
@@ -125,6 +129,7 @@ class SchedulerDaemon:
             snapshot = build_snapshot(session, now, timeout)
             note_model_waits(session, snapshot.pending, now, timeout)
             waiting_models = {t.base_model for t in snapshot.pending}
+            plan_started, replanned = time.perf_counter(), True
             if self.settings.planner == "greedy":
                 new_packs = record_plan(session, plan(snapshot), now)
             elif snapshot.pending and (any(w.models is None or not w.models.isdisjoint(waiting_models)
@@ -135,7 +140,10 @@ class SchedulerDaemon:
                 placement = place(snapshot, costs, time_limit_s=self.settings.planner_time_limit_s)
                 new_packs = record_plan(session, placement.plan, now, placement.result)
             else:
-                new_packs = []
+                new_packs, replanned = [], False
+            if replanned:
+                self.telemetry.replanned(time.perf_counter() - plan_started)
+            self.telemetry.observe_state(session)
         for pack_id in new_packs:
             log.info("planned pack %s", pack_id)
         # Each send is retried next round when it fails (the broker or the bus is away): one failing must not
@@ -243,7 +251,12 @@ class SchedulerDaemon:
         self._reap_after = time.monotonic() + self.settings.worker_timeout_s
 
     def run(self, stop: threading.Event) -> None:
+        # Served from the start, a standby too (its gauges stay empty until it leads).
+        self.telemetry = SchedulerTelemetry.start(self.settings)
         lock = self._acquire_leadership(stop)
+        # Webhooks go out from the active scheduler (`up` and `loraplane scheduler` alike), on their own thread: a
+        # slow receiver never holds up a round (scheduler/webhooks.py).
+        threading.Thread(target=WebhookSender().run, args=(stop,), name="webhooks", daemon=True).start()
         # A scheduler that starts (or takes over) reads the backlog first, oldest first: it judges no worker
         # before the heartbeats sent while no scheduler was reading could arrive.
         self._hold_reaping()
@@ -269,6 +282,7 @@ class SchedulerDaemon:
                     log.exception("scheduler round failed; retrying")
                     stop.wait(min(10.0, self.settings.scheduler_tick_s * failures))
         finally:
+            self.telemetry.close()
             if lock is not None:
                 lock.close()
 

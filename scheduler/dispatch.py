@@ -17,6 +17,7 @@ from common.artifacts import file_key
 from common.celery import RUN_PACK_TASK
 from common.models import BaseModelEntry, Pack, Task, Trial, Worker
 from common.registry import model_source_fields
+from scheduler.cost import tokens_per_step
 from scheduler.early_exit import EarlyExitSpecError, asha_rung_steps, from_spec, rung_steps
 
 
@@ -63,10 +64,10 @@ def eval_steps(task: Task, trial: Trial) -> list[int]:
         assert session is not None
         # Tokens per step as the policy counts them (scheduler/exits.py): batch size x max_seq_len.
         max_seq_len = int(task.spec["max_seq_len"])
-        budget = max(steps * int(hp.get("batch_size", 1)) * max_seq_len for steps, hp in session.execute(
+        budget = max(steps * tokens_per_step(hp, max_seq_len) for steps, hp in session.execute(
             select(Trial.total_steps, Trial.hyperparameters).where(Trial.task_id == task.id)))
-        tokens_per_step = int(trial.hyperparameters.get("batch_size", 1)) * max_seq_len
-        return list(asha_rung_steps(config, budget, tokens_per_step, trial.total_steps))
+        return list(asha_rung_steps(config, budget, tokens_per_step(trial.hyperparameters, max_seq_len),
+                                    trial.total_steps))
     return []
 
 

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 from common import states
 from common.events import record_event
 from common.models import MetricPoint, Pack, Task, Trial
+from scheduler.cost import tokens_per_step
 from scheduler.early_exit import (
     EarlyExitConfig,
     EarlyExitSpecError,
@@ -93,7 +94,8 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
     curves = []
     for t in trials:
         batch = int(t.hyperparameters.get("batch_size", 1))
-        curves.append(curves_from_losses(t.id, t.state, t.total_steps, batch, batch * max_seq_len,
+        curves.append(curves_from_losses(t.id, t.state, t.total_steps, batch,
+                                         tokens_per_step(t.hyperparameters, max_seq_len),
                                          points[t.id]["train"], points[t.id]["val"]))
     by_id = {t.id: t for t in trials}
     pending = any(t.state == states.TRIAL_PENDING for t in trials)

@@ -25,7 +25,7 @@ from common import states
 from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
 from common.metrics import METRIC_SPLIT
-from common.models import MetricPoint, Pack, Trial, Worker, as_utc, utcnow
+from common.models import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from scheduler.cost import Progress
 from scheduler.lifecycle import lose_pack, newest_metric_score, requeue_trial
@@ -332,6 +332,7 @@ def _pack_profile(session: Session, m: dict[str, Any]) -> None:
 
 def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched: set[str]) -> bool:
     status = m["status"]
+    _record_usage(session, m, now)
     trial = _live_trial(session, m["trial_id"], m["pack_id"])
     if trial is None:
         _stopped_early_adapter(session, m)
@@ -372,6 +373,22 @@ def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched:
         data={"best_val_loss": trial.best_val_loss, "best_step": trial.best_step, "steps": trial.steps_done},
     )
     return True
+
+
+def _record_usage(session: Session, m: dict[str, Any], now: datetime) -> None:
+    """What the trial trained in this pack (a worker before usage accounting sends no `pack_tokens`): counted even
+    when the report itself is stale for the trial's state (a trial stopped while its pack still trained it), as the
+    GPU time was spent; once per (pack, trial, step), so a replayed report is not counted twice."""
+    if m.get("pack_tokens") is None:
+        return
+    trial = session.get(Trial, m["trial_id"])
+    key = (m["pack_id"], m["trial_id"], int(m.get("steps_done") or 0))
+    if trial is None or session.scalar(select(TrialUsage.id).where(
+            TrialUsage.pack_id == key[0], TrialUsage.trial_id == key[1], TrialUsage.end_step == key[2])) is not None:
+        return
+    session.add(TrialUsage(pack_id=key[0], trial_id=trial.id, task_id=trial.task_id, tenant_id=trial.tenant_id,
+                           tokens=int(m["pack_tokens"]), steps=int(m.get("pack_steps") or 0), end_step=key[2],
+                           created_at=now))
 
 
 def _trial_paused(session: Session, trial: Trial, m: dict[str, Any]) -> None:

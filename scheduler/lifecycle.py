@@ -18,15 +18,20 @@ from common.events import record_event
 from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, metric_of, rank_key
 from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
-from scheduler.cost import Progress, fit_profiles, samples_from_profiles
+from common.usage import task_usage
+from scheduler.cluster_state import (
+    alive_workers,
+    predicted_remaining_s,
+    trial_tokens_per_step,
+    worker_models,
+)
+from scheduler.cluster_state import busy_workers as busy_workers  # the daemon's, re-exported
+from scheduler.cluster_state import load_costs as load_costs  # the daemon's, re-exported
 from scheduler.exits import stop_mode
-from scheduler.placement import PRIOR_COST
-from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, Plan, Snapshot, loads
+from scheduler.planner import IdleWorker, LivePack, PendingTrial, Plan, Snapshot, loads
 from scheduler.planning import ModelCost, PlanResult, RunningMember
 
 log = logging.getLogger(__name__)
-
-PROFILES_PER_MODEL = 20  # the newest pack profiles a base model's cost model is fitted on
 
 
 def requeue_trial(session: Session, trial: Trial, reason: str, *, refund: bool = False) -> None:
@@ -132,6 +137,7 @@ def finalize_tasks(session: Session, now: datetime) -> None:
         if not trials or any(t.state not in states.TRIAL_FINAL for t in trials):
             continue
         task.finished_at = now
+        record_actual(session, task, now)
         # A trial stopped early for overfitting had its best adapter saved: it competes like a completed one.
         done = [t for t in trials if t.state in (states.TRIAL_COMPLETED, states.TRIAL_STOPPED_EARLY) and t.adapter_key]
         if not done:
@@ -155,6 +161,18 @@ def finalize_tasks(session: Session, now: datetime) -> None:
         )
 
 
+def record_actual(session: Session, task: Task, now: datetime) -> None:
+    """The task's actual cost beside its estimate (`task.estimate["actual"]`): tokens trained and GPU seconds from
+    its usage (common/usage.py), wall seconds from submission to the end. A task without an estimate (submitted
+    before estimates) gets none: there is nothing to compare it with."""
+    if task.estimate is None:
+        return
+    tokens, gpu_seconds = task_usage(session, task.id)
+    wall_s = (as_utc(now) - as_utc(task.created_at)).total_seconds()
+    actual = {"tokens": tokens, "gpu_seconds": round(gpu_seconds, 3), "wall_seconds": round(wall_s, 3)}
+    task.estimate = {**task.estimate, "actual": actual}  # a new dict: the JSON column is saved only when replaced
+
+
 def best_trial(metric: str, trials: Sequence[Trial]) -> Trial:
     """The task's best of its finished trials, by its metric (common.metrics.rank_key): the lowest validation
     loss, or the highest metric score (ties and unscored trials by validation loss)."""
@@ -162,68 +180,15 @@ def best_trial(metric: str, trials: Sequence[Trial]) -> Trial:
                                               last_train_loss=t.last_train_loss, index=t.index))
 
 
-def load_costs(session: Session) -> dict[str, ModelCost]:
-    """Each base model's cost model, fitted on its newest pack profiles, then corrected online by what its
-    running packs measure now (the mean measured/predicted step-time ratio of their `pack.progress`).
-    A model with neither profiles nor running measurements is absent (the planner uses its priors)."""
-    models = session.scalars(select(Pack.base_model).where(Pack.profile.is_not(None)).distinct()).all()
-    costs: dict[str, ModelCost] = {}
-    for model in models:
-        profiles = session.scalars(
-            select(Pack.profile).where(Pack.base_model == model, Pack.profile.is_not(None))
-            .order_by(Pack.created_at.desc()).limit(PROFILES_PER_MODEL)
-        ).all()
-        samples = []
-        for profile in profiles:
-            try:
-                samples.extend(samples_from_profiles([profile]))
-            except (ValueError, TypeError, AssertionError) as exc:  # a malformed report must not stop planning
-                log.warning("ignoring a malformed %s pack profile: %s", model, exc)
-        if samples:
-            memory, step = fit_profiles(samples)
-            costs[model] = ModelCost(memory=memory, step=step)
-    ratios: dict[str, list[float]] = {}
-    for pack in session.scalars(select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.progress.is_not(None))):
-        measured = _progress(pack)
-        if measured is not None:
-            base = costs.get(pack.base_model, PRIOR_COST)
-            ratios.setdefault(pack.base_model, []).append(measured.ratio(base.step))
-    for model, found in ratios.items():
-        base = costs.get(model, PRIOR_COST)
-        costs[model] = ModelCost(memory=base.memory, step=base.step.scaled(sum(found) / len(found)))
-    return costs
-
-
-def _progress(pack: Pack) -> Progress | None:
-    """The pack's newest measurement, if it has a usable one."""
-    try:
-        return Progress.from_report(pack.progress) if pack.progress else None
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def _target_patterns(trial: Trial) -> tuple[str, ...]:
     targets = trial.hyperparameters.get("target_modules", "all-linear")
     return (targets,) if isinstance(targets, str) else tuple(sorted(targets))
 
 
-def _tokens_per_step(trial: Trial, task: Task) -> int:
-    return int(trial.hyperparameters.get("batch_size", 1)) * int(task.spec.get("max_seq_len", 512))
-
-
-def _alive_workers(session: Session, now: datetime, timeout_s: float) -> list[Worker]:
-    return list(session.scalars(
-        select(Worker).where(
-            Worker.state == states.WORKER_ALIVE,
-            Worker.last_heartbeat >= now - timedelta(seconds=timeout_s),
-        )
-    ).all())
-
-
 def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapshot:
     """Pending trials (locked for this transaction) and idle workers; `busy_workers` fills in the rest."""
     busy_ids = set(session.scalars(select(Pack.worker_id).where(Pack.state.in_(states.PACK_LIVE))).all())
-    workers = _alive_workers(session, now, timeout_s)
+    workers = alive_workers(session, now, timeout_s)
     rows = session.execute(
         select(Trial, Task, Tenant.weight)
         .join(Task, Task.id == Trial.task_id)
@@ -244,7 +209,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
             max_trials_per_pack=int(task.spec.get("scheduling", {}).get("max_trials_per_pack",
                                                                          DEFAULT_MAX_TRIALS_PER_PACK)),
             remaining_steps=max(1, trial.total_steps - (trial.checkpoint_step or 0)),
-            tokens_per_step=_tokens_per_step(trial, task),
+            tokens_per_step=trial_tokens_per_step(trial, task),
             # The objective's weights are integers: a tenant's weight rounds to the nearest, at least 1.
             tenant_weight=max(1, round(weight or 1.0)),
             lora_rank=int(trial.hyperparameters.get("lora_rank", 8)),
@@ -253,13 +218,9 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
         )
         for trial, task, weight in rows
     )
-    idle = tuple(IdleWorker(w.id, w.max_slots, w.memory_bytes, _models(w)) for w in workers if w.id not in busy_ids)
+    idle = tuple(IdleWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w))
+                 for w in workers if w.id not in busy_ids)
     return Snapshot(pending=pending, idle_workers=idle)
-
-
-def _models(worker: Worker) -> frozenset[str] | None:
-    """The models the worker's newest heartbeat says it can load; None: it does not say (every model)."""
-    return None if worker.models is None else frozenset(str(m) for m in worker.models)
 
 
 WAITING_FOR_MODEL = "task.waiting_for_model"
@@ -281,13 +242,13 @@ def note_model_waits(session: Session, pending: Sequence[PendingTrial], now: dat
     told it waits for nothing."""
     if not pending:
         return
-    workers = _alive_workers(session, now, timeout_s)
+    workers = alive_workers(session, now, timeout_s)
     if not workers:
         return
     tasks: dict[str, tuple[str, str]] = {}  # task -> (tenant, base model)
     for t in pending:
         tasks.setdefault(t.task_id, (t.tenant_id, t.base_model))
-    loadable = {model: any(loads(_models(w), model) for w in workers) for _, model in tasks.values()}
+    loadable = {model: any(loads(worker_models(w), model) for w in workers) for _, model in tasks.values()}
     if not all(loadable.values()):
         recent = now - timedelta(seconds=timeout_s)
         for name, created_at, updated_at in session.execute(
@@ -315,26 +276,13 @@ def note_model_waits(session: Session, pending: Sequence[PendingTrial], now: dat
                 data={"base_model": model, "workers_alive": len(workers)},
             )
         elif loadable[model] and waiting:
-            able = sorted(w.id for w in workers if loads(_models(w), model))
+            able = sorted(w.id for w in workers if loads(worker_models(w), model))
             record_event(
                 session, tenant_id=tenant_id, task_id=task_id, type=MODEL_AVAILABLE,
                 message=f"worker {able[0]} can load model {model}: the task's trials can be placed"
                         + (f" (and {len(able) - 1} more)" if len(able) > 1 else ""),
                 data={"base_model": model, "workers": able},
             )
-
-
-def busy_workers(
-    session: Session, now: datetime, timeout_s: float, costs: dict[str, ModelCost]
-) -> tuple[BusyWorker, ...]:
-    """Alive workers training a pack, each with the predicted seconds until its pack ends (the planner may
-    wait for one rather than open a worse pack now). Only worth its queries when something is to be placed."""
-    live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
-    return tuple(
-        BusyWorker(w.id, w.max_slots, w.memory_bytes, _predicted_remaining_s(session, live[w.id], costs), _models(w))
-        for w in _alive_workers(session, now, timeout_s)
-        if w.id in live
-    )
 
 
 def packs_with_room(session: Session) -> bool:
@@ -361,39 +309,16 @@ def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack,
         out.append(LivePack(
             pack_id=pack.id, worker_id=pack.worker_id, base_model=pack.base_model, free_slots=free,
             members=len(rows), max_rank=pack.max_rank or 0, target_modules=tuple(pack.target_modules or ()),
-            tokens_per_step=sum(_tokens_per_step(trial, task) for trial, task in rows),
-            busy_for_s=_predicted_remaining_s(session, pack, costs) if costs else 0.0,
+            tokens_per_step=sum(trial_tokens_per_step(trial, task) for trial, task in rows),
+            busy_for_s=predicted_remaining_s(session, pack, costs) if costs else 0.0,
             task_ids=frozenset(task.id for _trial, task in rows),
             member_list=tuple(
                 RunningMember(trial.id, task.tenant_id, weights.get(task.tenant_id, 1),
-                           max(1, trial.total_steps - trial.steps_done), _tokens_per_step(trial, task))
+                           max(1, trial.total_steps - trial.steps_done), trial_tokens_per_step(trial, task))
                 for trial, task in rows
             ),
         ))  # fmt: skip
     return tuple(out)
-
-
-def _predicted_remaining_s(session: Session, pack: Pack, costs: dict[str, ModelCost]) -> float:
-    """Seconds until a live pack's longest-running member is done, at the pack's predicted step time.
-
-    ``costs`` already carry the online correction of the pack's base model (``load_costs``). A pack that
-    measured its own step time with the members it has now is predicted at that time; one whose members
-    changed since, by the model corrected with its own measured/predicted ratio."""
-    rows = session.execute(
-        select(Trial, Task).join(Task, Task.id == Trial.task_id).where(
-            Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
-    ).all()
-    if not rows:
-        return 0.0
-    model = costs.get(pack.base_model, PRIOR_COST).step
-    measured = _progress(pack)
-    if measured is not None and round(measured.slots) == len(rows):
-        step = measured.step_s
-    else:
-        if measured is not None:
-            model = model.scaled(measured.ratio(model))
-        step = model.predict(sum(_tokens_per_step(trial, task) for trial, task in rows), len(rows))
-    return max(trial.total_steps - trial.steps_done for trial, _ in rows) * step
 
 
 def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult | None = None) -> list[str]:

@@ -35,17 +35,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from scheduler.cost import (
-    PRIOR_K1_BYTES_PER_TOKEN,
-    PRIOR_STEP_BASE_S,
-    PRIOR_STEP_S_PER_SLOT,
-    PRIOR_STEP_S_PER_TOKEN,
-    MemoryModel,
-    StepTimeModel,
-)
 from scheduler.cpsat import plan_cpsat
 from scheduler.planner import Backfill, BusyWorker, IdleWorker, PendingTrial, Plan, PlannedPack, Snapshot
 from scheduler.planning import (
+    DEFAULT_GPU_BYTES,
+    PRIOR_COST,
     GpuSpec,
     ModelCost,
     PlanningInput,
@@ -56,13 +50,6 @@ from scheduler.planning import (
     work_conserving,
 )
 
-# A GPU whose worker did not report its memory: plan as for an 80 GB H100 (the profile's fit then decides).
-DEFAULT_GPU_BYTES = 80 * 2**30
-# Without a profile: the cost priors (scheduler/cost.py says where their numbers come from).
-PRIOR_COST = ModelCost(
-    memory=MemoryModel(k0_bytes=0.0, k1_bytes_per_token=PRIOR_K1_BYTES_PER_TOKEN),
-    step=StepTimeModel(a_s=PRIOR_STEP_BASE_S, b_s_per_token=PRIOR_STEP_S_PER_TOKEN, c_s_per_slot=PRIOR_STEP_S_PER_SLOT),
-)
 UNIT_S = 1.0  # one integer time unit of the plan
 
 

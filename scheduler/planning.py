@@ -21,7 +21,14 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from scheduler.cost import MemoryModel, StepTimeModel
+from scheduler.cost import (
+    PRIOR_K1_BYTES_PER_TOKEN,
+    PRIOR_STEP_BASE_S,
+    PRIOR_STEP_S_PER_SLOT,
+    PRIOR_STEP_S_PER_TOKEN,
+    MemoryModel,
+    StepTimeModel,
+)
 
 SCALE = 1000  # step times are integer thousandths of a time unit, rounded up
 
@@ -87,6 +94,16 @@ class RunningPack:
 class ModelCost:
     memory: MemoryModel  # per GPU of the pack
     step: StepTimeModel
+
+
+# Without a profile: the cost priors (scheduler/cost.py says where their numbers come from). Here, beside
+# `ModelCost`, so that the daemon's planner and the API's estimates (scheduler/estimate.py) share one prior.
+PRIOR_COST = ModelCost(
+    memory=MemoryModel(k0_bytes=0.0, k1_bytes_per_token=PRIOR_K1_BYTES_PER_TOKEN),
+    step=StepTimeModel(a_s=PRIOR_STEP_BASE_S, b_s_per_token=PRIOR_STEP_S_PER_TOKEN, c_s_per_slot=PRIOR_STEP_S_PER_SLOT),
+)
+# A GPU whose worker did not report its memory: plan as for an 80 GB H100 (the profile's fit then decides).
+DEFAULT_GPU_BYTES = 80 * 2**30
 
 
 @dataclass(frozen=True)

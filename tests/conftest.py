@@ -83,7 +83,8 @@ def database() -> Iterator[str]:
     admin.dispose()
 
 
-TABLES = ("metric_points", "events", "trials", "tasks", "packs", "workers", "api_keys", "files", "tenants")
+TABLES = ("webhook_deliveries", "webhook_endpoints", "metric_points", "events", "trials", "tasks", "packs",
+          "workers", "api_keys", "files", "tenants")
 
 
 @pytest.fixture

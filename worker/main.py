@@ -15,6 +15,7 @@ from common.bus import get_bus
 from common.celery import worker_queue
 from common.registry import DEFAULT_MODELS
 from common.settings import get_settings
+from worker import telemetry
 from worker.agent import Heartbeat, Incarnation
 from worker.availability import ModelAvailability
 from worker.engine import ModelSource
@@ -85,6 +86,7 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    telemetry.start(settings, device)  # LORAPLANE_WORKER_METRICS_PORT (0: off)
     heartbeat.start()  # beating while models load: the scheduler sees the worker, busy with no pack
     preload_models(runner.model, settings.worker_preload_models,
                    availability.registry() if settings.worker_preload_models else None)

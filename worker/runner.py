@@ -24,6 +24,7 @@ from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS
 from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
+from worker import telemetry
 from worker.agent import CommandInbox, Heartbeat, Reporter, ReportsLost
 from worker.engine import Evaluation, ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
 from worker.engine.trainer import PackTimings, StopMode
@@ -152,6 +153,7 @@ class PackRunner:
         finally:
             reporter.close(self.report_timeout_s)
             self.heartbeat.set_pack(None)
+            telemetry.pack_ended()
 
     def should_stop(self, pack_id: str, trial_ids: Iterable[str]) -> dict[str, StopMode]:
         """The trials to take out now: those the scheduler stopped, or all of them once it aborted the pack."""
@@ -213,15 +215,18 @@ class PackRunner:
                     key = adapter_key(task_of[outcome.trial_id], outcome.trial_id)
                     archive = _tar(outcome.adapter_dir, tmp / f"{outcome.trial_id}.tar.gz", gzip=True)
                     self.store.put_file(key, archive)
+                    telemetry.adapter_uploaded()
                 reporter.send(
                     "trial.finished", trial_id=outcome.trial_id, status=outcome.status,
                     steps_done=outcome.steps_done, best_val_loss=outcome.best_val_loss,
                     best_step=outcome.best_step, final_train_loss=outcome.final_train_loss,
-                    adapter_key=key, error=outcome.error,
+                    adapter_key=key, error=outcome.error, pack_steps=outcome.pack_steps,
+                    pack_tokens=outcome.pack_tokens,
                 )
 
             def stepped(stats: StepStats) -> None:
                 profiler.record(stats)
+                telemetry.observe_step(stats)
                 progress = profiler.take_progress()
                 if progress is not None:  # the scheduler corrects its step-time predictions with it
                     reporter.send("pack.progress", **progress)

@@ -9,7 +9,20 @@ from fastapi import APIRouter, Query
 from api.deps import SessionDep, TenantDep
 from api.schemas.common import error_responses
 from api.schemas.search_spaces import SearchSpaceExpand, SearchSpaceExpansion
-from api.services.tasks import check_target_modules, expand_trials, require_max_trials, space_of, usable_model
+from api.schemas.tasks import Cost
+from api.services.estimates import estimate_task
+from api.services.tasks import (
+    check_context,
+    check_target_modules,
+    expand_trials,
+    owned_file,
+    require_max_trials,
+    resolve_budget,
+    space_of,
+    train_rows,
+    trial_steps,
+    usable_model,
+)
 from common.architectures import target_modules_for
 
 router = APIRouter(prefix="/search-spaces", tags=["search_spaces"], responses=error_responses(401, 422))
@@ -24,7 +37,8 @@ def expand_search_space(
 ) -> SearchSpaceExpansion:
     """The trials `POST /v1/tasks` would create from this space, by the same code: the same count, the same
     hyperparameters, and the same 422 where the task would be refused (a grid over `max_trials` or over the
-    tenant's quota; with `base_model`, an unknown model or a module it does not have). Nothing is written."""
+    tenant's quota; with `base_model`, an unknown model or a module it does not have). With `base_model` and
+    `training_file`, also the task's `estimate` (its budget fields as in `POST /v1/tasks`). Nothing is written."""
     require_max_trials(body.strategy, body.max_trials)
     space = space_of(body.search_space)
     all_linear = None
@@ -34,8 +48,18 @@ def expand_search_space(
         targets = target_modules_for(model.architecture)
         all_linear = list(targets) if targets is not None else None
     trials = expand_trials(space, strategy=body.strategy, max_trials=body.max_trials, seed=body.seed, tenant=tenant)
+    estimate = None
+    if body.base_model is not None and body.training_file is not None:
+        # The task's own checks and step counts (api/services/tasks.py), then its estimate.
+        budget = resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
+                                validation_split=body.validation_split)
+        check_context(model, body.max_seq_len)
+        n_train = train_rows(owned_file(session, tenant, body.training_file, "training_file"), budget.validation_split)
+        estimate = Cost.model_validate(estimate_task(
+            session, base_model=body.base_model, configs=trials, steps=trial_steps(trials, budget, n_train),
+            max_seq_len=body.max_seq_len, max_trials_per_pack=body.scheduling.max_trials_per_pack).as_dict())
     return SearchSpaceExpansion(
         strategy=body.strategy, count=len(trials), max_trials_per_task=tenant.max_trials_per_task,
         trials=[{**config, "seed": body.seed + i} for i, config in enumerate(trials[:limit])],
-        has_more=len(trials) > limit, all_linear=all_linear,
+        has_more=len(trials) > limit, all_linear=all_linear, estimate=estimate,
     )

@@ -17,8 +17,8 @@ from api.queries import find_task, get_task, get_trial
 from api.schemas.common import NO_CONTROL_CHARS, ListPage, PathId, error_responses, id_query
 from api.schemas.tasks import TaskCreate, TaskOut
 from api.services.adapters import adapter_download, no_best_trial
-from api.services.task_views import task_status, task_view, task_views
-from api.services.tasks import cancel_task, create_task
+from api.services.task_views import draft_view, task_status, task_view, task_views
+from api.services.tasks import cancel_task, create_task, dry_run_task
 from common.db import get_autocommit_engine
 from common.models import Task
 from common.states import TASK_CANCELLED, TASK_FAILED, TASK_QUEUED, TASK_RUNNING, TASK_SUCCEEDED, TASK_VALIDATING
@@ -31,7 +31,8 @@ TASK_STATES = (TASK_VALIDATING, TASK_QUEUED, TASK_RUNNING, TASK_SUCCEEDED, TASK_
 @router.post(
     "",
     status_code=status.HTTP_201_CREATED,
-    responses={200: {"description": "An earlier task with the same Idempotency-Key."}, **error_responses(429)},
+    responses={200: {"description": "An earlier task with the same Idempotency-Key, or a dry run's task."},
+               **error_responses(429)},
 )
 def submit_task(
     body: TaskCreate,
@@ -41,8 +42,16 @@ def submit_task(
     idempotency_key: Annotated[
         str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)
     ] = None,
+    dry_run: Annotated[bool, Query(description="Check everything a submission checks (the same errors) and answer "
+                                   "200 with the task as it would be, id null, and its estimate; write nothing.")
+                       ] = False,
 ) -> TaskOut:
-    """Expand the search space into trials and queue them."""
+    """Expand the search space into trials and queue them, with the task's `estimate` (tokens, GPU seconds, wall
+    seconds) from the planner's cost model and the cluster now."""
+    if dry_run:
+        response.status_code = status.HTTP_200_OK
+        draft = dry_run_task(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
+        return task_view(session, draft) if isinstance(draft, Task) else draft_view(draft.task, len(draft.configs))
     task, created = create_task(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
     if not created:
         response.status_code = status.HTTP_200_OK

@@ -6,8 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, StrictInt
 
-from api.schemas.common import RequestModel, Text
-from api.schemas.tasks import SearchSpace
+from api.schemas.common import FiniteFloat, RequestModel, Text
+from api.schemas.tasks import Cost, Scheduling, SearchSpace, TaskCreate
 
 
 class SearchSpaceExpand(RequestModel):
@@ -21,6 +21,16 @@ class SearchSpaceExpand(RequestModel):
     strategy: Literal["grid", "random"] = "grid"
     max_trials: Annotated[StrictInt, Field(ge=1, le=10_000)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
+    # The task's budget, for the estimate (with base_model and training_file; without them `estimate` is null).
+    training_file: Text | None = Field(
+        default=None, min_length=1, max_length=200,
+        description="With base_model: estimate the task's cost (its row count sets each trial's steps).")
+    validation_file: Text | None = Field(default=None, min_length=1, max_length=200)
+    validation_split: Annotated[FiniteFloat, Field(gt=0, le=0.5)] | None = None
+    epochs: Annotated[StrictInt, Field(ge=1, le=100)] | None = None
+    max_steps: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
+    max_seq_len: Annotated[StrictInt, Field(ge=16, le=8192)] = TaskCreate.model_fields["max_seq_len"].default
+    scheduling: Scheduling = Field(default_factory=Scheduling)
 
 
 class SearchSpaceExpansion(BaseModel):
@@ -33,3 +43,6 @@ class SearchSpaceExpansion(BaseModel):
     all_linear: list[str] | None = Field(
         default=None, description='The modules "all-linear" stands for on base_model (every linear layer of the '
         "decoder except lm_head); null without base_model or where its architecture is not known.")
+    estimate: Cost | None = Field(
+        default=None, description="The task's predicted tokens, GPU seconds and wall seconds on the cluster now, as "
+        "its submission would store them; null without base_model and training_file.")

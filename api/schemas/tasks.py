@@ -365,8 +365,24 @@ class BestTrial(BaseModel):
         default=None, description="Its score on the task's generative metric (null for the loss metric).")
 
 
+class Cost(BaseModel):
+    tokens: int = Field(description="Σ over trials of steps x batch_size x max_seq_len: an upper bound, rows are at "
+                        "most max_seq_len tokens long.")
+    gpu_seconds: float = Field(description="GPU time the task's packs hold.")
+    wall_seconds: float | None = Field(
+        description="From submission until its last trial ends; null in an estimate when no live worker that can "
+        "load the model could take the trials.")
+
+
+class TaskEstimate(Cost):
+    """What the task was predicted to cost at submission, from the planner's cost model and the cluster then
+    (api/services/estimates.py); `actual` once it ended: its usage and its wall time."""
+
+    actual: Cost | None = Field(default=None, description="What it took (tokens trained, GPU seconds, wall seconds).")
+
+
 class TaskOut(BaseModel):
-    id: str
+    id: str | None = Field(description="null only in a dry run (POST /v1/tasks?dry_run=true): nothing was written.")
     object: Literal["task"] = "task"
     state: str
     base_model: str
@@ -389,6 +405,9 @@ class TaskOut(BaseModel):
     progress: float = Field(ge=0, le=1)
     best_trial: BestTrial | None
     estimated_seconds_left: float | None
+    estimate: TaskEstimate | None = Field(
+        default=None, description="Predicted tokens, GPU seconds and wall seconds at submission, with the `actual` "
+        "once the task ended; null for a task submitted before estimates.")
     error: str | None
     created_at: UtcDateTime
     started_at: UtcDateTime | None

@@ -19,10 +19,10 @@ from sqlalchemy import Connection, Float, and_, bindparam, case, cast, func, or_
 from sqlalchemy.orm import Session
 
 from api.deps import VALID_KEY
-from api.schemas.tasks import BestTrial, TaskOut, TrialCounts
+from api.schemas.tasks import BestTrial, TaskEstimate, TaskOut, TrialCounts
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, RankKey, metric_of, rank_key
 from common.models import ApiKey, Task, Trial, as_utc, utcnow
-from common.states import TASK_RUNNING, TRIAL_FINAL, TRIAL_STATES
+from common.states import TASK_RUNNING, TRIAL_FINAL, TRIAL_PENDING, TRIAL_STATES
 
 
 class TaskFields(Protocol):
@@ -50,6 +50,8 @@ class TaskFields(Protocol):
     def started_at(self) -> datetime | None: ...
     @property
     def finished_at(self) -> datetime | None: ...
+    @property
+    def estimate(self) -> dict[str, Any] | None: ...
 
 
 # How much of a trial is done: a finished one fully, others by their steps (clamped to [0, 1]).
@@ -77,7 +79,8 @@ _TRIAL_SUMMARIES = (
 _TASK_STATUS = (
     select(
         Task.id, Task.state, Task.base_model, Task.training_file_id, Task.validation_file_id, Task.spec,
-        Task.best_trial_id, Task.error, Task.created_at, Task.started_at, Task.finished_at, *_BY_STATE,
+        Task.best_trial_id, Task.error, Task.created_at, Task.started_at, Task.finished_at, Task.estimate,
+        *_BY_STATE,
     )
     .select_from(Task)
     .join(ApiKey, ApiKey.tenant_id == Task.tenant_id)
@@ -186,6 +189,7 @@ def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, n
         progress=round(summary.progress, 6),
         best_trial=best,
         estimated_seconds_left=seconds_left(task, summary.progress, now),
+        estimate=TaskEstimate.model_validate(task.estimate) if task.estimate else None,
         error=task.error,
         created_at=task.created_at,
         started_at=task.started_at,
@@ -209,6 +213,13 @@ def task_views(session: Session, tasks: Sequence[Task]) -> list[TaskOut]:
 
 def task_view(session: Session, task: Task) -> TaskOut:
     return task_views(session, [task])[0]
+
+
+def draft_view(task: Task, trials: int) -> TaskOut:
+    """A dry run's task (`POST /v1/tasks?dry_run=true`): nothing was written, so no id, and every trial pending."""
+    summary = TrialSummary()
+    summary.add(TRIAL_PENDING, trials, 0.0, 0)
+    return _task_out(task, summary, None, utcnow())
 
 
 def task_status(conn: Connection, *, key_hash: str, task_id: str) -> TaskOut | None:

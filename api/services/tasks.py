@@ -20,6 +20,7 @@ from api.db import commit
 from api.errors import RATE_LIMIT, ApiError, conflict, invalid
 from api.queries import find_file, get_task
 from api.schemas.tasks import RangeSpec, SearchSpace, TaskCreate
+from api.services.estimates import estimate_task
 from common import search_space as ss
 from common.architectures import ALL_LINEAR, target_modules_for
 from common.bus import wake_scheduler
@@ -50,11 +51,19 @@ def _check_request(body: TaskCreate) -> Budget:
     if body.epochs is not None and body.max_steps is not None:
         raise invalid("Give epochs or max_steps, not both.", param="max_steps", code="conflicting_fields")
     require_max_trials(body.strategy, body.max_trials)
-    split = None if body.validation_file is not None else body.validation_split or DEFAULT_VALIDATION_SPLIT
+    return resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
+                          validation_split=body.validation_split)
+
+
+def resolve_budget(
+    *, epochs: int | None, max_steps: int | None, validation_file: str | None, validation_split: float | None
+) -> Budget:
+    """The request's budget with its defaults (also the search-space preview's, for its estimate)."""
+    split = None if validation_file is not None else validation_split or DEFAULT_VALIDATION_SPLIT
     # A generative metric scores answers to validation rows, and every task has some: a validation_file, or a
-    # split > 0 (the schema refuses 0; default 0.1) that `_train_rows` refuses when it would hold out no row.
-    epochs = None if body.max_steps is not None else body.epochs or DEFAULT_EPOCHS
-    return Budget(epochs=epochs, max_steps=body.max_steps, validation_split=split)
+    # split > 0 (the schema refuses 0; default 0.1) that `train_rows` refuses when it would hold out no row.
+    return Budget(epochs=None if max_steps is not None else epochs or DEFAULT_EPOCHS, max_steps=max_steps,
+                  validation_split=split)
 
 
 def require_max_trials(strategy: str, max_trials: int | None) -> None:
@@ -142,7 +151,7 @@ def check_target_modules(model: BaseModelEntry, space: dict[str, ss.Dimension]) 
             )
 
 
-def _check_context(model: BaseModelEntry, max_seq_len: int) -> None:
+def check_context(model: BaseModelEntry, max_seq_len: int) -> None:
     if model.max_context is not None and max_seq_len > model.max_context:
         raise invalid(f"max_seq_len {max_seq_len} is longer than the context of model '{model.name}' "
                       f"({model.max_context} tokens); give at most {model.max_context}.", param="max_seq_len",
@@ -158,7 +167,7 @@ def _check_chat_template(model: BaseModelEntry, file: File, field: str) -> None:
                       param=field, code="model_has_no_chat_template")
 
 
-def _owned_file(session: Session, tenant: Tenant, file_id: str, field: str) -> File:
+def owned_file(session: Session, tenant: Tenant, file_id: str, field: str) -> File:
     # FOR SHARE: a concurrent DELETE of this file waits for us, then sees the task that uses it.
     file = find_file(session, tenant_id=tenant.id, file_id=file_id, lock="share")
     if file is None:
@@ -166,7 +175,7 @@ def _owned_file(session: Session, tenant: Tenant, file_id: str, field: str) -> F
     return file
 
 
-def _train_rows(train: File, split: float | None) -> int:
+def train_rows(train: File, split: float | None) -> int:
     if split is None:
         return train.rows
     held_out = validation_rows(train.rows, split)
@@ -228,42 +237,70 @@ def _insert(session: Session, task: Task, configs: list[dict[str, Any]], steps: 
                  message=f"Task created with {len(configs)} trial(s).", data={"trials": len(configs)})
 
 
-def create_task(
-    session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None = None
-) -> tuple[Task, bool]:
-    """Returns (task, created); a repeated Idempotency-Key returns the first task and False."""
+@dataclass(frozen=True)
+class Draft:
+    """A task that passed every check, not written yet: its row (no id, not in the session) and its trials."""
+
+    task: Task
+    configs: list[dict[str, Any]]
+    steps: list[int]
+
+
+def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None) -> Task | Draft:
+    """Every check of a submission, in order, and the task it would create with its estimate; or the earlier task
+    of the same Idempotency-Key. Writes nothing; takes the locks a submission takes (released with the session)."""
     if existing := _by_idempotency_key(session, tenant, idempotency_key):
-        return existing, False
+        return existing
     budget = _check_request(body)
     model = usable_model(session, tenant, body.base_model, lock=True)
-    _check_context(model, body.max_seq_len)
-    train = _owned_file(session, tenant, body.training_file, "training_file")
+    check_context(model, body.max_seq_len)
+    train = owned_file(session, tenant, body.training_file, "training_file")
     _check_chat_template(model, train, "training_file")
     if body.validation_file is not None:
-        _check_chat_template(model, _owned_file(session, tenant, body.validation_file, "validation_file"),
+        _check_chat_template(model, owned_file(session, tenant, body.validation_file, "validation_file"),
                              "validation_file")
-    n_train = _train_rows(train, budget.validation_split)
+    n_train = train_rows(train, budget.validation_split)
     space = (space_of(body.search_space) if isinstance(body.search_space, SearchSpace)
              else ss.auto_space(model.parameters, n_train))
     check_target_modules(model, space)
     configs = expand_trials(space, strategy=body.strategy, max_trials=body.max_trials, seed=body.seed, tenant=tenant)
-    steps = [budget.max_steps or (budget.epochs or DEFAULT_EPOCHS) * math.ceil(n_train / c["batch_size"])
-             for c in configs]
+    steps = trial_steps(configs, budget, n_train)
+    estimate = estimate_task(session, base_model=body.base_model, configs=configs, steps=steps,
+                             max_seq_len=body.max_seq_len,
+                             max_trials_per_pack=body.scheduling.max_trials_per_pack).as_dict()
 
     # Locking the tenant row serialises the rest between concurrent submissions of one tenant, so two
     # racing requests can neither both fit in the quota nor both claim one Idempotency-Key.
     session.execute(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
     if existing := _by_idempotency_key(session, tenant, idempotency_key):
-        return existing, False
+        return existing
     _check_concurrency(session, tenant, len(configs))
 
     task = Task(
-        id=new_id("task"), tenant_id=tenant.id, base_model=body.base_model, training_file_id=body.training_file,
+        tenant_id=tenant.id, base_model=body.base_model, training_file_id=body.training_file,
         validation_file_id=body.validation_file, state=TASK_QUEUED, spec=_spec(body, budget, space, steps),
-        idempotency_key=idempotency_key, created_at=utcnow(),
+        idempotency_key=idempotency_key, created_at=utcnow(), estimate=estimate,
     )
+    return Draft(task=task, configs=configs, steps=steps)
+
+
+def trial_steps(configs: list[dict[str, Any]], budget: Budget, n_train: int) -> list[int]:
+    """Each trial's optimizer steps: max_steps, or epochs over the training rows at its batch size."""
+    return [budget.max_steps or (budget.epochs or DEFAULT_EPOCHS) * math.ceil(n_train / c["batch_size"])
+            for c in configs]
+
+
+def create_task(
+    session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None = None
+) -> tuple[Task, bool]:
+    """Returns (task, created); a repeated Idempotency-Key returns the first task and False."""
+    draft = _prepare(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
+    if isinstance(draft, Task):
+        return draft, False
+    task = draft.task
+    task.id = new_id("task")
     try:
-        _insert(session, task, configs, steps, body.seed)
+        _insert(session, task, draft.configs, draft.steps, body.seed)
         session.commit()
     except IntegrityError:
         session.rollback()
@@ -272,6 +309,17 @@ def create_task(
         raise
     wake_scheduler("task.created", task_id=task.id)
     return task, True
+
+
+def dry_run_task(
+    session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None = None
+) -> Task | Draft:
+    """What `create_task` would answer, written nowhere: the earlier task of the same Idempotency-Key, or the
+    task it would create (with its estimate). Refused exactly as a submission; the session is rolled back."""
+    try:
+        return _prepare(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
+    finally:
+        session.rollback()  # nothing was written; this releases the locks a submission would hold to its commit
 
 
 def cancel_task(session: Session, *, tenant: Tenant, task_id: str) -> Task:

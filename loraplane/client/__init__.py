@@ -30,6 +30,10 @@ from loraplane.client.models import (
     Trial,
     TrialCounts,
     TrialMetrics,
+    Usage,
+    Webhook,
+    WebhookDeleted,
+    WebhookDelivery,
     Worker,
 )
 
@@ -37,5 +41,6 @@ __all__ = [
     "TASK_FINAL_STATES", "TRIAL_FINAL_STATES", "APIConnectionError", "APIError", "ApiKey", "AsyncClient",
     "BestTrial", "Client", "ConfigurationError", "Event", "File", "FileDeleted", "LoraplaneError", "LossPoint",
     "MetricScore", "Model", "Page", "RegisteredModel", "Settings", "Task", "Tenant", "Trial", "TrialCounts",
-    "TrialMetrics", "WaitTimeout", "Worker", "config_path", "read_config", "resolve", "write_config",
+    "TrialMetrics", "Usage", "WaitTimeout", "Webhook", "WebhookDeleted", "WebhookDelivery", "Worker", "config_path",
+    "read_config", "resolve", "write_config",
 ]

@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +33,10 @@ from loraplane.client.models import (
     Tenant,
     Trial,
     TrialMetrics,
+    Usage,
+    Webhook,
+    WebhookDeleted,
+    WebhookDelivery,
     Worker,
     page,
 )
@@ -79,7 +84,13 @@ class AsyncClient:
         self.files = AsyncFiles(self)
         self.models = AsyncModels(self)
         self.tasks = AsyncTasks(self)
+        self.webhooks = AsyncWebhooks(self)
         self.admin = AsyncAdmin(self)
+
+    async def usage(self, *, start: datetime | str | None = None, end: datetime | str | None = None) -> Usage:
+        """This tenant's usage in [start, end) (default: since the beginning, until now)."""
+        params = _core.params(**{"from": _core.iso(start), "to": _core.iso(end)})
+        return Usage.of(await self._json("GET", "/v1/usage", params=params))
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -160,6 +171,31 @@ class AsyncModels:
 
     async def get(self, name: str) -> Model:
         return Model.of(await self._c._json("GET", f"/v1/models/{name}"))
+
+
+class AsyncWebhooks:
+    """Endpoints the service POSTs this tenant's task outcomes to (signed; README "Webhooks")."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def create(self, url: str, *, events: list[str] | None = None, description: str | None = None) -> Webhook:
+        """The answer's `.secret` signs every delivery; it is shown only here."""
+        body = _core.params(url=url, events=events, description=description)
+        return Webhook.of(await self._c._json("POST", "/v1/webhooks", json=body))
+
+    async def list(self) -> Page[Webhook]:
+        return page(await self._c._json("GET", "/v1/webhooks"), Webhook)
+
+    async def delete(self, webhook_id: str) -> WebhookDeleted:
+        return WebhookDeleted.of(await self._c._json("DELETE", f"/v1/webhooks/{webhook_id}"))
+
+    async def deliveries(self, webhook_id: str, *, limit: int | None = None, after: str | None = None
+                   ) -> Page[WebhookDelivery]:
+        """Newest first; `after`: the last id of the previous page."""
+        params = _core.params(limit=limit, after=after)
+        return page(await self._c._json("GET", f"/v1/webhooks/{webhook_id}/deliveries", params=params),
+                    WebhookDelivery)
 
 
 class AsyncTasks:
@@ -347,6 +383,11 @@ class AsyncAdmin:
 
     async def list_workers(self) -> Page[Worker]:
         return page(await self._c._json("GET", "/v1/admin/workers", admin=True), Worker)
+
+    async def usage(self, *, start: datetime | str | None = None, end: datetime | str | None = None) -> Page[Usage]:
+        """Every tenant's usage in [start, end) (default: since the beginning, until now)."""
+        params = _core.params(**{"from": _core.iso(start), "to": _core.iso(end)})
+        return page(await self._c._json("GET", "/v1/admin/usage", params=params, admin=True), Usage)
 
     async def register_model(self, name: str, path: str, *, description: str | None = None, kind: str | None = None,
                       file: str | None = None, tenants: list[str] | None = None) -> RegisteredModel:

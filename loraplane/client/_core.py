@@ -8,6 +8,7 @@ import os
 import re
 import tarfile
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
@@ -27,6 +28,11 @@ JsonLines = list[dict[str, Any]]
 def params(**values: Any) -> dict[str, Any]:
     """Query or body values, without those left out (None)."""
     return {k: v for k, v in values.items() if v is not None}
+
+
+def iso(when: datetime | str | None) -> str | None:
+    """A time for a query: a datetime as ISO 8601 (no zone: UTC), a string as given."""
+    return when.isoformat() if isinstance(when, datetime) else when
 
 
 def bearer(token: str | None, what: str, hint: str) -> dict[str, str]:

@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ from loraplane.client.models import (
     Tenant,
     Trial,
     TrialMetrics,
+    Usage,
+    Webhook,
+    WebhookDeleted,
+    WebhookDelivery,
     Worker,
     page,
 )
@@ -76,7 +81,13 @@ class Client:
         self.files = Files(self)
         self.models = Models(self)
         self.tasks = Tasks(self)
+        self.webhooks = Webhooks(self)
         self.admin = Admin(self)
+
+    def usage(self, *, start: datetime | str | None = None, end: datetime | str | None = None) -> Usage:
+        """This tenant's usage in [start, end) (default: since the beginning, until now)."""
+        params = _core.params(**{"from": _core.iso(start), "to": _core.iso(end)})
+        return Usage.of(self._json("GET", "/v1/usage", params=params))
 
     def close(self) -> None:
         self._http.close()
@@ -155,6 +166,31 @@ class Models:
 
     def get(self, name: str) -> Model:
         return Model.of(self._c._json("GET", f"/v1/models/{name}"))
+
+
+class Webhooks:
+    """Endpoints the service POSTs this tenant's task outcomes to (signed; README "Webhooks")."""
+
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def create(self, url: str, *, events: list[str] | None = None, description: str | None = None) -> Webhook:
+        """The answer's `.secret` signs every delivery; it is shown only here."""
+        body = _core.params(url=url, events=events, description=description)
+        return Webhook.of(self._c._json("POST", "/v1/webhooks", json=body))
+
+    def list(self) -> Page[Webhook]:
+        return page(self._c._json("GET", "/v1/webhooks"), Webhook)
+
+    def delete(self, webhook_id: str) -> WebhookDeleted:
+        return WebhookDeleted.of(self._c._json("DELETE", f"/v1/webhooks/{webhook_id}"))
+
+    def deliveries(self, webhook_id: str, *, limit: int | None = None, after: str | None = None
+                   ) -> Page[WebhookDelivery]:
+        """Newest first; `after`: the last id of the previous page."""
+        params = _core.params(limit=limit, after=after)
+        return page(self._c._json("GET", f"/v1/webhooks/{webhook_id}/deliveries", params=params),
+                    WebhookDelivery)
 
 
 class Tasks:
@@ -329,6 +365,11 @@ class Admin:
 
     def list_workers(self) -> Page[Worker]:
         return page(self._c._json("GET", "/v1/admin/workers", admin=True), Worker)
+
+    def usage(self, *, start: datetime | str | None = None, end: datetime | str | None = None) -> Page[Usage]:
+        """Every tenant's usage in [start, end) (default: since the beginning, until now)."""
+        params = _core.params(**{"from": _core.iso(start), "to": _core.iso(end)})
+        return page(self._c._json("GET", "/v1/admin/usage", params=params, admin=True), Usage)
 
     def register_model(self, name: str, path: str, *, description: str | None = None, kind: str | None = None,
                       file: str | None = None, tenants: list[str] | None = None) -> RegisteredModel:

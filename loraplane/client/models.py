@@ -59,6 +59,62 @@ class FileDeleted(ApiObject):
 
 
 @dataclass(frozen=True)
+class Webhook(ApiObject):
+    """An endpoint the service POSTs the tenant's task outcomes to; `secret` only in the answer that created it."""
+
+    id: str
+    url: str
+    events: list[str]
+    description: str
+    created_at: datetime
+    secret: str | None = None
+
+    TIMES = frozenset({"created_at"})
+
+
+@dataclass(frozen=True)
+class WebhookDeleted(ApiObject):
+    id: str
+    deleted: bool
+
+
+@dataclass(frozen=True)
+class WebhookDelivery(ApiObject):
+    """One event's delivery to one endpoint: pending (retried with backoff), delivered or failed."""
+
+    id: str
+    webhook_id: str
+    event_id: int
+    event_type: str
+    state: str
+    attempts: int
+    last_status_code: int | None
+    last_error: str | None
+    last_attempt_at: datetime | None
+    next_attempt_at: datetime | None
+    delivered_at: datetime | None
+    created_at: datetime
+
+    TIMES = frozenset({"last_attempt_at", "next_attempt_at", "delivered_at", "created_at"})
+
+
+@dataclass(frozen=True)
+class Usage(ApiObject):
+    """A tenant's usage in a window (`GET /v1/usage`): GPU seconds shared among trials by tokens, tokens trained,
+    trials of the tasks that ended in it by final state, and uploaded bytes now."""
+
+    tenant_id: str
+    start: datetime | None
+    end: datetime
+    gpu_seconds: float
+    tokens: int
+    trials: dict[str, int]
+    storage_bytes: int
+
+    TIMES = frozenset({"start", "end"})
+
+
+@dataclass(frozen=True)
 class Model(ApiObject):
     id: str
     kind: str

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from loraplane.commands import admin, files, tasks
+from loraplane.commands import admin, files, tasks, usage, webhooks
 from loraplane.commands.base import EXIT_CODES
 
 __all__ = ["EXIT_CODES", "register"]
@@ -18,3 +18,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     files.register(sub)  # login, files, models
     tasks.register(sub)
     admin.register(sub)
+    usage.register(sub)
+    webhooks.register(sub)

@@ -1,4 +1,4 @@
-"""`loraplane admin tenants|keys|workers|models`: the operator's commands (the admin token)."""
+"""`loraplane admin tenants|keys|usage|workers|models`: the operator's commands (the admin token)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from loraplane.commands.base import (
     table,
     when,
 )
+from loraplane.commands.usage import usage_table, window_options
 
 
 def _admin(args: argparse.Namespace) -> Client:
@@ -115,6 +116,17 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_usage(args: argparse.Namespace) -> int:
+    with _admin(args) as lp:
+        usage = lp.admin.usage(start=args.start, end=args.end)
+        names = {t.id: t.name for t in _all_tenants(lp)}
+    if args.json:
+        emit(usage.raw)
+        return 0
+    out(usage_table(usage.data, names) if usage.data else "No tenants.")
+    return 0
+
+
 def cmd_workers(args: argparse.Namespace) -> int:
     with _admin(args) as lp:
         workers = lp.admin.list_workers()
@@ -196,6 +208,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     kcreate.add_argument("--name", default="", help="a label for the key")
     revoke = ksub.add_parser("revoke", parents=[inner], help="revoke a key at once")
     revoke.add_argument("key_id")
+
+    usage = asub.add_parser("usage", parents=[outer], help="every tenant's GPU time, tokens, trials and storage")
+    window_options(usage)
+    usage.set_defaults(func=guarded(cmd_usage), client=True)
 
     workers = asub.add_parser("workers", parents=[outer], help="the GPU workers and their state")
     workers.set_defaults(func=guarded(cmd_workers), client=True)

@@ -43,7 +43,8 @@ def _sometimes(dictionary: str) -> dict[str, Any]:
     return {"dictionary": dictionary, "probability": 0.3}
 
 
-def _config(tenant: TenantKey, *, file_id: str, queued: dict, cancelled: dict, key_id: str) -> schemathesis.Config:
+def _config(tenant: TenantKey, *, file_id: str, queued: dict, cancelled: dict, key_id: str,
+            webhook_id: str) -> schemathesis.Config:
     return schemathesis.Config.from_dict({
         "seed": SEED,
         "workers": 1,
@@ -68,6 +69,7 @@ def _config(tenant: TenantKey, *, file_id: str, queued: dict, cancelled: dict, k
             "files": {"values": [file_id]},
             "tenants": {"values": [tenant.id]},
             "keys": {"values": [key_id]},
+            "webhooks": {"values": [webhook_id]},
             "models": {"values": ["tiny-random-llama"]},
         },
         "parameters": {
@@ -76,6 +78,7 @@ def _config(tenant: TenantKey, *, file_id: str, queued: dict, cancelled: dict, k
             "path.file_id": _mostly("files"),
             "path.tenant_id": _mostly("tenants"),
             "path.key_id": _mostly("keys"),
+            "path.webhook_id": _mostly("webhooks"),
             "path.name": _mostly("models"),
             "body.training_file": _mostly("files"),
             "body.base_model": _mostly("models"),
@@ -104,6 +107,9 @@ def test_no_input_answers_a_5xx_and_every_4xx_is_the_one_error_shape(client: Tes
     file_id = upload(client, tenant)["id"]
     queued = make_task(client, tenant, file_id)
     cancelled = make_task(client, tenant, file_id)
+    # Registered before the cancel, so its delivery log has a delivery (no sender runs here).
+    webhook = client.post("/v1/webhooks", headers=tenant.headers, json={"url": "http://127.0.0.1:9/hook"})
+    assert webhook.status_code == 201, webhook.text
     r = client.post(f"/v1/tasks/{cancelled['id']}/cancel", headers=tenant.headers)
     assert r.status_code == 200, r.text
     # A key of its own for DELETE /v1/admin/api-keys/{key_id}: revoking the key the calls use would turn
@@ -111,7 +117,8 @@ def test_no_input_answers_a_5xx_and_every_4xx_is_the_one_error_shape(client: Tes
     r = client.post(f"/v1/admin/tenants/{tenant.id}/api-keys", json={"name": "revocable"}, headers=ADMIN)
     assert r.status_code == 201, r.text
 
-    config = _config(tenant, file_id=file_id, queued=queued, cancelled=cancelled, key_id=r.json()["id"])
+    config = _config(tenant, file_id=file_id, queued=queued, cancelled=cancelled, key_id=r.json()["id"],
+                     webhook_id=webhook.json()["id"])
     schema = schemathesis.openapi.from_asgi("/openapi.json", client.app, config=config)
     statuses: dict[int, int] = {}
     bad_errors: list[str] = []

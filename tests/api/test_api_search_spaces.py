@@ -55,7 +55,7 @@ def test_the_preview_lists_at_most_limit_trials(client: TestClient, tenant: Tena
         ({"search_space": {}, "strategy": "random"}, "max_trials", "missing_field"),
         ({"search_space": {"lora_rank": [2, 4, 8]}, "max_trials": 2}, "max_trials", "invalid_value"),
         ({"search_space": {"lora_rank": [2, 4, 8]}}, "search_space", "quota_exceeded"),  # quota: 2 per task
-        ({"search_space": {}, "epochs": 1}, "epochs", "unknown_field"),
+        ({"search_space": {}, "eval_interval": 1}, "eval_interval", "unknown_field"),
     ],
 )
 def test_the_preview_refuses_what_submission_refuses(client: TestClient, body: dict[str, Any], param: str,

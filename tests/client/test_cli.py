@@ -600,3 +600,52 @@ def test_admin_models_add_list_remove(
     assert removed.code == 0 and "Removed model acme/tiny" in removed.out
     assert "acme/tiny" not in [m["name"] for m in cli("admin", "models", "--json").json()["data"]]
     assert cli("admin", "models", "remove", "acme/tiny").code == 1
+
+
+def test_usage_for_a_tenant_and_for_the_operator(
+    cli: Cli, api_url: str, clean_db: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LORAPLANE_API_URL", api_url)
+    tenant = cli("admin", "tenants", "create", "initech", "--json").json()
+    secret = cli("admin", "keys", "create", "initech", "--json").json()["key"]
+    (tmp_path / "train.jsonl").write_bytes(chat_rows(5))
+    assert cli("files", "upload", str(tmp_path / "train.jsonl"), "--api-key", secret).code == 0
+    mine = cli("usage", "--api-key", secret, "--json")
+    assert mine.code == 0, mine.err
+    assert (mine.json()["tenant_id"], mine.json()["gpu_seconds"], mine.json()["tokens"]) == (tenant["id"], 0.0, 0)
+    assert mine.json()["storage_bytes"] > 0
+    human = cli("usage", "--api-key", secret, "--from", "2026-01-01", "--to", "2026-02-01")
+    assert human.code == 0 and human.out.splitlines()[0].split()[:3] == ["TENANT", "GPU", "HOURS"], human.out
+    assert human.out.splitlines()[1].split()[:4] == [tenant["id"], "0.000", "0.0", "0"]
+    bad = cli("usage", "--api-key", secret, "--from", "2026-02-01", "--to", "2026-01-01")
+    assert bad.code == 1
+    one_error_line(bad, "'from' must be before 'to'. [param: from] (HTTP 422, invalid_value)")
+    everyone = cli("admin", "usage")
+    assert everyone.code == 0 and any(line.split()[0] == "initech" for line in everyone.out.splitlines()[1:])
+    assert tenant["id"] in [u["tenant_id"] for u in cli("admin", "usage", "--json").json()["data"]]
+
+
+def test_webhooks_add_list_deliveries_and_remove(cli: Cli, env: TenantKey, lp: Client) -> None:
+    added = cli("webhooks", "add", "http://127.0.0.1:9/hook", "--event", "task.cancelled", "--description", "ci")
+    assert added.code == 0, added.err
+    secret = added.out.split("\n\n")[1].strip()
+    assert secret.startswith("whsec_") and "shown only this once" in added.out
+    (hook,) = cli("webhooks", "list", "--json").json()["data"]
+    assert (hook["url"], hook["events"], hook["description"]) == ("http://127.0.0.1:9/hook", ["task.cancelled"], "ci")
+    assert "secret" not in hook and secret not in cli("webhooks", "list").out
+    bad = cli("webhooks", "add", "ftp://example.com/hook")
+    assert bad.code == 1
+    one_error_line(bad, "url: must be an http or https URL. (HTTP 422, invalid_url)")
+
+    task_id = submit(lp)
+    assert cli("tasks", "cancel", task_id).code == 0  # task.cancelled: one delivery in the outbox
+    log = cli("webhooks", "deliveries", hook["id"], "--json").json()["data"]
+    assert [(d["event_type"], d["state"], d["attempts"]) for d in log] == [("task.cancelled", "pending", 0)]
+    table = cli("webhooks", "deliveries", hook["id"])
+    assert table.code == 0 and table.out.splitlines()[1].split()[1:4] == ["task.cancelled", "pending", "0"]
+
+    removed = cli("webhooks", "remove", hook["id"])
+    assert removed.code == 0 and removed.out == f"Removed {hook['id']}.\n"
+    assert cli("webhooks", "list").out == "No webhooks.\n"
+    gone = cli("webhooks", "deliveries", hook["id"])
+    assert gone.code == 1

@@ -217,7 +217,7 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
         sign_in(page, service.admin_token)
         expect(page.get_by_role("heading", name="Cluster")).to_be_visible()
         worker = page.locator(f"#workers tr[data-worker='{WORKER_ID}']")
-        expect(worker).to_contain_text("alive")
+        expect(worker).to_contain_text("alive", timeout=30_000)  # its first heartbeat, when the service is new
         expect(worker).to_contain_text("cpu")
         # The models it can load, from its heartbeats (the synthetic model always loads).
         expect(worker).to_contain_text("tiny-random-llama", timeout=20_000)
@@ -246,6 +246,11 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
     expect(page.get_by_role("heading", name="Tenants")).to_be_visible()
     row = page.locator("#tenants tbody tr", has_text=service.tenant_name)
     expect(row).to_contain_text(service.tenant_key[:12])  # the key's prefix, never the key
+    # Its usage (issue 18) as the API reports it: the long task above trained on the GPU for a while.
+    usage = httpx.get(f"{service.base_url}/v1/usage", headers=tenant).json()
+    expect(row.locator("td.usage-gpu")).to_have_text(re.compile(r"^\d+\.\d$"))
+    shown = float(row.locator("td.usage-gpu").inner_text())
+    assert usage["gpu_seconds"] > 0 and 0 < shown <= usage["gpu_seconds"] + 0.05, (shown, usage)
     assert service.tenant_key not in page.content()
     expect(page.get_by_role("link", name="New task")).to_have_count(0)  # tenant pages are not an operator's
     shot(page, "06-tenants")

@@ -6,8 +6,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sqlite3
 import subprocess
+from datetime import datetime
 from pathlib import Path
+
+import httpx
+import pytest
 
 from tests.conftest import MODEL_CACHE
 from tests.e2e.flow import (
@@ -47,7 +52,17 @@ def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
             trials = lp.tasks.trials(task.id).data
             assert all(t.state == "completed" and t.adapter_ready for t in trials)
             adapter = download_adapter(lp, task.id, tmp_path / "adapter", trial_id=trials[0].id)
+            usage = httpx.get(f"{base_url}/v1/usage", headers={"Authorization": f"Bearer {lp.api_key}"}).json()
         assert_adapter_changes_output(adapter, "tiny-random-llama", MODEL_CACHE)
+        # Usage (issue 18) is the packs' recorded time, all of it, and the tokens the worker reported training.
+        with sqlite3.connect(home / "loraplane.db") as db:
+            packs = db.execute("SELECT started_at, finished_at FROM packs WHERE started_at IS NOT NULL").fetchall()
+            tokens, steps = db.execute("SELECT SUM(tokens), SUM(steps) FROM trial_usage").fetchone()
+        pack_s = sum((datetime.fromisoformat(f) - datetime.fromisoformat(s)).total_seconds() for s, f in packs)
+        assert packs and usage["gpu_seconds"] == pytest.approx(pack_s, abs=1e-3), (usage, packs)
+        # 4 trials x 6 steps of 4 rows of at most 64 tokens
+        assert usage["tokens"] == tokens and 0 < tokens <= 4 * 6 * 4 * 64 and steps == 4 * 6, usage
+        assert usage["trials"] == {"completed": 4}
 
         # `loraplane up` killed outright: its worker child must not live on as an orphan.
         children = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(up.proc.pid)],

@@ -137,3 +137,17 @@ def test_generation_split_into_forwards_of_a_token_budget_gives_the_same_answers
                 engine.step()
             results.append(engine.generate({slot: prompts}, max_new_tokens=8, stop_ids=stop)[slot])
     assert results[0] == results[1] and any(results[0])
+
+
+def test_a_trial_reports_the_steps_and_real_tokens_it_trained_in_its_pack(tiny: Tiny, tmp_path: Path) -> None:
+    """Issue 18's usage accounting: a batch of every row each step, so the tokens are the rows' lengths x steps."""
+    from worker.engine import train_pack
+    from worker.engine.data import encode_rows
+
+    model, tokenizer = tiny
+    rows = chat_rows(4)
+    spec = make_spec("u", train_rows=rows, batch_size=4, max_steps=3, val_rows=[])
+    (outcome,) = train_pack(model, tokenizer, [spec], base_model_name="tiny", export_dir=tmp_path,
+                            on_point=lambda *_: None)
+    lengths = sum(len(e.input_ids) for e in encode_rows(rows, tokenizer, spec.max_seq_len))
+    assert (outcome.pack_steps, outcome.pack_tokens) == (3, 3 * lengths)

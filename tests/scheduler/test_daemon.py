@@ -823,3 +823,31 @@ def test_the_best_trial_is_ranked_by_the_tasks_metric() -> None:
     assert best_trial("exact_match", trials).id == "t1"  # the highest score, then the lower validation loss
     assert best_trial("loss", trials).id == "t2"
     assert best_trial("json_valid", [trials[2], trial(4, None, 0.05)]).id == "t4"  # none scored: by loss
+
+
+def test_each_stay_of_a_trial_in_a_pack_is_counted_once_for_usage(daemon: SchedulerDaemon) -> None:
+    """Issue 18: `trial.finished` carries what the trial trained in its pack; a replayed report is counted once, and
+    a trial paused and finished in the same pack leaves two stays. A report without the fields (an older worker)
+    counts nothing."""
+    from common.models import TrialUsage
+
+    _, trial_ids = make_task(2)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    first, second = trial_ids
+    paused = dict(pack_id=pack.id, trial_id=first, status="paused", steps_done=2, pack_steps=2, pack_tokens=120,
+                  checkpoint_key=f"checkpoints/{first}.tar")
+    report("trial.finished", **paused)
+    report("trial.finished", **paused)  # replayed
+    report("trial.finished", pack_id=pack.id, trial_id=first, status="completed", steps_done=5, pack_steps=3,
+           pack_tokens=200, best_val_loss=1.0, best_step=5, final_train_loss=1.1, adapter_key=f"adapters/{first}")
+    report("trial.finished", pack_id=pack.id, trial_id=second, status="completed", steps_done=5, best_val_loss=1.0,
+           best_step=5, final_train_loss=1.1, adapter_key=f"adapters/{second}")
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        stays = [(u.trial_id, u.end_step, u.steps, u.tokens) for u in s.scalars(select(TrialUsage).order_by(
+            TrialUsage.end_step))]
+    assert stays == [(first, 2, 2, 120), (first, 5, 3, 200)]

@@ -207,9 +207,13 @@ class PackEngine:
         sync_started = time.perf_counter()
         values = losses.tolist()  # the step's one device sync: it waits for the update queued above
         sync_s = time.perf_counter() - sync_started
-        for slot in stepped:
-            self.state(slot).steps_done += 1
-            self.state(slot).last_train_loss = values[slot]
+        for part in parts:
+            state = self.state(part.slot)
+            if not state.failed:
+                state.steps_done += 1
+                state.pack_steps += 1
+                state.pack_tokens += sum(len(e.input_ids) for e in part.examples)
+                state.last_train_loss = values[part.slot]
         self.pack_step += 1
         self.last_stats = StepStats.measure(
             self.pack_step, parts, len(stepped), started, self.device, width,

@@ -31,6 +31,9 @@ class SlotState:
     sampler: BatchSampler
     dropout_seed: int
     steps_done: int = 0
+    # Trained in this pack (since its admission here): what the service's usage accounting shares GPU time by.
+    pack_steps: int = 0
+    pack_tokens: int = 0  # real (non-padding) tokens
     last_train_loss: float | None = None
     best_val_loss: float | None = None
     best_step: int | None = None

@@ -62,6 +62,8 @@ class TrialOutcome:
     final_train_loss: float | None
     adapter_dir: Path | None
     error: str | None = None
+    pack_steps: int = 0  # optimizer steps it took in this pack
+    pack_tokens: int = 0  # real training tokens of those steps
 
 
 def validate_spec(spec: TrialSpec) -> None:

@@ -455,7 +455,7 @@ def _finish(
         best_step = state.steps_done
     outcome = TrialOutcome(
         state.spec.trial_id, status, state.steps_done, state.best_val_loss, best_step, state.last_train_loss,
-        adapter_dir, error,
+        adapter_dir, error, pack_steps=state.pack_steps, pack_tokens=state.pack_tokens,
     )
     engine.evict(slot)
     return outcome

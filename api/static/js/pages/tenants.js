@@ -20,12 +20,18 @@ export function mount(root) {
       if (!got.has_more) break;
       after = got.data[got.data.length - 1].id;
     }
-    const keys = await Promise.all(tenants.map((t) => api.get(`/v1/admin/tenants/${t.id}/api-keys`)));
+    const [keys, usage] = await Promise.all([
+      Promise.all(tenants.map((t) => api.get(`/v1/admin/tenants/${t.id}/api-keys`))),
+      api.get("/v1/admin/usage"), // since the beginning (GET /v1/admin/usage?from=&to= narrows it)
+    ]);
+    const used = new Map(usage.data.map((u) => [u.tenant_id, u]));
+    const nothing = { gpu_seconds: 0, tokens: 0, storage_bytes: 0 };
     status.textContent = `${tenants.length} tenant(s).`;
     clear(box).append(h("table", { class: "data", id: "tenants" },
       h("caption", { class: "sr-only" }, "Tenants, newest first"),
       h("thead", {}, h("tr", {}, ["Tenant", "Weight", "Concurrent trials", "Trials per task", "Max file",
-        "Max storage", "Max files", "API keys", "Created"].map((c) => h("th", { scope: "col" }, c)))),
+        "Max storage", "Max files", "GPU seconds", "Tokens trained", "Stored", "API keys", "Created"]
+        .map((c) => h("th", { scope: "col" }, c)))),
       h("tbody", {}, tenants.map((t, i) => h("tr", { dataset: { tenant: t.id } },
         h("td", {}, h("strong", {}, t.name), h("div", { class: "mono small muted" }, t.id)),
         h("td", { class: "num" }, String(t.weight)),
@@ -34,6 +40,9 @@ export function mount(root) {
         h("td", { class: "num" }, fmt.bytes(t.max_file_bytes)),
         h("td", { class: "num" }, fmt.bytes(t.max_storage_bytes)),
         h("td", { class: "num" }, String(t.max_files)),
+        h("td", { class: "num usage-gpu" }, (used.get(t.id) || nothing).gpu_seconds.toFixed(1)),
+        h("td", { class: "num usage-tokens" }, String((used.get(t.id) || nothing).tokens)),
+        h("td", { class: "num" }, fmt.bytes((used.get(t.id) || nothing).storage_bytes)),
         h("td", { class: "small" }, keys[i].data.map((k) => h("div", {}, h("code", {}, `${k.prefix}…`),
           ` ${k.name}`, k.revoked_at ? h("span", { class: "muted" }, " (revoked)") : null))),
         h("td", { class: "small" }, fmt.datetime(t.created_at)))))));

@@ -1,0 +1,41 @@
+"""A task's estimate before it runs (`POST /v1/tasks?dry_run=true`, `POST /v1/search-spaces/expand`, and every
+submission, stored in `tasks.estimate`): the database read here, the arithmetic in scheduler/estimate.py.
+
+It reads what the daemon's planner reads (scheduler/cluster_state.py): the base model's cost model fitted from its
+pack profiles (the priors when it has none), the alive workers that can load the model, and when each busy one's
+pack is predicted to end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from common.models import utcnow
+from common.settings import get_settings
+from scheduler.cluster_state import alive_workers, busy_workers, load_costs, worker_models
+from scheduler.cost import tokens_per_step
+from scheduler.estimate import Estimate, Gpu, TrialLoad, estimate
+from scheduler.planner import loads
+from scheduler.planning import PRIOR_COST
+
+
+def estimate_task(
+    session: Session, *, base_model: str, configs: Sequence[dict[str, Any]], steps: Sequence[int], max_seq_len: int,
+    max_trials_per_pack: int,
+) -> Estimate:
+    """The estimate of trials with these hyperparameters (`configs`) and step counts, on the cluster as it is now."""
+    now = utcnow()
+    timeout_s = get_settings().worker_timeout_s
+    costs = load_costs(session, [base_model])
+    workers = [w for w in alive_workers(session, now, timeout_s) if loads(worker_models(w), base_model)]
+    busy_for = {b.worker_id: b.busy_for_s for b in busy_workers(session, now, timeout_s, costs)}
+    gpus = [Gpu(memory_bytes=w.memory_bytes, busy_for_s=busy_for.get(w.id, 0.0)) for w in workers]
+    # The daemon caps a pack at the smallest worker's slots (scheduler/placement.py).
+    cap = min([max_trials_per_pack, *(w.max_slots for w in workers)])
+    trials = [TrialLoad(steps=n, tokens_per_step=tokens_per_step(c, max_seq_len))
+              for c, n in zip(configs, steps, strict=True)]
+    return estimate(trials, costs.get(base_model, PRIOR_COST), gpus, max_trials_per_pack=cap,
+                    on_priors=base_model not in costs)

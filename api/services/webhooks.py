@@ -1,0 +1,65 @@
+"""Registering and removing a tenant's webhook endpoints (the sender is scheduler/webhooks.py)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from urllib.parse import urlsplit
+
+import httpx
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from api.db import commit
+from api.errors import conflict, invalid
+from api.queries import get_webhook
+from api.schemas.common import NO_CONTROL_CHARS
+from api.schemas.webhooks import WebhookCreate
+from common.models import Tenant, WebhookEndpoint, new_id, utcnow
+from common.webhooks import WEBHOOK_EVENTS
+
+MAX_WEBHOOKS_PER_TENANT = 20  # every matching event is sent to each: a bound on what one event costs the sender
+
+
+def check_url(url: str) -> str:
+    """An absolute http(s) URL with a host, that httpx will send to; anything else is a 422 on `url`."""
+    def refuse(why: str) -> Exception:
+        return invalid(f"url: {why}", param="url", code="invalid_url")
+
+    if not re.match(NO_CONTROL_CHARS, url) or any(c.isspace() for c in url):
+        raise refuse("must not contain spaces or control characters.")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as exc:
+        raise refuse(f"not a valid URL ({exc}).") from exc
+    if parts.scheme.lower() not in ("http", "https"):
+        raise refuse("must be an http or https URL.")
+    if not parts.hostname:
+        raise refuse("must name a host.")
+    return url
+
+
+def create_webhook(session: Session, *, tenant: Tenant, body: WebhookCreate) -> WebhookEndpoint:
+    url = check_url(body.url)
+    events = [e for e in WEBHOOK_EVENTS if body.events is None or e in body.events]  # deduplicated, in one order
+    # The tenant's row lock makes concurrent registrations count one after the other (no limit overrun).
+    session.scalar(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
+    count = session.scalar(select(func.count()).select_from(WebhookEndpoint)
+                           .where(WebhookEndpoint.tenant_id == tenant.id)) or 0
+    if count >= MAX_WEBHOOKS_PER_TENANT:
+        raise conflict("webhook_limit_reached", f"A tenant may register at most {MAX_WEBHOOKS_PER_TENANT} webhooks; "
+                                                "delete one first.")
+    endpoint = WebhookEndpoint(id=new_id("wh"), tenant_id=tenant.id, url=url, events=events,
+                               description=body.description, secret=f"whsec_{secrets.token_urlsafe(32)}",
+                               created_at=utcnow())
+    session.add(endpoint)
+    commit(session)
+    return endpoint
+
+
+def delete_webhook(session: Session, *, tenant: Tenant, webhook_id: str) -> None:
+    """Removes the endpoint and its delivery log; deliveries not yet sent are not sent."""
+    session.delete(get_webhook(session, tenant_id=tenant.id, webhook_id=webhook_id))
+    commit(session)

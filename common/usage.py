@@ -1,0 +1,135 @@
+"""Usage accounting: GPU seconds and tokens per trial, task and tenant (issue 18).
+
+A pack holds one GPU from its start to its end (or until now, while it runs). Its GPU seconds are shared among the
+trials it trained by the real tokens each trained there, as their workers reported when the trial left the pack
+(`trial_usage`, one row per trial per stay); a pack with no such report (lost with its worker, or still running)
+shares its time equally among the trials placed in it. So the trials' GPU seconds add up exactly to the packs' time.
+Over a window [start, end) a pack counts only the part of its time inside the window.
+
+`share_pack` is the pure rule; the rest reads the database.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from common.models import File, Pack, Task, Trial, TrialUsage, as_utc, utcnow
+
+
+def share_pack(seconds: float, trial_ids: Sequence[str], tokens: Mapping[str, int]) -> dict[str, float]:
+    """A pack's `seconds` shared among `trial_ids` by their `tokens` (trials without a report get none of it);
+    equally when no trial trained a reported token.
+
+    >>> share_pack(10.0, ["a", "b"], {"a": 300, "b": 100})
+    {'a': 7.5, 'b': 2.5}
+    >>> share_pack(10.0, ["a", "b"], {})
+    {'a': 5.0, 'b': 5.0}
+    """
+    if not trial_ids:
+        return {}
+    total = sum(tokens.get(t, 0) for t in trial_ids)
+    if total <= 0:
+        return {t: seconds / len(trial_ids) for t in trial_ids}
+    return {t: seconds * tokens.get(t, 0) / total for t in trial_ids}
+
+
+def overlap_s(start: datetime, end: datetime, window: tuple[datetime | None, datetime | None]) -> float:
+    """Seconds of [start, end) inside the window (an open end: unbounded)."""
+    lo = max(start, window[0]) if window[0] is not None else start
+    hi = min(end, window[1]) if window[1] is not None else end
+    return max(0.0, (hi - lo).total_seconds())
+
+
+@dataclass
+class Usage:
+    """One tenant's (or task's) usage."""
+
+    gpu_seconds: float = 0.0
+    tokens: int = 0
+    trials: dict[str, int] = field(default_factory=dict)  # ended trials by final state
+    storage_bytes: int = 0  # live uploaded files, now
+
+    def rounded(self) -> Usage:
+        return Usage(round(self.gpu_seconds, 3), self.tokens, dict(self.trials), self.storage_bytes)
+
+
+def _tokens_by_pack(session: Session, pack_ids: Iterable[str]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    ids = list(pack_ids)
+    if ids:
+        rows = session.execute(select(TrialUsage.pack_id, TrialUsage.trial_id, func.sum(TrialUsage.tokens))
+                               .where(TrialUsage.pack_id.in_(ids)).group_by(TrialUsage.pack_id, TrialUsage.trial_id))
+        for pack_id, trial_id, tokens in rows:
+            out[pack_id][trial_id] = int(tokens)
+    return out
+
+
+def gpu_seconds_by_trial(
+    session: Session, window: tuple[datetime | None, datetime | None] = (None, None), now: datetime | None = None,
+    trial_ids: set[str] | None = None,
+) -> dict[str, float]:
+    """Each trial's share of the GPU time of every pack that ran inside the window (only `trial_ids`' packs when
+    given)."""
+    now = now or utcnow()
+    query = select(Pack).where(Pack.started_at.is_not(None))
+    if window[1] is not None:
+        query = query.where(Pack.started_at < window[1])
+    if window[0] is not None:
+        query = query.where((Pack.finished_at.is_(None)) | (Pack.finished_at > window[0]))
+    packs = [p for p in session.scalars(query) if trial_ids is None or not trial_ids.isdisjoint(p.trial_ids)]
+    tokens = _tokens_by_pack(session, (p.id for p in packs))
+    out: dict[str, float] = defaultdict(float)
+    for pack in packs:
+        assert pack.started_at is not None
+        end = as_utc(pack.finished_at) if pack.finished_at is not None else now
+        seconds = overlap_s(as_utc(pack.started_at), end, window)
+        for trial_id, share in share_pack(seconds, [str(t) for t in pack.trial_ids], tokens[pack.id]).items():
+            out[trial_id] += share
+    return dict(out)
+
+
+def task_usage(session: Session, task_id: str) -> tuple[int, float]:
+    """(tokens trained, GPU seconds) of one task's trials over its whole life."""
+    trial_ids = set(session.scalars(select(Trial.id).where(Trial.task_id == task_id)))
+    tokens = session.scalar(select(func.coalesce(func.sum(TrialUsage.tokens), 0)).where(TrialUsage.task_id == task_id))
+    seconds = gpu_seconds_by_trial(session, trial_ids=trial_ids)
+    return int(tokens or 0), sum(s for t, s in seconds.items() if t in trial_ids)
+
+
+def tenant_usage(
+    session: Session, window: tuple[datetime | None, datetime | None], tenant_ids: Sequence[str] | None = None,
+    now: datetime | None = None,
+) -> dict[str, Usage]:
+    """Usage per tenant inside the window: GPU seconds (pack time inside it, shared by tokens), tokens trained (the
+    reports that arrived inside it), trials by final state (those of tasks that ended inside it) and the bytes of
+    live uploaded files now. `tenant_ids` None: every tenant with any of it."""
+    usage: dict[str, Usage] = defaultdict(Usage)
+    seconds = gpu_seconds_by_trial(session, window, now)
+    owner = dict(session.execute(select(Trial.id, Trial.tenant_id).where(Trial.id.in_(list(seconds)))).all())
+    for trial_id, share in seconds.items():
+        if trial_id in owner:  # a pack's trial deleted since (its tenant gone) bills no one
+            usage[owner[trial_id]].gpu_seconds += share
+    tokens = select(TrialUsage.tenant_id, func.sum(TrialUsage.tokens)).group_by(TrialUsage.tenant_id)
+    ended = (select(Trial.tenant_id, Trial.state, func.count()).join(Task, Task.id == Trial.task_id)
+             .where(Task.finished_at.is_not(None)).group_by(Trial.tenant_id, Trial.state))
+    if window[0] is not None:
+        tokens = tokens.where(TrialUsage.created_at >= window[0])
+        ended = ended.where(Task.finished_at >= window[0])
+    if window[1] is not None:
+        tokens = tokens.where(TrialUsage.created_at < window[1])
+        ended = ended.where(Task.finished_at < window[1])
+    for tenant_id, n in session.execute(tokens):
+        usage[tenant_id].tokens += int(n or 0)
+    for tenant_id, state, n in session.execute(ended):
+        usage[tenant_id].trials[state] = int(n)
+    storage = select(File.tenant_id, func.sum(File.bytes)).where(File.deleted_at.is_(None)).group_by(File.tenant_id)
+    for tenant_id, n in session.execute(storage):
+        usage[tenant_id].storage_bytes = int(n or 0)
+    wanted = list(usage) if tenant_ids is None else list(tenant_ids)
+    return {t: usage[t].rounded() if t in usage else Usage() for t in wanted}

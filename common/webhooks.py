@@ -1,0 +1,59 @@
+"""Webhooks, the part every writer shares: which event types are sent, and the outbox rows an event enqueues.
+
+`record_event` (common/events.py) calls `enqueue_deliveries` for the types in `WEBHOOK_EVENTS`, in the event's own
+transaction: the event and its deliveries commit together or not at all, so no sender crash, API crash or
+scheduler crash can lose a delivery or announce an event that was rolled back. The sender is scheduler/webhooks.py.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from common.models import Event, Task, WebhookDelivery, WebhookEndpoint, as_utc, new_id, utcnow
+
+WEBHOOK_EVENTS = ("task.succeeded", "task.failed", "task.cancelled", "trial.completed")
+
+DELIVERY_PENDING = "pending"
+DELIVERY_DELIVERED = "delivered"
+DELIVERY_FAILED = "failed"  # every attempt was used up
+
+
+def iso(value: datetime | None) -> str | None:
+    return None if value is None else as_utc(value).astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def task_summary(task: Task | None) -> dict[str, Any] | None:
+    """What a receiver most often needs without calling back: the task's state and best trial."""
+    if task is None:
+        return None
+    return {"id": task.id, "state": task.state, "base_model": task.base_model, "best_trial_id": task.best_trial_id,
+            "error": task.error, "created_at": iso(task.created_at), "finished_at": iso(task.finished_at)}
+
+
+def event_payload(event: Event, task: Task | None) -> dict[str, Any]:
+    return {"id": event.id, "type": event.type, "created_at": iso(event.created_at), "task_id": event.task_id,
+            "trial_id": event.trial_id, "data": event.data or {}, "task": task_summary(task)}
+
+
+def enqueue_deliveries(session: Session, event: Event) -> list[WebhookDelivery]:
+    """One pending delivery per endpoint of the event's tenant that subscribed to its type (none: nothing)."""
+    if event.type not in WEBHOOK_EVENTS:
+        return []
+    stmt = select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == event.tenant_id)
+    endpoints = [e for e in session.scalars(stmt) if event.type in (e.events or [])]
+    if not endpoints:
+        return []
+    session.flush()  # the event's id and time go into the body
+    # The task as this transaction leaves it (the writer changed it before recording the event).
+    body = event_payload(event, session.get(Task, event.task_id))
+    now = utcnow()
+    deliveries = [WebhookDelivery(id=new_id("whd"), tenant_id=event.tenant_id, endpoint_id=e.id, event_id=event.id,
+                                  event_type=event.type, payload=body, state=DELIVERY_PENDING, attempts=0,
+                                  next_attempt_at=now, created_at=now)
+                  for e in endpoints]
+    session.add_all(deliveries)
+    return deliveries

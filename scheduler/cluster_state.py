@@ -1,0 +1,127 @@
+"""What the planner knows of the cluster now, read from the database: each base model's fitted cost model, the
+alive workers and the models they load, and when each busy worker's pack is predicted to end.
+
+Shared by the daemon (scheduler/lifecycle.py, its snapshot) and the API's estimates (api/services/estimates.py),
+so an estimate rests on the very numbers the planner plans with. Imports only SQLAlchemy, `common` and the pure
+cost modules: the API imports this module, and must not pull in the solver, the bus or torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from common import states
+from common.models import Pack, Task, Trial, Worker
+from scheduler.cost import Progress, fit_profiles, samples_from_profiles, tokens_per_step
+from scheduler.planner import BusyWorker
+from scheduler.planning import PRIOR_COST, ModelCost
+
+log = logging.getLogger(__name__)
+
+PROFILES_PER_MODEL = 20  # the newest pack profiles a base model's cost model is fitted on
+
+
+def load_costs(session: Session, models: Collection[str] | None = None) -> dict[str, ModelCost]:
+    """Each base model's cost model, fitted on its newest pack profiles, then corrected online by what its
+    running packs measure now (the mean measured/predicted step-time ratio of their `pack.progress`).
+    A model with neither profiles nor running measurements is absent (the planner uses its priors).
+    `models`: only these base models (None: every one)."""
+    profiled = select(Pack.base_model).where(Pack.profile.is_not(None)).distinct()
+    if models is not None:
+        profiled = profiled.where(Pack.base_model.in_(list(models)))
+    costs: dict[str, ModelCost] = {}
+    for model in session.scalars(profiled).all():
+        profiles = session.scalars(
+            select(Pack.profile).where(Pack.base_model == model, Pack.profile.is_not(None))
+            .order_by(Pack.created_at.desc()).limit(PROFILES_PER_MODEL)
+        ).all()
+        samples = []
+        for profile in profiles:
+            try:
+                samples.extend(samples_from_profiles([profile]))
+            except (ValueError, TypeError, AssertionError) as exc:  # a malformed report must not stop planning
+                log.warning("ignoring a malformed %s pack profile: %s", model, exc)
+        if samples:
+            memory, step = fit_profiles(samples)
+            costs[model] = ModelCost(memory=memory, step=step)
+    ratios: dict[str, list[float]] = {}
+    running = select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.progress.is_not(None))
+    if models is not None:
+        running = running.where(Pack.base_model.in_(list(models)))
+    for pack in session.scalars(running):
+        measured = progress_of(pack)
+        if measured is not None:
+            base = costs.get(pack.base_model, PRIOR_COST)
+            ratios.setdefault(pack.base_model, []).append(measured.ratio(base.step))
+    for model, found in ratios.items():
+        base = costs.get(model, PRIOR_COST)
+        costs[model] = ModelCost(memory=base.memory, step=base.step.scaled(sum(found) / len(found)))
+    return costs
+
+
+def progress_of(pack: Pack) -> Progress | None:
+    """The pack's newest measurement, if it has a usable one."""
+    try:
+        return Progress.from_report(pack.progress) if pack.progress else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def trial_tokens_per_step(trial: Trial, task: Task) -> int:
+    return tokens_per_step(trial.hyperparameters, int(task.spec.get("max_seq_len", 512)))
+
+
+def alive_workers(session: Session, now: datetime, timeout_s: float) -> list[Worker]:
+    return list(session.scalars(
+        select(Worker).where(
+            Worker.state == states.WORKER_ALIVE,
+            Worker.last_heartbeat >= now - timedelta(seconds=timeout_s),
+        )
+    ).all())
+
+
+def worker_models(worker: Worker) -> frozenset[str] | None:
+    """The models the worker's newest heartbeat says it can load; None: it does not say (every model)."""
+    return None if worker.models is None else frozenset(str(m) for m in worker.models)
+
+
+def busy_workers(
+    session: Session, now: datetime, timeout_s: float, costs: dict[str, ModelCost]
+) -> tuple[BusyWorker, ...]:
+    """Alive workers training a pack, each with the predicted seconds until its pack ends (the planner may
+    wait for one rather than open a worse pack now). Only worth its queries when something is to be placed."""
+    live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
+    return tuple(
+        BusyWorker(w.id, w.max_slots, w.memory_bytes, predicted_remaining_s(session, live[w.id], costs),
+                   worker_models(w))
+        for w in alive_workers(session, now, timeout_s)
+        if w.id in live
+    )
+
+
+def predicted_remaining_s(session: Session, pack: Pack, costs: dict[str, ModelCost]) -> float:
+    """Seconds until a live pack's longest-running member is done, at the pack's predicted step time.
+
+    ``costs`` already carry the online correction of the pack's base model (``load_costs``). A pack that
+    measured its own step time with the members it has now is predicted at that time; one whose members
+    changed since, by the model corrected with its own measured/predicted ratio."""
+    rows = session.execute(
+        select(Trial, Task).join(Task, Task.id == Trial.task_id).where(
+            Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
+    ).all()
+    if not rows:
+        return 0.0
+    model = costs.get(pack.base_model, PRIOR_COST).step
+    measured = progress_of(pack)
+    if measured is not None and round(measured.slots) == len(rows):
+        step = measured.step_s
+    else:
+        if measured is not None:
+            model = model.scaled(measured.ratio(model))
+        step = model.predict(sum(trial_tokens_per_step(trial, task) for trial, task in rows), len(rows))
+    return max(trial.total_steps - trial.steps_done for trial, _ in rows) * step

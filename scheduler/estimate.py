@@ -1,0 +1,111 @@
+"""A task's cost before it runs: tokens, GPU seconds and wall-clock seconds (pure, no I/O).
+
+The task's trials are planned as the daemon would plan them, with the same cost model and the same arithmetic
+(scheduler/planning.py): the first-fit planner (the CP-SAT planner's hint and fallback, deterministic and fast
+enough for a request), then the daemon's two rules after its solver, `work_conserving` and, for a model planned
+on the priors, `fill_now`. The GPUs are the workers that can load the model now, each free from when its
+running pack is predicted to end. So:
+
+- tokens: Σ steps × tokens per step (batch × max_seq_len, `scheduler.cost.tokens_per_step`). Rows are at most
+  max_seq_len long, so this is an upper bound on the tokens trained (the planner's own count, padding included).
+- gpu_seconds: Σ over the planned packs of (end − start) × its GPUs: the GPU time the task's packs hold.
+- wall_seconds: when the last of its trials is planned to finish, from now; None when no usable GPU can hold
+  (or load) a trial now: nothing says when one will.
+
+What it does not see: trials of other tasks still pending (the planner orders all pending trials together,
+shortest first, so a backlog can delay this task, or this task delay it), back-fills into running packs (which
+can only start it sooner) and early exit (trials stopped early end sooner). The cost model's own error is the
+rest: on the priors, a small model's step is dominated by fixed costs the priors do not know.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.firstfit import plan_greedy
+from scheduler.planning import (
+    DEFAULT_GPU_BYTES,
+    GpuSpec,
+    ModelCost,
+    PlanningInput,
+    PlanTrial,
+    fill_now,
+    work_conserving,
+)
+
+# The plan's time unit for an estimate: finer than the daemon's second (placement.UNIT_S) because a short task's
+# numbers are shown to its user, and every member's completion is rounded up to a whole unit.
+ESTIMATE_UNIT_S = 0.1
+_MODEL = "model"  # the one base model of the estimated trials (a name is all the planner needs of it)
+
+
+@dataclass(frozen=True)
+class TrialLoad:
+    """What one trial asks of the cluster."""
+
+    steps: int
+    tokens_per_step: int
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU whose worker can load the task's model."""
+
+    memory_bytes: int | None = None  # None: not reported (planned as DEFAULT_GPU_BYTES, as the daemon does)
+    busy_for_s: float = 0.0  # until its running pack is predicted to end; 0: free now
+
+
+@dataclass(frozen=True)
+class Estimate:
+    tokens: int
+    gpu_seconds: float
+    wall_seconds: float | None  # None: no usable GPU can take the trials now
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {"tokens": self.tokens, "gpu_seconds": self.gpu_seconds, "wall_seconds": self.wall_seconds}
+
+
+def estimate(
+    trials: Sequence[TrialLoad], cost: ModelCost, gpus: Sequence[Gpu], *, max_trials_per_pack: int,
+    on_priors: bool, gpus_per_pack: int = 1,
+) -> Estimate:
+    """The task's tokens, GPU seconds and wall seconds, planned on ``gpus`` with ``cost``.
+
+    Args:
+        trials: the task's trials, in trial order.
+        cost: the base model's fitted cost model, or `planning.PRIOR_COST`.
+        gpus: the GPUs that can load the model now (none: GPU time is planned on one free default GPU, and the
+            wall time is unknown).
+        max_trials_per_pack: the task's cap, already lowered to the workers' slots.
+        on_priors: ``cost`` is the priors (the daemon then applies `fill_now`).
+        gpus_per_pack: GPUs one pack of the model takes together (the service runs 1; the simulator's traces more).
+    """
+    tokens = sum(t.steps * t.tokens_per_step for t in trials)
+    if not trials:
+        return Estimate(tokens=0, gpu_seconds=0.0, wall_seconds=0.0)
+    usable = tuple(gpus) or (Gpu(),) * gpus_per_pack
+    specs = tuple(
+        GpuSpec(gpu_id=f"gpu{i}", memory_bytes=g.memory_bytes or DEFAULT_GPU_BYTES,
+                busy_until=max(1, math.ceil(g.busy_for_s / ESTIMATE_UNIT_S)) if g.busy_for_s > 0 else 0)
+        for i, g in enumerate(usable)
+    )  # fmt: skip
+    plan_trials = tuple(
+        PlanTrial(trial_id=f"t{i}", task_id="task", tenant_id="tenant", tenant_weight=1, base_model=_MODEL,
+                  gpus_needed=gpus_per_pack, tokens_per_step=t.tokens_per_step, remaining_steps=max(1, t.steps),
+                  slot_bytes=0, max_trials_per_pack=max(1, max_trials_per_pack))
+        for i, t in enumerate(trials)
+    )  # fmt: skip
+    inp = PlanningInput(trials=plan_trials, gpus=specs, costs={_MODEL: cost}, unit_s=ESTIMATE_UNIT_S)
+    result = work_conserving(inp, plan_greedy(inp))
+    if on_priors:
+        result = fill_now(inp, result, {_MODEL})
+    units = sum((p.end - p.start) * len(p.gpu_ids) for p in result.packs)
+    # A trial no usable GPU can hold is priced alone on a GPU (it cannot be placed now: no wall time).
+    solo = sum(
+        t.remaining_steps * cost.step.predict(t.tokens_per_step, 1) * gpus_per_pack
+        for t in plan_trials if t.trial_id in set(result.unschedulable)
+    )
+    wall = None if result.unschedulable or not gpus else round(max(p.end for p in result.packs) * ESTIMATE_UNIT_S, 3)
+    return Estimate(tokens=tokens, gpu_seconds=round(units * ESTIMATE_UNIT_S + solo, 3), wall_seconds=wall)
