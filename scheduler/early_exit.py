@@ -1,7 +1,7 @@
 """Early-exit policies: which trials of one task to stop, hold or resume, from their loss curves (pure).
 
 Workers only report; the scheduler decides, so a decision can rank the trials of a task across packs and
-GPUs (DESIGN §4). `decide(config, trials)` takes every trial of ONE task — its curves and its state — and
+GPUs (docs/DESIGN.md §4). `decide(config, trials)` takes every trial of ONE task — its curves and its state — and
 returns what to do now. It keeps no state: every decision is recomputed from the curves, so calling it on
 every new validation point with growing curves is safe; the same input gives the same decisions; a trial
 that is no longer live (stopped, completed, failed, cancelled) is never decided again.
