@@ -284,7 +284,20 @@ class SchedulerDaemon:
         finally:
             self.telemetry.close()
             if lock is not None:
-                lock.close()
+                self._release_leadership(lock)
+
+    @staticmethod
+    def _release_leadership(lock: Connection) -> None:
+        """Unlock before the connection goes back to the pool: an advisory lock belongs to the database session,
+        which the pool keeps open, so a closed-but-pooled connection would go on holding it and make every other
+        scheduler of the database stand by (seen when a test ran a daemon in the test process)."""
+        try:
+            lock.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LEADER_LOCK_ID})
+            lock.commit()
+        except DBAPIError:
+            lock.invalidate()  # the session is gone or going: its lock with it
+        finally:
+            lock.close()
 
     def _keep_leadership(self, lock: Connection | None, stop: threading.Event) -> Connection | None:
         """The advisory lock lives as long as its connection: after a database restart it is gone, and this

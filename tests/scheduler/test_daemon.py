@@ -851,3 +851,37 @@ def test_each_stay_of_a_trial_in_a_pack_is_counted_once_for_usage(daemon: Schedu
         stays = [(u.trial_id, u.end_step, u.steps, u.tokens) for u in s.scalars(select(TrialUsage).order_by(
             TrialUsage.end_step))]
     assert stays == [(first, 2, 2, 120), (first, 5, 3, 200)]
+
+
+def test_a_stopped_daemon_gives_its_leader_lock_back(daemon: SchedulerDaemon) -> None:
+    """The advisory lock belongs to the database session, which the engine's pool keeps open after `close()`: a
+    daemon that stops must unlock, or every other scheduler of the database stands by for as long as the pooled
+    connection lives (a standby scheduler process waited 3 minutes behind a test's stopped daemon)."""
+    import threading
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    from common.db import get_engine
+    from scheduler.daemon import LEADER_LOCK_ID
+    from tests.e2e.flow import wait_for
+
+    other = create_engine(get_engine().url, poolclass=NullPool)  # another database session, as another process has
+
+    def lock_is_free() -> bool:
+        with other.connect() as conn:
+            if conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LEADER_LOCK_ID}).scalar():
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": LEADER_LOCK_ID})
+                return True
+            return False
+
+    stop = threading.Event()
+    thread = threading.Thread(target=daemon.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: not lock_is_free(), 15, "the daemon to take the leader lock")
+    finally:
+        stop.set()
+        thread.join(15)
+    assert not thread.is_alive()
+    assert lock_is_free()
