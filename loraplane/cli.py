@@ -82,11 +82,17 @@ def _api_metrics_dir() -> Iterator[Path]:
     from common import telemetry
 
     metrics_dir = telemetry.create_multiprocess_dir()
+    before = os.environ.get(telemetry.MULTIPROC_ENV)
     os.environ[telemetry.MULTIPROC_ENV] = str(metrics_dir)
     try:
         yield metrics_dir
     finally:
         telemetry.remove_multiprocess_dir(metrics_dir)
+        # Processes started later by this one must not inherit a directory that is gone.
+        if before is None:
+            os.environ.pop(telemetry.MULTIPROC_ENV, None)
+        else:
+            os.environ[telemetry.MULTIPROC_ENV] = before
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:
