@@ -27,6 +27,12 @@ CHAT_TEMPLATE_DESCRIPTION = ("Whether the tokenizer has a chat template: without
                              "(messages) are refused. Null: not known.")
 
 
+def _targets(m: BaseModelEntry) -> list[str] | None:
+    """The model's LoRA target names, from its architecture (None: not known)."""
+    targets = target_modules_for(m.architecture)
+    return list(targets) if targets is not None else None
+
+
 class ModelOut(BaseModel):
     """A model as a tenant sees it. architecture, max_context, target_modules and chat_template are null where
     unknown."""
@@ -43,10 +49,9 @@ class ModelOut(BaseModel):
 
     @classmethod
     def of(cls, m: BaseModelEntry) -> ModelOut:
-        targets = target_modules_for(m.architecture)
         return cls(id=m.name, kind=m.kind, description=m.description, parameters=m.parameters,
-                   architecture=m.architecture, max_context=m.max_context,
-                   target_modules=list(targets) if targets is not None else None, chat_template=m.chat_template)
+                   architecture=m.architecture, max_context=m.max_context, target_modules=_targets(m),
+                   chat_template=m.chat_template)
 
 
 class ModelCreate(RequestModel):
@@ -86,11 +91,10 @@ class AdminModelOut(BaseModel):
 
     @classmethod
     def of(cls, m: BaseModelEntry) -> AdminModelOut:
-        targets = target_modules_for(m.architecture)
         return cls(
             name=m.name, kind=m.kind, path=m.path, file=m.gguf_file, description=m.description,
             parameters=m.parameters, architecture=m.architecture, max_context=m.max_context,
-            target_modules=list(targets) if targets is not None else None, chat_template=m.chat_template,
+            target_modules=_targets(m), chat_template=m.chat_template,
             tenants=list(m.tenants) if m.tenants is not None else None, created_at=m.created_at,
             updated_at=m.updated_at, deleted_at=m.deleted_at,
         )
