@@ -74,7 +74,7 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
     availability = ModelAvailability(bus)
     heartbeat = Heartbeat(bus, settings.heartbeat_interval_s, {
         "worker_id": worker_id, "queue": queue, "device": str(device), "memory_bytes": device_memory(device),
-        "max_slots": settings.worker_max_trials_per_pack,
+        "max_slots": settings.worker_max_slots,
     }, incarnation, models=availability.models)
     runner = PackRunner(worker_id=worker_id, device=device, bus=bus, store=get_artifact_store(),
                         model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat,

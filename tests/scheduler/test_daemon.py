@@ -129,7 +129,7 @@ def test_the_first_plan_of_an_18_trial_small_model_task_is_one_pack(daemon: Sche
     _, trial_ids = make_task(18, cap=DEFAULT_MAX_TRIALS_PER_PACK, early_exit={"policy": policy}, steps=500,
                              model="smollm2-135m-instruct", seq_len=96, batch=4)
     report("heartbeat", queue=worker_queue(get_settings(), WORKER), device="cuda:0", memory_bytes=80 * 10**9,
-           max_slots=get_settings().worker_max_trials_per_pack)
+           max_slots=get_settings().worker_max_slots)
     daemon.step(block_s=0.2)
     pack = live_pack()
     assert pack.worker_id == WORKER and sorted(pack.trial_ids) == sorted(trial_ids)
