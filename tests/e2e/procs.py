@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,21 @@ def app_in_thread() -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def distributed_env(tmp_path: Path) -> dict[str, str]:
+    """This process's environment (DATABASE_URL, REDIS_URL, ...) plus what a short distributed e2e run wants: a
+    namespace of its own on the shared Redis, files under `tmp_path`, fast ticks, heartbeats and timeouts."""
+    env = dict(os.environ)
+    env.update({
+        "LORAPLANE_NAMESPACE": f"lp-e2e-{uuid.uuid4().hex[:8]}",
+        "LORAPLANE_HOME": str(tmp_path / "home"),
+        "LORAPLANE_ARTIFACT_DIR": str(tmp_path / "artifacts"),
+        "LORAPLANE_SCHEDULER_TICK_S": "0.5",
+        "LORAPLANE_HEARTBEAT_S": "1",
+        "LORAPLANE_WORKER_TIMEOUT_S": "8",
+    })
+    return env
 
 
 def free_port() -> int:

@@ -4,8 +4,6 @@ separate processes against the real PostgreSQL, Redis (bus and Celery broker) an
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,23 +23,14 @@ from tests.e2e.flow import (
     upload,
     wait_for,
 )
-from tests.e2e.procs import Cluster, cluster, free_port, wait_ready
+from tests.e2e.procs import Cluster, cluster, distributed_env, free_port, wait_ready
 from tests.engine.factories import assert_rel_close
 from tests.services import MissingService, find_rabbitmq
 
 
 @pytest.fixture
 def env(clean_db: None, tmp_path: Path) -> dict[str, str]:
-    e = dict(os.environ)
-    e.update({
-        "LORAPLANE_NAMESPACE": f"lp-e2e-{uuid.uuid4().hex[:8]}",
-        "LORAPLANE_HOME": str(tmp_path / "home"),
-        "LORAPLANE_ARTIFACT_DIR": str(tmp_path / "artifacts"),
-        "LORAPLANE_SCHEDULER_TICK_S": "0.5",
-        "LORAPLANE_HEARTBEAT_S": "1",
-        "LORAPLANE_WORKER_TIMEOUT_S": "8",
-    })
-    return e
+    return distributed_env(tmp_path)
 
 
 @pytest.fixture(params=["redis"])

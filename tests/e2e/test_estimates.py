@@ -14,8 +14,6 @@ most the estimate and at least a twentieth of it.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,22 +21,14 @@ import pytest
 
 from tests.conftest import ADMIN_TOKEN
 from tests.e2e.flow import arithmetic_rows, follow_events, grid_task, tenant_client, upload, wait_for
-from tests.e2e.procs import Cluster, cluster, free_port, wait_ready
+from tests.e2e.procs import Cluster, cluster, distributed_env, free_port, wait_ready
 
 FACTOR = 10.0
 
 
 @pytest.fixture
 def services(clean_db: None, tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
-    env = dict(os.environ)
-    env.update({
-        "LORAPLANE_NAMESPACE": f"lp-e2e-{uuid.uuid4().hex[:8]}",
-        "LORAPLANE_HOME": str(tmp_path / "home"),
-        "LORAPLANE_ARTIFACT_DIR": str(tmp_path / "artifacts"),
-        "LORAPLANE_SCHEDULER_TICK_S": "0.5",
-        "LORAPLANE_HEARTBEAT_S": "1",
-        "LORAPLANE_WORKER_TIMEOUT_S": "8",
-    })
+    env = distributed_env(tmp_path)
     port = free_port()
     with cluster(env, tmp_path) as c:
         api = c.start("api", "api", "--host", "127.0.0.1", "--port", str(port))

@@ -4,8 +4,6 @@ metrics ports, the tiny model on the CPU."""
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 
 import httpx
@@ -14,7 +12,7 @@ import torch
 
 from tests.conftest import ADMIN_TOKEN
 from tests.e2e.flow import arithmetic_rows, grid_task, submit, tenant_client, upload, wait_for
-from tests.e2e.procs import cluster, free_port, wait_ready
+from tests.e2e.procs import cluster, distributed_env, free_port, wait_ready
 from tests.prom import Key, samples, value
 
 MODEL = "tiny-random-llama"
@@ -30,14 +28,8 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> dict[Key, float]:
 
 @pytest.fixture
 def env(clean_db: None, tmp_path: Path) -> dict[str, str]:
-    e = dict(os.environ)
+    e = distributed_env(tmp_path)
     e.update({
-        "LORAPLANE_NAMESPACE": f"lp-e2e-{uuid.uuid4().hex[:8]}",
-        "LORAPLANE_HOME": str(tmp_path / "home"),
-        "LORAPLANE_ARTIFACT_DIR": str(tmp_path / "artifacts"),
-        "LORAPLANE_SCHEDULER_TICK_S": "0.5",
-        "LORAPLANE_HEARTBEAT_S": "1",
-        "LORAPLANE_WORKER_TIMEOUT_S": "8",
         "LORAPLANE_METRICS_HOST": "127.0.0.1",
         "LORAPLANE_SCHEDULER_METRICS_PORT": str(free_port()),
         "LORAPLANE_WORKER_METRICS_PORT": str(free_port()),
