@@ -207,16 +207,17 @@ class PackEngine:
         sync_started = time.perf_counter()
         values = losses.tolist()  # the step's one device sync: it waits for the update queued above
         sync_s = time.perf_counter() - sync_started
-        for part in parts:
+        part_tokens = [sum(len(e.input_ids) for e in part.examples) for part in parts]
+        for part, tokens in zip(parts, part_tokens, strict=True):
             state = self.state(part.slot)
             if not state.failed:
                 state.steps_done += 1
                 state.pack_steps += 1
-                state.pack_tokens += sum(len(e.input_ids) for e in part.examples)
+                state.pack_tokens += tokens
                 state.last_train_loss = values[part.slot]
         self.pack_step += 1
         self.last_stats = StepStats.measure(
-            self.pack_step, parts, len(stepped), started, self.device, width,
+            self.pack_step, parts, len(stepped), started, self.device, width, tokens=sum(part_tokens),
             data_s=data_s, prefetch_s=sync_started - prefetch_started, sync_wait_s=sync_s, captured=captured,
         )  # fmt: skip
         return {self.state(slot).spec.trial_id: values[slot] for slot in stepped}

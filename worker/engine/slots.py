@@ -108,11 +108,10 @@ class StepStats:
     @classmethod
     def measure(
         cls, step: int, parts: Sequence[SlotRows], stepped: int, started: float, device: torch.device, width: int,
-        *, data_s: float = 0.0, prefetch_s: float = 0.0, sync_wait_s: float = 0.0, captured: bool = False,
+        *, tokens: int, data_s: float = 0.0, prefetch_s: float = 0.0, sync_wait_s: float = 0.0, captured: bool = False,
     ) -> StepStats:
-        """Stats of the step that trained ``parts`` (``stepped`` slots of them) and began at ``started``, in a
-        stream of ``width`` tokens (padding included)."""
-        tokens = sum(len(e.input_ids) for p in parts for e in p.examples)
+        """Stats of the step that trained ``parts`` (``stepped`` slots of them; ``tokens`` real tokens, which the
+        caller counted per slot) and began at ``started``, in a stream of ``width`` tokens (padding included)."""
         return cls(
             step=step,
             active_slots=stepped,
