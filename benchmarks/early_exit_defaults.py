@@ -17,8 +17,8 @@ import math
 from typing import Any
 
 from benchmarks.common import RESULTS, write_result
-from scheduler.early_exit import EarlyExitConfig, defaults
-from scheduler.replay import ReplayResult, read_curves, replay
+from scheduler.early_exit.config import EarlyExitConfig, defaults
+from scheduler.sim.replay import ReplayResult, read_curves, replay
 
 SWEEPS = RESULTS / "sweeps"
 TUNED_ON = ("trivia-smollm2-full", "arithmetic-smollm2-full")

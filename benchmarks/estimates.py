@@ -3,8 +3,8 @@
 - Sweeps (`benchmarks/results/sweeps/*-full*.json`): each is one sweep's trials trained in one pack on one H100,
   with their steps and the measured `train_wall_s`. The estimate rebuilt for it is what the API would have said
   at submission on an idle one-GPU cluster before any SmolLM2 pack was profiled: the cost priors
-  (scheduler/planning.py `PRIOR_COST`), each trial's steps and batch x max_seq_len tokens per step.
-- Traces (scheduler/traces.py; scheduler/simulate.py, greedy policy): each task's estimate at its arrival, on
+  (scheduler/planning/cost.py `PRIOR_COST`), each trial's steps and batch x max_seq_len tokens per step.
+- Traces (scheduler/sim/traces.py; scheduler/sim/simulate.py, greedy policy): each task's estimate at its arrival, on
   the trace's cluster with every GPU busy until its pack's end in the simulation (the "running packs' remaining
   time" the service reads, here exact), against the task's simulated completion (its last trial's end minus its
   arrival). The trace's cost model is the simulator's truth, so the spread is what the estimate does not model:
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import write_result
-from scheduler.estimate import Gpu, TrialLoad, estimate
-from scheduler.planning import PRIOR_COST
-from scheduler.simulate import SimResult, simulate
-from scheduler.traces import Trace, TraceTask, alto_mix, tenant_stream
+from scheduler.planning.cost import PRIOR_COST
+from scheduler.planning.estimate import Gpu, TrialLoad, estimate
+from scheduler.sim.simulate import SimResult, simulate
+from scheduler.sim.traces import Trace, TraceTask, alto_mix, tenant_stream
 
 SWEEPS = Path(__file__).resolve().parent / "results" / "sweeps"
 H100_BYTES = 80 * 10**9

@@ -60,7 +60,7 @@ def run(pack_id: str) -> list[list[object]]:
     from common.bus import SCHEDULER_STREAM, get_bus
     from common.celery import get_celery
     from common.settings import get_settings
-    from scheduler.daemon import SchedulerDaemon
+    from scheduler.service.daemon import SchedulerDaemon
 
     bus = get_bus()
     daemon = SchedulerDaemon(get_settings(), bus, get_celery())

@@ -6,7 +6,7 @@ every load), mean and p95 JCT and their ratio to fifo's, beside a lower bound on
 can beat (`simulate.mean_jct_lower_bound`), so "fifo / bound" is the best ratio any planner could show;
 (c) planner speed: the replan p95 of a simulated 64-GPU, 200-task stream under cpsat; one replan of 200
 pending trials on 64 free GPUs; one replan of 10,000 pending trials on 1,000 GPUs. All under fifo, greedy and
-cpsat (scheduler/simulate.py), each with its trace's default planner objective
+cpsat (scheduler/sim/simulate.py), each with its trace's default planner objective
 (`simulate.default_makespan_weight`: Σ weight·completion plus the makespan for the ALTO batch, Σ
 weight·completion alone for the stream), and the stream at load 3.0 once more under cpsat with the makespan
 weighted 1, to show what that choice costs. CPU only: the planner needs no accelerator. CP-SAT runs under a
@@ -20,18 +20,20 @@ import argparse
 import time
 
 from benchmarks.common import write_result
-from scheduler.cpsat import plan_cpsat
-from scheduler.planning import GpuSpec, PlanningInput, PlanTrial
-from scheduler.simulate import POLICIES, SimResult, mean_jct_lower_bound, simulate
-from scheduler.traces import Trace, alto_mix, tenant_stream
+from scheduler.planning.cpsat import plan_cpsat
+from scheduler.planning.types import GpuSpec, PendingTrial, PlanningInput
+from scheduler.sim.simulate import POLICIES, SimResult, mean_jct_lower_bound, simulate
+from scheduler.sim.traces import Trace, alto_mix, tenant_stream
 
 STREAM_LOADS = (0.9, 1.5, 3.0)
 
 
 def snapshot(trace: Trace, gpus: int) -> PlanningInput:
     """Every trial of `trace` pending at once on `gpus` free GPUs: the largest replan the trace can cause."""
-    trials = tuple(PlanTrial(tr.trial_id, t.task_id, t.tenant_id, t.tenant_weight, t.base_model, t.gpus_needed,
-                             tr.tokens_per_step, tr.steps, tr.slot_bytes, tr.max_trials_per_pack)
+    trials = tuple(PendingTrial(trial_id=tr.trial_id, task_id=t.task_id, tenant_id=t.tenant_id,
+                                tenant_weight=t.tenant_weight, base_model=t.base_model, gpus_needed=t.gpus_needed,
+                                tokens_per_step=tr.tokens_per_step, remaining_steps=tr.steps, slot_bytes=tr.slot_bytes,
+                                max_trials_per_pack=tr.max_trials_per_pack)
                    for t in trace.tasks for tr in t.trials)
     return PlanningInput(trials=trials, gpus=tuple(GpuSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus)),
                          costs=trace.costs)

@@ -19,7 +19,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # (benchmarks/results/engine_throughput-*-gpu-20261123-packed*.json): 24 trials of the SmolLM2-135M shape (batch 4,
 # 96 tokens) peak at 13.5 GiB and a step of 24 costs about what a step of 8 does (the step is host-bound); 32 trials
 # of the Llama-3.2-1B shape (batch 1, 512 tokens) peak at 46.9 GiB. So a task of up to 32 trials of a small model is
-# one pack; for larger models memory is the limit, and the planner's memory model enforces it (scheduler/cost.py).
+# one pack; for larger models memory is the limit, and the planner's memory model enforces it
+# (scheduler/planning/cost.py).
 DEFAULT_MAX_TRIALS_PER_PACK = 32
 
 
@@ -51,7 +52,8 @@ class Settings(BaseSettings):
     # tables), which gain nothing from more threads, and several workers on one host would otherwise each
     # start one thread per core and contend (0: torch's own default).
     worker_cpu_threads: int = Field(default=2, ge=0, alias="LORAPLANE_WORKER_CPU_THREADS")
-    # cpsat: CP-SAT over all pending trials and workers (greedy fallback); greedy: the FIFO first-fit packer.
+    # cpsat: CP-SAT over all pending trials and workers; greedy: the first-fit planner alone, which is also CP-SAT's
+    # hint and fallback. The same rules run before and after either (scheduler/planning/placement.py).
     planner: Literal["cpsat", "greedy"] = Field(default="cpsat", alias="LORAPLANE_PLANNER")
     planner_time_limit_s: float = Field(default=1.0, gt=0, alias="LORAPLANE_PLANNER_TIME_LIMIT_S")
     # Prometheus metrics of the scheduler and of a worker, each on its own port (0: off; several workers on one

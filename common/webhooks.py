@@ -2,7 +2,8 @@
 
 `record_event` (common/events.py) calls `enqueue_deliveries` for the types in `WEBHOOK_EVENTS`, in the event's own
 transaction: the event and its deliveries commit together or not at all, so no sender crash, API crash or
-scheduler crash can lose a delivery or announce an event that was rolled back. The sender is scheduler/webhooks.py.
+scheduler crash can lose a delivery or announce an event that was rolled back. The sender is
+scheduler/service/webhooks.py.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def _scheduler(stop: threading.Event) -> None:
     from common.bus import get_bus
     from common.celery import get_celery
     from common.settings import get_settings
-    from scheduler.daemon import SchedulerDaemon
+    from scheduler.service.daemon import SchedulerDaemon
 
     SchedulerDaemon(get_settings(), get_bus(), get_celery()).run(stop)
 
@@ -185,8 +185,8 @@ def cmd_worker(args: argparse.Namespace) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     # Only the pure planner modules: runs with the base dependencies (OR-Tools, numpy), no database or torch.
-    from scheduler.simulate import POLICIES, simulate
-    from scheduler.traces import make_trace
+    from scheduler.sim.simulate import POLICIES, simulate
+    from scheduler.sim.traces import make_trace
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -223,8 +223,8 @@ def _param(text: str) -> tuple[str, object]:
 
 def cmd_replay(args: argparse.Namespace) -> None:
     # Pure modules only: no database, no torch.
-    from scheduler.early_exit import EarlyExitSpecError, from_spec
-    from scheduler.replay import CurvesFormatError, format_report, read_curves, replay
+    from scheduler.early_exit.config import EarlyExitSpecError, from_spec
+    from scheduler.sim.replay import CurvesFormatError, format_report, read_curves, replay
 
     try:
         config = from_spec({"policy": args.policy, **dict(args.param)})
@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.set_defaults(func=cmd_simulate)
     rep = sub.add_parser("replay", help="replay a logged sweep's curves under an early-exit policy")
     rep.add_argument("curves", help="JSONL, one trial a line (GET /v1/tasks/{id}/curves writes it; format in "
-                                    "scheduler/replay.py)")
+                                    "scheduler/sim/replay.py)")
     rep.add_argument("--policy", choices=["alto", "asha", "none"], default="alto")
     rep.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
                      help="override one of the policy's parameters, e.g. warmup_ratio=0.1 (repeatable)")

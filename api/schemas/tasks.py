@@ -187,7 +187,7 @@ class NoEarlyExit(RequestModel):
 
 class AltoEarlyExit(RequestModel):
     """ALTO §5: stop diverging and overfitting trials as they happen, and keep the best quarter at the
-    warm-up boundary. Defaults are ALTO's; scheduler/early_exit.py holds the same ranges and says how each
+    warm-up boundary. Defaults are ALTO's; scheduler/early_exit/policy.py holds the same ranges and says how each
     is read."""
 
     policy: Literal["alto"]

@@ -12,7 +12,7 @@ what ranking trials at equal tokens needs. `metric`: the trial's scores on its t
 point, at the step it ended; empty for the loss metric), which `loraplane replay` ignores. A non-finite loss is
 written as null. A task trained with
 early exit gives curves that end where its trials stopped; replaying a policy needs a sweep trained
-without (`early_exit: {"policy": "none"}`). The format is documented in scheduler/replay.py.
+without (`early_exit: {"policy": "none"}`). The format is documented in scheduler/sim/replay.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A task's estimate before it runs (`POST /v1/tasks?dry_run=true`, `POST /v1/search-spaces/expand`, and every
-submission, stored in `tasks.estimate`): the database read here, the arithmetic in scheduler/estimate.py.
+submission, stored in `tasks.estimate`): the database read here, the arithmetic in scheduler/planning/estimate.py.
 
-It reads what the daemon's planner reads (scheduler/cluster_state.py): the base model's cost model fitted from its
-pack profiles (the priors when it has none), the alive workers that can load the model, and when each busy one's
-pack is predicted to end.
+It reads what the daemon's planner reads (scheduler/service/cluster_state.py): the base model's cost model fitted
+from its pack profiles (the priors when it has none), the alive workers that can load the model, and when each busy
+one's pack is predicted to end.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from sqlalchemy.orm import Session
 
 from common.models import utcnow
 from common.settings import get_settings
-from scheduler.cluster_state import alive_workers, busy_workers, load_costs, worker_models
-from scheduler.cost import tokens_per_step
-from scheduler.estimate import Estimate, Gpu, TrialLoad, estimate
-from scheduler.planner import loads
-from scheduler.planning import PRIOR_COST
+from scheduler.planning.cost import PRIOR_COST, tokens_per_step
+from scheduler.planning.estimate import Estimate, Gpu, TrialLoad, estimate
+from scheduler.planning.types import loads
+from scheduler.service.cluster_state import alive_workers, busy_workers, load_costs, worker_models
 
 
 def estimate_task(
@@ -33,7 +32,7 @@ def estimate_task(
     workers = [w for w in alive_workers(session, now, timeout_s) if loads(worker_models(w), base_model)]
     busy_for = {b.worker_id: b.busy_for_s for b in busy_workers(session, now, timeout_s, costs)}
     gpus = [Gpu(memory_bytes=w.memory_bytes, busy_for_s=busy_for.get(w.id, 0.0)) for w in workers]
-    # The daemon caps a pack at the smallest worker's slots (scheduler/placement.py).
+    # The daemon caps a pack at the smallest worker's slots (scheduler/planning/placement.py).
     cap = min([max_trials_per_pack, *(w.max_slots for w in workers)])
     trials = [TrialLoad(steps=n, tokens_per_step=tokens_per_step(c, max_seq_len))
               for c, n in zip(configs, steps, strict=True)]

@@ -217,7 +217,8 @@ def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], step
         "max_steps": budget.max_steps,
         "max_seq_len": body.max_seq_len,
         "eval_interval": body.eval_interval or max(1, max(steps) // 10),
-        "early_exit": body.early_exit.model_dump(),  # every parameter of the policy: scheduler.early_exit.from_spec
+        # every parameter of the policy: scheduler.early_exit.policy.from_spec
+        "early_exit": body.early_exit.model_dump(),
         "seed": body.seed,
         "training": body.training.model_dump(),
         "scheduling": body.scheduling.model_dump(),

@@ -1,4 +1,4 @@
-"""Registering and removing a tenant's webhook endpoints (the sender is scheduler/webhooks.py)."""
+"""Registering and removing a tenant's webhook endpoints (the sender is scheduler/service/webhooks.py)."""
 
 from __future__ import annotations
 

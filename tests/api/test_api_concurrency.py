@@ -46,8 +46,11 @@ def test_concurrent_tasks_cannot_overrun_the_concurrency_quota(client: TestClien
 
 # The scheduler's modules the API may import for its estimates (api/services/estimates.py): the pure cost model and
 # planner arithmetic, and the reads of the cluster they share with the daemon. Not the solver, the bus or dispatch.
-API_SCHEDULER_MODULES = {"scheduler", "scheduler.cluster_state", "scheduler.cost", "scheduler.estimate",
-                         "scheduler.firstfit", "scheduler.planner", "scheduler.planning"}
+API_SCHEDULER_MODULES = {
+    "scheduler", "scheduler.service", "scheduler.service.cluster_state", "scheduler.planning",
+    "scheduler.planning.cost", "scheduler.planning.types", "scheduler.planning.arithmetic", "scheduler.planning.rules",
+    "scheduler.planning.greedy", "scheduler.planning.estimate",
+}
 
 
 def test_api_imports_no_torch_worker_scheduler_or_kernels() -> None:

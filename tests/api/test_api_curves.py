@@ -10,8 +10,9 @@ from fastapi.testclient import TestClient
 
 from common.db import session_scope
 from common.models import MetricPoint
-from scheduler.early_exit import EarlyExitConfig, curves_from_losses
-from scheduler.replay import parse_rows, replay
+from scheduler.early_exit.config import EarlyExitConfig
+from scheduler.early_exit.policy import curves_from_losses
+from scheduler.sim.replay import parse_rows, replay
 from tests.factories import TenantKey, make_task, trial_ids
 
 

@@ -1,5 +1,5 @@
 """The task API's early_exit: alto and asha are accepted, the stored spec is what the scheduler rebuilds its
-config from, and the API and scheduler/early_exit.py agree on every parameter's default and range."""
+config from, and the API and scheduler/early_exit/policy.py agree on every parameter's default and range."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from sqlalchemy import select
 from api.schemas.tasks import EARLY_EXIT_MODELS, TaskCreate
 from common.db import session_scope
 from common.models import Task
-from scheduler.early_exit import PARAMETERS, EarlyExitConfig, EarlyExitSpecError, defaults, from_spec
+from scheduler.early_exit.config import PARAMETERS, EarlyExitConfig, EarlyExitSpecError, defaults, from_spec
 from tests.factories import TenantKey, make_task, task_body
 
 

@@ -26,8 +26,8 @@ from common.db import session_scope
 from common.events import record_event
 from common.models import Pack, Task, WebhookDelivery, utcnow
 from common.settings import get_settings
-from scheduler.daemon import SchedulerDaemon
-from scheduler.webhooks import CLAIM_S, WebhookSender, next_delay, sign, verify
+from scheduler.service.daemon import SchedulerDaemon
+from scheduler.service.webhooks import CLAIM_S, WebhookSender, next_delay, sign, verify
 from tests.conftest import REDIS_URL
 from tests.factories import ADMIN, ADMIN_TOKEN, TenantKey, chat_rows, make_task, trial_ids
 

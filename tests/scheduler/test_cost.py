@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from scheduler.cost import (
+from scheduler.planning.cost import (
     BYTES_PER_ADAPTER_PARAM,
     MemoryModel,
     ProfileSample,

@@ -8,22 +8,19 @@ import random
 from collections.abc import Iterator
 from dataclasses import replace
 
-from scheduler.cost import MemoryModel, StepTimeModel
-from scheduler.cpsat import plan_cpsat
-from scheduler.firstfit import plan_greedy
-from scheduler.planning import (
-    SCALE,
+from scheduler.planning.arithmetic import SCALE, Prepared, finish_plan
+from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
+from scheduler.planning.cpsat import plan_cpsat
+from scheduler.planning.greedy import plan_greedy
+from scheduler.planning.rules import work_conserving
+from scheduler.planning.types import (
     GpuSpec,
-    ModelCost,
+    PendingTrial,
     PlanningInput,
     PlanResult,
-    PlanTrial,
-    Prepared,
     RunningMember,
     RunningPack,
     ScheduledPack,
-    finish_plan,
-    work_conserving,
 )
 
 GB = 10**9
@@ -34,19 +31,21 @@ COSTS = {
 
 
 def trial(i: int, model: str = "small", *, steps: int = 100, tokens: int = 2000, tenant: str = "a", weight: int = 1,
-          gpus: int = 1, cap: int = 4, slot: int = 10**8) -> PlanTrial:
-    return PlanTrial(f"t{i}", f"task{i % 2}", tenant, weight, model, gpus, tokens, steps, slot, cap)
+          gpus: int = 1, cap: int = 4, slot: int = 10**8) -> PendingTrial:
+    return PendingTrial(trial_id=f"t{i}", task_id=f"task{i % 2}", tenant_id=tenant, tenant_weight=weight,
+                        base_model=model, gpus_needed=gpus, tokens_per_step=tokens, remaining_steps=steps,
+                        slot_bytes=slot, max_trials_per_pack=cap)
 
 
 # --- an independent re-implementation of the integer arithmetic, for the checks -------------------------------
 
-def _mem(inp: PlanningInput, model: str, trials: list[PlanTrial], tokens: int = 0, slots: int = 0) -> int:
+def _mem(inp: PlanningInput, model: str, trials: list[PendingTrial], tokens: int = 0, slots: int = 0) -> int:
     m = inp.costs[model].memory
     return (math.ceil(m.k0_bytes) + math.ceil(m.k1_bytes_per_token * tokens) + slots
             + sum(math.ceil(m.k1_bytes_per_token * t.tokens_per_step) + t.slot_bytes for t in trials))
 
 
-def _durations(inp: PlanningInput, model: str, trials: list[PlanTrial], running: RunningPack | None = None
+def _durations(inp: PlanningInput, model: str, trials: list[PendingTrial], running: RunningPack | None = None
                ) -> dict[str, int]:
     """Units from the pack's start to each member's last step, stepping the pack one step at a time: a step
     costs the base plus the item of every member still in it (a legacy running pack's load stays to the end).
@@ -140,7 +139,7 @@ def check_valid(inp: PlanningInput, res: PlanResult) -> None:
 
 # --- brute force ----------------------------------------------------------------------------------------------
 
-def _partitions(items: list[PlanTrial]) -> Iterator[list[list[PlanTrial]]]:
+def _partitions(items: list[PendingTrial]) -> Iterator[list[list[PendingTrial]]]:
     if not items:
         yield []
         return
@@ -165,7 +164,7 @@ def brute_force(inp: PlanningInput) -> int:
         if any(len({(t.base_model, t.gpus_needed) for t in p}) > 1 or len(p) > min(t.max_trials_per_pack for t in p)
                for p in part):
             continue
-        fills: list[list[PlanTrial]] = [[]]
+        fills: list[list[PendingTrial]] = [[]]
         if r:
             room = min(g.memory_bytes for g in inp.gpus if g.gpu_id in r.gpu_ids)
             fills += [p for p in part

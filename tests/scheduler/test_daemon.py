@@ -17,8 +17,8 @@ from common.db import session_scope
 from common.models import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
 from common.registry import ensure_default_models
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
-from scheduler.daemon import SchedulerDaemon
-from scheduler.exits import PAUSE_MIN_STEPS, should_pause
+from scheduler.service.daemon import SchedulerDaemon
+from scheduler.service.exits import PAUSE_MIN_STEPS, should_pause
 from tests.conftest import REDIS_URL
 
 WORKER = "w-test"
@@ -259,7 +259,7 @@ def test_a_requeued_trial_resumes_from_its_checkpoint_with_its_curve_cut_back(da
         assert "from its checkpoint at step 4" in requeued.message
     heartbeat()
     daemon.step(block_s=0.2)
-    from scheduler.dispatch import pack_message
+    from scheduler.service.dispatch import pack_message
 
     with session_scope() as s:
         message = pack_message(s, s.get(Pack, live_pack().id))  # type: ignore[arg-type]
@@ -279,7 +279,7 @@ def test_a_pack_profile_is_stored_for_the_cost_model(daemon: SchedulerDaemon) ->
 
 
 def test_profiles_fit_the_cost_model_that_predicts_when_a_busy_worker_frees(daemon: SchedulerDaemon) -> None:
-    from scheduler.lifecycle import busy_workers, load_costs
+    from scheduler.service.lifecycle import busy_workers, load_costs
 
     make_task(2)
     heartbeat()
@@ -305,7 +305,7 @@ def test_profiles_fit_the_cost_model_that_predicts_when_a_busy_worker_frees(daem
 
 
 def test_a_running_packs_measured_step_time_corrects_the_predictions_online(daemon: SchedulerDaemon) -> None:
-    from scheduler.lifecycle import busy_workers, load_costs
+    from scheduler.service.lifecycle import busy_workers, load_costs
 
     make_task(2)
     heartbeat()
@@ -332,7 +332,7 @@ def test_a_running_packs_measured_step_time_corrects_the_predictions_online(daem
 
 
 def test_a_malformed_profile_is_ignored_by_the_cost_fit(daemon: SchedulerDaemon) -> None:
-    from scheduler.lifecycle import load_costs
+    from scheduler.service.lifecycle import load_costs
 
     make_task(1)
     heartbeat()
@@ -508,7 +508,7 @@ def test_alto_keeps_the_best_quarter_at_the_warm_up_boundary_and_stops_the_rest(
     daemon.step(block_s=0.05)
     assert len(commands("stop_trials", start)) == 1
     # The pack message asked each trial to validate exactly at its warm-up step.
-    from scheduler.dispatch import pack_message
+    from scheduler.service.dispatch import pack_message
     with session_scope() as s:
         message = pack_message(s, s.get_one(Pack, pack.id))
         assert {t["extra_eval_steps"][0] for t in message["trials"]} == {2}
@@ -643,7 +643,7 @@ def test_should_pause_frees_the_slot_for_pending_trials_or_a_long_wait_only() ->
 def test_the_pack_message_asks_each_trial_to_validate_at_its_policys_rungs(daemon: SchedulerDaemon) -> None:
     """alto: at each warm-up rung of the trial's own steps; ASHA: where the trial reaches each token rung (its
     next regular validation may be far past it). The task's token budget R: 64 steps x 2 rows x 64 tokens."""
-    from scheduler.dispatch import eval_steps
+    from scheduler.service.dispatch import eval_steps
 
     _, alto_trials = make_task(2, early_exit={"policy": "alto"}, steps=100)
     _, asha_trials = make_task(2, early_exit={"policy": "asha", "reduction_factor": 4, "num_rungs": 3}, steps=64)
@@ -744,7 +744,7 @@ def test_metric_points_set_the_score_and_a_generative_metric_picks_the_highest(
 
 
 def test_the_pack_message_carries_the_tasks_evaluation(daemon: SchedulerDaemon) -> None:
-    from scheduler.dispatch import pack_message, trial_payload
+    from scheduler.service.dispatch import pack_message, trial_payload
 
     evaluation = {"metric": "regex", "max_new_tokens": 8, "pattern": r"\d+"}
     _, (scored,) = make_task(1, evaluation=evaluation)
@@ -814,7 +814,7 @@ def test_a_metric_point_from_another_pack_or_out_of_range_is_dropped(daemon: Sch
 
 
 def test_the_best_trial_is_ranked_by_the_tasks_metric() -> None:
-    from scheduler.lifecycle import best_trial
+    from scheduler.service.lifecycle import best_trial
 
     def trial(index: int, score: float | None, val: float | None) -> Trial:
         return Trial(id=f"t{index}", index=index, metric_score=score, best_val_loss=val, last_train_loss=2.0)
@@ -863,7 +863,7 @@ def test_a_stopped_daemon_gives_its_leader_lock_back(daemon: SchedulerDaemon) ->
     from sqlalchemy.pool import NullPool
 
     from common.db import get_engine
-    from scheduler.daemon import LEADER_LOCK_ID
+    from scheduler.service.daemon import LEADER_LOCK_ID
     from tests.e2e.flow import wait_for
 
     other = create_engine(get_engine().url, poolclass=NullPool)  # another database session, as another process has

@@ -12,19 +12,15 @@ from collections.abc import Sequence
 
 import pytest
 
-from scheduler.early_exit import (
-    EarlyExitConfig,
-    EarlyExitSpecError,
+from scheduler.early_exit.config import EarlyExitConfig, EarlyExitSpecError, defaults, from_spec, to_spec
+from scheduler.early_exit.policy import (
     Point,
     TrialCurves,
     asha_rungs,
     curves_from_losses,
     decide,
-    defaults,
     evaluations,
-    from_spec,
     rung_steps,
-    to_spec,
     warmup_step,
 )
 

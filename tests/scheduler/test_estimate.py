@@ -1,12 +1,11 @@
-"""The pure estimate (scheduler/estimate.py): tokens, GPU seconds and wall seconds of a task's trials."""
+"""The pure estimate (scheduler/planning/estimate.py): tokens, GPU seconds and wall seconds of a task's trials."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduler.cost import MemoryModel, StepTimeModel
-from scheduler.estimate import Estimate, Gpu, TrialLoad, estimate
-from scheduler.planning import PRIOR_COST, ModelCost
+from scheduler.planning.cost import PRIOR_COST, MemoryModel, ModelCost, StepTimeModel
+from scheduler.planning.estimate import Estimate, Gpu, TrialLoad, estimate
 
 # A GPU-bound model (small shared cost): trials spread over GPUs rather than share one.
 FITTED = ModelCost(memory=MemoryModel(k0_bytes=2 * 2**30, k1_bytes_per_token=2**20),

@@ -19,7 +19,7 @@ from common.celery import get_celery, worker_queue
 from common.db import session_scope
 from common.models import Event, MetricPoint, Pack, Trial, Worker
 from common.settings import get_settings
-from scheduler.daemon import SchedulerDaemon
+from scheduler.service.daemon import SchedulerDaemon
 from tests.conftest import REDIS_URL
 from tests.scheduler.test_daemon import WORKER, live_pack, make_task
 

@@ -18,8 +18,8 @@ from common.celery import get_celery, worker_queue
 from common.db import session_scope
 from common.models import BaseModelEntry, Event, Pack, Task, Trial, Worker, utcnow
 from common.settings import get_settings
-from scheduler.daemon import SchedulerDaemon
-from scheduler.lifecycle import MODEL_AVAILABLE, WAITING_FOR_MODEL, build_snapshot, note_model_waits
+from scheduler.service.daemon import SchedulerDaemon
+from scheduler.service.lifecycle import MODEL_AVAILABLE, WAITING_FOR_MODEL, build_snapshot, note_model_waits
 from tests.conftest import REDIS_URL
 from tests.scheduler.test_daemon import WORKER, make_task
 

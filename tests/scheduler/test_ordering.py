@@ -6,22 +6,11 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from scheduler.cost import MemoryModel, StepTimeModel
-from scheduler.cpsat import plan_cpsat
-from scheduler.firstfit import plan_greedy
-from scheduler.planning import (
-    NEVER,
-    SCALE,
-    GpuSpec,
-    Member,
-    ModelCost,
-    PlanningInput,
-    PlanTrial,
-    Prepared,
-    RunningMember,
-    RunningPack,
-    completions,
-)
+from scheduler.planning.arithmetic import NEVER, SCALE, Member, Prepared, completions
+from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
+from scheduler.planning.cpsat import plan_cpsat
+from scheduler.planning.greedy import plan_greedy
+from scheduler.planning.types import GpuSpec, PendingTrial, PlanningInput, RunningMember, RunningPack
 from tests.scheduler.test_cpsat import check_valid
 
 GB = 10**9
@@ -31,8 +20,9 @@ COSTS = {"m": ModelCost(MemoryModel(10 * GB, 1e6), StepTimeModel(0.2, 1e-4, 0.01
 
 
 def trial(i: int, steps: int, *, model: str = "m", tokens: int = 2000, weight: int = 1, cap: int = 8,
-          tenant: str = "a") -> PlanTrial:
-    return PlanTrial(f"t{i}", f"task{i}", tenant, weight, model, 1, tokens, steps, 10**8, cap)
+          tenant: str = "a") -> PendingTrial:
+    return PendingTrial(trial_id=f"t{i}", task_id=f"task{i}", tenant_id=tenant, tenant_weight=weight, base_model=model,
+                        tokens_per_step=tokens, remaining_steps=steps, slot_bytes=10**8, max_trials_per_pack=cap)
 
 
 def test_completions_match_stepping_the_pack_one_step_at_a_time() -> None:

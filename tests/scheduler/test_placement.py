@@ -8,10 +8,9 @@ from dataclasses import replace
 import pytest
 
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
-from scheduler.cost import StepTimeModel
-from scheduler.placement import PRIOR_COST, place, rejoin
-from scheduler.planner import BusyWorker, IdleWorker, LivePack, PendingTrial, RunningMember, Snapshot
-from scheduler.planning import ModelCost
+from scheduler.planning.cost import PRIOR_COST, ModelCost, StepTimeModel
+from scheduler.planning.placement import place, rejoin
+from scheduler.planning.types import BusyWorker, IdleWorker, LivePack, PendingTrial, RunningMember, Snapshot
 
 
 def trial(i: int, model: str = "m", cap: int = 8, task: str = "t1", steps: int = 100) -> PendingTrial:
@@ -171,7 +170,7 @@ def test_the_memory_prior_keeps_a_1b_model_from_over_packing() -> None:
 
 def test_on_the_priors_no_trial_waits_for_a_later_pack_while_the_pack_starting_now_has_room() -> None:
     """Near the margin (13-step trials, whole time units) the objective on the priors still splits the task; the
-    plan must not (`planning.fill_now`). With measured costs that say packing does not pay (a GPU-bound step that
+    plan must not (`rules.fill_now`). With measured costs that say packing does not pay (a GPU-bound step that
     grows with every trial), the solver's choice to run the trials one pack after another stands."""
     pending = grid_task(18, "m", (4, 8, 16), 128, rows=50)
     idle = (IdleWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),)

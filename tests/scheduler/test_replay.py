@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from loraplane.cli import main
-from scheduler.early_exit import EarlyExitConfig
-from scheduler.replay import CurvesFormatError, parse_rows, read_curves, replay, spearman
+from scheduler.early_exit.config import EarlyExitConfig
+from scheduler.sim.replay import CurvesFormatError, parse_rows, read_curves, replay, spearman
 
 ROOT = Path(__file__).resolve().parents[2]
 ALTO = EarlyExitConfig(policy="alto", rungs=1, keep_ratio=0.25)  # ALTO's own single cut to a quarter

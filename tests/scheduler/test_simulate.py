@@ -9,10 +9,9 @@ import random
 import pytest
 
 from loraplane.cli import main
-from scheduler.cost import MemoryModel, StepTimeModel
-from scheduler.planning import ModelCost
-from scheduler.simulate import POLICIES, SimResult, mean_jct_lower_bound, percentile, simulate
-from scheduler.traces import Trace, TraceTask, TraceTrial, alto_mix, tenant_stream
+from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
+from scheduler.sim.simulate import POLICIES, SimResult, mean_jct_lower_bound, percentile, simulate
+from scheduler.sim.traces import Trace, TraceTask, TraceTrial, alto_mix, tenant_stream
 
 GB = 10**9
 COSTS = {

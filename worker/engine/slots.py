@@ -74,7 +74,8 @@ class SlotState:
 
 @dataclass(frozen=True)
 class StepStats:
-    """Measurements of one pack step, for throughput and the planner's cost model (fitted in scheduler/cost.py).
+    """Measurements of one pack step, for throughput and the planner's cost model (fitted in
+    scheduler/planning/cost.py).
 
     Attributes:
         step: the pack's step index (1-based, counts steps of the engine, not of any trial).

@@ -27,7 +27,7 @@ def tokens_per_step(hyperparameters: Mapping[str, Any], max_seq_len: int) -> int
 # fp32 weight + fp32 grad + two fp32 AdamW moments per trainable adapter parameter (PLoRA Eq. 21, c_grad = 3).
 BYTES_PER_ADAPTER_PARAM = 16
 
-# Priors: the cost model of a base model no pack has profiled yet (scheduler/planning.py, `PRIOR_COST`), and the
+# Priors: the cost model of a base model no pack has profiled yet (`PRIOR_COST` below), and the
 # coefficients profiles cannot determine (too few or degenerate samples). From the packed engine on one H100 80 GB
 # (benchmarks/results/engine_throughput-*-gpu-20261123-packed*.json; "tokens" are the planner's, batch × max_seq_len):
 # - SmolLM2-135M shape, 24 trials × batch 4 × 96 tokens (9,216): 293-338 ms per step of which 40-60 ms is GPU work;
@@ -79,6 +79,19 @@ class StepTimeModel:
     def scaled(self, ratio: float) -> StepTimeModel:
         """This model with every prediction multiplied by ``ratio`` (an online correction)."""
         return StepTimeModel(self.a_s * ratio, self.b_s_per_token * ratio, self.c_s_per_slot * ratio)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    memory: MemoryModel  # per GPU of the pack
+    step: StepTimeModel
+
+
+# Without a profile: the cost priors above, the one prior of the daemon's planner and the API's estimates.
+PRIOR_COST = ModelCost(
+    memory=MemoryModel(k0_bytes=0.0, k1_bytes_per_token=PRIOR_K1_BYTES_PER_TOKEN),
+    step=StepTimeModel(a_s=PRIOR_STEP_BASE_S, b_s_per_token=PRIOR_STEP_S_PER_TOKEN, c_s_per_slot=PRIOR_STEP_S_PER_SLOT),
+)
 
 
 @dataclass(frozen=True)

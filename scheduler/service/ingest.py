@@ -27,8 +27,8 @@ from common.events import record_event
 from common.metrics import METRIC_SPLIT
 from common.models import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
-from scheduler.cost import Progress
-from scheduler.lifecycle import lose_pack, newest_metric_score, requeue_trial
+from scheduler.planning.cost import Progress
+from scheduler.service.lifecycle import lose_pack, newest_metric_score, requeue_trial
 
 log = logging.getLogger(__name__)
 

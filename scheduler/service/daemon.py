@@ -1,6 +1,6 @@
 """The scheduler daemon: a thin loop around ingest -> reap -> finalize -> plan -> dispatch.
 
-Every round replans (CP-SAT by default, scheduler/placement.py) when trials wait and a worker is idle, so
+Every round replans (CP-SAT by default, scheduler/planning/placement.py) when trials wait and a worker is idle, so
 a task submitted, a trial or pack finished, a worker joined or lost (each one a message or a heartbeat's
 absence) all lead to a new plan within one round.
 
@@ -33,10 +33,11 @@ from common.db import get_engine, session_scope
 from common.models import Pack, Task, utcnow
 from common.registry import published_registry
 from common.settings import Settings
-from scheduler.dispatch import send_pack, trial_payload
-from scheduler.exits import PauseRequest, apply_early_exit, placement
-from scheduler.ingest import ingest
-from scheduler.lifecycle import (
+from scheduler.planning.placement import place
+from scheduler.service.dispatch import send_pack, trial_payload
+from scheduler.service.exits import PauseRequest, apply_early_exit, placement
+from scheduler.service.ingest import ingest
+from scheduler.service.lifecycle import (
     admission_requests,
     build_snapshot,
     busy_workers,
@@ -49,10 +50,8 @@ from scheduler.lifecycle import (
     record_plan,
     stop_requests,
 )
-from scheduler.placement import place
-from scheduler.planner import plan
-from scheduler.telemetry import SchedulerTelemetry
-from scheduler.webhooks import WebhookSender
+from scheduler.service.telemetry import SchedulerTelemetry
+from scheduler.service.webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
 
@@ -130,14 +129,13 @@ class SchedulerDaemon:
             note_model_waits(session, snapshot.pending, now, timeout)
             waiting_models = {t.base_model for t in snapshot.pending}
             plan_started, replanned = time.perf_counter(), True
-            if self.settings.planner == "greedy":
-                new_packs = record_plan(session, plan(snapshot), now)
-            elif snapshot.pending and (any(w.models is None or not w.models.isdisjoint(waiting_models)
-                                           for w in snapshot.idle_workers) or packs_with_room(session)):
+            if snapshot.pending and (any(w.models is None or not w.models.isdisjoint(waiting_models)
+                                         for w in snapshot.idle_workers) or packs_with_room(session)):
                 costs = load_costs(session)
                 snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs),
                                    live_packs=live_packs(session, costs))
-                placement = place(snapshot, costs, time_limit_s=self.settings.planner_time_limit_s)
+                placement = place(snapshot, costs, solver=self.settings.planner,
+                                  time_limit_s=self.settings.planner_time_limit_s)
                 new_packs = record_plan(session, placement.plan, now, placement.result)
             else:
                 new_packs, replanned = [], False
@@ -255,7 +253,7 @@ class SchedulerDaemon:
         self.telemetry = SchedulerTelemetry.start(self.settings)
         lock = self._acquire_leadership(stop)
         # Webhooks go out from the active scheduler (`up` and `loraplane scheduler` alike), on their own thread: a
-        # slow receiver never holds up a round (scheduler/webhooks.py).
+        # slow receiver never holds up a round (scheduler/service/webhooks.py).
         threading.Thread(target=WebhookSender().run, args=(stop,), name="webhooks", daemon=True).start()
         # A scheduler that starts (or takes over) reads the backlog first, oldest first: it judges no worker
         # before the heartbeats sent while no scheduler was reading could arrive.

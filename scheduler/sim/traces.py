@@ -1,4 +1,4 @@
-"""Workload traces for the planner simulator (scheduler/simulate.py): pure data, drawn from a seed.
+"""Workload traces for the planner simulator (scheduler/sim/simulate.py): pure data, drawn from a seed.
 
 Two traces (issue 5):
 
@@ -53,8 +53,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from scheduler.cost import BYTES_PER_ADAPTER_PARAM, MemoryModel, StepTimeModel, adapter_params
-from scheduler.planning import ModelCost
+from scheduler.planning.cost import BYTES_PER_ADAPTER_PARAM, MemoryModel, ModelCost, StepTimeModel, adapter_params
 
 GIB = 1024**3
 GPU_MEMORY_BYTES = 80 * 10**9  # H100 SXM 80 GB

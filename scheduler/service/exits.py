@@ -1,4 +1,4 @@
-"""Early exit in the running service: each task's policy (scheduler/early_exit.py, pure) applied to its trials'
+"""Early exit in the running service: each task's policy (scheduler/early_exit/policy.py, pure) applied to its trials'
 stored curves, and its decisions made into state changes, events and worker commands.
 
 Runs in the scheduler's ingest transaction for the tasks whose trials reported something (a validation point,
@@ -31,15 +31,9 @@ from sqlalchemy.orm import Session
 from common import states
 from common.events import record_event
 from common.models import MetricPoint, Pack, Task, Trial
-from scheduler.cost import tokens_per_step
-from scheduler.early_exit import (
-    EarlyExitConfig,
-    EarlyExitSpecError,
-    curves_from_losses,
-    decide,
-    from_spec,
-    rung_steps,
-)
+from scheduler.early_exit.config import EarlyExitConfig, EarlyExitSpecError, from_spec
+from scheduler.early_exit.policy import curves_from_losses, decide, rung_steps
+from scheduler.planning.cost import tokens_per_step
 
 log = logging.getLogger(__name__)
 

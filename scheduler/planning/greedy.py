@@ -8,7 +8,7 @@ of tenant weight first (`Prepared.priority`); each goes wherever it adds the lea
   tenant's quota allows; or
 - an open pack of its model (a running pack, or a new pack of this plan that nothing is planned after on its
   GPUs), if memory, caps and quotas still hold. Joining costs its own slower completion plus the delay it
-  causes every member it shares the pack with (planning.py: a short member slows a long one only while they
+  causes every member it shares the pack with (arithmetic.py: a short member slows a long one only while they
   share the pack). Only packs that start before the new pack could are worth a look: starting no earlier and
   stepping no faster, a join could never finish sooner than a pack of its own.
 
@@ -33,16 +33,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from scheduler.planning import (
-    SCALE,
-    PlanningInput,
-    PlanResult,
-    PlanTrial,
-    Prepared,
-    RunningPack,
-    ScheduledPack,
-    finish_plan,
-)
+from scheduler.planning.arithmetic import SCALE, Prepared, finish_plan
+from scheduler.planning.types import PendingTrial, PlanningInput, PlanResult, RunningPack, ScheduledPack
 
 # Open packs priced per trial (the earliest-ending of its kind). Above this many the insertion is a heuristic
 # choice among the likeliest; the simulated 16- and 64-GPU clusters never have more open packs of one kind.
@@ -149,7 +141,7 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
         if r.free_slots > 0:
             publish(p)
 
-    def earliest_gpus(t: PlanTrial, need: int) -> list[str]:
+    def earliest_gpus(t: PendingTrial, need: int) -> list[str]:
         """The t.gpus_needed earliest-free GPUs with `need` bytes that load t's model (ties by id), from the
         heaps, stale entries dropped; those that cannot load the model are passed over and put back."""
         picked: list[tuple[int, str]] = []
@@ -168,14 +160,14 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
             picked.extend(got)
         return [gid for _, gid in sorted(picked)[: t.gpus_needed]]
 
-    def quota_start(t: PlanTrial, start: int, dur: int) -> int:
+    def quota_start(t: PendingTrial, start: int, dur: int) -> int:
         """The earliest time ≥ start at which t alone for `dur` keeps its tenant within quota."""
         if not quotas or prep.quota_cap(t.tenant_id) is None:
             return start
         times = sorted({start, *(e for _, e in used.get(t.tenant_id, {}).values() if e > start)})
         return next(x for x in times if _quota_ok(prep, used, {t.trial_id: (t.tenant_id, x, x + dur)}))
 
-    def price_join(p: _Pack, t: PlanTrial, item: int, bound: int, rest: int) -> tuple[int, list[int], int] | None:
+    def price_join(p: _Pack, t: PendingTrial, item: int, bound: int, rest: int) -> tuple[int, list[int], int] | None:
         """(cost in n_gpus-ths, members' new milli, t's milli) of t joining p, or None if it may not or
         costs `bound` or more."""
         if p.count + 1 > min(p.cap, t.max_trials_per_pack) or prep.mem_item(t) > p.mem_left:

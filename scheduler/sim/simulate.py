@@ -22,22 +22,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from scheduler.cpsat import plan_cpsat
-from scheduler.firstfit import plan_greedy
-from scheduler.planning import (
+from scheduler.planning.arithmetic import Prepared, finish_plan
+from scheduler.planning.cost import ModelCost
+from scheduler.planning.cpsat import plan_cpsat
+from scheduler.planning.greedy import plan_greedy
+from scheduler.planning.rules import work_conserving
+from scheduler.planning.types import (
     GpuSpec,
-    ModelCost,
+    PendingTrial,
     PlanningInput,
     PlanResult,
-    PlanTrial,
-    Prepared,
     RunningMember,
     RunningPack,
     ScheduledPack,
-    finish_plan,
-    work_conserving,
 )
-from scheduler.traces import Trace, TraceTask
+from scheduler.sim.traces import Trace, TraceTask
 
 POLICIES = ("fifo", "greedy", "cpsat", "cpsat-wc")
 Planner = Callable[[PlanningInput], PlanResult]
@@ -81,7 +80,7 @@ def make_planner(policy: str, *, time_limit_s: float = 1.0, seed: int = 0) -> Pl
         return plan_greedy
     if policy == "cpsat":
         return lambda inp: plan_cpsat(inp, time_limit_s=time_limit_s, seed=seed)
-    if policy == "cpsat-wc":  # CP-SAT, then no GPU left idle now while a pack waits (planning.work_conserving)
+    if policy == "cpsat-wc":  # CP-SAT, then no GPU left idle now while a pack waits (rules.work_conserving)
         return lambda inp: work_conserving(inp, plan_cpsat(inp, time_limit_s=time_limit_s, seed=seed))
     raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
 
@@ -145,11 +144,11 @@ class _Pack:
     left: dict[str, float] = field(default_factory=dict)  # member trial id -> steps still to train
     history: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)
 
-    def step_s(self, trials: dict[str, PlanTrial]) -> float:
+    def step_s(self, trials: dict[str, PendingTrial]) -> float:
         tokens = sum(trials[i].tokens_per_step for i in self.left)
         return self.cost.step.predict(tokens, len(self.left))
 
-    def next_completion(self, trials: dict[str, PlanTrial]) -> float:
+    def next_completion(self, trials: dict[str, PendingTrial]) -> float:
         return self.since_s + min(self.left.values()) * self.step_s(trials)
 
 
@@ -173,13 +172,14 @@ def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0,
     plan = planner or make_planner(policy, time_limit_s=time_limit_s, seed=seed)
     gpu_specs = tuple(GpuSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus))
     tasks = sorted(trace.tasks, key=lambda t: t.arrival_s)  # stable: trace order within an instant
-    trials: dict[str, PlanTrial] = {}
+    trials: dict[str, PendingTrial] = {}
     task_of: dict[str, str] = {}
     for task in tasks:
         for tr in task.trials:
-            trials[tr.trial_id] = PlanTrial(tr.trial_id, task.task_id, task.tenant_id, task.tenant_weight,
-                                            task.base_model, task.gpus_needed, tr.tokens_per_step, tr.steps,
-                                            tr.slot_bytes, tr.max_trials_per_pack)
+            trials[tr.trial_id] = PendingTrial(
+                trial_id=tr.trial_id, task_id=task.task_id, tenant_id=task.tenant_id, tenant_weight=task.tenant_weight,
+                base_model=task.base_model, gpus_needed=task.gpus_needed, tokens_per_step=tr.tokens_per_step,
+                remaining_steps=tr.steps, slot_bytes=tr.slot_bytes, max_trials_per_pack=tr.max_trials_per_pack)
             task_of[tr.trial_id] = task.task_id
     pending: list[str] = []
     free = {g.gpu_id for g in gpu_specs}
@@ -296,7 +296,7 @@ def mean_jct_lower_bound(trace: Trace, gpus: int) -> float:
     return max(sum(solo), flow) / len(trace.tasks)
 
 
-def _advance(pack: _Pack, trials: dict[str, PlanTrial], now: float) -> None:
+def _advance(pack: _Pack, trials: dict[str, PendingTrial], now: float) -> None:
     """Moves the pack's members forward to `now` at its current step time."""
     if pack.left:
         steps = (now - pack.since_s) / pack.step_s(trials)
@@ -304,7 +304,7 @@ def _advance(pack: _Pack, trials: dict[str, PlanTrial], now: float) -> None:
     pack.since_s = now
 
 
-def _can_start(pending: list[str], trials: dict[str, PlanTrial], free: set[str], running: dict[str, _Pack]) -> bool:
+def _can_start(pending: list[str], trials: dict[str, PendingTrial], free: set[str], running: dict[str, _Pack]) -> bool:
     if free:
         return True
     models = {trials[i].base_model for i in pending}
@@ -312,7 +312,7 @@ def _can_start(pending: list[str], trials: dict[str, PlanTrial], free: set[str],
                for p in running.values())
 
 
-def _planning_input(pending: list[str], trials: dict[str, PlanTrial], gpu_specs: tuple[GpuSpec, ...],
+def _planning_input(pending: list[str], trials: dict[str, PendingTrial], gpu_specs: tuple[GpuSpec, ...],
                     free: set[str], running: dict[str, _Pack], trace: Trace, now: float, unit_s: float,
                     makespan_weight: int) -> PlanningInput:
     packs = []
@@ -324,7 +324,7 @@ def _planning_input(pending: list[str], trials: dict[str, PlanTrial], gpu_specs:
         for t in members:
             tenants[t.tenant_id] = tenants.get(t.tenant_id, 0) + 1
         # Members leave as they finish: the longest one ends after its steps at the shared cost plus every
-        # member's own per-step cost for that member's steps (planning.py's arithmetic, in exact seconds).
+        # member's own per-step cost for that member's steps (planning/arithmetic.py, in exact seconds).
         step = pack.cost.step
         end_s = max(pack.left.values()) * step.a_s + sum(
             left * (step.b_s_per_token * trials[i].tokens_per_step + step.c_s_per_slot)

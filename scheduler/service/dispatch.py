@@ -17,8 +17,9 @@ from common.artifacts import file_key
 from common.celery import RUN_PACK_TASK
 from common.models import BaseModelEntry, Pack, Task, Trial, Worker
 from common.registry import model_source_fields
-from scheduler.cost import tokens_per_step
-from scheduler.early_exit import EarlyExitSpecError, asha_rung_steps, from_spec, rung_steps
+from scheduler.early_exit.config import EarlyExitSpecError, from_spec
+from scheduler.early_exit.policy import asha_rung_steps, rung_steps
+from scheduler.planning.cost import tokens_per_step
 
 
 def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
@@ -62,7 +63,7 @@ def eval_steps(task: Task, trial: Trial) -> list[int]:
     if config.policy == "asha":
         session = object_session(trial)
         assert session is not None
-        # Tokens per step as the policy counts them (scheduler/exits.py): batch size x max_seq_len.
+        # Tokens per step as the policy counts them (scheduler/service/exits.py): batch size x max_seq_len.
         max_seq_len = int(task.spec["max_seq_len"])
         budget = max(steps * tokens_per_step(hp, max_seq_len) for steps, hp in session.execute(
             select(Trial.total_steps, Trial.hyperparameters).where(Trial.task_id == task.id)))

@@ -1,6 +1,6 @@
 """State transitions the scheduler makes on its own clock: lost workers, finished tasks, new packs.
 
-Each function does one thing inside the caller's transaction; scheduler/daemon.py sequences them.
+Each function does one thing inside the caller's transaction; scheduler/service/daemon.py sequences them.
 """
 
 from __future__ import annotations
@@ -19,17 +19,21 @@ from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, metric_of, rank_key
 from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from common.usage import task_usage
-from scheduler.cluster_state import (
-    alive_workers,
-    predicted_remaining_s,
-    trial_tokens_per_step,
-    worker_models,
+from scheduler.planning.cost import ModelCost
+from scheduler.planning.types import (
+    IdleWorker,
+    LivePack,
+    PendingTrial,
+    Plan,
+    PlanResult,
+    RunningMember,
+    Snapshot,
+    loads,
 )
-from scheduler.cluster_state import busy_workers as busy_workers  # the daemon's, re-exported
-from scheduler.cluster_state import load_costs as load_costs  # the daemon's, re-exported
-from scheduler.exits import stop_mode
-from scheduler.planner import IdleWorker, LivePack, PendingTrial, Plan, Snapshot, loads
-from scheduler.planning import ModelCost, PlanResult, RunningMember
+from scheduler.service.cluster_state import alive_workers, predicted_remaining_s, trial_tokens_per_step, worker_models
+from scheduler.service.cluster_state import busy_workers as busy_workers
+from scheduler.service.cluster_state import load_costs as load_costs
+from scheduler.service.exits import stop_mode
 
 log = logging.getLogger(__name__)
 

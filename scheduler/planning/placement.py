@@ -23,34 +23,36 @@ cost, prefer to wait for the pack to end (shortest work first); but the pack ran
 moment ago, and on a GPU not saturated by the pack (small models, where a step's fixed cost dominates)
 waiting doubled a task's wall-clock time in the live early-exit sweep (benchmarks/live_sweep.py). One rule
 comes after it: no worker free now is left idle while the plan holds a pack for later
-(`planning.work_conserving`: the earliest such pack starts now on it, within memory and quotas). And for a base
+(`rules.work_conserving`: the earliest such pack starts now on it, within memory and quotas). And for a base
 model no pack has measured yet (its plan rests on the cost priors), no trial is held for a later pack while a
-pack of its model starting now has room (`planning.fill_now`): with a prior step time the objective cannot tell
+pack of its model starting now has room (`rules.fill_now`): with a prior step time the objective cannot tell
 whether a bigger pack pays, and a held-back trial made an early-exit task slower than one without (issue 15).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Literal
 
-from scheduler.cpsat import plan_cpsat
-from scheduler.planner import Backfill, BusyWorker, IdleWorker, PendingTrial, Plan, PlannedPack, Snapshot
-from scheduler.planning import (
-    DEFAULT_GPU_BYTES,
-    PRIOR_COST,
-    GpuSpec,
-    ModelCost,
-    PlanningInput,
+from scheduler.planning.cost import ModelCost
+from scheduler.planning.cpsat import plan_cpsat
+from scheduler.planning.greedy import plan_greedy
+from scheduler.planning.rules import after_solver
+from scheduler.planning.types import (
+    Backfill,
+    IdleWorker,
+    LivePack,
+    PendingTrial,
+    Plan,
+    PlannedPack,
     PlanResult,
-    PlanTrial,
-    RunningPack,
-    fill_now,
-    work_conserving,
+    Snapshot,
+    planning_input,
 )
 
 UNIT_S = 1.0  # one integer time unit of the plan
+Solver = Literal["cpsat", "greedy"]  # `LORAPLANE_PLANNER`
 
 
 @dataclass(frozen=True)
@@ -59,73 +61,46 @@ class Placement:
     result: PlanResult | None  # the solver's whole schedule and its solve time (None: nothing to decide)
 
 
-def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: float = 1.0) -> Placement:
-    """Packs to start now on idle workers, chosen by CP-SAT over the whole pending set and all workers.
+def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, solver: Solver = "cpsat",
+          time_limit_s: float = 1.0) -> Placement:
+    """Packs to start now on idle workers, chosen over the whole pending set and all workers.
 
     Args:
-        snapshot: pending trials (oldest first), idle and busy workers.
+        snapshot: pending trials (oldest first), idle and busy workers, running packs with room.
         costs: fitted cost models by base model; a model without one gets `PRIOR_COST`.
-        time_limit_s: the solver's limit; at the limit the best plan found so far is taken, and the greedy
-            plan when the solver found none or the model is too big to build.
+        solver: "cpsat" (the default), or "greedy": the first-fit planner alone, which is also CP-SAT's hint and
+            fallback. The rules before and after the solver are the same for both.
+        time_limit_s: CP-SAT's limit; at the limit the best plan found so far is taken, and the greedy plan when
+            the solver found none or the model is too big to build.
     """
     rejoins, snapshot = rejoin(snapshot)
     live = [p for p in snapshot.live_packs if p.free_slots > 0 and any(p.fits(t) for t in snapshot.pending)]
     if not snapshot.pending or not (snapshot.idle_workers or live):
         return Placement(Plan(backfills=rejoins), None)
-    workers: list[IdleWorker | BusyWorker] = [*snapshot.idle_workers, *snapshot.busy_workers]
-    # One cap per pack for the whole cluster: the smallest worker's slots (workers of one deployment share it).
-    max_slots = min(w.max_slots for w in workers)
-    gpus = tuple(
-        GpuSpec(gpu_id=w.worker_id, memory_bytes=w.memory_bytes or DEFAULT_GPU_BYTES, models=w.models)
-        for w in snapshot.idle_workers
-    ) + tuple(
-        GpuSpec(gpu_id=w.worker_id, memory_bytes=w.memory_bytes or DEFAULT_GPU_BYTES,
-                busy_until=max(1, math.ceil(w.busy_for_s / UNIT_S)), models=w.models)
-        for w in snapshot.busy_workers
-    )  # fmt: skip
-    trials = tuple(
-        PlanTrial(
-            trial_id=t.trial_id,
-            task_id=t.task_id,
-            tenant_id=t.tenant_id,
-            tenant_weight=t.tenant_weight,
-            base_model=t.base_model,
-            gpus_needed=1,
-            tokens_per_step=t.tokens_per_step,
-            remaining_steps=max(1, t.remaining_steps),
-            slot_bytes=0,
-            max_trials_per_pack=max(1, min(t.max_trials_per_pack, max_slots)),
-        )
-        for t in snapshot.pending
-    )
-    running = tuple(
-        RunningPack(
-            pack_id=p.pack_id, gpu_ids=(p.worker_id,), base_model=p.base_model,
-            ends_at=max(1, math.ceil(p.busy_for_s / UNIT_S)), trials=p.members, free_slots=p.free_slots,
-            tokens_per_step=p.tokens_per_step, slot_bytes=0, max_trials_per_pack=p.members + p.free_slots,
-            # Member by member: a back-fill then pays in the objective for the members it slows.
-            members=p.member_list,
-        )
-        for p in live
-    )  # fmt: skip
-    models = {t.base_model for t in trials}
-    inp = PlanningInput(
-        trials=trials, gpus=gpus, costs={m: costs.get(m, PRIOR_COST) for m in models}, running=running,
-        unit_s=UNIT_S,
-    )
+    inp = planning_input(replace(snapshot, live_packs=tuple(live)), costs, unit_s=UNIT_S)
+    solved = plan_cpsat(inp, time_limit_s=time_limit_s) if solver == "cpsat" else plan_greedy(inp)
     # The solver may hold a free worker back for a later pack (its cost model sees no gain in starting now);
     # in a live run on the H100 a worker stood idle for minutes with trials pending: none idles while a pack waits.
-    result = work_conserving(inp, plan_cpsat(inp, time_limit_s=time_limit_s))
     # On the priors alone, no trial waits for a later pack while a pack of its model starting now has room.
-    result = fill_now(inp, result, models - costs.keys())
+    result = after_solver(inp, solved, on_priors=inp.costs.keys() - costs.keys())
+    return Placement(Plan(_new_packs(snapshot, result), rejoins + _backfills(live, snapshot, result)), result)
+
+
+def _new_packs(snapshot: Snapshot, result: PlanResult) -> tuple[PlannedPack, ...]:
+    """The plan's new packs that start now on idle workers."""
     idle = {w.worker_id: w for w in snapshot.idle_workers}
     pending = {t.trial_id: t for t in snapshot.pending}
-    packs = tuple(
+    return tuple(
         _new_pack(idle[p.gpu_ids[0]], p.base_model, [pending[i] for i in p.trial_ids], snapshot.pending)
         for p in result.start_now
         if not p.backfill and p.start == 0 and p.gpu_ids[0] in idle
     )
+
+
+def _backfills(live: list[LivePack], snapshot: Snapshot, result: PlanResult) -> tuple[Backfill, ...]:
+    """The plan's back-fills that the running packs' engines can take (`LivePack.fits`), within their free slots."""
     by_id = {p.pack_id: p for p in live}
+    pending = {t.trial_id: t for t in snapshot.pending}
     backfills = []
     for proposal in result.start_now:
         pack = by_id.get(proposal.pack_key) if proposal.backfill else None
@@ -134,7 +109,7 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, time_limit_s: f
         joining = tuple(i for i in proposal.trial_ids if pack.fits(pending[i]))[: pack.free_slots]
         if joining:
             backfills.append(Backfill(pack.pack_id, pack.worker_id, joining))
-    return Placement(Plan(packs, rejoins + tuple(backfills)), result)
+    return tuple(backfills)
 
 
 def rejoin(snapshot: Snapshot) -> tuple[tuple[Backfill, ...], Snapshot]:

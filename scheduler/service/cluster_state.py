@@ -1,7 +1,7 @@
 """What the planner knows of the cluster now, read from the database: each base model's fitted cost model, the
 alive workers and the models they load, and when each busy worker's pack is predicted to end.
 
-Shared by the daemon (scheduler/lifecycle.py, its snapshot) and the API's estimates (api/services/estimates.py),
+Shared by the daemon (scheduler/service/lifecycle.py, its snapshot) and the API's estimates (api/services/estimates.py),
 so an estimate rests on the very numbers the planner plans with. Imports only SQLAlchemy, `common` and the pure
 cost modules: the API imports this module, and must not pull in the solver, the bus or torch.
 """
@@ -17,9 +17,15 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.models import Pack, Task, Trial, Worker
-from scheduler.cost import Progress, fit_profiles, samples_from_profiles, tokens_per_step
-from scheduler.planner import BusyWorker
-from scheduler.planning import PRIOR_COST, ModelCost
+from scheduler.planning.cost import (
+    PRIOR_COST,
+    ModelCost,
+    Progress,
+    fit_profiles,
+    samples_from_profiles,
+    tokens_per_step,
+)
+from scheduler.planning.types import BusyWorker
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """A task's cost before it runs: tokens, GPU seconds and wall-clock seconds (pure, no I/O).
 
 The task's trials are planned as the daemon would plan them, with the same cost model and the same arithmetic
-(scheduler/planning.py): the first-fit planner (the CP-SAT planner's hint and fallback, deterministic and fast
-enough for a request), then the daemon's two rules after its solver, `work_conserving` and, for a model planned
-on the priors, `fill_now`. The GPUs are the workers that can load the model now, each free from when its
-running pack is predicted to end. So:
+(arithmetic.py), from the same snapshot types (`types.planning_input`): the first-fit planner (the CP-SAT planner's
+hint and fallback, deterministic and fast enough for a request), then the daemon's two rules after its solver
+(rules.py: `work_conserving` and, for a model planned on the priors, `fill_now`). The GPUs are the workers that
+can load the model now, each free from when its running pack is predicted to end. So:
 
-- tokens: Σ steps × tokens per step (batch × max_seq_len, `scheduler.cost.tokens_per_step`). Rows are at most
+- tokens: Σ steps × tokens per step (batch × max_seq_len, `scheduler.planning.cost.tokens_per_step`). Rows are at most
   max_seq_len long, so this is an upper bound on the tokens trained (the planner's own count, padding included).
 - gpu_seconds: Σ over the planned packs of (end − start) × its GPUs: the GPU time the task's packs hold.
 - wall_seconds: when the last of its trials is planned to finish, from now; None when no usable GPU can hold
@@ -20,20 +20,13 @@ rest: on the priors, a small model's step is dominated by fixed costs the priors
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.firstfit import plan_greedy
-from scheduler.planning import (
-    DEFAULT_GPU_BYTES,
-    GpuSpec,
-    ModelCost,
-    PlanningInput,
-    PlanTrial,
-    fill_now,
-    work_conserving,
-)
+from scheduler.planning.cost import ModelCost
+from scheduler.planning.greedy import plan_greedy
+from scheduler.planning.rules import after_solver
+from scheduler.planning.types import BusyWorker, IdleWorker, PendingTrial, Snapshot, planning_input
 
 # The plan's time unit for an estimate: finer than the daemon's second (placement.UNIT_S) because a short task's
 # numbers are shown to its user, and every member's completion is rounded up to a whole unit.
@@ -75,7 +68,7 @@ def estimate(
 
     Args:
         trials: the task's trials, in trial order.
-        cost: the base model's fitted cost model, or `planning.PRIOR_COST`.
+        cost: the base model's fitted cost model, or `cost.PRIOR_COST`.
         gpus: the GPUs that can load the model now (none: GPU time is planned on one free default GPU, and the
             wall time is unknown).
         max_trials_per_pack: the task's cap, already lowered to the workers' slots.
@@ -86,26 +79,26 @@ def estimate(
     if not trials:
         return Estimate(tokens=0, gpu_seconds=0.0, wall_seconds=0.0)
     usable = tuple(gpus) or (Gpu(),) * gpus_per_pack
-    specs = tuple(
-        GpuSpec(gpu_id=f"gpu{i}", memory_bytes=g.memory_bytes or DEFAULT_GPU_BYTES,
-                busy_until=max(1, math.ceil(g.busy_for_s / ESTIMATE_UNIT_S)) if g.busy_for_s > 0 else 0)
-        for i, g in enumerate(usable)
-    )  # fmt: skip
-    plan_trials = tuple(
-        PlanTrial(trial_id=f"t{i}", task_id="task", tenant_id="tenant", tenant_weight=1, base_model=_MODEL,
-                  gpus_needed=gpus_per_pack, tokens_per_step=t.tokens_per_step, remaining_steps=max(1, t.steps),
-                  slot_bytes=0, max_trials_per_pack=max(1, max_trials_per_pack))
-        for i, t in enumerate(trials)
-    )  # fmt: skip
-    inp = PlanningInput(trials=plan_trials, gpus=specs, costs={_MODEL: cost}, unit_s=ESTIMATE_UNIT_S)
-    result = work_conserving(inp, plan_greedy(inp))
-    if on_priors:
-        result = fill_now(inp, result, {_MODEL})
+    cap = max(1, max_trials_per_pack)
+    snapshot = Snapshot(
+        pending=tuple(
+            PendingTrial(trial_id=f"t{i}", task_id="task", tenant_id="tenant", base_model=_MODEL,
+                         max_trials_per_pack=cap, remaining_steps=t.steps, tokens_per_step=t.tokens_per_step,
+                         gpus_needed=gpus_per_pack)
+            for i, t in enumerate(trials)
+        ),
+        idle_workers=tuple(IdleWorker(f"gpu{i}", cap, g.memory_bytes)
+                           for i, g in enumerate(usable) if g.busy_for_s <= 0),
+        busy_workers=tuple(BusyWorker(f"gpu{i}", cap, g.memory_bytes, g.busy_for_s)
+                           for i, g in enumerate(usable) if g.busy_for_s > 0),
+    )
+    inp = planning_input(snapshot, {_MODEL: cost}, unit_s=ESTIMATE_UNIT_S)
+    result = after_solver(inp, plan_greedy(inp), on_priors={_MODEL} if on_priors else set())
     units = sum((p.end - p.start) * len(p.gpu_ids) for p in result.packs)
     # A trial no usable GPU can hold is priced alone on a GPU (it cannot be placed now: no wall time).
     solo = sum(
         t.remaining_steps * cost.step.predict(t.tokens_per_step, 1) * gpus_per_pack
-        for t in plan_trials if t.trial_id in set(result.unschedulable)
+        for t in inp.trials if t.trial_id in set(result.unschedulable)
     )
     wall = None if result.unschedulable or not gpus else round(max(p.end for p in result.packs) * ESTIMATE_UNIT_S, 3)
     return Estimate(tokens=tokens, gpu_seconds=round(units * ESTIMATE_UNIT_S + solo, 3), wall_seconds=wall)

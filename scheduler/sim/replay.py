@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scheduler.early_exit import Decision, EarlyExitConfig, Point, TrialCurves, boundary_point, decide
+from scheduler.early_exit.config import EarlyExitConfig
+from scheduler.early_exit.policy import Decision, Point, TrialCurves, boundary_point, decide
 
 
 class CurvesFormatError(ValueError):

@@ -12,14 +12,14 @@ tasks and tenants share one backbone. Here the three are one model:
   an optional interval per (pack, GPU) and `NoOverlap` per GPU, with busy GPUs and running packs as intervals
   from 0;
 - step time `a + b·tokens + c·slots` is linear in membership and a member leaves when its steps are done, so
-  every trial's completion `start + n_t·a + Σ_u item_u·min(n_u, n_t)` is linear too (planning.py);
+  every trial's completion `start + n_t·a + Σ_u item_u·min(n_u, n_t)` is linear too (arithmetic.py);
 - back-fill puts a pending trial into a running pack's free slot, starting now; with the pack's members known,
   their delayed completions count in the objective, so a back-fill pays for the members it slows;
 - per-tenant quotas (max concurrent trials) are `Cumulative` constraints over trial intervals.
 Objective: makespan_weight·makespan + Σ tenant_weight·completion. Candidate packs follow Smith's order
 (`Prepared.priority`), so a candidate's leader is its highest-priority member, as in the greedy plan that
 seeds the search. All integer arithmetic is in
-`planning.Prepared`, shared with `firstfit.plan_greedy`; the reported schedule is recomputed with it from
+`arithmetic.Prepared`, shared with `greedy.plan_greedy`; the reported schedule is recomputed with it from
 the solver's choices, so the model, the fallback and the brute-force tests agree exactly.
 """
 
@@ -30,19 +30,9 @@ from dataclasses import replace
 
 from ortools.sat.python import cp_model
 
-from scheduler.firstfit import plan_greedy
-from scheduler.planning import (
-    NEVER,
-    SCALE,
-    Member,
-    PlanningInput,
-    PlanResult,
-    PlanTrial,
-    Prepared,
-    RunningPack,
-    ScheduledPack,
-    finish_plan,
-)
+from scheduler.planning.arithmetic import NEVER, SCALE, Member, Prepared, finish_plan
+from scheduler.planning.greedy import plan_greedy
+from scheduler.planning.types import PendingTrial, PlanningInput, PlanResult, RunningPack, ScheduledPack
 
 # The solver gets what is left of the call's time limit after the greedy plan and the model are built, less this
 # margin for reading the solution back, so that a call with a limit of 1 s returns within about 1 s.
@@ -60,7 +50,7 @@ def plan_cpsat(inp: PlanningInput, *, time_limit_s: float = 1.0, seed: int = 0, 
     """
     t0 = time.perf_counter()
     prep = Prepared(inp)
-    groups: dict[tuple[str, int], list[PlanTrial]] = {}
+    groups: dict[tuple[str, int], list[PendingTrial]] = {}
     for t in prep.priority():
         groups.setdefault((t.base_model, t.gpus_needed), []).append(t)
     n_intervals = sum(len(ts) for ts in groups.values()) * len(inp.gpus) + len(prep.trials)
@@ -89,7 +79,7 @@ _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible"}
 
 
 def _first_steps(prep: Prepared, n: int, base: int, own: list[Member],
-                 fills: list[tuple[PlanTrial, cp_model.IntVar]]) -> cp_model.LinearExprT:
+                 fills: list[tuple[PendingTrial, cp_model.IntVar]]) -> cp_model.LinearExprT:
     """SCALE·(time of a running pack's first n steps from now): the shared cost every step, each of its own
     members' items while they are in, each chosen back-fill's item while it is in."""
     return n * base + sum(i.item * min(i.steps, n) for i in own) + sum(
@@ -99,7 +89,7 @@ def _first_steps(prep: Prepared, n: int, base: int, own: list[Member],
 class _Model:
     """The CP-SAT model of one planning input; see the module docstring for the formulation."""
 
-    def __init__(self, prep: Prepared, groups: dict[tuple[str, int], list[PlanTrial]], greedy: PlanResult) -> None:
+    def __init__(self, prep: Prepared, groups: dict[tuple[str, int], list[PendingTrial]], greedy: PlanResult) -> None:
         self.prep, self.m = prep, cp_model.CpModel()
         m, inp = self.m, prep.inp
         fixed = prep.fixed_busy()
@@ -113,7 +103,7 @@ class _Model:
         ends: list[cp_model.IntVar] = []
         # New packs, one candidate per (group, leader).
         self.span: dict[str, tuple[cp_model.IntVar, cp_model.IntVar]] = {}
-        self.packs: list[tuple[PlanTrial, list[tuple[PlanTrial, cp_model.IntVar]], cp_model.IntVar,
+        self.packs: list[tuple[PendingTrial, list[tuple[PendingTrial, cp_model.IntVar]], cp_model.IntVar,
                                dict[str, cp_model.IntVar]]] = []
         for (model, k), ts in groups.items():
             base_mem, base_step = prep.mem_base(model), prep.step_base(model)
@@ -145,7 +135,7 @@ class _Model:
                 self.packs.append((lead, members, s, y))
                 self.span[lead.trial_id] = (d, e)
         # Running packs: kept where they are, back-filled with pending trials that fit.
-        self.fills: list[tuple[RunningPack, list[tuple[PlanTrial, cp_model.IntVar]]]] = []
+        self.fills: list[tuple[RunningPack, list[tuple[PendingTrial, cp_model.IntVar]]]] = []
         self.members: dict[str, cp_model.IntVar] = {}  # running members' completions (exactly modelled packs)
         weighted: list[tuple[int, cp_model.IntVar]] = []
         for r in inp.running:

@@ -1,0 +1,252 @@
+"""The planners' one vocabulary (pure data): what the daemon reads of the cluster, what a solver takes and gives.
+
+Two views of the same things, one converted into the other in one place (`planning_input`, below):
+- the daemon's `Snapshot`, in seconds and workers, as scheduler/service/lifecycle.py reads it from the database:
+  pending trials, idle and busy workers, running packs with room (`LivePack`); and the `Plan` it records (new packs
+  on idle workers, back-fills into running packs);
+- the solvers' `PlanningInput`, in integer time units and GPUs (`GpuSpec`, `RunningPack` with `RunningMember`s),
+  which the CP-SAT model (cpsat.py), the greedy planner (greedy.py), the estimates (estimate.py) and the
+  simulator (scheduler/sim/) share, and the `PlanResult` they return.
+A pending trial is one type in both (`PendingTrial`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from scheduler.planning.cost import PRIOR_COST, ModelCost
+
+# A GPU whose worker did not report its memory: plan as for an 80 GB H100 (the profile's fit then decides).
+DEFAULT_GPU_BYTES = 80 * 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class PendingTrial:
+    """A trial waiting for a slot: what every planner weighs, and what a running pack must fit to take it."""
+
+    trial_id: str
+    task_id: str
+    tenant_id: str
+    tenant_weight: int = 1  # ≥ 1: weight of this trial's completion time in the objective
+    base_model: str
+    # The task's own cap on how many trials share one pack (`scheduling.max_trials_per_pack`).
+    max_trials_per_pack: int
+    remaining_steps: int
+    tokens_per_step: int  # padded tokens this trial adds to its pack's step (batch × max_seq_len: an upper bound)
+    gpus_needed: int = 1  # the model needs this many GPUs together (ALTO: 70B → 4, 32B → 2, 8B → 1)
+    slot_bytes: int = 0  # adapter + optimizer bytes of this slot (16 · adapter_params); 0: inside the fitted k0
+    # What a running pack must fit to take this trial as a back-fill.
+    lora_rank: int = 8
+    target_modules: tuple[str, ...] = ("all-linear",)
+    # It has trained before (paused at its warm-up boundary and kept, or requeued): it rejoins a running pack
+    # of its own task that has room before anything else is planned (placement.py, `rejoin`).
+    resumed: bool = False
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    gpu_id: str
+    memory_bytes: int
+    busy_until: int = 0  # time units from now; 0 = free now
+    # The base models its worker can load; None: every one. A pack goes only on GPUs that all load its model.
+    models: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class RunningMember:
+    """One trial training in a running pack: what the planner needs to model the pack member by member."""
+
+    trial_id: str
+    tenant_id: str
+    tenant_weight: int
+    remaining_steps: int
+    tokens_per_step: int
+
+
+@dataclass(frozen=True)
+class RunningPack:
+    """A pack already training: kept as is (never preempted); its free slots may be back-filled.
+
+    With `members` the planner models it exactly (see the module docstring): back-filled trials slow each
+    member only while they share the pack, and the members' weighted completions count in the objective, so a
+    back-fill must pay for the delay it causes (the daemon gives them). Without them the old conservative
+    model holds: the pack's whole step load stays until `ends_at`, members are not delayed.
+    """
+
+    pack_id: str
+    gpu_ids: tuple[str, ...]
+    base_model: str
+    ends_at: int  # predicted end of its current members, time units from now
+    trials: int
+    free_slots: int
+    tokens_per_step: int
+    slot_bytes: int
+    max_trials_per_pack: int
+    tenant_trials: tuple[tuple[str, int], ...] = ()  # running trials per tenant, for quotas
+    members: tuple[RunningMember, ...] = ()  # empty, or all `trials` members
+
+
+def loads(models: frozenset[str] | None, model: str) -> bool:
+    """Whether a worker that says it can load ``models`` (None: it does not say, taken as every one) loads
+    ``model``."""
+    return models is None or model in models
+
+
+@dataclass(frozen=True)
+class IdleWorker:
+    worker_id: str
+    max_slots: int
+    memory_bytes: int | None = None
+    # The registered models it can load (its heartbeat says); None: it does not say, taken as every one.
+    models: frozenset[str] | None = None
+
+    def can_load(self, model: str) -> bool:
+        return loads(self.models, model)
+
+
+@dataclass(frozen=True)
+class BusyWorker:
+    worker_id: str
+    max_slots: int
+    memory_bytes: int | None
+    busy_for_s: float  # predicted seconds until its pack ends
+    models: frozenset[str] | None = None  # as IdleWorker's
+
+    def can_load(self, model: str) -> bool:
+        return loads(self.models, model)
+
+
+@dataclass(frozen=True)
+class LivePack:
+    """A running pack with room: trials of its base model that fit its engine may join it."""
+
+    pack_id: str
+    worker_id: str
+    base_model: str
+    free_slots: int
+    members: int
+    max_rank: int
+    target_modules: tuple[str, ...]  # the layer patterns its engine wraps
+    tokens_per_step: int  # its members' pooled tokens
+    busy_for_s: float  # predicted seconds until its current members are done
+    member_list: tuple[RunningMember, ...] = ()  # each member as the planner weighs it
+    task_ids: frozenset[str] = frozenset()  # the tasks its members belong to
+
+    def fits(self, trial: PendingTrial) -> bool:
+        """The engine can take ``trial``: same model, rank within its padding, targets among its layers."""
+        wrapped, targets = set(self.target_modules), set(trial.target_modules)
+        # Compared as patterns (conservative): "all-linear" covers every layer but the output embedding.
+        covered = targets <= wrapped or ("all-linear" in wrapped and "lm_head" not in targets)
+        return trial.base_model == self.base_model and trial.lora_rank <= self.max_rank and covered
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    # In submission order (task created_at, then trial index): the greedy planner is FIFO.
+    pending: tuple[PendingTrial, ...]
+    idle_workers: tuple[IdleWorker, ...]
+    busy_workers: tuple[BusyWorker, ...] = ()
+    live_packs: tuple[LivePack, ...] = ()  # running packs with free slots
+
+
+@dataclass(frozen=True)
+class PlannedPack:
+    worker_id: str
+    base_model: str
+    trial_ids: tuple[str, ...]
+    # The engine's shape, for back-fills later (None: the pack takes none).
+    capacity: int | None = None
+    max_rank: int | None = None
+    target_modules: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Backfill:
+    """Pending trials to join a running pack's free slots now."""
+
+    pack_id: str
+    worker_id: str
+    trial_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    packs: tuple[PlannedPack, ...] = field(default_factory=tuple)
+    backfills: tuple[Backfill, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class PlanningInput:
+    trials: tuple[PendingTrial, ...]  # pending, oldest first
+    gpus: tuple[GpuSpec, ...]
+    costs: Mapping[str, ModelCost]  # by base model
+    running: tuple[RunningPack, ...] = ()
+    tenant_quota: Mapping[str, int] = field(default_factory=dict)  # max concurrent trials per tenant
+    unit_s: float = 1.0  # seconds per integer time unit
+    makespan_weight: int = 1
+    max_interval_vars: int = 20_000  # above this the model is not built: greedy fallback
+    # Σ over groups of n·n(n+1)/2, the terms of the completion constraints (n trials of one model in a group):
+    # measured, CP-SAT finds nothing within 1 s beyond a few tens of thousands, so skip straight to greedy.
+    max_pack_terms: int = 30_000
+
+
+@dataclass(frozen=True)
+class ScheduledPack:
+    pack_key: str  # "new-<leader trial id>" or the running pack's id for a back-fill
+    gpu_ids: tuple[str, ...]
+    base_model: str
+    trial_ids: tuple[str, ...]
+    start: int
+    end: int
+    backfill: bool = False
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    packs: tuple[ScheduledPack, ...]  # the full schedule, by (start, pack_key)
+    start_now: tuple[ScheduledPack, ...]  # the first wave: new packs starting at 0 and all back-fills
+    completion: Mapping[str, int]  # trial id -> completion time (units)
+    unschedulable: tuple[str, ...]  # pending trials no GPU set can hold (memory) or load (the model) now
+    makespan: int
+    objective: int
+    solve_s: float
+    status: str  # "optimal" | "feasible" | "greedy_fallback"
+    # Running members' completions (units) after this plan's back-fills: only for packs given with `members`.
+    running_completion: Mapping[str, int] = field(default_factory=dict)
+
+
+def planning_input(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, unit_s: float) -> PlanningInput:
+    """The snapshot in the solvers' terms: its workers as GPUs (free now, or busy until their pack's predicted
+    end, in whole units), its pending trials capped by the smallest worker's slots, its running packs member by
+    member, and a cost model for every pending trial's base model (`PRIOR_COST` where none is fitted)."""
+    workers: list[IdleWorker | BusyWorker] = [*snapshot.idle_workers, *snapshot.busy_workers]
+    # One cap per pack for the whole cluster: the smallest worker's slots (workers of one deployment share it).
+    max_slots = min((w.max_slots for w in workers), default=None)
+    gpus = tuple(
+        GpuSpec(gpu_id=w.worker_id, memory_bytes=w.memory_bytes or DEFAULT_GPU_BYTES, models=w.models)
+        for w in snapshot.idle_workers
+    ) + tuple(
+        GpuSpec(gpu_id=w.worker_id, memory_bytes=w.memory_bytes or DEFAULT_GPU_BYTES,
+                busy_until=max(1, math.ceil(w.busy_for_s / unit_s)), models=w.models)
+        for w in snapshot.busy_workers
+    )  # fmt: skip
+    trials = tuple(
+        replace(t, remaining_steps=max(1, t.remaining_steps),
+                max_trials_per_pack=max(1, min(t.max_trials_per_pack, max_slots or t.max_trials_per_pack)))
+        for t in snapshot.pending
+    )
+    running = tuple(
+        RunningPack(
+            pack_id=p.pack_id, gpu_ids=(p.worker_id,), base_model=p.base_model,
+            ends_at=max(1, math.ceil(p.busy_for_s / unit_s)), trials=p.members, free_slots=p.free_slots,
+            tokens_per_step=p.tokens_per_step, slot_bytes=0, max_trials_per_pack=p.members + p.free_slots,
+            # Member by member: a back-fill then pays in the objective for the members it slows.
+            members=p.member_list,
+        )
+        for p in snapshot.live_packs
+    )  # fmt: skip
+    models = {t.base_model for t in trials}
+    return PlanningInput(trials=trials, gpus=gpus, costs={m: costs.get(m, PRIOR_COST) for m in models},
+                         running=running, unit_s=unit_s)
