@@ -1,17 +1,20 @@
 """What the sync and the async client share: headers, response checks, the SSE decoder, uploads and
-adapter archives. No I/O on the network here."""
+adapter archives, and the few sync/async pairs `_unasync.py` swaps. No I/O on the network here."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
+import anyio
 import httpx
 
 from loraplane.client.errors import APIConnectionError, APIError, ConfigurationError
@@ -159,3 +162,27 @@ def extract_archive(archive: IO[bytes], directory: Path) -> Path:
                     raise ValueError(f"refusing archive member {member.name!r}")
             tar.extractall(directory)  # noqa: S202 - every member checked above
     return directory
+
+
+# What the two clients do differently, as pairs: `_async.py` calls the `a...` one, and `_unasync.py` writes the
+# other into `_sync.py` (`_core.asleep` becomes `time.sleep`).
+
+
+async def asleep(seconds: float) -> None:
+    await anyio.sleep(seconds)
+
+
+def notify(callback: Callable[[Event], object], event: Event) -> None:
+    """Gives `on_event` the event."""
+    callback(event)
+
+
+async def anotify(callback: Callable[[Event], object], event: Event) -> None:
+    """Gives `on_event` the event, awaiting what it returns when that is awaitable (a coroutine function)."""
+    if inspect.isawaitable(result := callback(event)):
+        await result
+
+
+async def aextract_archive(archive: IO[bytes], directory: Path) -> Path:
+    """`extract_archive` in a worker thread, off the event loop."""
+    return await anyio.to_thread.run_sync(extract_archive, archive, directory)
