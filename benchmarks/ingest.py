@@ -44,7 +44,7 @@ def setup() -> str:
         s.add(file)
         s.flush()
         task = Task(id=new_id("task"), tenant_id=tenant.id, base_model="tiny-random-llama",
-                    training_file_id=file.id, state=states.TASK_RUNNING, spec={})
+                    training_file_id=file.id, state=states.TASK_RUNNING, spec={"eval_interval": 10})
         s.add(task)
         s.flush()
         pack = Pack(id=new_id("pack"), worker_id="bench", base_model="tiny-random-llama",

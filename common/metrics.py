@@ -102,12 +102,6 @@ def pattern_error(pattern: str) -> str | None:
     return None
 
 
-def metric_of(spec: dict[str, Any]) -> str:
-    """The metric a task's stored spec judges its trials by ("loss" for a task stored before `evaluation`)."""
-    evaluation = spec.get("evaluation") or {}
-    return str(evaluation.get("metric") or DEFAULT_METRIC)
-
-
 RankKey = tuple[Any, ...]
 
 

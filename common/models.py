@@ -24,6 +24,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
+from common.task_spec import TaskSpec
 
 # SQLite only autoincrements an INTEGER PRIMARY KEY; Postgres gets a bigint identity.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -119,7 +120,7 @@ class Task(Base):
     training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"), default=None)
     state: Mapped[str] = mapped_column(String(20), index=True)
-    # The whole validated request, so a task can always be shown exactly as submitted.
+    # The whole validated request, so a task can always be shown exactly as submitted; read it as `parsed_spec`.
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
     best_trial_id: Mapped[str | None] = mapped_column(String(40), default=None)
@@ -131,6 +132,13 @@ class Task(Base):
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
     __table_args__ = (UniqueConstraint("tenant_id", "idempotency_key", name="uq_tasks_idempotency"),)
+
+    @property
+    def parsed_spec(self) -> TaskSpec:
+        """The stored spec, typed, with the defaults of fields an older row lacks (common/task_spec.py); the model
+        and files are the row's own columns."""
+        return TaskSpec.from_stored({**self.spec, "base_model": self.base_model, "training_file": self.training_file_id,
+                                     "validation_file": self.validation_file_id})
 
 
 class Trial(Base):

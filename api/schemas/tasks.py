@@ -36,6 +36,7 @@ from common.metrics import (
 )
 from common.search_space import AUTO, DEFAULT_LR_SCHEDULE
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
+from common.task_spec import DEFAULT_MAX_SEQ_LEN, DEFAULT_SEED
 
 # The target names of every supported architecture, in canonical order; which of them a model has is checked
 # against the model at submission (api.services.tasks.check_target_modules).
@@ -330,14 +331,14 @@ class TaskCreate(RequestModel):
     max_trials: Annotated[StrictInt, Field(ge=1, le=10_000)] | None = None
     epochs: Annotated[StrictInt, Field(ge=1, le=100)] | None = Field(default=None, description="Default 1.")
     max_steps: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
-    max_seq_len: Annotated[StrictInt, Field(ge=16, le=8192)] = 512
+    max_seq_len: Annotated[StrictInt, Field(ge=16, le=8192)] = DEFAULT_MAX_SEQ_LEN
     eval_interval: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = Field(
         default=None, description="Steps between validations; default a tenth of the longest trial."
     )
     early_exit: EarlyExit = Field(
         default_factory=NoEarlyExit,
         description='{"policy": "none" | "alto" | "asha", ...overrides of that policy\'s parameters}; default none.')
-    seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
+    seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = DEFAULT_SEED
     training: Training = Field(default_factory=Training)
     scheduling: Scheduling = Field(default_factory=Scheduling)
     evaluation: Evaluation = Field(

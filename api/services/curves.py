@@ -65,7 +65,7 @@ def curve_lines(task: Task, trials: Sequence[Trial], after_step: int | None = No
     """One JSON line per trial; each trial's points are read in their own short session as the response
     streams, so a large task is never held in memory whole, nor a connection held between trials.
     `after_step`: only points past that step (a live view fetches what is new, not the whole curve again)."""
-    task_id, max_seq_len = task.id, int(task.spec["max_seq_len"])
+    task_id, max_seq_len = task.id, task.parsed_spec.max_seq_len
     heads = [TrialHead.of(t) for t in trials]
 
     def lines() -> Iterator[bytes]:

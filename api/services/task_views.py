@@ -11,7 +11,7 @@ objects cost more than the queries themselves.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -20,9 +20,10 @@ from sqlalchemy.orm import Session
 
 from api.deps import VALID_KEY
 from api.schemas.tasks import BestTrial, TaskEstimate, TaskOut, TrialCounts
-from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, RankKey, metric_of, rank_key
+from common.metrics import RankKey, rank_key
 from common.models import ApiKey, Task, Trial, as_utc, utcnow
 from common.states import TASK_RUNNING, TRIAL_FINAL, TRIAL_PENDING, TRIAL_STATES
+from common.task_spec import LOSS, TaskSpec
 
 
 class TaskFields(Protocol):
@@ -100,10 +101,6 @@ _BEST_TRIALS = (
 )
 
 
-# The evaluation of a task stored before tasks chose one.
-LOSS_EVALUATION = {"metric": DEFAULT_METRIC, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "pattern": None}
-
-
 @dataclass
 class TrialSummary:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRIAL_STATES, 0))
@@ -139,7 +136,7 @@ def best_trials(
     best: dict[str, BestTrial] = {}
     if not best_ids and not open_ids:
         return best
-    metrics = {t.id: metric_of(t.spec) for t in tasks}
+    metrics = {t.id: TaskSpec.from_stored(t.spec).metric for t in tasks}
     keys: dict[str, RankKey] = {}
     for task_id, trial_id, hyperparameters, best_val_loss, best_step, metric_score, last_train_loss, index in (
         conn.execute(_BEST_TRIALS, {"best_ids": best_ids, "open_ids": open_ids})
@@ -164,7 +161,7 @@ def seconds_left(task: TaskFields, progress: float, now: datetime) -> float | No
 
 
 def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, now: datetime) -> TaskOut:
-    spec = task.spec
+    spec = TaskSpec.from_stored(task.spec)
     counts = TrialCounts(**{k: v for k, v in summary.counts.items() if k in TrialCounts.model_fields})
     return TaskOut(
         id=task.id,
@@ -172,19 +169,19 @@ def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, n
         base_model=task.base_model,
         training_file=task.training_file_id,
         validation_file=task.validation_file_id,
-        validation_split=spec.get("validation_split"),
-        strategy=spec["strategy"],
-        search_space=spec["search_space"],
-        max_trials=spec.get("max_trials"),
-        epochs=spec.get("epochs"),
-        max_steps=spec.get("max_steps"),
-        max_seq_len=spec["max_seq_len"],
-        eval_interval=spec["eval_interval"],
-        early_exit=spec["early_exit"],
-        seed=spec["seed"],
-        training=spec.get("training", {}),
-        scheduling=spec["scheduling"],
-        evaluation=spec.get("evaluation") or LOSS_EVALUATION,
+        validation_split=spec.validation_split,
+        strategy=spec.strategy,
+        search_space=spec.search_space,
+        max_trials=spec.max_trials,
+        epochs=spec.epochs,
+        max_steps=spec.max_steps,
+        max_seq_len=spec.max_seq_len,
+        eval_interval=spec.eval_interval,
+        early_exit=dict(spec.early_exit),
+        seed=spec.seed,
+        training=dict(spec.training),
+        scheduling=asdict(spec.scheduling),
+        evaluation=(spec.evaluation or LOSS).as_dict(),
         trial_counts=counts,
         progress=round(summary.progress, 6),
         best_trial=best,

@@ -29,6 +29,7 @@ from common.events import record_event
 from common.models import BaseModelEntry, File, Task, Tenant, Trial, new_id, utcnow
 from common.registry import may_use
 from common.states import TASK_CANCELLED, TASK_FINAL, TASK_QUEUED, TRIAL_ACTIVE, TRIAL_CANCELLED, TRIAL_PENDING
+from common.task_spec import Evaluation, Scheduling, TaskSpec
 
 DEFAULT_VALIDATION_SPLIT = 0.1
 DEFAULT_EPOCHS = 1
@@ -205,25 +206,25 @@ def _by_idempotency_key(session: Session, tenant: Tenant, key: str | None) -> Ta
 
 def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], steps: list[int]) -> dict[str, Any]:
     """The normalised request, stored with the task: every default filled in, eval_interval resolved."""
-    return {
-        "base_model": body.base_model,
-        "training_file": body.training_file,
-        "validation_file": body.validation_file,
-        "validation_split": budget.validation_split,
-        "strategy": body.strategy,
-        "search_space": normalised_space(space),
-        "max_trials": body.max_trials,
-        "epochs": budget.epochs,
-        "max_steps": budget.max_steps,
-        "max_seq_len": body.max_seq_len,
-        "eval_interval": body.eval_interval or max(1, max(steps) // 10),
-        # every parameter of the policy: scheduler.early_exit.policy.from_spec
-        "early_exit": body.early_exit.model_dump(),
-        "seed": body.seed,
-        "training": body.training.model_dump(),
-        "scheduling": body.scheduling.model_dump(),
-        "evaluation": body.evaluation.model_dump(),  # every field, defaults too: the worker reads it as stored
-    }
+    return TaskSpec(
+        base_model=body.base_model,
+        training_file=body.training_file,
+        validation_file=body.validation_file,
+        validation_split=budget.validation_split,
+        strategy=body.strategy,
+        search_space=normalised_space(space),
+        max_trials=body.max_trials,
+        epochs=budget.epochs,
+        max_steps=budget.max_steps,
+        max_seq_len=body.max_seq_len,
+        eval_interval=body.eval_interval or max(1, max(steps) // 10),
+        # every parameter of the policy: scheduler.early_exit.config.from_spec
+        early_exit=body.early_exit.model_dump(),
+        seed=body.seed,
+        training=body.training.model_dump(),
+        scheduling=Scheduling(**body.scheduling.model_dump()),
+        evaluation=Evaluation(**body.evaluation.model_dump()),
+    ).to_stored()
 
 
 def _insert(session: Session, task: Task, configs: list[dict[str, Any]], steps: list[int], seed: int) -> None:

@@ -79,7 +79,7 @@ def progress_of(pack: Pack) -> Progress | None:
 
 
 def trial_tokens_per_step(trial: Trial, task: Task) -> int:
-    return tokens_per_step(trial.hyperparameters, int(task.spec.get("max_seq_len", 512)))
+    return tokens_per_step(trial.hyperparameters, task.parsed_spec.max_seq_len)
 
 
 def alive_workers(session: Session, now: datetime, timeout_s: float) -> list[Worker]:

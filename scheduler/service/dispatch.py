@@ -24,23 +24,24 @@ from scheduler.planning.cost import tokens_per_step
 
 def trial_payload(trial: Trial, task: Task) -> dict[str, Any]:
     """What a worker needs to train one trial (in a pack message, or in an `admit_trials` command)."""
-    spec = task.spec
+    spec = task.parsed_spec
     return {
         "trial_id": trial.id,
         "task_id": task.id,
         "hyperparameters": trial.hyperparameters,
         "total_steps": trial.total_steps,
-        "max_seq_len": spec["max_seq_len"],
-        "eval_interval": spec["eval_interval"],
+        "max_seq_len": spec.max_seq_len,
+        "eval_interval": spec.eval_interval,
         "training_file_key": file_key(task.training_file_id),
         "validation_file_key": file_key(task.validation_file_id) if task.validation_file_id else None,
-        "validation_split": spec.get("validation_split"),
+        "validation_split": spec.validation_split,
         # The split depends on the task only, so every trial validates on the same rows.
-        "split_seed": spec.get("seed", 0),
-        "training": spec.get("training", {}),
+        "split_seed": spec.seed,
+        "training": dict(spec.training),
         # How the trial is judged (common/metrics.py): a generative metric has the worker decode the validation rows
-        # with the trial's best adapter when it ends and report the score as a "metric" point. None: loss.
-        "evaluation": spec.get("evaluation"),
+        # with the trial's best adapter when it ends and report the score as a "metric" point. None: loss (a task
+        # stored before `evaluation` existed).
+        "evaluation": spec.evaluation.as_dict() if spec.evaluation else None,
         # A requeued trial resumes from its newest checkpoint instead of step 0.
         "resume_key": trial.checkpoint_key,
         "resume_step": trial.checkpoint_step,
@@ -55,7 +56,7 @@ def eval_steps(task: Task, trial: Trial) -> list[int]:
     trial at its warm-up rungs, ASHA at its token rungs, so the trial validates exactly there (not at the next
     regular validation, which may be far past it)."""
     try:
-        config = from_spec(task.spec.get("early_exit") or {"policy": "none"})
+        config = from_spec(task.parsed_spec.early_exit)
     except EarlyExitSpecError:
         return []
     if config.policy == "alto":
@@ -64,7 +65,7 @@ def eval_steps(task: Task, trial: Trial) -> list[int]:
         session = object_session(trial)
         assert session is not None
         # Tokens per step as the policy counts them (scheduler/service/exits.py): batch size x max_seq_len.
-        max_seq_len = int(task.spec["max_seq_len"])
+        max_seq_len = task.parsed_spec.max_seq_len
         budget = max(steps * tokens_per_step(hp, max_seq_len) for steps, hp in session.execute(
             select(Trial.total_steps, Trial.hyperparameters).where(Trial.task_id == task.id)))
         return list(asha_rung_steps(config, budget, tokens_per_step(trial.hyperparameters, max_seq_len),

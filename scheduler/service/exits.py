@@ -64,7 +64,7 @@ def apply_early_exit(session: Session, task_ids: Iterable[str], now: datetime) -
         if task is None or task.state not in (states.TASK_QUEUED, states.TASK_RUNNING):
             continue
         try:
-            config = from_spec(task.spec.get("early_exit") or {"policy": "none"})
+            config = from_spec(task.parsed_spec.early_exit)
         except EarlyExitSpecError as exc:  # a task stored before the policy's parameters changed
             log.warning("task %s: unusable early-exit spec (%s); no early exit", task.id, exc)
             continue
@@ -84,7 +84,7 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
         .where(MetricPoint.trial_id.in_(points), MetricPoint.split.in_(("train", "val")))  # not "metric" scores
     ):
         points[trial_id][split].append((step, loss))
-    max_seq_len = int(task.spec.get("max_seq_len", 512))
+    max_seq_len = task.parsed_spec.max_seq_len
     curves = []
     for t in trials:
         batch = int(t.hyperparameters.get("batch_size", 1))

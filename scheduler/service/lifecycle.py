@@ -15,9 +15,8 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, metric_of, rank_key
+from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, rank_key
 from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
-from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from common.usage import task_usage
 from scheduler.planning.cost import ModelCost
 from scheduler.planning.types import (
@@ -150,7 +149,7 @@ def finalize_tasks(session: Session, now: datetime) -> None:
             record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.failed",
                          level="error", message=task.error)
             continue
-        metric = metric_of(task.spec)
+        metric = task.parsed_spec.metric
         best = best_trial(metric, done)
         task.state = states.TASK_SUCCEEDED
         task.best_trial_id = best.id
@@ -210,8 +209,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
             task_id=task.id,
             tenant_id=task.tenant_id,
             base_model=task.base_model,
-            max_trials_per_pack=int(task.spec.get("scheduling", {}).get("max_trials_per_pack",
-                                                                         DEFAULT_MAX_TRIALS_PER_PACK)),
+            max_trials_per_pack=task.parsed_spec.scheduling.max_trials_per_pack,
             remaining_steps=max(1, trial.total_steps - (trial.checkpoint_step or 0)),
             tokens_per_step=trial_tokens_per_step(trial, task),
             # The objective's weights are integers: a tenant's weight rounds to the nearest, at least 1.

@@ -107,6 +107,23 @@ def test_a_task_stored_before_evaluation_shows_the_loss_metric(client: TestClien
     assert shown["evaluation"] == {"metric": "loss", "max_new_tokens": 32, "pattern": None}
 
 
+def test_the_stored_spec_is_exactly_what_task_spec_reads_and_writes(client: TestClient, tenant: TenantKey) -> None:
+    """Every field the API stores is a field of `common.task_spec.TaskSpec`: parsing the row and writing it back
+    gives the row, so nothing the submission stored is dropped or renamed on the way to the scheduler."""
+    from common.db import session_scope
+
+    task = make_task(client, tenant, evaluation={"metric": "regex", "pattern": "a+"}, max_seq_len=256, seed=7,
+                     scheduling={"max_trials_per_pack": 3},
+                     early_exit={"policy": "asha", "reduction_factor": 3, "num_rungs": 2})
+    with session_scope() as session:
+        row = session.get(Task, task["id"])
+        assert row is not None
+        assert row.parsed_spec.to_stored() == row.spec
+        spec = row.parsed_spec
+    assert (spec.max_seq_len, spec.seed, spec.scheduling.max_trials_per_pack, spec.metric) == (256, 7, 3, "regex")
+    assert spec.early_exit == {"policy": "asha", "reduction_factor": 3, "num_rungs": 2}
+
+
 def test_total_steps_follow_each_trials_batch_size(client: TestClient, tenant: TenantKey) -> None:
     file = upload(client, tenant, chat_rows(41))
     task = make_task(client, tenant, file["id"], search_space={"batch_size": [1, 4, 16]}, epochs=3,

@@ -13,7 +13,6 @@ from common.metrics import (
     GENERATIVE_METRICS,
     MAX_NEW_TOKENS_LIMIT,
     METRICS,
-    metric_of,
     normalize_answer,
     pattern_error,
     rank_key,
@@ -103,12 +102,6 @@ def test_a_pattern_that_compiles_has_no_error(pattern: str) -> None:
 def test_a_pattern_that_does_not_compile_says_why(pattern: str, says: str) -> None:
     why = pattern_error(pattern)
     assert why is not None and says in why
-
-
-def test_metric_of_a_stored_spec() -> None:
-    assert metric_of({}) == "loss"  # a task stored before evaluation existed
-    assert metric_of({"evaluation": None}) == "loss"
-    assert metric_of({"evaluation": {"metric": "contains", "max_new_tokens": 8, "pattern": None}}) == "contains"
 
 
 def _best(metric: str, trials: list[dict[str, Any]]) -> int:
