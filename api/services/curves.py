@@ -28,6 +28,7 @@ from sqlalchemy import select
 from api.db import session_factory
 from common.metrics import METRIC_SPLIT
 from common.models import MetricPoint, Task, Trial
+from scheduler.planning.cost import batch_size, tokens_per_step
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,13 @@ def curve_row(
     task_id: str, max_seq_len: int, trial: TrialHead, points: Sequence[tuple[str, int, float]]
 ) -> dict[str, Any]:
     """The row of one trial from its (split, step, loss) points in step order."""
-    batch = int(trial.hyperparameters.get("batch_size", 1))
-    tokens_per_step = batch * max_seq_len
+    batch, tokens = batch_size(trial.hyperparameters), tokens_per_step(trial.hyperparameters, max_seq_len)
     curves: dict[str, list[list[Any]]] = {"train": [], "val": [], METRIC_SPLIT: []}
     for split, step, loss in points:
         if split in curves:
-            curves[split].append([step, step * batch, step * tokens_per_step, loss if math.isfinite(loss) else None])
+            curves[split].append([step, step * batch, step * tokens, loss if math.isfinite(loss) else None])
     return {"trial_id": trial.id, "task_id": task_id, "index": trial.index, "state": trial.state,
-            "hyperparameters": trial.hyperparameters, "samples_per_step": batch, "tokens_per_step": tokens_per_step,
+            "hyperparameters": trial.hyperparameters, "samples_per_step": batch, "tokens_per_step": tokens,
             "total_steps": trial.total_steps, "train": curves["train"], "val": curves["val"],
             "metric": curves[METRIC_SPLIT]}
 

@@ -18,10 +18,16 @@ import numpy as np
 DEFAULT_BATCH_SIZE = 1
 
 
+def batch_size(hyperparameters: Mapping[str, Any]) -> int:
+    """A trial's rows per step."""
+    return int(hyperparameters.get("batch_size", DEFAULT_BATCH_SIZE))
+
+
 def tokens_per_step(hyperparameters: Mapping[str, Any], max_seq_len: int) -> int:
-    """The tokens a trial adds to its pack's step, as the planner, the early-exit policies and the estimates count
-    them: batch size x max_seq_len. Rows are at most max_seq_len long, so this is an upper bound (padding included)."""
-    return int(hyperparameters.get("batch_size", DEFAULT_BATCH_SIZE)) * max_seq_len
+    """The tokens a trial adds to its pack's step, as the planner, the early-exit policies, the curves and the
+    estimates count them: batch size x max_seq_len. Rows are at most max_seq_len long, so this is an upper bound
+    (padding included)."""
+    return batch_size(hyperparameters) * max_seq_len
 
 
 # fp32 weight + fp32 grad + two fp32 AdamW moments per trainable adapter parameter (PLoRA Eq. 21, c_grad = 3).

@@ -33,7 +33,7 @@ from common.events import record_event
 from common.models import MetricPoint, Pack, Task, Trial
 from scheduler.early_exit.config import EarlyExitConfig, EarlyExitSpecError, from_spec
 from scheduler.early_exit.policy import curves_from_losses, decide, rung_steps
-from scheduler.planning.cost import tokens_per_step
+from scheduler.planning.cost import batch_size, tokens_per_step
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,7 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
     max_seq_len = task.parsed_spec.max_seq_len
     curves = []
     for t in trials:
-        batch = int(t.hyperparameters.get("batch_size", 1))
-        curves.append(curves_from_losses(t.id, t.state, t.total_steps, batch,
+        curves.append(curves_from_losses(t.id, t.state, t.total_steps, batch_size(t.hyperparameters),
                                          tokens_per_step(t.hyperparameters, max_seq_len),
                                          points[t.id]["train"], points[t.id]["val"]))
     by_id = {t.id: t for t in trials}
