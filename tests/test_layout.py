@@ -1,0 +1,86 @@
+"""The code's layout rules (docs/ARCHITECTURE.md), read statically from the source: which package may import which,
+and no function longer than a screen and a half."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("api", "common", "scheduler", "worker", "kernels", "loraplane", "benchmarks")
+MAX_FUNCTION_LINES = 80
+# Outside the rule: GPU kernels (one Triton kernel is one function) and Alembic revisions (one migration each).
+LONG_FUNCTIONS_ALLOWED = ("kernels", "migrations")
+
+
+def python_files(*roots: str) -> Iterator[Path]:
+    for root in roots:
+        yield from sorted((ROOT / root).rglob("*.py"))
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth (function-level imports too), as absolute names."""
+    modules: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return modules
+
+
+def offenders(roots: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(f"{path.relative_to(ROOT)} imports {module}"
+                  for path in python_files(*roots) for module in imported_modules(path)
+                  if any(module == f or module.startswith(f + ".") for f in forbidden))
+
+
+@pytest.mark.parametrize(("roots", "forbidden"), [
+    # Nothing imports the API (the CLI starts it by name).
+    (("common", "scheduler", "worker", "kernels", "loraplane", "benchmarks"), ("api",)),
+    # The kernels import nothing of ours.
+    (("kernels",), ("api", "common", "scheduler", "worker", "loraplane")),
+    # The planners and the early-exit policies are pure: no database, no bus, no service.
+    (("scheduler/planning", "scheduler/early_exit"),
+     ("sqlalchemy", "common.db", "common.models", "common.bus", "celery", "scheduler.service", "scheduler.sim")),
+    # The early-exit policies know nothing of planning; the offline tools nothing of the daemon.
+    (("scheduler/early_exit",), ("scheduler.planning",)),
+    (("scheduler/sim",), ("scheduler.service", "sqlalchemy", "common.db", "common.models")),
+    # The scheduler trains nothing.
+    (("scheduler",), ("worker", "kernels", "torch")),
+    # The common package is shared by all, so it imports none of them.
+    (("common",), ("scheduler", "worker", "kernels", "loraplane")),
+])
+def test_imports_point_one_way(roots: tuple[str, ...], forbidden: tuple[str, ...]) -> None:
+    assert offenders(roots, forbidden) == []
+
+
+def test_the_layout_check_sees_an_import_it_forbids(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n    from api.main import app\n    import scheduler.service.daemon as d\n")
+    assert {"api.main", "api.main.app", "scheduler.service.daemon"} <= imported_modules(source)
+
+
+def long_functions(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    roots = tuple(p for p in (*PACKAGES, "tests") if p not in LONG_FUNCTIONS_ALLOWED)
+    assert [f for path in python_files(*roots) for f in long_functions(path)] == []
+
+
+def test_the_length_check_counts_a_long_function(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("class C:\n    async def f(self):\n" + "        x = 1\n" * MAX_FUNCTION_LINES)
+    assert len(long_functions(source)) == 1  # 81 lines
+    source.write_text("def f():\n" + "    x = 1\n" * (MAX_FUNCTION_LINES - 1))
+    assert long_functions(source) == []  # 80 lines
