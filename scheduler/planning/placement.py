@@ -78,7 +78,10 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, solver: Solver 
     if not snapshot.pending or not (snapshot.idle_workers or live):
         return Placement(Plan(backfills=rejoins), None)
     inp = planning_input(replace(snapshot, live_packs=tuple(live)), costs, unit_s=UNIT_S)
-    solved = plan_cpsat(inp, time_limit_s=time_limit_s) if solver == "cpsat" else plan_greedy(inp)
+    if solver == "cpsat":
+        solved = plan_cpsat(inp, time_limit_s=time_limit_s)
+    else:  # the first-fit plan by choice, not as CP-SAT's fallback
+        solved = replace(plan_greedy(inp), status="greedy")
     # The solver may hold a free worker back for a later pack (its cost model sees no gain in starting now);
     # in a live run on the H100 a worker stood idle for minutes with trials pending: none idles while a pack waits.
     # On the priors alone, no trial waits for a later pack while a pack of its model starting now has room.

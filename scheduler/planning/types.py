@@ -212,7 +212,7 @@ class PlanResult:
     makespan: int
     objective: int
     solve_s: float
-    status: str  # "optimal" | "feasible" | "greedy_fallback"
+    status: str  # "optimal" | "feasible" | "greedy_fallback" (CP-SAT found none) | "greedy" (LORAPLANE_PLANNER=greedy)
     # Running members' completions (units) after this plan's back-fills: only for packs given with `members`.
     running_completion: Mapping[str, int] = field(default_factory=dict)
 

@@ -120,6 +120,21 @@ def test_trials_are_packed_dispatched_ingested_and_the_best_wins(daemon: Schedul
 
 
 
+def test_the_greedy_planner_setting_places_through_the_same_placement(daemon: SchedulerDaemon) -> None:
+    """`LORAPLANE_PLANNER=greedy`: the daemon runs its placement with the first-fit planner instead of CP-SAT (the
+    same rules before and after), so the pack is shaped for back-fills exactly as a CP-SAT pack is."""
+    daemon.settings = daemon.settings.model_copy(update={"planner": "greedy"})
+    _, trial_ids = make_task(3)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    assert pack.state == states.PACK_DISPATCHED and sorted(pack.trial_ids) == sorted(trial_ids)
+    assert pack.capacity == 8 and pack.max_rank == 4 and pack.target_modules == ["q_proj"]
+    with session_scope() as s:
+        planned = s.scalars(select(Event).where(Event.type == "task.planned")).one()
+        assert planned.data["trials_placed"] == 3 and planned.data["status"] == "greedy"
+
+
 @pytest.mark.parametrize("policy", ["none", "alto"])
 def test_the_first_plan_of_an_18_trial_small_model_task_is_one_pack(daemon: SchedulerDaemon, policy: str) -> None:
     """Issue 15, through the daemon: an idle H100 worker with its default slot cap, an 18-trial SmolLM2-135M task
