@@ -92,116 +92,173 @@ class _Model:
     def __init__(self, prep: Prepared, groups: dict[tuple[str, int], list[PendingTrial]], greedy: PlanResult) -> None:
         self.prep, self.m = prep, cp_model.CpModel()
         m, inp = self.m, prep.inp
-        fixed = prep.fixed_busy()
+        self.fixed = prep.fixed_busy()
         # Any optimal plan's makespan and completions are ≤ its objective ≤ the greedy plan's objective.
-        h = max(greedy.objective, *fixed.values(), 1) + 1
+        self.h = h = max(greedy.objective, *self.fixed.values(), 1) + 1
         self.comp = {t.trial_id: m.new_int_var(1, h, f"C_{t.trial_id}") for t in prep.trials}
         self.st = {t.trial_id: m.new_int_var(0, h, f"st_{t.trial_id}") for t in prep.trials}
-        on_gpu: dict[str, list[cp_model.IntervalVar]] = {g.gpu_id: [] for g in inp.gpus}
-        placed: dict[str, list[cp_model.IntVar]] = {t.trial_id: [] for t in prep.trials}
-        by_tenant: dict[str, list[tuple[cp_model.IntervalVar, int]]] = {}
-        ends: list[cp_model.IntVar] = []
+        # Gathered while the packs are modelled, constrained at the end:
+        self.on_gpu: dict[str, list[cp_model.IntervalVar]] = {g.gpu_id: [] for g in inp.gpus}  # NoOverlap per GPU
+        self.placed: dict[str, list[cp_model.IntVar]] = {t.trial_id: [] for t in prep.trials}  # exactly one each
+        self.by_tenant: dict[str, list[tuple[cp_model.IntervalVar, int]]] = {}  # (interval, trials): quotas
+        self.ends: list[cp_model.IntVar] = []  # running packs' ends, in the makespan
+        self.weighted: list[tuple[int, cp_model.IntVar]] = []  # running members' completions, in the objective
         # New packs, one candidate per (group, leader).
         self.span: dict[str, tuple[cp_model.IntVar, cp_model.IntVar]] = {}
         self.packs: list[tuple[PendingTrial, list[tuple[PendingTrial, cp_model.IntVar]], cp_model.IntVar,
                                dict[str, cp_model.IntVar]]] = []
         for (model, k), ts in groups.items():
-            base_mem, base_step = prep.mem_base(model), prep.step_base(model)
-            for j, lead in enumerate(ts):
-                members = [(t, m.new_bool_var(f"x_{t.trial_id}_{lead.trial_id}")) for t in ts[j:]]
-                used = members[0][1]
-                s, d, e = (m.new_int_var(0, h, f"{n}_{lead.trial_id}") for n in "SDE")
-                m.add(e == s + d)
-                # Only GPUs that hold its leader and whose worker can load the model (its heartbeat says).
-                gpus = [g for g in inp.gpus
-                        if g.memory_bytes >= base_mem + prep.mem_item(lead) and prep.loads(g.gpu_id, model)]
-                y = {g.gpu_id: m.new_bool_var(f"y_{lead.trial_id}_{g.gpu_id}") for g in gpus}
-                m.add(sum(y.values()) == k * used)
-                for g in gpus:
-                    on_gpu[g.gpu_id].append(m.new_optional_interval_var(s, d, e, y[g.gpu_id], "p"))
-                    m.add(base_mem + sum(prep.mem_item(t) * x for t, x in members) <= g.memory_bytes
-                          ).only_enforce_if(y[g.gpu_id])
-                for t, x in members:
-                    m.add_implication(x, used)
-                    placed[t.trial_id].append(x)
-                    c, n = self.comp[t.trial_id], t.remaining_steps
-                    m.add(sum(x2 for _, x2 in members) <= t.max_trials_per_pack).only_enforce_if(x)
-                    # Its first n steps: the shared base each step, each member's item while both are in.
-                    work = n * base_step + sum(prep.step_item(u) * min(u.remaining_steps, n) * xu for u, xu in members)
-                    m.add(SCALE * c >= SCALE * s + work).only_enforce_if(x)
-                    m.add(c >= s + 1).only_enforce_if(x)
-                    m.add(e >= c).only_enforce_if(x)
-                    m.add(self.st[t.trial_id] == s).only_enforce_if(x)
-                self.packs.append((lead, members, s, y))
-                self.span[lead.trial_id] = (d, e)
+            for j in range(len(ts)):
+                self._new_pack(model, k, ts[j:])
         # Running packs: kept where they are, back-filled with pending trials that fit.
         self.fills: list[tuple[RunningPack, list[tuple[PendingTrial, cp_model.IntVar]]]] = []
         self.members: dict[str, cp_model.IntVar] = {}  # running members' completions (exactly modelled packs)
-        weighted: list[tuple[int, cp_model.IntVar]] = []
         for r in inp.running:
-            e_r = m.new_int_var(prep.running_end(r), h, f"E_{r.pack_id}")
-            ends.append(e_r)
-            for gid in r.gpu_ids:
-                # The GPU is taken until the pack ends or its own busy_until, whichever is later.
-                occ = m.new_int_var(0, h, f"occ_{gid}")
-                m.add_max_equality(occ, [e_r, fixed[gid]])
-                on_gpu[gid].append(m.new_interval_var(0, occ, occ, f"held_{gid}"))
-            z = [(t, m.new_bool_var(f"z_{t.trial_id}_{r.pack_id}")) for t in prep.trials if prep.compatible(t, r)]
-            own = prep.running_members(r)  # a legacy pack: one member that never leaves
-            base_r = prep.step_base(r.base_model)
-            for i in own:
-                if i.steps >= NEVER:
-                    continue
-                c_i = m.new_int_var(1, h, f"C_{i.trial_id}")
-                m.add(SCALE * c_i >= _first_steps(prep, i.steps, base_r, own, z))
-                m.add(e_r >= c_i)
-                self.members[i.trial_id] = c_i
-                weighted.append((i.weight, c_i))
-            if r.members:
-                # Its members hold their tenants' quota until they end, later if a back-fill slows them.
-                for mem in r.members:
-                    c_i = self.members[mem.trial_id]
-                    by_tenant.setdefault(mem.tenant_id, []).append((m.new_interval_var(0, c_i, c_i, "own"), 1))
-            else:
-                # Its own trials end at ends_at even if back-filled trials keep the pack running longer.
-                own_iv = m.new_fixed_size_interval_var(0, r.ends_at, f"own_{r.pack_id}")
-                for ten, n in r.tenant_trials:
-                    by_tenant.setdefault(ten, []).append((own_iv, n))
-            if not z:
+            self._running_pack(r)
+        self._no_overlap()
+        self._each_trial_placed_once()
+        self._quotas()
+        self._objective(greedy)
+        self._hint(greedy)
+
+    def _new_pack(self, model: str, k: int, ts: list[PendingTrial]) -> None:
+        """The candidate pack led by ts[0], which the trials after it in its group may join."""
+        m, lead = self.m, ts[0]
+        members = [(t, m.new_bool_var(f"x_{t.trial_id}_{lead.trial_id}")) for t in ts]
+        used = members[0][1]
+        s, d, e = (m.new_int_var(0, self.h, f"{n}_{lead.trial_id}") for n in "SDE")
+        m.add(e == s + d)
+        y = self._pack_gpus(model, k, members, used, (s, d, e))
+        self._pack_completions(model, members, used, s, e)
+        self.packs.append((lead, members, s, y))
+        self.span[lead.trial_id] = (d, e)
+
+    def _pack_gpus(self, model: str, k: int, members: list[tuple[PendingTrial, cp_model.IntVar]],
+                   used: cp_model.IntVar, sde: tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar]
+                   ) -> dict[str, cp_model.IntVar]:
+        """A used pack takes k GPUs together for its whole span, each with memory for its base and members."""
+        m, prep, lead = self.m, self.prep, members[0][0]
+        base_mem = prep.mem_base(model)
+        # Only GPUs that hold its leader and whose worker can load the model (its heartbeat says).
+        gpus = [g for g in prep.inp.gpus
+                if g.memory_bytes >= base_mem + prep.mem_item(lead) and prep.loads(g.gpu_id, model)]
+        y = {g.gpu_id: m.new_bool_var(f"y_{lead.trial_id}_{g.gpu_id}") for g in gpus}
+        m.add(sum(y.values()) == k * used)
+        for g in gpus:
+            self.on_gpu[g.gpu_id].append(m.new_optional_interval_var(*sde, y[g.gpu_id], "p"))
+            m.add(base_mem + sum(prep.mem_item(t) * x for t, x in members) <= g.memory_bytes
+                  ).only_enforce_if(y[g.gpu_id])
+        return y
+
+    def _pack_completions(self, model: str, members: list[tuple[PendingTrial, cp_model.IntVar]],
+                          used: cp_model.IntVar, s: cp_model.IntVar, e: cp_model.IntVar) -> None:
+        """Each member's cap on the pack's size, and its completion: after its steps, within the pack's span."""
+        m, prep = self.m, self.prep
+        base_step = prep.step_base(model)
+        for t, x in members:
+            m.add_implication(x, used)
+            self.placed[t.trial_id].append(x)
+            c, n = self.comp[t.trial_id], t.remaining_steps
+            m.add(sum(x2 for _, x2 in members) <= t.max_trials_per_pack).only_enforce_if(x)
+            # Its first n steps: the shared base each step, each member's item while both are in.
+            work = n * base_step + sum(prep.step_item(u) * min(u.remaining_steps, n) * xu for u, xu in members)
+            m.add(SCALE * c >= SCALE * s + work).only_enforce_if(x)
+            m.add(c >= s + 1).only_enforce_if(x)
+            m.add(e >= c).only_enforce_if(x)
+            m.add(self.st[t.trial_id] == s).only_enforce_if(x)
+
+    def _running_pack(self, r: RunningPack) -> None:
+        """A running pack where it is: its GPUs held until its end, its members' completions and quota, and the
+        pending trials that may back-fill it."""
+        m, prep = self.m, self.prep
+        e_r = m.new_int_var(prep.running_end(r), self.h, f"E_{r.pack_id}")
+        self.ends.append(e_r)
+        for gid in r.gpu_ids:
+            # The GPU is taken until the pack ends or its own busy_until, whichever is later.
+            occ = m.new_int_var(0, self.h, f"occ_{gid}")
+            m.add_max_equality(occ, [e_r, self.fixed[gid]])
+            self.on_gpu[gid].append(m.new_interval_var(0, occ, occ, f"held_{gid}"))
+        z = [(t, m.new_bool_var(f"z_{t.trial_id}_{r.pack_id}")) for t in prep.trials if prep.compatible(t, r)]
+        own = prep.running_members(r)  # a legacy pack: one member that never leaves
+        base_r = prep.step_base(r.base_model)
+        for i in own:
+            if i.steps >= NEVER:
                 continue
-            n_fill = sum(v for _, v in z)
-            m.add(n_fill <= min(r.free_slots, r.max_trials_per_pack - r.trials))
-            # Only the additions are constrained: a running pack the model thinks over-full still runs.
-            room = max(0, min(prep.gpu_mem[gid] for gid in r.gpu_ids) - prep.mem_running(r))
-            m.add(sum(prep.mem_item(t) * v for t, v in z) <= room)
-            for t, v in z:
-                placed[t.trial_id].append(v)
-                m.add(r.trials + n_fill <= t.max_trials_per_pack).only_enforce_if(v)
-                m.add(SCALE * self.comp[t.trial_id] >= _first_steps(prep, t.remaining_steps, base_r, own, z)
-                      ).only_enforce_if(v)
-                m.add(e_r >= self.comp[t.trial_id]).only_enforce_if(v)
-                m.add(self.st[t.trial_id] == 0).only_enforce_if(v)
-            self.fills.append((r, z))
+            c_i = m.new_int_var(1, self.h, f"C_{i.trial_id}")
+            m.add(SCALE * c_i >= _first_steps(prep, i.steps, base_r, own, z))
+            m.add(e_r >= c_i)
+            self.members[i.trial_id] = c_i
+            self.weighted.append((i.weight, c_i))
+        self._running_quota(r)
+        if z:
+            self._backfills(r, e_r, base_r, own, z)
+
+    def _running_quota(self, r: RunningPack) -> None:
+        """The running pack's own trials in their tenants' quotas."""
+        m = self.m
+        if r.members:
+            # Its members hold their tenants' quota until they end, later if a back-fill slows them.
+            for mem in r.members:
+                c_i = self.members[mem.trial_id]
+                self.by_tenant.setdefault(mem.tenant_id, []).append((m.new_interval_var(0, c_i, c_i, "own"), 1))
+        else:
+            # Its own trials end at ends_at even if back-filled trials keep the pack running longer.
+            own_iv = m.new_fixed_size_interval_var(0, r.ends_at, f"own_{r.pack_id}")
+            for ten, n in r.tenant_trials:
+                self.by_tenant.setdefault(ten, []).append((own_iv, n))
+
+    def _backfills(self, r: RunningPack, e_r: cp_model.IntVar, base_r: int, own: list[Member],
+                   z: list[tuple[PendingTrial, cp_model.IntVar]]) -> None:
+        """Back-fills of the running pack: within its free slots, caps and memory, starting now, done by its end."""
+        m, prep = self.m, self.prep
+        n_fill = sum(v for _, v in z)
+        m.add(n_fill <= min(r.free_slots, r.max_trials_per_pack - r.trials))
+        # Only the additions are constrained: a running pack the model thinks over-full still runs.
+        room = max(0, min(prep.gpu_mem[gid] for gid in r.gpu_ids) - prep.mem_running(r))
+        m.add(sum(prep.mem_item(t) * v for t, v in z) <= room)
+        for t, v in z:
+            self.placed[t.trial_id].append(v)
+            m.add(r.trials + n_fill <= t.max_trials_per_pack).only_enforce_if(v)
+            m.add(SCALE * self.comp[t.trial_id] >= _first_steps(prep, t.remaining_steps, base_r, own, z)
+                  ).only_enforce_if(v)
+            m.add(e_r >= self.comp[t.trial_id]).only_enforce_if(v)
+            m.add(self.st[t.trial_id] == 0).only_enforce_if(v)
+        self.fills.append((r, z))
+
+    def _no_overlap(self) -> None:
+        """One pack at a time on each GPU, a busy GPU (not a running pack's) taken until its busy_until."""
+        m, inp = self.m, self.prep.inp
         for g in inp.gpus:
             if g.busy_until > 0 and not any(g.gpu_id in r.gpu_ids for r in inp.running):
-                on_gpu[g.gpu_id].append(m.new_fixed_size_interval_var(0, g.busy_until, "busy"))
-            m.add_no_overlap(on_gpu[g.gpu_id])
-        for t in prep.trials:
-            m.add_exactly_one(placed[t.trial_id])
-            size = m.new_int_var(0, h, f"len_{t.trial_id}")
+                self.on_gpu[g.gpu_id].append(m.new_fixed_size_interval_var(0, g.busy_until, "busy"))
+            m.add_no_overlap(self.on_gpu[g.gpu_id])
+
+    def _each_trial_placed_once(self) -> None:
+        """Every pending trial in exactly one pack, new or running; its interval (start to completion) counts
+        in its tenant's quota."""
+        m = self.m
+        for t in self.prep.trials:
+            m.add_exactly_one(self.placed[t.trial_id])
+            size = m.new_int_var(0, self.h, f"len_{t.trial_id}")
             iv = m.new_interval_var(self.st[t.trial_id], size, self.comp[t.trial_id], f"trial_{t.trial_id}")
-            by_tenant.setdefault(t.tenant_id, []).append((iv, 1))
-        for ten, ivs in by_tenant.items():
-            cap = prep.quota_cap(ten)
+            self.by_tenant.setdefault(t.tenant_id, []).append((iv, 1))
+
+    def _quotas(self) -> None:
+        """At most a tenant's quota of its trials at once."""
+        for ten, ivs in self.by_tenant.items():
+            cap = self.prep.quota_cap(ten)
             if cap is not None:
-                m.add_cumulative([iv for iv, _ in ivs], [n for _, n in ivs], cap)
-        makespan = m.new_int_var(0, h, "makespan")
-        m.add_max_equality(makespan, [*self.comp.values(), *ends])
-        objective = inp.makespan_weight * makespan + sum(
-            t.tenant_weight * self.comp[t.trial_id] for t in prep.trials) + sum(w * c for w, c in weighted)
+                self.m.add_cumulative([iv for iv, _ in ivs], [n for _, n in ivs], cap)
+
+    def _objective(self, greedy: PlanResult) -> None:
+        """Minimise makespan_weight·makespan + Σ weight·completion (running members' too), no worse than greedy."""
+        m, prep = self.m, self.prep
+        makespan = m.new_int_var(0, self.h, "makespan")
+        m.add_max_equality(makespan, [*self.comp.values(), *self.ends])
+        objective = prep.inp.makespan_weight * makespan + sum(
+            t.tenant_weight * self.comp[t.trial_id] for t in prep.trials) + sum(w * c for w, c in self.weighted)
         m.add(objective <= greedy.objective)
         m.minimize(objective)
-        self._hint(greedy)
 
     def _hint(self, greedy: PlanResult) -> None:
         """Starts the search from the greedy plan: each greedy pack is the candidate led by its first member in

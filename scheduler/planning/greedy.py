@@ -92,30 +92,47 @@ def _quota_ok(prep: Prepared, used: dict[str, dict[str, tuple[int, int]]],
 def plan_greedy(inp: PlanningInput) -> PlanResult:
     """List scheduling by Smith's rule with cheapest insertion (see the module docstring)."""
     t0 = time.perf_counter()
-    prep = Prepared(inp)
-    mw, n_gpus = inp.makespan_weight, len(inp.gpus)
-    quotas = bool(inp.tenant_quota)
-    tenant_of = {t.trial_id: t.tenant_id for t in prep.trials}
-    avail = prep.fixed_busy()
-    seq = itertools.count()
-    # GPUs by memory size, each size a heap of (free at, GPU id); an entry is stale once avail moved on.
-    sizes = sorted({g.memory_bytes for g in inp.gpus})
-    free_heaps: dict[int, list[tuple[int, str]]] = {m: [] for m in sizes}
-    for spec in inp.gpus:
-        free_heaps[spec.memory_bytes].append((avail[spec.gpu_id], spec.gpu_id))
-    for h in free_heaps.values():
-        heapq.heapify(h)
-    last_on: dict[str, _Pack] = {}  # GPU -> the pack planned last on it
-    open_heaps: dict[tuple[str, int], list[tuple[int, int, int, _Pack]]] = {}  # (end, seq, version, pack)
-    used: dict[str, dict[str, tuple[int, int]]] = {}  # tenant -> span key -> (start, end), for quotas
-    makespan = max([0, *avail.values()])
-    packs: list[_Pack] = []
+    plan = _GreedyPlan(inp)
+    order = plan.prep.priority()
+    rest = sum(t.tenant_weight for t in order)  # weight of the trials not placed yet
+    for t in order:
+        rest -= t.tenant_weight
+        plan.place(t, rest)
+    return finish_plan(plan.prep, plan.scheduled(), time.perf_counter() - t0, "greedy_fallback")
 
-    def publish(p: _Pack) -> None:
+
+class _GreedyPlan:
+    """The plan being built: GPUs by free time, open packs by end, tenants' spans; `place` adds one trial."""
+
+    def __init__(self, inp: PlanningInput) -> None:
+        self.prep = prep = Prepared(inp)
+        self.mw, self.n_gpus = inp.makespan_weight, len(inp.gpus)
+        self.quotas = bool(inp.tenant_quota)
+        self.tenant_of = {t.trial_id: t.tenant_id for t in prep.trials}
+        self.avail = avail = prep.fixed_busy()
+        self.seq = itertools.count()
+        # GPUs by memory size, each size a heap of (free at, GPU id); an entry is stale once avail moved on.
+        self.sizes = sorted({g.memory_bytes for g in inp.gpus})
+        self.free_heaps: dict[int, list[tuple[int, str]]] = {m: [] for m in self.sizes}
+        for spec in inp.gpus:
+            self.free_heaps[spec.memory_bytes].append((avail[spec.gpu_id], spec.gpu_id))
+        for h in self.free_heaps.values():
+            heapq.heapify(h)
+        self.last_on: dict[str, _Pack] = {}  # GPU -> the pack planned last on it
+        self.open_heaps: dict[tuple[str, int], list[tuple[int, int, int, _Pack]]] = {}  # (end, seq, version, pack)
+        self.used: dict[str, dict[str, tuple[int, int]]] = {}  # tenant -> span key -> (start, end), for quotas
+        self.makespan = max([0, *avail.values()])
+        self.packs: list[_Pack] = []
+        for r in sorted(inp.running, key=lambda r: r.pack_id):
+            self._add_running(r)
+
+    def _publish(self, p: _Pack) -> None:
         p.version += 1
-        heapq.heappush(open_heaps.setdefault(p.kind, []), (p.end, next(seq), p.version, p))
+        heapq.heappush(self.open_heaps.setdefault(p.kind, []), (p.end, next(self.seq), p.version, p))
 
-    for r in sorted(inp.running, key=lambda r: r.pack_id):
+    def _add_running(self, r: RunningPack) -> None:
+        """Takes in a running pack: its GPUs, its members' spans for quotas, and open to back-fill if it has room."""
+        prep, used = self.prep, self.used
         # A legacy pack (members unknown) is its load in the shared cost until its end; a known one, members.
         p = _Pack(r.pack_id, r.gpu_ids, (r.base_model, len(r.gpu_ids)), 0,
                   prep.step_base(r.base_model) if r.members else prep.step_running(r), r,
@@ -131,22 +148,72 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
                    for n in p.steps]
         for j, known in enumerate(r.members):
             used.setdefault(known.tenant_id, {})[known.trial_id] = (0, p.comp(j))
-            tenant_of[known.trial_id] = known.tenant_id
+            self.tenant_of[known.trial_id] = known.tenant_id
         if not r.members:
             for ten, n in r.tenant_trials:
                 used.setdefault(ten, {}).update({f"{r.pack_id}#{ten}#{i}": (0, r.ends_at) for i in range(n)})
-        packs.append(p)
+        self.packs.append(p)
         for g in r.gpu_ids:
-            last_on[g] = p
+            self.last_on[g] = p
         if r.free_slots > 0:
-            publish(p)
+            self._publish(p)
 
-    def earliest_gpus(t: PendingTrial, need: int) -> list[str]:
+    def place(self, t: PendingTrial, rest: int) -> None:
+        """Places t where it adds the least to the objective: a new pack of its own, or the cheapest open pack
+        of its kind; `rest` is the weight of the trials still to be placed after it."""
+        prep, avail, n_gpus = self.prep, self.avail, self.n_gpus
+        kind, item = (t.base_model, t.gpus_needed), prep.step_item(t)
+        base = prep.step_base(t.base_model)
+        need = prep.mem_base(t.base_model) + prep.mem_item(t)
+        gpus = self._earliest_gpus(t, need)
+        solo = prep.duration(t.remaining_steps, base + item)
+        start = self._quota_start(t, max(avail[g] for g in gpus), solo)
+        new_cost = (t.tenant_weight * (start + solo) + self.mw * max(0, start + solo - self.makespan)) * n_gpus
+        new_cost += rest * sum(start + solo - avail[g] for g in gpus)
+        best = self._best_join(t, kind, item, start, new_cost, rest)
+        if best is not None:
+            _, milli, own, p = best
+            p.milli = [*milli, own]
+            p.count += 1
+            p.cap = min(p.cap, t.max_trials_per_pack)
+            p.mem_left -= prep.mem_item(t)
+        else:
+            p = _Pack(f"new-{t.trial_id}", tuple(sorted(gpus)), kind, start, base, None, floor_end=0, count=1,
+                      cap=t.max_trials_per_pack, mem_left=min(prep.gpu_mem[g] for g in gpus) - need,
+                      milli=[t.remaining_steps * (base + item)])
+            self.packs.append(p)
+            for g in gpus:
+                if g in self.last_on:
+                    self.last_on[g].open = False
+                self.last_on[g] = p
+        self._commit(p, t, item)
+
+    def _commit(self, p: _Pack, t: PendingTrial, item: int) -> None:
+        """Records t as p's newest member: p's end, its members' spans, its GPUs' free times, the makespan."""
+        p.ids.append(t.trial_id)
+        p.steps.append(t.remaining_steps)
+        p.items.append(item)
+        p.weights.append(t.tenant_weight)
+        p.placed.append(t.trial_id)
+        p.end = max(p.floor_end, *(p.comp(j) for j in range(len(p.ids))))
+        if self.quotas:
+            for j, i in enumerate(p.ids):
+                if i in self.tenant_of:
+                    self.used.setdefault(self.tenant_of[i], {})[i] = (p.start, p.comp(j))
+        avail, free_heaps, gpu_mem = self.avail, self.free_heaps, self.prep.gpu_mem
+        for g in p.gpu_ids:
+            avail[g] = max(avail[g], p.end)
+            heapq.heappush(free_heaps[gpu_mem[g]], (avail[g], g))
+        self.makespan = max(self.makespan, p.end)
+        self._publish(p)
+
+    def _earliest_gpus(self, t: PendingTrial, need: int) -> list[str]:
         """The t.gpus_needed earliest-free GPUs with `need` bytes that load t's model (ties by id), from the
         heaps, stale entries dropped; those that cannot load the model are passed over and put back."""
+        prep, avail, sizes = self.prep, self.avail, self.sizes
         picked: list[tuple[int, str]] = []
         for m in sizes[bisect.bisect_left(sizes, need):]:
-            h, got, passed = free_heaps[m], list[tuple[int, str]](), set[tuple[int, str]]()
+            h, got, passed = self.free_heaps[m], list[tuple[int, str]](), set[tuple[int, str]]()
             while h and len(got) < t.gpus_needed:
                 at, gid = heapq.heappop(h)
                 if at != avail[gid] or (at, gid) in got or (at, gid) in passed:
@@ -160,16 +227,40 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
             picked.extend(got)
         return [gid for _, gid in sorted(picked)[: t.gpus_needed]]
 
-    def quota_start(t: PendingTrial, start: int, dur: int) -> int:
+    def _quota_start(self, t: PendingTrial, start: int, dur: int) -> int:
         """The earliest time ≥ start at which t alone for `dur` keeps its tenant within quota."""
-        if not quotas or prep.quota_cap(t.tenant_id) is None:
+        prep, used = self.prep, self.used
+        if not self.quotas or prep.quota_cap(t.tenant_id) is None:
             return start
         times = sorted({start, *(e for _, e in used.get(t.tenant_id, {}).values() if e > start)})
         return next(x for x in times if _quota_ok(prep, used, {t.trial_id: (t.tenant_id, x, x + dur)}))
 
-    def price_join(p: _Pack, t: PendingTrial, item: int, bound: int, rest: int) -> tuple[int, list[int], int] | None:
+    def _best_join(self, t: PendingTrial, kind: tuple[str, int], item: int, start: int, new_cost: int,
+                   rest: int) -> tuple[int, list[int], int, _Pack] | None:
+        """The cheapest join of t below `new_cost` (its own pack starting at `start`) as (cost, members' new
+        milli, t's milli, pack), or None: prices the earliest-ending open packs of this kind that start before
+        the new pack could."""
+        best: tuple[int, list[int], int, _Pack] | None = None
+        heap, seen, price_join = self.open_heaps.get(kind, []), list[tuple[int, int, int, _Pack]](), self._price_join
+        while heap and len(seen) < CANDIDATE_PACKS:
+            entry = heapq.heappop(heap)
+            p = entry[3]
+            if entry[2] != p.version or not p.open:
+                continue  # stale: the pack changed or something is planned after it
+            seen.append(entry)
+            if p.start < start:
+                priced = price_join(p, t, item, best[0] if best else new_cost, rest)
+                if priced:
+                    best = (*priced, p)
+        for entry in seen:
+            heapq.heappush(heap, entry)
+        return best
+
+    def _price_join(self, p: _Pack, t: PendingTrial, item: int, bound: int,
+                    rest: int) -> tuple[int, list[int], int] | None:
         """(cost in n_gpus-ths, members' new milli, t's milli) of t joining p, or None if it may not or
         costs `bound` or more."""
+        prep, n_gpus = self.prep, self.n_gpus
         if p.count + 1 > min(p.cap, t.max_trials_per_pack) or prep.mem_item(t) > p.mem_left:
             return None
         n = t.remaining_steps
@@ -188,74 +279,17 @@ def plan_greedy(inp: PlanningInput) -> PlanResult:
             last = max(last, c2)
         end = max(last, p.floor_end)
         # In n_gpus-ths: the pack's GPUs stay taken (end - p.end) longer, which the trials still to place pay.
-        cost = (cost + mw * max(0, end - makespan)) * n_gpus + rest * len(p.gpu_ids) * (end - p.end)
+        cost = (cost + self.mw * max(0, end - self.makespan)) * n_gpus + rest * len(p.gpu_ids) * (end - p.end)
         if cost >= bound:
             return None
-        if quotas:
-            moved = {i: (tenant_of[i], p.start, p.start + _units(m)) for i, m in zip(p.ids, milli, strict=True)
-                     if i in tenant_of}
-            if not _quota_ok(prep, used, moved | {t.trial_id: (t.tenant_id, p.start, mine)}):
+        if self.quotas:
+            moved = {i: (self.tenant_of[i], p.start, p.start + _units(m)) for i, m in zip(p.ids, milli, strict=True)
+                     if i in self.tenant_of}
+            if not _quota_ok(prep, self.used, moved | {t.trial_id: (t.tenant_id, p.start, mine)}):
                 return None
         return cost, milli, own
 
-    order = prep.priority()
-    rest = sum(t.tenant_weight for t in order)  # weight of the trials not placed yet
-    for t in order:
-        rest -= t.tenant_weight
-        kind, item = (t.base_model, t.gpus_needed), prep.step_item(t)
-        base = prep.step_base(t.base_model)
-        need = prep.mem_base(t.base_model) + prep.mem_item(t)
-        gpus = earliest_gpus(t, need)
-        solo = prep.duration(t.remaining_steps, base + item)
-        start = quota_start(t, max(avail[g] for g in gpus), solo)
-        new_cost = (t.tenant_weight * (start + solo) + mw * max(0, start + solo - makespan)) * n_gpus
-        new_cost += rest * sum(start + solo - avail[g] for g in gpus)
-        # Price the earliest-ending open packs of this kind that start before the new pack could.
-        best: tuple[int, list[int], int, _Pack] | None = None
-        heap, seen = open_heaps.get(kind, []), list[tuple[int, int, int, _Pack]]()
-        while heap and len(seen) < CANDIDATE_PACKS:
-            entry = heapq.heappop(heap)
-            p = entry[3]
-            if entry[2] != p.version or not p.open:
-                continue  # stale: the pack changed or something is planned after it
-            seen.append(entry)
-            if p.start < start:
-                priced = price_join(p, t, item, best[0] if best else new_cost, rest)
-                if priced:
-                    best = (*priced, p)
-        for entry in seen:
-            heapq.heappush(heap, entry)
-        if best is not None:
-            _, milli, own, p = best
-            p.milli = [*milli, own]
-            p.count += 1
-            p.cap = min(p.cap, t.max_trials_per_pack)
-            p.mem_left -= prep.mem_item(t)
-        else:
-            p = _Pack(f"new-{t.trial_id}", tuple(sorted(gpus)), kind, start, base, None, floor_end=0, count=1,
-                      cap=t.max_trials_per_pack, mem_left=min(prep.gpu_mem[g] for g in gpus) - need,
-                      milli=[t.remaining_steps * (base + item)])
-            packs.append(p)
-            for g in gpus:
-                if g in last_on:
-                    last_on[g].open = False
-                last_on[g] = p
-        p.ids.append(t.trial_id)
-        p.steps.append(t.remaining_steps)
-        p.items.append(item)
-        p.weights.append(t.tenant_weight)
-        p.placed.append(t.trial_id)
-        p.end = max(p.floor_end, *(p.comp(j) for j in range(len(p.ids))))
-        if quotas:
-            for j, i in enumerate(p.ids):
-                if i in tenant_of:
-                    used.setdefault(tenant_of[i], {})[i] = (p.start, p.comp(j))
-        for g in p.gpu_ids:
-            avail[g] = max(avail[g], p.end)
-            heapq.heappush(free_heaps[prep.gpu_mem[g]], (avail[g], g))
-        makespan = max(makespan, p.end)
-        publish(p)
-
-    out = [ScheduledPack(p.key, p.gpu_ids, p.kind[0], tuple(p.placed), p.start, 0, backfill=p.running is not None)
-           for p in packs if p.placed]
-    return finish_plan(prep, out, time.perf_counter() - t0, "greedy_fallback")
+    def scheduled(self) -> list[ScheduledPack]:
+        """The plan's packs that got pending trials: new ones, and running ones back-filled."""
+        return [ScheduledPack(p.key, p.gpu_ids, p.kind[0], tuple(p.placed), p.start, 0, backfill=p.running is not None)
+                for p in self.packs if p.placed]

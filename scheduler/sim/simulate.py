@@ -9,7 +9,7 @@ in exact seconds, not the planner's rounded units), recomputed whenever a member
 ends when its last member completes and frees its GPUs.
 
 Policies: `fifo` (each trial alone, strictly first come first served: the oldest waiting trial blocks the
-ones behind it), `greedy` (`firstfit.plan_greedy`), `cpsat` (`cpsat.plan_cpsat` with a time limit).
+ones behind it), `greedy` (`greedy.plan_greedy`), `cpsat` (`cpsat.plan_cpsat` with a time limit).
 The planner is not called when nothing could start now (no pending trial, or no free GPU and no running pack
 with a free slot for a pending trial's model): its plan could then start nothing, so skipping it is exact.
 """
@@ -170,90 +170,126 @@ def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0,
     if makespan_weight is None:
         makespan_weight = default_makespan_weight(trace)
     plan = planner or make_planner(policy, time_limit_s=time_limit_s, seed=seed)
-    gpu_specs = tuple(GpuSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus))
-    tasks = sorted(trace.tasks, key=lambda t: t.arrival_s)  # stable: trace order within an instant
-    trials: dict[str, PendingTrial] = {}
-    task_of: dict[str, str] = {}
-    for task in tasks:
-        for tr in task.trials:
-            trials[tr.trial_id] = PendingTrial(
-                trial_id=tr.trial_id, task_id=task.task_id, tenant_id=task.tenant_id, tenant_weight=task.tenant_weight,
-                base_model=task.base_model, gpus_needed=task.gpus_needed, tokens_per_step=tr.tokens_per_step,
-                remaining_steps=tr.steps, slot_bytes=tr.slot_bytes, max_trials_per_pack=tr.max_trials_per_pack)
-            task_of[tr.trial_id] = task.task_id
-    pending: list[str] = []
-    free = {g.gpu_id for g in gpu_specs}
-    running: dict[str, _Pack] = {}
-    done: list[_Pack] = []
-    started: dict[str, float] = {}
-    completed: dict[str, float] = {}
-    steps_done: dict[str, float] = {}
-    unschedulable: list[str] = []
-    replan_ms: list[float] = []
-    statuses: dict[str, int] = {}
-    next_task, n_packs = 0, 0
-    now = tasks[0].arrival_s if tasks else 0.0
+    sim = _Sim(trace, gpus, plan, unit_s, makespan_weight)
     # Every loop turn but the last consumes an arrival, a completion or a planned start (≥ 1 unit later).
-    for _ in range(100 * (len(trials) + len(tasks)) + 1000):
-        while next_task < len(tasks) and (tasks[next_task].arrival_s <= now or _close(tasks[next_task].arrival_s, now)):
-            pending.extend(tr.trial_id for tr in tasks[next_task].trials)
-            next_task += 1
-        wake: float | None = None
-        if pending and _can_start(pending, trials, free, running):
-            inp = _planning_input(pending, trials, gpu_specs, free, running, trace, now, unit_s, makespan_weight)
-            t0 = time.perf_counter()
-            res = plan(inp)
-            replan_ms.append((time.perf_counter() - t0) * 1000)
-            statuses[res.status] = statuses.get(res.status, 0) + 1
-            gone = set(res.unschedulable)
-            unschedulable.extend(i for i in pending if i in gone)
-            placed = {i for p in res.start_now for i in p.trial_ids}
-            for p in res.start_now:
-                if p.backfill:
-                    pack = running[p.pack_key]
-                    _advance(pack, trials, now)
-                else:
-                    if not set(p.gpu_ids) <= free or len(p.gpu_ids) != trials[p.trial_ids[0]].gpus_needed:
-                        raise AssertionError(f"the planner started {p.pack_key} on GPUs that are not free")
-                    n_packs += 1
-                    pack = _Pack(f"pack{n_packs:05d}", p.gpu_ids, p.base_model, trace.costs[p.base_model], now, now)
-                    free -= set(p.gpu_ids)
-                    running[pack.pack_id] = pack
-                for i in p.trial_ids:
-                    pack.left[i] = float(trials[i].remaining_steps)
-                    started[i] = now
-                pack.history.append((now, tuple(pack.left)))
-            pending = [i for i in pending if i not in gone and i not in placed]
-            # A plan may hold free GPUs back for a later start: wake up then, not only at the next completion.
-            later = [p.start for p in res.packs if not p.backfill and p.start > 0 and set(p.gpu_ids) <= free]
-            wake = now + min(later) * unit_s if later else None
+    for _ in range(100 * (len(sim.trials) + len(sim.tasks)) + 1000):
+        sim.arrive()
+        wake = sim.replan() if sim.pending and _can_start(sim.pending, sim.trials, sim.free, sim.running) else None
+        if not sim.advance(wake):
+            # Nothing runs, arrives or is planned, yet trials wait: the planner will never place them.
+            sim.unschedulable.extend(sim.pending)
+            break
+        sim.complete()
+    else:
+        raise RuntimeError("simulation did not converge (planner starts nothing while time advances)")
+    return replace(_result(trace, gpus, policy, sim.tasks, sim.task_of, sim.done, sim.started, sim.completed,
+                           sim.steps_done, sim.unschedulable, sim.replan_ms, sim.statuses),
+                   makespan_weight=makespan_weight)
+
+
+class _Sim:
+    """The simulated cluster at time `now`: pending trials, free GPUs, running packs, and what was measured."""
+
+    def __init__(self, trace: Trace, gpus: int, plan: Planner, unit_s: float, makespan_weight: int) -> None:
+        self.trace, self.plan, self.unit_s, self.makespan_weight = trace, plan, unit_s, makespan_weight
+        self.gpu_specs = tuple(GpuSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus))
+        self.tasks = sorted(trace.tasks, key=lambda t: t.arrival_s)  # stable: trace order within an instant
+        self.trials: dict[str, PendingTrial] = {}
+        self.task_of: dict[str, str] = {}
+        for task in self.tasks:
+            for tr in task.trials:
+                self.trials[tr.trial_id] = PendingTrial(
+                    trial_id=tr.trial_id, task_id=task.task_id, tenant_id=task.tenant_id,
+                    tenant_weight=task.tenant_weight, base_model=task.base_model, gpus_needed=task.gpus_needed,
+                    tokens_per_step=tr.tokens_per_step, remaining_steps=tr.steps, slot_bytes=tr.slot_bytes,
+                    max_trials_per_pack=tr.max_trials_per_pack)
+                self.task_of[tr.trial_id] = task.task_id
+        self.pending: list[str] = []
+        self.free = {g.gpu_id for g in self.gpu_specs}
+        self.running: dict[str, _Pack] = {}
+        self.done: list[_Pack] = []
+        self.started: dict[str, float] = {}
+        self.completed: dict[str, float] = {}
+        self.steps_done: dict[str, float] = {}
+        self.unschedulable: list[str] = []
+        self.replan_ms: list[float] = []
+        self.statuses: dict[str, int] = {}
+        self.next_task, self.n_packs = 0, 0
+        self.now = self.tasks[0].arrival_s if self.tasks else 0.0
+
+    def arrive(self) -> None:
+        """Makes the trials of every task that has arrived by now pending."""
+        tasks, now = self.tasks, self.now
+        while self.next_task < len(tasks) and (tasks[self.next_task].arrival_s <= now
+                                               or _close(tasks[self.next_task].arrival_s, now)):
+            self.pending.extend(tr.trial_id for tr in tasks[self.next_task].trials)
+            self.next_task += 1
+
+    def replan(self) -> float | None:
+        """Calls the planner and starts what its plan starts now; returns when a start it holds back is due."""
+        now, unit_s = self.now, self.unit_s
+        inp = _planning_input(self.pending, self.trials, self.gpu_specs, self.free, self.running, self.trace, now,
+                              unit_s, self.makespan_weight)
+        t0 = time.perf_counter()
+        res = self.plan(inp)
+        self.replan_ms.append((time.perf_counter() - t0) * 1000)
+        self.statuses[res.status] = self.statuses.get(res.status, 0) + 1
+        gone = set(res.unschedulable)
+        self.unschedulable.extend(i for i in self.pending if i in gone)
+        placed = {i for p in res.start_now for i in p.trial_ids}
+        for p in res.start_now:
+            self._start(p)
+        self.pending = [i for i in self.pending if i not in gone and i not in placed]
+        # A plan may hold free GPUs back for a later start: wake up then, not only at the next completion.
+        later = [p.start for p in res.packs if not p.backfill and p.start > 0 and set(p.gpu_ids) <= self.free]
+        return now + min(later) * unit_s if later else None
+
+    def _start(self, p: ScheduledPack) -> None:
+        """Starts a planned pack now on its free GPUs, or back-fills its trials into the running pack."""
+        now, trials = self.now, self.trials
+        if p.backfill:
+            pack = self.running[p.pack_key]
+            _advance(pack, trials, now)
+        else:
+            if not set(p.gpu_ids) <= self.free or len(p.gpu_ids) != trials[p.trial_ids[0]].gpus_needed:
+                raise AssertionError(f"the planner started {p.pack_key} on GPUs that are not free")
+            self.n_packs += 1
+            pack = _Pack(f"pack{self.n_packs:05d}", p.gpu_ids, p.base_model, self.trace.costs[p.base_model], now, now)
+            self.free -= set(p.gpu_ids)
+            self.running[pack.pack_id] = pack
+        for i in p.trial_ids:
+            pack.left[i] = float(trials[i].remaining_steps)
+            self.started[i] = now
+        pack.history.append((now, tuple(pack.left)))
+
+    def advance(self, wake: float | None) -> bool:
+        """Moves the clock to the next arrival, completion or `wake`, whichever is first; False if there is none."""
         candidates = [t for t in (
-            tasks[next_task].arrival_s if next_task < len(tasks) else None,
-            min((p.next_completion(trials) for p in running.values()), default=None),
+            self.tasks[self.next_task].arrival_s if self.next_task < len(self.tasks) else None,
+            min((p.next_completion(self.trials) for p in self.running.values()), default=None),
             wake,
         ) if t is not None]
         if not candidates:
-            # Nothing runs, arrives or is planned, yet trials wait: the planner will never place them.
-            unschedulable.extend(pending)
-            break
-        now = max(now, min(candidates))
-        for pack in [p for p in running.values() if p.next_completion(trials) <= now
+            return False
+        self.now = max(self.now, min(candidates))
+        return True
+
+    def complete(self) -> None:
+        """Retires the members done by now, and ends the packs left without members (their GPUs free up)."""
+        now, trials = self.now, self.trials
+        for pack in [p for p in self.running.values() if p.next_completion(trials) <= now
                      or _close(p.next_completion(trials), now)]:
             _advance(pack, trials, now)
             finished = [i for i, left in pack.left.items() if left <= 1e-6 * max(1, trials[i].remaining_steps)]
             for i in finished:
                 del pack.left[i]
-                completed[i] = now
-                steps_done[i] = float(trials[i].remaining_steps)
+                self.completed[i] = now
+                self.steps_done[i] = float(trials[i].remaining_steps)
             pack.history.append((now, tuple(pack.left)))
             if not pack.left:
-                del running[pack.pack_id]
-                free |= set(pack.gpu_ids)
-                done.append(pack)
-    else:
-        raise RuntimeError("simulation did not converge (planner starts nothing while time advances)")
-    return replace(_result(trace, gpus, policy, tasks, task_of, done, started, completed, steps_done,
-                           unschedulable, replan_ms, statuses), makespan_weight=makespan_weight)
+                del self.running[pack.pack_id]
+                self.free |= set(pack.gpu_ids)
+                self.done.append(pack)
 
 
 def mean_jct_lower_bound(trace: Trace, gpus: int) -> float:
