@@ -178,7 +178,10 @@ def _label(hp: dict[str, Any]) -> str:
     return f"lr{hp['learning_rate']:g}-r{hp['lora_rank']}-b{hp['batch_size']}"
 
 
-def main() -> None:
+Splits = tuple[list[dict[str, Any]], ...]  # a dataset's train, validation and test rows
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", type=Path, required=True, help="the folder benchmarks.sweep_data wrote")
     parser.add_argument("--datasets", nargs="+", choices=["trivia", "arithmetic"], default=["trivia", "arithmetic"])
@@ -192,7 +195,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=RESULTS / "sweeps")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     home = args.home or Path(tempfile.mkdtemp(prefix="loraplane-live-"))
     home.mkdir(parents=True, exist_ok=True)
     admin_token = "lpadmin_" + secrets.token_urlsafe(16)
@@ -200,98 +207,132 @@ def main() -> None:
     procs = start_service(home, args.port, admin_token, workers=len(args.datasets), slots=trials_per_task)
     base = f"http://127.0.0.1:{args.port}"
     try:
-        with Client(base, admin_token=admin_token, timeout=30) as operator:
-            tenant = operator.admin.create_tenant("live-sweep", max_concurrent_trials=2 * trials_per_task)
-            key = operator.admin.create_api_key(tenant.id, name="live-sweep").key
-        assert key is not None
-        lp = Client(base, key, timeout=60)
-        data: dict[str, tuple[list[dict[str, Any]], ...]] = {}
-        submitted: dict[str, tuple[str, float]] = {}
+        lp = Client(base, tenant_key(base, admin_token, trials_per_task), timeout=60)
+        data: dict[str, Splits] = {}
+        submitted: dict[str, tuple[str, float]] = {}  # dataset -> its task's id, and when it was submitted
         gpu = GpuBusy().start()
         for name in args.datasets:
-            splits = tuple(read(args.data / name / f"{split}.jsonl") for split in ("train", "val", "test"))
-            if args.rows:
-                splits = tuple(rows[:n] for rows, n in zip(splits, args.rows, strict=True))
-            data[name] = splits
-            # The service takes chat rows; the test rows' extra accepted answers stay here.
-            files = [lp.files.upload(b"".join(json.dumps({"messages": r["messages"]}).encode() + b"\n" for r in rows),
-                                     filename=f"{name}-{split}.jsonl").id
-                     for rows, split in zip(splits[:2], ("train", "val"), strict=True)]
-            spec = task_spec(args.model, files[0], files[1], args.epochs, args.max_seq_len, args.policy,
-                             args.eval_interval)
-            submitted[name] = (lp.tasks.create(spec).id, time.monotonic())
+            data[name], submitted[name] = submit(lp, args, name)
             print(f"{name}: task {submitted[name][0]} submitted", flush=True)
-        finished: dict[str, float] = {}
-        deadline = time.monotonic() + args.timeout
-        while len(finished) < len(submitted) and time.monotonic() < deadline:
-            for name, (task_id, t0) in submitted.items():
-                task = lp.tasks.get(task_id)
-                if task.done and name not in finished:
-                    finished[name] = time.monotonic() - t0
-                    print(f"{name}: task {task.state} after {finished[name]:.0f} s", flush=True)
-            time.sleep(2)
+        finished = wait_for_tasks(lp, submitted, args.timeout)
         gpu_busy = gpu.stop()
         if len(finished) < len(submitted):
             late = sorted(set(submitted) - set(finished))
             raise SystemExit(f"tasks not finished within {args.timeout:.0f} s: {late}")
         packs = pack_profiles(home)
-        for pack in packs:
-            phases = pack["profile"].get("phases", {})
-            print(f"pack {pack['pack_id'][:8]}: {pack['trials']} trials, {pack['profile'].get('steps')} steps, "
-                  f"{phases.get('wall_s')} s, outside training steps {phases.get('outside_steps_frac')}, "
-                  f"steps' seconds {pack['profile'].get('step_breakdown_s')}", flush=True)
-        if gpu_busy is not None:
-            print(f"GPU busy {gpu_busy['mean_pct']}% over the run, {gpu_busy['mean_pct_from_first_kernel']}% from "
-                  "the first kernel on", flush=True)
+        print_packs(packs, gpu_busy)
 
         args.out.mkdir(parents=True, exist_ok=True)
         for name, (task_id, _t0) in submitted.items():
-            task = lp.tasks.get(task_id)
-            trials = lp.tasks.trials(task_id).data
-            adapter = lp.tasks.download_adapter(task_id, home / f"{name}-best-adapter")
-            best = task.best_trial
-            accuracy = best_adapter_accuracy(MODEL_KEYS[args.model], adapter, data[name][2], args.max_seq_len)
-            rows = [{"trial_id": t.id, "hyperparameters": t.hyperparameters, "state": t.state,
-                     "stop_reason": t.stop_reason, "steps_done": t.steps_done, "total_steps": t.total_steps,
-                     "best_val_loss": t.best_val_loss} for t in sorted(trials, key=lambda t: t.index)]
-            trained = sum(t.steps_done * int(t.hyperparameters["batch_size"]) for t in trials)
-            full = sum(t.total_steps * int(t.hyperparameters["batch_size"]) for t in trials)
-            summary = {
-                "benchmark": "live_sweep", "dataset": name, "model": args.model, "policy": args.policy,
-                "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_description(),
-                "command": command_line(), "commit": git_commit(), "task_state": task.state,
-                "tasks_side_by_side": len(submitted), "train_rows": len(data[name][0]),
-                "wall_s": round(finished[name], 1), "samples_trained": trained, "samples_full": full,
-                "samples_saved_frac": round(1 - trained / full, 4) if full else None,
-                "best_trial": best.id if best else None,
-                "best_hyperparameters": best.hyperparameters if best else None,
-                "best_val_loss": best.best_val_loss if best else None, "best_test_accuracy": accuracy,
-                "gpu_busy": gpu_busy, "packs": packs, "trials": rows,
-            }  # fmt: skip
-            stem = f"{name}-{'smollm2' if args.model.startswith('smollm2') else 'tiny'}-live-{args.policy}"
-            if args.rows:
-                stem += f"-{args.rows[0]}rows"
-            (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
-            events, after = [], None
-            while True:  # the task's whole event log: where each trial ran, paused, resumed, stopped and why
-                page = lp.tasks.events(task_id, after=after, limit=500)
-                events += [{"id": e.id, "at": e.created_at.isoformat(), "type": e.type, "trial_id": e.trial_id,
-                            "message": e.message} for e in page.data]
-                if not page.has_more:
-                    break
-                after = page.next_after
-            (args.out / f"{stem}-events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-            (args.out / f"{stem}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lp.tasks.curves(task_id)))
-            print_table(["trial", "state", "reason", "steps", "of", "best val loss"],
-                        [[_label(t.hyperparameters), t.state, t.stop_reason or "-", t.steps_done, t.total_steps,
-                          t.best_val_loss] for t in sorted(trials, key=lambda t: t.index)])
-            print(f"{name}: {task.state} in {finished[name]:.0f} s, samples saved "
-                  f"{summary['samples_saved_frac']}, best {summary['best_hyperparameters']} "
-                  f"(val loss {summary['best_val_loss']}, test accuracy {accuracy}); written to {args.out / stem}.json",
-                  flush=True)
+            write_task_results(lp, args, home, name, task_id, data[name], finished[name], len(submitted), gpu_busy,
+                               packs)  # fmt: skip
         lp.close()
     finally:
         stop_service(procs)
+
+
+def tenant_key(base: str, admin_token: str, trials_per_task: int) -> str:
+    """The API key of a new tenant for the run, with room for two tasks' trials at once."""
+    with Client(base, admin_token=admin_token, timeout=30) as operator:
+        tenant = operator.admin.create_tenant("live-sweep", max_concurrent_trials=2 * trials_per_task)
+        key = operator.admin.create_api_key(tenant.id, name="live-sweep").key
+    assert key is not None
+    return key
+
+
+def submit(lp: Client, args: argparse.Namespace, name: str) -> tuple[Splits, tuple[str, float]]:
+    """Uploads the dataset's training and validation rows and submits its task: the dataset's rows, and the
+    task's id and when it was submitted."""
+    splits = tuple(read(args.data / name / f"{split}.jsonl") for split in ("train", "val", "test"))
+    if args.rows:
+        splits = tuple(rows[:n] for rows, n in zip(splits, args.rows, strict=True))
+    # The service takes chat rows; the test rows' extra accepted answers stay here.
+    files = [lp.files.upload(b"".join(json.dumps({"messages": r["messages"]}).encode() + b"\n" for r in rows),
+                             filename=f"{name}-{split}.jsonl").id
+             for rows, split in zip(splits[:2], ("train", "val"), strict=True)]
+    spec = task_spec(args.model, files[0], files[1], args.epochs, args.max_seq_len, args.policy, args.eval_interval)
+    return splits, (lp.tasks.create(spec).id, time.monotonic())
+
+
+def wait_for_tasks(lp: Client, submitted: dict[str, tuple[str, float]], timeout: float) -> dict[str, float]:
+    """Polls the tasks until all are done or ``timeout`` passed: each done one's seconds from its submission."""
+    finished: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(finished) < len(submitted) and time.monotonic() < deadline:
+        for name, (task_id, t0) in submitted.items():
+            task = lp.tasks.get(task_id)
+            if task.done and name not in finished:
+                finished[name] = time.monotonic() - t0
+                print(f"{name}: task {task.state} after {finished[name]:.0f} s", flush=True)
+        time.sleep(2)
+    return finished
+
+
+def print_packs(packs: list[dict[str, Any]], gpu_busy: dict[str, Any] | None) -> None:
+    for pack in packs:
+        phases = pack["profile"].get("phases", {})
+        print(f"pack {pack['pack_id'][:8]}: {pack['trials']} trials, {pack['profile'].get('steps')} steps, "
+              f"{phases.get('wall_s')} s, outside training steps {phases.get('outside_steps_frac')}, "
+              f"steps' seconds {pack['profile'].get('step_breakdown_s')}", flush=True)
+    if gpu_busy is not None:
+        print(f"GPU busy {gpu_busy['mean_pct']}% over the run, {gpu_busy['mean_pct_from_first_kernel']}% from "
+              "the first kernel on", flush=True)
+
+
+def write_task_results(lp: Client, args: argparse.Namespace, home: Path, name: str, task_id: str, data: Splits,
+                       wall_s: float, side_by_side: int, gpu_busy: dict[str, Any] | None,
+                       packs: list[dict[str, Any]]) -> None:
+    """Scores the task's best adapter on the dataset's test rows; writes the task's summary, event log and
+    curves, and prints its trials."""
+    task = lp.tasks.get(task_id)
+    trials = lp.tasks.trials(task_id).data
+    adapter = lp.tasks.download_adapter(task_id, home / f"{name}-best-adapter")
+    best = task.best_trial
+    accuracy = best_adapter_accuracy(MODEL_KEYS[args.model], adapter, data[2], args.max_seq_len)
+    rows = [{"trial_id": t.id, "hyperparameters": t.hyperparameters, "state": t.state,
+             "stop_reason": t.stop_reason, "steps_done": t.steps_done, "total_steps": t.total_steps,
+             "best_val_loss": t.best_val_loss} for t in sorted(trials, key=lambda t: t.index)]
+    trained = sum(t.steps_done * int(t.hyperparameters["batch_size"]) for t in trials)
+    full = sum(t.total_steps * int(t.hyperparameters["batch_size"]) for t in trials)
+    summary = {
+        "benchmark": "live_sweep", "dataset": name, "model": args.model, "policy": args.policy,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_description(),
+        "command": command_line(), "commit": git_commit(), "task_state": task.state,
+        "tasks_side_by_side": side_by_side, "train_rows": len(data[0]),
+        "wall_s": round(wall_s, 1), "samples_trained": trained, "samples_full": full,
+        "samples_saved_frac": round(1 - trained / full, 4) if full else None,
+        "best_trial": best.id if best else None,
+        "best_hyperparameters": best.hyperparameters if best else None,
+        "best_val_loss": best.best_val_loss if best else None, "best_test_accuracy": accuracy,
+        "gpu_busy": gpu_busy, "packs": packs, "trials": rows,
+    }  # fmt: skip
+    stem = f"{name}-{'smollm2' if args.model.startswith('smollm2') else 'tiny'}-live-{args.policy}"
+    if args.rows:
+        stem += f"-{args.rows[0]}rows"
+    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    events = task_events(lp, task_id)
+    (args.out / f"{stem}-events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (args.out / f"{stem}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in lp.tasks.curves(task_id)))
+    print_table(["trial", "state", "reason", "steps", "of", "best val loss"],
+                [[_label(t.hyperparameters), t.state, t.stop_reason or "-", t.steps_done, t.total_steps,
+                  t.best_val_loss] for t in sorted(trials, key=lambda t: t.index)])
+    print(f"{name}: {task.state} in {wall_s:.0f} s, samples saved "
+          f"{summary['samples_saved_frac']}, best {summary['best_hyperparameters']} "
+          f"(val loss {summary['best_val_loss']}, test accuracy {accuracy}); written to {args.out / stem}.json",
+          flush=True)
+
+
+def task_events(lp: Client, task_id: str) -> list[dict[str, Any]]:
+    """The task's whole event log: where each trial ran, paused, resumed, stopped and why."""
+    events, after = [], None
+    while True:
+        page = lp.tasks.events(task_id, after=after, limit=500)
+        events += [{"id": e.id, "at": e.created_at.isoformat(), "type": e.type, "trial_id": e.trial_id,
+                    "message": e.message} for e in page.data]
+        if not page.has_more:
+            break
+        after = page.next_after
+    return events
 
 
 if __name__ == "__main__":

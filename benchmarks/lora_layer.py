@@ -71,90 +71,110 @@ def bench_graph(fn: Callable[[], Any], clear: Callable[[], None]) -> float | str
     return bench(graph.replay)
 
 
-def run_case(d_in: int, d_out: int, k: int, tokens: int, device: torch.device, gen: torch.Generator) -> list[Any]:
-    dtype = torch.bfloat16
-    r_max = max(RANKS)
-    lengths = ragged_lengths(tokens, k, gen)
-    meta = build_segments(list(range(k)), lengths, num_slots=k, device=device)
-    x = torch.randn(tokens, d_in, generator=gen).to(device, dtype).requires_grad_()
-    weight = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(device, dtype)
-    a = (torch.randn(k, d_in, r_max, generator=gen) / d_in**0.5).to(device, dtype)
-    b = (torch.randn(k, r_max, d_out, generator=gen) / r_max**0.5).to(device, dtype)
-    for z in range(k):
-        rank = RANKS[z % len(RANKS)]
-        a[z, :, rank:] = 0
-        b[z, rank:, :] = 0
-    a.requires_grad_()
-    b.requires_grad_()
-    scale = torch.tensor([2.0] * k, device=device)
-    grad_a, grad_b = torch.zeros_like(a), torch.zeros_like(b)
-    dy = torch.randn(tokens, d_out, generator=gen).to(device, dtype)
+class LayerCase:
+    """One case's inputs: ``k`` slots' adapters (ranks 16/32/64 in turn, zero beyond their rank up to r_max) on a
+    frozen ``d_out x d_in`` weight, ``tokens`` split raggedly among the slots; and each method's forward +
+    backward on them."""
 
-    def base() -> None:
-        F.linear(x, weight).backward(dy)
+    def __init__(self, d_in: int, d_out: int, k: int, tokens: int, device: torch.device, gen: torch.Generator) -> None:
+        dtype = torch.bfloat16
+        r_max = max(RANKS)
+        self.lengths = ragged_lengths(tokens, k, gen)
+        self.meta = build_segments(list(range(k)), self.lengths, num_slots=k, device=device)
+        self.x = torch.randn(tokens, d_in, generator=gen).to(device, dtype).requires_grad_()
+        self.weight = (torch.randn(d_out, d_in, generator=gen) / d_in**0.5).to(device, dtype)
+        a = (torch.randn(k, d_in, r_max, generator=gen) / d_in**0.5).to(device, dtype)
+        b = (torch.randn(k, r_max, d_out, generator=gen) / r_max**0.5).to(device, dtype)
+        for z in range(k):
+            rank = RANKS[z % len(RANKS)]
+            a[z, :, rank:] = 0
+            b[z, rank:, :] = 0
+        self.a = a.requires_grad_()
+        self.b = b.requires_grad_()
+        self.scale = torch.tensor([2.0] * k, device=device)
+        self.grad_a, self.grad_b = torch.zeros_like(a), torch.zeros_like(b)
+        self.dy = torch.randn(tokens, d_out, generator=gen).to(device, dtype)
 
-    def backend(name: str) -> Callable[[], torch.Tensor]:
+    def base(self) -> None:
+        F.linear(self.x, self.weight).backward(self.dy)
+
+    def backend(self, name: str) -> Callable[[], torch.Tensor]:
         def step() -> torch.Tensor:
             set_backend(name)  # type: ignore[arg-type]
-            y = lora_linear(x, weight, None, a, b, scale, meta, None, grad_a, grad_b)
-            y.backward(dy)
+            y = lora_linear(self.x, self.weight, None, self.a, self.b, self.scale, self.meta, None, self.grad_a,
+                            self.grad_b)  # fmt: skip
+            y.backward(self.dy)
             return y
 
         return step
 
-    def grouped() -> None:
-        y = lora_delta(x, a, b, scale, meta, None, F.linear(x, weight), grad_a, grad_b)
-        y.backward(dy)
+    def grouped(self) -> None:
+        x = self.x
+        y = lora_delta(x, self.a, self.b, self.scale, self.meta, None, F.linear(x, self.weight), self.grad_a,
+                       self.grad_b)  # fmt: skip
+        y.backward(self.dy)
 
-    def loop() -> None:
-        base_y = F.linear(x, weight)
+    def loop(self) -> None:
+        x, a, b, scale = self.x, self.a, self.b, self.scale
+        base_y = F.linear(x, self.weight)
         parts, start = [], 0
-        for z, n in enumerate(lengths):
+        for z, n in enumerate(self.lengths):
             parts.append(((x[start : start + n] @ a[z]) * scale[z]) @ b[z])
             start += n
-        (base_y + torch.cat(parts)).backward(dy)
+        (base_y + torch.cat(parts)).backward(self.dy)
         a.grad = b.grad = None
 
-    # Correctness first: Triton against the torch backend on the same inputs.
+    def clear(self) -> None:
+        self.x.grad = self.a.grad = self.b.grad = None
+
+
+def triton_errors(case: LayerCase) -> list[float]:
+    """Relative errors of the Triton backend's output and gradients (x, a, b) against the torch backend's."""
     errs = []
     outs: dict[str, tuple[torch.Tensor, ...]] = {}
     for name in ("torch", "triton"):
-        x.grad = None
-        grad_a.zero_()
-        grad_b.zero_()
-        y = backend(name)()
-        assert x.grad is not None
-        outs[name] = (y.detach().float(), x.grad.detach().float(), grad_a.float(), grad_b.float())
+        case.x.grad = None
+        case.grad_a.zero_()
+        case.grad_b.zero_()
+        y = case.backend(name)()
+        assert case.x.grad is not None
+        outs[name] = (y.detach().float(), case.x.grad.detach().float(), case.grad_a.float(), case.grad_b.float())
     for got, want in zip(outs["triton"], outs["torch"], strict=True):
         errs.append(float((got - want).norm() / want.norm().clamp_min(1e-30)))
     set_backend("auto")
+    return errs
 
-    t_base = bench(base)
-    t_triton = bench(backend("triton"))
-    t_grouped = bench(grouped)
-    t_loop = bench(loop)
+
+def run_case(d_in: int, d_out: int, k: int, tokens: int, device: torch.device, gen: torch.Generator) -> list[Any]:
+    case = LayerCase(d_in, d_out, k, tokens, device, gen)
+    # Correctness first: Triton against the torch backend on the same inputs.
+    errs = triton_errors(case)
+
+    t_base = bench(case.base)
+    t_triton = bench(case.backend("triton"))
+    t_grouped = bench(case.grouped)
+    t_loop = bench(case.loop)
     set_backend("auto")
 
-    def clear() -> None:
-        x.grad = a.grad = b.grad = None
-
-    g_base = bench_graph(base, clear)
-    g_triton = bench_graph(backend("triton"), clear)
-    g_grouped = bench_graph(grouped, clear)
+    g_base = bench_graph(case.base, case.clear)
+    g_triton = bench_graph(case.backend("triton"), case.clear)
+    g_grouped = bench_graph(case.grouped, case.clear)
     set_backend("auto")
 
-    def over(t: float | str, base_ms: float | str) -> float | str:
-        if isinstance(t, str) or isinstance(base_ms, str):
-            return "-"
-        return round(100 * (t - base_ms) / base_ms, 1)
-
-    def ms(t: float | str) -> float | str:
-        return round(t, 4) if isinstance(t, float) else t
-
-    return [f"{d_in}x{d_out}", k, tokens, ms(t_base), ms(t_triton), ms(t_grouped), ms(t_loop),
-            over(t_triton, t_base), over(t_grouped, t_base), over(t_loop, t_base),
-            ms(g_base), ms(g_triton), ms(g_grouped), over(g_triton, g_base), over(g_grouped, g_base),
+    return [f"{d_in}x{d_out}", k, tokens, _ms(t_base), _ms(t_triton), _ms(t_grouped), _ms(t_loop),
+            _over(t_triton, t_base), _over(t_grouped, t_base), _over(t_loop, t_base),
+            _ms(g_base), _ms(g_triton), _ms(g_grouped), _over(g_triton, g_base), _over(g_grouped, g_base),
             f"{max(errs):.1e}"]  # fmt: skip
+
+
+def _over(t: float | str, base_ms: float | str) -> float | str:
+    if isinstance(t, str) or isinstance(base_ms, str):
+        return "-"
+    return round(100 * (t - base_ms) / base_ms, 1)
+
+
+def _ms(t: float | str) -> float | str:
+    return round(t, 4) if isinstance(t, float) else t
 
 
 def main() -> None:

@@ -35,7 +35,8 @@ import torch
 
 from benchmarks.common import RESULTS, command_line, device_description, git_commit, print_table
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, score_answers
-from scheduler.early_exit import EarlyExitConfig, warmup_step
+from scheduler.early_exit.config import EarlyExitConfig
+from scheduler.early_exit.policy import warmup_step
 from worker.engine import ModelSource, PackEngine, TrialSpec, load_base_model
 from worker.engine.data import encode_rows, eval_prompt
 
@@ -89,7 +90,10 @@ def val_exact_match(engine: PackEngine, slot: int, val: list[dict[str, Any]], ma
     return round(score_answers("exact_match", texts, [reference for _, reference in pairs]), 4)
 
 
-def main() -> None:
+Curves = dict[str, dict[str, list[list[float]]]]  # trial id -> "train" / "val" -> [step, samples, tokens, loss]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dataset", choices=["trivia", "arithmetic"], required=True)
     parser.add_argument("--data", type=Path, required=True, help="the folder benchmarks.sweep_data wrote")
@@ -104,7 +108,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="the trials' seeds (adapter init, data order); pair it with the data's "
                              "(`benchmarks.sweep_data --seed`): a new sweep of the same grid, named <stem>-seed<N>")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     folder = args.data / args.dataset
     train, val, test = (read(folder / f"{split}.jsonl") for split in ("train", "val", "test"))
@@ -119,58 +127,16 @@ def main() -> None:
     started = time.perf_counter()
     engine = PackEngine(model, tokenizer, capacity=len(trials), max_rank=max(RANKS), device=device)
     slots = {spec.trial_id: engine.admit(spec) for spec in trials}
-    curves: dict[str, dict[str, list[list[float]]]] = {s.trial_id: {"train": [], "val": []} for s in trials}
-
-    def point(trial: TrialSpec, step: int, loss: float) -> list[float]:
-        samples = step * trial.batch_size
-        return [step, samples, round(samples * tokens_per_row), loss]
-
-    by_id = {s.trial_id: s for s in trials}
-    longest = max(s.max_steps for s in trials)
-    while any(state is not None and state.training for state in engine.slots):
-        losses = engine.step()
-        if engine.pack_step % 25 == 0 or engine.pack_step == longest:
-            print(f"step {engine.pack_step}/{longest}: {len(losses)} trials training, "
-                  f"{time.perf_counter() - started:.0f} s", flush=True)
-        for trial_id, loss in losses.items():
-            state = engine.state(slots[trial_id])
-            curves[trial_id]["train"].append(point(by_id[trial_id], state.steps_done, loss))
-            if state.eval_due:
-                val_loss = engine.evaluate(slots[trial_id])
-                assert val_loss is not None
-                curves[trial_id]["val"].append(point(by_id[trial_id], state.steps_done, val_loss))
+    curves = train_to_the_end(engine, trials, slots, tokens_per_row, started)
     train_s = time.perf_counter() - started
-
-    # Each trial's best-validation adapter on the held-out rows.
-    results: list[dict[str, Any]] = []
-    for spec in trials:
-        slot, state = slots[spec.trial_id], engine.state(slots[spec.trial_id])
-        if state.best is not None:
-            engine.store.load_slot(slot, state.best, rank=spec.lora_rank, scale=state.config.scale)
-        results.append({"trial_id": spec.trial_id, "learning_rate": spec.learning_rate, "lora_rank": spec.lora_rank,
-                        "batch_size": spec.batch_size, "steps": state.steps_done, "best_val_loss": state.best_val_loss,
-                        "best_step": state.best_step, "final_train_loss": state.last_train_loss,
-                        "val_exact_match": val_exact_match(engine, slot, val, args.max_seq_len),
-                        "test_accuracy": test_accuracy(engine, slot, test, args.max_seq_len)})
+    results = score_best_adapters(engine, trials, slots, val, test, args.max_seq_len)
     engine.close()
     total_s = time.perf_counter() - started
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = (f"{args.dataset}-{args.model}-full" + (f"-{args.rows[0]}rows" if args.rows else "")
             + (f"-seed{args.seed}" if args.seed else ""))
-    with (args.out / f"{stem}.jsonl").open("w") as f:
-        for spec in trials:
-            f.write(json.dumps({
-                "trial_id": spec.trial_id,
-                "hyperparameters": {"learning_rate": spec.learning_rate, "lora_rank": spec.lora_rank,
-                                    "lora_alpha": spec.lora_alpha, "lora_dropout": spec.lora_dropout,
-                                    "batch_size": spec.batch_size, "target_modules": spec.target_modules},
-                "samples_per_step": spec.batch_size,
-                "tokens_per_step": round(spec.batch_size * tokens_per_row),
-                "total_steps": spec.max_steps,
-                "train": curves[spec.trial_id]["train"],
-                "val": curves[spec.trial_id]["val"],
-            }) + "\n")  # fmt: skip
+    write_curves(args.out / f"{stem}.jsonl", trials, curves, tokens_per_row)
     best = min(results, key=lambda r: r["best_val_loss"] if r["best_val_loss"] is not None else math.inf)
     # The winner as a task with `evaluation: {"metric": "exact_match"}` picks it: the highest validation score,
     # ties to the lower validation loss.
@@ -195,6 +161,66 @@ def main() -> None:
     print(f"best by validation exact match: {by_metric['trial_id']} (test accuracy {by_metric['test_accuracy']})")
     print(f"best by validation loss: {best['trial_id']} (test accuracy {best['test_accuracy']}); "
           f"training {train_s:.0f} s, total {total_s:.0f} s; written to {args.out / stem}.{{jsonl,json}}")
+
+
+def curve_point(trial: TrialSpec, step: int, loss: float, tokens_per_row: float) -> list[float]:
+    """[step, samples seen, tokens seen, loss]."""
+    samples = step * trial.batch_size
+    return [step, samples, round(samples * tokens_per_row), loss]
+
+
+def train_to_the_end(engine: PackEngine, trials: list[TrialSpec], slots: dict[str, int], tokens_per_row: float,
+                     started: float) -> Curves:
+    """Steps the pack until no trial trains, validating each trial when it is due; prints the progress."""
+    curves: Curves = {s.trial_id: {"train": [], "val": []} for s in trials}
+    by_id = {s.trial_id: s for s in trials}
+    longest = max(s.max_steps for s in trials)
+    while any(state is not None and state.training for state in engine.slots):
+        losses = engine.step()
+        if engine.pack_step % 25 == 0 or engine.pack_step == longest:
+            print(f"step {engine.pack_step}/{longest}: {len(losses)} trials training, "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
+        for trial_id, loss in losses.items():
+            state = engine.state(slots[trial_id])
+            curves[trial_id]["train"].append(curve_point(by_id[trial_id], state.steps_done, loss, tokens_per_row))
+            if state.eval_due:
+                val_loss = engine.evaluate(slots[trial_id])
+                assert val_loss is not None
+                curves[trial_id]["val"].append(curve_point(by_id[trial_id], state.steps_done, val_loss, tokens_per_row))
+    return curves
+
+
+def score_best_adapters(engine: PackEngine, trials: list[TrialSpec], slots: dict[str, int], val: list[dict[str, Any]],
+                        test: list[dict[str, Any]], max_seq_len: int) -> list[dict[str, Any]]:
+    """Each trial's best-validation adapter on the held-out rows (and its validation exact match)."""
+    results: list[dict[str, Any]] = []
+    for spec in trials:
+        slot, state = slots[spec.trial_id], engine.state(slots[spec.trial_id])
+        if state.best is not None:
+            engine.store.load_slot(slot, state.best, rank=spec.lora_rank, scale=state.config.scale)
+        results.append({"trial_id": spec.trial_id, "learning_rate": spec.learning_rate, "lora_rank": spec.lora_rank,
+                        "batch_size": spec.batch_size, "steps": state.steps_done, "best_val_loss": state.best_val_loss,
+                        "best_step": state.best_step, "final_train_loss": state.last_train_loss,
+                        "val_exact_match": val_exact_match(engine, slot, val, max_seq_len),
+                        "test_accuracy": test_accuracy(engine, slot, test, max_seq_len)})
+    return results
+
+
+def write_curves(path: Path, trials: list[TrialSpec], curves: Curves, tokens_per_row: float) -> None:
+    """One row per trial in `loraplane replay`'s format."""
+    with path.open("w") as f:
+        for spec in trials:
+            f.write(json.dumps({
+                "trial_id": spec.trial_id,
+                "hyperparameters": {"learning_rate": spec.learning_rate, "lora_rank": spec.lora_rank,
+                                    "lora_alpha": spec.lora_alpha, "lora_dropout": spec.lora_dropout,
+                                    "batch_size": spec.batch_size, "target_modules": spec.target_modules},
+                "samples_per_step": spec.batch_size,
+                "tokens_per_step": round(spec.batch_size * tokens_per_row),
+                "total_steps": spec.max_steps,
+                "train": curves[spec.trial_id]["train"],
+                "val": curves[spec.trial_id]["val"],
+            }) + "\n")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -174,72 +174,16 @@ class PackRunner:
         with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
             tmp = Path(tmp_name)
             resume = self._fetch_checkpoints(pack["trials"], tmp / "resume", reporter)
-
-            written: dict[str, list[str]] = {}
-
-            def upload_checkpoint(trial_id: str, step: int, path: Path) -> None:
-                key = checkpoint_key(task_of[trial_id], trial_id, step)
-                self.store.put_file(key, _tar(path, tmp / f"{trial_id}.ckpt.tar", gzip=False))
-                reporter.send("trial.checkpoint", trial_id=trial_id, step=step, checkpoint_key=key)
-                # Keep the newest two: the scheduler may not have ingested the newest report yet, and the
-                # one before it is what the database points at meanwhile.
-                keys = written.setdefault(trial_id, [])
-                keys.append(key)
-                while len(keys) > 2:
-                    self.store.delete(keys.pop(0))
-
-            def admissions(free: int) -> list[tuple[TrialSpec, Path | None]]:
-                """Back-fills the scheduler sent for this pack, as many as there are free slots."""
-                taken: list[tuple[TrialSpec, Path | None]] = []
-                for t in self.inbox.take_admissions(pack_id, free):
-                    try:
-                        spec = self.trial_spec(t, read_rows)
-                        path = self._fetch_checkpoints([t], tmp / "resume", reporter).get(t["trial_id"])
-                    except Exception as exc:  # its files or its checkpoint cannot be read
-                        reporter.send("trial.rejected", trial_id=t["trial_id"], reason=f"{type(exc).__name__}: {exc}")
-                        continue
-                    task_of[t["trial_id"]] = t["task_id"]
-                    taken.append((spec, path))
-                return taken
-
-            def admitted(trial_id: str, reason: str | None) -> None:
-                if reason is None:
-                    reporter.send("trial.admitted", trial_id=trial_id)
-                else:
-                    reporter.send("trial.rejected", trial_id=trial_id, reason=reason)
-
-            def finished(outcome: TrialOutcome) -> None:
-                """Reported as soon as the trial ends, with its adapter already stored (its slot frees now)."""
-                key = None
-                if outcome.adapter_dir is not None:  # completed, or stopped early with its best adapter saved
-                    key = adapter_key(task_of[outcome.trial_id], outcome.trial_id)
-                    archive = _tar(outcome.adapter_dir, tmp / f"{outcome.trial_id}.tar.gz", gzip=True)
-                    self.store.put_file(key, archive)
-                    telemetry.adapter_uploaded()
-                reporter.send(
-                    "trial.finished", trial_id=outcome.trial_id, status=outcome.status,
-                    steps_done=outcome.steps_done, best_val_loss=outcome.best_val_loss,
-                    best_step=outcome.best_step, final_train_loss=outcome.final_train_loss,
-                    adapter_key=key, error=outcome.error, pack_steps=outcome.pack_steps,
-                    pack_tokens=outcome.pack_tokens,
-                )
-
-            def stepped(stats: StepStats) -> None:
-                profiler.record(stats)
-                telemetry.observe_step(stats)
-                progress = profiler.take_progress()
-                if progress is not None:  # the scheduler corrects its step-time predictions with it
-                    reporter.send("pack.progress", **progress)
-
+            calls = _PackCallbacks(self, pack_id, reporter, tmp, task_of, read_rows, profiler)
             train_pack(
                 model, tokenizer, specs, base_model_name=export_base_name(source), export_dir=tmp / "adapters",
                 on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, task_of),
-                on_step=stepped, resume=resume, checkpoint_dir=tmp / "checkpoints",
+                on_step=calls.stepped, resume=resume, checkpoint_dir=tmp / "checkpoints",
                 # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
                 checkpoint_interval=max([s.eval_interval for s in specs], default=None),
-                on_checkpoint=upload_checkpoint, capacity=pack.get("capacity"), max_rank=pack.get("max_rank"),
-                target_modules=pack.get("target_modules"), admissions=admissions, on_admitted=admitted,
-                on_outcome=finished, timings=timings,
+                on_checkpoint=calls.upload_checkpoint, capacity=pack.get("capacity"), max_rank=pack.get("max_rank"),
+                target_modules=pack.get("target_modules"), admissions=calls.admissions, on_admitted=calls.admitted,
+                on_outcome=calls.finished, timings=timings,
             )
             for t in self.inbox.drain_admissions(pack_id):
                 reporter.send("trial.rejected", trial_id=t["trial_id"], reason=BACKFILL_NOT_JOINED)
@@ -265,3 +209,75 @@ class PackRunner:
                 tar.extractall(target, filter="data")
             resume[t["trial_id"]] = target
         return resume
+
+
+class _PackCallbacks:
+    """What ``train_pack`` calls back while one pack trains: checkpoint and adapter uploads, back-fills and the
+    reports on them and on each step. ``task_of`` (trial id -> task id) is the pack's, and grows with each
+    back-fill taken."""
+
+    def __init__(self, runner: PackRunner, pack_id: str, reporter: Reporter, tmp: Path, task_of: dict[str, str],
+                 read_rows: Callable[[str], list[dict[str, Any]]], profiler: PackProfiler) -> None:
+        self.runner = runner
+        self.pack_id = pack_id
+        self.reporter = reporter
+        self.tmp = tmp
+        self.task_of = task_of
+        self.read_rows = read_rows
+        self.profiler = profiler
+        self.written: dict[str, list[str]] = {}  # trial id -> its checkpoints' keys in the store, oldest first
+
+    def upload_checkpoint(self, trial_id: str, step: int, path: Path) -> None:
+        key = checkpoint_key(self.task_of[trial_id], trial_id, step)
+        self.runner.store.put_file(key, _tar(path, self.tmp / f"{trial_id}.ckpt.tar", gzip=False))
+        self.reporter.send("trial.checkpoint", trial_id=trial_id, step=step, checkpoint_key=key)
+        # Keep the newest two: the scheduler may not have ingested the newest report yet, and the
+        # one before it is what the database points at meanwhile.
+        keys = self.written.setdefault(trial_id, [])
+        keys.append(key)
+        while len(keys) > 2:
+            self.runner.store.delete(keys.pop(0))
+
+    def admissions(self, free: int) -> list[tuple[TrialSpec, Path | None]]:
+        """Back-fills the scheduler sent for this pack, as many as there are free slots."""
+        runner, reporter = self.runner, self.reporter
+        taken: list[tuple[TrialSpec, Path | None]] = []
+        for t in runner.inbox.take_admissions(self.pack_id, free):
+            try:
+                spec = runner.trial_spec(t, self.read_rows)
+                path = runner._fetch_checkpoints([t], self.tmp / "resume", reporter).get(t["trial_id"])
+            except Exception as exc:  # its files or its checkpoint cannot be read
+                reporter.send("trial.rejected", trial_id=t["trial_id"], reason=f"{type(exc).__name__}: {exc}")
+                continue
+            self.task_of[t["trial_id"]] = t["task_id"]
+            taken.append((spec, path))
+        return taken
+
+    def admitted(self, trial_id: str, reason: str | None) -> None:
+        if reason is None:
+            self.reporter.send("trial.admitted", trial_id=trial_id)
+        else:
+            self.reporter.send("trial.rejected", trial_id=trial_id, reason=reason)
+
+    def finished(self, outcome: TrialOutcome) -> None:
+        """Reported as soon as the trial ends, with its adapter already stored (its slot frees now)."""
+        key = None
+        if outcome.adapter_dir is not None:  # completed, or stopped early with its best adapter saved
+            key = adapter_key(self.task_of[outcome.trial_id], outcome.trial_id)
+            archive = _tar(outcome.adapter_dir, self.tmp / f"{outcome.trial_id}.tar.gz", gzip=True)
+            self.runner.store.put_file(key, archive)
+            telemetry.adapter_uploaded()
+        self.reporter.send(
+            "trial.finished", trial_id=outcome.trial_id, status=outcome.status,
+            steps_done=outcome.steps_done, best_val_loss=outcome.best_val_loss,
+            best_step=outcome.best_step, final_train_loss=outcome.final_train_loss,
+            adapter_key=key, error=outcome.error, pack_steps=outcome.pack_steps,
+            pack_tokens=outcome.pack_tokens,
+        )
+
+    def stepped(self, stats: StepStats) -> None:
+        self.profiler.record(stats)
+        telemetry.observe_step(stats)
+        progress = self.profiler.take_progress()
+        if progress is not None:  # the scheduler corrects its step-time predictions with it
+            self.reporter.send("pack.progress", **progress)

@@ -73,6 +73,17 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
     page: Any, service: Service, console: Console
 ) -> None:
     sign_in(page, service.tenant_key)
+    fill_in_a_task_of_four_trials(page, console)
+    task_id = submit_and_watch_it_train_to_the_end(page)
+    best_trial = check_the_curves_and_the_trials_table(page)
+    sort_the_table_from_the_keyboard(page, best_trial)
+    download_the_adapters(page, task_id, best_trial)
+    leave_the_page(page, task_id)
+
+
+def fill_in_a_task_of_four_trials(page: Any, console: Console) -> None:
+    """The new-task form with an uploaded file; its preview of the grid as it is edited (a bad value, a grid over
+    the tenant's quota) until the grid is 2 x 2."""
     page.get_by_role("navigation", name="Main").get_by_role("link", name="New task").click()
     expect(page.get_by_role("heading", name="New task")).to_be_visible()
 
@@ -103,9 +114,12 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
     page.get_by_label("Max sequence length").fill("64")
     shot(page, "02-submit-form")
 
+
+def submit_and_watch_it_train_to_the_end(page: Any) -> str:
+    """Submits the form; the task's page follows it live until it succeeds. Returns the task's id."""
     page.get_by_role("button", name="Submit task").click()
     expect(page).to_have_url(re.compile(r"#/tasks/task-"), timeout=15_000)
-    task_id = page.url.rsplit("/", 1)[1]
+    task_id: str = page.url.rsplit("/", 1)[1]
     expect(page.locator("#live-mode")).to_have_attribute("data-mode", re.compile("stream|ended"))
 
     # Live to the end: the page updates itself from the stream (no reload).
@@ -114,7 +128,11 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
     expect(page.locator("#live-mode")).to_have_attribute("data-mode", "ended")
     expect(page.locator(".log li[data-type='task.succeeded']")).to_have_count(1)
     expect(page.locator(".log li[data-type='trial.completed']")).to_have_count(4)
+    return task_id
 
+
+def check_the_curves_and_the_trials_table(page: Any) -> str | None:
+    """Returns the best trial's id, as the table marks it."""
     # Every trial's curves are drawn: a train line and a validation line per trial, the best one marked.
     trials = page.locator("svg.chart g.trial")
     expect(trials).to_have_count(4)
@@ -127,9 +145,12 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
     expect(page.locator("#trials td.metric")).to_have_count(0)  # judged by loss: no metric column
     best_row = page.locator("#trials tbody tr.best")
     expect(best_row).to_have_count(1)
-    best_trial = best_row.get_attribute("data-trial")
+    best_trial: str | None = best_row.get_attribute("data-trial")
     assert page.locator("svg.chart g.trial.best").get_attribute("data-trial") == best_trial
+    return best_trial
 
+
+def sort_the_table_from_the_keyboard(page: Any, best_trial: str | None) -> None:
     # The table sorts from the keyboard: focus the "Best val" header button, Enter twice (descending).
     header = page.get_by_role("button", name=re.compile("^Best val"))
     header.focus()
@@ -146,6 +167,9 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
                                                                            "height": 1000})
     assert path.stat().st_size > 10_000
 
+
+def download_the_adapters(page: Any, task_id: str, best_trial: str | None) -> None:
+    """The best adapter (a PEFT adapter in a tar.gz named after the task and trial), then one trial's."""
     with page.expect_download() as download_info:
         page.get_by_role("button", name="Download best adapter").click()
     download = download_info.value
@@ -160,6 +184,8 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
         page.get_by_role("button", name="Download the adapter of trial 0").click()
     assert download_info.value.suggested_filename.endswith("-adapter.tar.gz")
 
+
+def leave_the_page(page: Any, task_id: str) -> None:
     # Leaving the page closes its stream and timers: nothing about this task is asked for afterwards.
     asked: list[str] = []
     page.on("request", lambda r: asked.append(r.url) if task_id in r.url else None)

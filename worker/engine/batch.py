@@ -142,59 +142,17 @@ def pack_rows(
     lengths = [len(e.input_ids) for e in examples]
     n_real = sum(lengths)
     # Padding after the real tokens, in rows of the last slot that nothing reads.
-    if static_shapes:  # as many rows as the bucket's size says, each of at most ROW_LENGTH_MULTIPLE tokens
-        n_tokens = shape_bucket(n_real, pad_to_multiple)
-        tail = n_tokens - n_real  # < the bucket's step
-        count = -(-_bucket_step(n_tokens, pad_to_multiple) // ROW_LENGTH_MULTIPLE)
-        pad_rows = [tail // count + (i < tail % count) for i in range(count)]
-    else:  # one row, up to the width multiple
-        n_tokens = -(-n_real // pad_to_multiple) * pad_to_multiple
-        tail = n_tokens - n_real
-        pad_rows = [tail] if tail else []
+    n_tokens, pad_rows = _padding_rows(n_real, pad_to_multiple, static_shapes)
     row_lengths = lengths + pad_rows
-    ends = torch.tensor(row_lengths, dtype=torch.int64).cumsum(0)
-    starts = ends - torch.tensor(row_lengths, dtype=torch.int64)
-    # One tensor per field from flat lists: a tensor per row costs ~30 us each on the host.
-    input_ids = torch.tensor([t for e in examples for t in e.input_ids] + [pad_token_id] * tail, dtype=torch.int64)
-    labels = torch.tensor([t for e in examples for t in e.labels] + [IGNORE_INDEX] * tail, dtype=torch.int64)
-    row_of_token = torch.repeat_interleave(torch.arange(len(row_lengths)), torch.tensor(row_lengths))
-    position_ids = torch.arange(n_tokens) - starts[row_of_token]
-
-    slot_tokens = [sum(len(e.input_ids) for e in part.examples) for part in parts]
-    pad_spans = [(n_real, n_tokens)] if tail else []
-    if static_shapes:
-        per_slot = [0] * num_slots
-        for part, n in zip(parts, slot_tokens, strict=True):
-            per_slot[part.slot] += n
-        per_slot[-1] += tail  # the padding row goes with the last slot (after every real token)
-        meta = build_slot_segments(per_slot, device=device, pad_spans=pad_spans)
-    else:
-        slot_tokens[-1] += tail
-        meta = build_segments([p.slot for p in parts], slot_tokens, num_slots=num_slots, device=device,
-                              pad_spans=pad_spans)  # fmt: skip
+    input_ids, labels, position_ids, row_of_token, ends = _token_tensors(
+        examples, row_lengths, n_tokens, n_tokens - n_real, pad_token_id
+    )
+    meta = _stream_segments(parts, n_real, n_tokens, num_slots, device, static_shapes)
     keys = _token_dropout(rows, position_ids, row_of_token) if any(p.dropout > 0 for p in parts) else None
-
-    # Position t predicts token t + 1 of the same row; only target tokens count.
-    predicts = torch.zeros(n_tokens, dtype=torch.bool)
-    predicts[:-1] = (labels[1:] != IGNORE_INDEX) & (position_ids[1:] != 0)
-    positions = predicts.nonzero().squeeze(1)
-    target_rows = row_of_token[positions]
-    slots = torch.tensor([p.slot for p, _ in rows], dtype=torch.int64)[target_rows]
-    counts = torch.bincount(slots, minlength=num_slots)
-    target_labels = labels[positions + 1]
-    if static_shapes:  # ignored targets of the last slot: they add 0 to its loss and nothing to any gradient
-        extra = shape_bucket(len(positions), TARGET_MULTIPLE) - len(positions)
-        positions = torch.cat([positions, torch.full((extra,), n_tokens - 1)])
-        target_rows = torch.cat([target_rows, torch.full((extra,), len(row_lengths) - 1)])
-        slots = torch.cat([slots, torch.full((extra,), num_slots - 1)])
-        target_labels = torch.cat([target_labels, torch.full((extra,), IGNORE_INDEX)])
-    chunks = []
-    for start in range(0, len(positions), loss_chunk):
-        end = min(start + loss_chunk, len(positions))
-        chunk_meta = _chunk_segments(slots[start:end], num_slots, device, static_shapes)
-        chunk_keys = None if keys is None else _select(keys, positions[start:end])
-        chunks.append(LossChunk(start, end, TokenRouting(chunk_meta, _to_device(chunk_keys, device))))
-
+    positions, target_rows, slots, target_labels, counts = _loss_targets(
+        labels, position_ids, row_of_token, rows, len(row_lengths), num_slots, static_shapes
+    )
+    chunks = _loss_chunks(positions, slots, keys, loss_chunk, num_slots, device, static_shapes)
     max_row_len = max(row_lengths)
     if static_shapes:
         max_row_len = -(-max_row_len // ROW_LENGTH_MULTIPLE) * ROW_LENGTH_MULTIPLE
@@ -210,11 +168,108 @@ def pack_rows(
             labels=upload(target_labels, device),
             slots=upload(slots, device),
             rows=upload(target_rows, device),
-            chunks=tuple(chunks),
+            chunks=chunks,
         ),
         target_counts=upload(counts.clamp(min=1).to(torch.float32), device),
         n_targets={p.slot: int(counts[p.slot]) for p in parts},
     )
+
+
+def _padding_rows(n_real: int, pad_to_multiple: int, static_shapes: bool) -> tuple[int, list[int]]:
+    """The stream's length (``pad_to_multiple``, ``static_shapes``: see ``pack_rows``) and the lengths of the
+    padding rows after its ``n_real`` real tokens."""
+    if static_shapes:  # as many rows as the bucket's size says, each of at most ROW_LENGTH_MULTIPLE tokens
+        n_tokens = shape_bucket(n_real, pad_to_multiple)
+        tail = n_tokens - n_real  # < the bucket's step
+        count = -(-_bucket_step(n_tokens, pad_to_multiple) // ROW_LENGTH_MULTIPLE)
+        return n_tokens, [tail // count + (i < tail % count) for i in range(count)]
+    # One row, up to the width multiple.
+    n_tokens = -(-n_real // pad_to_multiple) * pad_to_multiple
+    tail = n_tokens - n_real
+    return n_tokens, [tail] if tail else []
+
+
+def _token_tensors(
+    examples: list[Example], row_lengths: list[int], n_tokens: int, tail: int, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stream's tokens, labels and position ids (the ``tail`` padding tokens after the examples'), the row
+    of each token, and each row's end; ``(tokens,)`` each but the ends, ``(rows,)``."""
+    ends = torch.tensor(row_lengths, dtype=torch.int64).cumsum(0)
+    starts = ends - torch.tensor(row_lengths, dtype=torch.int64)
+    # One tensor per field from flat lists: a tensor per row costs ~30 us each on the host.
+    input_ids = torch.tensor([t for e in examples for t in e.input_ids] + [pad_token_id] * tail, dtype=torch.int64)
+    labels = torch.tensor([t for e in examples for t in e.labels] + [IGNORE_INDEX] * tail, dtype=torch.int64)
+    row_of_token = torch.repeat_interleave(torch.arange(len(row_lengths)), torch.tensor(row_lengths))
+    position_ids = torch.arange(n_tokens) - starts[row_of_token]
+    return input_ids, labels, position_ids, row_of_token, ends
+
+
+def _stream_segments(
+    parts: Sequence[SlotRows], n_real: int, n_tokens: int, num_slots: int, device: torch.device, static_shapes: bool
+) -> SegmentMeta:
+    """The LoRA routing of the stream's tokens: each part's tokens are its slot's segment (``static_shapes``: one
+    segment per slot, in slot order, empty or not); the padding after ``n_real`` goes with the last."""
+    tail = n_tokens - n_real
+    slot_tokens = [sum(len(e.input_ids) for e in part.examples) for part in parts]
+    pad_spans = [(n_real, n_tokens)] if tail else []
+    if static_shapes:
+        per_slot = [0] * num_slots
+        for part, n in zip(parts, slot_tokens, strict=True):
+            per_slot[part.slot] += n
+        per_slot[-1] += tail  # the padding row goes with the last slot (after every real token)
+        return build_slot_segments(per_slot, device=device, pad_spans=pad_spans)
+    slot_tokens[-1] += tail
+    return build_segments([p.slot for p in parts], slot_tokens, num_slots=num_slots, device=device,
+                          pad_spans=pad_spans)  # fmt: skip
+
+
+def _loss_targets(
+    labels: torch.Tensor,
+    position_ids: torch.Tensor,
+    row_of_token: torch.Tensor,
+    rows: list[tuple[SlotRows, int]],
+    n_rows: int,
+    num_slots: int,
+    static_shapes: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The loss's targets in token order: their positions, rows (of the ``n_rows``, padding included), slots and
+    labels (with ``static_shapes``, padded to their bucket), and the real targets' count per slot, ``(Z,)``."""
+    n_tokens = labels.shape[0]
+    # Position t predicts token t + 1 of the same row; only target tokens count.
+    predicts = torch.zeros(n_tokens, dtype=torch.bool)
+    predicts[:-1] = (labels[1:] != IGNORE_INDEX) & (position_ids[1:] != 0)
+    positions = predicts.nonzero().squeeze(1)
+    target_rows = row_of_token[positions]
+    slots = torch.tensor([p.slot for p, _ in rows], dtype=torch.int64)[target_rows]
+    counts = torch.bincount(slots, minlength=num_slots)
+    target_labels = labels[positions + 1]
+    if static_shapes:  # ignored targets of the last slot: they add 0 to its loss and nothing to any gradient
+        extra = shape_bucket(len(positions), TARGET_MULTIPLE) - len(positions)
+        positions = torch.cat([positions, torch.full((extra,), n_tokens - 1)])
+        target_rows = torch.cat([target_rows, torch.full((extra,), n_rows - 1)])
+        slots = torch.cat([slots, torch.full((extra,), num_slots - 1)])
+        target_labels = torch.cat([target_labels, torch.full((extra,), IGNORE_INDEX)])
+    return positions, target_rows, slots, target_labels, counts
+
+
+def _loss_chunks(
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    keys: DropoutKeys | None,
+    loss_chunk: int,
+    num_slots: int,
+    device: torch.device,
+    static_shapes: bool,
+) -> tuple[LossChunk, ...]:
+    """The targets cut into chunks of ``loss_chunk``, each with the LoRA routing (and dropout keys) of its
+    hidden states for an adapted ``lm_head``."""
+    chunks = []
+    for start in range(0, len(positions), loss_chunk):
+        end = min(start + loss_chunk, len(positions))
+        chunk_meta = _chunk_segments(slots[start:end], num_slots, device, static_shapes)
+        chunk_keys = None if keys is None else _select(keys, positions[start:end])
+        chunks.append(LossChunk(start, end, TokenRouting(chunk_meta, _to_device(chunk_keys, device))))
+    return tuple(chunks)
 
 
 def shape_bucket(n: int, multiple: int) -> int:

@@ -95,14 +95,32 @@ def train_pack(
         One outcome per stay of a trial in the pack: ``trials`` in order, then the admitted ones in the order
         they ended (a trial paused and admitted again has one per stay).
     """
-    ids = [t.trial_id for t in trials]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"duplicate trial ids in pack: {ids}")
-    outcomes: list[TrialOutcome] = []
+    ids = _unique_ids(trials)
     clock = timings if timings is not None else PackTimings()
     started = time.perf_counter()
     writer = _Writer()
-    report = _Reporter(outcomes, on_outcome, writer)
+    report = _Reporter([], on_outcome, writer)
+    ready = _set_up(model, trials, report)
+    hooks = _Hooks(on_point, Path(export_dir), base_model_name, checkpoint_dir, checkpoint_interval, on_checkpoint,
+                   writer, clock)
+    layers = _pack_layers(model, ready, target_modules)
+    rank = max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64
+    with _closing_writer(writer, clock, started):
+        if ready or admissions is not None:
+            with _new_engine(model, tokenizer, layers, rank, capacity, len(ready), activation_checkpointing) as engine:
+                _run(engine, ready, resume or {}, report, hooks, admissions, on_admitted, should_stop, on_step)
+    return _in_trial_order(report.outcomes, ids)
+
+
+def _unique_ids(trials: list[TrialSpec]) -> list[str]:
+    ids = [t.trial_id for t in trials]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate trial ids in pack: {ids}")
+    return ids
+
+
+def _set_up(model: PreTrainedModel, trials: list[TrialSpec], report: _Reporter) -> list[tuple[TrialSpec, list[str]]]:
+    """The trials whose spec is valid, each with the layers it adapts; the others are reported failed."""
     ready: list[tuple[TrialSpec, list[str]]] = []
     for spec in trials:
         try:
@@ -111,32 +129,56 @@ def train_pack(
         except Exception as exc:
             logger.warning("trial %s failed during setup: %s", spec.trial_id, exc)
             report(TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)))
-    hooks = _Hooks(
-        on_point, Path(export_dir), base_model_name, checkpoint_dir, checkpoint_interval, on_checkpoint, writer, clock
-    )
+    return ready
+
+
+def _pack_layers(
+    model: PreTrainedModel, ready: list[tuple[TrialSpec, list[str]]], target_modules: list[str] | None
+) -> set[str]:
+    """The layers the pack wraps: the trials' own, plus those ``target_modules`` selects."""
     layers = {path for _, paths in ready for path in paths}
     for pattern in target_modules or []:  # room for back-fills; a pattern this model lacks wraps nothing
         try:
             layers |= set(resolve_target_modules(model, [pattern]))
         except ValueError as exc:
             logger.warning("pack layers: %s", exc)
-    rank = max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64
+    return layers
+
+
+def _new_engine(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    layers: set[str],
+    rank: int,
+    capacity: int | None,
+    starting: int,
+    activation_checkpointing: bool,
+) -> PackEngine:
+    """The pack's engine: a slot per trial it starts with (``starting``, at least one) plus the spare ones up to
+    ``capacity`` that fit (``_capacity``), each of rank ``rank``, over ``layers`` (none: the trials' own)."""
+    return PackEngine(
+        model,
+        tokenizer,
+        capacity=_capacity(model, layers, rank, wanted=capacity or 0, needed=max(starting, 1)),
+        max_rank=rank,
+        target_modules=sorted(layers) or None,
+        activation_checkpointing=activation_checkpointing,
+    )
+
+
+@contextmanager
+def _closing_writer(writer: _Writer, clock: PackTimings, started: float) -> Iterator[None]:
+    """On the way out, an exception included: wait for the writer's work (raising its first failure) and add the
+    pack's wall time since ``started``."""
     try:
-        if ready or admissions is not None:
-            engine = PackEngine(
-                model,
-                tokenizer,
-                capacity=_capacity(model, layers, rank, wanted=capacity or 0, needed=max(len(ready), 1)),
-                max_rank=rank,
-                target_modules=sorted(layers) or None,
-                activation_checkpointing=activation_checkpointing,
-            )
-            with engine:
-                _run(engine, ready, resume or {}, report, hooks, admissions, on_admitted, should_stop, on_step)
+        yield
     finally:
         with clock.measure("waiting_s"):
             writer.close()
         clock.wall_s += time.perf_counter() - started
+
+
+def _in_trial_order(outcomes: list[TrialOutcome], ids: list[str]) -> list[TrialOutcome]:
     order = {trial_id: i for i, trial_id in enumerate(ids)}
     return sorted(outcomes, key=lambda o: order.get(o.trial_id, len(ids)))  # stable: admitted ones as they ended
 
