@@ -26,6 +26,7 @@ from worker.engine.attention import use_packed_attention
 from worker.engine.batch import PackedBatch, SlotRows, pack_rows
 from worker.engine.capture import StepGraphs, capturable
 from worker.engine.data import IGNORE_INDEX, BatchSampler, Example, encode_rows
+from worker.engine.distributed import Lockstep
 from worker.engine.export import export_peft_adapter
 from worker.engine.feed import BatchKey
 from worker.engine.fused import fuse, unfuse
@@ -63,6 +64,10 @@ class PackEngine:
         loss_chunk_tokens: target tokens per ``lm_head`` chunk of the loss.
         activation_checkpointing: recompute each decoder layer in the backward (about a third more compute,
             a fraction of the activation memory: what lets many trials at batch > 1 fit).
+        lockstep: this engine is one rank of a pack over several GPUs (worker/engine/distributed.py): the base's
+            layers are sharded (`shard_base`, before this engine), generation agrees with the other ranks once per
+            new token, a failed joint step or validation is not retried slot by slot (the ranks' passes would no
+            longer match), and steps run eagerly (a CUDA graph cannot hold the layers' collectives).
 
     Raises:
         ValueError: a model whose logits are not plainly ``lm_head(last hidden state)``, or bad targets.
@@ -79,6 +84,7 @@ class PackEngine:
         target_modules: list[str] | None = None,
         loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
         activation_checkpointing: bool = False,
+        lockstep: Lockstep | None = None,
     ) -> None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
@@ -91,6 +97,7 @@ class PackEngine:
         self.model, self.tokenizer, self.pad_token_id = model, tokenizer, int(pad)
         self.device = device or parameter.device
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.lockstep = lockstep
         model.requires_grad_(False)
         model.eval()  # the base never drops out; LoRA dropout is the engine's own
         paths = resolve_target_modules(model, target_modules or [ALL_LINEAR])
@@ -110,7 +117,8 @@ class PackEngine:
         self.optimizer = SlotAdamW(self.store.weights, self.store.grads, self.store.compute)
         # CUDA graphs of the step where the layers allow (capture.py); None: every step runs eagerly.
         self.graphs: StepGraphs | None = None
-        if capturable(layers, capacity=capacity, max_rank=max_rank, dtype=parameter.dtype, device=self.device):
+        if lockstep is None and capturable(layers, capacity=capacity, max_rank=max_rank, dtype=parameter.dtype,
+                                           device=self.device):
             self.graphs = StepGraphs(self._forward_backward, self.store.grads, layers)
         self.slots: list[SlotState | None] = [None] * capacity
         self.pack_step = 0
@@ -258,8 +266,9 @@ class PackEngine:
                 return captured, data_s, width, True
             return self._forward_backward(batch), data_s, width, False
         except Exception as exc:
-            if len(parts) == 1:
-                self._fail(parts[0].slot, exc)
+            if len(parts) == 1 or self.lockstep is not None:  # a retry would run passes the other ranks do not
+                for part in parts:
+                    self._fail(part.slot, exc)
                 return losses, data_s, 0, False
             logger.warning("joint step failed (%s); retrying its %d slots one by one", exc, len(parts))
         self.store.grads.zero_()
@@ -301,7 +310,7 @@ class PackEngine:
         states = {slot: self.state(slot) for slot in slots}
         totals = torch.zeros(len(self.slots), dtype=torch.float64, device=self.device)
         n_targets = dict.fromkeys(slots, 0)
-        for parts in _eval_forwards([(slot, state.val) for slot, state in states.items()], EVAL_MAX_TOKENS):
+        for parts in self._eval_forwards(slots):
             batch = self._pack(parts)
             totals += self._loss_sums(batch, training=False).double()
             for slot, n in batch.n_targets.items():
@@ -317,6 +326,13 @@ class PackEngine:
                 state.best_val_loss, state.best_step = loss, state.steps_done
                 state.best = self.store.read(self.store.weights, slot)
         return losses
+
+    def _eval_forwards(self, slots: list[int]) -> list[list[SlotRows]]:
+        return _eval_forwards([(slot, self.state(slot).val) for slot in slots], EVAL_MAX_TOKENS)
+
+    def evaluation_passes(self, slots: list[int]) -> int:
+        """The forwards ``evaluate_slots(slots)`` runs."""
+        return len(self._eval_forwards(slots))
 
     @torch.no_grad()
     def greedy_matches(self, slot: int, examples: list[Example], batch_size: int = 64) -> list[bool]:
@@ -346,7 +362,9 @@ class PackEngine:
         """Greedy continuations of each slot's prompts under the slot's current adapter: every row of every slot
         in one packed forward per new token (no KV cache: each forward runs the rows so far, which for short
         answers on validation-sized sets costs less than keeping a cache per slot). A row ends at a token of
-        ``stop_ids`` (not included) or after ``max_new_tokens``.
+        ``stop_ids`` (not included) or after ``max_new_tokens``. In a pack over several GPUs every rank calls it
+        at the same point, with no prompts where it has none to answer: the ranks agree on each new token's
+        forwards (the module docstring of worker/engine/distributed.py).
 
         Returns:
             ``{slot: [new token ids per prompt]}``, in the prompts' order.
@@ -355,13 +373,20 @@ class PackEngine:
             self.state(slot)
         answers: dict[int, list[list[int]]] = {slot: [[] for _ in rows] for slot, rows in prompts.items()}
         open_rows = [(slot, i) for slot in sorted(prompts) for i in range(len(prompts[slot])) if prompts[slot][i]]
+        lockstep = self.lockstep
+        if lockstep is not None:
+            max_new_tokens = lockstep.most(max_new_tokens if open_rows else 0)
         for _ in range(max_new_tokens):
-            if not open_rows:
+            groups = _token_groups(open_rows, lambda r: len(prompts[r[0]][r[1]]) + len(answers[r[0]][r[1]]) + 1,
+                                   EVAL_MAX_TOKENS) if open_rows else []
+            passes = len(groups) if lockstep is None else lockstep.most(len(groups))
+            if not passes:
                 break
             tokens: list[int] = []
-            for group in _token_groups(open_rows, lambda r: len(prompts[r[0]][r[1]]) + len(answers[r[0]][r[1]]) + 1,
-                                       EVAL_MAX_TOKENS):
+            for group in groups:
                 tokens += self._next_tokens([(slot, prompts[slot][i] + answers[slot][i]) for slot, i in group])
+            if lockstep is not None:
+                lockstep.pad(self, "forward", passes - len(groups))
             still_open = []
             for (slot, i), token in zip(open_rows, tokens, strict=True):
                 if token in stop_ids:
@@ -467,6 +492,21 @@ class PackEngine:
                 use_cache=False,
                 **batch.attention_kwargs(),
             ).last_hidden_state
+
+    def idle_pass(self, *, train: bool) -> None:
+        """One pass of a single pad token through the bare base (no slot's adapter), and its backward with
+        ``train``: what a rank of a pack over several GPUs runs to take part in the sharded layers' collectives
+        when it has fewer passes to run than the others (worker/engine/distributed.py). It changes nothing."""
+        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
+        bounds = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        with torch.set_grad_enabled(train):
+            embeds = self.model.get_input_embeddings()(ids).detach().requires_grad_(train)
+            hidden = self.model.base_model(
+                inputs_embeds=embeds, position_ids=torch.zeros_like(ids), use_cache=False, cu_seq_lens_q=bounds,
+                cu_seq_lens_k=bounds, max_length_q=1, max_length_k=1,
+            ).last_hidden_state
+            if train:
+                hidden.sum().backward()
 
     def _restore_model(self) -> None:
         _restore(self.model)

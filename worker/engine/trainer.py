@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from common.metrics import score_answers
 from worker.engine.data import eval_prompt
+from worker.engine.distributed import Lockstep
 from worker.engine.engine import PackEngine
 from worker.engine.lora import ALL_LINEAR, resolve_target_modules
 from worker.engine.slots import StepStats
@@ -59,6 +60,7 @@ def train_pack(
     on_admitted: Callable[[str, str | None], None] | None = None,
     on_outcome: Callable[[TrialOutcome], None] | None = None,
     timings: PackTimings | None = None,
+    lockstep: Lockstep | None = None,
 ) -> list[TrialOutcome]:
     """Train ``trials`` together on ``model`` and export each completed one to ``export_dir/<trial_id>/``.
 
@@ -85,6 +87,9 @@ def train_pack(
             step, path)``.
         on_outcome: called with each trial's outcome as soon as the trial ends and its adapter is written.
         timings: filled in with where the pack's wall time went on the training thread.
+        lockstep: this is one rank of a pack over several GPUs (worker/engine/distributed.py): ``trials`` are
+            this rank's, the base's layers are already sharded, and the loop runs in step with the other ranks
+            until none has a live trial.
 
     Checkpoint and adapter files are written on a background thread while training goes on (the training
     thread only snapshots them, on the device); ``on_checkpoint`` and ``on_outcome`` run there too, after
@@ -106,8 +111,9 @@ def train_pack(
     layers = _pack_layers(model, ready, target_modules)
     rank = max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64
     with _closing_writer(writer, clock, started):
-        if ready or admissions is not None:
-            with _new_engine(model, tokenizer, layers, rank, capacity, len(ready), activation_checkpointing) as engine:
+        if ready or admissions is not None or lockstep is not None:  # a rank takes part even with no trial
+            with _new_engine(model, tokenizer, layers, rank, capacity, len(ready), activation_checkpointing,
+                             lockstep) as engine:
                 _run(engine, ready, resume or {}, report, hooks, admissions, on_admitted, should_stop, on_step)
     return _in_trial_order(report.outcomes, ids)
 
@@ -153,6 +159,7 @@ def _new_engine(
     capacity: int | None,
     starting: int,
     activation_checkpointing: bool,
+    lockstep: Lockstep | None,
 ) -> PackEngine:
     """The pack's engine: a slot per trial it starts with (``starting``, at least one) plus the spare ones up to
     ``capacity`` that fit (``_capacity``), each of rank ``rank``, over ``layers`` (none: the trials' own)."""
@@ -163,6 +170,7 @@ def _new_engine(
         max_rank=rank,
         target_modules=sorted(layers) or None,
         activation_checkpointing=activation_checkpointing,
+        lockstep=lockstep,
     )
 
 
@@ -240,7 +248,7 @@ def _run(
         if admissions is not None:
             _admit(engine, admissions, on_admitted)
         live = _live(engine)
-        if not live:
+        if not (live if engine.lockstep is None else engine.lockstep.any(bool(live))):
             break
         stop = should_stop()
         leaving = [s for s in live if engine.state(s).spec.trial_id in stop]
@@ -248,7 +256,7 @@ def _run(
         for slot in leaving:
             report(_take_out(engine, slot, stop[engine.state(slot).spec.trial_id], hooks))
         with hooks.clock.measure("steps_s"):
-            losses = engine.step() if any(state.training for state in engine.slots if state) else {}
+            losses = _step(engine)
         if on_step is not None and engine.last_stats is not None and losses:
             on_step(engine.last_stats)
         with hooks.clock.measure("validation_s"):
@@ -265,6 +273,15 @@ def _run(
             outcome = _after_step(engine, slot, losses, validation.get(slot), hooks)
             if outcome is not None:
                 report(outcome)
+
+
+def _step(engine: PackEngine) -> dict[str, float]:
+    """One pack step of the slots still training; in a pack over several GPUs, an idle one where this rank has
+    none and another rank steps."""
+    stepping = any(state.training for state in engine.slots if state)
+    if engine.lockstep is not None and engine.lockstep.any(stepping) and not stepping:
+        engine.lockstep.pad(engine, "train", 1)
+    return engine.step() if stepping else {}
 
 
 @dataclass
@@ -384,26 +401,27 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: boo
     with ``training``, of trials at an early-exit rung that go on training: their best adapters answer their
     validation rows in one batched greedy generation (``PackEngine.generate``) and each trial's share of passing
     answers (common/metrics.py) is reported as its "metric" point. A trial that goes on training gets its current
-    weights back afterwards. A failure here costs the trials their score, not their result."""
+    weights back afterwards. A failure here costs the trials their score, not their result; in a pack over several
+    GPUs every rank takes part in the generation, with or without trials to score, and one that fails in it fails
+    the pack (the ranks' passes no longer match)."""
     wanted = [s for s in slots if engine.state(s).spec.evaluation is not None and engine.state(s).spec.val_rows]
-    if not wanted:
+    if not wanted and engine.lockstep is None:
         return
     tokenizer = engine.tokenizer
     current = {slot: engine.adapter(slot) for slot in wanted} if training else {}
     with hooks.clock.measure("metric_s"):
         try:
-            prompts: dict[int, list[list[int]]] = {}
-            references: dict[int, list[str]] = {}
-            for slot in wanted:
-                spec = engine.state(slot).spec
-                pairs = [eval_prompt(row, tokenizer) for row in spec.val_rows]
-                prompts[slot] = [ids[-spec.max_seq_len:] for ids, _ in pairs]  # the prompt's end, as training cuts
-                references[slot] = [reference for _, reference in pairs]
-                engine.use_best(slot)
+            prompts, references = _prompts(engine, wanted)
+        except Exception:
+            logger.exception("scoring %d trials by generation failed; they go without a metric", len(wanted))
+            wanted, prompts = [], {}
+        try:
             evaluations = {slot: engine.state(slot).spec.evaluation for slot in wanted}
-            longest = max(e.max_new_tokens for e in evaluations.values() if e is not None)
+            longest = max([e.max_new_tokens for e in evaluations.values() if e is not None], default=0)
             answers = engine.generate(prompts, max_new_tokens=longest, stop_ids=engine.answer_stop_ids)
         except Exception:
+            if engine.lockstep is not None:
+                raise
             logger.exception("scoring %d trials by generation failed; they go without a metric", len(wanted))
             return
         finally:
@@ -419,10 +437,25 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: boo
         hooks.on_point(state.spec.trial_id, state.steps_done, "metric", score)
 
 
+def _prompts(engine: PackEngine, slots: list[int]) -> tuple[dict[int, list[list[int]]], dict[int, list[str]]]:
+    """Each slot's validation prompts and reference answers, with the slot's best adapter installed to answer."""
+    prompts: dict[int, list[list[int]]] = {}
+    references: dict[int, list[str]] = {}
+    for slot in slots:
+        spec = engine.state(slot).spec
+        pairs = [eval_prompt(row, engine.tokenizer) for row in spec.val_rows]
+        prompts[slot] = [ids[-spec.max_seq_len:] for ids, _ in pairs]  # the prompt's end, as training cuts
+        references[slot] = [reference for _, reference in pairs]
+        engine.use_best(slot)
+    return prompts, references
+
+
 def _validate(engine: PackEngine, losses: dict[str, float]) -> dict[int, float | BaseException | None]:
     """Validation of every slot due after this step, in shared forwards; if those raise, slot by slot, so
     only the slots that break fail (their exception is their result)."""
     due = [s for s in _live(engine) if engine.state(s).spec.trial_id in losses and engine.state(s).eval_due]
+    if engine.lockstep is not None:
+        return _validate_in_step(engine, engine.lockstep, due)
     if not due:
         return {}
     try:
@@ -435,6 +468,18 @@ def _validate(engine: PackEngine, losses: dict[str, float]) -> dict[int, float |
             results[slot] = engine.evaluate(slot)
         except Exception as exc:
             results[slot] = exc
+    return results
+
+
+def _validate_in_step(
+    engine: PackEngine, lockstep: Lockstep, due: list[int]
+) -> dict[int, float | BaseException | None]:
+    """``_validate`` on one rank of a pack over several GPUs: the ranks agree on the phase's forwards and this rank
+    pads its own to that (distributed.py); no slot-by-slot retry, whose passes the other ranks would not run."""
+    own = engine.evaluation_passes(due) if due else 0
+    passes = lockstep.most(own)
+    results: dict[int, float | BaseException | None] = dict(engine.evaluate_slots(due)) if due else {}
+    lockstep.pad(engine, "forward", passes - own)
     return results
 
 

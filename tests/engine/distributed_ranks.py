@@ -1,0 +1,124 @@
+"""One pack's scenario, run by `tests/engine/test_distributed.py` on one process and on each rank of two (gloo).
+
+The scenario exercises what a pack does over its life: trials of different lengths and validation intervals (so
+the ranks' passes differ), a generative metric at a trial's end, a trial stopped early with its best adapter
+exported, a trial paused to a checkpoint and admitted again from it, and a back-fill admitted into a free slot.
+What happens when is decided by the pack's loop iteration (each rank's loop runs the same iterations), so the two
+runs see the same events at the same pack steps.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.engine.factories import TINY, chat_rows, make_spec
+from worker.engine.distributed import Lockstep, assign_ranks, decoder_layers, shard_base
+from worker.engine.models import load_base_model
+from worker.engine.spec import Evaluation, TrialOutcome, TrialSpec
+from worker.engine.trainer import StopMode, train_pack
+
+CAPACITY = 3  # slots of each rank's engine; the one-process engine has room for every trial
+EXPORT_AT, PAUSE_AT, RESUME_FROM, BACKFILL_AT = 7, 5, 9, 3  # loop iterations
+
+
+def specs() -> dict[str, TrialSpec]:
+    return {
+        "a": make_spec("a", max_steps=10, seed=1, eval_interval=4,
+                       evaluation=Evaluation(metric="exact_match", max_new_tokens=6)),
+        "b": make_spec("b", max_steps=12, seed=2, eval_interval=5),
+        "c": make_spec("c", max_steps=6, seed=3, eval_interval=3, val_rows=chat_rows(6)),
+        "d": make_spec("d", max_steps=8, seed=4, eval_interval=2, lora_rank=2,
+                       evaluation=Evaluation(metric="contains", max_new_tokens=4)),
+        "e": make_spec("e", max_steps=9, seed=5, eval_interval=3),
+    }
+
+
+def rank_of(trial_id: str, world: int) -> int:
+    """Where each trial trains: the pack's starting trials dealt in turn, the back-fill d and b's resumption on
+    the last rank (a back-fill goes to a rank with a free slot)."""
+    if trial_id in ("b", "d"):
+        return world - 1
+    order = ["a", "c", "e"]
+    return next(r for r, ids in enumerate(assign_ranks(order, world)) if trial_id in ids)
+
+
+def run(rank: int, world: int, out: str, store: str, cache: str) -> None:
+    """The scenario on ``rank`` of ``world`` processes (``world`` 1: alone, with every trial); writes this rank's
+    outcomes and points to ``out/rank<rank>.json`` and its adapters under ``out/export<rank>/``."""
+    torch.set_num_threads(1)
+    if world > 1:
+        # A collective the ranks disagree on fails after the timeout instead of hanging the suite.
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+    try:
+        _run(rank, world, Path(out), Path(cache))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _run(rank: int, world: int, out: Path, cache: Path) -> None:
+    model, tokenizer = load_base_model(TINY, cache_dir=cache, device=torch.device("cpu"))
+    lockstep = None
+    if world > 1:
+        shard_base(model)
+        lockstep = Lockstep()
+    all_specs = specs()
+    mine = [all_specs[t] for t in ("a", "b", "c", "e") if rank_of(t, world) == rank]
+    points: list[list[Any]] = []
+    checkpoints: dict[str, Path] = {}
+    iteration = {"n": 0}
+    admitted: set[str] = set()
+
+    def should_stop() -> dict[str, StopMode]:
+        iteration["n"] += 1
+        n = iteration["n"]
+        stops: dict[str, StopMode] = {}
+        if n == EXPORT_AT:
+            stops["e"] = "export"
+        if n == PAUSE_AT:
+            stops["b"] = "pause"
+        return stops
+
+    def admissions(free: int) -> list[tuple[TrialSpec, Path | None]]:
+        n = iteration["n"]
+        due = []
+        if n >= BACKFILL_AT and rank_of("d", world) == rank:
+            due.append(("d", None))
+        if n >= RESUME_FROM and "b" in checkpoints and rank_of("b", world) == rank:
+            due.append(("b", checkpoints["b"]))
+        given = [(all_specs[t], path) for t, path in due if t not in admitted][:free]
+        admitted.update(spec.trial_id for spec, _ in given)
+        return given
+
+    outcomes = train_pack(
+        model, tokenizer, mine, base_model_name="tiny-random-llama", export_dir=out / f"export{rank}",
+        on_point=lambda *p: points.append(list(p)), should_stop=should_stop, admissions=admissions,
+        checkpoint_dir=out / f"checkpoints{rank}", checkpoint_interval=1000,
+        capacity=CAPACITY if world > 1 else 2 * CAPACITY, max_rank=4,
+        on_checkpoint=lambda trial_id, step, path: checkpoints.setdefault(trial_id, path), lockstep=lockstep,
+    )  # fmt: skip
+    result = {"outcomes": [_outcome(o) for o in outcomes], "points": points,
+              "idle": lockstep.idle if lockstep is not None else None, "layer_share": _layer_share(model)}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _layer_share(model: torch.nn.Module) -> float:
+    """The share of the decoder layers' weights this rank holds (1/world when they are sharded)."""
+    held = total = 0
+    for p in decoder_layers(model).parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        held, total = held + local.numel(), total + p.numel()
+    return held / total
+
+
+def _outcome(o: TrialOutcome) -> dict[str, Any]:
+    return {"trial_id": o.trial_id, "status": o.status, "steps_done": o.steps_done, "best_val_loss": o.best_val_loss,
+            "best_step": o.best_step, "adapter_dir": str(o.adapter_dir) if o.adapter_dir else None, "error": o.error}

@@ -1,0 +1,108 @@
+"""A pack over several GPUs of one host: the frozen base sharded, each trial on one rank (docs/multi-gpu.md).
+
+Adapter parallelism (ALTO §6.3): every decoder layer of the frozen base is sharded over the ranks with FSDP2
+(`shard_base`), so a base too large for one GPU's memory fits in all of them; each trial lives on one rank only,
+with its adapter, gradients and optimizer state there and nowhere else (nothing of it is replicated or reduced).
+Each rank runs its own `PackEngine` over its own trials' rows: one forward and one backward a step, in which each
+layer's weights are gathered from the ranks for the pass and freed after it. A trial's math is the one-GPU
+pack's, row for row: its adapter comes out the same (`tests/engine/test_distributed.py`).
+
+The price is lockstep. Every pass through the sharded layers is a collective (each layer's all-gather), so every
+rank must run the same passes in the same order, whatever its own trials need; a rank that is still in a layer's
+all-gather while another has gone on to something else waits for ever. So before each phase of a pack step the
+ranks agree how many passes it takes (`Lockstep.most`: the largest of any rank's own count), each runs its own,
+and a rank with fewer makes up the difference with idle passes of one pad token through the base
+(`PackEngine.idle_pass`). The phases, in worker/engine/trainer.py's loop: whether any rank has a live trial (the
+loop goes on while one does), the scoring of trials that leave before the step, the step (a forward and a
+backward), validation, and the scoring after it; greedy generation agrees once per new token
+(`PackEngine.generate`). A pass that fails on one rank part way through its layers cannot be made up: the other
+ranks wait in that layer's collective, and the pack fails as a whole (its process group times out).
+
+Not covered here: which trial goes to which rank is the caller's (`assign_ranks`); the worker process that
+spawns the ranks and the scheduler's k-GPU packs are issue 20's remaining work (docs/multi-gpu.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from worker.engine.engine import PackEngine
+
+Pass = Literal["forward", "train"]  # a forward alone (validation, generation), or a forward and its backward
+T = TypeVar("T")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of decoder layers (`model.model.layers` in the Llama family and its relatives)."""
+    base = getattr(model, "base_model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}: no decoder layers to shard (expected base_model.layers)")
+    return layers
+
+
+def shard_base(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Shard every decoder layer's frozen weights over the ranks of ``group`` (FSDP2, one unit per layer).
+
+    Each layer is gathered for its forward and freed after it, and gathered again for the backward: a rank holds
+    its share of every layer plus one whole layer at a time. The embeddings, the final norm and the output
+    projection stay whole on every rank (they run outside the layers' forward, and a tied output projection is
+    the embedding's own weight); for a large model they are a few GB of its tens. Call it before the pack's
+    engine wraps the layers: the wrappers then use the gathered weights.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    group = group or dist.group.WORLD
+    assert group is not None, "torch.distributed is not initialised"
+    device = next(model.parameters()).device
+    mesh = DeviceMesh.from_group(group, device.type)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+
+
+def assign_ranks(items: Sequence[T], world: int) -> list[list[T]]:
+    """``items`` dealt to ``world`` ranks in turn (item i to rank i mod world): in a pack of similar trials each
+    rank gets as many rows per step as any other, which is what keeps the lockstep from waiting."""
+    return [list(items[rank::world]) for rank in range(world)]
+
+
+class Lockstep:
+    """Keeps the ranks of one pack running the same passes through the sharded base (see the module docstring).
+    Every rank must make the same calls in the same order."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group or dist.group.WORLD
+        self.idle: dict[Pass, int] = {"forward": 0, "train": 0}  # idle passes run so far, for the pack's profile
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def most(self, own: int) -> int:
+        """The largest ``own`` of any rank."""
+        nccl = dist.get_backend(self.group) == "nccl"  # NCCL reduces device tensors only
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        tensor = torch.tensor([own], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return int(tensor.item())
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank."""
+        return self.most(int(flag)) > 0
+
+    def pad(self, engine: PackEngine, kind: Pass, count: int) -> None:
+        """``count`` idle passes of ``kind``: this rank's share of a phase the others have more passes in."""
+        for _ in range(count):
+            engine.idle_pass(train=kind == "train")
+        self.idle[kind] += count
