@@ -24,6 +24,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256),
+    # Llama-3.1-70B: more than one GPU holds (issue 20 shards it over several; `--layers` keeps the first L).
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=128256),
     # Other families (the `model_type` key; Llama where none): Qwen2's q/k/v biases, Phi-3's fused projections,
     # Gemma 2's soft caps (its attention takes the rows path: torch's varlen kernel has no soft cap).
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

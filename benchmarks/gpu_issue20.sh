@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 20's measurements on the device (benchmarks/multi_gpu.py). The device image has torch, transformers and
+# triton; the benchmark needs nothing else of the service (the engine imports common/ from the repository copy).
+#
+#   device (one GPU):   bash benchmarks/gpu_issue20.sh one     # the sharding machinery on one GPU, N = 1
+#   device (2 GPUs):    bash benchmarks/gpu_issue20.sh two     # nvidia-h200-x2: 8B x 16 trials on 2 GPUs vs 1,
+#                                                              # and a 70B shape one GPU cannot hold
+# Results come back in $OUT (the JSON files written to benchmarks/results/); copy them there here and commit.
+set -uo pipefail
+stage="${1:-one}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LORAPLANE_BENCH_DIR=/root/lp/models
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT" /root/lp/models
+run() { python -m torch.distributed.run --standalone --nproc_per_node="$1" -m benchmarks.multi_gpu "${@:2}"; }
+case $stage in
+  one)
+    nvidia-smi --query-gpu=name,memory.total --format=csv
+    run 1 --shape llama-3.2-1b --trials 16 --seq-len 512 --steps 10
+    run 1 --shape llama-3.1-8b --trials 8 --seq-len 512 --steps 6 ;;
+  two)
+    nvidia-smi --query-gpu=name,memory.total --format=csv
+    run 2 --shape llama-3.1-8b --trials 16 --seq-len 512 --steps 10
+    # Llama-3.1-70B's layer shape (hidden 8192, 80 layers); 48 layers are ~84 GB of bf16 weights: more than an
+    # H200 holds beside a pack's activations, half of it per GPU when sharded.
+    run 2 --shape llama-3.1-70b --layers 48 --trials 8 --seq-len 512 --steps 4 --no-single ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
+cp benchmarks/results/multi_gpu-* "$OUT"/ 2>/dev/null
+echo "all done"
