@@ -11,12 +11,15 @@ stage="${1:-one}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LORAPLANE_BENCH_DIR=/root/lp/models
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT" /root/lp/models
-run() { python -m torch.distributed.run --standalone --nproc_per_node="$1" -m benchmarks.multi_gpu "${@:2}"; }
+run() {
+    python -m torch.distributed.run --standalone --nproc_per_node="$1" -m benchmarks.multi_gpu "${@:2}"
+    cp benchmarks/results/multi_gpu-* "$OUT"/ 2>/dev/null
+}
 case $stage in
   one)
     nvidia-smi --query-gpu=name,memory.total --format=csv
-    run 1 --shape llama-3.2-1b --trials 16 --seq-len 512 --steps 10
-    run 1 --shape llama-3.1-8b --trials 8 --seq-len 512 --steps 6 ;;
+    run 1 --shape llama-3.2-1b --trials 16 --seq-len 512 --warmup 5 --steps 10
+    run 1 --shape llama-3.1-8b --trials 8 --seq-len 512 --warmup 3 --steps 6 ;;
   two)
     nvidia-smi --query-gpu=name,memory.total --format=csv
     run 2 --shape llama-3.1-8b --trials 16 --seq-len 512 --steps 10
@@ -25,5 +28,4 @@ case $stage in
     run 2 --shape llama-3.1-70b --layers 48 --trials 8 --seq-len 512 --steps 4 --no-single ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
-cp benchmarks/results/multi_gpu-* "$OUT"/ 2>/dev/null
 echo "all done"
