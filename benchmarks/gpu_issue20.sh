@@ -2,8 +2,8 @@
 # Issue 20's measurements on the device (benchmarks/multi_gpu.py). The device image has torch, transformers and
 # triton; the benchmark needs nothing else of the service (the engine imports common/ from the repository copy).
 #
-#   device (one GPU):   bash benchmarks/gpu_issue20.sh one     # the sharding machinery on one GPU, N = 1
-#   device (2 GPUs):    bash benchmarks/gpu_issue20.sh two     # nvidia-h200-x2: 8B x 16 trials on 2 GPUs vs 1,
+#   device (one GPU):   LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue20.sh one     # the sharding machinery on one GPU, N = 1
+#   device (2 GPUs):    LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue20.sh two     # nvidia-h200-x2: 8B x 16 trials on 2 GPUs vs 1,
 #                                                              # and a 70B shape one GPU cannot hold
 # Results come back in $OUT (the JSON files written to benchmarks/results/); copy them there here and commit.
 set -uo pipefail
