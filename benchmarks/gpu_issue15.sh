@@ -14,19 +14,12 @@
 # SmolLM2, 1B and 8B shapes (benchmarks/step_capture.py: the ceiling of docs/step-capture.md);
 # graphs = the SmolLM2 shape with its steps replayed from CUDA graphs (worker/engine/capture.py: the torch path),
 # beside the same with LORAPLANE_STEP_CAPTURE=off and the Triton path, the frozen model and PEFT.
-# Liger-Kernel travels as a wheel: put liger_kernel-0.8.5-py3-none-any.whl in .whl/ and name .whl in `carry`.
+# Liger-Kernel travels as a wheel (benchmarks/gpu_setup.sh says how).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 stages="${*:-b1 small}"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__,
-'transformers', transformers.__version__, 'peft', peft.__version__)"
-# Liger-Kernel is not in the image: carried as a wheel in .whl (pure Python).
-if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/liger_kernel-*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+source benchmarks/gpu_setup.sh
 python - <<'PY'
 import importlib.util
 import torch

@@ -8,18 +8,12 @@
 # families = benchmarks/engine_throughput.py on random-weight models of other families' shapes: Qwen2.5-0.5B
 #   (24 trials x batch 4, seq 256), Phi-3-mini (8 trials x batch 1, seq 512: fused qkv/gate_up) and Gemma-2-2B
 #   (8 trials x batch 1, seq 512: soft caps), each beside PEFT with one adapter per trial and the frozen model.
-# Liger-Kernel travels as a wheel: put liger_kernel-0.8.5-py3-none-any.whl in .whl/ and name .whl in `carry`.
+# Liger-Kernel travels as a wheel (benchmarks/gpu_setup.sh says how).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 stages="${*:-tests families}"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__,
-'transformers', transformers.__version__, 'peft', peft.__version__)"
-if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
-  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/liger_kernel-*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
+source benchmarks/gpu_setup.sh
 touch /tmp/gpu_issue16.start
 save() { find benchmarks/results -name '*gpu*.json' -newer /tmp/gpu_issue16.start -exec cp {} "$OUT/" \; ; true; }
 for stage in $stages; do
