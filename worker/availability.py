@@ -3,7 +3,7 @@
 The scheduler publishes the model registry on the bus (`REGISTRY_KEY`: each model not retired, by name, with
 the fields of its source); the worker checks every entry against its own disks and Python environment, without
 loading anything and without importing torch, and names the loadable ones in each heartbeat. The planner
-places a model's trials only on workers that name it (scheduler/planning/types.py, `IdleWorker.models`).
+places a model's trials only on workers that name it (scheduler/planning/types.py, `LiveWorker.models`).
 
 A check touches the disk (a directory, a config.json, a package lookup), so its answer is kept for `ttl_s`
 seconds per (name, source fields): a beat costs one read of the registry from the bus, and a model directory

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from scheduler.planning.cost import ModelCost
 from scheduler.planning.greedy import plan_greedy
 from scheduler.planning.rules import after_solver
-from scheduler.planning.types import BusyWorker, IdleWorker, PendingTrial, Snapshot, planning_input
+from scheduler.planning.types import LiveWorker, PendingTrial, Snapshot, planning_input
 
 # The plan's time unit for an estimate: finer than the daemon's second (placement.UNIT_S) because a short task's
 # numbers are shown to its user, and every member's completion is rounded up to a whole unit.
@@ -87,9 +87,9 @@ def estimate(
                          gpus_needed=gpus_per_pack)
             for i, t in enumerate(trials)
         ),
-        idle_workers=tuple(IdleWorker(f"gpu{i}", cap, g.memory_bytes)
+        idle_workers=tuple(LiveWorker(f"gpu{i}", cap, g.memory_bytes)
                            for i, g in enumerate(usable) if g.busy_for_s <= 0),
-        busy_workers=tuple(BusyWorker(f"gpu{i}", cap, g.memory_bytes, g.busy_for_s)
+        busy_workers=tuple(LiveWorker(f"gpu{i}", cap, g.memory_bytes, busy_for_s=g.busy_for_s)
                            for i, g in enumerate(usable) if g.busy_for_s > 0),
     )
     inp = planning_input(snapshot, {_MODEL: cost}, unit_s=ESTIMATE_UNIT_S)

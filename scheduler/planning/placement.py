@@ -2,7 +2,7 @@
 
 Pure, no I/O. One worker is one GPU (`loraplane worker --gpu N`); a busy worker is a GPU whose pack is
 predicted to end at `busy_for_s`, so the solver may choose to wait for it rather than open a worse pack now.
-A worker that names the models it can load (`IdleWorker.models`) gets packs of those models only; a trial
+A worker that names the models it can load (`LiveWorker.models`) gets packs of those models only; a trial
 whose model no worker can load is left out of the plan (`PlanResult.unschedulable`) and stays pending.
 What a snapshot cannot know yet is estimated and said so: a trial's pooled tokens per step are its batch
 size times the task's `max_seq_len` (rows are at most that long: an upper bound, so memory is
@@ -41,8 +41,8 @@ from scheduler.planning.greedy import plan_greedy
 from scheduler.planning.rules import after_solver
 from scheduler.planning.types import (
     Backfill,
-    IdleWorker,
     LivePack,
+    LiveWorker,
     PendingTrial,
     Plan,
     PlannedPack,
@@ -139,7 +139,7 @@ def rejoin(snapshot: Snapshot) -> tuple[tuple[Backfill, ...], Snapshot]:
 
 
 def _new_pack(
-    worker: IdleWorker, model: str, members: list[PendingTrial], pending: tuple[PendingTrial, ...]
+    worker: LiveWorker, model: str, members: list[PendingTrial], pending: tuple[PendingTrial, ...]
 ) -> PlannedPack:
     """A pack of ``members`` on ``worker``, shaped to take later back-fills of the same base model."""
     same_model = [t for t in pending if t.base_model == model]

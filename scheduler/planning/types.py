@@ -95,24 +95,15 @@ def loads(models: frozenset[str] | None, model: str) -> bool:
 
 
 @dataclass(frozen=True)
-class IdleWorker:
+class LiveWorker:
+    """A live worker (one GPU): idle, or busy with a pack predicted to end in ``busy_for_s``."""
+
     worker_id: str
     max_slots: int
-    memory_bytes: int | None = None
+    memory_bytes: int | None = None  # None: not reported (planned as DEFAULT_GPU_BYTES)
     # The registered models it can load (its heartbeat says); None: it does not say, taken as every one.
     models: frozenset[str] | None = None
-
-    def can_load(self, model: str) -> bool:
-        return loads(self.models, model)
-
-
-@dataclass(frozen=True)
-class BusyWorker:
-    worker_id: str
-    max_slots: int
-    memory_bytes: int | None
-    busy_for_s: float  # predicted seconds until its pack ends
-    models: frozenset[str] | None = None  # as IdleWorker's
+    busy_for_s: float = 0.0  # predicted seconds until its pack ends; 0 while idle
 
     def can_load(self, model: str) -> bool:
         return loads(self.models, model)
@@ -144,10 +135,10 @@ class LivePack:
 
 @dataclass(frozen=True)
 class Snapshot:
-    # In submission order (task created_at, then trial index): the greedy planner is FIFO.
+    # In submission order (task created_at, then trial index): the planners' ties fall back to it.
     pending: tuple[PendingTrial, ...]
-    idle_workers: tuple[IdleWorker, ...]
-    busy_workers: tuple[BusyWorker, ...] = ()
+    idle_workers: tuple[LiveWorker, ...]
+    busy_workers: tuple[LiveWorker, ...] = ()  # each with its `busy_for_s`
     live_packs: tuple[LivePack, ...] = ()  # running packs with free slots
 
 
@@ -221,7 +212,7 @@ def planning_input(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, unit_s
     """The snapshot in the solvers' terms: its workers as GPUs (free now, or busy until their pack's predicted
     end, in whole units), its pending trials capped by the smallest worker's slots, its running packs member by
     member, and a cost model for every pending trial's base model (`PRIOR_COST` where none is fitted)."""
-    workers: list[IdleWorker | BusyWorker] = [*snapshot.idle_workers, *snapshot.busy_workers]
+    workers: list[LiveWorker] = [*snapshot.idle_workers, *snapshot.busy_workers]
     # One cap per pack for the whole cluster: the smallest worker's slots (workers of one deployment share it).
     max_slots = min((w.max_slots for w in workers), default=None)
     gpus = tuple(

@@ -25,7 +25,7 @@ from scheduler.planning.cost import (
     samples_from_profiles,
     tokens_per_step,
 )
-from scheduler.planning.types import BusyWorker
+from scheduler.planning.types import LiveWorker
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +98,13 @@ def worker_models(worker: Worker) -> frozenset[str] | None:
 
 def busy_workers(
     session: Session, now: datetime, timeout_s: float, costs: dict[str, ModelCost]
-) -> tuple[BusyWorker, ...]:
+) -> tuple[LiveWorker, ...]:
     """Alive workers training a pack, each with the predicted seconds until its pack ends (the planner may
     wait for one rather than open a worse pack now). Only worth its queries when something is to be placed."""
     live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
     return tuple(
-        BusyWorker(w.id, w.max_slots, w.memory_bytes, predicted_remaining_s(session, live[w.id], costs),
-                   worker_models(w))
+        LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w),
+                   busy_for_s=predicted_remaining_s(session, live[w.id], costs))
         for w in alive_workers(session, now, timeout_s)
         if w.id in live
     )

@@ -20,8 +20,8 @@ from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant
 from common.usage import task_usage
 from scheduler.planning.cost import ModelCost
 from scheduler.planning.types import (
-    IdleWorker,
     LivePack,
+    LiveWorker,
     PendingTrial,
     Plan,
     PlanResult,
@@ -220,7 +220,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
         )
         for trial, task, weight in rows
     )
-    idle = tuple(IdleWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w))
+    idle = tuple(LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w))
                  for w in workers if w.id not in busy_ids)
     return Snapshot(pending=pending, idle_workers=idle)
 

@@ -10,7 +10,7 @@ import pytest
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from scheduler.planning.cost import PRIOR_COST, ModelCost, StepTimeModel
 from scheduler.planning.placement import place, rejoin
-from scheduler.planning.types import BusyWorker, IdleWorker, LivePack, PendingTrial, RunningMember, Snapshot
+from scheduler.planning.types import LivePack, LiveWorker, PendingTrial, RunningMember, Snapshot
 
 
 def trial(i: int, model: str = "m", cap: int = 8, task: str = "t1", steps: int = 100) -> PendingTrial:
@@ -19,12 +19,12 @@ def trial(i: int, model: str = "m", cap: int = 8, task: str = "t1", steps: int =
 
 
 def test_nothing_to_decide_gives_no_packs_and_no_solve() -> None:
-    assert place(Snapshot(pending=(), idle_workers=(IdleWorker("w0", 8),)), {}).result is None
+    assert place(Snapshot(pending=(), idle_workers=(LiveWorker("w0", 8),)), {}).result is None
     assert place(Snapshot(pending=(trial(0),), idle_workers=()), {}).plan.packs == ()
 
 
 def test_two_idle_workers_share_the_work_and_every_trial_starts_once() -> None:
-    snap = Snapshot(pending=tuple(trial(i) for i in range(4)), idle_workers=(IdleWorker("w0", 8), IdleWorker("w1", 8)))
+    snap = Snapshot(pending=tuple(trial(i) for i in range(4)), idle_workers=(LiveWorker("w0", 8), LiveWorker("w1", 8)))
     placement = place(snap, {})
     packs = placement.plan.packs
     placed = [t for p in packs for t in p.trial_ids]
@@ -38,8 +38,8 @@ def test_caps_models_and_busy_workers_are_respected_on_random_snapshots() -> Non
     rng = random.Random(0)
     for _ in range(25):
         n_idle, n_busy = rng.randint(1, 3), rng.randint(0, 2)
-        idle = tuple(IdleWorker(f"w{i}", rng.choice([2, 4, 8])) for i in range(n_idle))
-        busy = tuple(BusyWorker(f"b{i}", 8, None, rng.uniform(1, 500)) for i in range(n_busy))
+        idle = tuple(LiveWorker(f"w{i}", rng.choice([2, 4, 8])) for i in range(n_idle))
+        busy = tuple(LiveWorker(f"b{i}", 8, None, busy_for_s=rng.uniform(1, 500)) for i in range(n_busy))
         pending = tuple(
             trial(i, model=rng.choice(["a", "b"]), cap=rng.choice([1, 2, 8]), task=f"t{i % 3}",
                   steps=rng.randint(1, 300))
@@ -65,8 +65,8 @@ def test_a_models_trials_go_only_to_workers_that_can_load_it_on_random_snapshots
     rng = random.Random(16)
     sets = (None, frozenset({"a"}), frozenset({"b"}), frozenset())
     for _ in range(25):
-        idle = tuple(IdleWorker(f"w{i}", 8, models=rng.choice(sets)) for i in range(rng.randint(1, 3)))
-        busy = tuple(BusyWorker(f"b{i}", 8, None, rng.uniform(1, 500), rng.choice(sets))
+        idle = tuple(LiveWorker(f"w{i}", 8, models=rng.choice(sets)) for i in range(rng.randint(1, 3)))
+        busy = tuple(LiveWorker(f"b{i}", 8, None, busy_for_s=rng.uniform(1, 500), models=rng.choice(sets))
                      for i in range(rng.randint(0, 2)))
         pending = tuple(trial(i, model=rng.choice(["a", "b"]), steps=rng.randint(1, 300)) for i in range(6))
         by_id = {t.trial_id: t for t in pending}
@@ -82,9 +82,9 @@ def test_a_models_trials_go_only_to_workers_that_can_load_it_on_random_snapshots
 
 def test_an_idle_worker_that_cannot_load_the_model_is_left_idle() -> None:
     pending = (trial(0, model="big"), trial(1, model="big"))
-    snap = Snapshot(pending, idle_workers=(IdleWorker("w-small", 8, models=frozenset({"m"})),))
+    snap = Snapshot(pending, idle_workers=(LiveWorker("w-small", 8, models=frozenset({"m"})),))
     assert place(snap, {}).plan.packs == ()
-    snap = replace(snap, idle_workers=(*snap.idle_workers, IdleWorker("w-any", 8)))
+    snap = replace(snap, idle_workers=(*snap.idle_workers, LiveWorker("w-any", 8)))
     (pack,) = place(snap, {}).plan.packs
     assert (pack.worker_id, pack.base_model, sorted(pack.trial_ids)) == ("w-any", "big", ["tr0", "tr1"])
 
@@ -103,7 +103,7 @@ def resumed(i: int, task: str, rank: int = 8) -> PendingTrial:
 def test_resumed_trials_rejoin_a_running_pack_of_their_own_task_before_the_solver_runs() -> None:
     """Kept at the warm-up ranking: back into the pack their task runs in, even with a worker idle."""
     snap = Snapshot(pending=(resumed(0, "t1"), trial(1, task="t1"), resumed(2, "t2"), resumed(3, "t1")),
-                    idle_workers=(IdleWorker("w0", 8),), busy_workers=(BusyWorker("w-p1", 8, None, 400.0),),
+                    idle_workers=(LiveWorker("w0", 8),), busy_workers=(LiveWorker("w-p1", 8, None, busy_for_s=400.0),),
                     live_packs=(live_pack("p1", frozenset({"t1"}), free=8),))
     placement = place(snap, {})
     (rejoin,) = [b for b in placement.plan.backfills if b.trial_ids[0] == "tr0"]
@@ -150,7 +150,7 @@ def test_the_first_plan_of_a_small_model_task_puts_every_trial_in_one_pack(batch
     ranking back. The plan from the cost priors must start all 18 now, in one pack (512: the API's default
     max_seq_len, which the planner counts in full)."""
     snap = Snapshot(pending=grid_task(18, "smollm2-135m-instruct", batches, seq_len),
-                    idle_workers=(IdleWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),))
+                    idle_workers=(LiveWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),))
     placement = place(snap, {})
     (pack,) = placement.plan.packs
     assert (pack.worker_id, sorted(pack.trial_ids)) == ("w0", sorted(t.trial_id for t in snap.pending))
@@ -160,7 +160,7 @@ def test_the_first_plan_of_a_small_model_task_puts_every_trial_in_one_pack(batch
 def test_the_memory_prior_keeps_a_1b_model_from_over_packing() -> None:
     """The Llama-3.2-1B shape measured on the H100: 32 trials at batch 1 × 512 tokens peak at 46.9 GiB (one pack);
     at batch 4 they do not fit in 80 GB, so the first plan must not put all 32 in one pack."""
-    idle = (IdleWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),)
+    idle = (LiveWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),)
     (pack,) = place(Snapshot(pending=grid_task(32, "llama-3.2-1b", (1,), 512), idle_workers=idle), {}).plan.packs
     assert len(pack.trial_ids) == 32
     (pack,) = place(Snapshot(pending=grid_task(32, "llama-3.2-1b", (4,), 512), idle_workers=idle), {}).plan.packs
@@ -173,7 +173,7 @@ def test_on_the_priors_no_trial_waits_for_a_later_pack_while_the_pack_starting_n
     plan must not (`rules.fill_now`). With measured costs that say packing does not pay (a GPU-bound step that
     grows with every trial), the solver's choice to run the trials one pack after another stands."""
     pending = grid_task(18, "m", (4, 8, 16), 128, rows=50)
-    idle = (IdleWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),)
+    idle = (LiveWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),)
     (pack,) = place(Snapshot(pending=pending, idle_workers=idle), {}).plan.packs
     assert len(pack.trial_ids) == 18
     gpu_bound = ModelCost(memory=PRIOR_COST.memory, step=StepTimeModel(a_s=0.001, b_s_per_token=1e-3, c_s_per_slot=0))
