@@ -63,9 +63,9 @@ def materialise(shape: str, directory: Path) -> tuple[Any, Path]:
     return tokenizer, base
 
 
-def load(path: Path, device: torch.device) -> Any:
-    """A frozen copy of the model at `path`: bf16 on CUDA, fp32 on the CPU."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def load(path: Path, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """A frozen copy of the model at `path`: bf16 on CUDA, fp32 on the CPU, unless `dtype` says."""
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device)
     model.requires_grad_(False)

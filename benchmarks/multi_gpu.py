@@ -121,8 +121,9 @@ def main() -> None:
             if cuda:
                 torch.cuda.empty_cache()
         dist.barrier()
-        model = load(directory / "base", device)
-        shard_base(model)
+        # Loaded in host memory and sharded from there (shard_base): no GPU ever holds the whole model.
+        model = load(directory / "base", torch.device("cpu"), dtype=torch.bfloat16 if cuda else None)
+        shard_base(model, device=device)
         seconds, tokens, adapters, peak = train(model, tokenizer, mine, device, args.warmup, args.steps, Lockstep())
         del model
         if cuda:

@@ -47,24 +47,29 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def shard_base(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Shard every decoder layer's frozen weights over the ranks of ``group`` (FSDP2, one unit per layer).
+def shard_base(model: nn.Module, *, device: torch.device | None = None,
+               group: dist.ProcessGroup | None = None) -> None:
+    """Shard every decoder layer's frozen weights over the ranks of ``group`` (FSDP2, one unit per layer), on
+    ``device`` (default: where the model is).
 
     Each layer is gathered for its forward and freed after it, and gathered again for the backward: a rank holds
     its share of every layer plus one whole layer at a time. The embeddings, the final norm and the output
     projection stay whole on every rank (they run outside the layers' forward, and a tied output projection is
-    the embedding's own weight); for a large model they are a few GB of its tens. Call it before the pack's
-    engine wraps the layers: the wrappers then use the gathered weights.
+    the embedding's own weight); for a large model they are a few GB of its tens. A model too large for one GPU
+    is loaded in host memory and sharded from there: FSDP moves each layer to ``device`` as it shards it, so the
+    GPU never holds more than its shards and one whole layer; the rest follows. Call it before the pack's engine
+    wraps the layers: the wrappers then use the gathered weights.
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     group = group or dist.group.WORLD
     assert group is not None, "torch.distributed is not initialised"
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     mesh = DeviceMesh.from_group(group, device.type)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    model.to(device)  # what is not sharded: the embeddings, the final norm, the output projection
 
 
 def assign_ranks(items: Sequence[T], world: int) -> list[list[T]]:
