@@ -136,9 +136,16 @@ class Task(Base):
     @property
     def parsed_spec(self) -> TaskSpec:
         """The stored spec, typed, with the defaults of fields an older row lacks (common/task_spec.py); the model
-        and files are the row's own columns."""
-        return TaskSpec.from_stored({**self.spec, "base_model": self.base_model, "training_file": self.training_file_id,
-                                     "validation_file": self.validation_file_id})
+        and files are the row's own columns. Parsed once per loaded row and kept beside it (the scheduler reads it
+        for every pending trial of every round), again only if `spec` is given a new value."""
+        stored = self.spec
+        cached = self.__dict__.get("_parsed_spec")
+        if cached is None or cached[0] is not stored:
+            parsed = TaskSpec.from_stored({**stored, "base_model": self.base_model,
+                                           "training_file": self.training_file_id,
+                                           "validation_file": self.validation_file_id})
+            cached = self.__dict__["_parsed_spec"] = (stored, parsed)
+        return cached[1]
 
 
 class Trial(Base):

@@ -46,3 +46,13 @@ def test_a_partial_scheduling_or_evaluation_keeps_the_other_defaults() -> None:
     spec = TaskSpec.from_stored({**OLDEST, "scheduling": {}, "evaluation": {"metric": "exact_match"}})
     assert spec.scheduling.max_trials_per_pack == DEFAULT_MAX_TRIALS_PER_PACK
     assert spec.evaluation == Evaluation("exact_match", DEFAULT_MAX_NEW_TOKENS, None)
+
+
+def test_a_task_row_parses_its_spec_once_and_again_when_it_is_replaced() -> None:
+    from common.models import Task
+
+    task = Task(id="task-1", base_model="m", training_file_id="file-1", spec=dict(OLDEST))
+    first = task.parsed_spec
+    assert task.parsed_spec is first and first.max_seq_len == 128
+    task.spec = {**OLDEST, "max_seq_len": 256}
+    assert task.parsed_spec is not first and task.parsed_spec.max_seq_len == 256
