@@ -83,22 +83,20 @@ class Lockstep:
     Every rank must make the same calls in the same order."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group or dist.group.WORLD
-        self.idle: dict[Pass, int] = {"forward": 0, "train": 0}  # idle passes run so far, for the pack's profile
-
-    @property
-    def world(self) -> int:
-        return dist.get_world_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
+        group = group or dist.group.WORLD
+        assert group is not None, "torch.distributed is not initialised"
+        # The ranks agree over a host (gloo) group of their own: a count reduced on the GPUs (NCCL) would make each
+        # agreement, several a step, wait for the device's queue, where the engine's step waits once. Every rank
+        # of the world constructs it (creating a group is collective).
+        if dist.get_backend(group) == "gloo":
+            self.group = group
+        else:
+            self.group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+        self.idle: dict[Pass, int] = {"forward": 0, "train": 0}  # idle passes run so far (tests, benchmarks)
 
     def most(self, own: int) -> int:
         """The largest ``own`` of any rank."""
-        nccl = dist.get_backend(self.group) == "nccl"  # NCCL reduces device tensors only
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        tensor = torch.tensor([own], dtype=torch.int64, device=device)
+        tensor = torch.tensor([own], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return int(tensor.item())
 

@@ -310,7 +310,7 @@ class PackEngine:
         states = {slot: self.state(slot) for slot in slots}
         totals = torch.zeros(len(self.slots), dtype=torch.float64, device=self.device)
         n_targets = dict.fromkeys(slots, 0)
-        for parts in self._eval_forwards(slots):
+        for parts in self._validation_forwards(slots):
             batch = self._pack(parts)
             totals += self._loss_sums(batch, training=False).double()
             for slot, n in batch.n_targets.items():
@@ -327,12 +327,13 @@ class PackEngine:
                 state.best = self.store.read(self.store.weights, slot)
         return losses
 
-    def _eval_forwards(self, slots: list[int]) -> list[list[SlotRows]]:
+    def _validation_forwards(self, slots: list[int]) -> list[list[SlotRows]]:
+        """The slots' validation rows grouped into the packed forwards ``evaluate_slots`` runs."""
         return _eval_forwards([(slot, self.state(slot).val) for slot in slots], EVAL_MAX_TOKENS)
 
     def evaluation_passes(self, slots: list[int]) -> int:
         """The forwards ``evaluate_slots(slots)`` runs."""
-        return len(self._eval_forwards(slots))
+        return len(self._validation_forwards(slots))
 
     @torch.no_grad()
     def greedy_matches(self, slot: int, examples: list[Example], batch_size: int = 64) -> list[bool]:
