@@ -156,6 +156,16 @@ def cluster(env: dict[str, str], log_dir: Path) -> Iterator[Cluster]:
         c.stop_all()
 
 
+def start_control_plane(c: Cluster) -> str:
+    """The API and the scheduler as separate processes of ``c``; returns the API's URL once it answers."""
+    port = free_port()
+    api = c.start("api", "api", "--host", "127.0.0.1", "--port", str(port))
+    c.start("scheduler", "scheduler")
+    base_url = f"http://127.0.0.1:{port}"
+    wait_ready(base_url, [api])
+    return base_url
+
+
 def running(pid: int) -> bool:
     """Whether the process exists and has not exited (a zombie has exited already). From /proc, as psutil may
     not be installed."""

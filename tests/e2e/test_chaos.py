@@ -41,6 +41,7 @@ from tests.e2e.procs import (
     free_port,
     is_worker,
     running,
+    start_control_plane,
     wait_ready,
     workers_of_home,
 )
@@ -239,15 +240,6 @@ def distributed_env(tmp_path: Path) -> dict[str, str]:
     env.update({"LORAPLANE_NAMESPACE": f"lp-chaos-{uuid.uuid4().hex[:8]}", "LORAPLANE_HOME": str(tmp_path / "home"),
                 "LORAPLANE_ARTIFACT_DIR": str(tmp_path / "artifacts")})
     return env
-
-
-def start_control_plane(c: Cluster) -> str:
-    port = free_port()
-    api = c.start("api", "api", "--host", "127.0.0.1", "--port", str(port))
-    c.start("scheduler", "scheduler")
-    base_url = f"http://127.0.0.1:{port}"
-    wait_ready(base_url, [api])
-    return base_url
 
 
 def test_distributed_worker_killed_and_back_at_once(clean_db: None, distributed_env: dict[str, str],

@@ -23,7 +23,7 @@ from tests.e2e.flow import (
     upload,
     wait_for,
 )
-from tests.e2e.procs import Cluster, cluster, distributed_env, free_port, wait_ready
+from tests.e2e.procs import Cluster, cluster, distributed_env, start_control_plane
 from tests.engine.factories import assert_rel_close
 from tests.services import MissingService, find_rabbitmq
 
@@ -40,13 +40,8 @@ def services(request: pytest.FixtureRequest, env: dict[str, str], tmp_path: Path
             env["CELERY_BROKER_URL"] = find_rabbitmq()
         except MissingService as exc:
             pytest.skip(str(exc))
-    port = free_port()
     with cluster(env, tmp_path) as c:
-        api = c.start("api", "api", "--host", "127.0.0.1", "--port", str(port))
-        c.start("scheduler", "scheduler")
-        base_url = f"http://127.0.0.1:{port}"
-        wait_ready(base_url, [api])
-        yield c, base_url
+        yield c, start_control_plane(c)
 
 
 @pytest.mark.parametrize("services", ["redis", "rabbitmq"], indirect=True)

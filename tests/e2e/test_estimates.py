@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import ADMIN_TOKEN
 from tests.e2e.flow import arithmetic_rows, follow_events, grid_task, tenant_client, upload, wait_for
-from tests.e2e.procs import Cluster, cluster, distributed_env, free_port, wait_ready
+from tests.e2e.procs import Cluster, cluster, distributed_env, start_control_plane
 
 FACTOR = 10.0
 
@@ -29,13 +29,8 @@ FACTOR = 10.0
 @pytest.fixture
 def services(clean_db: None, tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
     env = distributed_env(tmp_path)
-    port = free_port()
     with cluster(env, tmp_path) as c:
-        api = c.start("api", "api", "--host", "127.0.0.1", "--port", str(port))
-        c.start("scheduler", "scheduler")
-        base_url = f"http://127.0.0.1:{port}"
-        wait_ready(base_url, [api])
-        yield c, base_url
+        yield c, start_control_plane(c)
 
 
 def test_the_estimate_of_a_tiny_task_is_within_a_stated_factor_of_what_it_took(
