@@ -211,7 +211,10 @@ class Worker(Base):
     id: Mapped[str] = mapped_column(String(200), primary_key=True)
     queue: Mapped[str] = mapped_column(String(300))
     device: Mapped[str] = mapped_column(String(200))
-    memory_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)  # of ONE of its GPUs
+    # The GPUs of one host it runs each pack over (`loraplane worker --gpus 0,1`), from its heartbeat; the planner
+    # gives a pack on it all of their memory. 1 for a worker whose heartbeat does not say (older workers).
+    gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     max_slots: Mapped[int] = mapped_column(Integer, default=DEFAULT_MAX_TRIALS_PER_PACK)
     state: Mapped[str] = mapped_column(String(20))  # "alive" | "lost"
     current_pack_id: Mapped[str | None] = mapped_column(String(40), default=None)
@@ -238,6 +241,9 @@ class Pack(Base):
     capacity: Mapped[int | None] = mapped_column(Integer, default=None)
     max_rank: Mapped[int | None] = mapped_column(Integer, default=None)
     target_modules: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    # The GPUs it runs over: its worker's when it was planned (`loraplane worker --gpus`). It holds all of them from
+    # its start to its end, so its GPU time is its wall time times these (common/usage.py).
+    gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     # The worker process that started it (its `pack.started`): reports from any other are dropped.
     incarnation: Mapped[str | None] = mapped_column(String(64), default=None)
     # The worker's newest `pack.progress` (mean step seconds, tokens, slots of its last stretch of steps):

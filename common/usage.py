@@ -1,6 +1,7 @@
 """Usage accounting: GPU seconds and tokens per trial, task and tenant (issue 18).
 
-A pack holds one GPU from its start to its end (or until now, while it runs). Its GPU seconds are shared among the
+A pack holds its worker's GPUs (one, or several of one host: `Pack.gpus`) from its start to its end (or until now,
+while it runs): its GPU seconds are its seconds times its GPUs. They are shared among the
 trials it trained by the real tokens each trained there, as their workers reported when the trial left the pack
 (`trial_usage`, one row per trial per stay); a pack with no such report (lost with its worker, or still running)
 shares its time equally among the trials placed in it. So the trials' GPU seconds add up exactly to the packs' time.
@@ -88,7 +89,7 @@ def gpu_seconds_by_trial(
     for pack in packs:
         assert pack.started_at is not None
         end = as_utc(pack.finished_at) if pack.finished_at is not None else now
-        seconds = overlap_s(as_utc(pack.started_at), end, window)
+        seconds = overlap_s(as_utc(pack.started_at), end, window) * pack.gpus
         for trial_id, share in share_pack(seconds, [str(t) for t in pack.trial_ids], tokens[pack.id]).items():
             out[trial_id] += share
     return dict(out)

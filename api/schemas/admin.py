@@ -87,7 +87,9 @@ class WorkerOut(BaseModel):
     object: Literal["worker"] = "worker"
     queue: str
     device: str
-    memory_bytes: int | None
+    memory_bytes: int | None = Field(description="One of its GPUs' memory (the host's for a worker on the CPU).")
+    gpus: int = Field(default=1, description="GPUs of one host it owns: each of its packs runs over all of them, "
+                                             "the base model sharded.")
     max_slots: int
     state: str
     current_pack_id: str | None
@@ -100,7 +102,7 @@ class WorkerOut(BaseModel):
     @classmethod
     def of(cls, w: Worker) -> WorkerOut:
         return cls(
-            id=w.id, queue=w.queue, device=w.device, memory_bytes=w.memory_bytes, max_slots=w.max_slots,
+            id=w.id, queue=w.queue, device=w.device, memory_bytes=w.memory_bytes, gpus=w.gpus, max_slots=w.max_slots,
             state=w.state, current_pack_id=w.current_pack_id, models=w.models, last_heartbeat=w.last_heartbeat,
             registered_at=w.registered_at,
         )

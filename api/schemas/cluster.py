@@ -45,7 +45,7 @@ class PackOut(BaseModel):
 
 
 class WorkerLoad(WorkerOut):
-    """A worker (one GPU or the CPU) with what it runs now."""
+    """A worker (one GPU, several GPUs of one host, or the CPU) with what it runs now."""
 
     pack_id: str | None = Field(description="Its live pack, if any.")
     used_slots: int

@@ -2,8 +2,8 @@
 submission, stored in `tasks.estimate`): the database read here, the arithmetic in scheduler/planning/estimate.py.
 
 It reads what the daemon's planner reads (scheduler/service/cluster_state.py): the base model's cost model fitted
-from its pack profiles (the priors when it has none), the alive workers that can load the model, and when each busy
-one's pack is predicted to end.
+from its pack profiles (the priors for its size when it has none), the alive workers that can load the model, with
+their GPUs, and when each busy one's pack is predicted to end.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def estimate_task(
     costs = load_costs(session, [base_model])
     workers = [w for w in alive_workers(session, now, timeout_s) if loads(worker_models(w), base_model)]
     busy_for = {b.worker_id: b.busy_for_s for b in busy_workers(session, now, timeout_s, costs)}
-    gpus = [Gpu(memory_bytes=w.memory_bytes, busy_for_s=busy_for.get(w.id, 0.0)) for w in workers]
+    gpus = [Gpu(memory_bytes=w.memory_bytes, busy_for_s=busy_for.get(w.id, 0.0), gpus=w.gpus) for w in workers]
     # The daemon caps a pack at the smallest worker's slots (scheduler/planning/placement.py).
     cap = min([max_trials_per_pack, *(w.max_slots for w in workers)])
     trials = [TrialLoad(steps=n, tokens_per_step=tokens_per_step(c, max_seq_len))
               for c, n in zip(configs, steps, strict=True)]
-    return estimate(trials, costs.get(base_model, PRIOR_COST), gpus, max_trials_per_pack=cap,
-                    on_priors=base_model not in costs)
+    cost = costs.get(base_model, PRIOR_COST)  # every registered model has one: the default is for an unknown name
+    return estimate(trials, cost, gpus, max_trials_per_pack=cap, on_priors=cost.prior)

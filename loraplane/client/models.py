@@ -340,6 +340,7 @@ class Worker(ApiObject):
     last_heartbeat: datetime
     registered_at: datetime
     models: list[str] | None = None  # the registered models it can load; None: it does not say (every one)
+    gpus: int = 1  # GPUs of one host it owns (memory_bytes is one GPU's): each pack runs over all of them
 
     TIMES = frozenset({"last_heartbeat", "registered_at"})
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,9 @@ BYTES_PER_ADAPTER_PARAM = 16
 #   not fit in 80 GB. SmolLM2: 13.5 GiB at 9,216 tokens (1.5 MiB per token). At 2 MiB per token the prior admits at
 #   most ~40k tokens on an 80 GB GPU, where the 1B shape needs ~71 GiB and SmolLM2 far less: no OOM on either, and
 #   it still packs 18 SmolLM2 trials at batch 4 × 512 tokens (the API's default max_seq_len) into one pack. A
-#   steeper prior only packs fewer trials; a flatter one risks an OOM.
+#   steeper prior only packs fewer trials; a flatter one risks an OOM. A model whose size the registry knows gets its
+#   frozen weights as k0 on top (`prior_cost`): these slopes already hold the measured models' weights, so that counts
+#   a small model's weights twice (conservative), and keeps a large model off a GPU its weights alone fill.
 # The earlier priors (a 50 ms shared cost, 1e-4 s per token, 256 KiB per token) made a pack's step grow almost
 # linearly with its trials (SmolLM2 at batch 4 × 96: 39 ms per trial against 50 ms shared), so the objective preferred
 # a few small packs one after another, and a task's first plan held most of its trials back (issue 15).
@@ -60,7 +62,8 @@ PRIOR_STEP_S_PER_SLOT = 1e-3
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Peak bytes of one pack on one GPU: `k0 + k1·tokens + bytes_per_slot_param·Σ slot params`."""
+    """Peak bytes of one pack on one planning unit (a worker: the sum over its GPUs):
+    `k0 + k1·tokens + bytes_per_slot_param·Σ slot params`."""
 
     k0_bytes: float
     k1_bytes_per_token: float
@@ -89,15 +92,34 @@ class StepTimeModel:
 
 @dataclass(frozen=True)
 class ModelCost:
-    memory: MemoryModel  # per GPU of the pack
+    memory: MemoryModel  # per planning unit of the pack (a worker, whatever its GPUs)
     step: StepTimeModel
+    # Nothing measured: the priors (`prior_cost`). The planner then keeps no trial back for a later pack while one
+    # starting now has room (rules.fill_now): a prior step time cannot say whether a bigger pack pays.
+    prior: bool = False
 
 
-# Without a profile: the cost priors above, the one prior of the daemon's planner and the API's estimates.
+# Without a profile: the cost priors above, the one prior of the daemon's planner and the API's estimates (for a
+# model of known size, `prior_cost` adds its weights).
 PRIOR_COST = ModelCost(
     memory=MemoryModel(k0_bytes=0.0, k1_bytes_per_token=PRIOR_K1_BYTES_PER_TOKEN),
     step=StepTimeModel(a_s=PRIOR_STEP_BASE_S, b_s_per_token=PRIOR_STEP_S_PER_TOKEN, c_s_per_slot=PRIOR_STEP_S_PER_SLOT),
+    prior=True,
 )
+
+# Bytes of one frozen base parameter: the engine holds the base in bf16 on CUDA (worker/engine/models.py), whatever
+# the checkpoint's own dtype (a GGUF's quantized weights are dequantized to it).
+BYTES_PER_FROZEN_PARAM = 2
+
+
+def prior_cost(parameters: int | None) -> ModelCost:
+    """The cost model of a base model no pack has profiled yet, from its parameter count (the registry's
+    `parameters`; None: unknown): `PRIOR_COST`, with the frozen base's bytes as the memory's k0 when the count is
+    known, so that a model larger than a GPU is never planned onto one (a 70B base is 140 GB in bf16). The step time
+    stays the prior's: a size alone does not say how fast the engine steps on a given GPU."""
+    if parameters is None or parameters <= 0:
+        return PRIOR_COST
+    return replace(PRIOR_COST, memory=replace(PRIOR_COST.memory, k0_bytes=float(BYTES_PER_FROZEN_PARAM * parameters)))
 
 
 @dataclass(frozen=True)

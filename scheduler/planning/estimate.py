@@ -44,10 +44,12 @@ class TrialLoad:
 
 @dataclass(frozen=True)
 class Gpu:
-    """A GPU whose worker can load the task's model."""
+    """A worker that can load the task's model: one planning unit, as the daemon plans it, whatever its GPUs."""
 
-    memory_bytes: int | None = None  # None: not reported (planned as DEFAULT_GPU_BYTES, as the daemon does)
+    # Of one of its GPUs; None: not reported (planned as DEFAULT_GPU_BYTES, as the daemon does).
+    memory_bytes: int | None = None
     busy_for_s: float = 0.0  # until its running pack is predicted to end; 0: free now
+    gpus: int = 1  # its GPUs: a pack on it may use all of their memory (`types.unit_memory_bytes`)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ def estimate(
 
     Args:
         trials: the task's trials, in trial order.
-        cost: the base model's fitted cost model, or `cost.PRIOR_COST`.
+        cost: the base model's fitted cost model, or its priors (`cost.prior_cost`).
         gpus: the GPUs that can load the model now (none: GPU time is planned on one free default GPU, and the
             wall time is unknown).
         max_trials_per_pack: the task's cap, already lowered to the workers' slots.
@@ -87,14 +89,16 @@ def estimate(
                          gpus_needed=gpus_per_pack)
             for i, t in enumerate(trials)
         ),
-        idle_workers=tuple(LiveWorker(f"gpu{i}", cap, g.memory_bytes)
+        idle_workers=tuple(LiveWorker(f"gpu{i}", cap, g.memory_bytes, gpus=g.gpus)
                            for i, g in enumerate(usable) if g.busy_for_s <= 0),
-        busy_workers=tuple(LiveWorker(f"gpu{i}", cap, g.memory_bytes, busy_for_s=g.busy_for_s)
+        busy_workers=tuple(LiveWorker(f"gpu{i}", cap, g.memory_bytes, busy_for_s=g.busy_for_s, gpus=g.gpus)
                            for i, g in enumerate(usable) if g.busy_for_s > 0),
     )
     inp = planning_input(snapshot, {_MODEL: cost}, unit_s=ESTIMATE_UNIT_S)
     result = after_solver(inp, plan_greedy(inp), on_priors={_MODEL} if on_priors else set())
-    units = sum((p.end - p.start) * len(p.gpu_ids) for p in result.packs)
+    # A pack holds every GPU of the workers it is planned on (each `Gpu` here is a worker, of `gpus` GPUs).
+    gpus_of = {f"gpu{i}": g.gpus for i, g in enumerate(usable)}
+    units = sum((p.end - p.start) * sum(gpus_of[g] for g in p.gpu_ids) for p in result.packs)
     # A trial no usable GPU can hold is priced alone on a GPU (it cannot be placed now: no wall time).
     solo = sum(
         t.remaining_steps * cost.step.predict(t.tokens_per_step, 1) * gpus_per_pack

@@ -1,13 +1,16 @@
 """The daemon's planner: the cluster snapshot as a `PlanningInput`, CP-SAT (greedy fallback), packs to start now.
 
-Pure, no I/O. One worker is one GPU (`loraplane worker --gpu N`); a busy worker is a GPU whose pack is
-predicted to end at `busy_for_s`, so the solver may choose to wait for it rather than open a worse pack now.
+Pure, no I/O. One worker is one planning unit (one `GpuSpec`), whether it owns one GPU (`loraplane worker --gpu N`)
+or several of one host (`--gpus 0,1`: it runs one pack at a time over all of them, with all of their memory); a
+busy worker is a unit whose pack is predicted to end at `busy_for_s`, so the solver may choose to wait for it
+rather than open a worse pack now.
 A worker that names the models it can load (`LiveWorker.models`) gets packs of those models only; a trial
 whose model no worker can load is left out of the plan (`PlanResult.unschedulable`) and stays pending.
 What a snapshot cannot know yet is estimated and said so: a trial's pooled tokens per step are its batch
 size times the task's `max_seq_len` (rows are at most that long: an upper bound, so memory is
 over-estimated, never under), adapter bytes are not counted until a profile has measured them (they are
-inside the fitted `k0`), and step time comes from the base model's fitted profile or the cost model's priors.
+inside the fitted `k0`), and step time comes from the base model's fitted profile or the cost model's priors
+(memory too: the priors count a model's frozen weights when its size is known, `cost.prior_cost`).
 
 Running packs with free slots are offered to the solver as such: it may back-fill a pending trial into one
 (the trial joins at the pack's next step) when the pack's engine can take it (`LivePack.fits`: its base
@@ -67,7 +70,8 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, solver: Solver 
 
     Args:
         snapshot: pending trials (oldest first), idle and busy workers, running packs with room.
-        costs: fitted cost models by base model; a model without one gets `PRIOR_COST`.
+        costs: cost models by base model, fitted or the priors (`ModelCost.prior`: cluster_state.load_costs gives
+            every registered model one); a model without one gets `PRIOR_COST`.
         solver: "cpsat" (the default), or "greedy": the first-fit planner alone, which is also CP-SAT's hint and
             fallback. The rules before and after the solver are the same for both.
         time_limit_s: CP-SAT's limit; at the limit the best plan found so far is taken, and the greedy plan when
@@ -85,7 +89,7 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, solver: Solver 
     # The solver may hold a free worker back for a later pack (its cost model sees no gain in starting now);
     # in a live run on the H100 a worker stood idle for minutes with trials pending: none idles while a pack waits.
     # On the priors alone, no trial waits for a later pack while a pack of its model starting now has room.
-    result = after_solver(inp, solved, on_priors=inp.costs.keys() - costs.keys())
+    result = after_solver(inp, solved, on_priors={model for model, cost in inp.costs.items() if cost.prior})
     return Placement(Plan(_new_packs(snapshot, result), rejoins + _backfills(live, snapshot, result)), result)
 
 

@@ -96,14 +96,16 @@ def loads(models: frozenset[str] | None, model: str) -> bool:
 
 @dataclass(frozen=True)
 class LiveWorker:
-    """A live worker (one GPU): idle, or busy with a pack predicted to end in ``busy_for_s``."""
+    """A live worker, one planning unit whatever its GPUs (it runs one pack at a time over all of them): idle, or
+    busy with a pack predicted to end in ``busy_for_s``."""
 
     worker_id: str
     max_slots: int
-    memory_bytes: int | None = None  # None: not reported (planned as DEFAULT_GPU_BYTES)
+    memory_bytes: int | None = None  # of ONE of its GPUs; None: not reported (planned as DEFAULT_GPU_BYTES)
     # The registered models it can load (its heartbeat says); None: it does not say, taken as every one.
     models: frozenset[str] | None = None
     busy_for_s: float = 0.0  # predicted seconds until its pack ends; 0 while idle
+    gpus: int = 1  # the GPUs of one host it runs each pack over (`loraplane worker --gpus 0,1`)
 
     def can_load(self, model: str) -> bool:
         return loads(self.models, model)
@@ -208,18 +210,29 @@ class PlanResult:
     running_completion: Mapping[str, int] = field(default_factory=dict)
 
 
+def unit_memory_bytes(worker: LiveWorker) -> int:
+    """The memory a pack on ``worker`` may use: all of its GPUs' together. A pack there shards the frozen base over
+    them (FSDP2) and deals its trials (adapter, optimizer state, activations) to them, so its peak summed over them
+    is what must fit (with the trials dealt evenly), and that sum is what its profile reports. What stays whole on
+    every GPU (the embeddings, the final norm, the output projection) is counted once here: a few GB of a large
+    model, about 4 GB of Llama-3.1-70B's 140 (docs/multi-gpu.md)."""
+    return (worker.memory_bytes or DEFAULT_GPU_BYTES) * worker.gpus
+
+
 def planning_input(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, unit_s: float) -> PlanningInput:
-    """The snapshot in the solvers' terms: its workers as GPUs (free now, or busy until their pack's predicted
-    end, in whole units), its pending trials capped by the smallest worker's slots, its running packs member by
-    member, and a cost model for every pending trial's base model (`PRIOR_COST` where none is fitted)."""
+    """The snapshot in the solvers' terms: its workers as GPUs (one `GpuSpec` per worker, holding all of its GPUs'
+    memory; free now, or busy until their pack's predicted end, in whole units), its pending trials capped by the
+    smallest worker's slots, its running packs member by member, and a cost model for every pending trial's base
+    model: the one in ``costs`` (the daemon's hold a fitted one or the priors for the model's size, for every
+    registered model: cluster_state.load_costs), else `PRIOR_COST`."""
     workers: list[LiveWorker] = [*snapshot.idle_workers, *snapshot.busy_workers]
     # One cap per pack for the whole cluster: the smallest worker's slots (workers of one deployment share it).
     max_slots = min((w.max_slots for w in workers), default=None)
     gpus = tuple(
-        GpuSpec(gpu_id=w.worker_id, memory_bytes=w.memory_bytes or DEFAULT_GPU_BYTES, models=w.models)
+        GpuSpec(gpu_id=w.worker_id, memory_bytes=unit_memory_bytes(w), models=w.models)
         for w in snapshot.idle_workers
     ) + tuple(
-        GpuSpec(gpu_id=w.worker_id, memory_bytes=w.memory_bytes or DEFAULT_GPU_BYTES,
+        GpuSpec(gpu_id=w.worker_id, memory_bytes=unit_memory_bytes(w),
                 busy_until=max(1, math.ceil(w.busy_for_s / unit_s)), models=w.models)
         for w in snapshot.busy_workers
     )  # fmt: skip

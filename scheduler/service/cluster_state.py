@@ -1,5 +1,6 @@
-"""What the planner knows of the cluster now, read from the database: each base model's fitted cost model, the
-alive workers and the models they load, and when each busy worker's pack is predicted to end.
+"""What the planner knows of the cluster now, read from the database: each base model's cost model (fitted, or the
+priors for its size), the alive workers with their GPUs and the models they load, and when each busy worker's pack
+is predicted to end.
 
 Shared by the daemon (scheduler/service/lifecycle.py, its snapshot) and the API's estimates (api/services/estimates.py),
 so an estimate rests on the very numbers the planner plans with. Imports only SQLAlchemy, `common` and the pure
@@ -16,12 +17,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from common import states
-from common.models import Pack, Task, Trial, Worker
+from common.models import BaseModelEntry, Pack, Task, Trial, Worker
 from scheduler.planning.cost import (
     PRIOR_COST,
     ModelCost,
     Progress,
     fit_profiles,
+    prior_cost,
     samples_from_profiles,
     tokens_per_step,
 )
@@ -33,10 +35,34 @@ PROFILES_PER_MODEL = 20  # the newest pack profiles a base model's cost model is
 
 
 def load_costs(session: Session, models: Collection[str] | None = None) -> dict[str, ModelCost]:
-    """Each base model's cost model, fitted on its newest pack profiles, then corrected online by what its
-    running packs measure now (the mean measured/predicted step-time ratio of their `pack.progress`).
-    A model with neither profiles nor running measurements is absent (the planner uses its priors).
-    `models`: only these base models (None: every one)."""
+    """Each base model's cost model: the one place the daemon's planner and the API's estimates get it from.
+    Fitted on its newest pack profiles; without any, the priors for its size (`prior_cost` of its registered
+    `parameters`, flagged `ModelCost.prior`); either then corrected online by what its running packs measure now
+    (the mean measured/predicted step-time ratio of their `pack.progress`: no longer the priors). Every registered
+    model has one. `models`: only these base models (None: every one)."""
+    costs = _fitted_costs(session, models)
+    registered = select(BaseModelEntry.name, BaseModelEntry.parameters)
+    if models is not None:
+        registered = registered.where(BaseModelEntry.name.in_(list(models)))
+    for model, parameters in session.execute(registered):
+        costs.setdefault(model, prior_cost(parameters))
+    ratios: dict[str, list[float]] = {}
+    running = select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.progress.is_not(None))
+    if models is not None:
+        running = running.where(Pack.base_model.in_(list(models)))
+    for pack in session.scalars(running):
+        measured = progress_of(pack)
+        if measured is not None:
+            base = costs.get(pack.base_model, PRIOR_COST)
+            ratios.setdefault(pack.base_model, []).append(measured.ratio(base.step))
+    for model, found in ratios.items():
+        base = costs.get(model, PRIOR_COST)
+        costs[model] = ModelCost(memory=base.memory, step=base.step.scaled(sum(found) / len(found)))
+    return costs
+
+
+def _fitted_costs(session: Session, models: Collection[str] | None) -> dict[str, ModelCost]:
+    """The cost models fitted on each profiled base model's newest pack profiles (`models`: only these)."""
     profiled = select(Pack.base_model).where(Pack.profile.is_not(None)).distinct()
     if models is not None:
         profiled = profiled.where(Pack.base_model.in_(list(models)))
@@ -55,18 +81,6 @@ def load_costs(session: Session, models: Collection[str] | None = None) -> dict[
         if samples:
             memory, step = fit_profiles(samples)
             costs[model] = ModelCost(memory=memory, step=step)
-    ratios: dict[str, list[float]] = {}
-    running = select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.progress.is_not(None))
-    if models is not None:
-        running = running.where(Pack.base_model.in_(list(models)))
-    for pack in session.scalars(running):
-        measured = progress_of(pack)
-        if measured is not None:
-            base = costs.get(pack.base_model, PRIOR_COST)
-            ratios.setdefault(pack.base_model, []).append(measured.ratio(base.step))
-    for model, found in ratios.items():
-        base = costs.get(model, PRIOR_COST)
-        costs[model] = ModelCost(memory=base.memory, step=base.step.scaled(sum(found) / len(found)))
     return costs
 
 
@@ -104,7 +118,7 @@ def busy_workers(
     live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
     return tuple(
         LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w),
-                   busy_for_s=predicted_remaining_s(session, live[w.id], costs))
+                   busy_for_s=predicted_remaining_s(session, live[w.id], costs), gpus=w.gpus)
         for w in alive_workers(session, now, timeout_s)
         if w.id in live
     )

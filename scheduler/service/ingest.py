@@ -32,6 +32,10 @@ from scheduler.service.lifecycle import lose_pack, newest_metric_score, requeue_
 
 log = logging.getLogger(__name__)
 
+# The most GPUs a heartbeat may claim for its worker: more than one host holds (8 to 16 today). Its per-GPU memory
+# times its GPUs is the planner's memory for it, which must stay far inside CP-SAT's 64-bit integers.
+MAX_WORKER_GPUS = 64
+
 
 def ingest(
     session: Session, messages: list[dict[str, Any]], now: datetime | None = None, touched: set[str] | None = None,
@@ -125,15 +129,32 @@ def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s
     worker.device = m.get("device", "cpu")
     worker.memory_bytes = m.get("memory_bytes")
     worker.max_slots = int(m.get("max_slots", DEFAULT_MAX_TRIALS_PER_PACK))
-    models = _models(m.get("models"))
-    models_changed = models != worker.models  # it can load other models now: worth a replan
+    models, gpus = _models(m.get("models")), _gpus(m.get("gpus"))
+    # It can load other models now, or has more or less memory for a pack (its GPUs): worth a replan.
+    models_changed, gpus_changed = models != worker.models, gpus != worker.gpus
     if models_changed:
         worker.models = models
+    if gpus_changed:
+        worker.gpus = gpus
     worker.state = states.WORKER_ALIVE
     worker.last_heartbeat = sent_at if is_new else max(as_utc(worker.last_heartbeat), sent_at)
     if "pack_id" in m:  # what the process runs now (a report from before this field cannot be judged)
         is_new |= _check_named_pack(session, worker, m["pack_id"], sent_at, now, aborts)
-    return is_new or models_changed
+    return is_new or models_changed or gpus_changed
+
+
+def _gpus(raw: Any) -> int:
+    """The GPUs a heartbeat says its worker runs each pack over: 1 when it does not say (a worker from before this
+    field). A malformed value is logged and taken as 1: the beat still proves the worker alive, and a bad field must
+    not stop the batch (an integer beyond the column would fail its commit)."""
+    if raw is None:
+        return 1
+    # bool is an int to Python, and 2.0 may be how a JSON encoder wrote 2; "2" is not a count.
+    count = int(raw) if isinstance(raw, float) and raw.is_integer() else raw
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_WORKER_GPUS:
+        log.warning("ignoring a heartbeat's gpus that is not a count from 1 to %d: %r", MAX_WORKER_GPUS, raw)
+        return 1
+    return count
 
 
 def _models(raw: Any) -> list[str] | None:

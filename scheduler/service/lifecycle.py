@@ -220,7 +220,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
         )
         for trial, task, weight in rows
     )
-    idle = tuple(LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w))
+    idle = tuple(LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w), gpus=w.gpus)
                  for w in workers if w.id not in busy_ids)
     return Snapshot(pending=pending, idle_workers=idle)
 
@@ -289,11 +289,12 @@ def note_model_waits(session: Session, pending: Sequence[PendingTrial], now: dat
 
 def packs_with_room(session: Session) -> bool:
     """Whether some running pack could take a back-fill (cheap: decides if the planner runs at all)."""
-    return bool(live_packs(session, {}))
+    return bool(live_packs(session, None))
 
 
-def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack, ...]:
-    """Running packs with free slots (packs recorded before back-filling existed have no capacity: none)."""
+def live_packs(session: Session, costs: dict[str, ModelCost] | None) -> tuple[LivePack, ...]:
+    """Running packs with free slots (packs recorded before back-filling existed have no capacity: none), each
+    predicted to end by ``costs`` (None: not predicted, `busy_for_s` 0: only whether there are any matters)."""
     packs = session.scalars(
         select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.capacity.is_not(None))
     ).all()
@@ -312,7 +313,7 @@ def live_packs(session: Session, costs: dict[str, ModelCost]) -> tuple[LivePack,
             pack_id=pack.id, worker_id=pack.worker_id, base_model=pack.base_model, free_slots=free,
             members=len(rows), max_rank=pack.max_rank or 0, target_modules=tuple(pack.target_modules or ()),
             tokens_per_step=sum(trial_tokens_per_step(trial, task) for trial, task in rows),
-            busy_for_s=predicted_remaining_s(session, pack, costs) if costs else 0.0,
+            busy_for_s=predicted_remaining_s(session, pack, costs) if costs is not None else 0.0,
             task_ids=frozenset(task.id for _trial, task in rows),
             member_list=tuple(
                 RunningMember(trial.id, task.tenant_id, weights.get(task.tenant_id, 1),
@@ -351,9 +352,10 @@ def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult 
         placed[trial.task_id] = (tenant, n + 1)
 
     for planned in plan.packs:
+        worker = session.get(Worker, planned.worker_id)
         pack = Pack(id=new_id("pack"), worker_id=planned.worker_id, base_model=planned.base_model,
                     state=states.PACK_PLANNED, trial_ids=list(planned.trial_ids), created_at=now,
-                    capacity=planned.capacity, max_rank=planned.max_rank,
+                    capacity=planned.capacity, max_rank=planned.max_rank, gpus=worker.gpus if worker else 1,
                     target_modules=list(planned.target_modules) if planned.target_modules is not None else None)
         session.add(pack)
         for trial_id in planned.trial_ids:

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.models import Event, Pack, Task, Trial, TrialUsage, Worker, as_utc, utcnow
+from common.models import BaseModelEntry, Event, Pack, Task, Trial, TrialUsage, Worker, as_utc, utcnow
 from scheduler.planning.cost import PRIOR_COST, ModelCost, fit_profiles, samples_from_profiles
 from scheduler.planning.estimate import Gpu, TrialLoad, estimate
 from scheduler.service.lifecycle import finalize_tasks
@@ -127,6 +127,26 @@ def test_every_refusal_of_a_submission_is_the_same_in_a_dry_run(client: TestClie
     real = client.post("/v1/tasks", json=body(file_id), headers=tenant.headers)
     dry = client.post("/v1/tasks?dry_run=true", json=body(file_id), headers=tenant.headers)
     assert real.status_code == dry.status_code == 429 and real.json() == dry.json()
+
+
+def test_the_estimate_of_a_model_larger_than_a_gpu_waits_for_a_worker_whose_gpus_hold_it(
+        client: TestClient, tenant: TenantKey) -> None:
+    """No pack has profiled the model: its prior holds its 140 GB of weights (the registry's parameter count), more
+    than an 80 GB GPU; a worker over two 141 GB GPUs holds it."""
+    with session_scope() as s:
+        s.add(BaseModelEntry(name="llama-3.1-70b", kind="hf", path="/models/llama-3.1-70b", parameters=70_000_000_000,
+                             architecture="llama", max_context=8192, chat_template=True))
+    big = body(upload(client, tenant)["id"], base_model="llama-3.1-70b", max_seq_len=512)
+    add_worker("w-h100", memory_bytes=80 * 10**9)
+
+    def dry_run() -> dict[str, Any]:
+        r = client.post("/v1/tasks?dry_run=true", json=big, headers=tenant.headers)
+        assert r.status_code == 200, r.text
+        return dict(r.json()["estimate"])
+
+    assert dry_run()["wall_seconds"] is None  # no worker can hold it now
+    add_worker("w-h200x2", memory_bytes=141 * 10**9, gpus=2)
+    assert dry_run()["wall_seconds"] is not None
 
 
 def test_the_estimate_uses_the_fitted_profile_and_the_busy_workers(client: TestClient, tenant: TenantKey) -> None:

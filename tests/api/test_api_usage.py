@@ -78,6 +78,16 @@ def test_usage_shares_each_packs_time_by_tokens_and_sums_to_the_packs(
     assert sum(u["gpu_seconds"] for u in everyone["data"]) == pytest.approx(100.0 + 100.0)
 
 
+def test_a_pack_over_several_gpus_counts_each_of_its_gpus(client: TestClient) -> None:
+    a = make_tenant(client)
+    ta = trial_ids(make_task(client, a)["id"])
+    with session_scope() as s:
+        s.add(Pack(id="pack-usage-2gpu", worker_id="w2", base_model="tiny-random-llama", state="finished", gpus=2,
+                   trial_ids=[ta[0], ta[1]], started_at=T0, finished_at=T0 + timedelta(seconds=100)))
+    usage = client.get(f"/v1/usage?to={_iso(T0 + timedelta(seconds=300))}", headers=a.headers).json()
+    assert usage["gpu_seconds"] == pytest.approx(200.0)  # 100 s on two GPUs, shared equally (no reports)
+
+
 def test_a_window_counts_only_the_time_and_reports_inside_it(
     client: TestClient, billed: tuple[TenantKey, TenantKey, list[str], list[str]]
 ) -> None:

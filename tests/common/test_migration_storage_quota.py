@@ -3,42 +3,11 @@ cleanly, on SQLite and on Postgres."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
+from sqlalchemy import inspect, text
 
-import pytest
-from alembic import command
-from alembic.config import Config
-from sqlalchemy import create_engine, inspect, text
-
-from common.db import MIGRATIONS_DIR, make_engine
+from common.db import make_engine
 from common.settings import get_settings
-from tests.conftest import SERVER_URL
-
-
-def _alembic(url: str, action: str, revision: str) -> None:
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    getattr(command, action)(cfg, revision)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def scratch_url(request: pytest.FixtureRequest, tmp_path: Path, database: str) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'db.sqlite'}"
-        return
-    name = f"loraplane_migration_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(SERVER_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"{SERVER_URL.rpartition('/')[0]}/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+from tests.common.conftest import alembic
 
 
 def _tenant_columns(url: str) -> dict[str, object]:
@@ -51,14 +20,14 @@ def _tenant_columns(url: str) -> dict[str, object]:
 
 
 def test_0006_gives_existing_tenants_the_default_quota_and_downgrades(scratch_url: str) -> None:
-    _alembic(scratch_url, "upgrade", "0005")
+    alembic(scratch_url, "upgrade", "0005")
     engine = make_engine(scratch_url)
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO tenants (id, name, weight, max_concurrent_trials, max_trials_per_task, "
                           "max_file_bytes, created_at) VALUES ('t1', 'old', 1, 4, 4, 1000, CURRENT_TIMESTAMP)"))
     engine.dispose()
 
-    _alembic(scratch_url, "upgrade", "0006")
+    alembic(scratch_url, "upgrade", "0006")
     settings = get_settings()
     engine = make_engine(scratch_url)
     with engine.begin() as conn:
@@ -68,7 +37,7 @@ def test_0006_gives_existing_tenants_the_default_quota_and_downgrades(scratch_ur
     columns = _tenant_columns(scratch_url)
     assert (columns["max_storage_bytes"], columns["max_files"]) == (None, None)  # the API always sets them
 
-    _alembic(scratch_url, "downgrade", "0005")
+    alembic(scratch_url, "downgrade", "0005")
     assert not {"max_storage_bytes", "max_files"} & _tenant_columns(scratch_url).keys()
-    _alembic(scratch_url, "upgrade", "head")
+    alembic(scratch_url, "upgrade", "head")
     assert {"max_storage_bytes", "max_files"} <= _tenant_columns(scratch_url).keys()

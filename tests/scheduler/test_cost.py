@@ -8,12 +8,14 @@ import pytest
 
 from scheduler.planning.cost import (
     BYTES_PER_ADAPTER_PARAM,
+    PRIOR_COST,
     MemoryModel,
     ProfileSample,
     StepTimeModel,
     adapter_params,
     corrected,
     fit_profiles,
+    prior_cost,
     samples_from_profiles,
     trial_duration_s,
 )
@@ -120,3 +122,16 @@ def test_trial_duration_rounds_up_and_is_never_zero() -> None:
     assert trial_duration_s(3, 0.1) == pytest.approx(0.3)
     assert trial_duration_s(7, 0.0001234) >= 7 * 0.0001234
     assert StepTimeModel(0.0, 0.0, 0.0).predict(100, 1) == 0.0
+
+
+def test_the_prior_of_a_model_of_unknown_size_is_the_bare_prior() -> None:
+    assert prior_cost(None) is PRIOR_COST
+    assert PRIOR_COST.prior and PRIOR_COST.memory.k0_bytes == 0
+
+
+def test_the_prior_of_a_model_of_known_size_holds_its_frozen_bf16_weights() -> None:
+    cost = prior_cost(70_000_000_000)
+    assert cost.memory.k0_bytes == 140e9  # Llama-3.1-70B: 2 bytes per parameter
+    assert cost.memory.k1_bytes_per_token == PRIOR_COST.memory.k1_bytes_per_token
+    assert cost.step == PRIOR_COST.step and cost.prior  # nothing measured: the step time is the prior's
+    assert cost.memory.predict(1000, 0) == PRIOR_COST.memory.predict(1000, 0) + 140_000_000_000

@@ -15,13 +15,15 @@ from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
 from common.celery import get_celery, worker_queue
 from common.db import session_scope
 from common.models import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
-from common.registry import ensure_default_models
+from common.registry import DEFAULT_MODELS, ensure_default_models
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
+from scheduler.planning.cost import PRIOR_COST, prior_cost
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.exits import PAUSE_MIN_STEPS, should_pause
 from tests.conftest import REDIS_URL
 
 WORKER = "w-test"
+TINY_PARAMETERS = next(m.parameters for m in DEFAULT_MODELS if m.name == "tiny-random-llama")
 
 
 @pytest.fixture
@@ -355,7 +357,29 @@ def test_a_malformed_profile_is_ignored_by_the_cost_fit(daemon: SchedulerDaemon)
     report("pack.profile", pack_id=live_pack().id, profile={"device": "cpu", "samples": [[64, 0.5, None]]})
     daemon.step(block_s=0.2)
     with session_scope() as s:
-        assert load_costs(s) == {}
+        assert load_costs(s)["tiny-random-llama"] == prior_cost(TINY_PARAMETERS)  # nothing fitted: its priors
+
+
+def test_a_model_no_pack_profiled_gets_the_priors_for_its_size_corrected_online(daemon: SchedulerDaemon) -> None:
+    from scheduler.service.lifecycle import load_costs
+
+    with session_scope() as s:
+        assert load_costs(s) == {m.name: prior_cost(m.parameters) for m in DEFAULT_MODELS}
+        assert all(cost.prior for cost in load_costs(s).values())
+    make_task(2)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    measured = 2 * PRIOR_COST.step.predict(200, 2)  # twice as slow as the prior says
+    report("pack.started", pack_id=pack.id)
+    report("pack.progress", pack_id=pack.id, steps=20, step_s=measured, tokens=200.0, slots=2.0)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        cost = load_costs(s)["tiny-random-llama"]
+    # Its memory stays the prior for its size; its step time is measured now, so the planner no longer treats it
+    # as the priors (rules.fill_now).
+    assert cost.memory == prior_cost(TINY_PARAMETERS).memory and not cost.prior
+    assert cost.step.predict(200, 2) == pytest.approx(measured)
 
 
 def test_two_schedulers_ticking_at_once_place_and_send_each_pack_once(daemon: SchedulerDaemon) -> None:

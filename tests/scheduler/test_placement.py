@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
-from scheduler.planning.cost import PRIOR_COST, ModelCost, StepTimeModel
+from scheduler.planning.cost import PRIOR_COST, ModelCost, StepTimeModel, prior_cost
 from scheduler.planning.placement import place, rejoin
 from scheduler.planning.types import LivePack, LiveWorker, PendingTrial, RunningMember, Snapshot
 
@@ -148,13 +148,15 @@ def test_the_first_plan_of_a_small_model_task_puts_every_trial_in_one_pack(batch
     H100, no measured costs yet. The packed engine steps 24 such trials in about the time of 8 (host-bound), so
     holding trials back for a later pack only makes the task slower; with early exit it also holds the warm-up
     ranking back. The plan from the cost priors must start all 18 now, in one pack (512: the API's default
-    max_seq_len, which the planner counts in full)."""
+    max_seq_len, which the planner counts in full): the bare priors, and the daemon's, which hold the model's weights
+    (`prior_cost` of its registered size)."""
     snap = Snapshot(pending=grid_task(18, "smollm2-135m-instruct", batches, seq_len),
                     idle_workers=(LiveWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),))
-    placement = place(snap, {})
-    (pack,) = placement.plan.packs
-    assert (pack.worker_id, sorted(pack.trial_ids)) == ("w0", sorted(t.trial_id for t in snap.pending))
-    assert placement.result is not None and len(placement.result.packs) == 1
+    for costs in ({}, {"smollm2-135m-instruct": prior_cost(134_515_008)}):
+        placement = place(snap, costs)
+        (pack,) = placement.plan.packs
+        assert (pack.worker_id, sorted(pack.trial_ids)) == ("w0", sorted(t.trial_id for t in snap.pending))
+        assert placement.result is not None and len(placement.result.packs) == 1
 
 
 def test_the_memory_prior_keeps_a_1b_model_from_over_packing() -> None:
@@ -174,8 +176,9 @@ def test_on_the_priors_no_trial_waits_for_a_later_pack_while_the_pack_starting_n
     grows with every trial), the solver's choice to run the trials one pack after another stands."""
     pending = grid_task(18, "m", (4, 8, 16), 128, rows=50)
     idle = (LiveWorker("w0", DEFAULT_MAX_TRIALS_PER_PACK, H100_BYTES),)
-    (pack,) = place(Snapshot(pending=pending, idle_workers=idle), {}).plan.packs
-    assert len(pack.trial_ids) == 18
+    for priors in ({}, {"m": prior_cost(10**9)}):  # the bare priors, or the daemon's for a model of known size
+        (pack,) = place(Snapshot(pending=pending, idle_workers=idle), priors).plan.packs
+        assert len(pack.trial_ids) == 18
     gpu_bound = ModelCost(memory=PRIOR_COST.memory, step=StepTimeModel(a_s=0.001, b_s_per_token=1e-3, c_s_per_slot=0))
     placement = place(Snapshot(pending=pending, idle_workers=idle), {"m": gpu_bound})
     (pack,) = placement.plan.packs

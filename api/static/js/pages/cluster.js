@@ -1,5 +1,5 @@
-// The operator's view of the fleet: utilisation, workers (one GPU each) with their live pack, and every
-// live pack slot by slot. Re-read every 5 seconds while the tab is visible.
+// The operator's view of the fleet: utilisation, workers (one GPU, or several of one host) with their live pack,
+// and every live pack slot by slot. Re-read every 5 seconds while the tab is visible.
 
 import { api } from "../api.js";
 import { badge, clear, fmt, h, progressBar } from "../dom.js";
@@ -16,7 +16,8 @@ function workersTable(workers) {
       "Last heartbeat"].map((c) => h("th", { scope: "col" }, c)))),
     h("tbody", {}, workers.map((w) => h("tr", { dataset: { worker: w.id } },
       h("td", { class: "mono" }, w.id), h("td", {}, badge(w.state)), h("td", {}, w.device),
-      h("td", { class: "num" }, fmt.bytes(w.memory_bytes)),
+      // A worker over several GPUs: its GPU count times one GPU's memory.
+      h("td", { class: "num" }, (w.gpus > 1 ? `${w.gpus} × ` : "") + fmt.bytes(w.memory_bytes)),
       h("td", { class: "progress-cell" }, progressBar(w.utilisation, `Slots in use on ${w.id}`),
         `${w.used_slots}/${w.max_slots}`),
       h("td", { class: "mono small" }, w.pack_id || "idle"),
