@@ -42,9 +42,12 @@ class Settings(BaseSettings):
     worker_timeout_s: float = Field(default=30.0, alias="LORAPLANE_WORKER_TIMEOUT_S")
     # The scheduler replans at least this often even when no event arrives (Redis is not the source of truth).
     scheduler_tick_s: float = Field(default=2.0, alias="LORAPLANE_SCHEDULER_TICK_S")
-    # The most trials one pack of this worker holds: one name for it, as the variable, the heartbeat's `max_slots`
-    # and the workers table's column say.
+    # The most trials one pack of this worker holds per GPU (a worker over n GPUs announces n times it): one name
+    # for it, as the variable, the heartbeat's `max_slots` and the workers table's column say.
     worker_max_slots: int = Field(default=DEFAULT_MAX_TRIALS_PER_PACK, ge=1, alias="LORAPLANE_WORKER_MAX_SLOTS")
+    # A worker over several GPUs (`--gpus`): how long one of its ranks waits for the others in an agreement or a
+    # collective before the pack fails (worker/ranks.py). It covers the slowest rank's model load before a pack.
+    worker_rank_timeout_s: float = Field(default=600.0, gt=0, alias="LORAPLANE_WORKER_RANK_TIMEOUT_S")
     # Registry names (comma-separated) of base models a worker loads at start, before its first pack: the
     # first pack of a task then pays no model load (tens of seconds for a GGUF model).
     worker_preload_models: str = Field(default="", alias="LORAPLANE_WORKER_PRELOAD")

@@ -6,6 +6,7 @@ service:
   loraplane api                the FastAPI control plane
   loraplane scheduler          the planner daemon
   loraplane worker --gpu N     a Celery GPU agent bound to GPU N
+  loraplane worker --gpus 0,1  one agent over several GPUs of this host (each pack over all of them)
   loraplane migrate            bring the database schema up to date
   loraplane simulate           compare planner policies on a workload trace with a simulated clock
   loraplane replay CURVES      replay a logged sweep's loss curves under an early-exit policy
@@ -176,11 +177,22 @@ def cmd_scheduler(_args: argparse.Namespace) -> None:
         stop.set()
 
 
+def _gpu_list(text: str) -> list[int]:
+    try:
+        gpus = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of GPU indices") from None
+    if len(set(gpus)) != len(gpus) or min(gpus) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices must be distinct and not negative")
+    return gpus
+
+
 def cmd_worker(args: argparse.Namespace) -> None:
     from worker.main import run_worker
 
     watch_supervisor()
-    run_worker(gpu=args.gpu, worker_id=args.worker_id, loglevel=args.loglevel)
+    gpus = args.gpus if args.gpus is not None else ([args.gpu] if args.gpu is not None else None)
+    run_worker(gpus=gpus, worker_id=args.worker_id, loglevel=args.loglevel)
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -375,8 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
     api.set_defaults(func=cmd_api)
     sub.add_parser("scheduler", help="run the planner daemon").set_defaults(func=cmd_scheduler)
     worker = sub.add_parser("worker", help="run a GPU agent (Celery worker)")
-    worker.add_argument("--gpu", type=int, default=None, help="CUDA device index (CPU when CUDA is absent)")
-    worker.add_argument("--worker-id", default=None, help="defaults to <hostname>-gpu<N>")
+    devices = worker.add_mutually_exclusive_group()
+    devices.add_argument("--gpu", type=int, default=None, help="CUDA device index (CPU when CUDA is absent)")
+    devices.add_argument("--gpus", type=_gpu_list, default=None,
+                         help="several CUDA devices of this host, e.g. 0,1: each pack runs over all of them, its base "
+                              "model sharded (without CUDA: a rank on the CPU for each)")
+    worker.add_argument("--worker-id", default=None,
+                        help="defaults to <hostname>-gpu<N> (<hostname>-gpu0-1 for --gpus 0,1)")
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(func=cmd_worker)
     sub.add_parser("migrate", help="upgrade the database schema").set_defaults(func=cmd_migrate)

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.bus import SCHEDULER_STREAM, Bus, commands_stream
@@ -19,14 +20,15 @@ from common.bus import SCHEDULER_STREAM, Bus, commands_stream
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
 class Incarnation:
     """This worker process: a new id on every start, so the scheduler tells a restarted worker (same worker
     id) from the process it replaced, and can end that process's packs at once instead of waiting for a
-    heartbeat timeout that never comes (the new process beats under the same id)."""
+    heartbeat timeout that never comes (the new process beats under the same id). The rank processes of a
+    worker over several GPUs (worker/ranks.py) report under their worker process's."""
 
-    def __init__(self) -> None:
-        self.id = uuid.uuid4().hex
-        self.started_at = time.time()
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started_at: float = field(default_factory=time.time)
 
 
 class Heartbeat(threading.Thread):

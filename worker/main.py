@@ -1,4 +1,5 @@
-"""`loraplane worker`: one Celery worker process bound to one device, consuming its own queue."""
+"""`loraplane worker`: one Celery worker process bound to one device, or to several GPUs of its host (a rank process
+for each GPU after the first: worker/ranks.py), consuming its own queue."""
 
 from __future__ import annotations
 
@@ -19,17 +20,20 @@ from worker import telemetry
 from worker.agent import Heartbeat, Incarnation
 from worker.availability import ModelAvailability
 from worker.engine import ModelSource
+from worker.ranks import RankConfig, RankPool, free_port
 from worker.runner import PackRunner
 
 log = logging.getLogger(__name__)
 
 
-def pick_device(gpu: int | None) -> torch.device:
+def pick_devices(gpus: list[int] | None) -> list[torch.device]:
+    """The worker's devices: one per GPU asked for (none: GPU 0, or the CPU). Without CUDA, a rank on the CPU per
+    GPU asked for: a worker over several "GPUs" then runs its ranks on the CPU with gloo (the tests do)."""
     if torch.cuda.is_available():
-        return torch.device(f"cuda:{gpu or 0}")
-    if gpu is not None:
-        log.warning("--gpu %s asked for, but CUDA is not available: running on the CPU", gpu)
-    return torch.device("cpu")
+        return [torch.device(f"cuda:{gpu}") for gpu in gpus or [0]]
+    if gpus:
+        log.warning("--gpu(s) %s asked for, but CUDA is not available: running on the CPU", gpus)
+    return [torch.device("cpu")] * max(1, len(gpus or []))
 
 
 def device_memory(device: torch.device) -> int:
@@ -58,11 +62,18 @@ def preload_models(load: Callable[[ModelSource], object], names: str,
             log.exception("LORAPLANE_WORKER_PRELOAD: %r could not be loaded", name)
 
 
-def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel: str = "INFO") -> None:
+def default_worker_id(gpus: list[int] | None, device: torch.device) -> str:
+    """``<hostname>-gpu0`` for GPU 0, ``<hostname>-gpu0-1`` for GPUs 0 and 1, ``<hostname>-cpu`` without one."""
+    suffix = "gpu" + "-".join(str(g) for g in gpus) if gpus else device.type
+    return f"{socket.gethostname()}-{suffix}"
+
+
+def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, loglevel: str = "INFO") -> None:
+    """A worker on ``gpus`` (one: a pack on that GPU; several: each pack over all of them, worker/ranks.py)."""
     settings = get_settings()
-    device = pick_device(gpu)
-    suffix = f"gpu{gpu}" if gpu is not None else device.type
-    worker_id = worker_id or f"{socket.gethostname()}-{suffix}"
+    devices = pick_devices(gpus)
+    device = devices[0]
+    worker_id = worker_id or default_worker_id(gpus, device)
     if settings.worker_cpu_threads:
         torch.set_num_threads(settings.worker_cpu_threads)
     queue = worker_queue(settings, worker_id)
@@ -70,15 +81,25 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
     # The same worker id comes back after a restart (`<hostname>-gpuN`, or `local` under `loraplane up`): the
     # incarnation tells the scheduler this is a new process, whose predecessor's packs are gone.
     incarnation = Incarnation()
+    pool, ranks = None, None
+    if len(devices) > 1:
+        pool = RankPool(RankConfig(
+            worker_id=worker_id, devices=tuple(str(d) for d in devices),
+            init_method=f"tcp://127.0.0.1:{free_port()}", incarnation=incarnation,
+            timeout_s=settings.worker_rank_timeout_s, cpu_threads=settings.worker_cpu_threads,
+            preload=settings.worker_preload_models, loglevel=loglevel))
+        ranks = pool.start()
     # Every beat names the registered models this machine can load (the registry the scheduler published).
     availability = ModelAvailability(bus)
     heartbeat = Heartbeat(bus, settings.heartbeat_interval_s, {
-        "worker_id": worker_id, "queue": queue, "device": str(device), "memory_bytes": device_memory(device),
-        "max_slots": settings.worker_max_slots,
+        "worker_id": worker_id, "queue": queue, "device": ",".join(str(d) for d in devices),
+        # One GPU's memory, and how many: a pack on this worker holds its base sharded over all of them.
+        "memory_bytes": device_memory(device), "gpus": len(devices),
+        "max_slots": settings.worker_max_slots * len(devices),
     }, incarnation, models=availability.models)
     runner = PackRunner(worker_id=worker_id, device=device, bus=bus, store=get_artifact_store(),
-                        model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat,
-                        report_timeout_s=settings.worker_timeout_s)
+                        model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat, ranks=ranks,
+                        pool=pool, report_timeout_s=settings.worker_timeout_s)
     from worker.tasks import celery_app, install_runner
 
     install_runner(runner)
@@ -93,7 +114,11 @@ def run_worker(*, gpu: int | None = None, worker_id: str | None = None, loglevel
     log.info("worker %s (incarnation %s) on %s consuming %s", worker_id, incarnation.id[:8], device, queue)
     # The solo pool runs the pack in this process, where the model stays loaded between packs and the
     # heartbeat thread dies with it: a killed worker stops beating and the scheduler requeues its trials.
-    celery_app.worker_main([
-        "worker", "-Q", queue, "--pool", "solo", "--concurrency", "1", "-n", f"{worker_id}@%h",
-        "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ])
+    try:
+        celery_app.worker_main([
+            "worker", "-Q", queue, "--pool", "solo", "--concurrency", "1", "-n", f"{worker_id}@%h",
+            "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ])
+    finally:
+        if pool is not None:
+            pool.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterable
@@ -25,10 +26,12 @@ from common.datasets import parse_jsonl, split_rows
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS
 from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
 from worker import telemetry
-from worker.agent import CommandInbox, Heartbeat, Reporter, ReportsLost
+from worker.agent import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
 from worker.engine import Evaluation, ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
+from worker.engine.distributed import shard_base
 from worker.engine.trainer import PackTimings, StopMode
 from worker.profile import PackProfiler
+from worker.ranks import RankPool, Ranks
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +66,27 @@ def evaluation_of(stored: dict[str, Any] | None) -> Evaluation | None:
 
 
 class PackRunner:
-    """Holds what outlives one pack: the loaded base models (loaded once per process) and the bus."""
+    """Holds what outlives one pack: the loaded base models (loaded once per process) and the bus.
+
+    On a worker over several GPUs (worker/ranks.py) each rank has one: rank 0's, in the worker process, has the
+    heartbeat and the ``pool`` of the other ranks and runs each pack (``run``); the others run their share of it
+    (``run_share``).
+    """
 
     def __init__(self, *, worker_id: str, device: torch.device, bus: Bus, store: LocalArtifactStore,
-                 model_cache_dir: Path, heartbeat: Heartbeat, report_timeout_s: float = 30.0) -> None:
+                 model_cache_dir: Path, heartbeat: Heartbeat | None = None, incarnation: Incarnation | None = None,
+                 ranks: Ranks | None = None, pool: RankPool | None = None, report_timeout_s: float = 30.0) -> None:
         self.worker_id = worker_id
         self.device = device
         self.bus = bus
         self.store = store
         self.model_cache_dir = model_cache_dir
         self.heartbeat = heartbeat
-        self.incarnation = heartbeat.incarnation
+        incarnation = incarnation or (heartbeat.incarnation if heartbeat is not None else None)
+        assert incarnation is not None, "a runner reports under its worker process's incarnation"
+        self.incarnation = incarnation
+        self.ranks = ranks  # None: a worker on one device
+        self.pool = pool  # rank 0 of a worker over several GPUs: the other ranks
         # How long a pack's end waits for its reports to reach a bus that is away (then they are dropped,
         # and the scheduler, past its heartbeat timeout, requeues the pack's trials from their checkpoints).
         self.report_timeout_s = report_timeout_s
@@ -91,7 +104,14 @@ class PackRunner:
             log.info("base model %s changed in the registry; loading it again", source.name)
             del self._models[source.name], cached  # the old copy's memory can go before the new one comes
         log.info("loading base model %s on %s", source.name, self.device)
-        loaded = load_base_model(source, cache_dir=self.model_cache_dir, device=self.device)
+        if self.ranks is None:
+            loaded = load_base_model(source, cache_dir=self.model_cache_dir, device=self.device)
+        else:
+            # Loaded in host memory in the device's type, then sharded onto this rank's device layer by layer:
+            # the GPU never holds more than its shards and one whole layer (a model larger than one GPU fits).
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            loaded = load_base_model(source, cache_dir=self.model_cache_dir, device=torch.device("cpu"), dtype=dtype)
+            shard_base(loaded[0], device=self.device)
         self._models[source.name] = (source, loaded)
         return loaded
 
@@ -133,27 +153,58 @@ class PackRunner:
         if not self.bus.claim(f"pack:{pack_id}"):
             log.warning("pack %s was already claimed; skipping the duplicate delivery", pack_id)
             return
+        assert self.heartbeat is not None, "only the worker process (rank 0) runs packs"
         reporter = Reporter(self.bus, pack_id, self.worker_id, self.incarnation)
         # From here until its last report went out, every heartbeat names this pack (see Heartbeat).
         self.heartbeat.set_pack(pack_id)
+        handed_over = False
         try:
             reporter.send("pack.started")
+            if self.pool is not None:
+                self.pool.hand_over(pack)
+                handed_over = True
             self._train(pack, reporter)
+            if self.pool is not None:
+                handed_over = False
+                self.pool.wait(pack_id)  # every rank's reports went out before the pack's end
             reporter.send("pack.finished")
         except ReportsLost:
             # The bus has been away too long to keep the reports: stop. The next heartbeat names no pack, so
             # the scheduler requeues the trials from their checkpoints.
             log.exception("pack %s stopped: its reports could not be sent", pack_id)
+            self._end_if_ranks_wait(pack_id)
         except Exception as exc:  # the pack failed as a whole (model or data would not load)
             log.exception("pack %s failed", pack_id)
+            self._end_if_ranks_wait(pack_id)
             try:
                 reporter.send("pack.failed", error=f"{type(exc).__name__}: {exc}")
             except ReportsLost:
                 pass
         finally:
+            if handed_over and self.pool is not None:
+                self.pool.wait(pack_id)  # a pack that could not start on every rank: it ended on each
             reporter.close(self.report_timeout_s)
             self.heartbeat.set_pack(None)
             telemetry.pack_ended()
+
+    def run_share(self, pack: dict[str, Any]) -> None:
+        """A rank's share of a pack over several GPUs (rank 0 runs ``run``, which reports its start and end)."""
+        reporter = Reporter(self.bus, pack["pack_id"], self.worker_id, self.incarnation)
+        try:
+            self._train(pack, reporter)
+        except Exception:  # noqa: BLE001 - rank 0 reports the pack's failure, which every rank agreed on
+            log.exception("pack %s failed", pack["pack_id"])
+            self._end_if_ranks_wait(pack["pack_id"])
+        finally:
+            reporter.close(self.report_timeout_s)
+
+    def _end_if_ranks_wait(self, pack_id: str) -> None:
+        """A rank that fails while the pack trains leaves the others waiting in a collective: end this process
+        (worker/ranks.py says what follows)."""
+        if self.ranks is not None and self.ranks.training:
+            log.critical("pack %s failed on rank %d while training: this process ends", pack_id, self.ranks.rank)
+            logging.shutdown()
+            os._exit(1)
 
     def should_stop(self, pack_id: str, trial_ids: Iterable[str]) -> dict[str, StopMode]:
         """The trials to take out now: those the scheduler stopped, or all of them once it aborted the pack."""
@@ -162,32 +213,56 @@ class PackRunner:
         return stop_modes(self.inbox.stopped_trials(pack_id))
 
     def _train(self, pack: dict[str, Any], reporter: Reporter) -> None:
-        pack_id = pack["pack_id"]
+        pack_id, ranks = pack["pack_id"], self.ranks
         source = ModelSource(**pack["base_model"])
-        model, tokenizer = self.model(source)
-        task_of = {t["trial_id"]: t["task_id"] for t in pack["trials"]}
+        trials = pack["trials"] if ranks is None else ranks.mine(pack["trials"])
+        task_of = {t["trial_id"]: t["task_id"] for t in trials}
         # The trials of one task share their files: read and parse each once per pack.
         read_rows = functools.cache(lambda key: parse_jsonl(self.store.get_bytes(key)))
-        specs = [self.trial_spec(t, read_rows) for t in pack["trials"]]
+        leads = ranks is None or ranks.rank == 0  # reports the pack's steps, profile and refused back-fills
         profiler = PackProfiler(device=str(self.device))
         timings = PackTimings()
         with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
             tmp = Path(tmp_name)
-            resume = self._fetch_checkpoints(pack["trials"], tmp / "resume", reporter)
+            (model, tokenizer), specs, resume = self._set_up(source, trials, read_rows, tmp / "resume", reporter)
             calls = _PackCallbacks(self, pack_id, reporter, tmp, task_of, read_rows, profiler)
             train_pack(
                 model, tokenizer, specs, base_model_name=export_base_name(source), export_dir=tmp / "adapters",
                 on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, task_of),
-                on_step=calls.stepped, resume=resume, checkpoint_dir=tmp / "checkpoints",
+                on_step=calls.stepped if leads else None, resume=resume, checkpoint_dir=tmp / "checkpoints",
                 # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
                 checkpoint_interval=max([s.eval_interval for s in specs], default=None),
-                on_checkpoint=calls.upload_checkpoint, capacity=pack.get("capacity"), max_rank=pack.get("max_rank"),
+                on_checkpoint=calls.upload_checkpoint, max_rank=pack.get("max_rank"),
+                capacity=pack.get("capacity") if ranks is None else ranks.capacity(pack.get("capacity")),
                 target_modules=pack.get("target_modules"), admissions=calls.admissions, on_admitted=calls.admitted,
-                on_outcome=calls.finished, timings=timings,
+                on_outcome=calls.finished, timings=timings, lockstep=None if ranks is None else ranks.lockstep,
             )
-            for t in self.inbox.drain_admissions(pack_id):
+            refused = self.inbox.drain_admissions(pack_id)  # each rank's inbox saw them; rank 0 answers
+            for t in refused if leads else []:
                 reporter.send("trial.rejected", trial_id=t["trial_id"], reason=BACKFILL_NOT_JOINED)
-        reporter.send("pack.profile", profile={**profiler.summary(), "phases": timings.summary()})
+        if ranks is not None:
+            ranks.training = False
+        if leads:
+            gpus = {} if ranks is None else {"gpus": ranks.world}
+            reporter.send("pack.profile", profile={**profiler.summary(), **gpus, "phases": timings.summary()})
+
+    def _set_up(self, source: ModelSource, trials: list[dict[str, Any]],
+                read_rows: Callable[[str], list[dict[str, Any]]], resume_into: Path, reporter: Reporter,
+                ) -> tuple[tuple[Any, Any], list[TrialSpec], dict[str, Path]]:
+        """The base model, the trials' specs and the checkpoints they resume from. On a worker over several GPUs
+        the ranks then agree that each has its own before the first pass (a rank that has not fails the pack on
+        every rank)."""
+        try:
+            loaded = self.model(source)
+            specs = [self.trial_spec(t, read_rows) for t in trials]
+            resume = self._fetch_checkpoints(trials, resume_into, reporter)
+        except Exception as exc:
+            if self.ranks is None:
+                raise
+            self.ranks.ready(exc)
+        if self.ranks is not None:
+            self.ranks.ready(None)
+        return loaded, specs, resume
 
     def _fetch_checkpoints(self, trials: list[dict[str, Any]], into: Path, reporter: Reporter) -> dict[str, Path]:
         """Unpacks the checkpoint of every trial that resumes (a requeued trial that had one). A checkpoint that
@@ -239,10 +314,15 @@ class _PackCallbacks:
             self.runner.store.delete(keys.pop(0))
 
     def admissions(self, free: int) -> list[tuple[TrialSpec, Path | None]]:
-        """Back-fills the scheduler sent for this pack, as many as there are free slots."""
+        """Back-fills the scheduler sent for this pack, as many as there are free slots (on a worker over several
+        GPUs: this rank's share of them, `Ranks.share_admissions`)."""
         runner, reporter = self.runner, self.reporter
         taken: list[tuple[TrialSpec, Path | None]] = []
-        for t in runner.inbox.take_admissions(self.pack_id, free):
+        if runner.ranks is None:
+            waiting = runner.inbox.take_admissions(self.pack_id, free)
+        else:
+            waiting = runner.ranks.share_admissions(free, lambda n: runner.inbox.take_admissions(self.pack_id, n))
+        for t in waiting:
             try:
                 spec = runner.trial_spec(t, self.read_rows)
                 path = runner._fetch_checkpoints([t], self.tmp / "resume", reporter).get(t["trial_id"])

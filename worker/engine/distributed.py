@@ -18,18 +18,21 @@ backward), validation, and the scoring after it; greedy generation agrees once p
 (`PackEngine.generate`). A pass that fails on one rank part way through its layers cannot be made up: the other
 ranks wait in that layer's collective, and the pack fails as a whole (its process group times out).
 
-Not covered here: which trial goes to which rank is the caller's (`assign_ranks`); the worker process that
-spawns the ranks and the scheduler's k-GPU packs are issue 20's remaining work (docs/multi-gpu.md).
+Not covered here: which trial goes to which rank is the caller's (`assign_ranks`); the worker that spawns the ranks
+and hands them packs and back-fills is worker/ranks.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from worker.engine.slots import StepStats
 
 if TYPE_CHECKING:
     from worker.engine.engine import PackEngine
@@ -103,6 +106,22 @@ class Lockstep:
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank."""
         return self.most(int(flag)) > 0
+
+    def pack_stats(self, own: StepStats | None) -> StepStats:
+        """The pack's step over every rank, from each rank's ``own`` (None: it had no trial to step): slots and
+        tokens summed, and peak memory summed too (the pack's peak over its GPUs, as the scheduler's cost model
+        counts a pack on several GPUs: one unit), the step's time the longest rank's. Where the host's time
+        went (data, prefetch, device wait) and the step's index stay this rank's own."""
+        fields = [0.0] * 6 if own is None else [
+            own.active_slots, own.tokens, own.padded_tokens, own.target_tokens, own.peak_memory_bytes or 0, own.seconds]
+        gathered = [torch.zeros(6, dtype=torch.float64) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(gathered, torch.tensor(fields, dtype=torch.float64), group=self.group)
+        total = torch.stack(gathered).sum(dim=0).tolist()
+        peak = int(total[4]) or None  # None: no rank measures its memory (the CPU)
+        base = own or StepStats(0, 0, 0, 0, 0, 0.0, None)
+        return replace(base, active_slots=int(total[0]), tokens=int(total[1]), padded_tokens=int(total[2]),
+                       target_tokens=int(total[3]), peak_memory_bytes=peak,
+                       seconds=max(float(g[5]) for g in gathered))
 
     def pad(self, engine: PackEngine, kind: Pass, count: int) -> None:
         """``count`` idle passes of ``kind``: this rank's share of a phase the others have more passes in."""

@@ -65,24 +65,25 @@ class ModelSource:
 
 
 def load_base_model(
-    source: ModelSource, *, cache_dir: Path, device: torch.device
+    source: ModelSource, *, cache_dir: Path, device: torch.device, dtype: torch.dtype | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a frozen base model and its tokenizer.
 
-    The model is fp32 on CPU and bf16 on CUDA, every parameter has ``requires_grad=False`` and it is in
-    eval mode (the base never drops out; LoRA dropout is the adapters' own business). The tokenizer
-    pads on the right and always has a pad token (falling back to eos).
+    The model is fp32 on CPU and bf16 on CUDA (unless ``dtype`` says otherwise), every parameter has
+    ``requires_grad=False`` and it is in eval mode (the base never drops out; LoRA dropout is the adapters' own
+    business). The tokenizer pads on the right and always has a pad token (falling back to eos).
 
     Args:
         source: registry entry.
         cache_dir: where synthetic models are materialised (``cache_dir/<name>/``).
         device: target device.
+        dtype: the weights' type, when not the device's (a model loaded in host memory to be sharded onto GPUs).
 
     Raises:
         ValueError: unknown kind, a missing field for the kind, or a tokenizer with neither pad nor eos.
         FileNotFoundError: a ``gguf-package`` whose package or file is not installed.
     """
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if source.kind == "tiny-random-llama":
         model_dir = materialize_tiny_llama(Path(cache_dir) / source.name)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

@@ -73,14 +73,15 @@ def train_pack(
 
     Back-filling: the engine has ``capacity`` slots (default: one per trial) of rank up to ``max_rank``
     (default: the trials' largest) over the layers ``target_modules`` select (default: the trials' own).
-    Before each step ``admissions(free slots)`` may hand over more trials; each is admitted into a free
-    slot (fresh, or from its checkpoint) and trains exactly as it would alone, or is refused
-    (``on_admitted(trial_id, reason)``; ``None`` when admitted). The pack ends when no trial is left and
-    ``admissions`` has none to give.
+    Before each step ``admissions(free slots)`` may hand over more trials (under a ``lockstep`` it is asked
+    every time, with no free slot too); each is admitted into a free slot (fresh, or from its checkpoint) and
+    trains exactly as it would alone, or is refused (``on_admitted(trial_id, reason)``; ``None`` when admitted).
+    The pack ends when no trial is left and ``admissions`` has none to give.
 
     Args:
         on_point: called per train step and per validation of each trial.
-        on_step: called with each pack step's ``StepStats``.
+        on_step: called with each pack step's ``StepStats`` (under a ``lockstep``: on every rank, with the
+            whole pack's step over all ranks, ``Lockstep.pack_stats``).
         resume: ``{trial_id: checkpoint dir}`` of trials to continue instead of starting fresh.
         checkpoint_dir, checkpoint_interval: checkpoint each trial to ``checkpoint_dir/<trial_id>/`` every
             ``checkpoint_interval`` of its steps (replaced atomically), then call ``on_checkpoint(trial_id,
@@ -256,9 +257,9 @@ def _run(
         for slot in leaving:
             report(_take_out(engine, slot, stop[engine.state(slot).spec.trial_id], hooks))
         with hooks.clock.measure("steps_s"):
-            losses = _step(engine)
-        if on_step is not None and engine.last_stats is not None and losses:
-            on_step(engine.last_stats)
+            losses, stats = _step(engine)
+        if on_step is not None and stats is not None:
+            on_step(stats)
         with hooks.clock.measure("validation_s"):
             validation = _validate(engine, losses)
         finishing = [s for s in _live(engine) if not engine.state(s).training
@@ -275,13 +276,21 @@ def _run(
                 report(outcome)
 
 
-def _step(engine: PackEngine) -> dict[str, float]:
-    """One pack step of the slots still training; in a pack over several GPUs, an idle one where this rank has
-    none and another rank steps."""
+def _step(engine: PackEngine) -> tuple[dict[str, float], StepStats | None]:
+    """One pack step of the slots still training, and its stats (None: nothing stepped). In a pack over several
+    GPUs: an idle pass where this rank has no trial to step and another rank has, and the stats of the whole
+    pack's step, over every rank (the scheduler's cost model sees a pack on several GPUs as one)."""
     stepping = any(state.training for state in engine.slots if state)
-    if engine.lockstep is not None and engine.lockstep.any(stepping) and not stepping:
-        engine.lockstep.pad(engine, "train", 1)
-    return engine.step() if stepping else {}
+    lockstep = engine.lockstep
+    if lockstep is None:
+        losses = engine.step() if stepping else {}
+        return losses, engine.last_stats if losses else None
+    if not lockstep.any(stepping):
+        return {}, None
+    if not stepping:
+        lockstep.pad(engine, "train", 1)
+    losses = engine.step() if stepping else {}
+    return losses, lockstep.pack_stats(engine.last_stats if losses else None)
 
 
 @dataclass
@@ -356,8 +365,8 @@ def _admit(
     """Admit what ``admissions`` hands over into free slots (a trial that left this pack, paused, may come
     back; one still in it is refused: ``engine.admit`` raises)."""
     free = sum(1 for state in engine.slots if state is None)
-    if not free:
-        return
+    if not free and engine.lockstep is None:  # the ranks of a pack over several GPUs are all asked, every time:
+        return  # handing a back-fill to a rank with room may be an agreement among them (worker/ranks.py)
     for spec, resume in admissions(free):
         reason = None
         try:
