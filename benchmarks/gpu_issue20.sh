@@ -5,6 +5,10 @@
 #   device (one GPU):   LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue20.sh one     # the sharding machinery on one GPU, N = 1
 #   device (2 GPUs):    LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue20.sh two     # nvidia-h200-x2: 8B x 16 trials on 2 GPUs vs 1,
 #                                                              # and a 70B shape one GPU cannot hold
+#   device (2 GPUs):    LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue20.sh pool    # the worker's own path (worker/ranks.py,
+#                                                              # benchmarks/rank_pool.py): carry [".whl", ".whlsvc"]
+# The pool stage imports the service (Celery, Redis's client, pydantic-settings, ...), which the image lacks: its
+# wheels travel as .whlsvc (`bash benchmarks/gpu_issue6.sh prepare-service` here).
 # Carry .whl with Liger-Kernel's wheel (benchmarks/gpu_setup.sh) so that both sides run the base fused, as the
 # service does on CUDA; the one-GPU run of 2026-11-24 had none (both sides unfused).
 # Results come back in $OUT (the JSON files written to benchmarks/results/); copy them there here and commit.
@@ -27,6 +31,12 @@ case $stage in
     # Llama-3.1-70B's layer shape (hidden 8192, 80 layers); 48 layers are ~84 GB of bf16 weights: more than an
     # H200 holds beside a pack's activations, half of it per GPU when sharded.
     run 2 --shape llama-3.1-70b --layers 48 --trials 8 --seq-len 512 --steps 4 --no-single ;;
+  pool)
+    test -d /root/lp/svcsite || python -m pip install -q --no-index --no-deps --no-compile --target /root/lp/svcsite \
+      .whlsvc/*.whl || exit 5
+    export PYTHONPATH=/root/lp/svcsite:${PYTHONPATH:-}
+    python -m benchmarks.rank_pool --devices cuda:0,cuda:1 --shape llama-3.1-8b --trials 16 --seq-len 512 --steps 30
+    cp benchmarks/results/rank_pool-* "$OUT"/ 2>/dev/null ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 echo "all done"
