@@ -113,12 +113,16 @@ def test_a_task_submitted_while_a_pack_trains_joins_its_free_slot(services: tupl
         assert lp.tasks.cancel(long_id).state == "cancelled"  # an error answer would raise APIError
 
 
-def test_alto_rotates_trials_through_their_warm_up_and_stops_the_weakest(services: tuple[Cluster, str]) -> None:
+@pytest.mark.parametrize("gpus", [None, "0,1"], ids=["one-device", "two-ranks"])
+def test_alto_rotates_trials_through_their_warm_up_and_stops_the_weakest(services: tuple[Cluster, str],
+                                                                         gpus: str | None) -> None:
     """Four trials, two slots: the first two pause at their warm-up boundary (checkpointed, slots freed) so
     the other two can warm up; the ranking then keeps two, which finish, and stops two as underperforming.
-    (Divergence and overfitting are switched off here: their thresholds are unit-tested on exact curves.)"""
+    (Divergence and overfitting are switched off here: their thresholds are unit-tested on exact curves.)
+    Also on a worker over two ranks (`--gpus 0,1`, on the CPU: worker/ranks.py), one slot each: the pauses, the
+    trials rejoining from their checkpoints (back-fills dealt to the rank with room) and the stops."""
     c, base_url = services
-    c.start("worker-a", "worker", "--worker-id", "e2e-alto")
+    c.start("worker-a", "worker", "--worker-id", "e2e-alto", *(["--gpus", gpus] if gpus else []))
     lp = tenant_client(base_url, ADMIN_TOKEN, "team-alto")
     file_id = upload(lp, arithmetic_rows())
     # Long enough that the scheduler (a round every 0.5 s) acts at the warm-up boundary (step 50) well before

@@ -73,6 +73,7 @@ def _run(rank: int, world: int, out: Path, cache: Path) -> None:
     all_specs = specs()
     mine = [all_specs[t] for t in ("a", "b", "c", "e") if rank_of(t, world) == rank]
     points: list[list[Any]] = []
+    steps: list[list[int]] = []  # each pack step as on_step sees it: the whole pack's, over every rank
     checkpoints: dict[str, Path] = {}
     iteration = {"n": 0}
     admitted: set[str] = set()
@@ -104,8 +105,9 @@ def _run(rank: int, world: int, out: Path, cache: Path) -> None:
         checkpoint_dir=out / f"checkpoints{rank}", checkpoint_interval=1000,
         capacity=CAPACITY if world > 1 else 2 * CAPACITY, max_rank=4,
         on_checkpoint=lambda trial_id, step, path: checkpoints.setdefault(trial_id, path), lockstep=lockstep,
+        on_step=lambda stats: steps.append([stats.active_slots, stats.tokens, stats.target_tokens]),
     )  # fmt: skip
-    result = {"outcomes": [_outcome(o) for o in outcomes], "points": points,
+    result = {"outcomes": [_outcome(o) for o in outcomes], "points": points, "steps": steps,
               "idle": lockstep.idle if lockstep is not None else None, "layer_share": _layer_share(model)}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 

@@ -76,6 +76,10 @@ def test_a_pack_over_two_ranks_trains_its_trials_exactly_as_one_process(tmp_path
         assert mine.keys() == theirs.keys()
         for key in mine:
             torch.testing.assert_close(theirs[key], mine[key], rtol=1e-5, atol=1e-6)
+    # Every rank saw each pack step as the whole pack's (slots and tokens over both ranks), as one process saw it:
+    # what rank 0 reports to the scheduler's cost model is one unit's step.
+    alone_steps = json.loads((alone / "rank0.json").read_text())["steps"]
+    assert alone_steps and [r["steps"] for r in ranks] == [alone_steps, alone_steps]
     # The ranks did not have the same work: each padded some passes with idle ones.
     assert all(sum(r["idle"].values()) > 0 for r in ranks)
 
