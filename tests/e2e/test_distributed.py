@@ -122,6 +122,8 @@ def test_alto_rotates_trials_through_their_warm_up_and_stops_the_weakest(service
     Also on a worker over two ranks (`--gpus 0,1`, on the CPU: worker/ranks.py), one slot each: the pauses, the
     trials rejoining from their checkpoints (back-fills dealt to the rank with room) and the stops."""
     c, base_url = services
+    if gpus:
+        c.env["LORAPLANE_WORKER_CPU_THREADS"] = "1"  # a thread a rank on a CI machine's two cores
     c.start("worker-a", "worker", "--worker-id", "e2e-alto", *(["--gpus", gpus] if gpus else []))
     lp = tenant_client(base_url, ADMIN_TOKEN, "team-alto")
     file_id = upload(lp, arithmetic_rows())
