@@ -35,9 +35,10 @@ case $stage in
     test -d /root/lp/svcsite || python -m pip install -q --no-index --no-deps --no-compile --target /root/lp/svcsite \
       .whlsvc/*.whl || exit 5
     export PYTHONPATH=/root/lp/svcsite:${PYTHONPATH:-}
-    # DEVICES=cuda:0 SHAPE=llama-3.2-1b: the one-device path alone, on one GPU (a check of the set-up).
+    # DEVICES=cuda:0 SHAPE=llama-3.2-1b: the one-device path alone, on one GPU (a check of the set-up);
+    # POOL_ARGS=--engine: the engine alone beside it (what the worker's loop adds).
     python -m benchmarks.rank_pool --devices "${DEVICES:-cuda:0,cuda:1}" --shape "${SHAPE:-llama-3.1-8b}" \
-      --trials 16 --seq-len 512 --steps 30
+      --trials 16 --seq-len 512 --steps 30 ${POOL_ARGS:-}
     cp benchmarks/results/rank_pool-* "$OUT"/ 2>/dev/null ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

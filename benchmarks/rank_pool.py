@@ -11,7 +11,8 @@ each loading the model in host memory and sharding it onto its device). Each run
 bus: every trial must complete all its steps. Tokens/s come from the pack's own profile (its steps summed over the
 ranks, real tokens only), over the steps after `--warmup`. Each trial's final training loss is compared between the
 runs (bf16 on CUDA: close, not equal; the CPU tests show the adapters equal in fp32). Results:
-benchmarks/results/rank_pool-<shape>-<N>dev-<device>-<date>.json.
+benchmarks/results/rank_pool-<shape>-<N>dev-<device>-<date>.json. With `--engine`, the same trials are first stepped by
+the engine alone on the first device (no worker loop around it), side by side in the same run.
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="the pack's first steps, left out of tokens/s")
     parser.add_argument("--no-single", action="store_true", help="skip the one-device run (the model does not fit)")
+    parser.add_argument("--engine", action="store_true",
+                        help="also step the same trials with the engine alone on the first device (no worker loop)")
     parser.add_argument("--timeout", type=float, default=900.0, help="LORAPLANE_WORKER_RANK_TIMEOUT_S of the ranks")
     parser.add_argument("--dir", type=Path, default=Path(os.environ.get("LORAPLANE_BENCH_DIR", tempfile.gettempdir())))
     args = parser.parse_args()
@@ -137,6 +140,8 @@ def main() -> None:
     targets = projections(args.shape)
 
     runs: list[tuple[str, dict[str, Any], float]] = []
+    if args.engine:
+        runs.append(engine_alone(args, base, devices[0], targets))
     if not args.no_single:
         pack = pack_message("pack-one", base, args.trials, args.steps, args.seq_len, args.batch, targets)
         reports, wall = run_pack(devices[:1], pack, args.timeout)
@@ -150,17 +155,38 @@ def main() -> None:
     report(args, devices, runs)
 
 
+def engine_alone(args: argparse.Namespace, base: Path, device: str, targets: list[str]
+                 ) -> tuple[str, dict[str, Any], float]:
+    """The same trials on the same device, stepped by the engine alone (`benchmarks/multi_gpu.py`'s loop: admit,
+    then step): what the worker's loop around the engine (reports, the command inbox, the trainer's phases) adds."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.models import load
+    from benchmarks.multi_gpu import train, trial_specs
+
+    started = time.perf_counter()
+    specs = trial_specs(args.trials, args.batch, args.seq_len, make_rows(64, args.seq_len, seed=0), targets)
+    seconds, tokens, _, peak = train(load(base, torch.device(device)), AutoTokenizer.from_pretrained(base), specs,
+                                     torch.device(device), args.warmup, args.steps - args.warmup, None)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return "engine alone", {"tokens_per_s": tokens / seconds, "gpus": 1, "peak_gib": peak / 2**30,
+                            "steps": args.steps - args.warmup, "losses": None}, time.perf_counter() - started
+
+
 def report(args: argparse.Namespace, devices: list[str], runs: list[tuple[str, dict[str, Any], float]]) -> None:
-    base = runs[0][1] if len(runs) > 1 else None
+    # Ratios against the one-device worker (the first run with losses, the pack as the service runs it).
+    base = next((s for _, s, _ in runs if s["losses"] is not None), None) if len(runs) > 1 else None
     rows: list[list[Any]] = []
     for label, s, wall in runs:
         ratio = round(s["tokens_per_s"] / base["tokens_per_s"], 2) if base is not None else ""
         diff = (max(abs(s["losses"][t] - base["losses"][t]) / abs(base["losses"][t]) for t in s["losses"])
-                if base is not None and s is not base else "")
+                if base is not None and s is not base and s["losses"] is not None else "")
         rows.append([label, s["gpus"], round(s["tokens_per_s"]), ratio, round(s["peak_gib"], 1), round(wall, 1),
                      f"{diff:.1e}" if diff != "" else ""])
     write_result(f"rank_pool-{args.shape}-{len(devices)}dev",
-                 ["run", "gpus", "tokens/s", "x one device", "peak GiB (pack)", "wall s", "final loss rel diff"], rows,
+                 ["run", "gpus", "tokens/s", "x one-device worker", "peak GiB (pack)", "wall s",
+                  "final loss rel diff"], rows,
                  {"shape": args.shape, "layers": args.layers, "trials": args.trials, "batch": args.batch,
                   "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "devices": devices})
 
