@@ -12,7 +12,8 @@ bus: every trial must complete all its steps. Tokens/s come from the pack's own 
 ranks, real tokens only), over the steps after `--warmup`. Each trial's final training loss is compared between the
 runs (bf16 on CUDA: close, not equal; the CPU tests show the adapters equal in fp32). Results:
 benchmarks/results/rank_pool-<shape>-<N>dev-<device>-<date>.json. With `--engine`, the same trials are first stepped by
-the engine alone on the first device (no worker loop around it), side by side in the same run.
+the engine alone on the first device (no worker loop around it), side by side in the same run. Every configuration
+runs `--repeat` times (default 2) and the last is measured.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def run_pack(devices: list[str], pack: dict[str, Any], timeout_s: float) -> tupl
     finally:
         if pool is not None:
             pool.close()
+            torch.distributed.destroy_process_group()  # a later run starts a pool of its own
     wall = time.perf_counter() - started
     return [m for _, m in bus.read_after(SCHEDULER_STREAM, tail, count=10**6, block_s=0)], wall
 
@@ -117,6 +119,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="the pack's first steps, left out of tokens/s")
     parser.add_argument("--no-single", action="store_true", help="skip the one-device run (the model does not fit)")
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each configuration; the last is measured")
     parser.add_argument("--engine", action="store_true",
                         help="also step the same trials with the engine alone on the first device (no worker loop)")
     parser.add_argument("--timeout", type=float, default=900.0, help="LORAPLANE_WORKER_RANK_TIMEOUT_S of the ranks")
@@ -139,19 +142,24 @@ def main() -> None:
     get_artifact_store().put_bytes("files/bench.jsonl", training_file(make_rows(64, args.seq_len, seed=0)))
     targets = projections(args.shape)
 
-    runs: list[tuple[str, dict[str, Any], float]] = []
-    if args.engine:
-        runs.append(engine_alone(args, base, devices[0], targets))
-    if not args.no_single:
-        pack = pack_message("pack-one", base, args.trials, args.steps, args.seq_len, args.batch, targets)
-        reports, wall = run_pack(devices[:1], pack, args.timeout)
-        runs.append(("one device", summary(reports, pack, args.warmup), wall))
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    if len(devices) > 1:  # one device: the one-device worker's path alone (a check of the set-up)
-        pack = pack_message("pack-all", base, args.trials, args.steps, args.seq_len, args.batch, targets)
-        reports, wall = run_pack(devices, pack, args.timeout)
-        runs.append((f"{len(devices)} devices, rank pool", summary(reports, pack, args.warmup), wall))
+    # Every configuration runs `--repeat` times and the last is measured: the first compiles and autotunes the
+    # kernels (per process and shape) for all of them, so none profits from another's warm caches.
+    for attempt in range(args.repeat):
+        runs: list[tuple[str, dict[str, Any], float]] = []
+        if args.engine:
+            runs.append(engine_alone(args, base, devices[0], targets))
+        if not args.no_single:
+            pack = pack_message(f"pack-one-{attempt}", base, args.trials, args.steps, args.seq_len, args.batch,
+                                targets)
+            reports, wall = run_pack(devices[:1], pack, args.timeout)
+            runs.append(("one device", summary(reports, pack, args.warmup), wall))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if len(devices) > 1:  # one device: the one-device worker's path alone (a check of the set-up)
+            pack = pack_message(f"pack-all-{attempt}", base, args.trials, args.steps, args.seq_len, args.batch,
+                                targets)
+            reports, wall = run_pack(devices, pack, args.timeout)
+            runs.append((f"{len(devices)} devices, rank pool", summary(reports, pack, args.warmup), wall))
     report(args, devices, runs)
 
 
