@@ -331,7 +331,11 @@ def cancel_task(session: Session, *, tenant: Tenant, task_id: str) -> Task:
     now = utcnow()
     task.state = TASK_CANCELLED
     task.finished_at = now
-    trials = session.scalars(select(Trial).where(Trial.task_id == task.id, Trial.state.in_(TRIAL_ACTIVE)))
+    # Locked in id order, as the scheduler's ingest locks the trials a batch of reports names: two transactions that
+    # lock the same trials in different orders can each wait for the other, and the database then fails one (a
+    # cancel answered 503 while a pack over two GPUs reported its trials' points, tests/e2e/test_multi_gpu_worker.py).
+    trials = session.scalars(select(Trial).where(Trial.task_id == task.id, Trial.state.in_(TRIAL_ACTIVE))
+                             .order_by(Trial.id).with_for_update())
     cancelled = 0
     for trial in trials:
         trial.state = TRIAL_CANCELLED

@@ -52,6 +52,7 @@ def ingest(
     aborts = aborts if aborts is not None else set()
     stale_after_s = get_settings().worker_timeout_s if stale_after_s is None else stale_after_s
     replan = False
+    lock_trials(session, messages)
     for message in messages:
         kind = message.get("type")
         try:
@@ -91,6 +92,23 @@ def ingest(
             # A malformed report must not wedge the stream: log it and go on.
             log.exception("dropping a malformed %r message", kind)
     return replan
+
+
+def lock_trials(session: Session, messages: list[dict[str, Any]]) -> None:
+    """Lock every trial the batch names (its reports' `trial_id`s and their points'), in id order, before any is
+    read. Every transaction that locks several trials locks them in id order (the API's cancel, `lose_pack`):
+    in message order, two of them could each hold a trial the other waits for, and the database breaks such a
+    deadlock by failing one (the batch would be retried; a cancel would answer 503)."""
+    ids: set[str] = set()
+    for m in messages:
+        if isinstance(m.get("trial_id"), str):
+            ids.add(m["trial_id"])
+        points = m.get("points")
+        for point in points if isinstance(points, list) else ():
+            if isinstance(point, list | tuple) and point and isinstance(point[0], str):
+                ids.add(point[0])
+    if ids:
+        session.execute(select(Trial.id).where(Trial.id.in_(sorted(ids))).order_by(Trial.id).with_for_update())
 
 
 def _sent_at(m: dict[str, Any], now: datetime) -> datetime:

@@ -99,7 +99,8 @@ def lose_pack(session: Session, pack: Pack, now: datetime, reason: str) -> None:
     if worker is not None and worker.current_pack_id == pack.id:
         worker.current_pack_id = None
     trials = session.scalars(
-        select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING).with_for_update()
+        select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING).order_by(Trial.id)
+        .with_for_update()  # in id order, as every transaction that locks several trials (ingest.lock_trials)
     ).all()
     for trial in trials:
         requeue_trial(session, trial, reason)
