@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.architectures import target_modules_for
 from worker.engine import ModelSource, load_base_model
+from worker.engine.models import base_dtype
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -65,7 +66,7 @@ def materialise(shape: str, directory: Path) -> tuple[Any, Path]:
 
 def load(path: Path, device: torch.device, dtype: torch.dtype | None = None) -> Any:
     """A frozen copy of the model at `path`: bf16 on CUDA, fp32 on the CPU, unless `dtype` says."""
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or base_dtype(device)
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(device)
     model.requires_grad_(False)

@@ -29,6 +29,7 @@ from worker import telemetry
 from worker.agent import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
 from worker.engine import Evaluation, ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
 from worker.engine.distributed import shard_base
+from worker.engine.models import base_dtype
 from worker.engine.trainer import PackTimings, StopMode
 from worker.profile import PackProfiler
 from worker.ranks import RankPool, Ranks
@@ -109,8 +110,8 @@ class PackRunner:
         else:
             # Loaded in host memory in the device's type, then sharded onto this rank's device layer by layer:
             # the GPU never holds more than its shards and one whole layer (a model larger than one GPU fits).
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-            loaded = load_base_model(source, cache_dir=self.model_cache_dir, device=torch.device("cpu"), dtype=dtype)
+            loaded = load_base_model(source, cache_dir=self.model_cache_dir, device=torch.device("cpu"),
+                                     dtype=base_dtype(self.device))
             shard_base(loaded[0], device=self.device)
         self._models[source.name] = (source, loaded)
         return loaded
@@ -157,35 +158,39 @@ class PackRunner:
         reporter = Reporter(self.bus, pack_id, self.worker_id, self.incarnation)
         # From here until its last report went out, every heartbeat names this pack (see Heartbeat).
         self.heartbeat.set_pack(pack_id)
-        handed_over = False
         try:
             reporter.send("pack.started")
-            if self.pool is not None:
-                self.pool.hand_over(pack)
-                handed_over = True
-            self._train(pack, reporter)
-            if self.pool is not None:
-                handed_over = False
-                self.pool.wait(pack_id)  # every rank's reports went out before the pack's end
+            self._train_on_every_rank(pack, reporter)
             reporter.send("pack.finished")
         except ReportsLost:
             # The bus has been away too long to keep the reports: stop. The next heartbeat names no pack, so
             # the scheduler requeues the trials from their checkpoints.
             log.exception("pack %s stopped: its reports could not be sent", pack_id)
-            self._end_if_ranks_wait(pack_id)
         except Exception as exc:  # the pack failed as a whole (model or data would not load)
             log.exception("pack %s failed", pack_id)
-            self._end_if_ranks_wait(pack_id)
             try:
                 reporter.send("pack.failed", error=f"{type(exc).__name__}: {exc}")
             except ReportsLost:
                 pass
         finally:
-            if handed_over and self.pool is not None:
-                self.pool.wait(pack_id)  # a pack that could not start on every rank: it ended on each
             reporter.close(self.report_timeout_s)
             self.heartbeat.set_pack(None)
             telemetry.pack_ended()
+
+    def _train_on_every_rank(self, pack: dict[str, Any], reporter: Reporter) -> None:
+        """``_train`` here and, on a worker over several GPUs, on the other ranks too: they get the pack first, and
+        it ends once each has ended its share (its reports went out, before the pack's end is reported)."""
+        if self.pool is None:
+            self._train(pack, reporter)
+            return
+        self.pool.hand_over(pack)
+        try:
+            self._train(pack, reporter)
+        except BaseException:
+            self._end_if_ranks_wait(pack["pack_id"])  # failed while the ranks train: they would wait for ever
+            raise
+        finally:
+            self.pool.wait(pack["pack_id"])
 
     def run_share(self, pack: dict[str, Any]) -> None:
         """A rank's share of a pack over several GPUs (rank 0 runs ``run``, which reports its start and end)."""

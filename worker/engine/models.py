@@ -64,6 +64,11 @@ class ModelSource:
     gguf_file: str | None = None
 
 
+def base_dtype(device: torch.device) -> torch.dtype:
+    """The frozen base's type on ``device``: bf16 on CUDA, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def load_base_model(
     source: ModelSource, *, cache_dir: Path, device: torch.device, dtype: torch.dtype | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -83,7 +88,7 @@ def load_base_model(
         ValueError: unknown kind, a missing field for the kind, or a tokenizer with neither pad nor eos.
         FileNotFoundError: a ``gguf-package`` whose package or file is not installed.
     """
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or base_dtype(device)
     if source.kind == "tiny-random-llama":
         model_dir = materialize_tiny_llama(Path(cache_dir) / source.name)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
