@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 
 from api import telemetry
 from api.errors import install_error_handlers
+from api.limits import RequestBodyLimit
 from api.routes import (
     admin,
     admin_models,
@@ -35,6 +36,7 @@ from api.routes import (
 )
 from common.db import session_scope
 from common.registry import ensure_default_models
+from common.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ def create_app() -> FastAPI:
     app.include_router(usage.admin_router, prefix="/v1")
     app.include_router(webhooks.router, prefix="/v1")
     dashboard.install(app)
+    app.add_middleware(RequestBodyLimit, max_bytes=get_settings().max_request_bytes)  # api/limits.py
     telemetry.install(app)  # GET /metrics (admin token) and the request counters
     return app
 

@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     # A tenant's storage quota: the bytes and the number of its live (not deleted) files.
     default_max_storage_bytes: int = Field(default=10 * 1024**3, alias="LORAPLANE_DEFAULT_MAX_STORAGE_BYTES")
     default_max_files: int = Field(default=1000, alias="LORAPLANE_DEFAULT_MAX_FILES")
+    # The largest request body the API reads whole (every route but the streamed upload, POST /v1/files):
+    # a task body is a few kilobytes; without a bound one request could make an API process hold gigabytes.
+    max_request_bytes: int = Field(default=1024 * 1024, ge=1024, alias="LORAPLANE_MAX_REQUEST_BYTES")
 
     @field_validator("database_url")
     @classmethod
