@@ -96,7 +96,8 @@ def param_from_loc(loc: Sequence[str | int]) -> str | None:
 
 
 _PYDANTIC_CODES = {"missing": "missing_field", "extra_forbidden": "unknown_field", "json_invalid": "invalid_json",
-                   "unknown_parameter": "unknown_field", "regex_invalid": "invalid_regex"}
+                   "unknown_parameter": "unknown_field", "regex_invalid": "invalid_regex",
+                   "regex_too_complex": "regex_too_complex"}
 CONTROL_CHARS_MESSAGE = "Control characters (such as NUL, ESC, bell or a line break) are not allowed."
 
 

@@ -9,7 +9,8 @@ of rows whose answer passes:
     contains     the normalised reference occurs in the normalised answer
     regex        `pattern` matches somewhere in the answer (the `regex` package's `search`, Python `re` syntax, on
                  the raw answer); a search that takes longer than REGEX_TIMEOUT_S on one answer (a pattern
-                 that backtracks without end) counts as no match, so a pattern cannot stall a worker
+                 that backtracks without end) counts as no match, so a pattern cannot stall a worker. The
+                 pattern is compiled only once common/regex_policy.py has bounded what compiling it costs.
     json_valid   the answer, stripped of whitespace, parses as JSON
 
 Normalisation (`normalize_answer`): the end-of-turn marker and anything after it are cut by the decoding (it
@@ -33,13 +34,14 @@ from typing import Any
 
 import regex
 
+from common.regex_policy import PatternRefused, compile_pattern
+
 METRICS = ("loss", "exact_match", "contains", "regex", "json_valid")
 GENERATIVE_METRICS = METRICS[1:]
 DEFAULT_METRIC = "loss"
 DEFAULT_MAX_NEW_TOKENS = 32
 MAX_NEW_TOKENS_LIMIT = 512
 
-MAX_PATTERN_LENGTH = 500
 # The longest one answer's search for a regex metric's pattern may take: 128 answers at most ~6 s in all.
 REGEX_TIMEOUT_S = 0.05
 # The split of the point a worker reports a trial's score in: [trial_id, step, "metric", score].
@@ -67,10 +69,7 @@ def score_answer(metric: str, answer: str, reference: str, pattern: str | None =
     if metric == "regex":
         if pattern is None:
             raise ValueError("the regex metric needs a pattern")
-        try:
-            return regex.search(pattern, answer, timeout=REGEX_TIMEOUT_S) is not None
-        except TimeoutError:
-            return False
+        return _searches(compile_pattern(pattern), answer)
     if metric == "json_valid":
         try:
             json.loads(answer.strip())
@@ -80,25 +79,36 @@ def score_answer(metric: str, answer: str, reference: str, pattern: str | None =
     raise ValueError(f"not a generative metric: {metric!r}; choose one of {', '.join(GENERATIVE_METRICS)}")
 
 
+def _searches(compiled: regex.Pattern[str], answer: str) -> bool:
+    try:
+        return compiled.search(answer, timeout=REGEX_TIMEOUT_S) is not None
+    except TimeoutError:
+        return False
+
+
 def score_answers(metric: str, answers: list[str], references: list[str], pattern: str | None = None) -> float:
-    """The share of answers that pass (0.0 for no rows)."""
+    """The share of answers that pass (0.0 for no rows); a regex metric's pattern is compiled once.
+
+    Raises:
+        PatternRefused: the regex metric's pattern is over a limit of the policy (it is not compiled).
+    """
     if len(answers) != len(references):
         raise ValueError(f"{len(answers)} answers for {len(references)} references")
     if not answers:
         return 0.0
+    if metric == "regex" and pattern is not None:
+        compiled = compile_pattern(pattern)
+        return sum(_searches(compiled, a) for a in answers) / len(answers)
     return sum(score_answer(metric, a, r, pattern) for a, r in zip(answers, references, strict=True)) / len(answers)
 
 
 def pattern_error(pattern: str) -> str | None:
-    """Why `pattern` cannot be the regex metric's pattern (None: both Python's `re` and the `regex` package the
-    worker searches with compile it)."""
+    """Why `pattern` cannot be the regex metric's pattern (None: the policy passes it and both Python's `re` and
+    the `regex` package the worker searches with compile it)."""
     try:
-        re.compile(pattern)
-        regex.compile(pattern)
-    except (re.error, regex.error) as exc:
+        compile_pattern(pattern)
+    except PatternRefused as exc:
         return str(exc)
-    except (RecursionError, OverflowError) as exc:  # nested too deeply, a repeat count too large
-        return f"too complex to compile ({exc})"
     return None
 
 

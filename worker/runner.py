@@ -24,6 +24,7 @@ from common.artifacts import LocalArtifactStore, adapter_key, checkpoint_key
 from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS
+from common.regex_policy import SYNTAX, PatternRefused, check_pattern
 from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
 from worker import telemetry
 from worker.agent import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
@@ -57,13 +58,27 @@ def export_base_name(source: ModelSource) -> str:
     return source.path if source.kind == "hf" and source.path else source.name
 
 
-def evaluation_of(stored: dict[str, Any] | None) -> Evaluation | None:
-    """The trial's generative metric from the task's stored `evaluation` (None: scored by its loss)."""
+def evaluation_of(stored: dict[str, Any] | None, trial_id: str = "") -> Evaluation | None:
+    """The trial's generative metric from the task's stored `evaluation` (None: scored by its loss).
+
+    A regex metric whose pattern the policy refuses (a task stored before common/regex_policy.py, or a row
+    written around the API) is never compiled here: the trial goes without a metric score (ranked by its loss,
+    as a trial whose scoring failed) and the log says why."""
     if not stored or stored.get("metric", DEFAULT_METRIC) not in GENERATIVE_METRICS:
         return None
+    pattern = stored.get("pattern")
+    if stored["metric"] == "regex":
+        try:
+            if not isinstance(pattern, str):
+                raise PatternRefused(SYNTAX, "the regex metric needs a pattern")
+            check_pattern(pattern)
+        except PatternRefused as exc:
+            log.error("trial %s: its regex metric's pattern is refused (%s: %s); it is scored by nothing",
+                      trial_id, exc.limit, exc)
+            return None
     return Evaluation(metric=str(stored["metric"]),
                       max_new_tokens=int(stored.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
-                      pattern=stored.get("pattern"))
+                      pattern=pattern)
 
 
 class PackRunner:
@@ -146,7 +161,7 @@ class PackRunner:
             max_grad_norm=training.get("max_grad_norm"),
             use_rslora=bool(training.get("use_rslora", False)),
             extra_eval_steps=tuple(int(s) for s in t.get("extra_eval_steps") or ()),
-            evaluation=evaluation_of(t.get("evaluation")),
+            evaluation=evaluation_of(t.get("evaluation"), t["trial_id"]),
         )
 
     def run(self, pack: dict[str, Any]) -> None:

@@ -26,14 +26,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from api.schemas.common import FiniteFloat, RequestModel, Text, UtcDateTime
 from common.architectures import ALL_TARGET_MODULES
-from common.metrics import (
-    DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_METRIC,
-    MAX_NEW_TOKENS_LIMIT,
-    MAX_PATTERN_LENGTH,
-    METRICS,
-    pattern_error,
-)
+from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, MAX_NEW_TOKENS_LIMIT, METRICS
+from common.regex_policy import MAX_PATTERN_LENGTH, SYNTAX, PatternRefused, compile_pattern
 from common.search_space import AUTO, DEFAULT_LR_SCHEDULE
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from common.task_spec import DEFAULT_MAX_SEQ_LEN, DEFAULT_SEED
@@ -295,8 +289,18 @@ class Evaluation(RequestModel):
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, pattern: str | None) -> str | None:
-        if pattern is not None and (why := pattern_error(pattern)) is not None:
-            raise PydanticCustomError("regex_invalid", "Not a valid Python regular expression: {why}.", {"why": why})
+        """The policy's check, then both compiles (common/regex_policy.py): a pattern over a limit is refused
+        before anything compiles it."""
+        if pattern is None:
+            return None
+        try:
+            compile_pattern(pattern)
+        except PatternRefused as exc:
+            if exc.limit == SYNTAX:
+                raise PydanticCustomError("regex_invalid", "Not a valid Python regular expression: {why}.",
+                                          {"why": str(exc)}) from None
+            raise PydanticCustomError("regex_too_complex", "The pattern is refused: {why}.",
+                                      {"why": str(exc), "limit": exc.limit}) from None
         return pattern
 
     @model_validator(mode="after")

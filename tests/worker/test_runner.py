@@ -105,3 +105,42 @@ def test_a_trials_warm_up_and_schedule_come_from_its_task_or_the_defaults(
     trial = {**pack("p")["trials"][0], "total_steps": 120, "training": training}
     spec = runner.trial_spec(trial, lambda key: [json.loads(line) for line in runner.store.get_bytes(key).splitlines()])
     assert (spec.warmup_steps, spec.lr_schedule, spec.max_steps) == (warmup, schedule, 120)
+
+
+def _metric_points(messages: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Every "metric" point the pack reported, by trial (in its points reports)."""
+    scores: dict[str, list[float]] = {}
+    for message in messages:
+        for trial_id, _step, split, value in message.get("points") or []:
+            if split == "metric" and message["type"] == "points":
+                scores.setdefault(trial_id, []).append(value)
+    return scores
+
+
+@pytest.mark.parametrize("stored", [
+    {"metric": "regex", "max_new_tokens": 4, "pattern": "a{1000000000}"},  # the issue's patterns
+    {"metric": "regex", "max_new_tokens": 4, "pattern": "(?:a{60000}){60000}"},
+    {"metric": "regex", "max_new_tokens": 4, "pattern": "(" * 5000 + ")" * 5000},
+    {"metric": "regex", "max_new_tokens": 4},  # no pattern at all
+])
+def test_a_stored_pattern_the_policy_refuses_is_never_compiled(stored: dict[str, Any],
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # A task row written before common/regex_policy.py existed: the worker scores it by nothing (and says why).
+    assert worker.runner.evaluation_of(stored, "t-1") is None
+    assert "t-1: its regex metric's pattern is refused" in caplog.text
+    allowed = worker.runner.evaluation_of({**stored, "pattern": r"\d+"}, "t-2")
+    assert allowed is not None and allowed.pattern == r"\d+"
+
+
+def test_a_pack_with_a_refused_pattern_finishes_and_scores_only_the_allowed_trial(runner: PackRunner) -> None:
+    # Refused (a count over 1000); compiling it anyway would cost `regex` ~260 MB and report a score.
+    first = pack("pack-1")["trials"][0]
+    refused = {**first, "trial_id": "refused", "evaluation": {"metric": "regex", "max_new_tokens": 4,
+                                                               "pattern": "a{1000001}"}}
+    allowed = {**first, "trial_id": "allowed", "evaluation": {"metric": "regex", "max_new_tokens": 4,
+                                                              "pattern": ".*"}}
+    runner.run({**pack("pack-1"), "trials": [refused, allowed]})
+    messages = [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
+    assert [m["type"] for m in messages if m["type"].startswith("pack.")][-1] == "pack.finished"
+    assert {m["trial_id"] for m in messages if m["type"] == "trial.finished"} == {"refused", "allowed"}
+    assert _metric_points(messages) == {"allowed": [1.0]}  # ".*" matches every answer; none for the refused

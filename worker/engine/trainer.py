@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from common.metrics import score_answers
+from common.regex_policy import PatternRefused
 from worker.engine.data import eval_prompt
 from worker.engine.distributed import Lockstep
 from worker.engine.engine import PackEngine
@@ -442,7 +443,11 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: boo
         # Greedy decoding is prefix-stable: a trial's shorter budget is the first max_new_tokens of the longest.
         texts = [str(tokenizer.decode(ids[: evaluation.max_new_tokens], skip_special_tokens=True))
                  for ids in answers[slot]]
-        score = score_answers(evaluation.metric, texts, references[slot], evaluation.pattern)
+        try:
+            score = score_answers(evaluation.metric, texts, references[slot], evaluation.pattern)
+        except PatternRefused as exc:  # the runner refuses these first; compiling may still refuse (recursion)
+            logger.error("trial %s goes without a metric: its pattern is refused (%s)", state.spec.trial_id, exc)
+            continue
         hooks.on_point(state.spec.trial_id, state.steps_done, "metric", score)
 
 
