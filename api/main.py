@@ -36,6 +36,7 @@ from api.routes import (
 )
 from common.db import session_scope
 from common.registry import ensure_default_models
+from common.secret_box import get_secret_box
 from common.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ def _seed_registry() -> None:
 
 @asynccontextmanager
 async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    get_secret_box()  # a missing or malformed LORAPLANE_SECRET_KEY stops the start here, named (common/secret_box.py)
     await anyio.to_thread.run_sync(_seed_registry)
     yield
 

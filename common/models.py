@@ -283,10 +283,10 @@ class WebhookEndpoint(Base):
     url: Mapped[str] = mapped_column(String(2000))
     events: Mapped[list[Any]] = mapped_column(JSON)  # the event types it receives (common/webhooks.py)
     description: Mapped[str] = mapped_column(String(500), default="")
-    # Kept as issued, not hashed: the sender signs every delivery with it (HMAC needs the secret itself, unlike
-    # an API key, which is only ever compared). The database is the system of record and already holds every
-    # tenant's data; encrypting here would only move the question to where the scheduler keeps the key.
-    secret: Mapped[str] = mapped_column(String(100))
+    # The signing secret, encrypted under LORAPLANE_SECRET_KEY (common/secret_box.py): not hashed, since the
+    # sender signs every delivery with it (HMAC needs the secret itself, unlike an API key, which is only ever
+    # compared); not plaintext, so a copy of the database cannot forge a tenant's deliveries.
+    secret_encrypted: Mapped[str] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -11,8 +11,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.egress import EgressPolicy
 
 # How many trials share one pack by default: a worker's slot cap (`LORAPLANE_WORKER_MAX_SLOTS`) and a task's
 # `scheduling.max_trials_per_pack` (one value, one default). Measured on one H100 80 GB with the packed engine
@@ -34,6 +36,14 @@ class Settings(BaseSettings):
     artifact_dir: Path | None = Field(default=None, alias="LORAPLANE_ARTIFACT_DIR")
     model_cache_dir: Path | None = Field(default=None, alias="LORAPLANE_MODEL_CACHE")
     admin_token: str | None = Field(default=None, alias="LORAPLANE_ADMIN_TOKEN")
+    # Encrypts what the database keeps secret (webhook signing secrets; common/secret_box.py): Fernet keys,
+    # comma-separated: the first encrypts, every one decrypts (rotation: put a new key first, run
+    # `loraplane rotate-secrets`, then drop the old one). The API and the scheduler must have the same keys: unset
+    # in the distributed mode, they refuse to start; in the embedded mode, one is generated into LORAPLANE_HOME.
+    secret_key: SecretStr | None = Field(default=None, alias="LORAPLANE_SECRET_KEY")
+    # Webhooks reach only public addresses (common/egress.py). Comma-separated networks (CIDR), addresses and host
+    # names that may be reached although they are not public, e.g. an in-cluster receiver. Empty: none.
+    webhook_allowed_networks: str = Field(default="", alias="LORAPLANE_WEBHOOK_ALLOWED_NETWORKS")
     # Prefixes every Redis key and Celery queue, so several deployments (or test runs) share one Redis.
     namespace: str = Field(default="loraplane", alias="LORAPLANE_NAMESPACE")
 
@@ -97,6 +107,21 @@ class Settings(BaseSettings):
         return (self.model_cache_dir or self.home / "models").resolve()
 
     @property
+    @field_validator("webhook_allowed_networks")
+    @classmethod
+    def _allow_list_parses(cls, text: str) -> str:
+        EgressPolicy.parse(text)  # a mistyped entry fails at start, naming it, not at the first webhook
+        return text
+
+    @property
+    def webhook_egress_policy(self) -> EgressPolicy:
+        return EgressPolicy.parse(self.webhook_allowed_networks)
+
+    @property
+    def embedded(self) -> bool:
+        """No DATABASE_URL: the database (and everything else) lives under LORAPLANE_HOME."""
+        return not self.database_url
+
     def resolved_broker_url(self) -> str:
         if self.celery_broker_url:
             return self.celery_broker_url

@@ -8,6 +8,7 @@ scheduler/service/webhooks.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from common.models import Event, Task, WebhookDelivery, WebhookEndpoint, as_utc, new_id, utcnow
+from common.secret_box import SecretBox, SecretUnreadable
 
 WEBHOOK_EVENTS = ("task.succeeded", "task.failed", "task.cancelled", "trial.completed")
 
@@ -58,3 +60,31 @@ def enqueue_deliveries(session: Session, event: Event) -> list[WebhookDelivery]:
                   for e in endpoints]
     session.add_all(deliveries)
     return deliveries
+
+
+@dataclass
+class Rotation:
+    """What `rotate_secrets` did: secrets re-encrypted under the first key, those already under it, and the
+    endpoints whose secret no configured key decrypts (left as they are)."""
+
+    rotated: int = 0
+    current: int = 0
+    unreadable: list[str] = field(default_factory=list)
+
+
+def rotate_secrets(session: Session, box: SecretBox) -> Rotation:
+    """Re-encrypts every webhook secret that is not under the box's first key (`loraplane rotate-secrets`). Once
+    it reports nothing unreadable, every secret is under the first key and the older keys may be dropped. Safe to
+    run again, and beside a running service: a row is rewritten whole, with the same secret."""
+    result = Rotation()
+    for endpoint in session.scalars(select(WebhookEndpoint).order_by(WebhookEndpoint.id).with_for_update()):
+        if box.is_current(endpoint.secret_encrypted):
+            result.current += 1
+            continue
+        try:
+            endpoint.secret_encrypted = box.rotate(endpoint.secret_encrypted)
+        except SecretUnreadable:
+            result.unreadable.append(endpoint.id)
+            continue
+        result.rotated += 1
+    return result

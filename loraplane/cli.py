@@ -8,6 +8,7 @@ service:
   loraplane worker --gpu N     a Celery GPU agent bound to GPU N
   loraplane worker --gpus 0,1  one agent over several GPUs of this host (each pack over all of them)
   loraplane migrate            bring the database schema up to date
+  loraplane rotate-secrets     re-encrypt stored secrets under the first key of LORAPLANE_SECRET_KEY
   loraplane simulate           compare planner policies on a workload trace with a simulated clock
   loraplane replay CURVES      replay a logged sweep's loss curves under an early-exit policy
 
@@ -50,6 +51,35 @@ def cmd_migrate(_args: argparse.Namespace) -> None:
     log.info("database is at the newest schema")
 
 
+def _require_secret_key() -> None:
+    """The key of the secrets the database keeps (LORAPLANE_SECRET_KEY; generated into LORAPLANE_HOME in the
+    embedded mode): checked before a process starts, so a missing or malformed one stops it at once, named."""
+    from common.secret_box import SecretKeyError, get_secret_box
+
+    try:
+        get_secret_box()
+    except SecretKeyError as exc:
+        raise SystemExit(f"loraplane: {exc}") from None
+
+
+def cmd_rotate_secrets(_args: argparse.Namespace) -> None:
+    """Re-encrypts every stored secret under the first key of LORAPLANE_SECRET_KEY (common/webhooks.py)."""
+    from common.db import session_scope
+    from common.secret_box import get_secret_box
+    from common.webhooks import rotate_secrets
+
+    _require_secret_key()
+    _migrate()
+    with session_scope() as session:
+        result = rotate_secrets(session, get_secret_box())
+    sys.stdout.write(f"webhook secrets: {result.rotated} re-encrypted under the first key, {result.current} already "
+                     f"under it\n")
+    if result.unreadable:
+        raise SystemExit(f"loraplane rotate-secrets: {len(result.unreadable)} secrets decrypt under no key of "
+                         f"LORAPLANE_SECRET_KEY (webhooks {', '.join(result.unreadable)}); keep the key they were "
+                         "encrypted with in the list, or have their tenants register them again")
+
+
 def _api_workers(text: str) -> int:
     """`--workers N` or `auto` (one per core this process may run on)."""
     if text == "auto":
@@ -66,6 +96,7 @@ def _api_workers(text: str) -> int:
 def cmd_api(args: argparse.Namespace) -> None:
     import uvicorn
 
+    _require_secret_key()
     _migrate()  # once, here, before any server process starts
     if args.workers == 1:
         # Imported by name so this package never imports api/ (dependencies point one way).
@@ -168,6 +199,7 @@ def _scheduler(stop: threading.Event) -> None:
 
 
 def cmd_scheduler(_args: argparse.Namespace) -> None:
+    _require_secret_key()
     _migrate()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -347,6 +379,7 @@ def cmd_up(args: argparse.Namespace) -> None:
         sys.stdout.flush()
     settings = get_settings()
     private_dir(settings.home)  # 0700: the database, the bus and the artifacts below are the owner's alone
+    _require_secret_key()  # embedded: generated into the home on first start
     _migrate()
     stop = threading.Event()
     scheduler = threading.Thread(target=_scheduler, args=(stop,), name="scheduler", daemon=True)
@@ -397,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--loglevel", default="INFO")
     worker.set_defaults(func=cmd_worker)
     sub.add_parser("migrate", help="upgrade the database schema").set_defaults(func=cmd_migrate)
+    sub.add_parser("rotate-secrets", help="re-encrypt stored secrets under the first key of LORAPLANE_SECRET_KEY "
+                                          "(after putting a new key first)").set_defaults(func=cmd_rotate_secrets)
     sim = sub.add_parser("simulate", help="compare planner policies on a trace with a simulated clock")
     sim.add_argument("--trace", choices=["alto-mix", "tenant-stream"], default="alto-mix")
     sim.add_argument("--gpus", type=int, default=8)

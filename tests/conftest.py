@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography.fernet import Fernet
 from sqlalchemy import bindparam, create_engine, text
 
 from tests.services import MissingService, find_postgres, find_redis
@@ -61,6 +62,9 @@ os.environ.update(
         "LORAPLANE_MODEL_CACHE": str(MODEL_CACHE),
         "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN,
         "LORAPLANE_NAMESPACE": f"lp-test-{RUN_ID}",
+        # The distributed mode's processes share one key for the secrets the database keeps (the API and the
+        # scheduler refuse to start without it): one for the run, inherited by every process a test starts.
+        "LORAPLANE_SECRET_KEY": Fernet.generate_key().decode(),
     }
 )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Depends, Query, status
 from sqlalchemy import select
 
 from api.db import bad_cursor, newest_first
@@ -13,17 +13,34 @@ from api.queries import get_webhook
 from api.schemas.common import ListPage, PathId, error_responses, id_query
 from api.schemas.webhooks import DeliveryOut, WebhookCreate, WebhookCreated, WebhookDeleted, WebhookOut
 from api.services.webhooks import MAX_WEBHOOKS_PER_TENANT, create_webhook, delete_webhook
+from common.egress import Egress, Resolver, system_resolver
 from common.models import WebhookDelivery, WebhookEndpoint
+from common.settings import get_settings
+
+
+def name_resolver() -> Resolver:
+    """How registration resolves a webhook's host: the system's resolver. The seam for tests on a machine without
+    DNS (`app.dependency_overrides[name_resolver]`, tests/egress.py); nothing else about the check changes."""
+    return system_resolver
+
+
+def webhook_egress(resolver: Annotated[Resolver, Depends(name_resolver)]) -> Egress:
+    return Egress(policy=get_settings().webhook_egress_policy, resolver=resolver)
+
+
+EgressDep = Annotated[Egress, Depends(webhook_egress)]
 
 router = APIRouter(prefix="/webhooks", tags=["webhooks"], responses=error_responses(401, 404, 422))
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, responses=error_responses(409))
-def register_webhook(body: WebhookCreate, tenant: TenantDep, session: SessionDep) -> WebhookCreated:
+def register_webhook(body: WebhookCreate, tenant: TenantDep, session: SessionDep, egress: EgressDep) -> WebhookCreated:
     """Registers an endpoint for the tenant's `task.succeeded`, `task.failed`, `task.cancelled` and
     `trial.completed` events (or the `events` given). The answer carries the signing `secret`, the only time it
-    is shown. 409: the tenant has the most webhooks it may have."""
-    return WebhookCreated.of(create_webhook(session, tenant=tenant, body=body))
+    is shown. 422 `url_not_allowed`: the host resolves to an address that is not public (loopback, private,
+    link-local, ...); `url_unresolvable`: it does not resolve. 409: the tenant has the most webhooks it may have."""
+    endpoint, secret = create_webhook(session, tenant=tenant, body=body, egress=egress)
+    return WebhookCreated.issued(endpoint, secret)
 
 
 @router.get("")

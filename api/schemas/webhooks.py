@@ -17,7 +17,8 @@ URL_MAX_LENGTH = 2000  # webhook_endpoints.url
 
 class WebhookCreate(RequestModel):
     url: Annotated[str, StringConstraints(min_length=1, max_length=URL_MAX_LENGTH)] = Field(
-        description="Where deliveries are POSTed: an http or https URL.")
+        description="Where deliveries are POSTed: an http or https URL whose host resolves to public addresses "
+                    "only (checked now and at each delivery; the operator may allow more).")
     events: Annotated[list[WebhookEventType], Field(min_length=1, max_length=20)] | None = Field(
         default=None, description="The event types sent to it; all of them when left out.")
     description: Annotated[Text, StringConstraints(max_length=500)] = ""
@@ -40,9 +41,10 @@ class WebhookCreated(WebhookOut):
     secret: str = Field(description="The signing secret. Shown only in this answer: keep it now.")
 
     @classmethod
-    def of(cls, e: WebhookEndpoint) -> WebhookCreated:
+    def issued(cls, e: WebhookEndpoint, secret: str) -> WebhookCreated:
+        """`secret`: as issued, in plaintext (the row keeps it encrypted)."""
         return cls(id=e.id, url=e.url, events=list(e.events), description=e.description, created_at=e.created_at,
-                   secret=e.secret)
+                   secret=secret)
 
 
 class WebhookDeleted(BaseModel):

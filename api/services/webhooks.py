@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from urllib.parse import urlsplit
@@ -15,8 +16,12 @@ from api.errors import conflict, invalid
 from api.queries import get_webhook
 from api.schemas.common import NO_CONTROL_CHARS
 from api.schemas.webhooks import WebhookCreate
+from common.egress import NOT_ALLOWED, Egress, EgressRefused
 from common.models import Tenant, WebhookEndpoint, new_id, utcnow
+from common.secret_box import get_secret_box
 from common.webhooks import WEBHOOK_EVENTS
+
+log = logging.getLogger(__name__)
 
 MAX_WEBHOOKS_PER_TENANT = 20  # every matching event is sent to each: a bound on what one event costs the sender
 
@@ -41,8 +46,27 @@ def check_url(url: str) -> str:
     return url
 
 
-def create_webhook(session: Session, *, tenant: Tenant, body: WebhookCreate) -> WebhookEndpoint:
+def check_reachable(url: str, egress: Egress) -> None:
+    """The URL's host resolves, and to public addresses only (or ones the operator allows): every address is
+    checked (common/egress.py); nothing is connected to. The tenant hears which rule, never the addresses its
+    name resolved to (those are the operator's, in the log)."""
+    try:
+        egress.target(url)
+    except EgressRefused as exc:
+        log.info("webhook URL %s refused: %s", url, exc)
+        if exc.code == NOT_ALLOWED:
+            raise invalid("url: the host is not a public address; webhooks are sent to public addresses only.",
+                          param="url", code=exc.code) from None
+        raise invalid("url: the host name does not resolve (checked when the webhook is registered and at each "
+                      "delivery).", param="url", code=exc.code) from None
+
+
+def create_webhook(session: Session, *, tenant: Tenant, body: WebhookCreate,
+                   egress: Egress) -> tuple[WebhookEndpoint, str]:
+    """The new endpoint and its signing secret in plaintext, for the one answer that shows it; the row keeps it
+    encrypted. Resolution runs before the tenant's row is locked: a slow lookup holds no lock."""
     url = check_url(body.url)
+    check_reachable(url, egress)
     events = [e for e in WEBHOOK_EVENTS if body.events is None or e in body.events]  # deduplicated, in one order
     # The tenant's row lock makes concurrent registrations count one after the other (no limit overrun).
     session.scalar(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
@@ -51,12 +75,13 @@ def create_webhook(session: Session, *, tenant: Tenant, body: WebhookCreate) -> 
     if count >= MAX_WEBHOOKS_PER_TENANT:
         raise conflict("webhook_limit_reached", f"A tenant may register at most {MAX_WEBHOOKS_PER_TENANT} webhooks; "
                                                 "delete one first.")
+    secret = f"whsec_{secrets.token_urlsafe(32)}"
     endpoint = WebhookEndpoint(id=new_id("wh"), tenant_id=tenant.id, url=url, events=events,
-                               description=body.description, secret=f"whsec_{secrets.token_urlsafe(32)}",
+                               description=body.description, secret_encrypted=get_secret_box().encrypt(secret),
                                created_at=utcnow())
     session.add(endpoint)
     commit(session)
-    return endpoint
+    return endpoint, secret
 
 
 def delete_webhook(session: Session, *, tenant: Tenant, webhook_id: str) -> None:

@@ -10,6 +10,12 @@ Nothing is lost when the sender dies: a delivery is *claimed* by moving its `nex
 the two leaves the delivery pending, and it is sent again once the claim runs out: at least once, never zero times;
 receivers drop repeats by `X-Loraplane-Delivery`. The claim is taken under a row lock with SKIP LOCKED (Postgres),
 so two senders never take the same delivery at once; SQLite has one process, and one sender in it.
+
+Each attempt resolves the URL's host again and checks every address (common/egress.py): a name that was public at
+registration and points inward now (DNS rebinding, or a record changed since) is refused before any connection,
+and the connection goes to the address that was checked, not to a second resolution (`pinned_post`). The tenant's
+delivery log gets a generic reason (`last_error`: "delivery failed: could not connect", "... timeout", "HTTP 500");
+the details (addresses, the socket's error) go to the operator's log only, so the log is no port scanner.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import hashlib
 import hmac
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -29,7 +36,10 @@ import httpx
 from sqlalchemy import select
 
 from common.db import session_scope
+from common.egress import NOT_ALLOWED, Egress, EgressRefused, IPAddress, Target
 from common.models import WebhookDelivery, WebhookEndpoint, utcnow
+from common.secret_box import get_secret_box
+from common.settings import get_settings
 from common.webhooks import DELIVERY_DELIVERED, DELIVERY_FAILED, DELIVERY_PENDING
 
 log = logging.getLogger(__name__)
@@ -42,7 +52,13 @@ TIMEOUT_S = 10.0  # one attempt's limit: connect, send and answer
 # TIMEOUT_S, so a live sender always records before anyone else may take it.
 CLAIM_S = 60.0
 IDLE_POLL_S = 1.0  # how often an idle sender looks for due deliveries
-ERROR_MAX_CHARS = 500  # of `last_error`
+# What a tenant's delivery log says about an attempt that got no HTTP answer: which kind of failure, nothing that
+# tells one closed port from another (a refused connection and a reset one read the same).
+ERROR_NOT_ALLOWED = "delivery failed: address not allowed"
+ERROR_UNRESOLVABLE = "delivery failed: host name does not resolve"
+ERROR_CONNECT = "delivery failed: could not connect"
+ERROR_TIMEOUT = "delivery failed: timeout"
+ERROR_NO_ANSWER = "delivery failed: no valid HTTP answer"
 
 SIGNATURE_HEADER = "X-Loraplane-Signature"
 TIMESTAMP_HEADER = "X-Loraplane-Timestamp"
@@ -84,21 +100,34 @@ def request_headers(*, secret: str, delivery_id: str, event_type: str, body: byt
             EVENT_HEADER: event_type, DELIVERY_HEADER: delivery_id}
 
 
+def pinned_request(client: httpx.Client, target: Target, address: IPAddress, *, content: bytes,
+                   headers: dict[str, str]) -> httpx.Request:
+    """A POST to `target.url` that connects to `address`, one of the checked addresses of its host, while the
+    server still sees the URL's own host: the URL's host is swapped for the address (so httpx connects there and
+    resolves nothing), `Host` keeps the original name, and for https the `sni_hostname` extension makes httpcore
+    send the original name in the TLS handshake and verify the certificate against it (ssl's `server_hostname`),
+    not against the address. All of it is httpx's public API; no second resolution happens anywhere."""
+    url = target.url.copy_with(host=str(address))
+    extensions = {"sni_hostname": target.host} if target.url.scheme == "https" else {}
+    return client.build_request("POST", url, content=content, extensions=extensions,
+                                headers={**headers, "Host": target.url.netloc.decode("ascii")})
+
+
 @dataclass(frozen=True)
 class Claimed:
     """A delivery this sender holds until `CLAIM_S` after it took it, with what sending it needs."""
 
     delivery_id: str
     url: str
-    secret: str
+    secret_encrypted: str  # decrypted only to sign (common/secret_box.py)
     event_type: str
     payload: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class Outcome:
-    status_code: int | None  # None: no answer (connection refused, timeout, ...)
-    error: str | None  # None: a 2xx
+    status_code: int | None  # None: no answer (refused before connecting, could not connect, timeout, ...)
+    error: str | None  # None: a 2xx. Shown to the tenant: one of the ERROR_ texts or "HTTP <status>"
 
     @property
     def delivered(self) -> bool:
@@ -107,12 +136,21 @@ class Outcome:
 
 class WebhookSender:
     def __init__(self, *, backoff_s: Sequence[float] = BACKOFF_S, claim_s: float = CLAIM_S,
-                 timeout_s: float = TIMEOUT_S, idle_poll_s: float = IDLE_POLL_S) -> None:
+                 timeout_s: float = TIMEOUT_S, idle_poll_s: float = IDLE_POLL_S, egress: Egress | None = None,
+                 verify: ssl.SSLContext | bool = True) -> None:
+        """`egress`: the address check, the settings' allow-list and the system's resolver by default. `verify`:
+        how https receivers' certificates are checked (the system's CAs by default; a test passes its own CA)."""
         self.backoff_s = tuple(backoff_s)
         self.claim_s = claim_s
         self.idle_poll_s = idle_poll_s
+        self.egress = egress or Egress(policy=get_settings().webhook_egress_policy)
+        # An explicit transport, and trust_env off: no proxy from the environment (it would resolve the name again,
+        # out of our sight) and no .netrc credentials. No kept-alive connections: the pool is keyed by the address
+        # we connect to, so a kept connection (its TLS made for one host name) could carry another host's delivery
+        # that resolves to the same address; and each attempt goes to an address checked just before it.
         # No redirects: a 3xx is an answer to fix at the receiver, not a place to send the signed body to.
-        self.http = httpx.Client(timeout=timeout_s, follow_redirects=False)
+        transport = httpx.HTTPTransport(verify=verify, limits=httpx.Limits(max_keepalive_connections=0))
+        self.http = httpx.Client(transport=transport, timeout=timeout_s, follow_redirects=False, trust_env=False)
 
     def claim(self, now: datetime) -> Claimed | None:
         """Takes the next due delivery (its row locked, skipping rows another sender holds) and commits the claim."""
@@ -129,20 +167,49 @@ class WebhookSender:
                 return None
             delivery, endpoint = row
             delivery.next_attempt_at = now + timedelta(seconds=self.claim_s)
-            return Claimed(delivery_id=delivery.id, url=endpoint.url, secret=endpoint.secret,
+            return Claimed(delivery_id=delivery.id, url=endpoint.url, secret_encrypted=endpoint.secret_encrypted,
                            event_type=delivery.event_type, payload=dict(delivery.payload))
 
     def send(self, claimed: Claimed) -> Outcome:
-        body = encode_body(claimed.payload)
-        headers = request_headers(secret=claimed.secret, delivery_id=claimed.delivery_id,
-                                  event_type=claimed.event_type, body=body, timestamp=int(time.time()))
+        # A secret no configured key decrypts raises here, after the claim was committed: the operator's log
+        # says so, and the delivery waits out its claim without spending an attempt (the tenant did nothing wrong).
+        secret = get_secret_box().decrypt(claimed.secret_encrypted)
         try:
-            response = self.http.post(claimed.url, content=body, headers=headers)
-        except httpx.HTTPError as exc:
-            return Outcome(None, f"{type(exc).__name__}: {exc}"[:ERROR_MAX_CHARS])
-        if 200 <= response.status_code < 300:
-            return Outcome(response.status_code, None)
-        return Outcome(response.status_code, f"HTTP {response.status_code}")
+            target = self.egress.target(claimed.url)
+        except EgressRefused as exc:
+            log.warning("webhook delivery %s to %s refused before connecting: %s", claimed.delivery_id, claimed.url,
+                        exc)
+            return Outcome(None, ERROR_NOT_ALLOWED if exc.code == NOT_ALLOWED else ERROR_UNRESOLVABLE)
+        body = encode_body(claimed.payload)
+        headers = request_headers(secret=secret, delivery_id=claimed.delivery_id, event_type=claimed.event_type,
+                                  body=body, timestamp=int(time.time()))
+        return self.post(claimed.delivery_id, target, body, headers)
+
+    def post(self, delivery_id: str, target: Target, body: bytes, headers: dict[str, str]) -> Outcome:
+        """POSTs to the target's checked addresses in the resolver's order, moving on only when one cannot be
+        connected to at all (a host whose IPv6 address is unreachable from here, say). The answer's body is never
+        read: its status is all a delivery needs, and a receiver cannot make the sender hold a large body."""
+        outcome = Outcome(None, ERROR_CONNECT)
+        for address in target.addresses:
+            request = pinned_request(self.http, target, address, content=body, headers=headers)
+            try:
+                response = self.http.send(request, stream=True)
+            except httpx.ConnectError as exc:  # refused, unreachable, reset or a failed TLS handshake: all alike
+                log.info("webhook delivery %s: %s (%s) could not be connected to: %r", delivery_id, target.host,
+                         address, exc)
+                continue
+            except httpx.TimeoutException as exc:
+                log.info("webhook delivery %s: %s (%s) timed out: %r", delivery_id, target.host, address, exc)
+                return Outcome(None, ERROR_TIMEOUT)
+            except httpx.HTTPError as exc:
+                log.info("webhook delivery %s: %s (%s) gave no valid answer: %r", delivery_id, target.host,
+                         address, exc)
+                return Outcome(None, ERROR_NO_ANSWER)
+            response.close()
+            if 200 <= response.status_code < 300:
+                return Outcome(response.status_code, None)
+            return Outcome(response.status_code, f"HTTP {response.status_code}")
+        return outcome
 
     def record(self, claimed: Claimed, outcome: Outcome, now: datetime) -> None:
         """The attempt, and what comes next: delivered, another try after the backoff, or failed."""

@@ -7,14 +7,24 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.egress import TableResolver
 from tests.factories import TenantKey, make_tenant
 
 
 @pytest.fixture
-def client(clean_db: None) -> Iterator[TestClient]:
-    from api.main import create_app
+def resolver() -> TableResolver:
+    """How the app resolves webhook host names: from a table, never through DNS (tests/egress.py)."""
+    return TableResolver()
 
-    with TestClient(create_app()) as c:  # `with`: runs the lifespan, which seeds the model registry
+
+@pytest.fixture
+def client(clean_db: None, resolver: TableResolver) -> Iterator[TestClient]:
+    from api.main import create_app
+    from api.routes.webhooks import name_resolver
+
+    app = create_app()
+    app.dependency_overrides[name_resolver] = lambda: resolver
+    with TestClient(app) as c:  # `with`: runs the lifespan, which seeds the model registry
         yield c
 
 

@@ -23,6 +23,7 @@ from loraplane.cli import main
 from loraplane.client import Client
 from tests.client import sim
 from tests.e2e.procs import ROOT, free_port
+from tests.egress import allowed_networks
 from tests.factories import TenantKey, chat_rows, task_body
 
 
@@ -626,7 +627,8 @@ def test_usage_for_a_tenant_and_for_the_operator(
 
 
 def test_webhooks_add_list_deliveries_and_remove(cli: Cli, env: TenantKey, lp: Client) -> None:
-    added = cli("webhooks", "add", "http://127.0.0.1:9/hook", "--event", "task.cancelled", "--description", "ci")
+    with allowed_networks("127.0.0.1"):  # the operator's allow-list: loopback is refused otherwise
+        added = cli("webhooks", "add", "http://127.0.0.1:9/hook", "--event", "task.cancelled", "--description", "ci")
     assert added.code == 0, added.err
     secret = added.out.split("\n\n")[1].strip()
     assert secret.startswith("whsec_") and "shown only this once" in added.out
