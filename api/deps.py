@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -53,14 +54,15 @@ async def api_key(
 ApiKeyDep = Annotated[str, Depends(api_key)]
 
 
-def _invalid_api_key() -> ApiError:
+def invalid_api_key() -> ApiError:
+    """Also what a request answers whose tenant was deleted while it ran (its key is revoked by then)."""
     return _unauthenticated("invalid_api_key", "The API key is not valid (unknown or revoked).")
 
 
 # An API key that authenticates, its hash bound as `key_hash`. The statements are built once: building one costs
 # more than running it.
 VALID_KEY = and_(ApiKey.key_hash == bindparam("key_hash"), ApiKey.revoked_at.is_(None))
-_TENANT_OF_KEY = select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(VALID_KEY)
+_CALLER_OF_KEY = select(Tenant, ApiKey.id).join(ApiKey, ApiKey.tenant_id == Tenant.id).where(VALID_KEY)
 _TENANT_ID_OF_KEY = select(ApiKey.tenant_id).where(VALID_KEY)
 
 
@@ -69,20 +71,32 @@ def tenant_id_for_key(conn: Connection, key: str) -> str:
     tenant: what a status poll that found no task asks (api/routes/tasks.py)."""
     tenant_id = conn.execute(_TENANT_ID_OF_KEY, {"key_hash": hash_api_key(key)}).scalar_one_or_none()
     if tenant_id is None:
-        raise _invalid_api_key()
+        raise invalid_api_key()
     return str(tenant_id)
 
 
-def get_tenant(session: SessionDep, key: ApiKeyDep) -> Tenant:
-    tenant = session.scalar(_TENANT_OF_KEY, {"key_hash": hash_api_key(key)})
-    if tenant is None:
-        raise _invalid_api_key()
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the tenant, and which of its keys (an event stream keeps checking that key)."""
+
+    tenant: Tenant
+    key_id: str
+
+
+def get_caller(session: SessionDep, key: ApiKeyDep) -> Caller:
+    row = session.execute(_CALLER_OF_KEY, {"key_hash": hash_api_key(key)}).one_or_none()
+    if row is None:
+        raise invalid_api_key()
     # Ends the lookup's read transaction (nothing was written; the tenant stays loaded), so its connection is
     # back in the pool while this request waits for the worker thread that runs the route. Held across that
     # wait, a burst of requests (100 SSE streams opening at once) deadlocked: every worker thread waited for a
     # pooled connection that only a request waiting for a thread could give back.
     session.commit()
-    return tenant
+    return Caller(tenant=row[0], key_id=row[1])
+
+
+def get_tenant(session: SessionDep, key: ApiKeyDep) -> Tenant:
+    return get_caller(session, key).tenant
 
 
 def require_admin(
@@ -100,4 +114,5 @@ def require_admin(
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
 AdminDep = Depends(require_admin)

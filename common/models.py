@@ -62,6 +62,9 @@ class Tenant(Base):
         BigInteger, default=lambda: get_settings().default_max_storage_bytes)
     max_files: Mapped[int] = mapped_column(Integer, default=lambda: get_settings().default_max_files)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Set by an operator's DELETE (api/services/tenants.py): its keys revoked, its tasks cancelled, its webhooks
+    # gone; the row stays (usage, tasks and events are kept for billing) and keeps its name.
+    deleted_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class ApiKey(Base):

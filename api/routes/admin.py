@@ -1,4 +1,7 @@
-"""Operator endpoints (admin token): tenants, API keys, workers."""
+"""Operator endpoints (admin token): tenants, API keys, workers.
+
+A deleted tenant (`deleted_at` set; api/services/tenants.py) reads as missing here (404), except in the list
+with `include_deleted=true`; it keeps its name, so creating or renaming a tenant to that name is a 409."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from api.deps import AdminDep, SessionDep, hash_api_key
 from api.errors import ApiError, conflict, not_found
 from api.schemas.admin import ApiKeyCreate, ApiKeyCreated, ApiKeyOut, TenantCreate, TenantOut, TenantUpdate, WorkerOut
 from api.schemas.common import ListPage, PathId, error_responses, id_query
+from api.services import tenants
 from common.models import ApiKey, Tenant, Worker, new_id, utcnow
 from common.settings import get_settings
 
@@ -23,22 +27,20 @@ router = APIRouter(
 KEY_PREFIX_CHARS = 12  # "lp_" + 9 characters: enough to tell keys apart in a list, useless to an attacker
 
 
-def _tenant(session: SessionDep, tenant_id: str) -> Tenant:
-    tenant = session.get(Tenant, tenant_id)
-    if tenant is None:
-        raise not_found("tenant", tenant_id)
-    return tenant
-
-
-def _name_taken(name: str) -> ApiError:
-    return conflict("tenant_exists", f"A tenant named '{name}' already exists.", param="name")
+def _name_taken(session: SessionDep, name: str) -> ApiError | None:
+    """The 409 for a name another tenant holds, a deleted one included (names are unique: they are not reused)."""
+    deleted_at = session.execute(select(Tenant.deleted_at).where(Tenant.name == name)).one_or_none()
+    if deleted_at is None:
+        return None
+    held_by = "a deleted tenant" if deleted_at[0] is not None else "a tenant"
+    return conflict("tenant_exists", f"The name '{name}' is held by {held_by}.", param="name")
 
 
 @router.post("/tenants", status_code=status.HTTP_201_CREATED, responses=error_responses(409))
 def create_tenant(body: TenantCreate, session: SessionDep) -> TenantOut:
     settings = get_settings()
-    if session.scalar(select(Tenant.id).where(Tenant.name == body.name)):
-        raise _name_taken(body.name)
+    if taken := _name_taken(session, body.name):
+        raise taken
     tenant = Tenant(
         id=new_id("tenant"),
         name=body.name,
@@ -60,36 +62,49 @@ def list_tenants(
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: Annotated[str | None, id_query("The id of the last tenant of the previous page.")] = None,
+    include_deleted: Annotated[bool, Query(description="Also the deleted tenants (deleted_at set).")] = False,
 ) -> ListPage[TenantOut]:
     cursor = None
     if after is not None and (cursor := session.get(Tenant, after)) is None:
         raise bad_cursor("tenant", after)
-    rows, has_more = newest_first(session, select(Tenant), Tenant, after=cursor, limit=limit)
+    stmt = select(Tenant) if include_deleted else select(Tenant).where(Tenant.deleted_at.is_(None))
+    rows, has_more = newest_first(session, stmt, Tenant, after=cursor, limit=limit)
     return ListPage(data=[TenantOut.of(t) for t in rows], has_more=has_more)
 
 
 @router.get("/tenants/{tenant_id}")
 def get_tenant(tenant_id: PathId, session: SessionDep) -> TenantOut:
-    return TenantOut.of(_tenant(session, tenant_id))
+    """A deleted tenant is a 404 (the list shows it with include_deleted=true)."""
+    return TenantOut.of(tenants.live_tenant(session, tenant_id))
 
 
 @router.patch("/tenants/{tenant_id}", responses=error_responses(409))
 def update_tenant(tenant_id: PathId, body: TenantUpdate, session: SessionDep) -> TenantOut:
-    tenant = _tenant(session, tenant_id)
+    tenant = tenants.live_tenant(session, tenant_id)
     changes = body.model_dump(exclude_unset=True, exclude_none=True)
     name = changes.get("name")
-    if name and name != tenant.name and session.scalar(select(Tenant.id).where(Tenant.name == name)):
-        raise _name_taken(name)
+    if name and name != tenant.name and (taken := _name_taken(session, name)):
+        raise taken
     for field, value in changes.items():
         setattr(tenant, field, value)
     commit(session, conflict_code="tenant_exists", conflict_message=f"A tenant named '{name}' already exists.")
     return TenantOut.of(tenant)
 
 
+@router.delete("/tenants/{tenant_id}")
+def delete_tenant(tenant_id: PathId, session: SessionDep) -> TenantOut:
+    """Delete the tenant: its API keys are revoked at once (its open event streams end within about a second),
+    its queued and running tasks cancelled (running trials are stopped), its webhooks removed with their
+    deliveries. Kept, for billing and audit: the tenant (shown with `deleted_at` by the list's
+    include_deleted=true), its finished tasks, events, usage, files and adapters, and its name, which no other
+    tenant can take. 404 for a missing or already deleted tenant."""
+    return TenantOut.of(tenants.delete_tenant(session, tenant_id))
+
+
 @router.post("/tenants/{tenant_id}/api-keys", status_code=status.HTTP_201_CREATED)
 def create_api_key(tenant_id: PathId, session: SessionDep, body: ApiKeyCreate | None = None) -> ApiKeyCreated:
     """The key is in this response only; the server keeps its sha256."""
-    tenant = _tenant(session, tenant_id)
+    tenant = tenants.live_tenant(session, tenant_id, lock=True)  # locked: deletion waits, or this finds it deleted
     key = "lp_" + secrets.token_urlsafe(32)
     row = ApiKey(
         id=new_id("key"), tenant_id=tenant.id, name=(body.name if body else ""), prefix=key[:KEY_PREFIX_CHARS],
@@ -102,7 +117,7 @@ def create_api_key(tenant_id: PathId, session: SessionDep, body: ApiKeyCreate | 
 
 @router.get("/tenants/{tenant_id}/api-keys")
 def list_api_keys(tenant_id: PathId, session: SessionDep) -> ListPage[ApiKeyOut]:
-    tenant = _tenant(session, tenant_id)
+    tenant = tenants.live_tenant(session, tenant_id)
     keys = session.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant.id).order_by(ApiKey.created_at, ApiKey.id))
     return ListPage(data=[ApiKeyOut.of(k) for k in keys])
 

@@ -45,7 +45,8 @@ def _tenant_ids(session: Session, tenants: list[str] | None) -> list[str] | None
     if tenants is None:
         return None
     unique = list(dict.fromkeys(tenants))
-    known = set(session.scalars(select(Tenant.id).where(Tenant.id.in_(unique)))) if unique else set()
+    known = set(session.scalars(select(Tenant.id).where(Tenant.id.in_(unique), Tenant.deleted_at.is_(None)))
+                ) if unique else set()
     for index, tenant_id in enumerate(tenants):
         if tenant_id not in known:
             raise invalid(f"No tenant with id '{tenant_id}'.", param=f"tenants[{index}]", code="unknown_tenant")

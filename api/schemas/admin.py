@@ -47,6 +47,7 @@ class TenantOut(BaseModel):
     max_storage_bytes: int
     max_files: int
     created_at: UtcDateTime
+    deleted_at: UtcDateTime | None = Field(default=None, description="Set once an operator deleted the tenant.")
 
     @classmethod
     def of(cls, t: Tenant) -> TenantOut:
@@ -54,6 +55,7 @@ class TenantOut(BaseModel):
             id=t.id, name=t.name, weight=t.weight, max_concurrent_trials=t.max_concurrent_trials,
             max_trials_per_task=t.max_trials_per_task, max_file_bytes=t.max_file_bytes,
             max_storage_bytes=t.max_storage_bytes, max_files=t.max_files, created_at=t.created_at,
+            deleted_at=t.deleted_at,
         )
 
 

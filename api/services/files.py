@@ -20,6 +20,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from api.db import commit
+from api.deps import invalid_api_key
 from api.errors import INVALID_REQUEST, RATE_LIMIT, ApiError, conflict, invalid
 from api.queries import get_file
 from api.uploads import FormEvent, PartStart, form_events, multipart_boundary
@@ -192,10 +193,12 @@ def upload_file(
         _check_report(received.report)
         assert received.report.format is not None
         staged.sync()  # the slow part of publishing, done before the tenant's row is locked
-        # Locking the tenant's row serialises this last check between concurrent uploads of one tenant.
-        quota = session.execute(
-            select(Tenant.max_storage_bytes, Tenant.max_files).where(Tenant.id == tenant.id).with_for_update()
-        ).one()
+        # Locking the tenant's row serialises this last check between concurrent uploads of one tenant, and
+        # against the tenant's deletion (api/services/tenants.py), which takes the same lock.
+        quota = session.execute(select(Tenant.max_storage_bytes, Tenant.max_files, Tenant.deleted_at)
+                                .where(Tenant.id == tenant.id).with_for_update()).one()
+        if quota.deleted_at is not None:
+            raise invalid_api_key()
         usage = storage_usage(session, tenant.id)
         if usage.files + 1 > quota.max_files:
             raise _file_quota_exceeded(quota.max_files, usage)

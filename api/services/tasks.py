@@ -9,6 +9,8 @@ the scheduler.
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.db import commit
+from api.deps import invalid_api_key
 from api.errors import RATE_LIMIT, ApiError, conflict, invalid
 from api.queries import find_file, get_task
 from api.schemas.tasks import RangeSpec, SearchSpace, TaskCreate
@@ -272,8 +275,10 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
                              max_trials_per_pack=body.scheduling.max_trials_per_pack).as_dict()
 
     # Locking the tenant row serialises the rest between concurrent submissions of one tenant, so two
-    # racing requests can neither both fit in the quota nor both claim one Idempotency-Key.
-    session.execute(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
+    # racing requests can neither both fit in the quota nor both claim one Idempotency-Key; and against the
+    # tenant's deletion (api/services/tenants.py), which takes the same lock: no task is left behind it.
+    if session.scalar(select(Tenant.deleted_at).where(Tenant.id == tenant.id).with_for_update()) is not None:
+        raise invalid_api_key()
     if existing := _by_idempotency_key(session, tenant, idempotency_key):
         return existing
     _check_concurrency(session, tenant, len(configs))
@@ -328,23 +333,33 @@ def cancel_task(session: Session, *, tenant: Tenant, task_id: str) -> Task:
     task = get_task(session, tenant_id=tenant.id, task_id=task_id, lock=True)
     if task.state in TASK_FINAL:
         raise conflict("task_finished", f"Task '{task.id}' has already finished ({task.state}).")
+    cancel_unfinished(session, [task], why="Task cancelled")
+    commit(session)
+    wake_scheduler("task.cancelled", task_id=task.id)
+    return task
+
+
+def cancel_unfinished(session: Session, tasks: Sequence[Task], *, why: str) -> None:
+    """Cancels `tasks` (unfinished, locked by the caller) and their unfinished trials, with a `task.cancelled` event
+    each; not committed. The scheduler stops the trials that run (it sends their packs `stop_trials`)."""
     now = utcnow()
-    task.state = TASK_CANCELLED
-    task.finished_at = now
     # Locked in id order, as the scheduler's ingest locks the trials a batch of reports names: two transactions that
     # lock the same trials in different orders can each wait for the other, and the database then fails one (a
     # cancel answered 503 while a pack over two GPUs reported its trials' points, tests/e2e/test_multi_gpu_worker.py).
-    trials = session.scalars(select(Trial).where(Trial.task_id == task.id, Trial.state.in_(TRIAL_ACTIVE))
+    # All tasks' trials in one statement, so a tenant's deletion keeps that order across its tasks too.
+    trials = session.scalars(select(Trial).where(Trial.task_id.in_([t.id for t in tasks]),
+                                                 Trial.state.in_(TRIAL_ACTIVE))
                              .order_by(Trial.id).with_for_update())
-    cancelled = 0
+    cancelled: Counter[str] = Counter()
     for trial in trials:
         trial.state = TRIAL_CANCELLED
         trial.stop_reason = "task cancelled"
         trial.finished_at = now
-        cancelled += 1
-    record_event(session, tenant_id=tenant.id, task_id=task.id, type="task.cancelled",
-                 message=f"Task cancelled; {cancelled} unfinished trial(s) cancelled.", data={"trials": cancelled})
-    commit(session)
-    wake_scheduler("task.cancelled", task_id=task.id)
-    return task
+        cancelled[trial.task_id] += 1
+    for task in tasks:
+        task.state = TASK_CANCELLED
+        task.finished_at = now
+        n = cancelled[task.id]
+        record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.cancelled",
+                     message=f"{why}; {n} unfinished trial(s) cancelled.", data={"trials": n})
 
