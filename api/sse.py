@@ -5,9 +5,16 @@ exactly where it left off (`Last-Event-ID`) and a Redis outage loses nothing.
 
 An open stream holds no thread and no database connection: it is a coroutine that waits on its process's
 `TaskWatch`. Every `POLL_S` the watch reads, in one worker thread and one query, the state and the newest
-event id of every task that has a stream open in this process, so a hundred idle streams cost one small
-query per tick, not a hundred pairs. A stream reads its own events (a short query in a worker thread) only
-when the watch saw an event it has not sent, or a final state.
+event id of every task that has a stream open in this process, and whether the API key each stream was
+opened with still authenticates (not revoked, its tenant not deleted), so a hundred idle streams cost one
+small query per tick, not a hundred pairs. A stream reads its own events (a short query in a worker thread)
+only when the watch saw an event it has not sent, a final state, or its key no longer authenticating.
+
+A stream whose key stops authenticating ends at the watch's next read (within about POLL_S plus the read, well
+under 2 s; `tests/api/test_api_stream_revocation.py`) with a final `error` block in the API's one error shape,
+even while events keep coming: the stream's own read of events checks the key in the same statement as the
+task's state, so no event is read once the revocation is committed. Each process's watch reads the database,
+which is the truth for every process of `loraplane api --workers N`.
 
 Wire format, one block per event, then a final `end` once the task is final and every event was sent:
 
@@ -17,6 +24,11 @@ Wire format, one block per event, then a final `end` once the task is final and 
 
     event: end
     data: {"task_id": "task-...", "state": "succeeded"}
+
+or, when the key was revoked (or its tenant deleted) while the stream was open:
+
+    event: error
+    data: {"error": {"type": "authentication_error", "code": "api_key_revoked", "message": "...", "param": null}}
 """
 
 from __future__ import annotations
@@ -32,12 +44,13 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.lowlevel import RunVar
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import Exists, bindparam, func, literal, null, select, union_all
 
 from api.db import session_factory
+from api.errors import AUTHENTICATION, ApiError
 from api.schemas.events import EventOut
 from common.db import get_autocommit_engine
-from common.models import Event, Task
+from common.models import ApiKey, Event, Task, Tenant
 from common.states import TASK_FINAL
 
 log = logging.getLogger(__name__)
@@ -53,18 +66,41 @@ class TaskNow:
     newest_event: int  # 0 while it has none
 
 
-# The newest event id by the (task_id, id) index, per watched task; a task that is gone is missing.
-_TASKS_NOW = select(
-    Task.id, Task.state, select(func.max(Event.id)).where(Event.task_id == Task.id).scalar_subquery()
-).where(Task.id.in_(bindparam("task_ids", expanding=True)))
+@dataclass(frozen=True)
+class WatchedNow:
+    """One read of the watch: the tasks streamed, and whether each key the streams were opened with still
+    authenticates."""
+
+    tasks: dict[str, TaskNow]
+    keys: dict[str, bool]  # key id -> not revoked and its tenant not deleted
 
 
-def read_tasks_now(task_ids: Sequence[str]) -> dict[str, TaskNow]:
-    found = {task_id: TaskNow(state=None, newest_event=0) for task_id in task_ids}
+_TASK, _KEY = "task", "key"
+# One statement for both, so a tick is one round trip however many streams are open: a row per watched task (its
+# newest event id by the (task_id, id) index; a task that is gone is missing) and a row per watched key that still
+# authenticates (a revoked key, or one of a deleted tenant, is missing).
+_WATCHED_NOW = union_all(
+    select(literal(_TASK), Task.id, Task.state,
+           select(func.max(Event.id)).where(Event.task_id == Task.id).scalar_subquery())
+    .where(Task.id.in_(bindparam("task_ids", expanding=True))),
+    select(literal(_KEY), ApiKey.id, null(), null())
+    .join(Tenant, Tenant.id == ApiKey.tenant_id)
+    .where(ApiKey.id.in_(bindparam("key_ids", expanding=True)), ApiKey.revoked_at.is_(None),
+           Tenant.deleted_at.is_(None)),
+)
+
+
+def read_watched_now(task_ids: Sequence[str], key_ids: Sequence[str]) -> WatchedNow:
+    tasks = {task_id: TaskNow(state=None, newest_event=0) for task_id in task_ids}
+    keys = dict.fromkeys(key_ids, False)
     with get_autocommit_engine().connect() as conn:
-        for task_id, state, newest_event in conn.execute(_TASKS_NOW, {"task_ids": list(task_ids)}):
-            found[task_id] = TaskNow(state=state, newest_event=newest_event or 0)
-    return found
+        rows = conn.execute(_WATCHED_NOW, {"task_ids": list(task_ids), "key_ids": list(key_ids)})
+        for kind, row_id, state, newest_event in rows:
+            if kind == _TASK:
+                tasks[row_id] = TaskNow(state=state, newest_event=newest_event or 0)
+            else:
+                keys[row_id] = True
+    return WatchedNow(tasks=tasks, keys=keys)
 
 
 class TaskWatch:
@@ -76,33 +112,42 @@ class TaskWatch:
 
     def __init__(self) -> None:
         self._streams: Counter[str] = Counter()  # task id -> open streams
-        self._now: dict[str, TaskNow] = {}
+        self._keys: Counter[str] = Counter()  # API key id -> open streams
+        self._now = WatchedNow(tasks={}, keys={})
         self._ticked = asyncio.Event()  # replaced by a fresh one after every read
         self._runner: asyncio.Task[None] | None = None
 
     @contextmanager
-    def watching(self, task_id: str) -> Iterator[None]:
+    def watching(self, task_id: str, key_id: str) -> Iterator[None]:
         self._streams[task_id] += 1
+        self._keys[key_id] += 1
         if self._runner is None:
             self._runner = asyncio.get_running_loop().create_task(self._run(), name="sse-task-watch")
         try:
             yield
         finally:
-            self._streams[task_id] -= 1
-            if not self._streams[task_id]:
-                del self._streams[task_id]
+            for counter, item in ((self._streams, task_id), (self._keys, key_id)):
+                counter[item] -= 1
+                if not counter[item]:
+                    del counter[item]
+
+    def key_valid(self, key_id: str) -> bool:
+        """False once a read found the key revoked or its tenant deleted; True before a read included it (the
+        key authenticated when its stream opened)."""
+        return self._now.keys.get(key_id, True)
 
     async def next_tick(self, task_id: str, timeout: float) -> TaskNow | None:
         """After the next read (or `timeout`), the task as last read; None until a read included it."""
         with anyio.move_on_after(timeout):
             await self._ticked.wait()
-        return self._now.get(task_id)
+        return self._now.tasks.get(task_id)
 
     async def _run(self) -> None:
         try:
             while self._streams:
                 try:
-                    self._now = await anyio.to_thread.run_sync(read_tasks_now, list(self._streams))
+                    self._now = await anyio.to_thread.run_sync(read_watched_now, list(self._streams),
+                                                               list(self._keys))
                 except Exception:  # noqa: BLE001 - a database outage: streams wait (with keep-alives) for the next read
                     log.warning("reading the watched tasks failed; retrying in %ss", POLL_S, exc_info=True)
                 else:
@@ -126,18 +171,34 @@ def task_watch() -> TaskWatch:
         return watch
 
 
-def poll(tenant_id: str, task_id: str, after: int) -> tuple[list[EventOut], str | None]:
-    """(events after `after`, the task's state) — the state is read first, so a final state read here
-    guarantees that every event written before the task became final is in this or an earlier batch."""
+def _key_valid(key_id: str) -> Exists:
+    return (select(ApiKey.id).join(Tenant, Tenant.id == ApiKey.tenant_id)
+            .where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None), Tenant.deleted_at.is_(None)).exists())
+
+
+@dataclass(frozen=True)
+class Polled:
+    events: list[EventOut]
+    state: str | None  # None: there is no such task (any more)
+    key_valid: bool  # False: the stream's key was revoked or its tenant deleted; no events were read
+
+
+def poll(tenant_id: str, task_id: str, after: int, key_id: str) -> Polled:
+    """The events after `after` and the task's state, if the stream's key still authenticates. The state is read
+    first, so a final state read here guarantees that every event written before the task became final is in
+    this or an earlier batch; the key with it, so no event is read once the revocation is committed."""
+    state_now = select(Task.state).where(Task.id == task_id, Task.tenant_id == tenant_id).scalar_subquery()
     with session_factory()() as session:
-        state = session.scalar(select(Task.state).where(Task.id == task_id, Task.tenant_id == tenant_id))
+        state, key_valid = session.execute(select(state_now, _key_valid(key_id))).one()
+        if not key_valid:
+            return Polled(events=[], state=state, key_valid=False)
         rows = session.scalars(
             select(Event)
             .where(Event.task_id == task_id, Event.tenant_id == tenant_id, Event.id > after)
             .order_by(Event.id)
             .limit(BATCH)
         )
-        return [EventOut.of(e) for e in rows], state
+        return Polled(events=[EventOut.of(e) for e in rows], state=state, key_valid=True)
 
 
 def format_event(event: EventOut) -> str:
@@ -148,12 +209,24 @@ def _worth_reading(now: TaskNow | None, after: int) -> bool:
     return now is not None and (now.newest_event > after or now.state is None or now.state in TASK_FINAL)
 
 
-async def event_stream(tenant_id: str, task_id: str, after: int) -> AsyncIterator[str]:
+KEY_REVOKED = ApiError(401, AUTHENTICATION, "api_key_revoked",
+                       "The API key this stream was opened with was revoked, or its tenant deleted.")
+REVOKED_BLOCK = f"event: error\ndata: {json.dumps(KEY_REVOKED.body())}\n\n"
+
+
+async def event_stream(tenant_id: str, task_id: str, after: int, key_id: str) -> AsyncIterator[str]:
+    """The stream of a task of `tenant_id` opened with the API key `key_id`, after event id `after`."""
     watch = task_watch()
     last_write = time.monotonic()
-    with watch.watching(task_id):
+    with watch.watching(task_id, key_id):
         while True:
-            events, state = await anyio.to_thread.run_sync(poll, tenant_id, task_id, after)
+            # Every read of events checks the key, so a stream whose events never stop coming (a full batch is
+            # followed at once by the next) ends too.
+            polled = await anyio.to_thread.run_sync(poll, tenant_id, task_id, after, key_id)
+            if not polled.key_valid:
+                yield REVOKED_BLOCK
+                return
+            events, state = polled.events, polled.state
             for event in events:
                 yield format_event(event)
                 after = event.id
@@ -164,7 +237,8 @@ async def event_stream(tenant_id: str, task_id: str, after: int) -> AsyncIterato
             if state is None or state in TASK_FINAL:  # None: the task was removed while streaming
                 yield f"event: end\ndata: {json.dumps({'task_id': task_id, 'state': state})}\n\n"
                 return
-            while not _worth_reading(await watch.next_tick(task_id, KEEPALIVE_S), after):
+            # Until there is something to read, or the watch saw the key stop authenticating (the read says so).
+            while not _worth_reading(await watch.next_tick(task_id, KEEPALIVE_S), after) and watch.key_valid(key_id):
                 if time.monotonic() - last_write >= KEEPALIVE_S:
                     yield ": keep-alive\n\n"
                     last_write = time.monotonic()

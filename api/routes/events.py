@@ -8,7 +8,7 @@ from fastapi import APIRouter, Header, Query
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
-from api.deps import SessionDep, TenantDep
+from api.deps import CallerDep, SessionDep, TenantDep
 from api.errors import invalid
 from api.queries import get_task
 from api.schemas.common import INT64_MAX, PathId, error_responses
@@ -64,16 +64,18 @@ def list_events(
 )
 def stream_events(
     task_id: PathId,
-    tenant: TenantDep,
+    caller: CallerDep,
     session: SessionDep,
     after: After = None,
     last_event_id: LastEventId = None,
 ) -> StreamingResponse:
-    """Live events; resumes after `Last-Event-ID` (sent by browsers on reconnect) or `after`."""
+    """Live events; resumes after `Last-Event-ID` (sent by browsers on reconnect) or `after`. Ends with an `error`
+    block (code `api_key_revoked`) within about a second when the key is revoked or its tenant deleted."""
+    tenant = caller.tenant
     task = get_task(session, tenant_id=tenant.id, task_id=task_id)  # a 404 now, before the stream starts
     start = resume_after(after, last_event_id)  # a 422 now too: nothing can answer one once the stream started
     return StreamingResponse(
-        event_stream(tenant.id, task.id, start),
+        event_stream(tenant.id, task.id, start, caller.key_id),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

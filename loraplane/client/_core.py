@@ -117,10 +117,13 @@ class StreamBroken(Exception):
 
 
 def sse_event(name: str, data: str) -> Event:
-    """An SSE message as an Event; raises StreamEnded on the final `end` message."""
+    """An SSE message as an Event; raises StreamEnded on the final `end` message, and APIError (401) on a final
+    `error` message (the key was revoked, or its tenant deleted, while the stream was open)."""
     payload = json.loads(data) if data else {}
     if name == "end":
         raise StreamEnded(payload.get("state"))
+    if name == "error":
+        raise APIError(401, payload)
     return Event.of(payload)
 
 

@@ -224,6 +224,17 @@ def test_wait_follows_a_running_task_to_its_end(lp: Client) -> None:
     assert types.count("trial.running") == 4 and types.count("trial.completed") == 4 and "task.running" in types
 
 
+def test_a_stream_whose_key_is_revoked_raises_the_api_error(lp: Client, tenant: TenantKey) -> None:
+    task = make_task(lp)
+    seen: list[str] = []
+    with pytest.raises(APIError) as err:
+        for event in lp.tasks.iter_events(task.id, timeout=60):
+            seen.append(event.type)
+            lp.admin.revoke_api_key(tenant.key_id)  # while the stream is open
+    assert seen == ["task.created"]
+    assert (err.value.status_code, err.value.type, err.value.code) == (401, "authentication_error", "api_key_revoked")
+
+
 def test_waiting_past_the_timeout_raises(lp: Client) -> None:
     task = make_task(lp)
     with pytest.raises(WaitTimeout):

@@ -180,6 +180,8 @@ export class TaskStream {
             this.finish(JSON.parse(block.data));
             return true;
           }
+          // The key was revoked (or its tenant deleted) while the stream was open: like a 401, final.
+          if (block.event === "error") throw new ApiError(401, JSON.parse(block.data));
           this.deliver(JSON.parse(block.data));
         }
       }
