@@ -1,5 +1,5 @@
 """Operator endpoints (admin token) for the base-model registry: register a model directory, edit who may use
-it, retire it."""
+it, retire it, restore a retired one."""
 
 from __future__ import annotations
 
@@ -126,6 +126,26 @@ def list_registered_models(
     if not include_deleted:
         stmt = stmt.where(BaseModelEntry.deleted_at.is_(None))
     return ListPage(data=[AdminModelOut.of(m) for m in session.scalars(stmt)])
+
+
+@router.post("/{name:path}/restore", responses=error_responses(409))
+def restore_registered_model(name: PathId, session: SessionDep) -> AdminModelOut:
+    """Bring a retired model back (built-in ones too: the API's start never seeds a retired built-in again), as it
+    was when retired. The files of a registered directory or GGUF file are checked again as registration checks
+    them (a 422 naming what is wrong, and it stays retired). 404 for a name never registered; 409 `model_exists`
+    while a live model holds the name (it was never retired, or was registered again since). The scheduler
+    publishes the registry to the workers again at its next round, as after any change."""
+    # Locked, as registration and retirement lock it: a restore and a re-registration of one name do not both win.
+    entry = session.get(BaseModelEntry, name, with_for_update=True, populate_existing=True)
+    if entry is None:
+        raise not_found("model", name)
+    if entry.deleted_at is None:
+        raise conflict("model_exists", f"A live model named '{name}' exists; there is nothing to restore.")
+    if entry.kind in ("hf", "gguf") and entry.path is not None:
+        _describe(entry, _inspect(entry.kind, entry.path, entry.gguf_file))
+    entry.deleted_at, entry.updated_at = None, utcnow()
+    commit(session)
+    return AdminModelOut.of(entry)
 
 
 @router.get("/{name:path}")

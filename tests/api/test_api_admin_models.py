@@ -303,3 +303,88 @@ def test_model_routes_need_the_admin_token(client: TestClient, tenant: TenantKey
     r = client.post("/v1/admin/models", json={"name": "m", "path": str(tiny_model_dir)}, headers=tenant.headers)
     assert r.status_code == 403
     assert client.get("/v1/admin/models").status_code == 401
+
+
+def test_a_retired_built_in_is_restored_and_tasks_can_use_it_again(client: TestClient, tenant: TenantKey) -> None:
+    from api.main import create_app
+    from common.bus import REGISTRY_KEY, get_bus
+    from common.celery import get_celery
+    from common.settings import get_settings
+    from scheduler.service.daemon import SchedulerDaemon
+
+    daemon = SchedulerDaemon(get_settings(), get_bus(), get_celery(), consumer="test")
+    file_id = upload(client, tenant)["id"]
+    assert client.delete("/v1/admin/models/tiny-random-llama", headers=ADMIN).status_code == 204
+    refused = client.post("/v1/tasks?dry_run=true", headers=tenant.headers, json=task_body(file_id))
+    assert (refused.status_code, refused.json()["error"]["code"]) == (422, "unknown_model")
+    daemon.step(block_s=0.05)
+    published = get_bus().get(REGISTRY_KEY)
+    assert published is not None and "tiny-random-llama" not in published["models"]
+
+    r = client.post("/v1/admin/models/tiny-random-llama/restore", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    restored = r.json()
+    assert (restored["name"], restored["kind"], restored["deleted_at"]) == ("tiny-random-llama", "tiny-random-llama",
+                                                                            None)
+    assert restored["updated_at"].endswith("Z") and restored["architecture"] == "llama"
+    assert client.get("/v1/admin/models/tiny-random-llama", headers=ADMIN).json() == restored
+    assert "tiny-random-llama" in {m["id"] for m in client.get("/v1/models", headers=tenant.headers).json()["data"]}
+    r = client.post("/v1/tasks?dry_run=true", headers=tenant.headers, json=task_body(file_id))
+    assert r.status_code == 200, r.text
+    # The scheduler publishes the changed registry at its next round, for the workers to load it again.
+    daemon.step(block_s=0.05)
+    published = get_bus().get(REGISTRY_KEY)
+    assert published is not None and published["models"]["tiny-random-llama"]["kind"] == "tiny-random-llama"
+
+    with TestClient(create_app()) as restarted:  # seeding at start leaves the restored entry as it is
+        assert restarted.get("/v1/admin/models/tiny-random-llama", headers=ADMIN).json() == restored
+    r = client.post("/v1/admin/models/tiny-random-llama/restore", headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "model_exists")
+
+
+def test_restore_is_404_for_an_unknown_name_and_409_while_a_live_model_holds_it(
+    client: TestClient, tiny_model_dir: Path
+) -> None:
+    r = client.post("/v1/admin/models/nope/restore", headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["code"]) == (404, "not_found_error",
+                                                                                     "model_not_found")
+    assert client.post("/v1/admin/models", json={"name": "m", "path": str(tiny_model_dir), "description": "first"},
+                       headers=ADMIN).status_code == 201
+    r = client.post("/v1/admin/models/m/restore", headers=ADMIN)  # never retired
+    assert (r.status_code, r.json()["error"]["type"], r.json()["error"]["code"]) == (409, "conflict_error",
+                                                                                     "model_exists")
+    # Retired, then registered again: the new entry holds the name, and stays as registered.
+    assert client.delete("/v1/admin/models/m", headers=ADMIN).status_code == 204
+    again = client.post("/v1/admin/models", json={"name": "m", "path": str(tiny_model_dir), "description": "second"},
+                        headers=ADMIN).json()
+    r = client.post("/v1/admin/models/m/restore", headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "model_exists")
+    assert client.get("/v1/admin/models/m", headers=ADMIN).json() == again
+
+
+def test_restore_checks_the_files_again_and_takes_names_with_slashes(
+    client: TestClient, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    path = copy_without(tiny_model_dir, tmp_path / "m")
+    for name, where in (("acme/m", path), ("x/restore", tiny_model_dir)):
+        assert client.post("/v1/admin/models", json={"name": name, "path": str(where)},
+                           headers=ADMIN).status_code == 201
+        assert client.delete(f"/v1/admin/models/{name}", headers=ADMIN).status_code == 204
+
+    # Its files are read as registration reads them: gone, the restore is a 422 naming why, and it stays retired.
+    config = (path / "config.json").read_bytes()
+    (path / "config.json").unlink()
+    r = client.post("/v1/admin/models/acme/m/restore", headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (422, "model_config_missing",
+                                                                                     "path")
+    assert client.get("/v1/admin/models/acme/m", headers=ADMIN).status_code == 404
+    (path / "config.json").write_bytes(config)
+    r = client.post("/v1/admin/models/acme/m/restore", headers=ADMIN)
+    assert (r.status_code, r.json()["name"], r.json()["deleted_at"]) == (200, "acme/m", None)
+
+    # A name that itself ends in /restore: the last /restore is the action.
+    r = client.post("/v1/admin/models/x/restore/restore", headers=ADMIN)
+    assert (r.status_code, r.json()["name"]) == (200, "x/restore")
+    assert client.get("/v1/admin/models/x/restore", headers=ADMIN).json()["name"] == "x/restore"
+    r = client.post("/v1/admin/models/x/restore", headers=ADMIN)  # restore of "x": no such model
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
