@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, field
+from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
 ROLES = {"system", "user", "assistant"}
@@ -17,6 +19,11 @@ MAX_REPORTED_ERRORS = 20
 # The longest line (one row) an upload may have: 1 MiB is ~250k tokens, more than any model here trains on,
 # and bounds the memory one upload's validation takes (the line, and the Python objects parsed from it).
 MAX_LINE_BYTES = 1 << 20
+# The deepest a row's arrays and objects may nest. A row of any format here is 3 deep ({"messages": [{...}]}), a
+# few more with structured content; 64 is far past any real row and far below where `json.loads` (recursive,
+# one C and interpreter frame per level) raises RecursionError (~1000) or, on a raised recursion limit, can
+# overflow the C stack. It is checked by a linear scan before `json.loads` sees the line (`json_deeper_than`).
+MAX_ROW_DEPTH = 64
 
 
 @dataclass
@@ -119,6 +126,9 @@ class JsonlValidator:
         except UnicodeDecodeError as exc:
             self._fail(number, f"line is not UTF-8: {exc.reason} at byte {exc.start}")
             return
+        except RowTooDeep as exc:
+            self._fail(number, str(exc))
+            return
         except json.JSONDecodeError as exc:
             self._fail(number, f"invalid JSON: {exc.msg}")
             return
@@ -144,12 +154,53 @@ class JsonlValidator:
 _BLANK = object()
 
 
+class RowTooDeep(ValueError):
+    pass
+
+
+# The characters that open or close a level, and the quote that starts a string (whose brackets are text).
+_STRUCTURE = re.compile(r'["\[\]{}]')
+
+
+def json_deeper_than(text: str, limit: int) -> bool:
+    """Whether `json.loads(text)` would nest arrays and objects deeper than `limit` before it returns or fails:
+    a linear scan without recursion. Strings are skipped with `json`'s own string scanner, so they are read
+    exactly as `json.loads` reads them; where the text stops being JSON (a string that does not end, a bracket
+    that does not match) `json.loads` stops too, so the count up to there is its depth.
+
+    Cost: nothing past two `str.count`s for a row with at most `limit` brackets (every real row); otherwise one
+    step per bracket or string, stopping at the first level past `limit` (a 1 MiB line of brackets is ~0.3 s)."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth, pos, search = 0, 0, _STRUCTURE.search
+    while (found := search(text, pos)) is not None:
+        char, pos = found.group(), found.end()
+        if char == '"':
+            try:
+                pos = scanstring(text, pos)[1]
+            except ValueError:  # not a JSON string: json.loads fails here, no deeper than counted so far
+                return False
+        elif char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
 def _parse_line(raw: bytes | bytearray) -> Any:
     """One line's row, or _BLANK for a blank line. The validator and `parse_jsonl` share it, so the API's
-    row count is the worker's."""
+    row count is the worker's.
+
+    Raises:
+        RowTooDeep: the row nests deeper than MAX_ROW_DEPTH (found before `json.loads` recurses into it).
+    """
     text = raw.decode("utf-8")
     if not text.strip():
         return _BLANK
+    if json_deeper_than(text, MAX_ROW_DEPTH):
+        raise RowTooDeep(f"row nests arrays and objects deeper than {MAX_ROW_DEPTH} levels")
     return json.loads(text)
 
 

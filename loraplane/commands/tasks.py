@@ -65,6 +65,8 @@ def load_spec(source: str) -> tuple[dict[str, Any], Path]:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark is not None else ""
         raise UsageError(f"{name}: {where}{getattr(exc, 'problem', None) or exc}") from exc
+    except RecursionError:  # both parsers recurse per level; a task spec nests a few levels
+        raise UsageError(f"{name}: nested too deeply to read") from None
     if not isinstance(spec, dict):
         raise UsageError(f"{name}: a task spec is a mapping of the API's task fields, not {type(spec).__name__}")
     return spec, base

@@ -131,6 +131,8 @@ def parse_rows(lines: Iterable[str]) -> list[SweepTrial]:
             trial = parse_row(json.loads(line))
         except json.JSONDecodeError as exc:
             raise CurvesFormatError(number, f"invalid JSON: {exc.msg} (column {exc.colno})") from exc
+        except RecursionError:  # json.loads recurses per level; a curves row nests three
+            raise CurvesFormatError(number, "nested too deeply to read") from None
         except ValueError as exc:
             raise CurvesFormatError(number, str(exc)) from exc
         if trial.curves.trial_id in seen:

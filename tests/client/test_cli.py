@@ -294,6 +294,11 @@ def test_tasks_create_errors(cli: Cli, env: TenantKey, lp: Client, tmp_path: Pat
     spec.write_text("- a list\n")
     assert cli("tasks", "create", str(spec)).code == 2
     assert cli("tasks", "create", str(tmp_path / "absent.yaml")).code == 2
+    for deep in (tmp_path / "deep.yaml", tmp_path / "deep.json"):  # the parsers' RecursionError, not a traceback
+        deep.write_text('{"base_model": ' + "[" * 50_000 + "]" * 50_000 + "}")
+        too_deep = cli("tasks", "create", str(deep))
+        assert too_deep.code == 2
+        one_error_line(too_deep, f"{deep}: nested too deeply to read")
     assert lp.tasks.list().data == []
 
 

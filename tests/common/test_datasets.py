@@ -4,10 +4,20 @@ parser agreeing with the validator's row count."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-from common.datasets import MAX_LINE_BYTES, MAX_REPORTED_ERRORS, JsonlValidator, parse_jsonl, validate_jsonl
+from common.datasets import (
+    MAX_LINE_BYTES,
+    MAX_REPORTED_ERRORS,
+    MAX_ROW_DEPTH,
+    JsonlValidator,
+    RowTooDeep,
+    json_deeper_than,
+    parse_jsonl,
+    validate_jsonl,
+)
 
 GOOD = json.dumps({"prompt": "p", "completion": "c"}).encode()
 # A raw U+2028 inside a string is valid JSON (str.splitlines would cut the row in two there).
@@ -56,3 +66,61 @@ def test_every_error_is_counted_and_the_first_ones_are_kept() -> None:
     report = validate_jsonl(b"\n".join([b"bad"] * 50 + [GOOD]))
     assert (report.error_count, len(report.errors), report.rows) == (50, MAX_REPORTED_ERRORS, 1)
     assert [e.line for e in report.errors] == list(range(1, MAX_REPORTED_ERRORS + 1))
+
+
+def _nested(depth: int) -> str:
+    """A row (a prompt/completion object) whose "meta" nests arrays to `depth` levels in all (at least 2)."""
+    inner = "[" * (depth - 1) + "]" * (depth - 1)
+    return '{"prompt": "p", "completion": "c", "meta": ' + inner + "}"
+
+
+TOO_DEEP = f"row nests arrays and objects deeper than {MAX_ROW_DEPTH} levels"
+
+
+def test_a_row_nested_past_the_limit_is_its_lines_error_and_never_reaches_json_loads() -> None:
+    # The issue's row: ~50,000 deep made json.loads raise RecursionError (a 500).
+    data = b"\n".join([GOOD, ("[" * 50_000 + "]" * 50_000).encode(), _nested(MAX_ROW_DEPTH + 1).encode(),
+                       _nested(MAX_ROW_DEPTH).encode(), GOOD])
+    started = time.perf_counter()
+    report = validate_jsonl(data)
+    assert time.perf_counter() - started < 1.0
+    assert (report.rows, report.error_count) == (3, 2)
+    assert [(e.line, e.message) for e in report.errors] == [(2, TOO_DEEP), (3, TOO_DEEP)]
+    with pytest.raises(RowTooDeep):  # the worker's parser refuses it the same way
+        parse_jsonl(data)
+
+
+@pytest.mark.parametrize("text", [
+    "[" * 500_000 + "]" * 500_000,  # a line of 1 MiB, all of it one nest
+    '{"a": ' * 65 + "1" + "}" * 65,
+    '[[[{"a": ' + "[" * 70,  # an unfinished document: json.loads would recurse this far before failing
+])
+def test_deeper_than_the_limit(text: str) -> None:
+    assert json_deeper_than(text, MAX_ROW_DEPTH)
+
+
+@pytest.mark.parametrize("text", [
+    json.dumps({"prompt": "[" * 10_000 + "{" * 10_000, "completion": "c"}),  # brackets in strings are text
+    json.dumps({"prompt": "\"[[[[" * 1000, "completion": "]]]]\\" * 1000}),  # and so are escaped quotes
+    "[" + ",".join(["[]"] * 100_000) + "]",  # many arrays, two deep
+    '{"a": "' + "[" * 1000,  # a string that never ends: json.loads fails at it, one level deep
+    "]" * 100 + "[" * 10,  # not JSON from its first character
+])
+def test_not_deeper_than_the_limit(text: str) -> None:
+    assert not json_deeper_than(text, MAX_ROW_DEPTH)
+
+
+def _depth(value: object) -> int:
+    """How deep parsed JSON nests (a scalar: 0)."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@pytest.mark.parametrize("depth", [2, 3, 63, 64, 65, 66, 300])
+def test_the_scan_counts_the_levels_json_loads_builds(depth: int) -> None:
+    text = _nested(depth)
+    assert _depth(json.loads(text)) == depth
+    assert json_deeper_than(text, MAX_ROW_DEPTH) is (depth > MAX_ROW_DEPTH)

@@ -190,6 +190,7 @@ def good(**changes: Any) -> str:
     (good(train=[[-1, 0, 0, 1.0]]), "train[0]: step must be an integer >= 0"),
     (good(val={"step": 1}), "'val' must be a list"),
     (good(hyperparameters=[1]), "'hyperparameters' must be an object"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply to read"),  # json.loads's RecursionError, not a traceback
 ])
 def test_a_bad_row_names_its_line_and_why(line: str, why: str) -> None:
     with pytest.raises(CurvesFormatError) as err:
