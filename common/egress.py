@@ -47,7 +47,7 @@ NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"), ipaddress.IPv6Network("64:ff9b:1
 def _reason_v4(ip: ipaddress.IPv4Address) -> str | None:
     checks = (("unspecified", ip.is_unspecified), ("loopback", ip.is_loopback), ("link-local", ip.is_link_local),
               ("multicast", ip.is_multicast), ("shared address space", ip in SHARED_ADDRESS_SPACE),
-              ("private", ip.is_private), ("reserved", ip.is_reserved), ("not global", not ip.is_global))
+              ("reserved", ip.is_reserved), ("private", ip.is_private), ("not global", not ip.is_global))
     return next((name for name, hit in checks if hit), None)
 
 
@@ -72,8 +72,8 @@ def _reason_v6(ip: ipaddress.IPv6Address) -> str | None:
         return None  # a translation to a public IPv4 address: judged by that address alone (above)
     checks = (("unspecified", ip.is_unspecified), ("loopback", ip.is_loopback),
               ("IPv4-compatible", ip in IPV4_COMPATIBLE), ("link-local", ip.is_link_local),
-              ("site-local", ip.is_site_local), ("multicast", ip.is_multicast), ("private", ip.is_private),
-              ("reserved", ip.is_reserved), ("not global", not ip.is_global))
+              ("site-local", ip.is_site_local), ("multicast", ip.is_multicast), ("reserved", ip.is_reserved),
+              ("private", ip.is_private), ("not global", not ip.is_global))
     return next((name for name, hit in checks if hit), None)
 
 

@@ -52,13 +52,13 @@ TIMEOUT_S = 10.0  # one attempt's limit: connect, send and answer
 # TIMEOUT_S, so a live sender always records before anyone else may take it.
 CLAIM_S = 60.0
 IDLE_POLL_S = 1.0  # how often an idle sender looks for due deliveries
-# What a tenant's delivery log says about an attempt that got no HTTP answer: which kind of failure, nothing that
-# tells one closed port from another (a refused connection and a reset one read the same).
+# What a tenant's delivery log says about an attempt that got no HTTP answer: the kind of failure and nothing that
+# tells a closed port from an open one that is no HTTP server. Refused, reset, a failed TLS handshake or an answer
+# that is not HTTP all read "could not connect"; only a timeout is told apart (the receiver is slow or away).
 ERROR_NOT_ALLOWED = "delivery failed: address not allowed"
 ERROR_UNRESOLVABLE = "delivery failed: host name does not resolve"
 ERROR_CONNECT = "delivery failed: could not connect"
 ERROR_TIMEOUT = "delivery failed: timeout"
-ERROR_NO_ANSWER = "delivery failed: no valid HTTP answer"
 
 SIGNATURE_HEADER = "X-Loraplane-Signature"
 TIMESTAMP_HEADER = "X-Loraplane-Timestamp"
@@ -204,7 +204,7 @@ class WebhookSender:
             except httpx.HTTPError as exc:
                 log.info("webhook delivery %s: %s (%s) gave no valid answer: %r", delivery_id, target.host,
                          address, exc)
-                return Outcome(None, ERROR_NO_ANSWER)
+                return Outcome(None, ERROR_CONNECT)
             response.close()
             if 200 <= response.status_code < 300:
                 return Outcome(response.status_code, None)

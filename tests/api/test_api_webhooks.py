@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import stat
 import threading
 from collections.abc import Iterator
@@ -48,7 +49,8 @@ class Receiver:
 
 
 @contextmanager
-def serve_receiver() -> Iterator[Receiver]:
+def serve_receiver(tls: ssl.SSLContext | None = None) -> Iterator[Receiver]:
+    """A receiver on 127.0.0.1 (https with `tls`, a server context: its certificate's names are the test's)."""
     box: list[Receiver] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -66,7 +68,11 @@ def serve_receiver() -> Iterator[Receiver]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    box.append(Receiver(url=f"http://127.0.0.1:{server.server_address[1]}/hook"))
+    scheme = "http"
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
+    box.append(Receiver(url=f"{scheme}://127.0.0.1:{server.server_address[1]}/hook"))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
