@@ -32,8 +32,9 @@ def _name_taken(session: SessionDep, name: str) -> ApiError | None:
     deleted_at = session.execute(select(Tenant.deleted_at).where(Tenant.name == name)).one_or_none()
     if deleted_at is None:
         return None
-    held_by = "a deleted tenant" if deleted_at[0] is not None else "a tenant"
-    return conflict("tenant_exists", f"The name '{name}' is held by {held_by}.", param="name")
+    if deleted_at[0] is not None:
+        return conflict("tenant_exists", f"A deleted tenant is named '{name}'; names are not reused.", param="name")
+    return conflict("tenant_exists", f"A tenant named '{name}' already exists.", param="name")
 
 
 @router.post("/tenants", status_code=status.HTTP_201_CREATED, responses=error_responses(409))

@@ -386,8 +386,10 @@ class AsyncAdmin:
                             max_storage_bytes=max_storage_bytes, max_files=max_files)
         return Tenant.of(await self._c._json("POST", "/v1/admin/tenants", json=body, admin=True))
 
-    async def list_tenants(self, *, limit: int | None = None, after: str | None = None) -> Page[Tenant]:
-        params = _core.params(limit=limit, after=after)
+    async def list_tenants(self, *, limit: int | None = None, after: str | None = None,
+                           include_deleted: bool = False) -> Page[Tenant]:
+        """Newest first; deleted tenants (`deleted_at` set) too with `include_deleted`."""
+        params = _core.params(limit=limit, after=after, include_deleted="true" if include_deleted else None)
         return page(await self._c._json("GET", "/v1/admin/tenants", params=params, admin=True), Tenant)
 
     async def get_tenant(self, tenant_id: str) -> Tenant:
@@ -397,6 +399,12 @@ class AsyncAdmin:
         """Any of name, weight, max_concurrent_trials, max_trials_per_task, max_file_bytes, max_storage_bytes,
         max_files."""
         return Tenant.of(await self._c._json("PATCH", f"/v1/admin/tenants/{tenant_id}", json=changes, admin=True))
+
+    async def delete_tenant(self, tenant_id: str) -> Tenant:
+        """Delete the tenant: its keys revoked at once (open event streams end), its queued and running tasks
+        cancelled, its webhooks removed; its usage, finished tasks and name kept. Returns it with `deleted_at`;
+        404 `tenant_not_found` for a missing or already deleted tenant."""
+        return Tenant.of(await self._c._json("DELETE", f"/v1/admin/tenants/{tenant_id}", admin=True))
 
     async def create_api_key(self, tenant_id: str, *, name: str = "") -> ApiKey:
         """The new key's secret is in `.key`, in this answer only."""
@@ -443,3 +451,8 @@ class AsyncAdmin:
         """Retire the model: hidden, unknown to new tasks, its name free to register again (finished tasks keep
         naming it). Refused (409 `model_in_use`) while a validating, queued or running task uses it."""
         await self._c.request("DELETE", f"/v1/admin/models/{name}", admin=True)
+
+    async def restore_model(self, name: str) -> RegisteredModel:
+        """Bring a retired model back (a built-in one too), its files checked again as registration checks them.
+        404 `model_not_found` for a name never registered; 409 `model_exists` while a live model holds the name."""
+        return RegisteredModel.of(await self._c._json("POST", f"/v1/admin/models/{name}/restore", admin=True))

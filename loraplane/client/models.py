@@ -311,8 +311,9 @@ class Tenant(ApiObject):
     max_storage_bytes: int
     max_files: int
     created_at: datetime
+    deleted_at: datetime | None = None  # set once an operator deleted the tenant
 
-    TIMES = frozenset({"created_at"})
+    TIMES = frozenset({"created_at", "deleted_at"})
 
 
 @dataclass(frozen=True)

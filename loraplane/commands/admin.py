@@ -27,11 +27,11 @@ def _admin(args: argparse.Namespace) -> Client:
     return lp
 
 
-def _all_tenants(lp: Client) -> list[Tenant]:
+def _all_tenants(lp: Client, *, include_deleted: bool = False) -> list[Tenant]:
     tenants: list[Tenant] = []
     after = None
     while True:
-        page = lp.admin.list_tenants(limit=100, after=after)
+        page = lp.admin.list_tenants(limit=100, after=after, include_deleted=include_deleted)
         tenants += page.data
         if not page.has_more:
             return tenants
@@ -53,7 +53,17 @@ def _tenants_table(tenants: list[Tenant]) -> str:
              size(t.max_storage_bytes), t.max_files, when(t.created_at)] for t in tenants]
     headers = ["ID", "NAME", "WEIGHT", "MAX ACTIVE TRIALS", "MAX TRIALS/TASK", "MAX FILE", "MAX STORAGE", "MAX FILES",
                "CREATED"]
+    if any(t.deleted_at for t in tenants):  # only a list with --include-deleted shows deleted ones
+        headers.append("DELETED")
+        for row, t in zip(rows, tenants, strict=True):
+            row.append(when(t.deleted_at) if t.deleted_at else "")
     return table(headers, rows, right=(2, 3, 4, 5, 6, 7))
+
+
+def _tenant_deleted(tenant: Tenant) -> str:
+    return (f"Deleted tenant {tenant.name} ({tenant.id}) at {when(tenant.deleted_at)}: its API keys are revoked, its "
+            "queued and running tasks cancelled, its webhooks removed. Its usage, finished tasks, files and name "
+            "are kept.")
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
@@ -67,8 +77,15 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         elif args.action == "show":
             tenant = lp.admin.get_tenant(_tenant_id(lp, args.tenant))
             tenants, raw = [tenant], tenant.raw
+        elif args.action == "delete":
+            tenant = lp.admin.delete_tenant(_tenant_id(lp, args.tenant))
+            if args.json:
+                emit(tenant.raw)
+            else:
+                out(_tenant_deleted(tenant))
+            return 0
         else:
-            page = lp.admin.list_tenants(limit=args.limit, after=args.after)
+            page = lp.admin.list_tenants(limit=args.limit, after=args.after, include_deleted=args.include_deleted)
             tenants, raw = page.data, page.raw
     if args.json:
         emit(raw)
@@ -119,7 +136,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
 def cmd_usage(args: argparse.Namespace) -> int:
     with _admin(args) as lp:
         usage = lp.admin.usage(start=args.start, end=args.end)
-        names = {t.id: t.name for t in _all_tenants(lp)}
+        names = {t.id: t.name for t in _all_tenants(lp, include_deleted=True)}  # a deleted tenant's usage stays
     if args.json:
         emit(usage.raw)
         return 0
@@ -145,8 +162,12 @@ def _models_table(models: list[RegisteredModel], names: dict[str, str]) -> str:
              "-" if m.chat_template is None else "yes" if m.chat_template else "no",
              "all" if m.tenants is None else ", ".join(names.get(t, t) for t in m.tenants) or "none",
              m.path or "-", when(m.created_at)] for m in models]
-    return table(["NAME", "KIND", "ARCHITECTURE", "CONTEXT", "CHAT TEMPLATE", "TENANTS", "PATH", "CREATED"], rows,
-                 right=(3,))
+    headers = ["NAME", "KIND", "ARCHITECTURE", "CONTEXT", "CHAT TEMPLATE", "TENANTS", "PATH", "CREATED"]
+    if any(m.deleted_at for m in models):  # only a list with --include-deleted shows retired ones
+        headers.append("RETIRED")
+        for row, m in zip(rows, models, strict=True):
+            row.append(when(m.deleted_at) if m.deleted_at else "")
+    return table(headers, rows, right=(3,))
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -158,13 +179,20 @@ def cmd_models(args: argparse.Namespace) -> int:
             else:
                 out(f"Removed model {args.name} (retired: new tasks cannot use it; the name can be registered again).")
             return 0
+        if args.action == "restore":
+            restored = lp.admin.restore_model(args.name)
+            if args.json:
+                emit(restored.raw)
+            else:
+                out(f"Restored model {restored.name}: new tasks can use it again.")
+            return 0
         if args.action == "add":
             tenants = [_tenant_id(lp, t) for t in args.tenant] if args.tenant else None
             model = lp.admin.register_model(args.name, args.path, description=args.description, kind=args.kind,
                                             file=args.file, tenants=tenants)
             models, raw = [model], model.raw
         else:
-            page = lp.admin.list_models()
+            page = lp.admin.list_models(include_deleted=getattr(args, "include_deleted", False))
             models, raw = page.data, page.raw
         names = {t.id: t.name for t in _all_tenants(lp)} if any(m.tenants for m in models) else {}
     if args.json:
@@ -183,9 +211,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     admin = sub.add_parser("admin", help="operator commands: tenants, API keys, workers, models (the admin token)")
     asub = admin.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
 
-    tenants = asub.add_parser("tenants", parents=[outer], help="list tenants, or create / show one")
+    tenants = asub.add_parser("tenants", parents=[outer], help="list tenants, or create / show / delete one")
     tenants.add_argument("--limit", type=int, default=None)
     tenants.add_argument("--after", metavar="TENANT_ID")
+    tenants.add_argument("--include-deleted", action="store_true", help="list the deleted tenants too")
     tenants.set_defaults(func=guarded(cmd_tenants), client=True, action=None)
     tsub = tenants.add_subparsers(dest="action", metavar="ACTION")
     create = tsub.add_parser("create", parents=[inner], help="a new tenant (quotas default to the deployment's)")
@@ -198,6 +227,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     create.add_argument("--max-files", type=int, metavar="N", help="live files it may store")
     show = tsub.add_parser("show", parents=[inner], help="one tenant (by id or name)")
     show.add_argument("tenant")
+    tdelete = tsub.add_parser("delete", parents=[inner],
+                              help="delete a tenant: revoke its keys, cancel its queued and running tasks, remove its "
+                                   "webhooks (usage, finished tasks and its name are kept)")
+    tdelete.add_argument("tenant", help="the tenant's id or name")
 
     keys = asub.add_parser("keys", parents=[outer], help="list API keys, or create / revoke one")
     keys.add_argument("--tenant", help="only this tenant's keys (id or name)")
@@ -216,7 +249,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     workers = asub.add_parser("workers", parents=[outer], help="the GPU workers and their state")
     workers.set_defaults(func=guarded(cmd_workers), client=True)
 
-    models = asub.add_parser("models", parents=[outer], help="the base-model registry: list, add or remove a model")
+    models = asub.add_parser("models", parents=[outer],
+                             help="the base-model registry: list, add, remove or restore a model")
     models.set_defaults(func=guarded(cmd_models), client=True, action=None)
     msub = models.add_subparsers(dest="action", metavar="ACTION")
     madd = msub.add_parser("add", parents=[inner], help="register a model directory (as the workers see it)")
@@ -227,7 +261,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="a tenant (id or name) that may use it; repeat for more (default: every tenant)")
     madd.add_argument("--kind", choices=("hf", "gguf"), help="hf (default) or gguf (then give --file)")
     madd.add_argument("--file", help="the GGUF file in PATH (kind gguf)")
-    msub.add_parser("list", parents=[inner], help="every registered model")
+    mlist = msub.add_parser("list", parents=[inner], help="every registered model")
+    mlist.add_argument("--include-deleted", action="store_true", help="the retired models too")
     mremove = msub.add_parser("remove", parents=[inner],
                               help="retire a model no queued or running task uses (finished tasks keep its name)")
     mremove.add_argument("name")
+    mrestore = msub.add_parser("restore", parents=[inner],
+                               help="bring a retired model back (built-in ones too); its files are checked again")
+    mrestore.add_argument("name")

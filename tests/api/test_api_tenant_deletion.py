@@ -106,7 +106,7 @@ def test_a_deleted_tenant_reads_as_missing_but_is_listed_on_request_and_keeps_it
     for r in (client.post("/v1/admin/tenants", json={"name": tenant.name}, headers=ADMIN),
               client.patch(f"/v1/admin/tenants/{other_tenant.id}", json={"name": tenant.name}, headers=ADMIN)):
         assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (409, "tenant_exists", "name")
-        assert r.json()["error"]["message"] == f"The name '{tenant.name}' is held by a deleted tenant."
+        assert r.json()["error"]["message"] == f"A deleted tenant is named '{tenant.name}'; names are not reused."
 
     # Nor can a model be restricted to it.
     r = client.post("/v1/admin/models", headers=ADMIN,

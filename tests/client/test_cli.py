@@ -540,6 +540,22 @@ def test_admin_tenants_and_keys(cli: Cli, api_url: str, clean_db: None, monkeypa
     assert workers.code == 0 and workers.out == "No workers.\n"
     assert cli("admin", "workers", "--json").json()["data"] == []
 
+    deleted = cli("admin", "tenants", "delete", "acme")
+    assert deleted.code == 0, deleted.err
+    assert deleted.out.startswith(f"Deleted tenant acme ({tenant['id']}) at ") and "keys are revoked" in deleted.out
+    refused = cli("models", "--api-key", second_secret)
+    assert refused.code == 1
+    one_error_line(refused, "invalid_api_key")
+    assert [t["name"] for t in cli("admin", "tenants", "--json").json()["data"]] == ["globex"]
+    everyone = cli("admin", "tenants", "--include-deleted")
+    assert everyone.code == 0 and everyone.out.splitlines()[0].split()[-1] == "DELETED"
+    assert [line.split()[1] for line in everyone.out.splitlines()[1:]] == ["globex", "acme"]
+    assert cli("admin", "tenants", "delete", "acme").code == 2  # no (live) tenant of that name any more
+    gone = cli("admin", "tenants", "delete", tenant["id"])
+    assert gone.code == 1
+    one_error_line(gone, "(HTTP 404, tenant_not_found)")
+    assert cli("admin", "tenants", "delete", "globex", "--json").json()["deleted_at"].endswith("Z")
+
     wrong = cli("admin", "tenants", "--admin-token", "wrong")
     assert wrong.code == 1
     one_error_line(wrong, "The admin token is not valid.", "HTTP 403")
@@ -606,6 +622,18 @@ def test_admin_models_add_list_remove(
     assert removed.code == 0 and "Removed model acme/tiny" in removed.out
     assert "acme/tiny" not in [m["name"] for m in cli("admin", "models", "--json").json()["data"]]
     assert cli("admin", "models", "remove", "acme/tiny").code == 1
+
+    retired = cli("admin", "models", "list", "--include-deleted")
+    assert retired.code == 0 and "RETIRED" in retired.out.splitlines()[0]
+    assert [line.split()[0] for line in retired.out.splitlines()[1:]].count("acme/tiny") == 1
+    restored = cli("admin", "models", "restore", "acme/tiny")
+    assert restored.code == 0 and restored.out == "Restored model acme/tiny: new tasks can use it again.\n"
+    assert "acme/tiny" in [m["name"] for m in cli("admin", "models", "--json").json()["data"]]
+    again = cli("admin", "models", "restore", "acme/tiny", "--json")
+    assert again.code == 1
+    one_error_line(again, "(HTTP 409, model_exists)")
+    assert cli("admin", "models", "remove", "tiny-random-llama").code == 0
+    assert cli("admin", "models", "restore", "tiny-random-llama", "--json").json()["deleted_at"] is None
 
 
 def test_usage_for_a_tenant_and_for_the_operator(

@@ -360,6 +360,32 @@ def test_admin_tenants_keys_and_workers(lp: Client, tenant: TenantKey) -> None:
     assert worker.last_heartbeat.tzinfo is not None and worker.current_pack_id is None
 
 
+def test_admin_deletes_a_tenant_and_restores_a_model(lp: Client, tenant: TenantKey) -> None:
+    made = lp.admin.create_tenant("initech")
+    task = make_task(lp)
+    assert made.deleted_at is None
+    deleted = lp.admin.delete_tenant(tenant.id)
+    assert deleted.id == tenant.id and deleted.deleted_at is not None and deleted.deleted_at.tzinfo is not None
+    assert [t.id for t in lp.admin.list_tenants()] == [made.id]
+    assert {t.id: t.deleted_at is not None for t in lp.admin.list_tenants(include_deleted=True)} == {
+        made.id: False, tenant.id: True}
+    with pytest.raises(APIError) as err:
+        lp.tasks.get(task.id)  # its key
+    assert (err.value.status_code, err.value.code) == (401, "invalid_api_key")
+    with pytest.raises(APIError) as err:
+        lp.admin.delete_tenant(tenant.id)
+    assert (err.value.status_code, err.value.code) == (404, "tenant_not_found")
+
+    lp.admin.delete_model("tiny-random-llama")
+    restored = lp.admin.restore_model("tiny-random-llama")
+    assert (restored.name, restored.deleted_at) == ("tiny-random-llama", None)
+    assert lp.admin.get_model("tiny-random-llama") == restored
+    for name, status, code in (("tiny-random-llama", 409, "model_exists"), ("nope", 404, "model_not_found")):
+        with pytest.raises(APIError) as err:
+            lp.admin.restore_model(name)
+        assert (err.value.status_code, err.value.code) == (status, code)
+
+
 def test_the_other_methods_raise_the_api_error_too(lp: Client) -> None:
     task = make_task(lp)
     calls: list[tuple[Callable[[], object], int, str]] = [
