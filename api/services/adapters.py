@@ -1,4 +1,9 @@
-"""Adapter downloads: the trained PEFT adapter of a trial, as the worker stored it (`.tar.gz`)."""
+"""Adapter downloads: the trained PEFT adapter of a trial, as the worker stored it (`.tar.gz`).
+
+A download already begun runs to its end even if its key is revoked (or its tenant deleted) meanwhile: it is one
+finite object the key was allowed to read when the request was authorised, and cutting it would leave a truncated
+archive without withholding anything the client had not been given. Every later request is a 401 at once. Only
+the event stream, which is open-ended, re-checks its key while open (api/sse.py)."""
 
 from __future__ import annotations
 

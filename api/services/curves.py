@@ -10,7 +10,9 @@ step, i.e. tokens_per_step is the task's max_seq_len per row — an upper bound 
 and shorter ones are padded, and padding is not trained on), the same for every trial of the task, which is
 what ranking trials at equal tokens needs. `metric`: the trial's scores on its task's generative metric (one
 point, at the step it ended; empty for the loss metric), which `loraplane replay` ignores. A non-finite loss is
-written as null. A task trained with
+written as null. Like an adapter download (api/services/adapters.py), a response already begun runs to its end
+if its key is revoked meanwhile: it is finite (one line per trial of the task) and was authorised when it began.
+A task trained with
 early exit gives curves that end where its trials stopped; replaying a policy needs a sweep trained
 without (`early_exit: {"policy": "none"}`). The format is documented in scheduler/sim/replay.py.
 """
