@@ -298,6 +298,7 @@ def mode_env(mode: str, home: Path, admin_token: str) -> Iterator[dict[str, str]
     if mode == "embedded":
         yield env
         return
+    from cryptography.fernet import Fernet
     from sqlalchemy import create_engine, text
 
     run = uuid.uuid4().hex[:8]
@@ -308,6 +309,8 @@ def mode_env(mode: str, home: Path, admin_token: str) -> Iterator[dict[str, str]
         conn.execute(text(f'CREATE DATABASE "{db}"'))
     env.update({"DATABASE_URL": SERVER_URL.rsplit("/", 1)[0] + f"/{db}", "REDIS_URL": REDIS_URL,
                 "CELERY_BROKER_URL": REDIS_URL, "LORAPLANE_NAMESPACE": namespace})
+    # The distributed processes share one key for the secrets the database keeps (they refuse to start without).
+    env.setdefault("LORAPLANE_SECRET_KEY", Fernet.generate_key().decode())
     try:
         yield env
     finally:

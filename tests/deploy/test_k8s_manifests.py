@@ -321,6 +321,10 @@ def test_each_process_gets_what_it_needs(objects: list[dict[str, Any]]) -> None:
     assert {"REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ARTIFACT_DIR"} <= set(worker)
     # deploy/README.md: a worker never reaches the database.
     assert "DATABASE_URL" not in worker and "LORAPLANE_ADMIN_TOKEN" not in worker
+    # The API encrypts webhook secrets and the scheduler decrypts them to sign: one key, given to both (and to no
+    # worker, which never reads them).
+    assert "LORAPLANE_SECRET_KEY" in api and "LORAPLANE_SECRET_KEY" in scheduler
+    assert "LORAPLANE_SECRET_KEY" not in worker
 
 
 def test_secrets_are_placeholders(objects: list[dict[str, Any]]) -> None:
