@@ -1,0 +1,210 @@
+"""Hostile input cannot take the service down (issue 29): each case below, sent to a real `loraplane api` process
+in the embedded mode (SQLite under LORAPLANE_HOME) and in the distributed mode (PostgreSQL and Redis), answers
+in the one error shape and never 5xx, quickly; the process's peak memory stays bounded; nothing is written.
+
+The API runs under an address-space cap (`prlimit --as`), as the issue's distributed API did: without the regex
+policy `a{1000000000}` made `regex.compile` grow to 17 GB and kill `loraplane up`; under the cap the same
+request fails inside the process (a MemoryError, a 500), so a regression fails this test instead of the machine.
+Memory is measured from /proc: the process's peak resident set (VmHWM) before and after each case.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, inspect, text
+
+from tests.conftest import SERVER_URL
+from tests.e2e.procs import Cluster, cluster, distributed_env, free_port, wait_ready
+from tests.factories import ADMIN, ADMIN_TOKEN, chat_rows
+
+EMBEDDED_UNSET = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ARTIFACT_DIR", "LORAPLANE_NAMESPACE")
+# The API's address space: its own use (~1.5 GB of mostly unbacked virtual memory: thread stacks, allocator
+# arenas, the libraries) with room to spare, far below what an unbounded compile asks for.
+ADDRESS_SPACE_CAP = 4 << 30
+# Peak RSS growth allowed over all the cases: parsing a 1 MiB body or validating the deep upload costs a few MB;
+# the compile the policy prevents costs ~270 bytes per repeated item (a{1000000000}: hundreds of GB).
+MAX_PEAK_GROWTH_MB = 96
+MAX_SECONDS = 10.0  # each answer; measured in milliseconds, the rest is room for a loaded 2-core machine
+
+
+@dataclass
+class Api:
+    mode: str
+    client: httpx.Client
+    headers: dict[str, str]
+    pid: int
+    database_url: str
+    artifact_dir: Path
+    file_id: str
+
+    def peak_rss_mb(self) -> float:
+        """The process's peak resident set so far (VmHWM), in MB."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError(f"no VmHWM for pid {self.pid}")
+
+    def stored_files(self) -> list[str]:
+        """Every object in the artifact store (an upload refused must leave none behind, staged or not)."""
+        return sorted(str(p.relative_to(self.artifact_dir)) for p in self.artifact_dir.rglob("*") if p.is_file())
+
+    def row_counts(self) -> dict[str, int]:
+        """Every table's row count (what "nothing written" is checked against)."""
+        engine = create_engine(self.database_url)
+        try:
+            with engine.connect() as conn:
+                tables = [t for t in inspect(conn).get_table_names() if t != "alembic_version"]
+                return {t: int(conn.execute(text(f'SELECT count(*) FROM "{t}"')).scalar_one()) for t in tables}
+        finally:
+            engine.dispose()
+
+
+def _capped(argv: list[str]) -> list[str]:
+    return ["prlimit", f"--as={ADDRESS_SPACE_CAP}", "--", *argv]
+
+
+def _start_api(c: Cluster) -> tuple[str, int]:
+    """`loraplane api` under the address-space cap; its URL once ready, and its pid."""
+    port = free_port()
+    proc = c.run("api", _capped([sys.executable, "-m", "loraplane.cli", "api", "--host", "127.0.0.1",
+                                 "--port", str(port)]))
+    base_url = f"http://127.0.0.1:{port}"
+    wait_ready(base_url, [proc])
+    return base_url, proc.proc.pid  # prlimit execs the command: the same pid
+
+
+@pytest.fixture(scope="module", params=["embedded", "distributed"])
+def api(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    mode = request.param
+    tmp = tmp_path_factory.mktemp(f"hostile-{mode}")
+    admin_engine = create_engine(SERVER_URL, isolation_level="AUTOCOMMIT")
+    db_name = f"loraplane_hostile_{uuid.uuid4().hex[:8]}"
+    if mode == "embedded":
+        env = {k: v for k, v in os.environ.items() if k not in EMBEDDED_UNSET}
+        env.update({"LORAPLANE_HOME": str(tmp / "home"), "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN})
+        database_url = f"sqlite:///{tmp / 'home' / 'loraplane.db'}"
+    else:
+        with admin_engine.connect() as conn:  # a database of its own: the counts are this API's alone
+            conn.execute(text(f'CREATE DATABASE "{db_name}"'))
+        database_url = f"{SERVER_URL.rpartition('/')[0]}/{db_name}"
+        env = {**distributed_env(tmp), "DATABASE_URL": database_url}
+    try:
+        with cluster(env, tmp) as c:
+            base_url, pid = _start_api(c)
+            with httpx.Client(base_url=base_url, timeout=60) as client:
+                tenant_id = client.post("/v1/admin/tenants", headers=ADMIN, json={"name": "hostile"}).json()["id"]
+                key = client.post(f"/v1/admin/tenants/{tenant_id}/api-keys", headers=ADMIN).json()["key"]
+                headers = {"Authorization": f"Bearer {key}"}
+                r = client.post("/v1/files", headers=headers, files={"file": ("t.jsonl", chat_rows())})
+                assert r.status_code == 201, r.text
+                artifacts = Path(env.get("LORAPLANE_ARTIFACT_DIR") or Path(env["LORAPLANE_HOME"]) / "artifacts")
+                yield Api(mode, client, headers, pid, database_url, artifacts, r.json()["id"])
+    finally:
+        if mode == "distributed":
+            with admin_engine.connect() as conn:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{db_name}" WITH (FORCE)'))
+        admin_engine.dispose()
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    method: str
+    path: str
+    status: int
+    code: str
+    param: str | None
+    json_body: Any = None
+    content: bytes | None = None
+    upload: bytes | None = None
+    message: str = ""  # a fragment the message (or the upload's line entry) must contain
+
+
+def _task(file_id: str, pattern: str) -> dict[str, Any]:
+    return {"base_model": "tiny-random-llama", "training_file": file_id, "max_steps": 2,
+            "search_space": {"learning_rate": [0.001]}, "evaluation": {"metric": "regex", "pattern": pattern}}
+
+
+# (name, pattern, the limit's message fragment, the code): each sent as a dry run and as a real submission.
+PATTERNS = [
+    ("repeat-1e9", "a{1000000000}", "repetition count 1000000000 is over the limit of 1000", "regex_too_complex"),
+    ("nested-60000", "(?:a{60000}){60000}", "repetition count 60000 is over the limit of 1000", "regex_too_complex"),
+    ("nested-expansion", "(a{1000}){1000}", "expand the pattern to 1002001 items, over the limit of 20000",
+     "regex_too_complex"),
+    ("possessive", "a{100000}+", "repetition count 100000 is over the limit of 1000", "regex_too_complex"),
+    ("atomic", "(?>a{100000})", "repetition count 100000 is over the limit of 1000", "regex_too_complex"),
+    ("lower-bound", "a{100000,}", "repetition count 100000 is over the limit of 1000", "regex_too_complex"),
+    ("nesting-201", "(" * 201 + ")" * 201, "groups nested 201 deep is over the limit of 200", "regex_too_complex"),
+    ("alternation-101", "|".join("ab" for _ in range(101)), "an alternation of 101 branches", "regex_too_complex"),
+    # Thousands deep is past the schema's 500 characters: refused by the length before the policy runs.
+    ("nesting-5000", "(" * 5000 + ")" * 5000, "at most 500 characters", "invalid_value"),
+]
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _cases(file_id: str) -> list[Case]:
+    cases = []
+    for name, pattern, message, code in PATTERNS:
+        for suffix in ("?dry_run=true", ""):
+            cases.append(Case(f"regex-{name}{suffix and '-dry-run'}", "POST", f"/v1/tasks{suffix}", 422, code,
+                              "evaluation.pattern", json_body=_task(file_id, pattern), message=message))
+    deep_row = b'{"prompt": "p", "completion": "c"}\n' + ("[" * 50_000 + "]" * 50_000).encode() + b"\n"
+    cases.append(Case("jsonl-row-50000-deep", "POST", "/v1/files", 422, "invalid_file", "file", upload=deep_row,
+                      message="line 2: row nests arrays and objects deeper than 64 levels"))
+    # JSON bodies nested 100,000 deep (200 kB, under the body limit): json.loads's RecursionError, which
+    # FastAPI answered as a 400 "error parsing the body"; the API says what it is.
+    for method, path in (("POST", "/v1/tasks"), ("POST", "/v1/tasks?dry_run=true"), ("POST", "/v1/webhooks"),
+                         ("POST", "/v1/search-spaces/expand"), ("POST", "/v1/admin/tenants")):
+        for name, content in (("body", DEEP), ("field", '{"search_space": ' + DEEP + "}")):
+            cases.append(Case(f"{name}-100000-deep {method} {path}", method, path, 422, "invalid_json", None,
+                              content=content.encode(), message="nests arrays and objects too deeply"))
+    return cases
+
+
+def _send(api: Api, case: Case) -> httpx.Response:
+    headers = ADMIN if case.path.startswith("/v1/admin/") else api.headers
+    if case.upload is not None:
+        return api.client.post(case.path, headers=headers, files={"file": ("hostile.jsonl", case.upload)})
+    if case.content is not None:
+        return api.client.request(case.method, case.path, content=case.content,
+                                  headers={**headers, "Content-Type": "application/json"})
+    return api.client.request(case.method, case.path, json=case.json_body, headers=headers)
+
+
+def test_hostile_input_answers_in_the_one_shape_with_bounded_memory_and_writes_nothing(api: Api) -> None:
+    rows_before, files_before, peak_before = api.row_counts(), api.stored_files(), api.peak_rss_mb()
+    assert rows_before["tasks"] == 0 and rows_before["files"] == 1 and len(files_before) == 1
+    report = []
+    for case in _cases(api.file_id):
+        started = time.monotonic()
+        r = _send(api, case)
+        seconds = time.monotonic() - started
+        peak = api.peak_rss_mb()
+        report.append(f"{api.mode} {case.name}: {r.status_code} in {seconds * 1000:.0f} ms, peak RSS {peak:.0f} MB")
+        assert r.status_code < 500, (case.name, r.status_code, r.text[:300])
+        body = r.json()
+        assert set(body) == {"error"} and {"type", "code", "message", "param"} <= set(body["error"]), body
+        error = body["error"]
+        assert (r.status_code, error["code"], error["param"]) == (case.status, case.code, case.param), \
+            (case.name, r.text[:300])
+        assert case.message in error["message"], (case.name, error["message"][:300])
+        if case.upload is not None:  # the line's own entry in the upload's list of row errors
+            assert error["errors"] == [{"line": 2, "message": case.message.removeprefix("line 2: ")}], error
+        assert seconds < MAX_SECONDS, report[-1]
+        assert peak - peak_before < MAX_PEAK_GROWTH_MB, report
+    print("\n".join(report))  # the measured numbers, shown with -s
+    assert api.row_counts() == rows_before
+    assert api.stored_files() == files_before
+    assert api.client.get("/readyz").status_code == 200  # still serving
+    tasks = api.client.get("/v1/tasks", headers=api.headers).json()["data"]
+    assert tasks == []
