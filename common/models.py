@@ -178,6 +178,10 @@ class Trial(Base):
     # Back-filled into a running pack and not yet confirmed by its worker (trial.admitted): if the pack ends
     # first, the trial goes back to pending instead of failing.
     awaiting_admission: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # Times its worker was lost under it (a loss spends no attempt; scheduler/planning/faults.py), and when it may
+    # be placed again after the latest (the requeue backoff; None: at once).
+    worker_losses: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    not_before: Mapped[datetime | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
@@ -230,6 +234,11 @@ class Worker(Base):
     # The time the newest heartbeat carried (when it was sent, not when it was read).
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Packs it lost (epoch seconds, those within the quarantine window of the latest), its quarantines in a row
+    # since a pack last ended well on it, and until when the planners give it no pack (scheduler/planning/faults.py).
+    lost_packs: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    quarantines: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    quarantined_until: Mapped[datetime | None] = mapped_column(default=None)
 
 
 class Pack(Base):

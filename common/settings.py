@@ -52,6 +52,19 @@ class Settings(BaseSettings):
     worker_timeout_s: float = Field(default=30.0, alias="LORAPLANE_WORKER_TIMEOUT_S")
     # The scheduler replans at least this often even when no event arrives (Redis is not the source of truth).
     scheduler_tick_s: float = Field(default=2.0, alias="LORAPLANE_SCHEDULER_TICK_S")
+    # A worker's loss (its process died or restarted, its heartbeat stopped, its whole pack failed) costs its trials
+    # no attempt: they go back to pending and wait this long before they may be placed again, doubled for each
+    # worker loss of the trial, up to the max (scheduler/planning/faults.py). Time for a crashed worker to come back
+    # or stay away before the trial lands on it again.
+    requeue_backoff_s: float = Field(default=5.0, ge=0, alias="LORAPLANE_REQUEUE_BACKOFF_S")
+    requeue_backoff_max_s: float = Field(default=300.0, ge=0, alias="LORAPLANE_REQUEUE_BACKOFF_MAX_S")
+    # A worker id that loses this many packs within the window is quarantined: no packs for QUARANTINE_S, doubled
+    # for each quarantine in a row (until a pack ends well on it), up to the max. A crash-looping worker then
+    # stops taking every tenant's trials down with it; the admin views and a metric show it.
+    worker_quarantine_losses: int = Field(default=3, ge=1, alias="LORAPLANE_WORKER_QUARANTINE_LOSSES")
+    worker_quarantine_window_s: float = Field(default=600.0, gt=0, alias="LORAPLANE_WORKER_QUARANTINE_WINDOW_S")
+    worker_quarantine_s: float = Field(default=60.0, ge=0, alias="LORAPLANE_WORKER_QUARANTINE_S")
+    worker_quarantine_max_s: float = Field(default=1800.0, ge=0, alias="LORAPLANE_WORKER_QUARANTINE_MAX_S")
     # The most trials one pack of this worker holds per GPU (a worker over n GPUs announces n times it): one name
     # for it, as the variable, the heartbeat's `max_slots` and the workers table's column say.
     worker_max_slots: int = Field(default=DEFAULT_MAX_TRIALS_PER_PACK, ge=1, alias="LORAPLANE_WORKER_MAX_SLOTS")

@@ -35,5 +35,13 @@ PACK_LIVE = frozenset({PACK_PLANNED, PACK_DISPATCHED, PACK_RUNNING})
 WORKER_ALIVE = "alive"
 WORKER_LOST = "lost"
 
-# A trial that failed this many times (its worker died each time) fails for good.
+# A trial that failed this many times by its own doing (an exception in its step, its data, its OOM, a back-fill
+# its pack refused) fails for good. A worker's loss spends no attempt (scheduler/planning/faults.py).
 MAX_TRIAL_ATTEMPTS = 3
+# ...but a trial whose worker is lost this many times fails too: a trial that kills every process it runs in (one
+# that segfaults the interpreter or exhausts the host's memory is reported by no one: its worker just dies) would
+# otherwise take worker after worker down for ever. Far above what crashes of the workers themselves cost a trial:
+# a worker that loses packs is quarantined after LORAPLANE_WORKER_QUARANTINE_LOSSES (3) of them, so a flapping
+# worker costs each trial a few losses, while a poison trial goes on losing every worker it is placed on, each
+# time after a longer backoff (at the defaults, ten losses take ~20 minutes).
+MAX_TRIAL_WORKER_LOSSES = 10

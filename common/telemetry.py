@@ -70,6 +70,8 @@ class SchedulerMetrics:
     packs_running: Gauge
     ingest_lag: Histogram
     reports: Counter
+    workers_quarantined: Gauge  # alive workers the planners give no pack now (scheduler/service/faults.py)
+    quarantines: Counter
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,11 @@ def scheduler_metrics() -> SchedulerMetrics:
                              buckets=INGEST_LAG_BUCKETS, registry=registry),
         reports=Counter("loraplane_scheduler_messages_ingested", "Bus messages ingested, heartbeats included.",
                         registry=registry),
+        workers_quarantined=Gauge("loraplane_scheduler_workers_quarantined", "Alive workers in quarantine now "
+                                  "(they lost packs repeatedly: the planners give them none until it ends).",
+                                  registry=registry),
+        quarantines=Counter("loraplane_scheduler_worker_quarantines", "Quarantines begun (a worker that lost "
+                            "LORAPLANE_WORKER_QUARANTINE_LOSSES packs within the window).", registry=registry),
     )
 
 

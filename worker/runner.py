@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterable
@@ -274,7 +275,7 @@ class PackRunner:
         every rank)."""
         try:
             loaded = self.model(source)
-            specs = [self.trial_spec(t, read_rows) for t in trials]
+            specs, trials = self._trial_specs(trials, read_rows, reporter)
             resume = self._fetch_checkpoints(trials, resume_into, reporter)
         except Exception as exc:
             if self.ranks is None:
@@ -283,6 +284,26 @@ class PackRunner:
         if self.ranks is not None:
             self.ranks.ready(None)
         return loaded, specs, resume
+
+    def _trial_specs(self, trials: list[dict[str, Any]], read_rows: Callable[[str], list[dict[str, Any]]],
+                     reporter: Reporter) -> tuple[list[TrialSpec], list[dict[str, Any]]]:
+        """The specs of the trials whose data could be read, and those trials. A trial whose files parse wrong or
+        whose spec is malformed fails alone, reported as its own failure (the scheduler spends one of its attempts);
+        the pack goes on with the others. A store that cannot be read (OSError) fails the pack: that is no trial's
+        doing, and the scheduler charges the worker instead (scheduler/service/faults.py)."""
+        specs, kept = [], []
+        for t in trials:
+            try:
+                specs.append(self.trial_spec(t, read_rows))
+            except OSError:
+                raise
+            except Exception as exc:
+                log.warning("trial %s failed during set-up: %s", t["trial_id"], exc)
+                reporter.send("trial.finished", trial_id=t["trial_id"], status="failed", steps_done=0,
+                              error=f"{type(exc).__name__}: {exc}")
+                continue
+            kept.append(t)
+        return specs, kept
 
     def _fetch_checkpoints(self, trials: list[dict[str, Any]], into: Path, reporter: Reporter) -> dict[str, Path]:
         """Unpacks the checkpoint of every trial that resumes (a requeued trial that had one). A checkpoint that
@@ -300,8 +321,15 @@ class PackRunner:
                 continue
             target = into / t["trial_id"]
             target.mkdir(parents=True)
-            with self.store.open(key) as f, tarfile.open(fileobj=f, mode="r:") as tar:
-                tar.extractall(target, filter="data")
+            try:
+                with self.store.open(key) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+                    tar.extractall(target, filter="data")
+            except tarfile.TarError as exc:  # a torn or corrupt archive: as good as gone (and no one pack's fault)
+                log.warning("trial %s: its checkpoint %s cannot be unpacked (%s); it starts again from step 0",
+                            t["trial_id"], key, exc)
+                reporter.send("trial.checkpoint_lost", trial_id=t["trial_id"], checkpoint_key=key)
+                shutil.rmtree(target, ignore_errors=True)
+                continue
             resume[t["trial_id"]] = target
         return resume
 

@@ -139,3 +139,16 @@ def revoke_api_key(key_id: PathId, session: SessionDep) -> ApiKeyOut:
 def list_workers(session: SessionDep) -> ListPage[WorkerOut]:
     workers = session.scalars(select(Worker).order_by(Worker.registered_at, Worker.id))
     return ListPage(data=[WorkerOut.of(w) for w in workers])
+
+
+@router.delete("/workers/{worker_id}/quarantine")
+def lift_worker_quarantine(worker_id: PathId, session: SessionDep) -> WorkerOut:
+    """Ends the worker's quarantine now (idempotent) and clears its record of lost packs: the scheduler may give it
+    packs from its next round. For an operator who fixed the cause (a bad host, a broken model directory)."""
+    worker = session.get(Worker, worker_id)
+    if worker is None:
+        raise not_found("worker", worker_id)
+    if worker.quarantined_until is not None or worker.lost_packs or worker.quarantines:
+        worker.quarantined_until, worker.lost_packs, worker.quarantines = None, None, 0
+        commit(session)
+    return WorkerOut.of(worker)

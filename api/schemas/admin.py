@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, StringConstraints
 
 from api.schemas.common import RequestModel, Text, UtcDateTime
-from common.models import ApiKey, Tenant, Worker
+from common.models import ApiKey, Tenant, Worker, as_utc, utcnow
+from common.settings import get_settings
 
 TenantName = Annotated[Text, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
 Weight = Annotated[float, Field(gt=0, le=1000)]
@@ -100,11 +101,23 @@ class WorkerOut(BaseModel):
                                   "config readable); null: it does not say, and is taken as able to load every one.")
     last_heartbeat: UtcDateTime
     registered_at: UtcDateTime
+    quarantined_until: UtcDateTime | None = Field(
+        default=None, description="It lost packs repeatedly (LORAPLANE_WORKER_QUARANTINE_LOSSES within "
+                                  "LORAPLANE_WORKER_QUARANTINE_WINDOW_S): the scheduler gives it no pack until this "
+                                  "time. Null: it is not quarantined.")
+    recent_lost_packs: int = Field(default=0, description="Packs it lost (its process died or restarted, its "
+                                                          "heartbeat stopped, a pack failed as a whole) within the "
+                                                          "quarantine window before now.")
 
     @classmethod
     def of(cls, w: Worker) -> WorkerOut:
+        now = utcnow()
+        until = as_utc(w.quarantined_until) if w.quarantined_until is not None else None
+        window_s = get_settings().worker_quarantine_window_s
+        recent = sum(1 for t in w.lost_packs or () if now.timestamp() - window_s < float(t))
         return cls(
             id=w.id, queue=w.queue, device=w.device, memory_bytes=w.memory_bytes, gpus=w.gpus, max_slots=w.max_slots,
             state=w.state, current_pack_id=w.current_pack_id, models=w.models, last_heartbeat=w.last_heartbeat,
-            registered_at=w.registered_at,
+            registered_at=w.registered_at, quarantined_until=until if until is not None and until > now else None,
+            recent_lost_packs=recent,
         )

@@ -63,6 +63,8 @@ class ClusterOut(BaseModel):
     object: Literal["cluster"] = "cluster"
     workers_alive: int
     workers_lost: int
+    workers_quarantined: int = Field(description="Alive workers in quarantine (they lost packs repeatedly): the "
+                                                 "scheduler gives them no pack until their quarantined_until.")
     workers_busy: int = Field(description="Alive workers with a live pack.")
     slots_total: int = Field(description="Sum of the alive workers' max_slots.")
     slots_used: int

@@ -88,6 +88,7 @@ def cluster_view(session: Session) -> ClusterOut:
 
     return ClusterOut(
         workers_alive=len(alive), workers_lost=len(loads) - len(alive),
+        workers_quarantined=sum(1 for w in alive if w.quarantined_until is not None),
         workers_busy=sum(1 for w in alive if w.pack_id), slots_total=slots_total, slots_used=slots_used,
         utilisation=round(min(1.0, slots_used / slots_total), 4) if slots_total else 0.0,
         trials_pending=sum(c["pending"] for c in by_tenant.values()),

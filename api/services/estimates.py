@@ -18,7 +18,7 @@ from common.settings import get_settings
 from scheduler.planning.cost import PRIOR_COST, tokens_per_step
 from scheduler.planning.estimate import Estimate, Gpu, TrialLoad, estimate
 from scheduler.planning.types import loads
-from scheduler.service.cluster_state import alive_workers, busy_workers, load_costs, worker_models
+from scheduler.service.cluster_state import alive_workers, busy_workers, load_costs, quarantine_left_s, worker_models
 
 
 def estimate_task(
@@ -31,7 +31,9 @@ def estimate_task(
     costs = load_costs(session, [base_model])
     workers = [w for w in alive_workers(session, now, timeout_s) if loads(worker_models(w), base_model)]
     busy_for = {b.worker_id: b.busy_for_s for b in busy_workers(session, now, timeout_s, costs)}
-    gpus = [Gpu(memory_bytes=w.memory_bytes, busy_for_s=busy_for.get(w.id, 0.0), gpus=w.gpus) for w in workers]
+    # A quarantined worker gets no pack until its quarantine ends: busy until then, as far as the estimate goes.
+    gpus = [Gpu(memory_bytes=w.memory_bytes, busy_for_s=max(busy_for.get(w.id, 0.0), quarantine_left_s(w, now)),
+                gpus=w.gpus) for w in workers]
     # The daemon caps a pack at the smallest worker's slots (scheduler/planning/placement.py).
     cap = min([max_trials_per_pack, *(w.max_slots for w in workers)])
     trials = [TrialLoad(steps=n, tokens_per_step=tokens_per_step(c, max_seq_len))

@@ -385,6 +385,10 @@ class Admin:
     def list_workers(self) -> Page[Worker]:
         return page(self._c._json("GET", "/v1/admin/workers", admin=True), Worker)
 
+    def lift_quarantine(self, worker_id: str) -> Worker:
+        """Ends the worker's quarantine now and clears its record of lost packs (idempotent)."""
+        return Worker.of(self._c._json("DELETE", f"/v1/admin/workers/{worker_id}/quarantine", admin=True))
+
     def usage(self, *, start: datetime | str | None = None, end: datetime | str | None = None) -> Page[Usage]:
         """Every tenant's usage in [start, end) (default: since the beginning, until now)."""
         params = _core.params(**{"from": _core.iso(start), "to": _core.iso(end)})

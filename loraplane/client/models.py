@@ -342,8 +342,11 @@ class Worker(ApiObject):
     registered_at: datetime
     models: list[str] | None = None  # the registered models it can load; None: it does not say (every one)
     gpus: int = 1  # GPUs of one host it owns (memory_bytes is one GPU's): each pack runs over all of them
+    # It lost packs repeatedly: the scheduler gives it none until then (None: not quarantined).
+    quarantined_until: datetime | None = None
+    recent_lost_packs: int = 0  # packs it lost within the quarantine window
 
-    TIMES = frozenset({"last_heartbeat", "registered_at"})
+    TIMES = frozenset({"last_heartbeat", "registered_at", "quarantined_until"})
 
 
 @dataclass(frozen=True)

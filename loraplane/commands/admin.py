@@ -150,8 +150,10 @@ def cmd_workers(args: argparse.Namespace) -> int:
     if args.json:
         emit(workers.raw)
         return 0
-    rows = [[w.id, w.state, w.device, w.max_slots, size(w.memory_bytes), w.current_pack_id or "-",
-             when(w.last_heartbeat)] for w in workers]
+    # A quarantined worker (it lost packs repeatedly) gets no pack until then.
+    rows = [[w.id, w.state if w.quarantined_until is None else f"quarantined until {when(w.quarantined_until)}",
+             w.device, w.max_slots, size(w.memory_bytes), w.current_pack_id or "-", when(w.last_heartbeat)]
+            for w in workers]
     out(table(["ID", "STATE", "DEVICE", "SLOTS", "MEMORY", "PACK", "LAST HEARTBEAT"], rows, right=(3, 4))
         if rows else "No workers.")
     return 0

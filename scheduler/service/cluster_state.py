@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from common import states
-from common.models import BaseModelEntry, Pack, Task, Trial, Worker
+from common.models import BaseModelEntry, Pack, Task, Trial, Worker, as_utc
 from scheduler.planning.cost import (
     PRIOR_COST,
     ModelCost,
@@ -105,6 +105,22 @@ def alive_workers(session: Session, now: datetime, timeout_s: float) -> list[Wor
     ).all())
 
 
+def usable_workers(session: Session, now: datetime, timeout_s: float) -> list[Worker]:
+    """Alive workers the planners may give packs: those out of quarantine (scheduler/service/faults.py)."""
+    return [w for w in alive_workers(session, now, timeout_s) if quarantine_left_s(w, now) == 0]
+
+
+def quarantine_left_s(worker: Worker, now: datetime) -> float:
+    """Seconds until the worker's quarantine ends (0: not quarantined)."""
+    if worker.quarantined_until is None:
+        return 0.0
+    return max(0.0, (as_utc(worker.quarantined_until) - now).total_seconds())
+
+
+def quarantined_worker_ids(session: Session, now: datetime) -> list[str]:
+    return list(session.scalars(select(Worker.id).where(Worker.quarantined_until > now)).all())
+
+
 def worker_models(worker: Worker) -> frozenset[str] | None:
     """The models the worker's newest heartbeat says it can load; None: it does not say (every model)."""
     return None if worker.models is None else frozenset(str(m) for m in worker.models)
@@ -113,13 +129,14 @@ def worker_models(worker: Worker) -> frozenset[str] | None:
 def busy_workers(
     session: Session, now: datetime, timeout_s: float, costs: dict[str, ModelCost]
 ) -> tuple[LiveWorker, ...]:
-    """Alive workers training a pack, each with the predicted seconds until its pack ends (the planner may
-    wait for one rather than open a worse pack now). Only worth its queries when something is to be placed."""
+    """Alive workers out of quarantine training a pack, each with the predicted seconds until its pack ends (the
+    planner may wait for one rather than open a worse pack now). Only worth its queries when something is to be
+    placed."""
     live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
     return tuple(
         LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w),
                    busy_for_s=predicted_remaining_s(session, live[w.id], costs), gpus=w.gpus)
-        for w in alive_workers(session, now, timeout_s)
+        for w in usable_workers(session, now, timeout_s)
         if w.id in live
     )
 

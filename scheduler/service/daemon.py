@@ -36,6 +36,7 @@ from common.settings import Settings
 from scheduler.planning.placement import place
 from scheduler.service.dispatch import send_pack, trial_payload
 from scheduler.service.exits import PauseRequest, apply_early_exit, placement
+from scheduler.service.faults import fault_policy, reap_lost_workers
 from scheduler.service.ingest import ingest
 from scheduler.service.lifecycle import (
     admission_requests,
@@ -46,7 +47,6 @@ from scheduler.service.lifecycle import (
     load_costs,
     note_model_waits,
     packs_with_room,
-    reap_lost_workers,
     record_plan,
     stop_requests,
 )
@@ -63,6 +63,7 @@ REGISTRY_REPUBLISH_S = 60.0  # the model registry is published again this often 
 class SchedulerDaemon:
     def __init__(self, settings: Settings, bus: Bus, celery: Celery, consumer: str = "scheduler") -> None:
         self.settings = settings
+        self.faults = fault_policy(settings)  # who pays for a failure (scheduler/service/faults.py)
         self.bus = bus
         self.celery = celery
         self.consumer = consumer
@@ -103,7 +104,7 @@ class SchedulerDaemon:
             with session_scope() as session:
                 touched: set[str] = set()
                 ingest(session, [message for _, message in batch], touched=touched,
-                       stale_after_s=self.settings.worker_timeout_s, aborts=aborts)
+                       stale_after_s=self.settings.worker_timeout_s, aborts=aborts, policy=self.faults)
                 # Early exit on every new evaluation, in the same transaction as the points it rests on.
                 self._pauses += apply_early_exit(session, touched, utcnow())
             self._aborts |= aborts
@@ -121,7 +122,7 @@ class SchedulerDaemon:
         now = utcnow()
         timeout = self.settings.worker_timeout_s
         with session_scope() as session:
-            for worker_id in reap_lost_workers(session, now, timeout) if reap else []:
+            for worker_id in reap_lost_workers(session, now, timeout, self.faults) if reap else []:
                 log.warning("worker %s lost (no heartbeat for %.0fs)", worker_id, timeout)
             finalize_tasks(session, now)
             self._publish_registry(session)
@@ -130,10 +131,10 @@ class SchedulerDaemon:
             waiting_models = {t.base_model for t in snapshot.pending}
             plan_started, replanned = time.perf_counter(), True
             if snapshot.pending and (any(w.models is None or not w.models.isdisjoint(waiting_models)
-                                         for w in snapshot.idle_workers) or packs_with_room(session)):
+                                         for w in snapshot.idle_workers) or packs_with_room(session, now)):
                 costs = load_costs(session)
                 snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs),
-                                   live_packs=live_packs(session, costs))
+                                   live_packs=live_packs(session, costs, now))
                 placement = place(snapshot, costs, solver=self.settings.planner,
                                   time_limit_s=self.settings.planner_time_limit_s)
                 new_packs = record_plan(session, placement.plan, now, placement.result)
@@ -141,7 +142,7 @@ class SchedulerDaemon:
                 new_packs, replanned = [], False
             if replanned:
                 self.telemetry.replanned(time.perf_counter() - plan_started)
-            self.telemetry.observe_state(session)
+            self.telemetry.observe_state(session, now)
         for pack_id in new_packs:
             log.info("planned pack %s", pack_id)
         # Each send is retried next round when it fails (the broker or the bus is away): one failing must not

@@ -28,7 +28,9 @@ from common.metrics import METRIC_SPLIT
 from common.models import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from scheduler.planning.cost import Progress
-from scheduler.service.lifecycle import lose_pack, newest_metric_score, requeue_trial
+from scheduler.planning.faults import FaultPolicy
+from scheduler.service.faults import credit_worker, fault_policy, lose_pack, requeue_for_worker, requeue_trial
+from scheduler.service.lifecycle import newest_metric_score
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +42,19 @@ MAX_WORKER_GPUS = 64
 def ingest(
     session: Session, messages: list[dict[str, Any]], now: datetime | None = None, touched: set[str] | None = None,
     *, stale_after_s: float | None = None, aborts: set[tuple[str, str]] | None = None,
+    policy: FaultPolicy | None = None,
 ) -> bool:
     """Returns True when something changed that the planner should look at. ``touched`` collects the tasks
     whose trials got a validation point, started in a pack or ended (their early-exit policy has something new
     to decide on).
     A heartbeat sent more than ``stale_after_s`` (default: the worker timeout) ago is ignored; ``aborts``
     collects (worker, pack) for workers whose heartbeat names a pack the scheduler no longer counts on (they
-    should stop it)."""
+    should stop it). ``policy``: who pays for a failure, and how (default: the settings')."""
     now = now or utcnow()
     touched = touched if touched is not None else set()
     aborts = aborts if aborts is not None else set()
     stale_after_s = get_settings().worker_timeout_s if stale_after_s is None else stale_after_s
+    policy = policy or fault_policy()
     replan = False
     lock_trials(session, messages)
     for message in messages:
@@ -59,7 +63,7 @@ def ingest(
             if kind == "wake":
                 replan = True
             elif kind == "heartbeat":
-                replan |= _heartbeat(session, message, now, stale_after_s, aborts)
+                replan |= _heartbeat(session, message, now, stale_after_s, aborts, policy)
             elif not _from_pack_process(session, message):
                 log.info("dropping a %r report from a process that does not run pack %s", kind,
                          message.get("pack_id"))
@@ -75,16 +79,16 @@ def ingest(
             elif kind == "trial.admitted":
                 touched |= _trial_admitted(session, message)
             elif kind == "trial.rejected":
-                replan |= _trial_rejected(session, message)
+                replan |= _trial_rejected(session, message, now)
             elif kind == "trial.finished":
                 touched |= _points(session, message)
-                replan |= _trial_finished(session, message, now, touched)
+                replan |= _trial_finished(session, message, now, touched, policy)
             elif kind == "pack.profile":
                 _pack_profile(session, message)
             elif kind == "pack.progress":
                 _pack_progress(session, message)
             elif kind in ("pack.finished", "pack.failed"):
-                _pack_ended(session, message, now)
+                _pack_ended(session, message, now, policy)
                 replan = True
             else:
                 log.warning("dropping a message of unknown type %r", kind)
@@ -119,7 +123,7 @@ def _sent_at(m: dict[str, Any], now: datetime) -> datetime:
 
 
 def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s: float,
-               aborts: set[tuple[str, str]]) -> bool:
+               aborts: set[tuple[str, str]], policy: FaultPolicy) -> bool:
     sent_at = _sent_at(m, now)
     if now - sent_at > timedelta(seconds=stale_after_s):
         log.info("ignoring a heartbeat of worker %s sent %.0fs ago (stale, or its clock is behind)",
@@ -137,7 +141,7 @@ def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s
             return False  # from the process a newer one replaced
         # A new process under this id: the one before it is gone, and so are its packs.
         for pack in _running_packs(session, worker.id):
-            lose_pack(session, pack, now, f"worker {worker.id} restarted (a new process took its place)")
+            lose_pack(session, pack, now, f"worker {worker.id} restarted (a new process took its place)", policy)
         is_new = True
     elif sent_at < as_utc(worker.last_heartbeat):
         return False  # older than one already applied (a replayed batch): it says nothing new
@@ -157,7 +161,7 @@ def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s
     worker.state = states.WORKER_ALIVE
     worker.last_heartbeat = sent_at if is_new else max(as_utc(worker.last_heartbeat), sent_at)
     if "pack_id" in m:  # what the process runs now (a report from before this field cannot be judged)
-        is_new |= _check_named_pack(session, worker, m["pack_id"], sent_at, now, aborts)
+        is_new |= _check_named_pack(session, worker, m["pack_id"], sent_at, now, aborts, policy)
     return is_new or models_changed or gpus_changed
 
 
@@ -193,7 +197,7 @@ def _running_packs(session: Session, worker_id: str) -> list[Pack]:
 
 
 def _check_named_pack(session: Session, worker: Worker, named: str | None, sent_at: datetime, now: datetime,
-                      aborts: set[tuple[str, str]]) -> bool:
+                      aborts: set[tuple[str, str]], policy: FaultPolicy) -> bool:
     """A running pack the worker no longer names (it crashed out of it, or its reports were lost) is lost;
     a pack it names that is over here is one it should stop. True when a pack was lost."""
     lost = False
@@ -201,7 +205,7 @@ def _check_named_pack(session: Session, worker: Worker, named: str | None, sent_
         # A beat sent before the pack started does not name it yet (the worker names a pack from before its
         # `pack.started` until after its last report).
         if pack.id != named and (pack.started_at is None or sent_at > as_utc(pack.started_at)):
-            lose_pack(session, pack, now, f"worker {worker.id} is no longer running pack {pack.id}")
+            lose_pack(session, pack, now, f"worker {worker.id} is no longer running pack {pack.id}", policy)
             lost = True
     over = session.get(Pack, named) if named is not None else None
     if over is not None and over.state not in states.PACK_LIVE:
@@ -340,9 +344,10 @@ def _trial_admitted(session: Session, m: dict[str, Any]) -> set[str]:
     return {trial.task_id}
 
 
-def _trial_rejected(session: Session, m: dict[str, Any]) -> bool:
-    """A back-fill its pack could not take: pending again. The attempt counts only when the worker tried
-    and failed to admit it (so a trial that cannot be admitted anywhere fails after its attempts)."""
+def _trial_rejected(session: Session, m: dict[str, Any], now: datetime) -> bool:
+    """A back-fill its pack could not take: pending again. The attempt is spent when the worker tried and failed to
+    admit it (its files or checkpoint could not be read, its rank or layers do not fit the pack: a trial that cannot
+    be admitted anywhere fails after its attempts); not when the pack was ending (scheduler/service/faults.py)."""
     trial = _live_trial(session, m["trial_id"], m["pack_id"])
     if trial is None or not trial.awaiting_admission:
         return False
@@ -352,7 +357,8 @@ def _trial_rejected(session: Session, m: dict[str, Any]) -> bool:
         pack = session.get(Pack, m["pack_id"])
         if pack is not None:
             pack.capacity = None
-    requeue_trial(session, trial, f"pack {m['pack_id']} did not take it: {reason}", refund=refund)
+    requeue_trial(session, trial, f"pack {m['pack_id']} did not take it: {reason}",
+                  blame="none" if refund else "trial", now=now)
     return True
 
 
@@ -369,7 +375,8 @@ def _pack_profile(session: Session, m: dict[str, Any]) -> None:
         pack.profile = m["profile"]
 
 
-def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched: set[str]) -> bool:
+def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched: set[str],
+                    policy: FaultPolicy) -> bool:
     status = m["status"]
     _record_usage(session, m, now)
     trial = _live_trial(session, m["trial_id"], m["pack_id"])
@@ -379,6 +386,11 @@ def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched:
     touched.add(trial.task_id)
     if status == "paused":
         _trial_paused(session, trial, m)
+        return True
+    if status not in ("completed", "stopped"):
+        # Its own failure (an exception in its step or set-up, its data, its OOM): one attempt spent; again from
+        # its checkpoint until they are all spent (an OOM may not recur in another pack).
+        requeue_trial(session, trial, str(m.get("error") or "unknown error"), blame="trial", now=now, policy=policy)
         return True
     trial.finished_at = now
     trial.steps_done = int(m.get("steps_done") or trial.steps_done)
@@ -397,10 +409,6 @@ def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched:
         trial.state = states.TRIAL_CANCELLED
         trial.stop_reason = trial.stop_reason or "stopped"
         message, level = f"trial {trial.index} stopped", "info"
-    else:
-        trial.state = states.TRIAL_FAILED
-        trial.error = str(m.get("error") or "unknown error")
-        message, level = f"trial {trial.index} failed: {trial.error}", "error"
     record_event(
         session,
         tenant_id=trial.tenant_id,
@@ -461,34 +469,30 @@ def _stopped_early_adapter(session: Session, m: dict[str, Any]) -> None:
     )
 
 
-def _pack_ended(session: Session, m: dict[str, Any], now: datetime) -> None:
+def _pack_ended(session: Session, m: dict[str, Any], now: datetime, policy: FaultPolicy) -> None:
+    """The pack's end. Trials it did not report on are not to blame for that: a pack that failed as a whole (its
+    model or files would not load, the store could not be written) or ended without reporting them ends by its
+    worker's doing, so they go back to pending at no attempt's cost and the worker is charged (a model no worker can
+    load ends its trials at the loss bound, with the error; scheduler/service/faults.py). A back-fill it never took
+    goes back to pending; a pack that ended well clears its worker's run of quarantines."""
     pack = _live_pack(session, m["pack_id"])
     if pack is None:
         return
     pack.state = states.PACK_FINISHED
     pack.finished_at = now
+    stranded = session.scalars(
+        select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING).order_by(Trial.id)
+    ).all()
+    if m["type"] == "pack.failed" or any(not t.awaiting_admission for t in stranded):
+        why = (f"pack {pack.id} failed on worker {pack.worker_id}: {m.get('error') or 'unknown error'}"
+               if m["type"] == "pack.failed" else f"pack {pack.id} ended without reporting this trial")
+        log.warning("%s", why)
+        requeue_for_worker(session, pack, now, why, policy)
+        return
     worker = session.get(Worker, pack.worker_id)
     if worker is not None and worker.current_pack_id == pack.id:
         worker.current_pack_id = None
-    error = m.get("error") if m["type"] == "pack.failed" else "the pack ended without reporting this trial"
-    # Any trial the pack did not report on fails with the pack's error (retrying a pack that cannot load
-    # its model would loop forever); a back-fill it never took goes back to pending.
-    stranded = session.scalars(
-        select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
-    ).all()
     for trial in stranded:
-        if trial.awaiting_admission:
-            requeue_trial(session, trial, f"pack {pack.id} ended before it could join", refund=True)
-            continue
-        trial.state = states.TRIAL_FAILED
-        trial.error = str(error)
-        trial.finished_at = now
-        record_event(
-            session,
-            tenant_id=trial.tenant_id,
-            task_id=trial.task_id,
-            trial_id=trial.id,
-            type="trial.failed",
-            level="error",
-            message=f"trial {trial.index} failed: {error}",
-        )
+        requeue_trial(session, trial, f"pack {pack.id} ended before it could join", blame="none", now=now,
+                      policy=policy)
+    credit_worker(session, pack.worker_id)

@@ -1,4 +1,5 @@
-"""State transitions the scheduler makes on its own clock: lost workers, finished tasks, new packs.
+"""State transitions the scheduler makes on its own clock: finished tasks, new packs (lost workers and who pays
+for a failure: scheduler/service/faults.py).
 
 Each function does one thing inside the caller's transaction; scheduler/service/daemon.py sequences them.
 """
@@ -10,13 +11,13 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
 from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, rank_key
-from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
+from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id
 from common.usage import task_usage
 from scheduler.planning.cost import ModelCost
 from scheduler.planning.types import (
@@ -29,7 +30,14 @@ from scheduler.planning.types import (
     Snapshot,
     loads,
 )
-from scheduler.service.cluster_state import alive_workers, predicted_remaining_s, trial_tokens_per_step, worker_models
+from scheduler.service.cluster_state import (
+    alive_workers,
+    predicted_remaining_s,
+    quarantined_worker_ids,
+    trial_tokens_per_step,
+    usable_workers,
+    worker_models,
+)
 from scheduler.service.cluster_state import busy_workers as busy_workers
 from scheduler.service.cluster_state import load_costs as load_costs
 from scheduler.service.exits import stop_mode
@@ -37,39 +45,8 @@ from scheduler.service.exits import stop_mode
 log = logging.getLogger(__name__)
 
 
-def requeue_trial(session: Session, trial: Trial, reason: str, *, refund: bool = False) -> None:
-    """Back to pending, resuming from its newest checkpoint (its curve is cut back to that step), or from
-    step 0 without one; or failed once it ran out of attempts. ``refund``: this attempt never trained (a
-    back-fill its pack could not take in time), so it does not count."""
-    if refund:
-        trial.attempts = max(0, trial.attempts - 1)
-    trial.awaiting_admission = False
-    kept_step = trial.checkpoint_step or 0
-    session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id, MetricPoint.step > kept_step))
-    trial.pack_id = None
-    trial.steps_done = kept_step
-    trial.best_val_loss, trial.best_step = _best_val(session, trial.id)
-    trial.metric_score = newest_metric_score(session, trial.id)
-    trial.last_train_loss = session.scalar(
-        select(MetricPoint.loss).where(MetricPoint.trial_id == trial.id, MetricPoint.split == "train",
-                                       MetricPoint.step == kept_step)
-    )
-    resumed = f" from its checkpoint at step {kept_step}" if kept_step else ""
-    if trial.attempts >= states.MAX_TRIAL_ATTEMPTS:
-        trial.state = states.TRIAL_FAILED
-        trial.error = f"{reason}; gave up after {trial.attempts} attempts"
-        trial.finished_at = utcnow()
-        kind, level, message = "trial.failed", "error", f"trial {trial.index} failed: {trial.error}"
-    else:
-        trial.state = states.TRIAL_PENDING
-        kind, level, message = "trial.requeued", "warn", f"trial {trial.index} back to pending{resumed}: {reason}"
-    record_event(
-        session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
-        type=kind, level=level, message=message, data={"resume_step": kept_step},
-    )
-
-
-def _best_val(session: Session, trial_id: str) -> tuple[float | None, int | None]:
+def best_val(session: Session, trial_id: str) -> tuple[float | None, int | None]:
+    """The trial's lowest validation loss stored and its step (the earliest of equal ones)."""
     row = session.execute(
         select(MetricPoint.loss, MetricPoint.step)
         .where(MetricPoint.trial_id == trial_id, MetricPoint.split == "val")
@@ -87,40 +64,6 @@ def newest_metric_score(session: Session, trial_id: str) -> float | None:
         .order_by(MetricPoint.step.desc())
         .limit(1)
     )
-
-
-def lose_pack(session: Session, pack: Pack, now: datetime, reason: str) -> None:
-    """The pack's process is gone: the pack is lost and its running trials go back to pending (each from its
-    newest checkpoint). Reports that still arrive from it are dropped (their trials left the pack)."""
-    log.warning("pack %s lost: %s", pack.id, reason)
-    pack.state = states.PACK_LOST
-    pack.finished_at = now
-    worker = session.get(Worker, pack.worker_id)
-    if worker is not None and worker.current_pack_id == pack.id:
-        worker.current_pack_id = None
-    trials = session.scalars(
-        select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING).order_by(Trial.id)
-        .with_for_update()  # in id order, as every transaction that locks several trials (ingest.lock_trials)
-    ).all()
-    for trial in trials:
-        requeue_trial(session, trial, reason)
-
-
-def reap_lost_workers(session: Session, now: datetime, timeout_s: float) -> list[str]:
-    """Workers silent for longer than the timeout are lost; their packs' trials go back to pending."""
-    cutoff = now - timedelta(seconds=timeout_s)
-    lost = session.scalars(
-        select(Worker).where(Worker.state == states.WORKER_ALIVE, Worker.last_heartbeat < cutoff)
-    ).all()
-    for worker in lost:
-        worker.state = states.WORKER_LOST
-        worker.current_pack_id = None
-        packs = session.scalars(
-            select(Pack).where(Pack.worker_id == worker.id, Pack.state.in_(states.PACK_LIVE))
-        ).all()
-        for pack in packs:
-            lose_pack(session, pack, now, f"worker {worker.id} was lost")
-    return [w.id for w in lost]
 
 
 def finalize_tasks(session: Session, now: datetime) -> None:
@@ -190,15 +133,17 @@ def _target_patterns(trial: Trial) -> tuple[str, ...]:
 
 
 def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapshot:
-    """Pending trials (locked for this transaction) and idle workers; `busy_workers` fills in the rest."""
+    """Pending trials (locked for this transaction) that may be placed now (their requeue backoff is over) and idle
+    workers out of quarantine; `busy_workers` fills in the rest."""
     busy_ids = set(session.scalars(select(Pack.worker_id).where(Pack.state.in_(states.PACK_LIVE))).all())
-    workers = alive_workers(session, now, timeout_s)
+    workers = usable_workers(session, now, timeout_s)
     rows = session.execute(
         select(Trial, Task, Tenant.weight)
         .join(Task, Task.id == Trial.task_id)
         .join(Tenant, Tenant.id == Task.tenant_id)
         .where(Trial.state == states.TRIAL_PENDING,
-               Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
+               Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)),
+               or_(Trial.not_before.is_(None), Trial.not_before <= now))
         .order_by(Task.created_at, Task.id, Trial.index)
         # record_plan moves these trials to running in this transaction: lock them so a concurrent cancel
         # either waits for us (and the stop command follows) or makes us skip them.
@@ -288,16 +233,18 @@ def note_model_waits(session: Session, pending: Sequence[PendingTrial], now: dat
             )
 
 
-def packs_with_room(session: Session) -> bool:
+def packs_with_room(session: Session, now: datetime) -> bool:
     """Whether some running pack could take a back-fill (cheap: decides if the planner runs at all)."""
-    return bool(live_packs(session, None))
+    return bool(live_packs(session, None, now))
 
 
-def live_packs(session: Session, costs: dict[str, ModelCost] | None) -> tuple[LivePack, ...]:
-    """Running packs with free slots (packs recorded before back-filling existed have no capacity: none), each
-    predicted to end by ``costs`` (None: not predicted, `busy_for_s` 0: only whether there are any matters)."""
+def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: datetime) -> tuple[LivePack, ...]:
+    """Running packs with free slots (packs recorded before back-filling existed have no capacity: none; a
+    quarantined worker's: none either), each predicted to end by ``costs`` (None: not predicted, `busy_for_s` 0:
+    only whether there are any matters)."""
     packs = session.scalars(
-        select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.capacity.is_not(None))
+        select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.capacity.is_not(None),
+                           Pack.worker_id.not_in(quarantined_worker_ids(session, now)))
     ).all()
     weights = {t.id: max(1, round(t.weight or 1.0)) for t in session.scalars(select(Tenant))} if packs else {}
     out = []
@@ -341,6 +288,7 @@ def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult 
         trial.state = states.TRIAL_RUNNING
         trial.pack_id = pack.id
         trial.attempts += 1
+        trial.not_before = None
         trial.started_at = now
         trial.awaiting_admission = backfill
         how = f"back-filled into running pack {pack.id} on" if backfill else "placed on"

@@ -8,13 +8,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from common import states
-from common.models import Pack, Task, Trial
+from common.models import Pack, Task, Trial, Worker
 from common.settings import Settings
 from common.telemetry import MetricsServer, scheduler_metrics, serve
 
@@ -51,8 +52,9 @@ class SchedulerTelemetry:
         if self.enabled:
             scheduler_metrics().replan.observe(seconds)
 
-    def observe_state(self, session: Session) -> None:
-        """Trials per live state, pending trials per base model, running packs: three indexed counts a round."""
+    def observe_state(self, session: Session, now: datetime) -> None:
+        """Trials per live state, pending trials per base model, running packs, quarantined workers: four indexed
+        counts a round."""
         if not self.enabled:
             return
         metrics = scheduler_metrics()
@@ -70,6 +72,9 @@ class SchedulerTelemetry:
             metrics.pending.labels(base_model=model).set(pending.get(model, 0))
         running = session.scalar(select(func.count()).select_from(Pack).where(Pack.state == states.PACK_RUNNING))
         metrics.packs_running.set(running or 0)
+        quarantined = session.scalar(select(func.count()).select_from(Worker).where(
+            Worker.state == states.WORKER_ALIVE, Worker.quarantined_until > now))
+        metrics.workers_quarantined.set(quarantined or 0)
 
     def close(self) -> None:
         if self.server is not None:

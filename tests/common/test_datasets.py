@@ -105,6 +105,7 @@ def test_deeper_than_the_limit(text: str) -> None:
     "[" + ",".join(["[]"] * 100_000) + "]",  # many arrays, two deep
     '{"a": "' + "[" * 1000,  # a string that never ends: json.loads fails at it, one level deep
     "]" * 100 + "[" * 10,  # not JSON from its first character
+    "[[]]" + "[" * 100,  # json.loads reads one value and fails at what follows ("Extra data")
 ])
 def test_not_deeper_than_the_limit(text: str) -> None:
     assert not json_deeper_than(text, MAX_ROW_DEPTH)

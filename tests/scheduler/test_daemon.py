@@ -4,6 +4,7 @@ by publishing its reports), so every transition is checked without training anyt
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -14,12 +15,13 @@ from common import states
 from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
 from common.celery import get_celery, worker_queue
 from common.db import session_scope
-from common.models import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, new_id, utcnow
+from common.models import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from common.registry import DEFAULT_MODELS, ensure_default_models
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from scheduler.planning.cost import PRIOR_COST, prior_cost
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.exits import PAUSE_MIN_STEPS, should_pause
+from scheduler.service.faults import fault_policy
 from tests.conftest import REDIS_URL
 
 WORKER = "w-test"
@@ -35,6 +37,8 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
         bus.ack(SCHEDULER_STREAM, "scheduler",
                 [i for i, _ in bus.consume(SCHEDULER_STREAM, "scheduler", "test", 1000, 0.01)])
     redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), WORKER))
+    # A trial requeued after a worker's loss may be placed again at once here: the tests of the backoff set it.
+    d.faults = replace(d.faults, requeue_backoff_s=0)
     yield d
 
 
@@ -153,6 +157,7 @@ def test_the_first_plan_of_an_18_trial_small_model_task_is_one_pack(daemon: Sche
     assert pack.capacity == DEFAULT_MAX_TRIALS_PER_PACK
 
 def test_a_lost_worker_sends_its_trials_back_and_its_late_reports_are_dropped(daemon: SchedulerDaemon) -> None:
+    daemon.faults = fault_policy(get_settings())  # the default backoff
     task_id, trial_ids = make_task(2)
     heartbeat()
     daemon.step(block_s=0.2)
@@ -169,33 +174,76 @@ def test_a_lost_worker_sends_its_trials_back_and_its_late_reports_are_dropped(da
         assert s.get(Pack, pack.id).state == states.PACK_LOST  # type: ignore[union-attr]
         trials = s.scalars(select(Trial)).all()
         assert {t.state for t in trials} == {states.TRIAL_PENDING}
-        assert all(t.pack_id is None and t.attempts == 1 for t in trials)
+        # The worker's loss, not theirs: no attempt spent, one worker loss each, and a backoff before the next try.
+        assert all(t.pack_id is None and t.attempts == 0 and t.worker_losses == 1 for t in trials)
+        assert all(t.not_before is not None and as_utc(t.not_before) > utcnow() for t in trials)
         assert s.scalar(select(func.count()).select_from(MetricPoint)) == 0  # the curve restarts
+        assert s.get_one(Worker, WORKER).lost_packs and len(s.get_one(Worker, WORKER).lost_packs or []) == 1
     # The "dead" worker was only slow: its report for the lost pack must change nothing.
     report("trial.finished", pack_id=pack.id, trial_id=trial_ids[0], status="completed", steps_done=4,
            best_val_loss=0.1, best_step=4, final_train_loss=0.1, adapter_key="x")
-    heartbeat()  # ...and it comes back: the trials are planned again, into a new pack.
+    heartbeat()  # ...and it comes back, but the trials wait out their backoff first...
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert {t.state for t in s.scalars(select(Trial))} == {states.TRIAL_PENDING}
+        for t in s.scalars(select(Trial)):
+            t.not_before = utcnow() - timedelta(seconds=1)  # ...which ends: they are planned again, into a new pack
     daemon.step(block_s=0.2)
     with session_scope() as s:
         trials = s.scalars(select(Trial)).all()
         assert {t.state for t in trials} == {states.TRIAL_RUNNING}
-        assert all(t.attempts == 2 and t.pack_id != pack.id for t in trials)
+        assert all(t.attempts == 1 and t.pack_id != pack.id and t.not_before is None for t in trials)
         assert s.get(Task, task_id).state == states.TASK_RUNNING  # type: ignore[union-attr]
 
 
-def test_a_trial_that_keeps_losing_its_worker_fails_for_good(daemon: SchedulerDaemon) -> None:
+def test_a_trial_whose_worker_keeps_being_lost_fails_at_the_loss_bound_saying_so(daemon: SchedulerDaemon) -> None:
+    """No attempt is spent on a worker's loss, yet a trial that loses every worker it runs on (one that crashes them)
+    does not loop for ever: at MAX_TRIAL_WORKER_LOSSES it fails, and its error says why. (Quarantine and backoff off
+    here: they only slow the loop down.)"""
+    daemon.faults = replace(daemon.faults, requeue_backoff_s=0, quarantine_s=0)
     task_id, _ = make_task(1)
-    for _attempt in range(states.MAX_TRIAL_ATTEMPTS):
+    for _loss in range(states.MAX_TRIAL_WORKER_LOSSES):
         heartbeat()
         daemon.step(block_s=0.2)
         with session_scope() as s:
+            assert s.scalars(select(Trial)).one().state == states.TRIAL_RUNNING
             s.get(Worker, WORKER).last_heartbeat = utcnow() - timedelta(hours=1)  # type: ignore[union-attr]
         daemon.tick()
     daemon.tick()
     with session_scope() as s:
         trial = s.scalars(select(Trial)).one()
-        assert trial.state == states.TRIAL_FAILED and "gave up after 3 attempts" in (trial.error or "")
+        assert (trial.state, trial.attempts, trial.worker_losses) == (
+            states.TRIAL_FAILED, 0, states.MAX_TRIAL_WORKER_LOSSES)
+        assert f"its worker was lost {states.MAX_TRIAL_WORKER_LOSSES} times" in (trial.error or "")
         assert s.get(Task, task_id).state == states.TASK_FAILED  # type: ignore[union-attr]
+
+
+def test_a_trials_own_failure_spends_an_attempt_and_it_fails_at_the_limit(daemon: SchedulerDaemon) -> None:
+    """A failure the worker reports as the trial's (an exception in its step, its data, its OOM) spends one attempt:
+    it is tried again (from its checkpoint) until MAX_TRIAL_ATTEMPTS are spent, then it fails with its error."""
+    task_id, (trial_id,) = make_task(1)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    for attempt in range(1, states.MAX_TRIAL_ATTEMPTS + 1):
+        pack = live_pack()
+        with session_scope() as s:
+            assert s.get_one(Trial, trial_id).attempts == attempt
+        report("pack.started", pack_id=pack.id)
+        report("trial.finished", pack_id=pack.id, trial_id=trial_id, status="failed", steps_done=1,
+               error="OutOfMemoryError: CUDA out of memory")
+        report("pack.finished", pack_id=pack.id)
+        daemon.step(block_s=0.2)  # back to pending, and planned again in the same round: no backoff
+    daemon.tick()
+    with session_scope() as s:
+        trial = s.get_one(Trial, trial_id)
+        assert (trial.state, trial.attempts, trial.worker_losses) == (
+            states.TRIAL_FAILED, states.MAX_TRIAL_ATTEMPTS, 0)
+        assert trial.error == "OutOfMemoryError: CUDA out of memory; gave up after 3 attempts"
+        assert s.get(Task, task_id).state == states.TASK_FAILED  # type: ignore[union-attr]
+        requeued = s.scalars(select(Event).where(Event.type == "trial.requeued").order_by(Event.id)).all()
+        assert [e.data["blame"] for e in requeued] == ["trial"] * (states.MAX_TRIAL_ATTEMPTS - 1)
+        assert "attempt 1 of 3 spent" in requeued[0].message
+        assert not s.get_one(Worker, WORKER).lost_packs  # the packs ended well: nothing against the worker
 
 
 def test_a_pack_recorded_but_not_sent_before_a_crash_is_sent_by_the_next_scheduler(
@@ -215,20 +263,28 @@ def test_a_pack_recorded_but_not_sent_before_a_crash_is_sent_by_the_next_schedul
     assert queued_messages() == 1  # not sent twice
 
 
-def test_a_failed_pack_fails_its_unreported_trials(daemon: SchedulerDaemon) -> None:
+def test_a_pack_that_fails_as_a_whole_requeues_its_trials_and_charges_its_worker(daemon: SchedulerDaemon) -> None:
+    """`pack.failed` (its model would not load, the store could not be read): no trial's doing, as every trial of
+    the pack ended together. They go back to pending at no attempt's cost, after a backoff, saying why, and the
+    pack counts against the worker, as a lost one does."""
+    daemon.faults = fault_policy(get_settings())  # the default backoff
     task_id, _ = make_task(2)
     heartbeat()
     daemon.step(block_s=0.2)
     pack = live_pack()
+    report("pack.started", pack_id=pack.id)
     report("pack.failed", pack_id=pack.id, error="OSError: model not found")
     daemon.step(block_s=0.2)
     daemon.tick()
     with session_scope() as s:
         trials = s.scalars(select(Trial)).all()
-        assert {t.state for t in trials} == {states.TRIAL_FAILED}
-        assert all(t.error == "OSError: model not found" for t in trials)
-        task = s.get(Task, task_id)
-        assert task is not None and task.state == states.TASK_FAILED and "model not found" in (task.error or "")
+        assert {(t.state, t.attempts, t.worker_losses) for t in trials} == {(states.TRIAL_PENDING, 0, 1)}
+        assert s.get_one(Task, task_id).state in (states.TASK_QUEUED, states.TASK_RUNNING)  # not failed
+        events = s.scalars(select(Event).where(Event.type == "trial.requeued")).all()
+        assert len(events) == 2 and all("OSError: model not found" in e.message for e in events)
+        assert all(e.data["blame"] == "worker" for e in events)
+        worker = s.get_one(Worker, WORKER)
+        assert len(worker.lost_packs or []) == 1 and worker.current_pack_id is None
 
 
 def test_cancelling_a_running_task_sends_a_stop_command_once(daemon: SchedulerDaemon) -> None:

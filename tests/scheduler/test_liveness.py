@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
     while batch := bus.consume(SCHEDULER_STREAM, "scheduler", "test", count=1000, block_s=0.01):
         bus.ack(SCHEDULER_STREAM, "scheduler", [i for i, _ in batch])
     redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), WORKER))
+    d.faults = replace(d.faults, requeue_backoff_s=0)  # requeued trials may be placed again at once
     yield d
 
 

@@ -9,13 +9,20 @@ function stat(label, value) {
   return h("div", { class: "stat" }, h("div", { class: "stat-value" }, value), h("div", { class: "muted small" }, label));
 }
 
+// A quarantined worker (it lost packs repeatedly) gets no pack until its quarantine ends: say so, and until when.
+function workerState(w) {
+  if (!w.quarantined_until) return badge(w.state);
+  return h("span", { title: `${w.recent_lost_packs} packs lost recently; no packs until ${fmt.datetime(w.quarantined_until)}` },
+    badge("quarantined"), h("span", { class: "small" }, ` until ${fmt.time(w.quarantined_until)}`));
+}
+
 function workersTable(workers) {
   return h("table", { class: "data", id: "workers" },
     h("caption", {}, "Workers"),
     h("thead", {}, h("tr", {}, ["Worker", "State", "Device", "Memory", "Slots in use", "Pack", "Models",
       "Last heartbeat"].map((c) => h("th", { scope: "col" }, c)))),
     h("tbody", {}, workers.map((w) => h("tr", { dataset: { worker: w.id } },
-      h("td", { class: "mono" }, w.id), h("td", {}, badge(w.state)), h("td", {}, w.device),
+      h("td", { class: "mono" }, w.id), h("td", {}, workerState(w)), h("td", {}, w.device),
       // A worker over several GPUs: its GPU count times one GPU's memory.
       h("td", { class: "num" }, (w.gpus > 1 ? `${w.gpus} × ` : "") + fmt.bytes(w.memory_bytes)),
       h("td", { class: "progress-cell" }, progressBar(w.utilisation, `Slots in use on ${w.id}`),
@@ -61,6 +68,7 @@ export function mount(root) {
       stat("slots in use", `${cluster.slots_used}/${cluster.slots_total}`),
       stat("workers busy", `${cluster.workers_busy}/${cluster.workers_alive}`),
       stat("workers lost", String(cluster.workers_lost)),
+      stat("workers quarantined", String(cluster.workers_quarantined)),
       stat("trials running", String(cluster.trials_running)),
       stat("trials waiting", String(cluster.trials_pending)));
     clear(workers).append(cluster.workers.length ? workersTable(cluster.workers)
