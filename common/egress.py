@@ -205,7 +205,10 @@ class Egress:
         """Resolves the URL's host and checks every address; raises EgressRefused when one may not be reached
         (one inward address refuses the whole name: which one a later connection would get is not ours to pick)
         or the host does not resolve. The URL is expected to be a valid http(s) URL with a host."""
-        parsed = httpx.URL(url)
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as exc:  # registration refuses these first; a row from elsewhere is refused here
+            raise EgressRefused(NOT_ALLOWED, f"not a valid URL: {exc}") from None
         host = parsed.raw_host.decode("ascii")
         port = default_port(parsed)
         addresses = self.resolve(host, port)
