@@ -42,8 +42,12 @@ log = logging.getLogger("loraplane")
 
 def _migrate() -> None:
     from common.db import migrate
+    from common.secret_box import SecretKeyError
 
-    migrate()
+    try:
+        migrate()
+    except SecretKeyError as exc:  # revision 0014 encrypts existing webhook secrets: it needs the key
+        raise SystemExit(f"loraplane: {exc}") from None
 
 
 def cmd_migrate(_args: argparse.Namespace) -> None:
