@@ -103,8 +103,8 @@ def score_answers(metric: str, answers: list[str], references: list[str], patter
 
 
 def pattern_error(pattern: str) -> str | None:
-    """Why `pattern` cannot be the regex metric's pattern (None: the policy passes it and both Python's `re` and
-    the `regex` package the worker searches with compile it)."""
+    """Why `pattern` cannot be the regex metric's pattern (None: it is Python `re` syntax within the policy's
+    limits, and the `regex` package the worker searches with compiles it)."""
     try:
         compile_pattern(pattern)
     except PatternRefused as exc:

@@ -289,7 +289,7 @@ class Evaluation(RequestModel):
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, pattern: str | None) -> str | None:
-        """The policy's check, then both compiles (common/regex_policy.py): a pattern over a limit is refused
+        """The policy's check, then the compile (common/regex_policy.py): a pattern over a limit is refused
         before anything compiles it."""
         if pattern is None:
             return None
