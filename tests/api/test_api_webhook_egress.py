@@ -13,6 +13,7 @@ import datetime as dt
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
 
-from common.egress import Egress
+from common.egress import RESOLVE_TIMEOUT_S, Egress
 from common.models import utcnow
 from common.settings import get_settings
 from scheduler.service.webhooks import WebhookSender
@@ -78,6 +79,27 @@ def test_registration_refuses_a_name_that_does_not_resolve(client: TestClient, t
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert (error["code"], error["param"]) == ("url_unresolvable", "url") and "does not resolve" in error["message"]
+
+
+def test_a_name_whose_dns_never_answers_is_refused_in_bounded_time(client: TestClient, tenant: TenantKey) -> None:
+    """The lookup runs in a thread with a limit (getaddrinfo has none): the request is answered, not held."""
+    from api.routes.webhooks import name_resolver
+
+    release = threading.Event()
+
+    def never_answers(_host: str, _port: int) -> list[str]:
+        release.wait(60)
+        return [PUBLIC_ADDRESS]
+
+    client.app.dependency_overrides[name_resolver] = lambda: never_answers  # type: ignore[attr-defined]
+    t0 = time.monotonic()
+    try:
+        r = client.post("/v1/webhooks", headers=tenant.headers, json={"url": "https://slow.example/hook"})
+    finally:
+        release.set()
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 422 and r.json()["error"]["code"] == "url_unresolvable", r.text
+    assert RESOLVE_TIMEOUT_S <= elapsed < RESOLVE_TIMEOUT_S + 5, elapsed
 
 
 def test_the_allow_list_admits_named_networks_and_hosts_only(
