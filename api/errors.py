@@ -167,10 +167,6 @@ def install_error_handlers(app: FastAPI) -> None:
                            f"Method not allowed on this route; it allows {headers['Allow']}.")
         elif exc.status_code == 404:
             err = ApiError(404, NOT_FOUND, "route_not_found", "No such route.")
-        elif exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
-            # FastAPI answers any error of json.loads other than a syntax error as "an error parsing the body";
-            # this one is a body nested past the parser's recursion limit: the client's JSON, as a syntax error.
-            err = invalid("The JSON body nests arrays and objects too deeply to read.", code="invalid_json")
         else:
             kind = INVALID_REQUEST if exc.status_code < 500 else API_ERROR
             err = ApiError(exc.status_code, kind, "http_error", str(exc.detail))
