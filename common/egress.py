@@ -183,6 +183,9 @@ class Egress:
     policy: EgressPolicy = field(default_factory=EgressPolicy)
     resolver: Resolver = system_resolver
     timeout_s: float = RESOLVE_TIMEOUT_S
+    # The threads the lookups run in: the process's shared pool, or one of the caller's own (the sender keeps its
+    # lookups apart from registrations', which tenants can send many of, in `loraplane up`'s single process).
+    lookups: concurrent.futures.Executor = _lookups
 
     def resolve(self, host: str, port: int) -> list[IPAddress]:
         """The host's addresses: an address literal as it is, a name through the resolver in a thread, within
@@ -191,7 +194,7 @@ class Egress:
         if literal is not None:
             return [literal]
         try:
-            answer = _lookups.submit(self.resolver, host, port).result(timeout=self.timeout_s)
+            answer = self.lookups.submit(self.resolver, host, port).result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
             raise EgressRefused(UNRESOLVABLE, f"resolving {host!r} took over {self.timeout_s:g} s") from None
         except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError

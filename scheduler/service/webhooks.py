@@ -28,6 +28,7 @@ import ssl
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -143,7 +144,8 @@ class WebhookSender:
         self.backoff_s = tuple(backoff_s)
         self.claim_s = claim_s
         self.idle_poll_s = idle_poll_s
-        self.egress = egress or Egress(policy=get_settings().webhook_egress_policy)
+        self.egress = egress or Egress(policy=get_settings().webhook_egress_policy,
+                                       lookups=ThreadPoolExecutor(max_workers=2, thread_name_prefix="webhook-resolve"))
         # An explicit transport, and trust_env off: no proxy from the environment (it would resolve the name again,
         # out of our sight) and no .netrc credentials. No kept-alive connections: the pool is keyed by the address
         # we connect to, so a kept connection (its TLS made for one host name) could carry another host's delivery

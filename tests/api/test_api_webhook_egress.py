@@ -249,7 +249,7 @@ def test_https_goes_to_the_checked_address_with_the_host_name_in_sni_and_the_cer
 ) -> None:
     server_tls, trusting = tls_files(tmp_path, "hooks.example")
     sni: list[str | None] = []
-    server_tls.sni_callback = lambda _sock, name, _ctx: sni.append(name)  # type: ignore[assignment,misc,return-value]
+    server_tls.sni_callback = lambda _sock, name, _ctx: sni.append(name)
     resolver.names.update({"hooks.example": ["127.0.0.1"], "other.example": ["127.0.0.1"]})
     with serve_receiver(server_tls) as rec, allowed_networks("127.0.0.1"):
         port = rec.url.rsplit(":", 1)[1].split("/")[0]
