@@ -191,7 +191,6 @@ class WebhookSender:
         """POSTs to the target's checked addresses in the resolver's order, moving on only when one cannot be
         connected to at all (a host whose IPv6 address is unreachable from here, say). The answer's body is never
         read: its status is all a delivery needs, and a receiver cannot make the sender hold a large body."""
-        outcome = Outcome(None, ERROR_CONNECT)
         for address in target.addresses:
             request = pinned_request(self.http, target, address, content=body, headers=headers)
             try:
@@ -211,7 +210,7 @@ class WebhookSender:
             if 200 <= response.status_code < 300:
                 return Outcome(response.status_code, None)
             return Outcome(response.status_code, f"HTTP {response.status_code}")
-        return outcome
+        return Outcome(None, ERROR_CONNECT)  # no address could be connected to
 
     def record(self, claimed: Claimed, outcome: Outcome, now: datetime) -> None:
         """The attempt, and what comes next: delivered, another try after the backoff, or failed."""
