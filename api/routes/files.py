@@ -48,7 +48,8 @@ def _content_length(request: Request) -> int | None:
 @router.post("", status_code=status.HTTP_201_CREATED, responses=error_responses(413, 429), openapi_extra=UPLOAD_FORM)
 def create_file(request: Request, tenant: TenantDep, session: SessionDep) -> FileOut:
     """Upload a JSONL dataset (chat `messages` rows or `prompt`/`completion` rows) as multipart/form-data;
-    every row is checked as it streams in. 413: larger than the tenant's `max_file_bytes` or what its
+    every row is checked as it streams in (a line is at most 1 MiB and nests arrays and objects at most 64 deep;
+    422 `invalid_file` lists each bad line). 413: larger than the tenant's `max_file_bytes` or what its
     storage quota has left; 429: the tenant stores `max_files` files already."""
     with request_body(request) as body:  # read only now: after authentication, never before
         row = upload_file(session, tenant=tenant, content_type=request.headers.get("content-type"),

@@ -27,7 +27,16 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from api.schemas.common import FiniteFloat, RequestModel, Text, UtcDateTime
 from common.architectures import ALL_TARGET_MODULES
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, MAX_NEW_TOKENS_LIMIT, METRICS
-from common.regex_policy import MAX_PATTERN_LENGTH, SYNTAX, PatternRefused, compile_pattern
+from common.regex_policy import (
+    MAX_BRANCHES,
+    MAX_EXPANSION,
+    MAX_NESTING_DEPTH,
+    MAX_PATTERN_LENGTH,
+    MAX_REPEAT_COUNT,
+    SYNTAX,
+    PatternRefused,
+    compile_pattern,
+)
 from common.search_space import AUTO, DEFAULT_LR_SCHEDULE
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from common.task_spec import DEFAULT_MAX_SEQ_LEN, DEFAULT_SEED
@@ -284,7 +293,10 @@ class Evaluation(RequestModel):
     pattern: Text | None = Field(
         default=None, min_length=1, max_length=MAX_PATTERN_LENGTH,
         description="A Python regular expression searched for in each answer; required by the regex metric, "
-        "refused by the others.")
+        "refused by the others. Bounded before it is compiled (a 422 regex_too_complex names the limit): at most "
+        f"{MAX_PATTERN_LENGTH} characters, groups nested {MAX_NESTING_DEPTH} deep, {MAX_BRANCHES} alternatives "
+        f"in one alternation, repetition counts up to {MAX_REPEAT_COUNT}, and {MAX_EXPANSION} items once "
+        "repetitions are expanded (nested ones multiply).")
 
     @field_validator("pattern")
     @classmethod
