@@ -4,11 +4,15 @@ distributed and the embedded end-to-end tests: they are the client's end-to-end 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from loraplane.client import Client, Event, Task
+from loraplane.client import APIConnectionError, APIError, Client, Event, Task
+
+T = TypeVar("T")
 
 
 def arithmetic_rows(n: int = 32) -> bytes:
@@ -49,10 +53,68 @@ def grid_task(file_id: str, base_model: str = "tiny-random-llama", max_steps: in
     }
 
 
-def follow_events(lp: Client, task_id: str, timeout_s: float) -> tuple[list[Event], Task]:
-    """Reads the task's SSE stream (the stream only: no polling fallback) to its `end`; returns the events
-    and the task as it ended."""
-    events = list(lp.tasks.stream_events(task_id, timeout=timeout_s))
+# How long a wait on work in progress (training, recovering) goes on with NOTHING moving before it fails: longer than
+# any pause a healthy run has (a worker process starting on two loaded cores, a quarantine, a database outage), and
+# the overall ceiling that bounds even a run that moves all along. A loaded machine is slow, not stuck: it is waited
+# for as long as it moves (on 2026-11-26 fixed timeouts failed 4 chaos tests beside other heavy jobs).
+STALL_S = 240.0
+CEILING_S = 1800.0
+
+
+def task_progress(lp: Client, task_id: str) -> Hashable:
+    """What moves while a task is worked on: its state, each trial's state, steps, checkpoint and attempts."""
+    trials = lp.tasks.trials(task_id).data
+    return lp.tasks.get(task_id).state, tuple(sorted(
+        (t.id, t.state, t.steps_done, t.checkpoint_step, t.attempts) for t in trials))
+
+
+def wait_progressing(done: Callable[[], T | None], progress: Callable[[], Hashable], what: str, *,
+                     stall_s: float = STALL_S, ceiling_s: float = CEILING_S, interval_s: float = 0.5) -> T:
+    """Polls ``done`` until it returns something truthy, which is returned. Fails only when ``progress()`` (any
+    snapshot of the work: steps, states, events seen) stayed the same for ``stall_s`` — nothing moved — or after
+    ``ceiling_s`` overall. A progress read that fails (the API answering 503 during an outage) counts as no move."""
+    started = moved_at = time.monotonic()
+    seen: Hashable = None
+    while True:
+        value = done()
+        if value:
+            return value
+        now = time.monotonic()
+        try:
+            current = progress()
+        except (APIError, APIConnectionError):
+            current = seen
+        if current != seen:
+            seen, moved_at = current, now
+        if now - moved_at > stall_s:
+            raise TimeoutError(f"nothing moved for {stall_s:.0f}s while waiting for {what} (last seen: {seen})")
+        if now - started > ceiling_s:
+            raise TimeoutError(f"waited {ceiling_s:.0f}s for {what}, moving but not there (last seen: {seen})")
+        time.sleep(interval_s)
+
+
+def follow_events(lp: Client, task_id: str, *, stall_s: float = STALL_S,
+                  ceiling_s: float = CEILING_S) -> tuple[list[Event], Task]:
+    """Reads the task's SSE stream (the stream only: no polling fallback) to its `end`, as the task runs; returns
+    the events and the task as it ended. Fails when neither the stream nor the task moved for ``stall_s``
+    (`wait_progressing`). The stream is read on a thread of its own; the task is watched through a client of its
+    own (one client is not shared between threads)."""
+    events: list[Event] = []
+    failed: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            events.extend(lp.tasks.stream_events(task_id, timeout=ceiling_s))
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            failed.append(exc)
+
+    reader = threading.Thread(target=read, name=f"sse-{task_id}", daemon=True)
+    reader.start()
+    with Client(lp.base_url, lp.api_key, timeout=30) as watcher:
+        wait_progressing(lambda: not reader.is_alive(), lambda: (len(events), task_progress(watcher, task_id)),
+                         f"the end of task {task_id}'s event stream", stall_s=stall_s, ceiling_s=ceiling_s)
+    if failed:
+        raise failed[0]
     task = lp.tasks.get(task_id)
     assert task.done, task  # the stream ends only once the task is final
     return events, task

@@ -17,6 +17,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+# The bound on waiting for what has no progress to measure (a process to start or appear, a server to answer): far
+# longer than a start takes on two cores busy with other jobs. Waits on work in progress: tests/e2e/flow.py.
+START_CEILING_S = 300.0
 
 
 @contextmanager
@@ -33,7 +36,7 @@ def app_in_thread() -> Iterator[int]:
                                            timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, name="api-server", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + START_CEILING_S
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the API server did not start")
@@ -129,7 +132,7 @@ class Cluster:
             proc.stop()
 
 
-def wait_ready(base_url: str, procs: list[Proc], seconds: float = 90) -> None:
+def wait_ready(base_url: str, procs: list[Proc], seconds: float = START_CEILING_S) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         for p in procs:

@@ -53,7 +53,7 @@ def test_grid_task_end_to_end(services: tuple[Cluster, str], tmp_path: Path) -> 
         task = submit(lp, grid_task(file_id))
         assert task.state == "queued"
 
-        events, ended = follow_events(lp, task.id, timeout_s=300)  # returns only after the stream's `end`
+        events, ended = follow_events(lp, task.id)  # returns only after the stream's `end`
         types = [e.type for e in events]
         assert types[0] == "task.created", types
         assert ended.state == "succeeded", ended
@@ -101,7 +101,7 @@ def test_a_task_submitted_while_a_pack_trains_joins_its_free_slot(services: tupl
         short_body["search_space"] = {"learning_rate": [1e-3], "lora_rank": [2], "batch_size": [4],
                                       "target_modules": [["q_proj", "v_proj"]]}
         short_id = submit(lp, short_body).id
-        events, ended = follow_events(lp, short_id, timeout_s=120)
+        events, ended = follow_events(lp, short_id)
         assert ended.state == "succeeded", ended
         (running,) = [e for e in events if e.type == "trial.running"]
         assert running.data["backfill"] is True, running
@@ -134,7 +134,7 @@ def test_alto_rotates_trials_through_their_warm_up_and_stops_the_weakest(service
     body["scheduling"] = {"max_trials_per_pack": 2}
     body["early_exit"] = {"policy": "alto", "rungs": 1, "keep_ratio": 0.5, "tau_slope": 100.0, "tau_gap": 100.0}
     task_id = submit(lp, body).id
-    events, ended = follow_events(lp, task_id, timeout_s=300)
+    events, ended = follow_events(lp, task_id)
     assert ended.state == "succeeded", ended
     kinds = [e.type for e in events]
     assert kinds.count("trial.waiting") >= 2, kinds  # the first two waited for the others' warm-up
@@ -168,13 +168,14 @@ def test_killed_worker_and_scheduler_lose_nothing(services: tuple[Cluster, str])
     c.start("scheduler-2", "scheduler")
     c.start("worker-b", "worker", "--worker-id", "e2e-kill-b")
 
-    events, ended = follow_events(lp, task_id, timeout_s=400)
+    events, ended = follow_events(lp, task_id)
     assert ended.state == "succeeded", [e.type for e in events]
     requeued = [e for e in events if e.type == "trial.requeued"]
     assert len(requeued) == 4 and all("e2e-kill-a" in e.message for e in requeued)
     assert all(e.data["resume_step"] >= 20 for e in requeued)  # resumed, not restarted
     trials = lp.tasks.trials(task_id).data
-    assert all(t.state == "completed" and t.steps_done == 400 and t.attempts == 2 for t in trials)
+    # The worker's loss spent no attempt of theirs (scheduler/service/faults.py).
+    assert all(t.state == "completed" and t.steps_done == 400 and t.attempts == 1 for t in trials)
     for trial in trials:  # one point per step: nothing lost, nothing stored twice around the resume
         metrics = lp.tasks.metrics(task_id, trial.id)
         assert [p.step for p in metrics.train] == list(range(1, 401))
@@ -196,7 +197,7 @@ def test_trials_trained_alone_equal_trials_trained_packed(services: tuple[Cluste
     packed = submit(lp, body).id
     alone = submit(lp, {**body, "scheduling": {"max_trials_per_pack": 1}}).id
     for task_id in (packed, alone):
-        assert follow_events(lp, task_id, timeout_s=300)[1].state == "succeeded"
+        assert follow_events(lp, task_id)[1].state == "succeeded"
 
     def adapters(task_id: str) -> list[dict[str, Any]]:
         out = []
@@ -233,7 +234,7 @@ def test_smollm2_trains_on_a_small_chat_dataset(services: tuple[Cluster, str], t
         "search_space": {"learning_rate": [1e-4, 1e-3], "lora_rank": [4], "batch_size": [2]},
         "max_steps": 3, "max_seq_len": 64, "eval_interval": 3,
     }).id
-    events, ended = follow_events(lp, task_id, timeout_s=600)
+    events, ended = follow_events(lp, task_id)
     assert ended.state == "succeeded", [e.type for e in events]
     adapter = download_adapter(lp, task_id, tmp_path / "adapter")
     lp.close()
@@ -274,7 +275,7 @@ def test_registered_models_of_two_families_train_and_export_end_to_end(
             body["search_space"]["target_modules"] = targets[family]
             tasks[family] = submit(lp, body).id
         for family, task_id in tasks.items():
-            events, ended = follow_events(lp, task_id, timeout_s=300)
+            events, ended = follow_events(lp, task_id)
             assert ended.state == "succeeded", (family, [(e.type, e.message) for e in events])
             assert ended.trial_counts.completed == 4
             adapter = download_adapter(lp, task_id, tmp_path / f"adapter-{family}")

@@ -46,7 +46,7 @@ def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
         with tenant_client(base_url, token, "team-embedded") as lp:
             file_id = upload(lp, arithmetic_rows())
             task = submit(lp, grid_task(file_id))
-            events, ended = follow_events(lp, task.id, timeout_s=300)
+            events, ended = follow_events(lp, task.id)
             assert ended.state == "succeeded", [e.type for e in events]
             assert [e.type for e in events].count("trial.completed") == 4
             trials = lp.tasks.trials(task.id).data

@@ -80,7 +80,7 @@ def test_a_pack_over_two_ranks_back_fills_cancels_and_trains_as_one_device(servi
 
         # A short task back-fills the running pack: rank 0 deals its two trials, one to each rank's free slot.
         short_id = submit(lp, short_task(file_id)).id
-        events, ended = follow_events(lp, short_id, timeout_s=180)
+        events, ended = follow_events(lp, short_id)
         assert ended.state == "succeeded", [e.type for e in events]
         running = [e for e in events if e.type == "trial.running"]
         assert len(running) == 2 and all(e.data["backfill"] for e in running), running
@@ -96,7 +96,7 @@ def test_a_pack_over_two_ranks_back_fills_cancels_and_trains_as_one_device(servi
 
         c.start("worker-one", "worker", "--worker-id", "e2e-one")
         alone_id = submit(lp, short_task(file_id)).id
-        assert follow_events(lp, alone_id, timeout_s=180)[1].state == "succeeded"
+        assert follow_events(lp, alone_id)[1].state == "succeeded"
         on_one = adapters(lp, alone_id, tmp_path / "one")
     assert on_two.keys() == on_one.keys() == {2, 4}
     for rank, weights in on_one.items():
@@ -131,12 +131,13 @@ def test_a_killed_rank_ends_its_worker_and_the_restarted_worker_resumes_the_tria
         assert "ended; the worker ends with it" in first.log_path.read_text()
 
         c.start("worker-two-again", "worker", "--gpus", "0,1", "--worker-id", "e2e-rank-kill")
-        events, ended = follow_events(lp, task_id, timeout_s=400)
+        events, ended = follow_events(lp, task_id)
         assert ended.state == "succeeded", [e.type for e in events]
         requeued = [e for e in events if e.type == "trial.requeued"]
         assert len(requeued) == 4 and all(e.data["resume_step"] >= 20 for e in requeued), requeued
         trials = lp.tasks.trials(task_id).data
-        assert all(t.state == "completed" and t.steps_done == 300 and t.attempts == 2 for t in trials)
+        # The rank's death was the worker's loss: no attempt of theirs spent (scheduler/service/faults.py).
+        assert all(t.state == "completed" and t.steps_done == 300 and t.attempts == 1 for t in trials)
         for trial in trials:  # one point per step: nothing lost, nothing stored twice around the resume
             assert [p.step for p in lp.tasks.metrics(task_id, trial.id).train] == list(range(1, 301))
 
