@@ -127,6 +127,7 @@ class Case:
     json_body: Any = None
     content: bytes | None = None
     upload: bytes | None = None
+    chunked_mb: int = 0  # a body of this many MiB sent chunked (no Content-Length), made as it is sent
     message: str = ""  # a fragment the message (or the upload's line entry) must contain
 
 
@@ -168,13 +169,29 @@ def _cases(file_id: str) -> list[Case]:
         for name, content in (("body", DEEP), ("field", '{"search_space": ' + DEEP + "}")):
             cases.append(Case(f"{name}-100000-deep {method} {path}", method, path, 400, "http_error", None,
                               content=content.encode(), message="error parsing the body"))
+    # Bodies past LORAPLANE_MAX_REQUEST_BYTES (1 MiB): declared (refused before a byte is read) and chunked (cut
+    # off as it passes the bound); FastAPI would otherwise read either whole into memory (api/limits.py).
+    too_large = "larger than the limit of 1048576 bytes"
+    cases.append(Case("body-64MiB-declared", "POST", "/v1/tasks", 413, "request_too_large", None,
+                      content=b" " * (64 << 20), message=too_large))
+    cases.append(Case("body-256MiB-chunked", "POST", "/v1/tasks", 413, "request_too_large", None,
+                      chunked_mb=256, message=too_large))
     return cases
+
+
+def _chunks(mib: int) -> Iterator[bytes]:
+    piece = b" " * (1 << 20)
+    for _ in range(mib):
+        yield piece
 
 
 def _send(api: Api, case: Case) -> httpx.Response:
     headers = ADMIN if case.path.startswith("/v1/admin/") else api.headers
     if case.upload is not None:
         return api.client.post(case.path, headers=headers, files={"file": ("hostile.jsonl", case.upload)})
+    if case.chunked_mb:
+        return api.client.request(case.method, case.path, content=_chunks(case.chunked_mb),
+                                  headers={**headers, "Content-Type": "application/json"})
     if case.content is not None:
         return api.client.request(case.method, case.path, content=case.content,
                                   headers={**headers, "Content-Type": "application/json"})
