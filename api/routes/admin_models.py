@@ -10,15 +10,33 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response, status
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from starlette.convertors import Convertor, register_url_convertor
 
 from api.db import commit
 from api.deps import AdminDep, SessionDep
 from api.errors import ApiError, conflict, invalid, not_found
 from api.schemas.common import ListPage, PathId, error_responses
-from api.schemas.models import AdminModelOut, ModelCreate, ModelUpdate
+from api.schemas.models import RESTORE_ACTION, AdminModelOut, ModelCreate, ModelUpdate
 from common.architectures import ModelDirError, inspect_gguf, inspect_model_dir
 from common.models import BaseModelEntry, Task, Tenant, utcnow
 from common.states import TASK_QUEUED, TASK_RUNNING, TASK_VALIDATING
+
+
+class _ModelName(Convertor[str]):
+    """A model's name in a path: slashes included (hub-style ids), but not ending in /restore, so that GET, PATCH
+    and DELETE of `.../{name}/restore` are a 405 (that path is the restore action's, POST only) rather than calls on
+    a model named `{name}/restore` (a name registration refuses)."""
+
+    regex = f"(?:(?!{RESTORE_ACTION}$).)*"  # any character but the slash that starts a final /restore
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_name", _ModelName())
 
 router = APIRouter(
     prefix="/admin/models", tags=["admin"], dependencies=[AdminDep], responses=error_responses(401, 403, 404, 422)
@@ -148,13 +166,13 @@ def restore_registered_model(name: PathId, session: SessionDep) -> AdminModelOut
     return AdminModelOut.of(entry)
 
 
-@router.get("/{name:path}")
+@router.get("/{name:model_name}")
 def get_registered_model(name: PathId, session: SessionDep) -> AdminModelOut:
     """A retired model is a 404."""
     return AdminModelOut.of(_model(session, name))
 
 
-@router.patch("/{name:path}")
+@router.patch("/{name:model_name}")
 def update_registered_model(name: PathId, body: ModelUpdate, session: SessionDep) -> AdminModelOut:
     """`description`, and `tenants` (null: every tenant). The files of a registered directory or GGUF file are
     read again (architecture, max_context, chat_template are refreshed; `{}` does only that), with the checks of
@@ -172,7 +190,7 @@ def update_registered_model(name: PathId, body: ModelUpdate, session: SessionDep
     return AdminModelOut.of(entry)
 
 
-@router.delete("/{name:path}", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409))
+@router.delete("/{name:model_name}", status_code=status.HTTP_204_NO_CONTENT, responses=error_responses(409))
 def delete_registered_model(name: PathId, session: SessionDep) -> Response:
     """Retire the model: refused (409 `model_in_use`) while a validating, queued or running task uses it;
     otherwise the entry is kept (finished tasks still name it) but hidden: not listed, a 404 here, unknown to task

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, Field, StringConstraints
 
 from api.schemas.common import RequestModel, Text, UtcDateTime
 from common.architectures import target_modules_for
@@ -12,7 +12,18 @@ from common.models import BaseModelEntry
 
 # Hub-style ids are allowed ("org/model"), but no empty segment (no leading, trailing or doubled slash).
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$"
-ModelName = Annotated[str, StringConstraints(min_length=1, max_length=100, pattern=MODEL_NAME_PATTERN)]
+RESTORE_ACTION = "/restore"  # POST /v1/admin/models/{name}/restore (api/routes/admin_models.py)
+
+
+def _not_an_action(name: str) -> str:
+    """A name ending in /restore could not be read at /v1/admin/models/{name}: that path is the restore action's."""
+    if name.endswith(RESTORE_ACTION):
+        raise ValueError(f"A model name may not end in '{RESTORE_ACTION}' (the restore action's path).")
+    return name
+
+
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=100, pattern=MODEL_NAME_PATTERN),
+                      AfterValidator(_not_an_action)]
 ModelPath = Annotated[Text, StringConstraints(min_length=1, max_length=500)]
 Description = Annotated[Text, StringConstraints(strip_whitespace=True, max_length=2000)]
 GgufFile = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._-]+$")]

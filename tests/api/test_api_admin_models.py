@@ -366,10 +366,8 @@ def test_restore_checks_the_files_again_and_takes_names_with_slashes(
     client: TestClient, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     path = copy_without(tiny_model_dir, tmp_path / "m")
-    for name, where in (("acme/m", path), ("x/restore", tiny_model_dir)):
-        assert client.post("/v1/admin/models", json={"name": name, "path": str(where)},
-                           headers=ADMIN).status_code == 201
-        assert client.delete(f"/v1/admin/models/{name}", headers=ADMIN).status_code == 204
+    assert client.post("/v1/admin/models", json={"name": "acme/m", "path": str(path)}, headers=ADMIN).status_code == 201
+    assert client.delete("/v1/admin/models/acme/m", headers=ADMIN).status_code == 204
 
     # Its files are read as registration reads them: gone, the restore is a 422 naming why, and it stays retired.
     config = (path / "config.json").read_bytes()
@@ -382,9 +380,21 @@ def test_restore_checks_the_files_again_and_takes_names_with_slashes(
     r = client.post("/v1/admin/models/acme/m/restore", headers=ADMIN)
     assert (r.status_code, r.json()["name"], r.json()["deleted_at"]) == (200, "acme/m", None)
 
-    # A name that itself ends in /restore: the last /restore is the action.
-    r = client.post("/v1/admin/models/x/restore/restore", headers=ADMIN)
-    assert (r.status_code, r.json()["name"]) == (200, "x/restore")
-    assert client.get("/v1/admin/models/x/restore", headers=ADMIN).json()["name"] == "x/restore"
+    assert client.get("/v1/admin/models/acme/m", headers=ADMIN).json()["name"] == "acme/m"
+
+    # `{name}/restore` is the action's path, POST only: the other methods are a 405 naming it, not calls on a model
+    # named `acme/m/restore`, a name registration refuses.
+    for method in ("GET", "PATCH", "DELETE"):
+        r = client.request(method, "/v1/admin/models/acme/m/restore", headers=ADMIN, json={} if method == "PATCH"
+                           else None)
+        assert (r.status_code, r.json()["error"]["code"], r.headers["allow"]) == (405, "method_not_allowed",
+                                                                                  "POST, OPTIONS"), method
+    r = client.post("/v1/admin/models", json={"name": "x/restore", "path": str(tiny_model_dir)}, headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["param"]) == (422, "name")
+    assert "may not end in '/restore'" in r.json()["error"]["message"]
+    # A model named `restore` (no slash before it) is an ordinary name.
+    assert client.post("/v1/admin/models", json={"name": "restore", "path": str(tiny_model_dir)},
+                       headers=ADMIN).status_code == 201
+    assert client.get("/v1/admin/models/restore", headers=ADMIN).json()["name"] == "restore"
     r = client.post("/v1/admin/models/x/restore", headers=ADMIN)  # restore of "x": no such model
     assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")

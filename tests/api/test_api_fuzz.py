@@ -21,7 +21,7 @@ import schemathesis
 from fastapi.testclient import TestClient
 from schemathesis.engine import Status, events
 
-from tests.factories import ADMIN, ADMIN_TOKEN, TenantKey, make_task, trial_ids, upload
+from tests.factories import ADMIN, ADMIN_TOKEN, TenantKey, make_task, make_tenant, trial_ids, upload
 
 MAX_EXAMPLES = 40  # per operation in the fuzzing phase; with the coverage phase about 3,000 requests in all
 SEED = 14
@@ -44,7 +44,7 @@ def _sometimes(dictionary: str) -> dict[str, Any]:
 
 
 def _config(tenant: TenantKey, *, file_id: str, queued: dict, cancelled: dict, key_id: str,
-            webhook_id: str) -> schemathesis.Config:
+            webhook_id: str, doomed_id: str) -> schemathesis.Config:
     return schemathesis.Config.from_dict({
         "seed": SEED,
         "workers": 1,
@@ -68,6 +68,7 @@ def _config(tenant: TenantKey, *, file_id: str, queued: dict, cancelled: dict, k
             "trials": {"values": trial_ids(queued["id"])},
             "files": {"values": [file_id]},
             "tenants": {"values": [tenant.id]},
+            "doomed": {"values": [doomed_id]},
             "keys": {"values": [key_id]},
             "webhooks": {"values": [webhook_id]},
             "models": {"values": ["tiny-random-llama"]},
@@ -93,6 +94,12 @@ def _config(tenant: TenantKey, *, file_id: str, queued: dict, cancelled: dict, k
         "operations": [
             {"include-path-regex": "^/v1/admin", "headers": {"Authorization": f"Bearer {ADMIN_TOKEN}"}},
             {
+                # Deleting the tenant the calls use would turn every later tenant call into a 401: deletion gets
+                # a tenant of its own.
+                "include-path": "/v1/admin/tenants/{tenant_id}", "include-method": "DELETE",
+                "parameters": {"path.tenant_id": _mostly("doomed")},
+            },
+            {
                 # The event stream of a task that is not final never ends: it gets the cancelled task, whose
                 # stream ends at once with `end`, and any stream is cut after 2 s.
                 "include-path": "/v1/tasks/{task_id}/events/stream",
@@ -117,9 +124,10 @@ def test_no_input_answers_a_5xx_and_every_4xx_is_the_one_error_shape(client: Tes
     # every later tenant call into a 401.
     r = client.post(f"/v1/admin/tenants/{tenant.id}/api-keys", json={"name": "revocable"}, headers=ADMIN)
     assert r.status_code == 201, r.text
+    doomed = make_tenant(client, "doomed")
 
     config = _config(tenant, file_id=file_id, queued=queued, cancelled=cancelled, key_id=r.json()["id"],
-                     webhook_id=webhook.json()["id"])
+                     webhook_id=webhook.json()["id"], doomed_id=doomed.id)
     schema = schemathesis.openapi.from_asgi("/openapi.json", client.app, config=config)
     statuses: dict[int, int] = {}
     bad_errors: list[str] = []
@@ -152,3 +160,6 @@ def test_no_input_answers_a_5xx_and_every_4xx_is_the_one_error_shape(client: Tes
     assert 200 in statuses and 404 in statuses and 422 in statuses, statuses
     assert not problems, "\n\n".join(problems[:20])
     assert not bad_errors, "\n".join(bad_errors[:20])
+    # Every tenant call ran as the tenant (its key was never revoked, nor the tenant deleted); the other tenant was.
+    assert client.get("/v1/files", headers=tenant.headers).status_code == 200
+    assert client.get(f"/v1/admin/tenants/{doomed.id}", headers=ADMIN).status_code == 404
