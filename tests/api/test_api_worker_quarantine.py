@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
@@ -59,3 +60,20 @@ def test_an_operator_lifts_a_quarantine(client: TestClient, tenant: TenantKey) -
         assert (worker.quarantined_until, worker.lost_packs, worker.quarantines) == (None, None, 0)
     r = client.delete("/v1/admin/workers/gpu-9/quarantine", headers=ADMIN)
     assert r.status_code == 404 and r.json()["error"]["code"] == "worker_not_found"
+
+
+def test_an_estimate_waits_for_a_quarantined_worker(client: TestClient, tenant: TenantKey) -> None:
+    """The planner gives a quarantined worker no pack until its quarantine ends: the estimate waits as long."""
+    from tests.api.test_api_estimates import body
+    from tests.factories import upload
+
+    file_id = upload(client, tenant)["id"]
+    add_worker("gpu-0")
+
+    def wall_s() -> float:
+        answer = client.post("/v1/tasks?dry_run=true", json=body(file_id), headers=tenant.headers)
+        return float(answer.json()["estimate"]["wall_seconds"])
+
+    free = wall_s()
+    quarantine("gpu-0", for_s=600, lost_ago_s=[1, 2, 3])
+    assert wall_s() == pytest.approx(free + 600, abs=2)
