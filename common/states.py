@@ -43,5 +43,6 @@ MAX_TRIAL_ATTEMPTS = 3
 # otherwise take worker after worker down for ever. Far above what crashes of the workers themselves cost a trial:
 # a worker that loses packs is quarantined after LORAPLANE_WORKER_QUARANTINE_LOSSES (3) of them, so a flapping
 # worker costs each trial a few losses, while a poison trial goes on losing every worker it is placed on, each
-# time after a longer backoff (at the defaults, ten losses take ~20 minutes).
+# time after a longer backoff (at the defaults, ten losses take ~20 minutes). From half of them on it trains alone
+# (scheduler/planning/faults.py): its pack mates do not go down with it to the bound.
 MAX_TRIAL_WORKER_LOSSES = 10

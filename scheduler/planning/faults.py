@@ -7,13 +7,24 @@ stopped, a rank died, its outbox overflowed, or its whole pack failed before any
 trial's doing: the trial goes back to pending with its attempt given back, may be placed again only after
 `requeue_delay_s`, and the loss counts against the worker. A worker id that loses `quarantine_losses` packs
 within `quarantine_window_s` gets no packs for `quarantine_s`, doubled for each quarantine in a row up to
-`quarantine_max_s` (`quarantine_s_for`). scheduler/service/faults.py applies these in the scheduler's transaction.
+`quarantine_max_s` (`quarantine_s_for`). A trial whose workers were lost `ALONE_AFTER_WORKER_LOSSES` times trains
+alone (`pack_cap`), and one lost `MAX_TRIAL_WORKER_LOSSES` times fails: it may be what crashes them.
+scheduler/service/faults.py applies these in the scheduler's transaction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from common.states import MAX_TRIAL_WORKER_LOSSES
+
+# From this many worker losses on, a trial trains alone (a pack of its own, no back-fill beside it). A trial that
+# crashes every process it runs in takes its pack mates' workers down with it: their losses would climb with its own
+# and fail them too at MAX_TRIAL_WORKER_LOSSES. Alone, it pays the rest of the way by itself, and a mate lost at most
+# this many less one to it. Half the bound: a trial merely caught in a crash-looping worker (a few losses, the worker
+# quarantined after LORAPLANE_WORKER_QUARANTINE_LOSSES) keeps its packing.
+ALONE_AFTER_WORKER_LOSSES = MAX_TRIAL_WORKER_LOSSES // 2
 
 
 @dataclass(frozen=True)
@@ -55,3 +66,9 @@ def quarantine_s_for(losses_in_window: int, quarantines_in_a_row: int, policy: F
     if exponent >= 64:
         return policy.quarantine_max_s
     return min(policy.quarantine_max_s, policy.quarantine_s * 2.0**exponent)
+
+
+def pack_cap(task_cap: int, worker_losses: int) -> int:
+    """The most trials a pack holding this trial may hold: its task's cap, or 1 once the trial's workers were lost
+    `ALONE_AFTER_WORKER_LOSSES` times."""
+    return 1 if worker_losses >= ALONE_AFTER_WORKER_LOSSES else task_cap

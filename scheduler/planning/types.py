@@ -128,11 +128,13 @@ class LivePack:
     task_ids: frozenset[str] = frozenset()  # the tasks its members belong to
 
     def fits(self, trial: PendingTrial) -> bool:
-        """The engine can take ``trial``: same model, rank within its padding, targets among its layers."""
+        """The engine can take ``trial``: same model, rank within its padding, targets among its layers; and the
+        trial's own cap lets it share a pack of this many members (a trial that trains alone joins none)."""
         wrapped, targets = set(self.target_modules), set(trial.target_modules)
         # Compared as patterns (conservative): "all-linear" covers every layer but the output embedding.
         covered = targets <= wrapped or ("all-linear" in wrapped and "lm_head" not in targets)
-        return trial.base_model == self.base_model and trial.lora_rank <= self.max_rank and covered
+        return (trial.base_model == self.base_model and trial.lora_rank <= self.max_rank and covered
+                and self.members < trial.max_trials_per_pack)
 
 
 @dataclass(frozen=True)

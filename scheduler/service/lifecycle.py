@@ -20,6 +20,7 @@ from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, rank_key
 from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id
 from common.usage import task_usage
 from scheduler.planning.cost import ModelCost
+from scheduler.planning.faults import pack_cap
 from scheduler.planning.types import (
     LivePack,
     LiveWorker,
@@ -155,7 +156,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
             task_id=task.id,
             tenant_id=task.tenant_id,
             base_model=task.base_model,
-            max_trials_per_pack=task.parsed_spec.scheduling.max_trials_per_pack,
+            max_trials_per_pack=pack_cap(task.parsed_spec.scheduling.max_trials_per_pack, trial.worker_losses),
             remaining_steps=max(1, trial.total_steps - (trial.checkpoint_step or 0)),
             tokens_per_step=trial_tokens_per_step(trial, task),
             # The objective's weights are integers: a tenant's weight rounds to the nearest, at least 1.

@@ -18,7 +18,14 @@ from common.db import session_scope
 from common.models import Event, Pack, Trial, Worker, as_utc, utcnow
 from common.settings import Settings, get_settings
 from common.telemetry import scheduler_metrics
-from scheduler.planning.faults import FaultPolicy, quarantine_s_for, recent_losses, requeue_delay_s
+from scheduler.planning.faults import (
+    ALONE_AFTER_WORKER_LOSSES,
+    FaultPolicy,
+    pack_cap,
+    quarantine_s_for,
+    recent_losses,
+    requeue_delay_s,
+)
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.faults import WAITING_FOR_WORKER, fault_policy
 from scheduler.service.telemetry import SchedulerTelemetry
@@ -61,6 +68,11 @@ def test_a_workers_loss_history_keeps_the_window() -> None:
 def test_a_worker_is_quarantined_past_the_count_for_longer_each_time(losses: int, in_a_row: int,
                                                                      expected: float | None) -> None:
     assert quarantine_s_for(losses, in_a_row, DEFAULTS) == expected
+
+
+def test_a_trial_whose_workers_keep_being_lost_trains_alone_from_half_the_bound() -> None:
+    assert ALONE_AFTER_WORKER_LOSSES == states.MAX_TRIAL_WORKER_LOSSES // 2 == 5
+    assert [pack_cap(8, k) for k in (0, 1, 4, 5, 9)] == [8, 8, 8, 1, 1]
 
 
 # ----------------------------------------------------------------------------------------- through the daemon
@@ -182,3 +194,33 @@ def test_the_scheduler_measures_quarantines(daemon: SchedulerDaemon) -> None:  #
         generate_latest(metrics.registry).decode()) for sample in family.samples}
     assert samples["loraplane_scheduler_workers_quarantined"] == 1
     assert samples["loraplane_scheduler_worker_quarantines_total"] == begun + 1
+
+
+def test_a_trial_that_trains_alone_joins_no_running_pack_nor_takes_a_mate(daemon: SchedulerDaemon) -> None:  # noqa: F811
+    """A trial of ALONE_AFTER_WORKER_LOSSES worker losses is not back-filled into a running pack (not even its own
+    task's, where a resumed trial rejoins first) and its own pack is started with room for no one else."""
+    _, (first, resumed) = make_task(2, steps=20)
+    with session_scope() as s:  # only the first trains for now
+        s.get_one(Trial, resumed).state = states.TRIAL_WAITING
+    proc = FakeProcess()
+    proc.beat(None)
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    assert pack.trial_ids == [first] and (pack.capacity or 0) > 1
+    proc.report("pack.started", pack_id=pack.id)
+    proc.beat(pack.id)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:  # it comes back from a checkpoint, after losing five workers
+        trial = s.get_one(Trial, resumed)
+        trial.state, trial.checkpoint_step, trial.worker_losses = states.TRIAL_PENDING, 4, ALONE_AFTER_WORKER_LOSSES
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        assert s.get_one(Trial, resumed).state == states.TRIAL_PENDING  # not back-filled beside the first
+        assert s.get_one(Pack, pack.id).trial_ids == [first]
+    proc.report("trial.finished", pack_id=pack.id, trial_id=first, status="completed", steps_done=20,
+                best_val_loss=0.5, best_step=20, final_train_loss=0.5, adapter_key="a")
+    proc.report("pack.finished", pack_id=pack.id)
+    proc.beat(None)
+    daemon.step(block_s=0.2)
+    alone = live_pack()
+    assert alone.trial_ids == [resumed] and alone.capacity == 1
