@@ -158,7 +158,7 @@ def charge_worker(session: Session, worker: Worker, now: datetime, policy: Fault
     window_min = policy.quarantine_window_s / 60
     log.warning("worker %s quarantined for %.0fs, until %s: it lost %d packs within %.0f min (quarantine %d in a "
                 "row)", worker.id, seconds, until.isoformat(), len(history), window_min, worker.quarantines)
-    scheduler_metrics().quarantines.inc()
+    scheduler_metrics().quarantines.inc()  # when decided: a batch rolled back and read again counts it twice (rare)
     for trial in requeued:
         record_event(
             session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type=WAITING_FOR_WORKER,
