@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.db import commit
+from api.deps import invalid_api_key
 from api.errors import conflict, invalid
 from api.queries import get_webhook
 from api.schemas.common import NO_CONTROL_CHARS
@@ -68,8 +69,11 @@ def create_webhook(session: Session, *, tenant: Tenant, body: WebhookCreate,
     url = check_url(body.url)
     check_reachable(url, egress)
     events = [e for e in WEBHOOK_EVENTS if body.events is None or e in body.events]  # deduplicated, in one order
-    # The tenant's row lock makes concurrent registrations count one after the other (no limit overrun).
-    session.scalar(select(Tenant.id).where(Tenant.id == tenant.id).with_for_update())
+    # The tenant's row lock makes concurrent registrations count one after the other (no limit overrun), and
+    # orders this one against the tenant's deletion (api/services/tenants.py), which takes the same lock and removes
+    # the tenant's webhooks: one that authenticated just before it must not leave an endpoint behind.
+    if session.scalar(select(Tenant.deleted_at).where(Tenant.id == tenant.id).with_for_update()) is not None:
+        raise invalid_api_key()
     count = session.scalar(select(func.count()).select_from(WebhookEndpoint)
                            .where(WebhookEndpoint.tenant_id == tenant.id)) or 0
     if count >= MAX_WEBHOOKS_PER_TENANT:

@@ -12,8 +12,11 @@ from sqlalchemy import func, select
 
 from api.errors import ApiError
 from api.schemas.tasks import TaskCreate
+from api.schemas.webhooks import WebhookCreate
 from api.services.tasks import create_task
+from api.services.webhooks import create_webhook
 from common.db import session_scope
+from common.egress import Egress
 from common.models import ApiKey, Event, Task, Tenant, Trial, WebhookDelivery, WebhookEndpoint
 from tests.factories import ADMIN, TenantKey, add_events, make_task, task_body, trial_ids, update_row, upload
 
@@ -134,3 +137,18 @@ def test_a_submission_that_authenticated_before_the_deletion_writes_nothing_afte
         create_task(session, tenant=authenticated, body=body)
     assert (refused.value.status_code, refused.value.code) == (401, "invalid_api_key")
     assert _count(Task, tenant.id) == 0
+
+
+def test_a_webhook_registered_by_a_request_that_authenticated_before_the_deletion_is_refused(
+    client: TestClient, tenant: TenantKey
+) -> None:
+    """The same race for a webhook: its registration takes the tenant's row lock after the deletion committed, and
+    leaves no endpoint (with its secret) behind for a tenant whose webhooks the deletion removed."""
+    with session_scope() as session:
+        authenticated = session.get_one(Tenant, tenant.id)
+        session.expunge(authenticated)
+    _delete(client, tenant.id)
+    with session_scope() as session, pytest.raises(ApiError) as refused:
+        create_webhook(session, tenant=authenticated, body=WebhookCreate(url=PUBLIC_HOOK), egress=Egress())
+    assert (refused.value.status_code, refused.value.code) == (401, "invalid_api_key")
+    assert _count(WebhookEndpoint, tenant.id) == 0
