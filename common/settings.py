@@ -107,19 +107,6 @@ class Settings(BaseSettings):
             return "postgresql+psycopg://" + url.split("://", 1)[1]
         return url
 
-    @property
-    def resolved_database_url(self) -> str:
-        return self.database_url or f"sqlite:///{(self.home / 'loraplane.db').resolve()}"
-
-    @property
-    def resolved_artifact_dir(self) -> Path:
-        return (self.artifact_dir or self.home / "artifacts").resolve()
-
-    @property
-    def resolved_model_cache_dir(self) -> Path:
-        return (self.model_cache_dir or self.home / "models").resolve()
-
-    @property
     @field_validator("webhook_allowed_networks")
     @classmethod
     def _allow_list_parses(cls, text: str) -> str:
@@ -135,6 +122,19 @@ class Settings(BaseSettings):
         """No DATABASE_URL: the database (and everything else) lives under LORAPLANE_HOME."""
         return not self.database_url
 
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'loraplane.db').resolve()}"
+
+    @property
+    def resolved_artifact_dir(self) -> Path:
+        return (self.artifact_dir or self.home / "artifacts").resolve()
+
+    @property
+    def resolved_model_cache_dir(self) -> Path:
+        return (self.model_cache_dir or self.home / "models").resolve()
+
+    @property
     def resolved_broker_url(self) -> str:
         if self.celery_broker_url:
             return self.celery_broker_url
