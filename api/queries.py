@@ -26,7 +26,7 @@ def find_file(
     if not include_deleted:
         stmt = stmt.where(File.deleted_at.is_(None))
     if lock is not None:
-        stmt = stmt.with_for_update(read=lock == "share")
+        stmt = stmt.with_for_update(read=lock == "share", key_share=lock == "update")
     return session.scalar(stmt)
 
 
@@ -40,7 +40,7 @@ def get_file(session: Session, *, tenant_id: str, file_id: str, lock: Lock = Non
 def find_task(session: Session, *, tenant_id: str, task_id: str, lock: bool = False) -> Task | None:
     stmt = select(Task).where(Task.id == task_id, Task.tenant_id == tenant_id)
     if lock:
-        stmt = stmt.with_for_update()
+        stmt = stmt.with_for_update(key_share=True)
     return session.scalar(stmt)
 
 

@@ -77,7 +77,8 @@ def rotate_secrets(session: Session, box: SecretBox) -> Rotation:
     it reports nothing unreadable, every secret is under the first key and the older keys may be dropped. Safe to
     run again, and beside a running service: a row is rewritten whole, with the same secret."""
     result = Rotation()
-    for endpoint in session.scalars(select(WebhookEndpoint).order_by(WebhookEndpoint.id).with_for_update()):
+    endpoints = select(WebhookEndpoint).order_by(WebhookEndpoint.id).with_for_update(key_share=True)
+    for endpoint in session.scalars(endpoints):
         if box.is_current(endpoint.secret_encrypted):
             result.current += 1
             continue

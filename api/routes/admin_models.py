@@ -48,7 +48,8 @@ _USING_STATES = (TASK_VALIDATING, TASK_QUEUED, TASK_RUNNING)
 
 def _model(session: Session, name: str, *, lock: bool = False) -> BaseModelEntry:
     """The entry; a retired one (deleted_at set) reads as missing."""
-    entry = session.get(BaseModelEntry, name, with_for_update=True if lock else None, populate_existing=lock)
+    entry = session.get(BaseModelEntry, name, with_for_update={"key_share": True} if lock else None,
+                        populate_existing=lock)
     if entry is None or entry.deleted_at is not None:
         raise not_found("model", name)
     return entry
@@ -117,7 +118,7 @@ def register_model(body: ModelCreate, session: SessionDep) -> AdminModelOut:
     with kind gguf, a GGUF file in a directory. `path` is where the workers find it. The name of a retired model
     may be registered again: the new entry replaces the retired one."""
     # Locked: two registrations of one retired name do not both replace it.
-    entry = session.get(BaseModelEntry, body.name, with_for_update=True, populate_existing=True)
+    entry = session.get(BaseModelEntry, body.name, with_for_update={"key_share": True}, populate_existing=True)
     if entry is not None and entry.deleted_at is None:
         raise _name_taken(body.name)
     tenants = _tenant_ids(session, body.tenants)
@@ -154,7 +155,7 @@ def restore_registered_model(name: PathId, session: SessionDep) -> AdminModelOut
     while a live model holds the name (it was never retired, or was registered again since). The scheduler
     publishes the registry to the workers again at its next round, as after any change."""
     # Locked, as registration and retirement lock it: a restore and a re-registration of one name do not both win.
-    entry = session.get(BaseModelEntry, name, with_for_update=True, populate_existing=True)
+    entry = session.get(BaseModelEntry, name, with_for_update={"key_share": True}, populate_existing=True)
     if entry is None:
         raise not_found("model", name)
     if entry.deleted_at is None:

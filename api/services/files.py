@@ -196,7 +196,7 @@ def upload_file(
         # Locking the tenant's row serialises this last check between concurrent uploads of one tenant, and
         # against the tenant's deletion (api/services/tenants.py), which takes the same lock.
         quota = session.execute(select(Tenant.max_storage_bytes, Tenant.max_files, Tenant.deleted_at)
-                                .where(Tenant.id == tenant.id).with_for_update()).one()
+                                .where(Tenant.id == tenant.id).with_for_update(key_share=True)).one()
         if quota.deleted_at is not None:
             raise invalid_api_key()
         usage = storage_usage(session, tenant.id)

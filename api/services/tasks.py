@@ -127,7 +127,7 @@ def expand_trials(
 
 def usable_model(session: Session, tenant: Tenant, name: str, *, lock: bool = False) -> BaseModelEntry:
     """The registry entry a task of this tenant may name. A retired model or one the tenant may not use reads as
-    unknown. `lock`: FOR SHARE, so that a concurrent DELETE (FOR UPDATE) waits for the task, or the task for the
+    unknown. `lock`: FOR SHARE, so that a concurrent DELETE (FOR NO KEY UPDATE) waits for the task, or the task for the
     retirement (and then reads deleted_at)."""
     model = session.get(BaseModelEntry, name, with_for_update={"read": True} if lock else None, populate_existing=lock)
     if model is None or model.deleted_at is not None or not may_use(model, tenant.id):
@@ -277,7 +277,8 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
     # Locking the tenant row serialises the rest between concurrent submissions of one tenant, so two
     # racing requests can neither both fit in the quota nor both claim one Idempotency-Key; and against the
     # tenant's deletion (api/services/tenants.py), which takes the same lock: no task is left behind it.
-    if session.scalar(select(Tenant.deleted_at).where(Tenant.id == tenant.id).with_for_update()) is not None:
+    deleted_at = select(Tenant.deleted_at).where(Tenant.id == tenant.id).with_for_update(key_share=True)
+    if session.scalar(deleted_at) is not None:
         raise invalid_api_key()
     if existing := _by_idempotency_key(session, tenant, idempotency_key):
         return existing
@@ -349,7 +350,7 @@ def cancel_unfinished(session: Session, tasks: Sequence[Task], *, why: str) -> N
     # All tasks' trials in one statement, so a tenant's deletion keeps that order across its tasks too.
     trials = session.scalars(select(Trial).where(Trial.task_id.in_([t.id for t in tasks]),
                                                  Trial.state.in_(TRIAL_ACTIVE))
-                             .order_by(Trial.id).with_for_update())
+                             .order_by(Trial.id).with_for_update(key_share=True))
     cancelled: Counter[str] = Counter()
     for trial in trials:
         trial.state = TRIAL_CANCELLED

@@ -22,9 +22,10 @@ from common.states import TASK_FINAL
 
 
 def live_tenant(session: Session, tenant_id: str, *, lock: bool = False) -> Tenant:
-    """The tenant; a deleted one reads as missing (404). `lock`: FOR UPDATE, the row lock deletion takes, so a key
-    created under it cannot outlive the deletion."""
-    tenant = session.get(Tenant, tenant_id, with_for_update=True if lock else None, populate_existing=lock)
+    """The tenant; a deleted one reads as missing (404). `lock`: the row lock deletion takes (FOR NO KEY
+    UPDATE), so a key created under it cannot outlive the deletion."""
+    tenant = session.get(Tenant, tenant_id, with_for_update={"key_share": True} if lock else None,
+                         populate_existing=lock)
     if tenant is None or tenant.deleted_at is not None:
         raise not_found("tenant", tenant_id)
     return tenant
@@ -43,7 +44,7 @@ def delete_tenant(session: Session, tenant_id: str) -> Tenant:
     # earlier events go with their endpoints (ON DELETE CASCADE).
     session.execute(delete(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant.id))
     tasks = session.scalars(select(Task).where(Task.tenant_id == tenant.id, Task.state.not_in(TASK_FINAL))
-                            .order_by(Task.id).with_for_update()).all()
+                            .order_by(Task.id).with_for_update(key_share=True)).all()
     cancel_unfinished(session, tasks, why="Task cancelled: its tenant was deleted")
     commit(session)
     if tasks:

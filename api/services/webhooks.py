@@ -72,7 +72,8 @@ def create_webhook(session: Session, *, tenant: Tenant, body: WebhookCreate,
     # The tenant's row lock makes concurrent registrations count one after the other (no limit overrun), and
     # orders this one against the tenant's deletion (api/services/tenants.py), which takes the same lock and removes
     # the tenant's webhooks: one that authenticated just before it must not leave an endpoint behind.
-    if session.scalar(select(Tenant.deleted_at).where(Tenant.id == tenant.id).with_for_update()) is not None:
+    deleted_at = select(Tenant.deleted_at).where(Tenant.id == tenant.id).with_for_update(key_share=True)
+    if session.scalar(deleted_at) is not None:
         raise invalid_api_key()
     count = session.scalar(select(func.count()).select_from(WebhookEndpoint)
                            .where(WebhookEndpoint.tenant_id == tenant.id)) or 0

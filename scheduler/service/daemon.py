@@ -190,7 +190,7 @@ class SchedulerDaemon:
                     )
                     .order_by(Pack.created_at, Pack.id)
                     .limit(1)
-                    .with_for_update(skip_locked=True)
+                    .with_for_update(skip_locked=True, key_share=True)
                 ).first()
                 if pack is None:
                     break

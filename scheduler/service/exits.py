@@ -75,9 +75,12 @@ def apply_early_exit(session: Session, task_ids: Iterable[str], now: datetime) -
 
 
 def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime) -> list[PauseRequest]:
-    trials = session.scalars(
-        select(Trial).where(Trial.task_id == task.id).order_by(Trial.index).with_for_update()
+    # Locked in id order, as every transaction that locks several trials (ingest.lock_trials, the API's cancel),
+    # so that no two wait for each other; read in index order.
+    locked = session.scalars(
+        select(Trial).where(Trial.task_id == task.id).order_by(Trial.id).with_for_update(key_share=True)
     ).all()
+    trials = sorted(locked, key=lambda t: t.index)
     points: dict[str, dict[str, list[tuple[int, float]]]] = {t.id: {"train": [], "val": []} for t in trials}
     for trial_id, step, split, loss in session.execute(
         select(MetricPoint.trial_id, MetricPoint.step, MetricPoint.split, MetricPoint.loss)

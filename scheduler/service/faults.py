@@ -127,7 +127,7 @@ def requeue_for_worker(session: Session, pack: Pack, now: datetime, reason: str,
         worker.current_pack_id = None
     trials = session.scalars(
         select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING).order_by(Trial.id)
-        .with_for_update()  # in id order, as every transaction that locks several trials (ingest.lock_trials)
+        .with_for_update(key_share=True)  # in id order, as all that lock several trials (ingest.lock_trials)
     ).all()
     for trial in trials:
         if trial.awaiting_admission:  # it never joined: nothing of it was lost

@@ -102,7 +102,12 @@ def lock_trials(session: Session, messages: list[dict[str, Any]]) -> None:
     """Lock every trial the batch names (its reports' `trial_id`s and their points'), in id order, before any is
     read. Every transaction that locks several trials locks them in id order (the API's cancel, `lose_pack`):
     in message order, two of them could each hold a trial the other waits for, and the database breaks such a
-    deadlock by failing one (the batch would be retried; a cancel would answer 503)."""
+    deadlock by failing one (the batch would be retried; a cancel would answer 503).
+
+    Every row lock the service takes is FOR NO KEY UPDATE (`key_share=True`; no statement changes a key): an
+    insert that only references a locked row (an event or a point naming its task, trial or tenant takes FOR KEY
+    SHARE on it) does not wait for it. With FOR UPDATE a cancel that held its task's row and waited for a trial
+    deadlocked with this batch, which held the trial and inserted an event naming the task."""
     ids: set[str] = set()
     for m in messages:
         if isinstance(m.get("trial_id"), str):
@@ -112,7 +117,7 @@ def lock_trials(session: Session, messages: list[dict[str, Any]]) -> None:
             if isinstance(point, list | tuple) and point and isinstance(point[0], str):
                 ids.add(point[0])
     if ids:
-        session.execute(select(Trial.id).where(Trial.id.in_(sorted(ids))).order_by(Trial.id).with_for_update())
+        session.execute(select(Trial.id).where(Trial.id.in_(sorted(ids))).order_by(Trial.id).with_for_update(key_share=True))
 
 
 def _sent_at(m: dict[str, Any], now: datetime) -> datetime:
@@ -131,7 +136,7 @@ def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s
         return False
     incarnation = m.get("incarnation")
     started_at = datetime.fromtimestamp(float(m["started_at"]), UTC) if m.get("started_at") else sent_at
-    worker = session.get(Worker, m["worker_id"], with_for_update=True)
+    worker = session.get(Worker, m["worker_id"], with_for_update={"key_share": True})
     is_new = worker is None or worker.state != states.WORKER_ALIVE
     if worker is None:
         worker = Worker(id=m["worker_id"], registered_at=now, last_heartbeat=sent_at)
@@ -192,7 +197,8 @@ def _models(raw: Any) -> list[str] | None:
 
 def _running_packs(session: Session, worker_id: str) -> list[Pack]:
     return list(session.scalars(
-        select(Pack).where(Pack.worker_id == worker_id, Pack.state == states.PACK_RUNNING).with_for_update()
+        select(Pack).where(Pack.worker_id == worker_id, Pack.state == states.PACK_RUNNING)
+        .with_for_update(key_share=True)
     ).all())
 
 
@@ -224,7 +230,7 @@ def _from_pack_process(session: Session, m: dict[str, Any]) -> bool:
 
 def _live_trial(session: Session, trial_id: str, pack_id: str) -> Trial | None:
     # Locked: a trial the API cancels meanwhile must not come back as completed.
-    trial = session.get(Trial, trial_id, with_for_update=True)
+    trial = session.get(Trial, trial_id, with_for_update={"key_share": True})
     if trial is None or trial.pack_id != pack_id or trial.state != states.TRIAL_RUNNING:
         return None
     return trial
@@ -289,7 +295,7 @@ def _points(session: Session, m: dict[str, Any]) -> set[str]:
 def _reporting_trial(session: Session, trial_id: str, pack_id: str) -> Trial | None:
     """The trial, when its points from this pack count: running in it, or ended in it (a metric score comes when
     a trial ends, also one stopped early whose best adapter its worker exported); locked as `_live_trial`."""
-    trial = session.get(Trial, trial_id, with_for_update=True)
+    trial = session.get(Trial, trial_id, with_for_update={"key_share": True})
     if trial is None or trial.pack_id != pack_id or trial.state not in _REPORTING_STATES:
         return None
     return trial
@@ -456,7 +462,7 @@ def _trial_paused(session: Session, trial: Trial, m: dict[str, Any]) -> None:
 
 def _stopped_early_adapter(session: Session, m: dict[str, Any]) -> None:
     """A trial the scheduler stopped early for overfitting reports from its pack with its best adapter saved."""
-    trial = session.get(Trial, m["trial_id"], with_for_update=True)
+    trial = session.get(Trial, m["trial_id"], with_for_update={"key_share": True})
     if (trial is None or trial.pack_id != m["pack_id"] or trial.state != states.TRIAL_STOPPED_EARLY
             or not m.get("adapter_key") or trial.adapter_key):
         return

@@ -73,7 +73,7 @@ def finalize_tasks(session: Session, now: datetime) -> None:
     open_tasks = session.scalars(
         select(Task)
         .where(Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
-        .with_for_update(skip_locked=True)
+        .with_for_update(skip_locked=True, key_share=True)
     ).all()
     for task in open_tasks:
         trials = session.scalars(select(Trial).where(Trial.task_id == task.id)).all()
@@ -148,7 +148,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
         .order_by(Task.created_at, Task.id, Trial.index)
         # record_plan moves these trials to running in this transaction: lock them so a concurrent cancel
         # either waits for us (and the stop command follows) or makes us skip them.
-        .with_for_update(of=Trial, skip_locked=True)
+        .with_for_update(of=Trial, skip_locked=True, key_share=True)
     ).all()
     pending = tuple(
         PendingTrial(
@@ -312,7 +312,7 @@ def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult 
             start(trial_id, pack, backfill=False)
         pack_ids.append(pack.id)
     for backfill in plan.backfills:
-        live = session.get(Pack, backfill.pack_id, with_for_update=True)
+        live = session.get(Pack, backfill.pack_id, with_for_update={"key_share": True})
         if live is None or live.state != states.PACK_RUNNING:  # it ended since the snapshot: try next round
             continue
         live.trial_ids = [*live.trial_ids, *backfill.trial_ids]

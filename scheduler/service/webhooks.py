@@ -163,7 +163,7 @@ class WebhookSender:
                 .where(WebhookDelivery.state == DELIVERY_PENDING, WebhookDelivery.next_attempt_at <= now)
                 .order_by(WebhookDelivery.next_attempt_at, WebhookDelivery.id)
                 .limit(1)
-                .with_for_update(of=WebhookDelivery, skip_locked=True)
+                .with_for_update(of=WebhookDelivery, skip_locked=True, key_share=True)
             ).first()
             if row is None:
                 return None
@@ -215,7 +215,7 @@ class WebhookSender:
     def record(self, claimed: Claimed, outcome: Outcome, now: datetime) -> None:
         """The attempt, and what comes next: delivered, another try after the backoff, or failed."""
         with session_scope() as session:
-            delivery = session.get(WebhookDelivery, claimed.delivery_id, with_for_update=True)
+            delivery = session.get(WebhookDelivery, claimed.delivery_id, with_for_update={"key_share": True})
             if delivery is None or delivery.state != DELIVERY_PENDING:
                 return  # its endpoint was deleted meanwhile, or another sender got there first (a claim ran out)
             delivery.attempts += 1

@@ -337,7 +337,8 @@ def test_a_value_the_database_refuses_is_a_422_and_an_outage_a_503_with_retry_af
     ("/v1/files", "GET, POST, OPTIONS"),  # FastAPI's routes take no HEAD unless they declare it
     ("/v1/files/file-x", "GET, DELETE, OPTIONS"),
     ("/v1/tasks/task-x", "GET, OPTIONS"),
-    ("/v1/admin/tenants/tenant-x", "GET, PATCH, OPTIONS"),
+    ("/v1/admin/tenants/tenant-x", "GET, PATCH, DELETE, OPTIONS"),
+    ("/v1/admin/models/org/model/restore", "POST, OPTIONS"),
     ("/v1/models/org/model", "GET, OPTIONS"),
     ("/", "GET, OPTIONS"),
     ("/static/style.css", "GET, HEAD, OPTIONS"),  # static files do
