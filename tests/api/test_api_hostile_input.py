@@ -169,6 +169,12 @@ def _cases(file_id: str) -> list[Case]:
         for name, content in (("body", DEEP), ("field", '{"search_space": ' + DEEP + "}")):
             cases.append(Case(f"{name}-100000-deep {method} {path}", method, path, 400, "http_error", None,
                               content=content.encode(), message="error parsing the body"))
+    # Webhooks aimed inward, as address literals (no name is resolved: no DNS query leaves the machine, and
+    # registration connects nowhere): 422 url_not_allowed, the resolved address never echoed.
+    for url in ("http://127.0.0.1:8000/hook", "http://[::1]/hook", "http://10.0.0.1/hook",
+                "http://169.254.169.254/latest/meta-data/", "http://[::ffff:127.0.0.1]/hook"):
+        cases.append(Case(f"webhook-inward {url}", "POST", "/v1/webhooks", 422, "url_not_allowed", "url",
+                          json_body={"url": url}, message="webhooks are sent to public addresses only"))
     # Bodies past LORAPLANE_MAX_REQUEST_BYTES (1 MiB): declared (refused before a byte is read) and chunked (cut
     # off as it passes the bound); FastAPI would otherwise read either whole into memory (api/limits.py).
     too_large = "larger than the limit of 1048576 bytes"
