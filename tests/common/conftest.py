@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, inspect, text
 
-from common.db import MIGRATIONS_DIR
+from common.db import MIGRATIONS_DIR, make_engine
 from tests.conftest import SERVER_URL
 
 
@@ -39,3 +39,12 @@ def scratch_url(request: pytest.FixtureRequest, tmp_path: Path, database: str) -
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def table_columns(url: str, table: str) -> set[str]:
+    """The names of `table`'s columns in the database at `url` (what a migration test checks after each step)."""
+    engine = make_engine(url)
+    try:
+        return {c["name"] for c in inspect(engine).get_columns(table)}
+    finally:
+        engine.dispose()

@@ -3,18 +3,10 @@ Postgres."""
 
 from __future__ import annotations
 
-from sqlalchemy import inspect, text
+from sqlalchemy import text
 
 from common.db import make_engine
-from tests.common.conftest import alembic
-
-
-def _tenant_columns(url: str) -> set[str]:
-    engine = make_engine(url)
-    try:
-        return {c["name"] for c in inspect(engine).get_columns("tenants")}
-    finally:
-        engine.dispose()
+from tests.common.conftest import alembic, table_columns
 
 
 def test_0015_keeps_existing_tenants_live_and_downgrades(scratch_url: str) -> None:
@@ -34,6 +26,6 @@ def test_0015_keeps_existing_tenants_live_and_downgrades(scratch_url: str) -> No
     engine.dispose()
 
     alembic(scratch_url, "downgrade", "0014")
-    assert "deleted_at" not in _tenant_columns(scratch_url)
+    assert "deleted_at" not in table_columns(scratch_url, "tenants")
     alembic(scratch_url, "upgrade", "head")
-    assert "deleted_at" in _tenant_columns(scratch_url)
+    assert "deleted_at" in table_columns(scratch_url, "tenants")

@@ -3,21 +3,13 @@ pack and no quarantine, and downgrades cleanly, on SQLite and on Postgres."""
 
 from __future__ import annotations
 
-from sqlalchemy import inspect, text
+from sqlalchemy import text
 
 from common.db import make_engine
-from tests.common.conftest import alembic
+from tests.common.conftest import alembic, table_columns
 
 TRIAL_COLUMNS = {"worker_losses", "not_before"}
 WORKER_COLUMNS = {"lost_packs", "quarantines", "quarantined_until"}
-
-
-def _columns(url: str, table: str) -> set[str]:
-    engine = make_engine(url)
-    try:
-        return {c["name"] for c in inspect(engine).get_columns(table)}
-    finally:
-        engine.dispose()
 
 
 def test_0013_starts_every_worker_and_trial_with_a_clean_record_and_downgrades(scratch_url: str) -> None:
@@ -51,7 +43,8 @@ def test_0013_starts_every_worker_and_trial_with_a_clean_record_and_downgrades(s
     engine.dispose()
 
     alembic(scratch_url, "downgrade", "0012")
-    assert not TRIAL_COLUMNS & _columns(scratch_url, "trials")
-    assert not WORKER_COLUMNS & _columns(scratch_url, "workers")
+    assert not TRIAL_COLUMNS & table_columns(scratch_url, "trials")
+    assert not WORKER_COLUMNS & table_columns(scratch_url, "workers")
     alembic(scratch_url, "upgrade", "head")
-    assert TRIAL_COLUMNS <= _columns(scratch_url, "trials") and WORKER_COLUMNS <= _columns(scratch_url, "workers")
+    assert TRIAL_COLUMNS <= table_columns(scratch_url, "trials")
+    assert WORKER_COLUMNS <= table_columns(scratch_url, "workers")
