@@ -31,6 +31,7 @@ from worker import telemetry
 from worker.agent import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
 from worker.engine import Evaluation, ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
 from worker.engine.distributed import shard_base
+from worker.engine.keeper import EngineKeeper
 from worker.engine.models import base_dtype
 from worker.engine.trainer import PackTimings, StopMode
 from worker.profile import PackProfiler
@@ -108,6 +109,9 @@ class PackRunner:
         # and the scheduler, past its heartbeat timeout, requeues the pack's trials from their checkpoints).
         self.report_timeout_s = report_timeout_s
         self.inbox = CommandInbox(bus, worker_id)
+        # The last pack's engine and its captured graphs, for the next pack of the same model and shape (one
+        # device only: a rank's engine is over sharded layers).
+        self.engines = EngineKeeper()
         self._models: dict[str, tuple[ModelSource, tuple[Any, Any]]] = {}  # name -> (its source, model and tokenizer)
 
     def model(self, source: ModelSource) -> tuple[Any, Any]:
@@ -257,6 +261,7 @@ class PackRunner:
                 capacity=pack.get("capacity") if ranks is None else ranks.capacity(pack.get("capacity")),
                 target_modules=pack.get("target_modules"), admissions=calls.admissions, on_admitted=calls.admitted,
                 on_outcome=calls.finished, timings=timings, lockstep=None if ranks is None else ranks.lockstep,
+                keeper=self.engines if ranks is None else None,
             )
             refused = self.inbox.drain_admissions(pack_id)  # each rank's inbox saw them; rank 0 answers
             for t in refused if leads else []:
@@ -266,6 +271,7 @@ class PackRunner:
         if leads:
             gpus = {} if ranks is None else {"gpus": ranks.world}
             reporter.send("pack.profile", profile={**profiler.summary(), **gpus, "phases": timings.summary()})
+            telemetry.pack_profiled(timings.summary())  # the phase counters of the worker's metrics
 
     def _set_up(self, source: ModelSource, trials: list[dict[str, Any]],
                 read_rows: Callable[[str], list[dict[str, Any]]], resume_into: Path, reporter: Reporter,

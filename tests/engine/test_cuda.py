@@ -193,3 +193,45 @@ def test_cuda_captured_steps_train_as_eager_steps(model_cache: Path, monkeypatch
     monkeypatch.setenv("LORAPLANE_STEP_CAPTURE", "auto")
     with PackEngine(model, tokenizer, capacity=1, max_rank=8, target_modules=["q_proj", "lm_head"]) as engine:
         assert engine.graphs is None  # lm_head (259 wide) is not a shape torch._grouped_mm takes
+
+
+def test_cuda_a_kept_engine_replays_its_graphs_in_the_next_pack_and_shrinks_as_trials_end(
+    model_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30: the second pack of the same model and shape takes the first's engine (worker/engine/keeper.py)
+    and replays the graphs the first captured: no capture, every step replayed. Within a pack, a trial that
+    ends takes its rows out of the step (fewer active slots, a smaller captured shape) and the others train
+    as they do eagerly."""
+    from worker.engine.keeper import EngineKeeper
+    from worker.engine.trainer import PackTimings
+
+    monkeypatch.setenv("LORAPLANE_STEP_CAPTURE", "auto")
+    model, tokenizer = load_base_model(TINY, cache_dir=model_cache, device=CUDA)
+
+    def specs(prefix: str) -> list[TrialSpec]:  # the short trial ends after 4 steps, the long one goes on to 10
+        return [make_spec(f"{prefix}{i}", target_modules=["q_proj", "v_proj", "down_proj"], seed=i, max_steps=steps,
+                          train_rows=chat_rows(4), val_rows=[]) for i, steps in enumerate((4, 10))]
+
+    def pack(prefix: str, keeper: EngineKeeper | None) -> tuple[PackTimings, list[StepStats], dict[str, list[float]]]:
+        timings, stats, losses = PackTimings(), list[StepStats](), dict[str, list[float]]()
+        train_pack(model, tokenizer, specs(prefix), base_model_name="tiny", export_dir=tmp_path / prefix,
+                   on_point=lambda t, s, split, v: losses.setdefault(t[1:], []).append(v) if split == "train" else None,
+                   on_step=stats.append, timings=timings, keeper=keeper)
+        return timings, stats, losses
+
+    keeper = EngineKeeper()
+    first, first_steps, _ = pack("a", keeper)
+    second, second_steps, kept_losses = pack("b", keeper)
+    keeper.drop()
+    assert keeper.reuses == 1
+    assert first.capture_s > 0 and second.capture_s == 0.0
+    assert len(second_steps) == 10 and all(s.captured for s in second_steps)
+    assert [s.active_slots for s in second_steps] == [2] * 4 + [1] * 6
+    width = [s.tokens + s.padded_tokens for s in second_steps]
+    assert width[-1] < width[0]  # the captured shape shrank with the trial that ended
+    monkeypatch.setenv("LORAPLANE_STEP_CAPTURE", "off")
+    _, eager_steps, eager_losses = pack("c", None)
+    assert not any(s.captured for s in eager_steps)
+    for trial in ("0", "1"):
+        for captured, eager in zip(kept_losses[trial], eager_losses[trial], strict=True):
+            assert abs(captured - eager) <= 2e-2 * abs(eager), (trial, kept_losses[trial], eager_losses[trial])

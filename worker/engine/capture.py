@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,7 @@ class StepGraphs:
         self.enabled = True
         self.captures = 0
         self.replays = 0
+        self.capture_s = 0.0  # wall time spent capturing (warm-up runs included), for the pack profile
 
     def run(self, batch: PackedBatch) -> torch.Tensor | None:
         """``(Z,)`` per-slot losses of ``batch`` (packed with static shapes), its gradients in ``grads``,
@@ -125,12 +127,25 @@ class StepGraphs:
         self.replays += 1
         return entry.losses.clone()
 
+    @property
+    def count(self) -> int:
+        """Graphs captured and kept (one per batch shape)."""
+        return len(self._graphs)
+
     def close(self) -> None:
         """Drop the graphs and their memory pool."""
         self._graphs.clear()
         self.enabled = False
 
     def _capture(self, batch: PackedBatch) -> _Graph:
+        started = time.perf_counter()
+        try:
+            return self._capture_graph(batch)
+        finally:
+            torch.cuda.synchronize()  # the warm-up runs and the capture are queued: count them done
+            self.capture_s += time.perf_counter() - started
+
+    def _capture_graph(self, batch: PackedBatch) -> _Graph:
         def body() -> torch.Tensor:
             self._grads.zero_()
             return self._forward_backward(batch)

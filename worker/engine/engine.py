@@ -469,6 +469,20 @@ class PackEngine:
         self.slots = [None] * len(self.slots)
         self._prefetched = None
 
+    def reset(self) -> None:
+        """Ready the engine for another pack (worker/engine/keeper.py): every slot free, the step count and the
+        tokenised rows dropped; the wrapped layers, the store and the captured graphs stay as they are."""
+        for slot, state in enumerate(self.slots):
+            if state is not None:
+                self.evict(slot)
+        self.pack_step = 0
+        self._encodings.clear()
+        self.last_stats = None
+        self.failures = {}
+        self._prefetched = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
     def __enter__(self) -> PackEngine:
         return self
 

@@ -20,6 +20,7 @@ from common.regex_policy import PatternRefused
 from worker.engine.data import eval_prompt
 from worker.engine.distributed import Lockstep
 from worker.engine.engine import PackEngine
+from worker.engine.keeper import EngineKeeper, EngineShape
 from worker.engine.lora import ALL_LINEAR, resolve_target_modules
 from worker.engine.slots import StepStats
 from worker.engine.spec import TrialOutcome, TrialSpec, validate_spec
@@ -62,6 +63,7 @@ def train_pack(
     on_outcome: Callable[[TrialOutcome], None] | None = None,
     timings: PackTimings | None = None,
     lockstep: Lockstep | None = None,
+    keeper: EngineKeeper | None = None,
 ) -> list[TrialOutcome]:
     """Train ``trials`` together on ``model`` and export each completed one to ``export_dir/<trial_id>/``.
 
@@ -89,6 +91,8 @@ def train_pack(
             step, path)``.
         on_outcome: called with each trial's outcome as soon as the trial ends and its adapter is written.
         timings: filled in with where the pack's wall time went on the training thread.
+        keeper: the worker's kept engine (worker/engine/keeper.py): the pack takes it where it fits, and it is kept
+            again, with its captured graphs, when the pack ends well (none: a new engine, closed at the end).
         lockstep: this is one rank of a pack over several GPUs (worker/engine/distributed.py): ``trials`` are
             this rank's, the base's layers are already sharded, and the loop runs in step with the other ranks
             until none has a live trial.
@@ -114,8 +118,8 @@ def train_pack(
     rank = max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64
     with _closing_writer(writer, clock, started):
         if ready or admissions is not None or lockstep is not None:  # a rank takes part even with no trial
-            with _new_engine(model, tokenizer, layers, rank, capacity, len(ready), activation_checkpointing,
-                             lockstep) as engine:
+            shape = EngineShape(frozenset(layers), rank, activation_checkpointing)
+            with _pack_engine(model, tokenizer, shape, capacity, len(ready), lockstep, keeper, clock) as engine:
                 _run(engine, ready, resume or {}, report, hooks, admissions, on_admitted, should_stop, on_step)
     return _in_trial_order(report.outcomes, ids)
 
@@ -156,24 +160,62 @@ def _pack_layers(
 def _new_engine(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    layers: set[str],
-    rank: int,
+    shape: EngineShape,
     capacity: int | None,
     starting: int,
-    activation_checkpointing: bool,
     lockstep: Lockstep | None,
 ) -> PackEngine:
     """The pack's engine: a slot per trial it starts with (``starting``, at least one) plus the spare ones up to
-    ``capacity`` that fit (``_capacity``), each of rank ``rank``, over ``layers`` (none: the trials' own)."""
+    ``capacity`` that fit (``_capacity``), each of rank ``shape.max_rank``, over ``shape.layers`` (none: all
+    linear layers)."""
+    layers, rank = set(shape.layers), shape.max_rank
     return PackEngine(
         model,
         tokenizer,
         capacity=_capacity(model, layers, rank, wanted=capacity or 0, needed=max(starting, 1)),
         max_rank=rank,
         target_modules=sorted(layers) or None,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=shape.activation_checkpointing,
         lockstep=lockstep,
     )
+
+
+@contextmanager
+def _pack_engine(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    shape: EngineShape,
+    capacity: int | None,
+    starting: int,
+    lockstep: Lockstep | None,
+    keeper: EngineKeeper | None,
+    clock: PackTimings,
+) -> Iterator[PackEngine]:
+    """The pack's engine for the pack's life: the ``keeper``'s where it fits, else a new one. It goes back to the
+    keeper when the pack ends well; one that raised out of the pack is closed (its slots' state is unknown), and so
+    is every engine without a keeper or of a rank of a pack over several GPUs (its layers are sharded). Time spent
+    capturing graphs is moved from the steps' phase to ``capture_s``."""
+    def build() -> PackEngine:
+        return _new_engine(model, tokenizer, shape, capacity, starting, lockstep)
+
+    if keeper is None or lockstep is not None:
+        engine = build()
+    else:
+        engine, _ = keeper.take(model, shape, max(starting, 1), build)
+    captured_before = engine.graphs.capture_s if engine.graphs is not None else 0.0
+    try:
+        yield engine
+    except BaseException:
+        engine.close()
+        raise
+    finally:
+        captured = (engine.graphs.capture_s if engine.graphs is not None else captured_before) - captured_before
+        clock.capture_s += captured
+        clock.steps_s -= captured  # the captures ran inside engine.step
+    if keeper is not None and lockstep is None:
+        keeper.keep(model, shape, engine)
+    else:
+        engine.close()
 
 
 @contextmanager
@@ -299,6 +341,8 @@ class PackTimings:
     """Where a pack's wall time went on the training thread, in seconds (the rest: callbacks, admissions)."""
 
     wall_s: float = 0.0
+    load_s: float = 0.0  # the base model, from the worker's cache or from disk (the runner's)
+    capture_s: float = 0.0  # capturing CUDA graphs of the step (warm-up runs included), taken out of steps_s
     steps_s: float = 0.0  # engine.step: forward, backward, optimizer
     validation_s: float = 0.0
     metric_s: float = 0.0  # generation for the trials' generative metric, at their rungs and their end

@@ -1,0 +1,79 @@
+"""The last pack's engine, kept for the next pack of the same base model and shape.
+
+A new ``PackEngine`` wraps the model's layers, allocates the adapter store and the optimizer state, and captures
+its CUDA graphs again on its first steps (two eager warm-up runs and a capture per batch shape: seconds on a GPU,
+most of a small task's first minute — issue 30). A worker keeps its base models warm across packs
+(worker/model_cache.py), and with the model this keeps the engine around it: the next pack of that model over the
+same layers and rank takes it as it is, slots freed and its graphs still captured, and its first step replays.
+
+One engine is kept, the newest: it holds its store, optimizer state and graphs' memory pool on the device, and its
+model's layers stay wrapped until it is dropped (``drop``: the model is bare again). A pack of another model, or
+of the same model over other layers or at another rank, drops it and builds its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+
+from worker.engine.engine import PackEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What fixes an engine for its life, besides its capacity: the layers it wraps and the rank of its slots."""
+
+    layers: frozenset[str]
+    max_rank: int
+    activation_checkpointing: bool
+
+
+@dataclass
+class _Kept:
+    model: PreTrainedModel
+    shape: EngineShape
+    engine: PackEngine
+
+
+class EngineKeeper:
+    """Hands out the kept engine where it fits a pack (``take``), takes it back after the pack (``keep``)."""
+
+    def __init__(self) -> None:
+        self._kept: _Kept | None = None
+        self.reuses = 0  # packs that took the kept engine (the tests and the pack profile read it)
+
+    def take(self, model: PreTrainedModel, shape: EngineShape, needed: int,
+             build: Callable[[], PackEngine]) -> tuple[PackEngine, bool]:  # fmt: skip
+        """The kept engine if it is over ``model`` with ``shape`` and has at least ``needed`` slots (it is handed
+        out, no longer kept); else the kept one is dropped and ``build()`` makes a new one. Also says whether the
+        engine was reused."""
+        kept, self._kept = self._kept, None
+        if kept is not None and kept.model is model and kept.shape == shape and len(kept.engine.slots) >= needed:
+            kept.engine.reset()
+            self.reuses += 1
+            logger.info("pack reuses the kept engine (%d slots, %d captured graphs)", len(kept.engine.slots),
+                        kept.engine.graphs.count if kept.engine.graphs is not None else 0)
+            return kept.engine, True
+        if kept is not None:
+            kept.engine.close()
+        return build(), False
+
+    def keep(self, model: PreTrainedModel, shape: EngineShape, engine: PackEngine) -> None:
+        """Keep ``engine`` (every slot free: its pack ended well) for the next pack; an older one is dropped."""
+        self.drop()
+        self._kept = _Kept(model, shape, engine)
+
+    def holds(self, model: PreTrainedModel) -> bool:
+        """Whether the kept engine wraps ``model`` (whose layers are then not bare)."""
+        return self._kept is not None and self._kept.model is model
+
+    def drop(self) -> None:
+        """Close the kept engine, if any: its model is bare again, its device memory can go."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.engine.close()
