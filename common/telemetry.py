@@ -83,6 +83,8 @@ class WorkerMetrics:
     gpu_memory: Gauge  # label: device (`cuda:0`); a labelled gauge with no child has no sample, as on the CPU
     gpu_utilization: Gauge  # label: device
     adapters_uploaded: Counter
+    pack_phase: Counter  # label: phase (common/pack_phases.py's names less `_s`)
+    outside_steps: Gauge
 
 
 @cache
@@ -142,6 +144,11 @@ def worker_metrics() -> WorkerMetrics:
                               registry=registry),
         adapters_uploaded=Counter("loraplane_worker_adapters_uploaded", "Trial adapters written to the artifact "
                                   "store.", registry=registry),
+        pack_phase=Counter("loraplane_worker_pack_phase_seconds", "Seconds of the packs' wall time in each phase, "
+                           "counted at each pack's end (every phase but persist, the writer thread's, adds up to "
+                           "the packs' wall time).", ["phase"], registry=registry),
+        outside_steps=Gauge("loraplane_worker_last_pack_outside_steps_ratio", "The share of the last pack's wall "
+                            "time outside training steps (0 to 1).", registry=registry),
     )
 
 

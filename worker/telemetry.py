@@ -1,6 +1,6 @@
 """The worker's Prometheus metrics (common/telemetry.py defines them): steps, slots, GPU memory and utilisation,
-adapters uploaded. Served on `LORAPLANE_WORKER_METRICS_PORT` (0, the default: off; one port per worker process
-when several run on one host)."""
+adapters uploaded, where the packs' wall time went. Served on `LORAPLANE_WORKER_METRICS_PORT` (0, the default:
+off; one port per worker process when several run on one host)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from common.pack_phases import number, phase_seconds
 from common.settings import Settings
 from common.telemetry import MetricsServer, serve, worker_metrics
 from worker.engine import StepStats
@@ -72,6 +73,18 @@ def pack_ended() -> None:
     metrics = worker_metrics()
     metrics.slots_in_use.set(0)
     metrics.tokens_per_s.set(0)
+
+
+def pack_profiled(phases: dict[str, Any]) -> None:
+    """A pack's end: its phases (`pack.profile`'s `phases`, seconds) added to the phase counters, and its share
+    of wall time outside training steps set. A phase it did not measure counts nothing."""
+    metrics = worker_metrics()
+    for name, seconds in phase_seconds(phases).items():
+        if seconds is not None and seconds > 0:
+            metrics.pack_phase.labels(phase=name.removesuffix("_s")).inc(seconds)
+    outside = number(phases.get("outside_steps_frac"))
+    if outside is not None:
+        metrics.outside_steps.set(outside)
 
 
 def adapter_uploaded() -> None:
