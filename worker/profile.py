@@ -6,6 +6,7 @@ from many of them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +28,16 @@ class PackProfiler:
     prefetch_s: float = 0.0  # batch building overlapped with the device
     sync_wait_s: float = 0.0  # the host waiting for the device at each step's sync
     captured_steps: int = 0  # steps replayed from a CUDA graph (worker/engine/capture.py)
+    # From the pack's start on this worker (the profiler is made as the pack's message is taken) to its first
+    # step's end: model load, set-up and the first step (with its capture), what a user waits for first.
+    started: float = field(default_factory=time.perf_counter)
+    first_step_s: float | None = None
     samples: list[list[Any]] = field(default_factory=list)  # [active slots, tokens, padded, seconds, peak]
     window: list[StepStats] = field(default_factory=list)  # steps since the last progress report
 
     def record(self, stats: StepStats) -> None:
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.started
         self.window.append(stats)
         self.steps += 1
         self.seconds += stats.seconds
@@ -66,6 +73,7 @@ class PackProfiler:
             "device": self.device,
             "steps": self.steps,
             "seconds": round(self.seconds, 3),
+            "first_step_s": None if self.first_step_s is None else round(self.first_step_s, 3),
             "tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else None,
             "padded_fraction": round(self.padded_tokens / total, 4) if total else None,
             "peak_memory_bytes": self.peak_memory_bytes,

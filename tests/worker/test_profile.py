@@ -1,3 +1,5 @@
+import time
+
 from worker.engine import StepStats
 from worker.profile import MAX_SAMPLES, PackProfiler
 
@@ -51,3 +53,14 @@ def test_progress_is_reported_every_stretch_of_training_seconds() -> None:
     assert reports[2] == {"steps": 3, "step_s": 4.0, "tokens": 100.0, "slots": 2.333}
     assert reports[5] == {"steps": 3, "step_s": 4.0, "tokens": 100.0, "slots": 2.667}
     assert profiler.steps == 7  # the summary still counts every step
+
+
+def test_first_step_is_timed_from_the_packs_start_once() -> None:
+    profiler = PackProfiler(device="cpu", started=100.0)
+    assert profiler.summary()["first_step_s"] is None
+    profiler.started = time.perf_counter() - 2.0  # the pack began 2 s ago
+    profiler.record(stats(1, 10, 0, 0.1, None))
+    first = profiler.summary()["first_step_s"]
+    assert 2.0 <= first < 60.0
+    profiler.record(stats(2, 10, 0, 0.1, None))
+    assert profiler.summary()["first_step_s"] == first  # the later steps change nothing
