@@ -30,7 +30,8 @@ def list_packs(
                                             "or running.")] = "live",
     limit: Annotated[int, Query(ge=1, le=100)] = 50,
 ) -> ListPage[PackOut]:
-    """Packs newest first, each with the trials that hold its slots now and its measured speed."""
+    """Packs newest first, each with the trials that hold its slots now, its measured speed and, once ended,
+    its profile (without the per-step samples: GET /v1/admin/packs/{id} has them)."""
     if state not in STATE_FILTERS:
         raise invalid(f"state must be one of {', '.join(STATE_FILTERS)}.", param="state")
     stmt = select(Pack)
@@ -44,7 +45,9 @@ def list_packs(
 
 @router.get("/{pack_id}")
 def read_pack(pack_id: PathId, session: SessionDep) -> PackOut:
+    """A pack as in the list, its profile with every per-step sample: where its wall time went (load, capture,
+    steps, validation, metric, snapshot, persist, export, idle, other), its speed and its peak memory."""
     pack = session.get(Pack, pack_id)
     if pack is None:
         raise not_found("pack", pack_id)
-    return pack_views(session, [pack])[0]
+    return pack_views(session, [pack], samples=True)[0]

@@ -23,6 +23,56 @@ class PackSlot(BaseModel):
     awaiting_admission: bool = Field(description="Back-filled, not yet confirmed by the worker.")
 
 
+class PackPhases(BaseModel):
+    """Where a pack's wall time went, in seconds, as its worker measured it (null: that worker did not measure
+    the phase; packs of older workers carry fewer). Every phase but `persist_s` is training-thread time and part
+    of `wall_s`; `persist_s` runs on the writer thread alongside them (what the pack's end waited for it is
+    `idle_s`)."""
+
+    wall_s: float | None = Field(description="The pack's wall time, from its start to its end.")
+    load_s: float | None = Field(description="Loading the base model (from the worker's cache or disk).")
+    capture_s: float | None = Field(description="Capturing CUDA graphs of the step.")
+    steps_s: float | None = Field(description="Training steps: forward, backward, optimizer.")
+    validation_s: float | None = Field(description="Validation passes.")
+    metric_s: float | None = Field(description="Generation for the trials' generative metric.")
+    snapshot_s: float | None = Field(description="Taking checkpoint snapshots of trials.")
+    persist_s: float | None = Field(description="Writing checkpoints to the artifact store (writer thread, "
+                                                "concurrent with the other phases).")
+    export_s: float | None = Field(description="Snapshotting finished trials' adapters for export.")
+    idle_s: float | None = Field(description="The pack's end waiting for its writer.")
+    other_s: float | None = Field(description="wall_s less every training-thread phase above (callbacks, "
+                                              "admissions, what no phase names); null without wall_s.")
+    outside_steps_frac: float | None = Field(description="The share of wall_s outside training steps.")
+
+
+class StepBreakdown(BaseModel):
+    """Where the training steps' time went (the phases' `steps_s`), in seconds."""
+
+    data: float | None = Field(description="Building batches on the step's critical path (prefetch misses).")
+    prefetch_overlapped: float | None = Field(description="Building batches overlapped with the device.")
+    device_wait: float | None = Field(description="The host waiting for the device at each step's sync.")
+    host_other: float | None = Field(description="The rest of the host's work on the critical path.")
+
+
+class PackProfileOut(BaseModel):
+    """A finished pack's measured profile, reported by its worker at the pack's end."""
+
+    device: str | None
+    gpus: int | None = Field(description="GPUs of a worker over several of one host; null for one.")
+    steps: int | None
+    seconds: float | None = Field(description="Summed wall time of the steps.")
+    tokens_per_s: float | None = Field(description="Real (non-padding) tokens per second of step time.")
+    padded_fraction: float | None = Field(description="Padding's share of the batch tokens.")
+    peak_memory_bytes: int | None
+    captured_steps: int | None = Field(description="Steps replayed from a captured CUDA graph.")
+    step_breakdown_s: StepBreakdown | None
+    phases: PackPhases | None
+    sample_fields: list[str] | None = Field(description="The columns of each row of `samples`.")
+    samples: list[list[int | float | None]] | None = Field(
+        description="The pack's first steps one by one (what the planner's cost model is fitted on). Only "
+                    "in GET /v1/admin/packs/{id}; null in the list.")
+
+
 class PackOut(BaseModel):
     id: str
     object: Literal["pack"] = "pack"
@@ -39,6 +89,8 @@ class PackOut(BaseModel):
     target_modules: list[Any] | None
     step_s: float | None = Field(description="Mean seconds per step of the worker's latest progress report.")
     tokens_per_s: float | None = Field(description="Batch tokens (padding included) per second, from that report.")
+    profile: PackProfileOut | None = Field(description="The profile its worker reported at the pack's end; null "
+                                                       "before (and for a pack that failed).")
     created_at: UtcDateTime
     started_at: UtcDateTime | None
     finished_at: UtcDateTime | None

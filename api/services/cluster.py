@@ -8,13 +8,24 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.schemas.admin import WorkerOut
-from api.schemas.cluster import ClusterOut, PackOut, PackSlot, TenantLoad, WorkerLoad
+from api.schemas.cluster import (
+    ClusterOut,
+    PackOut,
+    PackPhases,
+    PackProfileOut,
+    PackSlot,
+    StepBreakdown,
+    TenantLoad,
+    WorkerLoad,
+)
 from common.models import Pack, Tenant, Trial, Worker
+from common.pack_phases import number, phase_seconds
 from common.states import PACK_LIVE, TRIAL_PENDING, TRIAL_RUNNING, TRIAL_WAITING, WORKER_ALIVE
 
 
@@ -38,7 +49,43 @@ def _capacity(pack: Pack) -> int:
     return pack.capacity if pack.capacity is not None else len(pack.trial_ids)
 
 
-def pack_views(session: Session, packs: Sequence[Pack]) -> list[PackOut]:
+def profile_phases(raw: dict[str, Any]) -> PackPhases:
+    """The phases of a `pack.profile` report's `phases` (common/pack_phases.py reads them)."""
+    return PackPhases(wall_s=number(raw.get("wall_s")), outside_steps_frac=number(raw.get("outside_steps_frac")),
+                      **phase_seconds(raw))
+
+
+def _integer(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    n = number(value)
+    return int(n) if n is not None and n.is_integer() else None
+
+
+def profile_view(raw: dict[str, Any], *, samples: bool) -> PackProfileOut:
+    """A pack's stored profile (worker/profile.py's summary plus `phases`, and `gpus` on several GPUs) as the
+    API types it; its per-step samples only when asked (the single pack's read)."""
+    phases, breakdown = raw.get("phases"), raw.get("step_breakdown_s")
+    rows, fields = raw.get("samples"), raw.get("sample_fields")
+    return PackProfileOut(
+        device=raw["device"] if isinstance(raw.get("device"), str) else None, gpus=_integer(raw.get("gpus")),
+        steps=_integer(raw.get("steps")), seconds=number(raw.get("seconds")),
+        tokens_per_s=number(raw.get("tokens_per_s")), padded_fraction=number(raw.get("padded_fraction")),
+        peak_memory_bytes=_integer(raw.get("peak_memory_bytes")), captured_steps=_integer(raw.get("captured_steps")),
+        step_breakdown_s=StepBreakdown(**{k: number(breakdown.get(k)) for k in StepBreakdown.model_fields})
+        if isinstance(breakdown, dict) else None,
+        phases=profile_phases(phases) if isinstance(phases, dict) else None,
+        sample_fields=[str(f) for f in fields] if isinstance(fields, list) else None,
+        samples=[[_sample_value(v) for v in row] for row in rows if isinstance(row, list)]
+        if samples and isinstance(rows, list) else None,
+    )
+
+
+def _sample_value(value: Any) -> int | float | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else number(value)
+
+
+def pack_views(session: Session, packs: Sequence[Pack], *, samples: bool = False) -> list[PackOut]:
     # An ended pack holds no slot, whatever a stale trial row says.
     slots = _slots(session, [p.id for p in packs if p.state in PACK_LIVE])
     out = []
@@ -52,6 +99,7 @@ def pack_views(session: Session, packs: Sequence[Pack]) -> list[PackOut]:
             utilisation=round(min(1.0, len(held) / capacity), 4) if capacity else 0.0,
             trials_placed=len(p.trial_ids), max_rank=p.max_rank, target_modules=p.target_modules,
             step_s=step_s, tokens_per_s=round(tokens / step_s, 1) if step_s and tokens is not None else None,
+            profile=profile_view(p.profile, samples=samples) if isinstance(p.profile, dict) else None,
             created_at=p.created_at, started_at=p.started_at, finished_at=p.finished_at,
         ))
     return out

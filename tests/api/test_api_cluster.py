@@ -19,11 +19,11 @@ def add_worker(worker_id: str, *, state: str = "alive", max_slots: int = 8, mode
 
 
 def add_pack(pack_id: str, worker_id: str, trials: list[str], *, state: str = "running", capacity: int | None = 4,
-             age_s: int = 0, progress: dict | None = None) -> None:
+             age_s: int = 0, progress: dict | None = None, profile: dict | None = None) -> None:
     with session_scope() as session:
         session.add(Pack(id=pack_id, worker_id=worker_id, base_model="tiny-random-llama", state=state,
                          trial_ids=trials, capacity=capacity, max_rank=16, target_modules=["q_proj", "v_proj"],
-                         progress=progress, created_at=utcnow() - timedelta(seconds=age_s)))
+                         progress=progress, profile=profile, created_at=utcnow() - timedelta(seconds=age_s)))
     for trial_id in trials:
         update_row(Trial, trial_id, pack_id=pack_id, state="running")
 
@@ -67,6 +67,70 @@ def test_packs_filter_by_state_newest_first(client: TestClient, tenant: TenantKe
     assert r.status_code == 422 and r.json()["error"]["param"] == "state"
     r = client.get("/v1/admin/packs/pack-nope", headers=ADMIN)
     assert r.status_code == 404
+
+
+# A `pack.profile` report as a worker sends it at a pack's end (worker/profile.py's summary plus `phases`).
+PROFILE = {
+    "device": "cuda:0", "steps": 3, "seconds": 0.9, "tokens_per_s": 5120.5, "padded_fraction": 0.125,
+    "peak_memory_bytes": 3 << 30,
+    "step_breakdown_s": {"data": 0.01, "prefetch_overlapped": 0.2, "device_wait": 0.7, "host_other": 0.19},
+    "captured_steps": 2, "samples": [[2, 512, 64, 0.4, 3 << 30], [2, 512, 64, 0.25, None], [1, 256, 0, 0.25, 1 << 30]],
+    "sample_fields": ["active_slots", "tokens", "padded_tokens", "seconds", "peak_memory_bytes"],
+    "phases": {"wall_s": 20.0, "load_s": 3.0, "capture_s": 1.5, "steps_s": 0.9, "validation_s": 2.0,
+               "metric_s": 0.5, "snapshot_s": 0.25, "persist_s": 6.0, "export_s": 0.1, "idle_s": 1.25,
+               "outside_steps_frac": 0.955},
+}
+
+
+def test_a_finished_pack_shows_where_its_wall_time_went(client: TestClient, tenant: TenantKey) -> None:
+    ids = trial_ids(make_task(client, tenant)["id"])
+    add_worker("gpu-0")
+    add_pack("pack-done", "gpu-0", ids[:2], state="finished", profile=PROFILE)
+    add_pack("pack-live", "gpu-0", ids[2:4], state="running", age_s=-1)
+
+    r = client.get("/v1/admin/packs/pack-done", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    profile = r.json()["profile"]
+    assert profile["phases"] == {
+        "wall_s": 20.0, "load_s": 3.0, "capture_s": 1.5, "steps_s": 0.9, "validation_s": 2.0, "metric_s": 0.5,
+        "snapshot_s": 0.25, "persist_s": 6.0, "export_s": 0.1, "idle_s": 1.25, "outside_steps_frac": 0.955,
+        # The wall time no training-thread phase accounts for (persist runs beside them on the writer thread).
+        "other_s": 10.5}
+    rest = {k: v for k, v in profile.items() if k != "phases"}
+    assert rest == {**{k: v for k, v in PROFILE.items() if k != "phases"}, "gpus": None}
+    # The list has every pack's profile but not its samples; a pack still running has none yet.
+    listed = {p["id"]: p for p in client.get("/v1/admin/packs?state=all", headers=ADMIN).json()["data"]}
+    assert listed["pack-done"]["profile"] == {**profile, "samples": None}
+    assert listed["pack-live"]["profile"] is None
+    assert client.get("/v1/admin/packs/pack-live", headers=ADMIN).json()["profile"] is None
+
+
+def test_profiles_of_older_workers_read_under_the_new_names(client: TestClient, tenant: TenantKey) -> None:
+    ids = trial_ids(make_task(client, tenant)["id"])
+    add_worker("gpu-0")
+    # Before issue 30: no load, capture or persist, and three phases under their first names.
+    older = {"wall_s": 10.0, "steps_s": 4.0, "validation_s": 1.5, "metric_s": 0.0, "checkpoints_s": 0.5,
+             "exports_s": 0.25, "waiting_s": 2.0, "outside_steps_frac": 0.6}
+    add_pack("pack-older", "gpu-0", ids[:1], state="finished", profile={"device": "cpu", "steps": 4, "phases": older})
+    # Before phases were reported at all, and a profile whose values are not what they should be.
+    add_pack("pack-oldest", "gpu-0", ids[1:2], state="finished", profile={"device": "cpu", "steps": 4})
+    add_pack("pack-garbled", "gpu-0", ids[2:3], state="finished", profile={
+        "device": 7, "steps": "many", "tokens_per_s": "fast", "step_breakdown_s": [1], "samples": "none",
+        "phases": {"wall_s": "long", "steps_s": True, "idle_s": 1.0}})
+
+    read = {p: client.get(f"/v1/admin/packs/{p}", headers=ADMIN) for p in ("pack-older", "pack-oldest", "pack-garbled")}
+    assert all(r.status_code == 200 for r in read.values()), {p: r.text for p, r in read.items()}
+    phases = read["pack-older"].json()["profile"]["phases"]
+    assert phases == {"wall_s": 10.0, "load_s": None, "capture_s": None, "steps_s": 4.0, "validation_s": 1.5,
+                      "metric_s": 0.0, "snapshot_s": 0.5, "persist_s": None, "export_s": 0.25, "idle_s": 2.0,
+                      "other_s": 1.75, "outside_steps_frac": 0.6}
+    oldest = read["pack-oldest"].json()["profile"]
+    assert (oldest["device"], oldest["steps"], oldest["phases"], oldest["samples"]) == ("cpu", 4, None, None)
+    garbled = read["pack-garbled"].json()["profile"]
+    assert (garbled["device"], garbled["steps"], garbled["tokens_per_s"], garbled["step_breakdown_s"]) == (
+        None, None, None, None)
+    assert (garbled["phases"]["wall_s"], garbled["phases"]["steps_s"], garbled["phases"]["idle_s"],
+            garbled["phases"]["other_s"]) == (None, None, 1.0, None)
 
 
 def test_cluster_sums_workers_slots_and_tenants(client: TestClient, tenant: TenantKey,
