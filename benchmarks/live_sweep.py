@@ -168,7 +168,8 @@ def pack_profiles(home: Path) -> list[dict[str, Any]]:
 
     with Session(make_engine(f"sqlite:///{(home / 'loraplane.db').resolve()}")) as session:
         packs = session.scalars(select(Pack).order_by(Pack.created_at)).all()
-        return [{"pack_id": p.id, "worker_id": p.worker_id, "trials": len(p.trial_ids), "state": p.state,
+        return [{"pack_id": p.id, "worker_id": p.worker_id, "trials": len(p.trial_ids), "trial_ids": list(p.trial_ids),
+                 "state": p.state,
                  "started_at": p.started_at.isoformat() if p.started_at else None,
                  "finished_at": p.finished_at.isoformat() if p.finished_at else None,
                  "profile": {k: v for k, v in (p.profile or {}).items() if k != "samples"}} for p in packs]
