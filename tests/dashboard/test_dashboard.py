@@ -31,6 +31,11 @@ def shot(page: Any, name: str) -> Path:
     return path
 
 
+def phase_text(seconds: float | None) -> str:
+    """A phase's seconds as the cluster page writes them (cluster.js `seconds`)."""
+    return "—" if seconds is None else f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
+
+
 def sign_in(page: Any, key: str) -> None:
     page.goto("/")
     page.get_by_label("API key").fill(key)
@@ -267,6 +272,19 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
         shot(page, "05-cluster")
     finally:
         httpx.post(f"{service.base_url}/v1/tasks/{task['id']}/cancel", headers=tenant)
+
+    # Cancelled, the pack ends, and the page shows where its wall time went: its worker's profile, phase by phase.
+    ended = page.locator(f"#finished-packs article[data-pack='{live['id']}']")
+    expect(ended).to_be_visible(timeout=30_000)
+    phases = httpx.get(f"{service.base_url}/v1/admin/packs/{live['id']}", headers=admin).json()["profile"]["phases"]
+    for name in ("load", "capture", "steps", "validation", "metric", "snapshot", "persist", "export", "idle",
+                 "other"):
+        expect(ended.locator(f"li[data-phase='{name}']")).to_contain_text(phase_text(phases[f"{name}_s"]))
+    # In the bar, each training-thread phase takes its share of the wall time (steps trained: never empty).
+    bar, steps = ended.locator(".phase-bar").bounding_box(), ended.locator(".phase-bar .phase-steps").bounding_box()
+    assert phases["steps_s"] > 0 and bar and steps
+    assert abs(steps["width"] / bar["width"] - phases["steps_s"] / phases["wall_s"]) < 0.02, (steps, bar, phases)
+    shot(page, "05b-cluster-pack-phases")
 
     page.get_by_role("navigation", name="Main").get_by_role("link", name="Tenants").click()
     expect(page.get_by_role("heading", name="Tenants")).to_be_visible()

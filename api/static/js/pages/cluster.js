@@ -1,5 +1,6 @@
 // The operator's view of the fleet: utilisation, workers (one GPU, or several of one host) with their live pack,
-// and every live pack slot by slot. Re-read every 5 seconds while the tab is visible.
+// every live pack slot by slot, and where the newest finished packs' wall time went. Re-read every 5 seconds while
+// the tab is visible.
 
 import { api } from "../api.js";
 import { badge, clear, fmt, h, progressBar } from "../dom.js";
@@ -52,16 +53,61 @@ function packCard(pack) {
     h("ol", { class: "slots", "aria-label": `Slots of ${pack.id}` }, slots));
 }
 
+// Where a finished pack's wall time went, from its worker's profile: the training thread's phases side by side in
+// one bar (they add up to the wall time), each phase with its seconds below. Persist is the writer thread's time,
+// alongside the others: listed, not in the bar.
+const FINISHED_SHOWN = 6; // the newest finished packs
+const PHASES = ["load", "capture", "steps", "validation", "metric", "snapshot", "persist", "export", "idle", "other"];
+
+function seconds(x) {
+  return x === null || x === undefined ? "—" : `${Number(x).toFixed(x < 10 ? 2 : 1)} s`;
+}
+
+function phaseBar(phases) {
+  const wall = phases.wall_s || 0;
+  const shown = PHASES.filter((p) => p !== "persist" && wall > 0 && phases[`${p}_s`] > 0);
+  return h("div", { class: "phase-bar", role: "img", "aria-label": `Wall time by phase: ${shown.map((p) =>
+    `${p} ${fmt.pct(phases[`${p}_s`] / wall)}`).join(", ") || "not measured"}` }, shown.map((p) => {
+    const part = h("span", { class: `phase phase-${p}`, title: `${p} ${seconds(phases[`${p}_s`])}` });
+    part.style.width = `${((100 * phases[`${p}_s`]) / wall).toFixed(2)}%`; // through the CSSOM, as progressBar
+    return part;
+  }));
+}
+
+function phaseLegend(phases) {
+  return h("ul", { class: "legend phases small" }, PHASES.map((p) => {
+    const value = phases[`${p}_s`];
+    const share = p === "persist" || value == null || !phases.wall_s ? "" : ` (${fmt.pct(value / phases.wall_s)})`;
+    return h("li", { dataset: { phase: p } }, h("span", { class: `swatch phase-${p}` }),
+      `${p}${p === "persist" ? " (writer)" : ""} `, h("span", { class: "num" }, seconds(value)), share);
+  }));
+}
+
+function finishedCard(pack) {
+  const profile = pack.profile;
+  const phases = profile && profile.phases;
+  return h("article", { class: "card finished-pack", dataset: { pack: pack.id } },
+    h("h3", {}, h("span", { class: "mono" }, pack.id), " ", badge(pack.state)),
+    h("p", { class: "small" }, `${pack.base_model} on ${pack.worker_id} · ended ${fmt.time(pack.finished_at)}`,
+      phases && phases.wall_s != null ? ` · ${seconds(phases.wall_s)} wall` : "",
+      phases && phases.outside_steps_frac != null ? `, ${fmt.pct(phases.outside_steps_frac)} outside steps` : "",
+      profile && profile.tokens_per_s ? ` · ${Math.round(profile.tokens_per_s)} tokens/s` : ""),
+    phases ? [phaseBar(phases), phaseLegend(phases)]
+      : h("p", { class: "muted small" }, profile ? "Its worker reported no phases." : "No profile reported."));
+}
+
 export function mount(root) {
   const alert = h("p", { class: "error", role: "alert" });
   const stats = h("section", { class: "stats", "aria-label": "Utilisation" });
   const workers = h("section", {});
   const packs = h("section", { "aria-labelledby": "packs-title" });
+  const finished = h("section", { id: "finished-packs", "aria-labelledby": "finished-title" });
   const tenants = h("section", {});
-  root.append(h("h1", {}, "Cluster"), alert, stats, workers, packs, tenants);
+  root.append(h("h1", {}, "Cluster"), alert, stats, workers, packs, finished, tenants);
 
   const poller = new Poller(async () => {
-    const [cluster, live] = await Promise.all([api.get("/v1/admin/cluster"), api.get("/v1/admin/packs?state=live")]);
+    const [cluster, live, ended] = await Promise.all([api.get("/v1/admin/cluster"),
+      api.get("/v1/admin/packs?state=live"), api.get(`/v1/admin/packs?state=finished&limit=${FINISHED_SHOWN}`)]);
     alert.textContent = "";
     clear(stats).append(
       stat("slot utilisation", fmt.pct(cluster.utilisation)),
@@ -75,6 +121,9 @@ export function mount(root) {
       : h("p", { class: "muted" }, "No worker has registered yet."));
     clear(packs).append(h("h2", { id: "packs-title" }, "Live packs"),
       live.data.length ? h("div", { class: "packs" }, live.data.map(packCard)) : h("p", { class: "muted" }, "No pack is training."));
+    clear(finished).append(h("h2", { id: "finished-title" }, "Where finished packs' time went"),
+      ended.data.length ? h("div", { class: "packs" }, ended.data.map(finishedCard))
+        : h("p", { class: "muted" }, "No pack has finished yet."));
     clear(tenants).append(h("h2", {}, "Demand by tenant"), cluster.tenants.length
       ? h("table", { class: "data" }, h("thead", {}, h("tr", {}, ["Tenant", "Running trials", "Waiting trials"]
         .map((c) => h("th", { scope: "col" }, c)))),
