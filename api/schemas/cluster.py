@@ -60,6 +60,8 @@ class PackProfileOut(BaseModel):
     device: str | None
     gpus: int | None = Field(description="GPUs of a worker over several of one host; null for one.")
     steps: int | None
+    first_step_s: float | None = Field(description="Seconds from the pack's start on its worker to its first "
+                                                   "step's end (loading, set-up, the first step and its capture).")
     seconds: float | None = Field(description="Summed wall time of the steps.")
     tokens_per_s: float | None = Field(description="Real (non-padding) tokens per second of step time.")
     padded_fraction: float | None = Field(description="Padding's share of the batch tokens.")

@@ -69,7 +69,8 @@ def profile_view(raw: dict[str, Any], *, samples: bool) -> PackProfileOut:
     rows, fields = raw.get("samples"), raw.get("sample_fields")
     return PackProfileOut(
         device=raw["device"] if isinstance(raw.get("device"), str) else None, gpus=_integer(raw.get("gpus")),
-        steps=_integer(raw.get("steps")), seconds=number(raw.get("seconds")),
+        steps=_integer(raw.get("steps")), first_step_s=number(raw.get("first_step_s")),
+        seconds=number(raw.get("seconds")),
         tokens_per_s=number(raw.get("tokens_per_s")), padded_fraction=number(raw.get("padded_fraction")),
         peak_memory_bytes=_integer(raw.get("peak_memory_bytes")), captured_steps=_integer(raw.get("captured_steps")),
         step_breakdown_s=StepBreakdown(**{k: number(breakdown.get(k)) for k in StepBreakdown.model_fields})

@@ -71,8 +71,8 @@ def test_packs_filter_by_state_newest_first(client: TestClient, tenant: TenantKe
 
 # A `pack.profile` report as a worker sends it at a pack's end (worker/profile.py's summary plus `phases`).
 PROFILE = {
-    "device": "cuda:0", "steps": 3, "seconds": 0.9, "tokens_per_s": 5120.5, "padded_fraction": 0.125,
-    "peak_memory_bytes": 3 << 30,
+    "device": "cuda:0", "steps": 3, "first_step_s": 4.75, "seconds": 0.9, "tokens_per_s": 5120.5,
+    "padded_fraction": 0.125, "peak_memory_bytes": 3 << 30,
     "step_breakdown_s": {"data": 0.01, "prefetch_overlapped": 0.2, "device_wait": 0.7, "host_other": 0.19},
     "captured_steps": 2, "samples": [[2, 512, 64, 0.4, 3 << 30], [2, 512, 64, 0.25, None], [1, 256, 0, 0.25, 1 << 30]],
     "sample_fields": ["active_slots", "tokens", "padded_tokens", "seconds", "peak_memory_bytes"],

@@ -64,8 +64,9 @@ function seconds(x) {
 }
 
 function phaseBar(phases) {
-  const wall = phases.wall_s || 0;
-  const shown = PHASES.filter((p) => p !== "persist" && wall > 0 && phases[`${p}_s`] > 0);
+  const shown = PHASES.filter((p) => p !== "persist" && phases[`${p}_s`] > 0);
+  // The bar is the wall time, or the phases' sum should a worker report them past it (a phase it times outside).
+  const wall = Math.max(phases.wall_s || 0, shown.reduce((sum, p) => sum + phases[`${p}_s`], 0));
   return h("div", { class: "phase-bar", role: "img", "aria-label": `Wall time by phase: ${shown.map((p) =>
     `${p} ${fmt.pct(phases[`${p}_s`] / wall)}`).join(", ") || "not measured"}` }, shown.map((p) => {
     const part = h("span", { class: `phase phase-${p}`, title: `${p} ${seconds(phases[`${p}_s`])}` });
@@ -91,6 +92,7 @@ function finishedCard(pack) {
     h("p", { class: "small" }, `${pack.base_model} on ${pack.worker_id} · ended ${fmt.time(pack.finished_at)}`,
       phases && phases.wall_s != null ? ` · ${seconds(phases.wall_s)} wall` : "",
       phases && phases.outside_steps_frac != null ? `, ${fmt.pct(phases.outside_steps_frac)} outside steps` : "",
+      profile && profile.first_step_s != null ? ` · first step after ${seconds(profile.first_step_s)}` : "",
       profile && profile.tokens_per_s ? ` · ${Math.round(profile.tokens_per_s)} tokens/s` : ""),
     phases ? [phaseBar(phases), phaseLegend(phases)]
       : h("p", { class: "muted small" }, profile ? "Its worker reported no phases." : "No profile reported."));
