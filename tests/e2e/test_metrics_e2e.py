@@ -88,6 +88,9 @@ def test_every_process_exposes_its_metrics(env: dict[str, str], tmp_path: Path) 
         assert value(parsed, "loraplane_worker_step_seconds_count") >= 4  # max_steps, in one pack
         assert value(parsed, "loraplane_worker_step_seconds_sum") > 0
         assert ("loraplane_worker_tokens_per_second", frozenset()) in parsed
+        # Its pack's phases, counted at the pack's end: steps trained, and part of its wall time was outside them.
+        assert value(parsed, "loraplane_worker_pack_phase_seconds_total", phase="steps") > 0
+        assert 0 < value(parsed, "loraplane_worker_last_pack_outside_steps_ratio") < 1
         gpu_memory = [v for k, v in parsed.items() if k[0] == "loraplane_worker_gpu_memory_allocated_bytes"]
         # On the CPU there is no device memory to read: no sample at all, rather than a false 0.
         assert (gpu_memory and gpu_memory[0] > 0) if torch.cuda.is_available() else not gpu_memory
