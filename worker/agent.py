@@ -42,6 +42,10 @@ class Heartbeat(threading.Thread):
     Each beat also names the registered models this machine can load (`models`, e.g.
     `worker.availability.ModelAvailability.models`), when it knows them: the planner places a model's trials
     only on workers that name it. A beat without them (no registry published yet) is taken as "every model".
+
+    And the base models it holds loaded (`warm_models`, `worker.model_cache.ModelCache.warm`: name, revision, bytes,
+    last use, most recently used first), when it is given them: the planners prefer, all else equal, a worker
+    that has a pack's model warm.
     """
 
     def __init__(self, bus: Bus, interval_s: float, identity: dict[str, Any], incarnation: Incarnation,
@@ -52,6 +56,7 @@ class Heartbeat(threading.Thread):
         self.identity = identity
         self.incarnation = incarnation
         self._models = models
+        self.warm_models: Callable[[], list[dict[str, Any]]] | None = None  # set once the worker's runner exists
         self._pack_id: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -70,6 +75,11 @@ class Heartbeat(threading.Thread):
                 models = None
             if models is not None:
                 extra["models"] = models
+        if self.warm_models is not None:
+            try:
+                extra["warm_models"] = self.warm_models()
+            except Exception:  # noqa: BLE001 - as above: the beat goes out without them
+                log.exception("could not tell which models this worker holds warm")
         with self._lock:
             self.bus.publish(SCHEDULER_STREAM, {
                 "type": "heartbeat", **self.identity, "pack_id": self._pack_id, "incarnation": self.incarnation.id,
