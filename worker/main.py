@@ -4,7 +4,6 @@ for each GPU after the first: worker/ranks.py), consuming its own queue."""
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,6 +19,7 @@ from worker import telemetry
 from worker.agent import Heartbeat, Incarnation
 from worker.availability import ModelAvailability
 from worker.engine import ModelSource
+from worker.model_cache import device_memory
 from worker.ranks import RankConfig, RankPool, free_port
 from worker.runner import PackRunner
 
@@ -36,15 +36,10 @@ def pick_devices(gpus: list[int] | None) -> list[torch.device]:
     return [torch.device("cpu")] * max(1, len(gpus or []))
 
 
-def device_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
 def preload_models(load: Callable[[ModelSource], object], names: str,
                    registry: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-    """Load the named registry models now with ``load`` (``PackRunner.model``, which keeps them); ``names`` is
+    """Load the named registry models now with ``load`` (``PackRunner.model``: into its warm models, as a pack would,
+    within LORAPLANE_WORKER_MODEL_CACHE_BYTES: of more than fit, the last named stay); ``names`` is
     ``LORAPLANE_WORKER_PRELOAD``. A name is looked up in ``registry`` (the one the scheduler published, with
     the models an operator registered), then among the default models; an unknown name is logged and skipped,
     and so is a model that fails to load (its packs will say why)."""
@@ -103,6 +98,7 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     from worker.tasks import celery_app, install_runner
 
     install_runner(runner)
+    heartbeat.warm_models = runner.models.warm  # every beat names the base models this worker holds warm
     # Progress bars of model loading end up as WARNING lines in Celery's redirected stderr.
     from transformers.utils import logging as hf_logging
 

@@ -27,6 +27,7 @@ from common.datasets import parse_jsonl, split_rows
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS
 from common.regex_policy import SYNTAX, PatternRefused, check_pattern
 from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
+from common.settings import get_settings
 from worker import telemetry
 from worker.agent import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
 from worker.engine import Evaluation, ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
@@ -34,6 +35,7 @@ from worker.engine.distributed import shard_base
 from worker.engine.keeper import EngineKeeper
 from worker.engine.models import base_dtype
 from worker.engine.trainer import PackTimings, StopMode
+from worker.model_cache import Loaded, ModelCache, cache_budget
 from worker.profile import PackProfiler
 from worker.ranks import RankPool, Ranks
 
@@ -93,7 +95,8 @@ class PackRunner:
 
     def __init__(self, *, worker_id: str, device: torch.device, bus: Bus, store: LocalArtifactStore,
                  model_cache_dir: Path, heartbeat: Heartbeat | None = None, incarnation: Incarnation | None = None,
-                 ranks: Ranks | None = None, pool: RankPool | None = None, report_timeout_s: float = 30.0) -> None:
+                 ranks: Ranks | None = None, pool: RankPool | None = None, report_timeout_s: float = 30.0,
+                 model_cache_bytes: int | None = None) -> None:
         self.worker_id = worker_id
         self.device = device
         self.bus = bus
@@ -112,29 +115,31 @@ class PackRunner:
         # The last pack's engine and its captured graphs, for the next pack of the same model and shape (one
         # device only: a rank's engine is over sharded layers).
         self.engines = EngineKeeper()
-        self._models: dict[str, tuple[ModelSource, tuple[Any, Any]]] = {}  # name -> (its source, model and tokenizer)
+        # The warm base models (worker/model_cache.py), LORAPLANE_WORKER_MODEL_CACHE_BYTES of them (None: the setting).
+        budget = get_settings().worker_model_cache_bytes if model_cache_bytes is None else model_cache_bytes
+        self.models = ModelCache(self._load_model, budget_bytes=cache_budget(budget, device), device=device,
+                                 on_evict=self._model_evicted)
 
-    def model(self, source: ModelSource) -> tuple[Any, Any]:
-        """The base model and tokenizer of ``source``, loaded on first use and kept for every later pack (and
-        back-fill) of it. A model whose registry entry changed since (another path) is loaded again, replacing
-        the old copy."""
-        cached = self._models.get(source.name)
-        if cached is not None:
-            if cached[0] == source:
-                return cached[1]
-            log.info("base model %s changed in the registry; loading it again", source.name)
-            del self._models[source.name], cached  # the old copy's memory can go before the new one comes
+    def model(self, source: ModelSource) -> Loaded:
+        """The base model and tokenizer of ``source``: warm from an earlier pack (or the preload) of the same
+        registry entry and files, else loaded now and kept for the packs (and back-fills) after this one."""
+        return self.models.get(source)
+
+    def _load_model(self, source: ModelSource) -> tuple[Any, Any]:
         log.info("loading base model %s on %s", source.name, self.device)
         if self.ranks is None:
-            loaded = load_base_model(source, cache_dir=self.model_cache_dir, device=self.device)
-        else:
-            # Loaded in host memory in the device's type, then sharded onto this rank's device layer by layer:
-            # the GPU never holds more than its shards and one whole layer (a model larger than one GPU fits).
-            loaded = load_base_model(source, cache_dir=self.model_cache_dir, device=torch.device("cpu"),
-                                     dtype=base_dtype(self.device))
-            shard_base(loaded[0], device=self.device)
-        self._models[source.name] = (source, loaded)
+            return load_base_model(source, cache_dir=self.model_cache_dir, device=self.device)
+        # Loaded in host memory in the device's type, then sharded onto this rank's device layer by layer:
+        # the GPU never holds more than its shards and one whole layer (a model larger than one GPU fits).
+        loaded = load_base_model(source, cache_dir=self.model_cache_dir, device=torch.device("cpu"),
+                                 dtype=base_dtype(self.device))
+        shard_base(loaded[0], device=self.device)
         return loaded
+
+    def _model_evicted(self, model: Any) -> None:
+        """An evicted model's kept engine goes with it (it wraps the model's layers and holds device memory)."""
+        if self.engines.holds(model):
+            self.engines.drop()
 
     def trial_spec(self, t: dict[str, Any], read_rows: Callable[[str], list[dict[str, Any]]]) -> TrialSpec:
         rows = read_rows(t["training_file_key"])
@@ -249,7 +254,8 @@ class PackRunner:
         timings = PackTimings()
         with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
             tmp = Path(tmp_name)
-            (model, tokenizer), specs, resume = self._set_up(source, trials, read_rows, tmp / "resume", reporter)
+            (model, tokenizer), specs, resume = self._set_up(source, trials, read_rows, tmp / "resume", reporter,
+                                                             timings)
             calls = _PackCallbacks(self, pack_id, reporter, tmp, task_of, read_rows, profiler)
             train_pack(
                 model, tokenizer, specs, base_model_name=export_base_name(source), export_dir=tmp / "adapters",
@@ -275,12 +281,13 @@ class PackRunner:
 
     def _set_up(self, source: ModelSource, trials: list[dict[str, Any]],
                 read_rows: Callable[[str], list[dict[str, Any]]], resume_into: Path, reporter: Reporter,
-                ) -> tuple[tuple[Any, Any], list[TrialSpec], dict[str, Path]]:
-        """The base model, the trials' specs and the checkpoints they resume from. On a worker over several GPUs
-        the ranks then agree that each has its own before the first pass (a rank that has not fails the pack on
-        every rank)."""
+                timings: PackTimings) -> tuple[tuple[Any, Any], list[TrialSpec], dict[str, Path]]:
+        """The base model (warm, or loaded: its seconds are the pack's ``load_s``), the trials' specs and the
+        checkpoints they resume from. On a worker over several GPUs the ranks then agree that each has its own
+        before the first pass (a rank that has not fails the pack on every rank)."""
         try:
             loaded = self.model(source)
+            timings.load_s = loaded.load_s
             specs, trials = self._trial_specs(trials, read_rows, reporter)
             resume = self._fetch_checkpoints(trials, resume_into, reporter)
         except Exception as exc:
@@ -289,7 +296,7 @@ class PackRunner:
             self.ranks.ready(exc)
         if self.ranks is not None:
             self.ranks.ready(None)
-        return loaded, specs, resume
+        return (loaded.model, loaded.tokenizer), specs, resume
 
     def _trial_specs(self, trials: list[dict[str, Any]], read_rows: Callable[[str], list[dict[str, Any]]],
                      reporter: Reporter) -> tuple[list[TrialSpec], list[dict[str, Any]]]:

@@ -1,5 +1,6 @@
 """A worker keeps its loaded base models: packs of one model, one after another, load it once (PackRunner.model,
-which the preload fills too). Real packs of the tiny model train on the CPU; the bus is a file."""
+which the preload fills too; the rest of the warm models: tests/worker/test_model_cache.py). Real packs of the tiny
+model train on the CPU; the bus is a file."""
 
 from __future__ import annotations
 
@@ -85,11 +86,11 @@ def test_a_preloaded_model_is_not_loaded_again_by_its_first_pack(runner: PackRun
 
 def test_a_model_whose_registry_entry_changed_is_loaded_again(runner: PackRunner, loads: list[str],
                                                                tmp_path: Path) -> None:
-    first = runner.model(ModelSource(**TINY))
-    assert runner.model(ModelSource(**TINY)) is first
+    first = runner.model(ModelSource(**TINY)).model
+    assert runner.model(ModelSource(**TINY)).model is first
     moved = ModelSource(**{**TINY, "path": str(tmp_path / "elsewhere")})  # PATCHed: another source, same name
-    assert runner.model(moved) is not first
-    assert runner.model(moved) is runner.model(moved)
+    assert runner.model(moved).model is not first
+    assert runner.model(moved).model is runner.model(moved).model
     assert loads == ["tiny-random-llama", "tiny-random-llama"]
 
 
