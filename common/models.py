@@ -231,6 +231,9 @@ class Worker(Base):
     incarnation_started_at: Mapped[datetime | None] = mapped_column(default=None)
     # The registered models this worker can load (its heartbeat says); None: it does not say, taken as every one.
     models: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    # The base models it holds loaded, most recently used first (its heartbeat says: name, revision, bytes,
+    # last_used_at): the planners prefer, all else equal, the worker that has a pack's model warm. None: not said.
+    warm_models: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
     # The time the newest heartbeat carried (when it was sent, not when it was read).
     last_heartbeat: Mapped[datetime] = mapped_column(default=utcnow)
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)

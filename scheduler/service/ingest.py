@@ -163,6 +163,9 @@ def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s
         worker.models = models
     if gpus_changed:
         worker.gpus = gpus
+    warm = _warm_models(m.get("warm_models"))
+    if warm != worker.warm_models:  # no replan: a tie-breaker of the planners, read at their next round
+        worker.warm_models = warm
     worker.state = states.WORKER_ALIVE
     worker.last_heartbeat = sent_at if is_new else max(as_utc(worker.last_heartbeat), sent_at)
     if "pack_id" in m:  # what the process runs now (a report from before this field cannot be judged)
@@ -193,6 +196,31 @@ def _models(raw: Any) -> list[str] | None:
         log.warning("ignoring a heartbeat's models that are not a list: %r", raw)
         return None
     return sorted({str(name) for name in raw})
+
+
+def _warm_models(raw: Any) -> list[dict[str, Any]] | None:
+    """The base models a heartbeat says its worker holds warm (worker/model_cache.py), in its order (most recently
+    used first): each ``{"name", "revision", "bytes", "last_used_at"}``; None when it does not say (a worker from
+    before this field). A malformed entry is logged and left out, a value that is not a list taken as not said: the
+    beat still proves the worker alive."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        log.warning("ignoring a heartbeat's warm_models that are not a list: %r", raw)
+        return None
+    warm: list[dict[str, Any]] = []
+    for entry in raw:
+        try:
+            name, revision = entry["name"], entry["revision"]
+            size, used = entry["bytes"], entry["last_used_at"]
+            if not (isinstance(name, str) and isinstance(revision, str) and isinstance(size, int)
+                    and not isinstance(size, bool) and size >= 0 and isinstance(used, int | float)):
+                raise TypeError("a field of the wrong type")
+        except (KeyError, TypeError) as exc:
+            log.warning("ignoring a heartbeat's warm model %r: %s", entry, exc)
+            continue
+        warm.append({"name": name, "revision": revision, "bytes": size, "last_used_at": float(used)})
+    return warm
 
 
 def _running_packs(session: Session, worker_id: str) -> list[Pack]:
