@@ -74,6 +74,10 @@ class Prepared:
         self._memories = sorted(g.memory_bytes for g in inp.gpus)  # for counting the GPUs that hold a trial
         self._gpu_models = {g.gpu_id: g.models for g in inp.gpus}
         self._restricted = any(g.models is not None for g in inp.gpus)  # some GPU loads only some models
+        self.warm_gpus: dict[str, list[str]] = {}  # base model -> the GPUs whose worker holds it loaded
+        for g in inp.gpus:
+            for model in sorted(g.warm):
+                self.warm_gpus.setdefault(model, []).append(g.gpu_id)
         placeable = [self._placeable(t) for t in inp.trials]
         self.trials = [t for t, ok in zip(inp.trials, placeable, strict=True) if ok]
         self.unschedulable = tuple(t.trial_id for t, ok in zip(inp.trials, placeable, strict=True) if not ok)
@@ -98,6 +102,12 @@ class Prepared:
         """Whether the GPU's worker can load ``model`` (its heartbeat's models; None: every one)."""
         models = self._gpu_models[gpu_id]
         return models is None or model in models
+
+    def cold(self, gpu_id: str, model: str) -> bool:
+        """Whether a pack of ``model`` on the GPU would wait for its worker to load the model while another GPU's
+        worker holds it warm: what the planners avoid, all else equal (no warm GPU anywhere: no GPU is cold)."""
+        warm = self.warm_gpus.get(model, [])
+        return bool(warm) and gpu_id not in warm
 
     # Memory: base + Σ items ≤ GPU bytes. Each term is rounded up so the sum never under-estimates.
     def mem_base(self, model: str) -> int:

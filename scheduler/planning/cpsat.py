@@ -103,6 +103,7 @@ class _Model:
         self.by_tenant: dict[str, list[tuple[cp_model.IntervalVar, int]]] = {}  # (interval, trials): quotas
         self.ends: list[cp_model.IntVar] = []  # running packs' ends, in the makespan
         self.weighted: list[tuple[int, cp_model.IntVar]] = []  # running members' completions, in the objective
+        self.cold: list[cp_model.IntVar] = []  # a new pack on a GPU that must load a model another holds warm
         # New packs, one candidate per (group, leader).
         self.span: dict[str, tuple[cp_model.IntVar, cp_model.IntVar]] = {}
         self.packs: list[tuple[PendingTrial, list[tuple[PendingTrial, cp_model.IntVar]], cp_model.IntVar,
@@ -144,6 +145,7 @@ class _Model:
                 if g.memory_bytes >= base_mem + prep.mem_item(lead) and prep.loads(g.gpu_id, model)]
         y = {g.gpu_id: m.new_bool_var(f"y_{lead.trial_id}_{g.gpu_id}") for g in gpus}
         m.add(sum(y.values()) == k * used)
+        self.cold.extend(y[g.gpu_id] for g in gpus if prep.cold(g.gpu_id, model))
         for g in gpus:
             self.on_gpu[g.gpu_id].append(m.new_optional_interval_var(*sde, y[g.gpu_id], "p"))
             m.add(base_mem + sum(prep.mem_item(t) * x for t, x in members) <= g.memory_bytes
@@ -251,14 +253,16 @@ class _Model:
                 self.m.add_cumulative([iv for iv, _ in ivs], [n for _, n in ivs], cap)
 
     def _objective(self, greedy: PlanResult) -> None:
-        """Minimise makespan_weight·makespan + Σ weight·completion (running members' too), no worse than greedy."""
+        """Minimise makespan_weight·makespan + Σ weight·completion (running members' too), no worse than greedy;
+        then, as a tie-breaker only, the new packs' GPUs that must load a model another GPU holds warm (the
+        objective is scaled past their count, so no unit of it is ever traded for a warm GPU)."""
         m, prep = self.m, self.prep
         makespan = m.new_int_var(0, self.h, "makespan")
         m.add_max_equality(makespan, [*self.comp.values(), *self.ends])
         objective = prep.inp.makespan_weight * makespan + sum(
             t.tenant_weight * self.comp[t.trial_id] for t in prep.trials) + sum(w * c for w, c in self.weighted)
         m.add(objective <= greedy.objective)
-        m.minimize(objective)
+        m.minimize((len(self.cold) + 1) * objective + sum(self.cold) if self.cold else objective)
 
     def _hint(self, greedy: PlanResult) -> None:
         """Starts the search from the greedy plan: each greedy pack is the candidate led by its first member in

@@ -208,8 +208,9 @@ class _GreedyPlan:
         self._publish(p)
 
     def _earliest_gpus(self, t: PendingTrial, need: int) -> list[str]:
-        """The t.gpus_needed earliest-free GPUs with `need` bytes that load t's model (ties by id), from the
-        heaps, stale entries dropped; those that cannot load the model are passed over and put back."""
+        """The t.gpus_needed earliest-free GPUs with `need` bytes that load t's model, from the heaps, stale entries
+        dropped; those that cannot load the model are passed over and put back. Ties: a GPU whose worker holds the
+        model warm first (it starts without loading it), then by id."""
         prep, avail, sizes = self.prep, self.avail, self.sizes
         picked: list[tuple[int, str]] = []
         for m in sizes[bisect.bisect_left(sizes, need):]:
@@ -225,7 +226,14 @@ class _GreedyPlan:
             for e in [*got, *passed]:
                 heapq.heappush(h, e)
             picked.extend(got)
-        return [gid for _, gid in sorted(picked)[: t.gpus_needed]]
+        warm = prep.warm_gpus.get(t.base_model, [])
+        if warm and picked:
+            # A warm GPU free no later than the last one picked may take a cold one's place at the same time.
+            last = max(at for at, _ in picked)
+            picked.extend((avail[g], g) for g in warm if avail[g] <= last and prep.gpu_mem[g] >= need
+                          and prep.loads(g, t.base_model) and (avail[g], g) not in picked)
+        ranked = sorted(picked, key=lambda e: (e[0], prep.cold(e[1], t.base_model), e[1]))
+        return [gid for _, gid in ranked[: t.gpus_needed]]
 
     def _quota_start(self, t: PendingTrial, start: int, dur: int) -> int:
         """The earliest time ≥ start at which t alone for `dur` keeps its tenant within quota."""

@@ -52,6 +52,9 @@ class GpuSpec:
     busy_until: int = 0  # time units from now; 0 = free now
     # The base models its worker can load; None: every one. A pack goes only on GPUs that all load its model.
     models: frozenset[str] | None = None
+    # The base models its worker holds loaded (its heartbeat's warm_models): all else equal, a pack of one of them
+    # goes here rather than to a GPU that must load it first.
+    warm: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class LiveWorker:
     models: frozenset[str] | None = None
     busy_for_s: float = 0.0  # predicted seconds until its pack ends; 0 while idle
     gpus: int = 1  # the GPUs of one host it runs each pack over (`loraplane worker --gpus 0,1`)
+    warm: frozenset[str] = frozenset()  # the base models it holds loaded (its heartbeat's warm_models)
 
     def can_load(self, model: str) -> bool:
         return loads(self.models, model)
@@ -231,11 +235,11 @@ def planning_input(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, unit_s
     # One cap per pack for the whole cluster: the smallest worker's slots (workers of one deployment share it).
     max_slots = min((w.max_slots for w in workers), default=None)
     gpus = tuple(
-        GpuSpec(gpu_id=w.worker_id, memory_bytes=unit_memory_bytes(w), models=w.models)
+        GpuSpec(gpu_id=w.worker_id, memory_bytes=unit_memory_bytes(w), models=w.models, warm=w.warm)
         for w in snapshot.idle_workers
     ) + tuple(
         GpuSpec(gpu_id=w.worker_id, memory_bytes=unit_memory_bytes(w),
-                busy_until=max(1, math.ceil(w.busy_for_s / unit_s)), models=w.models)
+                busy_until=max(1, math.ceil(w.busy_for_s / unit_s)), models=w.models, warm=w.warm)
         for w in snapshot.busy_workers
     )  # fmt: skip
     trials = tuple(

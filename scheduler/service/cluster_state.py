@@ -126,6 +126,11 @@ def worker_models(worker: Worker) -> frozenset[str] | None:
     return None if worker.models is None else frozenset(str(m) for m in worker.models)
 
 
+def worker_warm(worker: Worker) -> frozenset[str]:
+    """The base models the worker's newest heartbeat says it holds loaded (none when it does not say)."""
+    return frozenset(str(w["name"]) for w in worker.warm_models or () if isinstance(w, dict) and "name" in w)
+
+
 def busy_workers(
     session: Session, now: datetime, timeout_s: float, costs: dict[str, ModelCost]
 ) -> tuple[LiveWorker, ...]:
@@ -135,7 +140,7 @@ def busy_workers(
     live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
     return tuple(
         LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w),
-                   busy_for_s=predicted_remaining_s(session, live[w.id], costs), gpus=w.gpus)
+                   busy_for_s=predicted_remaining_s(session, live[w.id], costs), gpus=w.gpus, warm=worker_warm(w))
         for w in usable_workers(session, now, timeout_s)
         if w.id in live
     )

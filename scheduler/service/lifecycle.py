@@ -38,6 +38,7 @@ from scheduler.service.cluster_state import (
     trial_tokens_per_step,
     usable_workers,
     worker_models,
+    worker_warm,
 )
 from scheduler.service.cluster_state import busy_workers as busy_workers
 from scheduler.service.cluster_state import load_costs as load_costs
@@ -167,7 +168,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
         )
         for trial, task, weight in rows
     )
-    idle = tuple(LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w), gpus=w.gpus)
+    idle = tuple(LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w), gpus=w.gpus, warm=worker_warm(w))
                  for w in workers if w.id not in busy_ids)
     return Snapshot(pending=pending, idle_workers=idle)
 
