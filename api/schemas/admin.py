@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, StringConstraints
@@ -85,6 +86,13 @@ class ApiKeyCreated(ApiKeyOut):
     key: str = Field(description="The secret. Shown only in this response; only its sha256 is stored.")
 
 
+class WarmModelOut(BaseModel):
+    name: str = Field(description="The registry name of a base model the worker holds loaded.")
+    revision: str = Field(description="Which files it was loaded from (a fingerprint of their sizes and times).")
+    bytes: int = Field(description="Its parameters and buffers on the worker's device.")
+    last_used_at: UtcDateTime = Field(description="When a pack (or the preload) last took it.")
+
+
 class WorkerOut(BaseModel):
     id: str
     object: Literal["worker"] = "worker"
@@ -99,6 +107,11 @@ class WorkerOut(BaseModel):
     models: list[str] | None = Field(
         default=None, description="The registered models its newest heartbeat says it can load (path present, "
                                   "config readable); null: it does not say, and is taken as able to load every one.")
+    warm_models: list[WarmModelOut] | None = Field(
+        default=None, description="The base models it holds loaded between packs, most recently used first (its "
+                                  "newest heartbeat says; LORAPLANE_WORKER_MODEL_CACHE_BYTES bounds them): a pack of "
+                                  "one of them starts without loading it, and the planner prefers such a worker, "
+                                  "all else equal. Null: it does not say.")
     last_heartbeat: UtcDateTime
     registered_at: UtcDateTime
     quarantined_until: UtcDateTime | None = Field(
@@ -117,7 +130,16 @@ class WorkerOut(BaseModel):
         recent = sum(1 for t in w.lost_packs or () if now.timestamp() - window_s < float(t))
         return cls(
             id=w.id, queue=w.queue, device=w.device, memory_bytes=w.memory_bytes, gpus=w.gpus, max_slots=w.max_slots,
-            state=w.state, current_pack_id=w.current_pack_id, models=w.models, last_heartbeat=w.last_heartbeat,
+            state=w.state, current_pack_id=w.current_pack_id, models=w.models, warm_models=_warm_models(w),
+            last_heartbeat=w.last_heartbeat,
             registered_at=w.registered_at, quarantined_until=until if until is not None and until > now else None,
             recent_lost_packs=recent,
         )
+
+
+def _warm_models(w: Worker) -> list[WarmModelOut] | None:
+    """The worker's warm models as stored from its heartbeat (ingest keeps only well-formed entries)."""
+    if w.warm_models is None:
+        return None
+    return [WarmModelOut(name=m["name"], revision=m["revision"], bytes=m["bytes"],
+                         last_used_at=datetime.fromtimestamp(float(m["last_used_at"]), UTC)) for m in w.warm_models]

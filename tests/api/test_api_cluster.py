@@ -168,6 +168,26 @@ def test_each_worker_says_which_models_it_can_load(client: TestClient) -> None:
     assert listed == workers
 
 
+def test_each_worker_shows_the_models_it_holds_warm(client: TestClient) -> None:
+    add_worker("gpu-0")
+    add_worker("gpu-1")  # its heartbeat does not say
+    warm = [{"name": "smollm2-135m-instruct", "revision": "2af2ce4a606345ac", "bytes": 538_062_336,
+             "last_used_at": 1796212800.25},
+            {"name": "tiny-random-llama", "revision": "tiny-random-llama", "bytes": 428_800,
+             "last_used_at": 1796212000.0}]
+    with session_scope() as session:
+        session.get_one(Worker, "gpu-0").warm_models = warm
+    workers = {w["id"]: w["warm_models"] for w in client.get("/v1/admin/cluster", headers=ADMIN).json()["workers"]}
+    assert workers["gpu-1"] is None
+    assert workers["gpu-0"] == [
+        {"name": "smollm2-135m-instruct", "revision": "2af2ce4a606345ac", "bytes": 538_062_336,
+         "last_used_at": "2026-12-02T12:00:00.250000Z"},
+        {"name": "tiny-random-llama", "revision": "tiny-random-llama", "bytes": 428_800,
+         "last_used_at": "2026-12-02T11:46:40Z"}]
+    listed = {w["id"]: w["warm_models"] for w in client.get("/v1/admin/workers", headers=ADMIN).json()["data"]}
+    assert listed == workers
+
+
 def test_an_empty_cluster_has_no_utilisation(client: TestClient) -> None:
     c = client.get("/v1/admin/cluster", headers=ADMIN).json()
     assert (c["workers_alive"], c["slots_total"], c["utilisation"], c["workers"], c["tenants"]) == (0, 0, 0.0, [], [])
