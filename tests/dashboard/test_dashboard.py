@@ -268,6 +268,9 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
         expect(pack.locator(".slot.used")).to_have_count(used)
         expect(pack).to_contain_text(task["id"][:13])
         expect(worker).to_contain_text(f"{used}/")
+        # The model its pack runs on is warm on it now (its heartbeats' warm_models), with its size.
+        expect(worker.locator("td.warm")).to_contain_text("tiny-random-llama", timeout=15_000)
+        expect(worker.locator("td.warm")).to_contain_text("KiB")
         expect(page.get_by_text("slot utilisation")).to_be_visible()
         shot(page, "05-cluster")
     finally:

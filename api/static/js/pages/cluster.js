@@ -20,7 +20,7 @@ function workerState(w) {
 function workersTable(workers) {
   return h("table", { class: "data", id: "workers" },
     h("caption", {}, "Workers"),
-    h("thead", {}, h("tr", {}, ["Worker", "State", "Device", "Memory", "Slots in use", "Pack", "Models",
+    h("thead", {}, h("tr", {}, ["Worker", "State", "Device", "Memory", "Slots in use", "Pack", "Models", "Warm",
       "Last heartbeat"].map((c) => h("th", { scope: "col" }, c)))),
     h("tbody", {}, workers.map((w) => h("tr", { dataset: { worker: w.id } },
       h("td", { class: "mono" }, w.id), h("td", {}, workerState(w)), h("td", {}, w.device),
@@ -31,7 +31,17 @@ function workersTable(workers) {
       h("td", { class: "mono small" }, w.pack_id || "idle"),
       // The registered models it can load (null: it does not say, taken as every one).
       h("td", { class: "small" }, w.models == null ? "any" : (w.models.join(", ") || "none")),
+      warmCell(w),
       h("td", { class: "small" }, fmt.time(w.last_heartbeat))))));
+}
+
+// The base models it holds loaded between packs, most recently used first: a pack of one starts without loading it.
+function warmCell(w) {
+  if (w.warm_models == null) return h("td", { class: "small muted warm" }, "—");
+  if (!w.warm_models.length) return h("td", { class: "small muted warm" }, "none");
+  return h("td", { class: "small warm" }, h("ul", { class: "plain" }, w.warm_models.map((m) =>
+    h("li", { title: `revision ${m.revision}; last used ${fmt.datetime(m.last_used_at)}` },
+      `${m.name} `, h("span", { class: "muted" }, fmt.bytes(m.bytes))))));
 }
 
 function packCard(pack) {
