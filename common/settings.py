@@ -77,6 +77,10 @@ class Settings(BaseSettings):
     # The bytes of loaded base models (parameters and buffers) a worker keeps warm between packs on its device
     # (worker/model_cache.py): past it, the least recently used go. 0: half of the device's memory.
     worker_model_cache_bytes: int = Field(default=0, ge=0, alias="LORAPLANE_WORKER_MODEL_CACHE_BYTES")
+    # How often a pack snapshots its training trials (adapter and optimizer state, to host memory, without stalling
+    # training) for its writer to persist as checkpoints: a killed worker's trials resume from one no older than
+    # this (plus its write). Pauses are checkpointed whatever it says. 0: at every step.
+    checkpoint_interval_s: float = Field(default=60.0, ge=0, alias="LORAPLANE_CHECKPOINT_INTERVAL_S")
     # torch's CPU threads in a worker process: its host work is many small ops a step (batch packing, launch
     # tables), which gain nothing from more threads, and several workers on one host would otherwise each
     # start one thread per core and contend (0: torch's own default).

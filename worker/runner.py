@@ -261,8 +261,8 @@ class PackRunner:
                 model, tokenizer, specs, base_model_name=export_base_name(source), export_dir=tmp / "adapters",
                 on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, task_of),
                 on_step=calls.stepped if leads else None, resume=resume, checkpoint_dir=tmp / "checkpoints",
-                # Checkpoints cost an adapter plus its optimizer state each: as often as the slowest eval.
-                checkpoint_interval=max([s.eval_interval for s in specs], default=None),
+                # Snapshots to host memory on a time policy; the writer uploads them (upload_checkpoint).
+                checkpoint_interval_s=get_settings().checkpoint_interval_s,
                 on_checkpoint=calls.upload_checkpoint, max_rank=pack.get("max_rank"),
                 capacity=pack.get("capacity") if ranks is None else ranks.capacity(pack.get("capacity")),
                 target_modules=pack.get("target_modules"), admissions=calls.admissions, on_admitted=calls.admitted,
@@ -364,12 +364,16 @@ class _PackCallbacks:
         self.written: dict[str, list[str]] = {}  # trial id -> its checkpoints' keys in the store, oldest first
 
     def upload_checkpoint(self, trial_id: str, step: int, path: Path) -> None:
+        """On the pack's writer thread (worker/engine/writer.py), for each snapshot it persists: only the newest
+        snapshot of a trial waits for it, so a slow store costs checkpoints, never training steps."""
         key = checkpoint_key(self.task_of[trial_id], trial_id, step)
         self.runner.store.put_file(key, _tar(path, self.tmp / f"{trial_id}.ckpt.tar", gzip=False))
         self.reporter.send("trial.checkpoint", trial_id=trial_id, step=step, checkpoint_key=key)
         # Keep the newest two: the scheduler may not have ingested the newest report yet, and the
         # one before it is what the database points at meanwhile.
         keys = self.written.setdefault(trial_id, [])
+        if key in keys:  # the same step again (a pause right after a periodic snapshot): one key, held once
+            keys.remove(key)
         keys.append(key)
         while len(keys) > 2:
             self.runner.store.delete(keys.pop(0))

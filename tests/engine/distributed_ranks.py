@@ -102,7 +102,7 @@ def _run(rank: int, world: int, out: Path, cache: Path) -> None:
     outcomes = train_pack(
         model, tokenizer, mine, base_model_name="tiny-random-llama", export_dir=out / f"export{rank}",
         on_point=lambda *p: points.append(list(p)), should_stop=should_stop, admissions=admissions,
-        checkpoint_dir=out / f"checkpoints{rank}", checkpoint_interval=1000,
+        checkpoint_dir=out / f"checkpoints{rank}",  # pauses only
         capacity=CAPACITY if world > 1 else 2 * CAPACITY, max_rank=4,
         on_checkpoint=lambda trial_id, step, path: checkpoints.setdefault(trial_id, path), lockstep=lockstep,
         on_step=lambda stats: steps.append([stats.active_slots, stats.tokens, stats.target_tokens]),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,3 +104,31 @@ def peft_adamw_reference(model: Any, tokenizer: Any, spec: TrialSpec, init: Modu
         optimizer.zero_grad()
         losses.append(loss.item())
     return peft_model, losses
+
+
+class Persisted:
+    """An ``on_checkpoint`` that records, per trial, the steps of the checkpoints the pack's writer persisted (and
+    copies each to ``into/<trial>/<step>/`` when given); ``wait`` blocks until one of a trial's is persisted.
+
+    Which periodic snapshots the writer persists depends on its pace (a newer one supersedes one not started), so a
+    test that needs a given step waits for it from ``on_point`` at the trial's next step: that step's snapshot was
+    taken, and no newer one can supersede it before the wait ends.
+    """
+
+    def __init__(self, into: Path | None = None) -> None:
+        self.into = into
+        self.steps: dict[str, list[int]] = {}
+        self._changed = threading.Condition()
+
+    def __call__(self, trial_id: str, step: int, path: Path) -> None:
+        if self.into is not None:
+            shutil.copytree(path, self.into / trial_id / str(step))
+        with self._changed:
+            self.steps.setdefault(trial_id, []).append(step)
+            self._changed.notify_all()
+
+    def wait(self, trial_id: str, step: int, timeout_s: float = 60.0) -> None:
+        """Until the checkpoint of ``trial_id`` at ``step`` is persisted."""
+        with self._changed:
+            assert self._changed.wait_for(lambda: step in self.steps.get(trial_id, []), timeout_s), (
+                f"no checkpoint of {trial_id} at step {step} after {timeout_s} s: {self.steps}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import completion_rows, make_spec
+from tests.engine.factories import Persisted, completion_rows, make_spec
 from worker.engine import TrialOutcome, TrialSpec, train_pack
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
@@ -36,21 +35,26 @@ def _run(tiny: Tiny, out: Path, **kwargs: Any) -> tuple[list[TrialOutcome], list
 
 
 def test_a_resumed_pack_continues_bit_for_bit(tiny: Tiny, tmp_path: Path) -> None:
-    saved: list[tuple[str, int]] = []
+    persisted = Persisted(tmp_path / "kept")
+    points: list[Point] = []
 
-    def keep_step_4(trial_id: str, step: int, path: Path) -> None:
-        saved.append((trial_id, step))
-        if step == 4:
-            shutil.copytree(path, tmp_path / "at-4" / trial_id)
+    def on_point(*point: Any) -> None:
+        points.append(point)
+        if point[1:3] == (5, "train"):  # each trial's step-4 snapshot is on disk before it goes on
+            persisted.wait(point[0], 4)
 
-    straight, points = _run(tiny, tmp_path / "straight", checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=2,
-                            on_checkpoint=keep_step_4)
-    assert saved == [(t, s) for s in (2, 4, 6, 8) for t in ("a", "b")]
+    straight = train_pack(*tiny, _specs(), base_model_name="tiny", export_dir=tmp_path / "straight",
+                          on_point=on_point, checkpoint_dir=tmp_path / "ckpt", checkpoint_interval_s=0,
+                          on_checkpoint=persisted)
+    for steps in (persisted.steps["a"], persisted.steps["b"]):
+        # Newest first, superseded ones dropped: increasing steps, never the last (the trial ended there).
+        assert 4 in steps and steps == sorted(set(steps)) and steps[-1] < 8, steps
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["a", "b"]  # replaced in place, no temp dirs
-    assert json.loads((tmp_path / "ckpt" / "a" / "slot.json").read_text())["steps_done"] == 8
+    last = json.loads((tmp_path / "ckpt" / "a" / "slot.json").read_text())["steps_done"]
+    assert last == persisted.steps["a"][-1]
 
     resumed, resumed_points = _run(
-        tiny, tmp_path / "resumed", resume={"a": tmp_path / "at-4" / "a", "b": tmp_path / "at-4" / "b"}
+        tiny, tmp_path / "resumed", resume={"a": tmp_path / "kept" / "a" / "4", "b": tmp_path / "kept" / "b" / "4"}
     )
     assert resumed_points == [p for p in points if p[1] > 4]  # the same losses, exactly
     assert [p[:3] for p in resumed_points if p[0] == "a"][:2] == [("a", 5, "train"), ("a", 6, "train")]
@@ -66,7 +70,14 @@ def test_a_resumed_pack_continues_bit_for_bit(tiny: Tiny, tmp_path: Path) -> Non
 
 
 def test_a_checkpoint_of_another_configuration_is_refused(tiny: Tiny, tmp_path: Path) -> None:
-    _run(tiny, tmp_path / "out", checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=4)
+    persisted = Persisted()
+
+    def on_point(trial_id: str, step: int, split: str, value: float) -> None:
+        if (step, split) == (2, "train"):
+            persisted.wait(trial_id, 1)  # a checkpoint of each trial is on disk
+
+    train_pack(*tiny, _specs(), base_model_name="tiny", export_dir=tmp_path / "out", on_point=on_point,
+               checkpoint_dir=tmp_path / "ckpt", checkpoint_interval_s=0, on_checkpoint=persisted)
     other = make_spec("a", lora_rank=8)
     (outcome,) = train_pack(*tiny, [other], base_model_name="tiny", export_dir=tmp_path / "x",
                             on_point=lambda *p: None, resume={"a": tmp_path / "ckpt" / "a"})

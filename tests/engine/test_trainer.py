@@ -286,7 +286,7 @@ def test_stop_modes_export_the_best_adapter_or_pause_to_resume_exactly(tiny: Tin
     outcomes = train_pack(
         *tiny, [make_spec("a", max_steps=12), make_spec("b", max_steps=12, seed=2), make_spec("c", seed=3)],
         base_model_name="tiny", export_dir=tmp_path / "pack", on_point=lambda *p: points.append(p),
-        checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=100, admissions=admissions, should_stop=stops,
+        checkpoint_dir=tmp_path / "ckpt", admissions=admissions, should_stop=stops,  # pauses only
         on_checkpoint=lambda t, step, path: checkpoints.setdefault(t, (step, path)),
     )  # fmt: skip
     got = [(o.trial_id, o.status, o.steps_done) for o in outcomes]
@@ -306,36 +306,47 @@ def test_files_and_their_callbacks_run_off_the_training_thread_in_order(tiny: Ti
     before its end, its adapter is on disk when its end is reported, and the pack's phases are timed."""
     import threading
 
+    from tests.engine.factories import Persisted
     from worker.engine.trainer import PackTimings
 
     model, tokenizer = tiny
     specs = [make_spec("w1", max_steps=8, eval_interval=4), make_spec("w2", max_steps=6, eval_interval=3, seed=4)]
     events: list[tuple[str, str, int | str, str]] = []
     main = threading.current_thread().name
+    persisted = Persisted()
 
     def on_checkpoint(trial_id: str, step: int, path: Path) -> None:
         assert (path / "slot.safetensors").is_file()
         events.append(("checkpoint", trial_id, step, threading.current_thread().name))
+        persisted(trial_id, step, path)
 
     def on_outcome(outcome: TrialOutcome) -> None:
         assert outcome.adapter_dir is not None and (outcome.adapter_dir / "adapter_model.safetensors").is_file()
         events.append(("outcome", outcome.trial_id, outcome.status, threading.current_thread().name))
 
+    def on_point(trial_id: str, step: int, split: str, value: float) -> None:
+        if (step, split) == (3, "train"):
+            persisted.wait(trial_id, 2)  # each trial has a checkpoint before its end
+
     timings = PackTimings()
     outcomes = train_pack(
-        model, tokenizer, specs, base_model_name="tiny", export_dir=tmp_path / "out", on_point=lambda *p: None,
-        checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=2, on_checkpoint=on_checkpoint,
+        model, tokenizer, specs, base_model_name="tiny", export_dir=tmp_path / "out", on_point=on_point,
+        checkpoint_dir=tmp_path / "ckpt", checkpoint_interval_s=0, on_checkpoint=on_checkpoint,
         on_outcome=on_outcome, timings=timings,
     )  # fmt: skip
     assert [o.status for o in outcomes] == ["completed", "completed"]
     assert {thread for *_, thread in events} != {main}  # not on the training thread
-    for trial_id, steps in (("w1", [2, 4, 6, 8]), ("w2", [2, 4, 6])):
+    for trial_id, last in (("w1", 8), ("w2", 6)):
         mine = [(kind, what) for kind, tid, what, _ in events if tid == trial_id]
-        assert mine == [("checkpoint", s) for s in steps] + [("outcome", "completed")]
+        steps = [int(what) for kind, what in mine[:-1]]
+        assert mine[-1] == ("outcome", "completed") and 2 in steps, mine
+        assert steps == sorted(set(steps)) and steps[-1] < last, mine  # newest first: never an older one after
     summary = timings.summary()
-    assert timings.steps_s > 0 and timings.validation_s > 0 and timings.checkpoints_s > 0 and timings.exports_s > 0
-    parts = timings.steps_s + timings.validation_s + timings.checkpoints_s + timings.exports_s + timings.waiting_s
+    assert timings.steps_s > 0 and timings.validation_s > 0 and timings.snapshot_s > 0 and timings.export_s > 0
+    assert timings.persist_s > 0 and timings.snapshots.offered >= timings.snapshots.done >= 2
+    parts = timings.steps_s + timings.validation_s + timings.snapshot_s + timings.export_s + timings.idle_s
     assert parts <= timings.wall_s and summary["outside_steps_frac"] == round(1 - timings.steps_s / timings.wall_s, 4)
+    assert "snapshots" not in summary
 
 
 def test_a_callback_that_raises_on_the_writer_thread_stops_the_pack(tiny: Tiny, tmp_path: Path) -> None:
@@ -344,12 +355,14 @@ def test_a_callback_that_raises_on_the_writer_thread_stops_the_pack(tiny: Tiny, 
     def on_checkpoint(trial_id: str, step: int, path: Path) -> None:
         raise RuntimeError("the artifact store is full")
 
+    steps: list[int] = []
     with pytest.raises(RuntimeError, match="store is full"):
         train_pack(
-            model, tokenizer, [make_spec("x", max_steps=50)], base_model_name="tiny", export_dir=tmp_path / "out",
-            on_point=lambda *p: None, checkpoint_dir=tmp_path / "ckpt", checkpoint_interval=1,
-            on_checkpoint=on_checkpoint,
+            model, tokenizer, [make_spec("x", max_steps=100_000)], base_model_name="tiny",
+            export_dir=tmp_path / "out", on_point=lambda t, step, split, v: steps.append(step),
+            checkpoint_dir=tmp_path / "ckpt", checkpoint_interval_s=0, on_checkpoint=on_checkpoint,
         )  # fmt: skip
+    assert max(steps) < 100_000  # the pack stopped at the failure, not at its end
     assert not any(isinstance(m, StackedLoraLinear) for m in model.modules())  # the model is bare again
 
 

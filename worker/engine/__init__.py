@@ -9,7 +9,7 @@ A whole pack, as a worker runs it::
     outcomes = train_pack(model, tokenizer, trials, base_model_name=source.name, export_dir=out,
                           on_point=publish, should_stop=poll_evictions,
                           on_step=record_stats,                               # StepStats per pack step
-                          checkpoint_dir=ckpt, checkpoint_interval=50, on_checkpoint=upload,
+                          checkpoint_dir=ckpt, checkpoint_interval_s=60.0, on_checkpoint=upload,
                           resume={"trial-7": ckpt / "trial-7"})                # continue a trial exactly
 
 The engine underneath, for benchmarks and for schedulers that back-fill slots::

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.engine.files import to_host, write_dir_atomically
+from worker.engine.files import HostCopy, copy_to_host, write_dir_atomically
 from worker.engine.optim import SlotAdamW
 from worker.engine.slots import SlotState
 from worker.engine.store import AdapterStore, ModuleTensors
@@ -27,37 +27,64 @@ FORMAT = 1
 TENSORS, STATE = "slot.safetensors", "slot.json"
 
 
+# Where one layer's adapter sits in each rank row of a slot's row of the store (worker/engine/store.py's layout):
+# (path, A's offset, d_in, B's offset, d_out).
+_Place = tuple[str, int, int, int, int]
+MATRICES = ("adapter", "exp_avg", "exp_avg_sq")
+
+
 @dataclass(frozen=True)
 class SlotSnapshot:
-    """A slot's checkpoint as of one moment: device clones of its tensors and its state, not yet on disk.
+    """A slot's checkpoint as of one moment, in host memory (or on its way there: ``files.copy_to_host``), not
+    yet on disk.
 
-    Taking one is cheap device work on the training thread; ``write`` (the copy to the host and the files)
-    may run on another thread while training goes on: nothing it reads changes.
+    Taking one queues copies on the device and waits for none; ``write`` (which waits for them, cuts the rows into
+    each layer's tensors and writes the files) may run on another thread while training goes on: nothing it reads
+    changes.
     """
 
-    tensors: dict[str, torch.Tensor]
+    tensors: HostCopy  # each matrix's live part of the slot's row, the best adapter, the sampler's generator
+    places: list[_Place]  # where each of the trial's layers sits in a rank row
+    rank: int
+    rank_width: int
     info: dict[str, Any]
+    trial_id: str
+    step: int
 
     def write(self, directory: Path) -> Path:
         """Write the checkpoint to ``directory`` atomically (an older one there is replaced)."""
 
         def write(tmp: Path) -> None:
-            save_file(to_host(self.tensors), str(tmp / TENSORS))
+            save_file(self.host_tensors(), str(tmp / TENSORS))
             (tmp / STATE).write_text(json.dumps(self.info, indent=1) + "\n")
 
         return write_dir_atomically(Path(directory), write)
 
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors as saved: each layer's at the trial's true rank (waits for the copy)."""
+        copied = self.tensors.wait()
+        out = {name: t for name, t in copied.items() if name.split("/")[0] not in MATRICES}
+        for kind in MATRICES:
+            rows = copied[kind].view(self.rank, self.rank_width)  # rank-major: rank row j holds A's row j, B's col j
+            for path, a_offset, d_in, b_offset, d_out in self.places:
+                out[f"{kind}/{path}/A"] = rows[:, a_offset:a_offset + d_in].contiguous()
+                out[f"{kind}/{path}/B"] = rows[:, b_offset:b_offset + d_out].T.contiguous()
+        return out
+
 
 def snapshot_slot(*, slot: int, state: SlotState, store: AdapterStore, optimizer: SlotAdamW) -> SlotSnapshot:
-    """Everything needed to resume ``slot`` exactly, as it is now (``SlotSnapshot.write`` saves it)."""
-    tensors: dict[str, torch.Tensor] = {}
-    matrices = {"adapter": store.weights, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
-    for kind, matrix in matrices.items():
-        tensors |= _flatten(kind, store.read(matrix, slot))
+    """Everything needed to resume ``slot`` exactly, as it is now, on its way to host memory (``SlotSnapshot.write``
+    saves it). Of the adapter and the AdamW moments, the part of the slot's row its rank uses (one contiguous slice
+    each: the store is rank-major) is copied whole, and cut into layers later, on the host."""
+    live = store.live_columns(slot)
+    tensors = {kind: matrix[slot, :live] for kind, matrix in
+               zip(MATRICES, (store.weights, optimizer.exp_avg, optimizer.exp_avg_sq), strict=True)}
     if state.best is not None:
         tensors |= _flatten("best", state.best)  # replaced, never changed in place, by a better validation
     generator_state, pending = state.sampler.state()
     tensors["sampler/generator"] = generator_state
+    blocks = [store.blocks[i] for i in store.targets[slot]]
+    places = [(b.layer.path, b.a_offset, b.a_size, b.b_offset, b.b_size) for b in blocks]
     spec = {k: v for k, v in dataclasses.asdict(state.spec).items() if k not in ("train_rows", "val_rows")}
     info: dict[str, Any] = {
         "format": FORMAT,
@@ -70,7 +97,8 @@ def snapshot_slot(*, slot: int, state: SlotState, store: AdapterStore, optimizer
         "best_step": state.best_step,
         "sampler_pending": pending,
     }
-    return SlotSnapshot(tensors, info)
+    return SlotSnapshot(copy_to_host(tensors), places, store.ranks[slot], store.rank_width, info,
+                        state.spec.trial_id, state.steps_done)
 
 
 def save_slot(directory: Path, *, slot: int, state: SlotState, store: AdapterStore, optimizer: SlotAdamW) -> Path:

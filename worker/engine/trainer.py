@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from common.metrics import score_answers
 from common.regex_policy import PatternRefused
+from worker.engine import checkpoint
 from worker.engine.data import eval_prompt
 from worker.engine.distributed import Lockstep
 from worker.engine.engine import PackEngine
@@ -25,13 +24,14 @@ from worker.engine.lora import ALL_LINEAR, resolve_target_modules
 from worker.engine.slots import StepStats
 from worker.engine.spec import TrialOutcome, TrialSpec, validate_spec
 from worker.engine.store import slot_bytes
+from worker.engine.writer import PackWriter, WriterCounts
 
 logger = logging.getLogger(__name__)
 
 # (trial_id, step, "train" | "val" | "metric", value): a loss, or a generative metric's score in [0, 1]
 PointCallback = Callable[[str, int, str, float], None]
 # How to take a trial out of the pack: "drop" it, "export" its best-validation adapter first (an early exit
-# for overfitting), or "pause" it (checkpoint, free the slot; it resumes later from the checkpoint).
+# for overfitting), or "pause" it (snapshot and persist its checkpoint, free the slot; it resumes later from it).
 StopMode = Literal["drop", "export", "pause"]
 # Given the free slots, the trials to admit now, each with the checkpoint it resumes from (or None).
 Admissions = Callable[[int], list[tuple[TrialSpec, Path | None]]]
@@ -52,7 +52,7 @@ def train_pack(
     on_step: Callable[[StepStats], None] | None = None,
     resume: dict[str, Path] | None = None,
     checkpoint_dir: Path | None = None,
-    checkpoint_interval: int | None = None,
+    checkpoint_interval_s: float | None = None,
     on_checkpoint: Callable[[str, int, Path], None] | None = None,
     activation_checkpointing: bool = False,
     capacity: int | None = None,
@@ -71,8 +71,8 @@ def train_pack(
     spec, unknown target module, no data, an exception in its step) is ``"failed"`` and the others go on; a
     NaN loss is reported, not an error. Trials ``should_stop`` names (polled once per step) leave at once:
     ``"drop"`` and ``"export"`` end them ``"stopped"`` (with the best-validation adapter exported for
-    ``"export"``); ``"pause"`` checkpoints them (``on_checkpoint``) and ends them ``"paused"``. Exceptions
-    from the callbacks propagate. The model is left with no adapter layers, ready for the next pack.
+    ``"export"``); ``"pause"`` checkpoints them and ends them ``"paused"``. Exceptions from the callbacks propagate.
+    The model is left with no adapter layers, ready for the next pack.
 
     Back-filling: the engine has ``capacity`` slots (default: one per trial) of rank up to ``max_rank``
     (default: the trials' largest) over the layers ``target_modules`` select (default: the trials' own).
@@ -86,9 +86,9 @@ def train_pack(
         on_step: called with each pack step's ``StepStats`` (under a ``lockstep``: on every rank, with the
             whole pack's step over all ranks, ``Lockstep.pack_stats``).
         resume: ``{trial_id: checkpoint dir}`` of trials to continue instead of starting fresh.
-        checkpoint_dir, checkpoint_interval: checkpoint each trial to ``checkpoint_dir/<trial_id>/`` every
-            ``checkpoint_interval`` of its steps (replaced atomically), then call ``on_checkpoint(trial_id,
-            step, path)``.
+        checkpoint_dir, checkpoint_interval_s: snapshot the training trials every ``checkpoint_interval_s`` (0: each
+            step; None: pauses only); each is written to ``checkpoint_dir/<trial_id>/`` then ``on_checkpoint(trial_id,
+            step, path)`` is called, unless a newer one or the trial's end came first (``_Hooks.snapshot``).
         on_outcome: called with each trial's outcome as soon as the trial ends and its adapter is written.
         timings: filled in with where the pack's wall time went on the training thread.
         keeper: the worker's kept engine (worker/engine/keeper.py): the pack takes it where it fits, and it is kept
@@ -97,10 +97,8 @@ def train_pack(
             this rank's, the base's layers are already sharded, and the loop runs in step with the other ranks
             until none has a live trial.
 
-    Checkpoint and adapter files are written on a background thread while training goes on (the training
-    thread only snapshots them, on the device); ``on_checkpoint`` and ``on_outcome`` run there too, after
-    their files and in order, and an exception they raise is raised here before the next step. ``train_pack``
-    returns once every write and callback is done.
+    Files are written on a background thread (worker/engine/writer.py) that training never waits for; there
+    ``on_checkpoint`` and ``on_outcome`` run after their files (raising here). It returns once all are done.
 
     Returns:
         One outcome per stay of a trial in the pack: ``trials`` in order, then the admitted ones in the order
@@ -109,11 +107,11 @@ def train_pack(
     ids = _unique_ids(trials)
     clock = timings if timings is not None else PackTimings()
     started = time.perf_counter()
-    writer = _Writer()
+    writer = PackWriter()
     report = _Reporter([], on_outcome, writer)
     ready = _set_up(model, trials, report)
-    hooks = _Hooks(on_point, Path(export_dir), base_model_name, checkpoint_dir, checkpoint_interval, on_checkpoint,
-                   writer, clock)
+    snapshots = SnapshotClock(checkpoint_interval_s, started)
+    hooks = _Hooks(on_point, Path(export_dir), base_model_name, checkpoint_dir, snapshots, on_checkpoint, writer, clock)
     layers = _pack_layers(model, ready, target_modules)
     rank = max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64
     with _closing_writer(writer, clock, started):
@@ -219,15 +217,21 @@ def _pack_engine(
 
 
 @contextmanager
-def _closing_writer(writer: _Writer, clock: PackTimings, started: float) -> Iterator[None]:
+def _closing_writer(writer: PackWriter, clock: PackTimings, started: float) -> Iterator[None]:
     """On the way out, an exception included: wait for the writer's work (raising its first failure) and add the
     pack's wall time since ``started``."""
     try:
         yield
     finally:
-        with clock.measure("waiting_s"):
-            writer.close()
-        clock.wall_s += time.perf_counter() - started
+        try:
+            with clock.measure("idle_s"):
+                writer.close()
+        finally:
+            clock.wall_s += time.perf_counter() - started
+            clock.snapshots = writer.counts
+            counts = clock.snapshots
+            logger.info("pack checkpoints: %d periodic snapshots, %d written, %d dropped (superseded or ended)",
+                        counts.offered, counts.done, counts.dropped)
 
 
 def _in_trial_order(outcomes: list[TrialOutcome], ids: list[str]) -> list[TrialOutcome]:
@@ -317,6 +321,36 @@ def _run(
             outcome = _after_step(engine, slot, losses, validation.get(slot), hooks)
             if outcome is not None:
                 report(outcome)
+        _snapshot_round(engine, losses, hooks)
+
+
+def _snapshot_round(engine: PackEngine, losses: dict[str, float], hooks: _Hooks) -> None:
+    """At a step boundary, once the pack's interval has passed since its last round (``SnapshotClock``): a snapshot of
+    every trial that stepped and trains on, for the writer to persist (``_Hooks.snapshot``). One that fails is only
+    missed: the trial trains on, and the next round tries again."""
+    now = time.perf_counter()
+    if hooks.checkpoint_dir is None or not losses or not hooks.snapshots.due(now):
+        return
+    for slot in _live(engine):
+        state = engine.state(slot)
+        if state.training and state.spec.trial_id in losses:
+            try:
+                hooks.snapshot(engine, slot)
+            except Exception:
+                logger.exception("trial %s: no snapshot at step %d", state.spec.trial_id, state.steps_done)
+    hooks.snapshots.last = now
+
+
+@dataclass
+class SnapshotClock:
+    """When a pack snapshots its trials: every ``interval_s`` seconds since its last round, ``last`` (first: since the
+    pack's start). 0: at every step; None: never (a paused trial is snapshotted all the same)."""
+
+    interval_s: float | None
+    last: float
+
+    def due(self, now: float) -> bool:
+        return self.interval_s is not None and now - self.last >= self.interval_s
 
 
 def _step(engine: PackEngine) -> tuple[dict[str, float], StepStats | None]:
@@ -338,7 +372,8 @@ def _step(engine: PackEngine) -> tuple[dict[str, float], StepStats | None]:
 
 @dataclass
 class PackTimings:
-    """Where a pack's wall time went on the training thread, in seconds (the rest: callbacks, admissions)."""
+    """Where a pack's wall time went on the training thread, in seconds (the rest: callbacks, admissions), and the
+    writer thread's time persisting checkpoints beside it (``persist_s``)."""
 
     wall_s: float = 0.0
     load_s: float = 0.0  # the base model, from the worker's cache or from disk (the runner's)
@@ -346,9 +381,12 @@ class PackTimings:
     steps_s: float = 0.0  # engine.step: forward, backward, optimizer
     validation_s: float = 0.0
     metric_s: float = 0.0  # generation for the trials' generative metric, at their rungs and their end
-    checkpoints_s: float = 0.0  # snapshots of checkpoints (their files are written off this thread)
-    exports_s: float = 0.0  # snapshots of finished adapters (likewise)
-    waiting_s: float = 0.0  # the pack's end waiting for writes still under way
+    snapshot_s: float = 0.0  # snapshots of checkpoints to host memory (their files are written off this thread)
+    persist_s: float = 0.0  # the writer thread writing checkpoints and handing them over (on_checkpoint)
+    export_s: float = 0.0  # snapshots of finished adapters (their files are written off this thread too)
+    idle_s: float = 0.0  # the pack's end waiting for its writer: the last exports and pause checkpoints
+    # What became of the periodic snapshots (not a phase: not in ``summary``).
+    snapshots: WriterCounts = field(default_factory=WriterCounts)
 
     @contextmanager
     def measure(self, phase: str) -> Iterator[None]:
@@ -360,45 +398,23 @@ class PackTimings:
 
     def summary(self) -> dict[str, float | None]:
         """The phases rounded, and the share of the wall time outside training steps."""
-        out: dict[str, float | None] = {k: round(v, 3) for k, v in asdict(self).items()}
+        out: dict[str, float | None] = {k: round(v, 3) for k, v in asdict(self).items() if k.endswith("_s")}
         out["outside_steps_frac"] = round(1 - self.steps_s / self.wall_s, 4) if self.wall_s > 0 else None
         return out
 
 
-class _Writer:
-    """Artifact writes and the callbacks after them, in submission order, on one background thread."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pack-writer")
-        self._pending: deque[Future[object]] = deque()
-
-    def submit(self, work: Callable[[], object]) -> None:
-        self._pending.append(self._pool.submit(work))
-
-    def poll(self) -> None:
-        """Raise the exception of finished work that failed, oldest first."""
-        while self._pending and self._pending[0].done():
-            self._pending.popleft().result()
-
-    def close(self) -> None:
-        """Wait for all work; raise the first failure."""
-        try:
-            while self._pending:
-                self._pending.popleft().result()
-        finally:
-            self._pool.shutdown(wait=True)
-
-
 @dataclass
 class _Reporter:
-    """Records each outcome and passes it on once the writes queued before it (its adapter) are done."""
+    """Records each outcome and passes it on once the writes queued before it (its adapter, or its pause checkpoint)
+    are done. A periodic snapshot of the trial that has not started is dropped: the trial has ended."""
 
     outcomes: list[TrialOutcome]
     on_outcome: Callable[[TrialOutcome], None] | None
-    writer: _Writer
+    writer: PackWriter
 
     def __call__(self, outcome: TrialOutcome) -> None:
         self.outcomes.append(outcome)
+        self.writer.discard(outcome.trial_id)
         on_outcome = self.on_outcome
         if on_outcome is not None:
             self.writer.submit(lambda: on_outcome(outcome))
@@ -429,25 +445,32 @@ class _Hooks:
     export_dir: Path
     base_model_name: str
     checkpoint_dir: Path | None
-    checkpoint_interval: int | None
+    snapshots: SnapshotClock
     on_checkpoint: Callable[[str, int, Path], None] | None
-    writer: _Writer
+    writer: PackWriter
     clock: PackTimings
 
-    def checkpoint(self, engine: PackEngine, slot: int) -> None:
-        """Snapshot the slot now; write it and call ``on_checkpoint`` on the writer thread."""
+    def snapshot(self, engine: PackEngine, slot: int, *, keep: bool = False) -> None:
+        """Snapshot the slot now, to host memory (files.copy_to_host: the device's copy is queued, not waited for);
+        the writer thread writes it to ``checkpoint_dir/<trial_id>/`` and calls ``on_checkpoint``. With ``keep``
+        (a pause) it is written in order, before the trial's outcome; else a newer snapshot of the trial, or the
+        trial's end, drops it if it has not started."""
         assert self.checkpoint_dir is not None
-        trial_id, step = engine.state(slot).spec.trial_id, engine.state(slot).steps_done
-        with self.clock.measure("checkpoints_s"):
-            write = engine.prepare_checkpoint(slot, self.checkpoint_dir / trial_id)
-        on_checkpoint = self.on_checkpoint
+        with self.clock.measure("snapshot_s"):
+            snapshot = checkpoint.snapshot_slot(slot=slot, state=engine.state(slot), store=engine.store,
+                                                optimizer=engine.optimizer)
+        directory, on_checkpoint, clock = self.checkpoint_dir / snapshot.trial_id, self.on_checkpoint, self.clock
 
-        def work() -> None:
-            path = write()
-            if on_checkpoint is not None:
-                on_checkpoint(trial_id, step, path)
+        def persist() -> None:
+            with clock.measure("persist_s"):  # on the writer thread: the training thread never touches persist_s
+                path = snapshot.write(directory)
+                if on_checkpoint is not None:
+                    on_checkpoint(snapshot.trial_id, snapshot.step, path)
 
-        self.writer.submit(work)
+        if keep:
+            self.writer.submit(persist)
+        else:
+            self.writer.offer(snapshot.trial_id, persist)
 
 
 def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: bool = False) -> None:
@@ -544,8 +567,8 @@ def _validate_in_step(
 def _after_step(
     engine: PackEngine, slot: int, losses: dict[str, float], validated: float | BaseException | None, hooks: _Hooks
 ) -> TrialOutcome | None:
-    """Report, checkpoint and, once done, export one slot after a pack step (``validated``: its validation
-    loss of this step, if it was due, or the exception its validation raised).
+    """Report and, once done, export one slot after a pack step (``validated``: its validation loss of this step, if
+    it was due, or the exception its validation raised).
 
     Engine work that raises fails this trial only; exceptions from the callbacks propagate.
     Returns the trial's outcome once it has one (the slot is then free).
@@ -559,9 +582,6 @@ def _after_step(
         if isinstance(validated, BaseException):
             raise validated
         val_loss = validated
-        interval = hooks.checkpoint_interval
-        if trial_id in losses and hooks.checkpoint_dir is not None and interval and step % interval == 0:
-            hooks.checkpoint(engine, slot)
         outcome = None if state.training else _finish(engine, slot, "completed", export_to=hooks)
     except Exception as exc:
         logger.exception("trial %s failed after step %d", trial_id, step)
@@ -574,12 +594,13 @@ def _after_step(
 
 
 def _take_out(engine: PackEngine, slot: int, mode: StopMode, hooks: _Hooks) -> TrialOutcome:
-    """A trial leaving on request (``should_stop``): dropped, exported, or checkpointed to resume later."""
+    """A trial leaving on request (``should_stop``): dropped, exported, or checkpointed to resume later (its snapshot
+    is persisted before its outcome is reported)."""
     if mode == "export":
         return _finish(engine, slot, "stopped", export_to=hooks)
     if mode == "pause":
         if hooks.checkpoint_dir is not None:
-            hooks.checkpoint(engine, slot)
+            hooks.snapshot(engine, slot, keep=True)
         return _finish(engine, slot, "paused")
     return _finish(engine, slot, "stopped")
 
@@ -592,7 +613,7 @@ def _finish(
     adapter_dir = None
     if export_to is not None:
         adapter_dir = export_to.export_dir / state.spec.trial_id
-        with export_to.clock.measure("exports_s"):
+        with export_to.clock.measure("export_s"):
             write = engine.prepare_export(slot, adapter_dir, base_model_name=export_to.base_model_name)
         export_to.writer.submit(write)  # the outcome's report is queued after it
     best_step = state.best_step
