@@ -345,6 +345,9 @@ class Worker(ApiObject):
     # It lost packs repeatedly: the scheduler gives it none until then (None: not quarantined).
     quarantined_until: datetime | None = None
     recent_lost_packs: int = 0  # packs it lost within the quarantine window
+    # The base models it holds loaded, most recently used first: {"name", "revision", "bytes", "last_used_at"}
+    # (an ISO time); None: it does not say.
+    warm_models: list[dict[str, Any]] | None = None
 
     TIMES = frozenset({"last_heartbeat", "registered_at", "quarantined_until"})
 

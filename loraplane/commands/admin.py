@@ -151,10 +151,12 @@ def cmd_workers(args: argparse.Namespace) -> int:
         emit(workers.raw)
         return 0
     # A quarantined worker (it lost packs repeatedly) gets no pack until then.
+    # WARM: the base models it holds loaded (a pack of one starts without loading it), most recently used first.
     rows = [[w.id, w.state if w.quarantined_until is None else f"quarantined until {when(w.quarantined_until)}",
-             w.device, w.max_slots, size(w.memory_bytes), w.current_pack_id or "-", when(w.last_heartbeat)]
+             w.device, w.max_slots, size(w.memory_bytes), w.current_pack_id or "-",
+             ",".join(m["name"] for m in w.warm_models or ()) or "-", when(w.last_heartbeat)]
             for w in workers]
-    out(table(["ID", "STATE", "DEVICE", "SLOTS", "MEMORY", "PACK", "LAST HEARTBEAT"], rows, right=(3, 4))
+    out(table(["ID", "STATE", "DEVICE", "SLOTS", "MEMORY", "PACK", "WARM", "LAST HEARTBEAT"], rows, right=(3, 4))
         if rows else "No workers.")
     return 0
 
