@@ -15,6 +15,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -254,8 +255,12 @@ class PackRunner:
         timings = PackTimings()
         with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
             tmp = Path(tmp_name)
+            set_up_started = time.perf_counter()
             (model, tokenizer), specs, resume = self._set_up(source, trials, read_rows, tmp / "resume", reporter,
                                                              timings)
+            # The pack's wall time runs from its start here: the load (load_s) and the rest of the set-up (in
+            # other_s) are part of what its trials wait for; train_pack adds its own.
+            timings.wall_s += time.perf_counter() - set_up_started
             calls = _PackCallbacks(self, pack_id, reporter, tmp, task_of, read_rows, profiler)
             train_pack(
                 model, tokenizer, specs, base_model_name=export_base_name(source), export_dir=tmp / "adapters",
