@@ -50,7 +50,8 @@ def app_in_thread() -> Iterator[int]:
 
 def distributed_env(tmp_path: Path) -> dict[str, str]:
     """This process's environment (DATABASE_URL, REDIS_URL, ...) plus what a short distributed e2e run wants: a
-    namespace of its own on the shared Redis, files under `tmp_path`, fast ticks, heartbeats and timeouts."""
+    namespace of its own on the shared Redis, files under `tmp_path`, fast ticks, heartbeats, timeouts and
+    checkpoints."""
     env = dict(os.environ)
     env.update({
         "LORAPLANE_NAMESPACE": f"lp-e2e-{uuid.uuid4().hex[:8]}",
@@ -59,6 +60,9 @@ def distributed_env(tmp_path: Path) -> dict[str, str]:
         "LORAPLANE_SCHEDULER_TICK_S": "0.5",
         "LORAPLANE_HEARTBEAT_S": "1",
         "LORAPLANE_WORKER_TIMEOUT_S": "8",
+        # Checkpoints every 0.2 s, not every minute: the tests that kill a worker find a checkpoint to resume from
+        # within a few steps of training, as they did when checkpoints came at each validation.
+        "LORAPLANE_CHECKPOINT_INTERVAL_S": "0.2",
     })
     return env
 

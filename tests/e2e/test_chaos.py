@@ -1,8 +1,8 @@
 """Chaos: routine faults injected into real processes mid-task (issue 14), embedded and distributed.
 
 Each scenario runs a long task of tenant A (two trials) and one of tenant B (one trial) on `tiny-random-llama`,
-validating often so the pack checkpoints often (checkpoints happen at the pack's slowest eval interval). Once
-every trial has reported a checkpoint, the fault: the worker killed and back at once under the same id, `up`
+checkpointing every 0.2 s (LORAPLANE_CHECKPOINT_INTERVAL_S) and validating every 20 steps. Once every trial has
+reported a checkpoint, the fault: the worker killed and back at once under the same id, `up`
 killed and restarted, Redis restarted empty, the database stopped for 20 s. Then both tasks must succeed,
 every trial that was interrupted must resume from its checkpoint (not from step 0), and every trial's train
 curve must hold each step exactly once. A worker's crash is never the trials' fault: every trial ends at attempt 1
@@ -62,11 +62,13 @@ from tests.e2e.procs import (
 )
 from tests.services import PostgresServer, redis_server_argv
 
-CHECKPOINT_EVERY = 20  # both tasks' eval_interval: the pack checkpoints at its slowest eval interval
+EVAL_EVERY = 20  # both tasks' eval_interval
 A_STEPS = 600  # long enough to still train when the fault comes (at the first checkpoint), short enough to end soon
 B_STEPS = 400
 CHAOS_ENV = {
     "LORAPLANE_SCHEDULER_TICK_S": "0.5", "LORAPLANE_HEARTBEAT_S": "1", "LORAPLANE_WORKER_TIMEOUT_S": "8",
+    # A checkpoint within a fraction of a second of training, not a minute: the faults come once every trial has one.
+    "LORAPLANE_CHECKPOINT_INTERVAL_S": "0.2",
     # On 2 busy cores torch's second thread makes the tiny model train ~10x slower (threads wait for each other
     # while the API and the scheduler hold the other core): one thread per process.
     "OMP_NUM_THREADS": "1",
@@ -99,7 +101,7 @@ def long_task(file_id: str, learning_rates: list[float], max_steps: int) -> dict
     body = grid_task(file_id, max_steps=max_steps)
     body["search_space"] = {"learning_rate": learning_rates, "lora_rank": [4], "batch_size": [4],
                             "target_modules": [["q_proj", "v_proj"]]}
-    body["eval_interval"] = CHECKPOINT_EVERY
+    body["eval_interval"] = EVAL_EVERY
     return body
 
 
@@ -135,7 +137,7 @@ def both_progress(tasks: Tasks) -> tuple[object, ...]:
 def assert_recovered(tasks: Tasks, checkpoints: dict[str, int], *, requeues: int) -> list[Event]:
     """Both tasks succeed with every trial complete; each step's train point is there exactly once; a trial
     that was requeued resumed from the checkpoint it had at the fault, or a newer one (not from step 0).
-    (Validation points, one every CHECKPOINT_EVERY steps, are checked the same way.)
+    (Validation points, one every EVAL_EVERY steps, are checked the same way.)
     `requeues`: how many times the faults ended the pack, each time requeuing every trial (0: an outage the
     worker trains through). Every trial ends at attempt 1: a worker's loss spends none. Returns the
     `trial.requeued` events."""
@@ -148,9 +150,9 @@ def assert_recovered(tasks: Tasks, checkpoints: dict[str, int], *, requeues: int
         assert all(t.state == "completed" and t.steps_done == t.total_steps for t in trials), (trials, story)
 
         for row in lp.tasks.curves(task_id):
-            total = int(row["total_steps"])  # a multiple of CHECKPOINT_EVERY: the last step validates anyway
-            for split, expected in (("train", range(1, total + 1)), ("val", range(CHECKPOINT_EVERY, total + 1,
-                                                                                   CHECKPOINT_EVERY))):
+            total = int(row["total_steps"])  # a multiple of EVAL_EVERY: the last step validates anyway
+            for split, expected in (("train", range(1, total + 1)), ("val", range(EVAL_EVERY, total + 1,
+                                                                                   EVAL_EVERY))):
                 steps = [int(point[0]) for point in row[split]]
                 missing = sorted(set(expected) - set(steps))
                 repeated = sorted(step for step, n in Counter(steps).items() if n > 1)
@@ -164,7 +166,6 @@ def assert_recovered(tasks: Tasks, checkpoints: dict[str, int], *, requeues: int
             assert resume_step >= checkpoints[event.trial_id] > 0, (
                 f"task {name}: {event.trial_id} resumed from step {resume_step}, but it had a checkpoint at "
                 f"step {checkpoints[event.trial_id]} before the fault:\n{story}")
-            assert resume_step % CHECKPOINT_EVERY == 0, f"resumed at {resume_step}, not a checkpoint step: {event}"
         assert sorted(e.trial_id or "" for e in requeued) == sorted(t.id for t in trials for _ in range(requeues)), (
             f"task {name}: every trial of each ended pack must be requeued, once a pack ({requeues}):\n{story}")
         assert all(e.data["blame"] == "worker" for e in requeued), story

@@ -155,7 +155,7 @@ def test_killed_worker_and_scheduler_lose_nothing(services: tuple[Cluster, str])
     lp = tenant_client(base_url, ADMIN_TOKEN, "team-crash")
     file_id = upload(lp, arithmetic_rows())
     body = grid_task(file_id, max_steps=400)
-    body["eval_interval"] = 20  # the worker checkpoints at this interval too
+    body["eval_interval"] = 20  # the worker checkpoints every 0.2 s (tests/e2e/procs.py distributed_env)
     task_id = submit(lp, body).id
 
     def checkpointed() -> bool:

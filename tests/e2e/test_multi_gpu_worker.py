@@ -118,7 +118,7 @@ def test_a_killed_rank_ends_its_worker_and_the_restarted_worker_resumes_the_tria
     with tenant_client(base_url, ADMIN_TOKEN, "team-rank-kill") as lp:
         file_id = upload(lp, arithmetic_rows())
         body = grid_task(file_id, max_steps=300)
-        body["eval_interval"] = 20  # the ranks checkpoint their trials at this interval too
+        body["eval_interval"] = 20  # the ranks checkpoint their trials every 0.2 s (procs.py distributed_env)
         task_id = submit(lp, body).id
         wait_for(lambda: all((t.checkpoint_step or 0) >= 20 for t in lp.tasks.trials(task_id)), 240,
                  "a checkpoint of every trial", interval_s=0.2)
