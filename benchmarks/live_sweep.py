@@ -17,8 +17,9 @@ Writes `benchmarks/results/sweeps/<dataset>-<model>-live-<policy>.json`: wall-cl
 task's end, samples trained (sum of steps done x batch size over the trials), each trial's state, steps
 and stop reason, the best trial and its test accuracy, device, date and command; on a GPU also its
 utilisation sampled through NVML every half second from submission to the last task's end, and every pack's
-profile as the worker measured it (step time, tokens, and its phases: training steps, validation,
-checkpoints, exports, and the share of its wall time outside training steps; its steps' seconds split into
+profile as the worker measured it (step time, tokens, and its phases: training steps, validation, checkpoint
+snapshots and their writing, exports, the end's wait for the writer, and the share of its wall time outside training
+steps; its steps' seconds split into
 waiting for the device, building batches on the critical path, and other host work).
 """
 
