@@ -25,7 +25,7 @@ case $stage in
     rm -rf /root/lp/repo /root/lp/*.log && cp -r . /root/lp/repo
     (cd /root/lp/repo && PYTHONPATH=/root/lp/pkg:/root/lp/svcsite:/root/lp/site:. setsid nohup bash -c "
       timeout 300 python -m pytest --confcutdir=tests/engine -p no:cacheprovider -q tests/engine/test_cuda.py \
-        tests/engine/test_keeper.py > /root/lp/enginetests.log 2>&1
+        tests/engine/test_keeper.py tests/engine/test_cuda_snapshots.py > /root/lp/enginetests.log 2>&1
       timeout 1500 python -m benchmarks.service_speed --data .sweepdata --dataset arithmetic \
         --out /root/lp/results > /root/lp/speed-smollm2.log 2>&1
       timeout 1200 python -m benchmarks.service_speed --data .sweepdata --dataset arithmetic --shape llama-3.2-1b \

@@ -14,8 +14,8 @@ How (design and alternatives: docs/step-capture.md):
   its tensors become the graph's inputs. A later batch of the same key is copied into them, and the graph
   replays: the gradients' zeroing, the forward, the loss and the backward into the store, as one launch.
   The AdamW update stays outside (one kernel; its per-slot scalars change every step).
-- All graphs of an engine share one memory pool (they never run at once); at most ``MAX_GRAPHS`` are kept,
-  a batch of any other shape steps eagerly.
+- All graphs of an engine share one memory pool (they never run at once); at most ``MAX_GRAPHS`` are kept, the
+  least recently replayed making room for a new shape.
 
 What runs captured: the torch LoRA path through ``torch._grouped_mm``, which reads the segments' offsets on
 the device. The Triton kernels size their launch grids on the host from the segments, so a pack whose layers
@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,11 @@ from worker.engine.lora import StackedLoraLinear
 logger = logging.getLogger(__name__)
 
 STEP_CAPTURE_MODES = ("auto", "off")
-MAX_GRAPHS = 16  # distinct batch shapes captured per engine; a steady pack needs a few (token, target buckets)
+# Distinct batch shapes kept captured per engine, the least recently replayed evicted past it: a steady pack needs
+# a few (token, target buckets), but an engine kept across packs (keeper.py) or one whose trials end and pause at
+# rungs meets new shapes as its slots empty (16 were full within one early-exit task on an H200, 2026-11-26, and
+# every later shape stepped eagerly until the eviction).
+MAX_GRAPHS = 16
 # Eager runs before a capture: kernels autotuned, libraries' lazy state built (the first capture of an engine),
 # the new shape's autotuning (later ones).
 FIRST_WARMUP_RUNS, WARMUP_RUNS = 2, 1
@@ -95,7 +100,7 @@ class StepGraphs:
     def __init__(self, forward_backward: Callable[[PackedBatch], torch.Tensor], grads: torch.Tensor,
                  layers: list[StackedLoraLinear]) -> None:  # fmt: skip
         self._forward_backward, self._grads, self._layers = forward_backward, grads, layers
-        self._graphs: dict[tuple[Any, ...], _Graph] = {}
+        self._graphs: OrderedDict[tuple[Any, ...], _Graph] = OrderedDict()  # least recently replayed first
         self._pool = torch.cuda.graph_pool_handle()
         self.enabled = True
         self.captures = 0
@@ -110,8 +115,9 @@ class StepGraphs:
         key = batch.shape_key() + tuple(layer.enabled for layer in self._layers)
         entry = self._graphs.get(key)
         if entry is None:
-            if len(self._graphs) >= MAX_GRAPHS:
-                return None
+            if len(self._graphs) >= MAX_GRAPHS:  # the least recently replayed shape makes room (see MAX_GRAPHS)
+                _, evicted = self._graphs.popitem(last=False)
+                evicted.graph.reset()
             try:
                 entry = self._graphs[key] = self._capture(batch)
             except Exception as exc:  # an op that cannot be captured: this engine steps eagerly from now on
@@ -121,6 +127,7 @@ class StepGraphs:
                 self._grads.zero_()  # the warm-up runs added gradients
                 return None
         else:
+            self._graphs.move_to_end(key)
             for static, new in zip(_tensors(entry.batch), _tensors(batch), strict=True):
                 static.copy_(new, non_blocking=True)
         entry.graph.replay()
