@@ -5,6 +5,7 @@ model train on the CPU; the bus is a file."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,24 @@ def test_a_pack_with_a_refused_pattern_finishes_and_scores_only_the_allowed_tria
     assert [m["type"] for m in messages if m["type"].startswith("pack.")][-1] == "pack.finished"
     assert {m["trial_id"] for m in messages if m["type"] == "trial.finished"} == {"refused", "allowed"}
     assert _metric_points(messages) == {"allowed": [1.0]}  # ".*" matches every answer; none for the refused
+
+
+def test_trials_that_end_together_store_their_adapters_side_by_side(runner: PackRunner) -> None:
+    """Two trials that end at the same step: their adapters are stored at once, each reported after its own (the
+    store lets neither finish until both are under way; stored one after the other, the pack would fail)."""
+    both_under_way = threading.Barrier(2, timeout=60)
+    real_put = runner.store.put_file
+
+    def put_file(key: str, path: Path) -> None:
+        if key.startswith("adapters/"):
+            both_under_way.wait()
+        real_put(key, path)
+
+    runner.store.put_file = put_file  # type: ignore[method-assign]
+    first = pack("pack-1")["trials"][0]
+    runner.run({**pack("pack-1"), "trials": [first, {**first, "trial_id": "pack-1-t1"}]})
+    messages = [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
+    assert [m["type"] for m in messages if m["type"].startswith("pack.")][-1] == "pack.finished"
+    finished = {m["trial_id"]: m["adapter_key"] for m in messages if m["type"] == "trial.finished"}
+    assert set(finished) == {"pack-1-t0", "pack-1-t1"}
+    assert all(key and runner.store.exists(key) for key in finished.values())
