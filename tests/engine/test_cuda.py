@@ -237,35 +237,39 @@ def test_cuda_a_kept_engine_replays_its_graphs_in_the_next_pack_and_shrinks_as_t
             assert abs(captured - eager) <= 2e-2 * abs(eager), (trial, kept_losses[trial], eager_losses[trial])
 
 
+@pytest.mark.parametrize("max_graphs", [1, 2])
 def test_cuda_past_max_graphs_the_least_recently_replayed_shape_makes_room(
-    model_cache: Path, monkeypatch: pytest.MonkeyPatch
+    model_cache: Path, monkeypatch: pytest.MonkeyPatch, max_graphs: int
 ) -> None:
-    """With room for one graph, a pack that goes from two trials to one and back captures each shape again as it
-    comes back (the other evicted) and still replays every step, training as eager steps do."""
+    """A pack that goes through shapes A, B, C and back to A with room for one or two graphs captures A again
+    (evicted for C), replays every step, and trains as eager steps do."""
     from worker.engine import PackEngine, capture
 
     model, tokenizer = load_base_model(TINY, cache_dir=model_cache, device=CUDA)
-    specs = [make_spec(f"m{i}", target_modules=["q_proj", "v_proj"], lora_rank=8, seed=i, train_rows=chat_rows(4))
-             for i in range(2)]
+
+    def spec(trial_id: str, seed: int, rows: list[dict[str, str]]) -> TrialSpec:
+        return make_spec(trial_id, target_modules=["q_proj", "v_proj"], lora_rank=8, seed=seed, train_rows=rows)
 
     def run(mode: str) -> tuple[list[dict[str, float]], int, int]:
         monkeypatch.setenv("LORAPLANE_STEP_CAPTURE", mode)
         with PackEngine(model, tokenizer, capacity=2, max_rank=8) as engine:
             losses = []
-            for spec in specs:
-                engine.admit(spec)
-            losses += [engine.step() for _ in range(2)]
-            engine.evict(1)
-            losses += [engine.step() for _ in range(2)]
-            engine.admit(dataclasses.replace(specs[1], trial_id="m1-again"))
-            losses += [engine.step() for _ in range(2)]
+            for phase, trials in enumerate([["a", "b"], ["a"], ["c"], ["a", "b"]]):  # shapes A, B, C, A
+                for slot, state in enumerate(engine.slots):
+                    if state is not None and state.spec.trial_id[0] not in trials:
+                        engine.evict(slot)
+                kept = {state.spec.trial_id[0] for state in engine.slots if state is not None}
+                for name in [t for t in trials if t not in kept]:
+                    rows = completion_rows(4) if name == "c" else chat_rows(4)
+                    engine.admit(spec(f"{name}{phase}", ord(name), rows))
+                losses += [engine.step() for _ in range(2)]
             graphs = engine.graphs
             return losses, graphs.captures if graphs else 0, graphs.replays if graphs else 0
 
-    monkeypatch.setattr(capture, "MAX_GRAPHS", 1)
+    monkeypatch.setattr(capture, "MAX_GRAPHS", max_graphs)
     captured, captures, replays = run("auto")
     eager, _, _ = run("off")
-    assert (captures, replays) == (3, 6)
+    assert (captures, replays) == (4, 8)
     for got, want in zip(captured, eager, strict=True):
         assert got.keys() == want.keys()
         for trial_id in want:

@@ -118,6 +118,8 @@ class StepGraphs:
             if len(self._graphs) >= MAX_GRAPHS:  # the least recently replayed shape makes room (see MAX_GRAPHS)
                 _, evicted = self._graphs.popitem(last=False)
                 evicted.graph.reset()
+                if not self._graphs:  # a pool no graph holds any more cannot take another capture (torch asserts)
+                    self._pool = torch.cuda.graph_pool_handle()
             try:
                 entry = self._graphs[key] = self._capture(batch)
             except Exception as exc:  # an op that cannot be captured: this engine steps eagerly from now on
