@@ -7,7 +7,7 @@
 #   device:  bash benchmarks/gpu_issue6.sh store-service       # carry [".whlsvc"]
 #   device:  bash benchmarks/gpu_issue30.sh start              # carry [".gguf2", ".sweepdata", ".whl"]
 #            (starts, one after another in the background: the CUDA engine tests; SmolLM2-135M tasks none, none, alto
-#            against the engine alone; the 1B shape, 16 trials, against the engine alone)
+#            against the engine alone; the 1B shape, 16 trials, against the engine alone, unless SKIP_1B=1)
 #   device:  bash benchmarks/gpu_issue30.sh wait 540          # again until it says "all done"
 # Results come back in $OUT/results.tar.gz: copy the JSON files into benchmarks/results/ here and commit them.
 set -uo pipefail
@@ -28,7 +28,7 @@ case $stage in
         tests/engine/test_keeper.py tests/engine/test_cuda_snapshots.py > /root/lp/enginetests.log 2>&1
       timeout 1500 python -m benchmarks.service_speed --data .sweepdata --dataset arithmetic \
         --out /root/lp/results > /root/lp/speed-smollm2.log 2>&1
-      timeout 1200 python -m benchmarks.service_speed --data .sweepdata --dataset arithmetic --shape llama-3.2-1b \
+      [ -n \"\${SKIP_1B:-}\" ] || timeout 1200 python -m benchmarks.service_speed --data .sweepdata --dataset arithmetic --shape llama-3.2-1b \
         --policies none none --batches 2 4 --ranks 8 16 --rows 1200 100 --port 8792 \
         --out /root/lp/results > /root/lp/speed-1b.log 2>&1
     " > /dev/null 2>&1 < /dev/null &)

@@ -85,3 +85,30 @@ def test_a_pack_whose_training_raises_closes_its_engine_instead_of_keeping_it(ti
     with pytest.raises(RuntimeError, match="the inbox is gone"):
         _pack(tiny, _specs("b"), tmp_path / "second", keeper, should_stop=inbox_breaks)
     assert keeper.reuses == 1 and not keeper.holds(tiny[0]) and not _wrapped(tiny[0])
+
+
+def test_a_smaller_pack_of_fewer_layers_and_a_lower_rank_takes_the_kept_engine(tiny: Tiny, tmp_path: Path) -> None:
+    """An early-exit task's later packs hold fewer trials over the same or fewer layers at a rank up to the first
+    pack's: they fit the kept engine (its slots padded to its rank) and train as in a new engine of their own."""
+    keeper = EngineKeeper()
+    wide = [make_spec(f"w{i}", target_modules=["q_proj", "v_proj", "o_proj"], lora_rank=8, seed=i, max_steps=3,
+                      train_rows=chat_rows(4)) for i in range(3)]
+    _pack(tiny, wide, tmp_path / "first", keeper)
+    later = _specs("l")[:1]  # q_proj and v_proj at rank 4
+    kept = _pack(tiny, later, tmp_path / "second", keeper)
+    assert keeper.reuses == 1
+    assert kept[0].adapter_dir is not None
+    weights = load_file(str(kept[0].adapter_dir / "adapter_model.safetensors"))
+    assert {tuple(t.shape) for k, t in weights.items() if "lora_A" in k} == {(4, 64)}  # its own rank, not 8
+    # The kept engine's own shape is what it is kept by: the wide pack again takes it.
+    _pack(tiny, wide, tmp_path / "third", keeper)
+    assert keeper.reuses == 2
+    keeper.drop()
+    fresh = _pack(tiny, later, tmp_path / "fresh", None)
+    # Equal up to float rounding: the kept engine's products run at its padded rank 8 (zero columns), which
+    # changes the order of the sums, not their terms.
+    assert kept[0].final_train_loss == pytest.approx(fresh[0].final_train_loss, rel=1e-5)
+    assert kept[0].best_val_loss == pytest.approx(fresh[0].best_val_loss, rel=1e-5)
+    assert fresh[0].adapter_dir is not None
+    for key, tensor in load_file(str(fresh[0].adapter_dir / "adapter_model.safetensors")).items():
+        torch.testing.assert_close(weights[key], tensor)

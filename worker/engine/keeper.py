@@ -8,7 +8,7 @@ same layers and rank takes it as it is, slots freed and its graphs still capture
 
 One engine is kept, the newest: it holds its store, optimizer state and graphs' memory pool on the device, and its
 model's layers stay wrapped until it is dropped (``drop``: the model is bare again). A pack of another model, or
-of the same model over other layers or at another rank, drops it and builds its own.
+of the same model over layers the kept engine does not wrap or at a higher rank, drops it and builds its own.
 """
 
 from __future__ import annotations
@@ -28,9 +28,17 @@ logger = logging.getLogger(__name__)
 class EngineShape:
     """What fixes an engine for its life, besides its capacity: the layers it wraps and the rank of its slots."""
 
-    layers: frozenset[str]
+    layers: frozenset[str]  # empty: every linear layer
     max_rank: int
     activation_checkpointing: bool
+
+    def fits(self, wanted: EngineShape) -> bool:
+        """Whether an engine of this shape can run a pack that wants ``wanted``: it wraps every layer the pack's
+        trials may target (a layer no slot targets computes nothing) at a rank at least theirs (slots are padded
+        to it). An early-exit task's later packs hold fewer trials, often of a lower rank, than its first."""
+        covers = not self.layers or (bool(wanted.layers) and wanted.layers <= self.layers)
+        return (covers and wanted.max_rank <= self.max_rank
+                and wanted.activation_checkpointing == self.activation_checkpointing)
 
 
 @dataclass
@@ -48,20 +56,20 @@ class EngineKeeper:
         self.reuses = 0  # packs that took the kept engine (the tests and the pack profile read it)
 
     def take(self, model: PreTrainedModel, shape: EngineShape, needed: int,
-             build: Callable[[], PackEngine]) -> tuple[PackEngine, bool]:  # fmt: skip
-        """The kept engine if it is over ``model`` with ``shape`` and has at least ``needed`` slots (it is handed
-        out, no longer kept); else the kept one is dropped and ``build()`` makes a new one. Also says whether the
-        engine was reused."""
+             build: Callable[[], PackEngine]) -> tuple[PackEngine, EngineShape]:  # fmt: skip
+        """The kept engine if it is over ``model``, its shape fits ``shape`` and it has at least ``needed`` slots
+        (it is handed out, no longer kept); else the kept one is dropped and ``build()`` makes a new one of
+        ``shape``. Also the engine's own shape (to ``keep`` it by)."""
         kept, self._kept = self._kept, None
-        if kept is not None and kept.model is model and kept.shape == shape and len(kept.engine.slots) >= needed:
+        if kept is not None and kept.model is model and kept.shape.fits(shape) and len(kept.engine.slots) >= needed:
             kept.engine.reset()
             self.reuses += 1
             logger.info("pack reuses the kept engine (%d slots, %d captured graphs)", len(kept.engine.slots),
                         kept.engine.graphs.count if kept.engine.graphs is not None else 0)
-            return kept.engine, True
+            return kept.engine, kept.shape
         if kept is not None:
             kept.engine.close()
-        return build(), False
+        return build(), shape
 
     def keep(self, model: PreTrainedModel, shape: EngineShape, engine: PackEngine) -> None:
         """Keep ``engine`` (every slot free: its pack ended well) for the next pack; an older one is dropped."""

@@ -38,6 +38,7 @@ Admissions = Callable[[int], list[tuple[TrialSpec, Path | None]]]
 # Spare slots (for back-fills) may take this share of the device's free memory at the pack's start; the rest
 # is for the trials' activations.
 SPARE_SLOTS_MEMORY_FRACTION = 0.25
+CUDA_RANK_MULTIPLE = 8  # see _engine_rank
 
 
 def train_pack(
@@ -113,7 +114,7 @@ def train_pack(
     snapshots = SnapshotClock(checkpoint_interval_s, started)
     hooks = _Hooks(on_point, Path(export_dir), base_model_name, checkpoint_dir, snapshots, on_checkpoint, writer, clock)
     layers = _pack_layers(model, ready, target_modules)
-    rank = max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64
+    rank = _engine_rank(model, max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64)
     with _closing_writer(writer, clock, started):
         if ready or admissions is not None or lockstep is not None:  # a rank takes part even with no trial
             shape = EngineShape(frozenset(layers), rank, activation_checkpointing)
@@ -153,6 +154,17 @@ def _pack_layers(
         except ValueError as exc:
             logger.warning("pack layers: %s", exc)
     return layers
+
+
+def _engine_rank(model: PreTrainedModel, rank: int) -> int:
+    """The rank the pack's slots are padded to: on CUDA a multiple of ``CUDA_RANK_MULTIPLE``, so that a pack of
+    low-rank trials can run from CUDA graphs (worker/engine/capture.py needs ``torch._grouped_mm``, whose rows must
+    be 16-byte aligned: rank 4 in bf16 is not). Padded columns are zero and never trained (store.live_columns).
+    Measured on an H200 (2026-11-26): an early-exit task's last trial, rank 4 alone in a pack, stepped eagerly at
+    0.49 s a step where a captured step of that pack takes ~0.03 s."""
+    if next(model.parameters()).device.type != "cuda":
+        return rank
+    return -(-rank // CUDA_RANK_MULTIPLE) * CUDA_RANK_MULTIPLE
 
 
 def _new_engine(
@@ -199,7 +211,7 @@ def _pack_engine(
     if keeper is None or lockstep is not None:
         engine = build()
     else:
-        engine, _ = keeper.take(model, shape, max(starting, 1), build)
+        engine, shape = keeper.take(model, shape, max(starting, 1), build)  # kept again by its own shape
     captured_before = engine.graphs.capture_s if engine.graphs is not None else 0.0
     try:
         yield engine
