@@ -64,6 +64,7 @@ def run_pack(devices: list[str], pack: dict[str, Any], timeout_s: float) -> tupl
     from common.bus import SCHEDULER_STREAM, get_bus
     from common.settings import get_settings
     from worker.agent import Heartbeat, Incarnation
+    from worker.rank_process import rank_main
     from worker.ranks import RankConfig, RankPool, free_port
     from worker.runner import PackRunner
 
@@ -71,7 +72,7 @@ def run_pack(devices: list[str], pack: dict[str, Any], timeout_s: float) -> tupl
     pool = ranks = None
     if len(devices) > 1:
         pool = RankPool(RankConfig(worker_id="bench", devices=tuple(devices), init_method=f"tcp://127.0.0.1:{free_port()}",
-                                   incarnation=incarnation, timeout_s=timeout_s, cpu_threads=0))
+                                   incarnation=incarnation, timeout_s=timeout_s, cpu_threads=0), entry=rank_main)
         ranks = pool.start()
     heartbeat = Heartbeat(bus, 60.0, {"worker_id": "bench"}, incarnation)  # not started: run() only names the pack
     runner = PackRunner(worker_id="bench", device=torch.device(devices[0]), bus=bus, store=get_artifact_store(),

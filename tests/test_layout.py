@@ -1,5 +1,5 @@
 """The code's layout rules (docs/ARCHITECTURE.md), read statically from the source: which package may import which,
-and no function longer than a screen and a half."""
+no import cycle anywhere, and no function longer than a screen and a half."""
 
 from __future__ import annotations
 
@@ -63,6 +63,90 @@ def test_the_layout_check_sees_an_import_it_forbids(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from api.main import app\n    import scheduler.service.daemon as d\n")
     assert {"api.main", "api.main.app", "scheduler.service.daemon"} <= imported_modules(source)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Each module of ``packages`` under ``root`` -> the modules of theirs it imports, at any depth (an import inside
+    a function placed there to dodge a cycle is still an edge). ``from pkg import name`` names the submodule
+    ``pkg.name`` where there is one, else the package; a module's own package is no edge of its import."""
+    paths = {module_name(p, root): p for package in packages for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
+                         for a in node.names]
+            for name in names:
+                while name and name not in paths:  # `import a.b.c` of ours is an edge to the module a.b.c
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    edges.add(name)
+        graph[module] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, edges = work[-1]
+            child = next((e for e in edges if e not in index or e in stack), None)
+            if child is not None and child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                work.append((child, iter(sorted(graph[child]))))
+                continue
+            if child is not None:
+                low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycle_anywhere() -> None:
+    assert import_cycles(import_graph(ROOT, PACKAGES)) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from pkg import a\n")  # a package importing its own modules: no cycle
+    (package / "a.py").write_text("from pkg.b import f\n")
+    (package / "b.py").write_text("def f():\n    from pkg import c\n")
+    (package / "c.py").write_text("import pkg.a\n")
+    (package / "d.py").write_text("from pkg import a, b\n")
+    assert import_cycles(import_graph(tmp_path, ("pkg",))) == [["pkg.a", "pkg.b", "pkg.c"]]
+    (package / "c.py").write_text("import json\n")
+    assert import_cycles(import_graph(tmp_path, ("pkg",))) == []
 
 
 def long_functions(path: Path) -> list[str]:

@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
 from common.artifacts import get_artifact_store
 from common.bus import get_bus
 from common.celery import worker_queue
-from common.registry import DEFAULT_MODELS
 from common.settings import get_settings
 from worker import telemetry
 from worker.agent import Heartbeat, Incarnation
 from worker.availability import ModelAvailability
-from worker.engine import ModelSource
-from worker.model_cache import device_memory
+from worker.model_cache import device_memory, preload_models
+from worker.rank_process import rank_main
 from worker.ranks import RankConfig, RankPool, free_port
 from worker.runner import PackRunner
 
@@ -34,27 +31,6 @@ def pick_devices(gpus: list[int] | None) -> list[torch.device]:
     if gpus:
         log.warning("--gpu(s) %s asked for, but CUDA is not available: running on the CPU", gpus)
     return [torch.device("cpu")] * max(1, len(gpus or []))
-
-
-def preload_models(load: Callable[[ModelSource], object], names: str,
-                   registry: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-    """Load the named registry models now with ``load`` (``PackRunner.model``: into its warm models, as a pack would,
-    within LORAPLANE_WORKER_MODEL_CACHE_BYTES: of more than fit, the last named stay); ``names`` is
-    ``LORAPLANE_WORKER_PRELOAD``. A name is looked up in ``registry`` (the one the scheduler published, with
-    the models an operator registered), then among the default models; an unknown name is logged and skipped,
-    and so is a model that fails to load (its packs will say why)."""
-    sources = {m.name: ModelSource(name=m.name, kind=m.kind, path=m.path, package=m.package, gguf_file=m.gguf_file)
-               for m in DEFAULT_MODELS}
-    for name, fields in (registry or {}).items():
-        sources[name] = ModelSource(**fields)  # common.registry.model_source_fields, as a pack message carries them
-    for name in filter(None, (n.strip() for n in names.split(","))):
-        if name not in sources:
-            log.warning("LORAPLANE_WORKER_PRELOAD: %r is not a registered model; not preloaded", name)
-            continue
-        try:
-            load(sources[name])
-        except Exception:  # noqa: BLE001 - the worker still serves the models it can load
-            log.exception("LORAPLANE_WORKER_PRELOAD: %r could not be loaded", name)
 
 
 def default_worker_id(gpus: list[int] | None, device: torch.device) -> str:
@@ -82,7 +58,7 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
             worker_id=worker_id, devices=tuple(str(d) for d in devices),
             init_method=f"tcp://127.0.0.1:{free_port()}", incarnation=incarnation,
             timeout_s=settings.worker_rank_timeout_s, cpu_threads=settings.worker_cpu_threads,
-            preload=settings.worker_preload_models, loglevel=loglevel))
+            preload=settings.worker_preload_models, loglevel=loglevel), entry=rank_main)
         ranks = pool.start()
     # Every beat names the registered models this machine can load (the registry the scheduler published).
     availability = ModelAvailability(bus)

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.registry import DEFAULT_MODELS
 from worker.engine import ModelSource
 from worker.engine.models import model_revision
 
@@ -186,3 +187,24 @@ class ModelCache:
             copies = sorted(self._copies.values(), key=lambda c: c.last_used_at, reverse=True)
             return [{"name": c.source.name, "revision": c.revision, "bytes": c.bytes, "last_used_at": c.last_used_at}
                     for c in copies]
+
+
+def preload_models(load: Callable[[ModelSource], object], names: str,
+                   registry: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Load the named registry models now with ``load`` (``PackRunner.model``: into its warm models, as a pack would,
+    within LORAPLANE_WORKER_MODEL_CACHE_BYTES: of more than fit, the last named stay); ``names`` is
+    ``LORAPLANE_WORKER_PRELOAD``. A name is looked up in ``registry`` (the one the scheduler published, with
+    the models an operator registered), then among the default models; an unknown name is logged and skipped,
+    and so is a model that fails to load (its packs will say why)."""
+    sources = {m.name: ModelSource(name=m.name, kind=m.kind, path=m.path, package=m.package, gguf_file=m.gguf_file)
+               for m in DEFAULT_MODELS}
+    for name, fields in (registry or {}).items():
+        sources[name] = ModelSource(**fields)  # common.registry.model_source_fields, as a pack message carries them
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        if name not in sources:
+            log.warning("LORAPLANE_WORKER_PRELOAD: %r is not a registered model; not preloaded", name)
+            continue
+        try:
+            load(sources[name])
+        except Exception:  # noqa: BLE001 - the worker still serves the models it can load
+            log.exception("LORAPLANE_WORKER_PRELOAD: %r could not be loaded", name)

@@ -29,10 +29,8 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
-import signal
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -41,7 +39,6 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers.utils import logging as hf_logging
 
 from worker.agent import Incarnation
 from worker.engine.distributed import Lockstep, assign_ranks
@@ -148,14 +145,16 @@ class RankPool:
     """Rank 0's side of the worker's ranks: starts ranks 1..n-1 and joins the process group with them, hands them
     each pack and waits for them to end it, and ends the worker process if one of them dies."""
 
-    def __init__(self, config: RankConfig) -> None:
+    def __init__(self, config: RankConfig, entry: Callable[[int, RankConfig, Any, Any], None]) -> None:
+        """``entry``: each rank process's main (worker/rank_process.py ``rank_main``: passed in, so that this protocol,
+        which the runner uses, does not import the runner)."""
         self.config = config
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         self._packs = [ctx.Queue() for _ in range(config.world - 1)]
         self._ended = ctx.Queue()  # (rank, pack id) as each rank ends its share of a pack
         # Not daemonic: a rank may start processes of its own (torch.compile's workers); each ends with the worker
-        # instead (`_exit_with_parent`).
-        self._processes = [ctx.Process(target=rank_main, args=(rank, config, self._packs[rank - 1], self._ended),
+        # instead (worker/rank_process.py `_exit_with_parent`).
+        self._processes = [ctx.Process(target=entry, args=(rank, config, self._packs[rank - 1], self._ended),
                                        name=f"rank{rank}") for rank in range(1, config.world)]
         self._closing = False
 
@@ -193,48 +192,3 @@ class RankPool:
             log.critical("worker %s: %s ended; the worker ends with it (see worker/ranks.py)", self.config.worker_id,
                          ", ".join(dead))
             os._exit(1)
-
-
-def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:
-    """A rank process of a worker over several GPUs: joins the worker's process group, then runs its share of each
-    pack rank 0 hands it until it is handed None."""
-    logging.basicConfig(level=config.loglevel, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s %(message)s")
-    # A rank ends when its worker says so (`RankPool.close`), or when the worker is gone: not on the signals a
-    # terminal or a process manager sends the worker's whole process group, which the worker shuts down on.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_parent()
-    if config.cpu_threads:
-        torch.set_num_threads(config.cpu_threads)
-    from common.artifacts import get_artifact_store
-    from common.bus import get_bus
-    from common.settings import get_settings
-    from worker.availability import ModelAvailability
-    from worker.main import preload_models
-    from worker.runner import PackRunner
-
-    hf_logging.disable_progress_bar()
-    ranks = join(rank, config)
-    bus = get_bus()
-    runner = PackRunner(worker_id=config.worker_id, device=torch.device(config.devices[rank]), bus=bus,
-                        store=get_artifact_store(), model_cache_dir=get_settings().resolved_model_cache_dir,
-                        incarnation=config.incarnation, ranks=ranks)
-    log.info("rank %d of worker %s on %s", rank, config.worker_id, config.devices[rank])
-    if config.preload:
-        preload_models(runner.model, config.preload, ModelAvailability(bus).registry())
-    while (pack := packs.get()) is not None:
-        runner.run_share(pack)
-        ended.put((rank, pack["pack_id"]))
-    dist.destroy_process_group()
-
-
-def _exit_with_parent(poll_s: float = 1.0) -> None:
-    """End this process when the worker process that started it is gone (killed, so it could not say so)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -8,8 +8,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tests.engine.factories import make_spec
 from tests.engine.test_engine import MIXED
 from worker.engine import PackEngine
+from worker.engine.distributed import decoder_layers
 from worker.engine.lora import RECOMPUTE_MARK, resolve_target_modules
-from worker.engine.recompute import decoder_layers
 from worker.engine.store import ModuleTensors
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]

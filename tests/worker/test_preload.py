@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from worker.engine import ModelSource, load_base_model
-from worker.main import preload_models
+from worker.model_cache import preload_models
 
 
 def test_named_registry_models_are_loaded_and_unknown_names_skipped(

@@ -17,7 +17,7 @@ from common.artifacts import LocalArtifactStore
 from common.bus import SCHEDULER_STREAM, FileBus
 from worker.agent import Heartbeat, Incarnation
 from worker.engine import ModelSource
-from worker.main import preload_models
+from worker.model_cache import preload_models
 from worker.runner import PackRunner
 
 TINY = {"name": "tiny-random-llama", "kind": "tiny-random-llama", "path": None, "package": None, "gguf_file": None}

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,19 +34,28 @@ from torch import nn
 
 from worker.engine.slots import StepStats
 
-if TYPE_CHECKING:
-    from worker.engine.engine import PackEngine
-
 Pass = Literal["forward", "train"]  # a forward alone (validation, generation), or a forward and its backward
 T = TypeVar("T")
 
 
+class IdlePasses(Protocol):
+    """What the lockstep drives on a rank with fewer passes than the others (``PackEngine`` is one: typed by what it
+    does, so that this module does not import the engine, which imports it)."""
+
+    def idle_pass(self, *, train: bool) -> None: ...
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of decoder layers (`model.model.layers` in the Llama family and its relatives)."""
+    """The model's stack of decoder layers (`model.model.layers` in the Llama family and its relatives): what
+    ``shard_base`` shards and activation checkpointing (recompute.py) recomputes.
+
+    Raises:
+        ValueError: a model whose base has no ``layers`` ModuleList.
+    """
     base = getattr(model, "base_model", model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: no decoder layers to shard (expected base_model.layers)")
+        raise ValueError(f"{type(model).__name__} has no decoder layers (expected base_model.layers)")
     return layers
 
 
@@ -123,7 +132,7 @@ class Lockstep:
                        target_tokens=int(total[3]), peak_memory_bytes=peak,
                        seconds=max(float(g[5]) for g in gathered))
 
-    def pad(self, engine: PackEngine, kind: Pass, count: int) -> None:
+    def pad(self, engine: IdlePasses, kind: Pass, count: int) -> None:
         """``count`` idle passes of ``kind``: this rank's share of a phase the others have more passes in."""
         for _ in range(count):
             engine.idle_pass(train=kind == "train")

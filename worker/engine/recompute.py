@@ -15,19 +15,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from worker.engine.distributed import decoder_layers
 from worker.engine.lora import RECOMPUTE_MARK, LoraContext, override_forward
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder's layer list (``model.model.layers`` for Llama-style models).
-
-    Raises:
-        ValueError: a model whose base has no ``layers`` ModuleList.
-    """
-    layers = getattr(getattr(model, "base_model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no base_model.layers: cannot checkpoint its activations")
-    return layers
 
 
 def enable_recompute(model: nn.Module, context: LoraContext) -> None:
