@@ -34,10 +34,10 @@ import torch
 from benchmarks.common import RESULTS, command_line, device_description, git_commit, print_table
 from benchmarks.live_sweep import ALL_LINEAR, GpuBusy, pack_profiles, start_service, stop_service
 from benchmarks.sweep import MODELS, read
-from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
 from loraplane.client import Client
 from worker.engine import ModelSource, TrialSpec, load_base_model, train_pack
 from worker.engine.trainer import PackTimings
+from worker.runner import PackRunner
 
 PHASES = ("load_s", "capture_s", "steps_s", "validation_s", "metric_s", "snapshot_s", "persist_s", "export_s",
           "idle_s")
@@ -173,15 +173,13 @@ def engine_alone(args: argparse.Namespace, source: ModelSource, trials: list[Any
 
 def trial_spec(trial: Any, args: argparse.Namespace, train: list[dict[str, Any]], val: list[dict[str, Any]],
                steps: int | None = None) -> TrialSpec:  # fmt: skip
-    """The spec the worker built for ``trial`` (worker/runner.py ``trial_spec``, the task's defaults)."""
-    hp = trial.hyperparameters
-    total = steps or int(trial.total_steps)
-    return TrialSpec(trial_id=trial.id, learning_rate=float(hp["learning_rate"]), lora_rank=int(hp["lora_rank"]),
-                     lora_alpha=float(hp["lora_alpha"]), lora_dropout=float(hp["lora_dropout"]),
-                     batch_size=int(hp["batch_size"]), target_modules=list(hp["target_modules"]),
-                     seed=int(hp["seed"]), max_steps=total, max_seq_len=args.max_seq_len,
-                     eval_interval=args.eval_interval, train_rows=train, val_rows=val,
-                     warmup_steps=warmup_steps_for(total, None), lr_schedule=DEFAULT_LR_SCHEDULE)
+    """The spec the worker built for ``trial`` (``PackRunner.trial_spec`` on the pack message's trial: the task's
+    defaults for what it left out), ``steps`` long if given."""
+    message = {"trial_id": trial.id, "hyperparameters": trial.hyperparameters,
+               "total_steps": steps or int(trial.total_steps), "max_seq_len": args.max_seq_len,
+               "eval_interval": args.eval_interval, "training_file_key": "train", "validation_file_key": "val",
+               "training": {}}  # fmt: skip
+    return PackRunner.trial_spec(message, {"train": train, "val": val}.__getitem__)
 
 
 def task_phases(packs: list[dict[str, Any]]) -> dict[str, float]:

@@ -146,7 +146,10 @@ class PackRunner:
         if self.engines.holds(model):
             self.engines.drop()
 
-    def trial_spec(self, t: dict[str, Any], read_rows: Callable[[str], list[dict[str, Any]]]) -> TrialSpec:
+    @staticmethod
+    def trial_spec(t: dict[str, Any], read_rows: Callable[[str], list[dict[str, Any]]]) -> TrialSpec:
+        """The spec of a pack message's trial ``t``, its files read with ``read_rows`` (benchmarks build theirs here
+        too, to train exactly what the worker trains)."""
         rows = read_rows(t["training_file_key"])
         if t.get("validation_file_key"):
             train, val = rows, read_rows(t["validation_file_key"])

@@ -28,15 +28,20 @@ WORKER = "w-test"
 TINY_PARAMETERS = next(m.parameters for m in DEFAULT_MODELS if m.name == "tiny-random-llama")
 
 
+def fresh_daemon(*workers: str) -> SchedulerDaemon:
+    """A daemon on the test bus, with whatever earlier tests left on the scheduler stream drained and the queues of
+    ``workers`` emptied (the scheduler tests' ``daemon`` fixtures start from it)."""
+    bus = get_bus()
+    d = SchedulerDaemon(get_settings(), bus, get_celery(), consumer="test")
+    while batch := bus.consume(SCHEDULER_STREAM, "scheduler", "test", count=1000, block_s=0.01):
+        bus.ack(SCHEDULER_STREAM, "scheduler", [i for i, _ in batch])
+    redis.Redis.from_url(REDIS_URL).delete(*(worker_queue(get_settings(), w) for w in workers))
+    return d
+
+
 @pytest.fixture
 def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
-    bus = get_bus()
-    # Drain whatever earlier tests left on the scheduler stream.
-    d = SchedulerDaemon(get_settings(), bus, get_celery(), consumer="test")
-    while bus.consume(SCHEDULER_STREAM, "scheduler", "test", count=1000, block_s=0.01):
-        bus.ack(SCHEDULER_STREAM, "scheduler",
-                [i for i, _ in bus.consume(SCHEDULER_STREAM, "scheduler", "test", 1000, 0.01)])
-    redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), WORKER))
+    d = fresh_daemon(WORKER)
     # A trial requeued after a worker's loss may be placed again at once here: the tests of the backoff set it.
     d.faults = replace(d.faults, requeue_backoff_s=0)
     yield d

@@ -11,27 +11,21 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-import redis
 from sqlalchemy import func, select
 
 from common import states
 from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
-from common.celery import get_celery, worker_queue
+from common.celery import worker_queue
 from common.db import session_scope
 from common.models import Event, MetricPoint, Pack, Trial, Worker
 from common.settings import get_settings
 from scheduler.service.daemon import SchedulerDaemon
-from tests.conftest import REDIS_URL
-from tests.scheduler.test_daemon import WORKER, live_pack, make_task
+from tests.scheduler.test_daemon import WORKER, fresh_daemon, live_pack, make_task
 
 
 @pytest.fixture
 def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
-    bus = get_bus()
-    d = SchedulerDaemon(get_settings(), bus, get_celery(), consumer="test")
-    while batch := bus.consume(SCHEDULER_STREAM, "scheduler", "test", count=1000, block_s=0.01):
-        bus.ack(SCHEDULER_STREAM, "scheduler", [i for i, _ in batch])
-    redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), WORKER))
+    d = fresh_daemon(WORKER)
     d.faults = replace(d.faults, requeue_backoff_s=0)  # requeued trials may be placed again at once
     yield d
 

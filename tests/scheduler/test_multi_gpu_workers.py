@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from common import states
 from common.bus import SCHEDULER_STREAM, get_bus
-from common.celery import get_celery, worker_queue
+from common.celery import worker_queue
 from common.db import session_scope
 from common.models import BaseModelEntry, Pack, Trial, Worker, utcnow
 from common.registry import DEFAULT_MODELS
@@ -27,7 +27,7 @@ from scheduler.planning.types import DEFAULT_GPU_BYTES, LiveWorker, PendingTrial
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.ingest import ingest
 from tests.conftest import REDIS_URL
-from tests.scheduler.test_daemon import WORKER, make_task
+from tests.scheduler.test_daemon import WORKER, fresh_daemon, make_task
 from tests.scheduler.test_placement import H100_BYTES
 
 H200_BYTES = 141 * 10**9  # an H200's 141 GB
@@ -43,12 +43,7 @@ TOKENS = 4 * 512  # batch 4 × the API's default max_seq_len: 4 GiB on the memor
 
 @pytest.fixture
 def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
-    bus = get_bus()
-    d = SchedulerDaemon(get_settings(), bus, get_celery(), consumer="test")
-    while batch := bus.consume(SCHEDULER_STREAM, "scheduler", "test", count=1000, block_s=0.01):
-        bus.ack(SCHEDULER_STREAM, "scheduler", [i for i, _ in batch])
-    for worker_id in (WORKER, H200X2):
-        redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), worker_id))
+    d = fresh_daemon(WORKER, H200X2)
     yield d
     redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), H200X2))
 

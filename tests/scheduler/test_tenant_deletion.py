@@ -7,30 +7,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from common import states
-from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
-from common.celery import get_celery, worker_queue
+from common.bus import commands_stream, get_bus
 from common.db import session_scope
 from common.models import Pack, Task, Trial
-from common.settings import get_settings
 from scheduler.service.daemon import SchedulerDaemon
-from tests.conftest import REDIS_URL
 from tests.factories import ADMIN
-from tests.scheduler.test_daemon import WORKER, heartbeat, make_task
+from tests.scheduler.test_daemon import WORKER, fresh_daemon, heartbeat, make_task
 
 
 @pytest.fixture
 def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
-    bus = get_bus()
-    d = SchedulerDaemon(get_settings(), bus, get_celery(), consumer="test")
-    while batch := bus.consume(SCHEDULER_STREAM, "scheduler", "test", count=1000, block_s=0.01):
-        bus.ack(SCHEDULER_STREAM, "scheduler", [i for i, _ in batch])
-    redis.Redis.from_url(REDIS_URL).delete(worker_queue(get_settings(), WORKER))
-    yield d
+    yield fresh_daemon(WORKER)
 
 
 def test_a_deleted_tenants_running_trials_are_stopped_and_the_others_train_on(daemon: SchedulerDaemon) -> None:

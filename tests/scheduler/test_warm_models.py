@@ -8,18 +8,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 from sqlalchemy import select
 
 from common import states
 from common.bus import SCHEDULER_STREAM, get_bus
-from common.celery import get_celery, worker_queue
+from common.celery import worker_queue
 from common.db import session_scope
 from common.models import Pack, Worker
 from common.settings import get_settings
 from scheduler.service.daemon import SchedulerDaemon
-from tests.conftest import REDIS_URL
-from tests.scheduler.test_daemon import make_task
+from tests.scheduler.test_daemon import fresh_daemon, make_task
 
 TINY = "tiny-random-llama"
 WORKERS = ("w-warm-a", "w-warm-b")
@@ -27,12 +25,7 @@ WORKERS = ("w-warm-a", "w-warm-b")
 
 @pytest.fixture
 def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
-    bus = get_bus()
-    d = SchedulerDaemon(get_settings(), bus, get_celery(), consumer="test")
-    while batch := bus.consume(SCHEDULER_STREAM, "scheduler", "test", count=1000, block_s=0.01):
-        bus.ack(SCHEDULER_STREAM, "scheduler", [i for i, _ in batch])
-    redis.Redis.from_url(REDIS_URL).delete(*(worker_queue(get_settings(), w) for w in WORKERS))
-    yield d
+    yield fresh_daemon(*WORKERS)
 
 
 def beat(worker_id: str, warm: Any = None) -> None:

@@ -16,13 +16,13 @@ import torch
 
 from common.artifacts import LocalArtifactStore
 from common.bus import SCHEDULER_STREAM, FileBus
+from tests.worker.test_runner import TINY, pack
 from worker.agent import Heartbeat, Incarnation
 from worker.engine import ModelSource, load_base_model
 from worker.engine.models import _save_dequantised, dequantised_dir, model_revision
 from worker.model_cache import Resident, evictions, resident_bytes
 from worker.runner import PackRunner
 
-TINY = {"name": "tiny-random-llama", "kind": "tiny-random-llama", "path": None, "package": None, "gguf_file": None}
 CPU = torch.device("cpu")
 
 
@@ -36,17 +36,6 @@ def make_runner(tmp_path: Path, model_cache_bytes: int | None = None) -> PackRun
     heartbeat = Heartbeat(bus, 1.0, {"worker_id": "w"}, Incarnation())
     return PackRunner(worker_id="w", device=CPU, bus=bus, store=store, model_cache_dir=MODEL_CACHE,
                       heartbeat=heartbeat, report_timeout_s=5.0, model_cache_bytes=model_cache_bytes)
-
-
-def pack(pack_id: str, source: dict[str, Any] = TINY) -> dict[str, Any]:
-    trial = {
-        "trial_id": f"{pack_id}-t0", "task_id": "task", "total_steps": 2, "max_seq_len": 32, "eval_interval": 2,
-        "hyperparameters": {"learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-                            "batch_size": 2, "target_modules": ["q_proj"], "seed": 0},
-        "training_file_key": "files/data.jsonl", "validation_file_key": None, "validation_split": 0.25,
-        "split_seed": 0, "training": {},
-    }
-    return {"pack_id": pack_id, "worker_id": "w", "base_model": source, "trials": [trial]}
 
 
 def reports(runner: PackRunner) -> list[dict[str, Any]]:
