@@ -273,6 +273,15 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
         expect(worker.locator("td.warm")).to_contain_text("KiB")
         expect(page.get_by_text("slot utilisation")).to_be_visible()
         shot(page, "05-cluster")
+        # The pack has trained before it is cancelled (on a loaded machine the worker may still be starting it):
+        # its profile below then has steps and a first step to show.
+        for _ in range(120):
+            packs = httpx.get(f"{service.base_url}/v1/admin/packs", headers=admin).json()["data"]
+            if any(slot["steps_done"] > 0 for each in packs for slot in each["slots"]):
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"the pack trained no step in 120 s: {packs}")
     finally:
         httpx.post(f"{service.base_url}/v1/tasks/{task['id']}/cancel", headers=tenant)
 
