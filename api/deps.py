@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from api.db import get_session
 from api.errors import AUTHENTICATION, PERMISSION, ApiError
-from common.models import ApiKey, Tenant
+from common.tables import ApiKey, Tenant
 from common.settings import get_settings
 
 # scope="function": the session closes when the route returns, before the response is sent, so a

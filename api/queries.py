@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import not_found
-from common.models import File, Task, Trial, WebhookEndpoint
+from common.tables import File, Task, Trial, WebhookEndpoint
 
 Lock = Literal["update", "share"] | None
 

@@ -50,7 +50,7 @@ from api.db import session_factory
 from api.errors import AUTHENTICATION, ApiError
 from api.schemas.events import EventOut
 from common.db import get_autocommit_engine
-from common.models import ApiKey, Event, Task, Tenant
+from common.tables import ApiKey, Event, Task, Tenant
 from common.states import TASK_FINAL
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ BATCH_SIZES = (1, 20, 100, 500)
 def setup() -> str:
     from common import states
     from common.db import migrate, session_scope
-    from common.models import File, Pack, Task, Tenant, Trial, new_id
+    from common.tables import File, Pack, Task, Tenant, Trial, new_id
     from common.registry import ensure_default_models
 
     migrate()

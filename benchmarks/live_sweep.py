@@ -165,7 +165,7 @@ def pack_profiles(home: Path) -> list[dict[str, Any]]:
     from sqlalchemy.orm import Session
 
     from common.db import make_engine
-    from common.models import Pack
+    from common.tables import Pack
 
     with Session(make_engine(f"sqlite:///{(home / 'loraplane.db').resolve()}")) as session:
         packs = session.scalars(select(Pack).order_by(Pack.created_at)).all()

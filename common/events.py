@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from common.models import Event
+from common.tables import Event
 from common.webhooks import enqueue_deliveries
 
 _LOCKED = "loraplane.event_locks"  # session.info key: (transaction, the tasks it already locked)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from common.models import BaseModelEntry
+from common.tables import BaseModelEntry
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from common.models import File, Pack, Task, Trial, TrialUsage, as_utc, utcnow
+from common.tables import File, Pack, Task, Trial, TrialUsage, as_utc, utcnow
 
 
 def share_pack(seconds: float, trial_ids: Sequence[str], tokens: Mapping[str, int]) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from common.models import Event, Task, WebhookDelivery, WebhookEndpoint, as_utc, new_id, utcnow
+from common.tables import Event, Task, WebhookDelivery, WebhookEndpoint, as_utc, new_id, utcnow
 from common.secret_box import SecretBox, SecretUnreadable
 
 WEBHOOK_EVENTS = ("task.succeeded", "task.failed", "task.cancelled", "trial.completed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from alembic import context
 
 from common.db import make_engine
-from common.models import Base
+from common.tables import Base
 from common.settings import get_settings
 
 config = context.config

@@ -105,7 +105,7 @@ def trial_ids(task_id: str) -> list[str]:
     from sqlalchemy import select
 
     from common.db import session_scope
-    from common.models import Trial
+    from common.tables import Trial
 
     with session_scope() as session:
         return list(session.scalars(select(Trial.id).where(Trial.task_id == task_id).order_by(Trial.index)))
@@ -114,7 +114,7 @@ def trial_ids(task_id: str) -> list[str]:
 def store_adapter(task_id: str, trial_id: str, payload: bytes = b"\x1f\x8b fake adapter archive") -> bytes:
     """Puts an archive where a worker would, and points the trial (and the task's best) at it."""
     from common.artifacts import adapter_key, get_artifact_store
-    from common.models import Task, Trial
+    from common.tables import Task, Trial
 
     key = adapter_key(task_id, trial_id)
     get_artifact_store().put_bytes(key, payload)

@@ -46,10 +46,10 @@ def offenders(roots: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
     (("kernels",), ("api", "common", "scheduler", "worker", "loraplane")),
     # The planners and the early-exit policies are pure: no database, no bus, no service.
     (("scheduler/planning", "scheduler/early_exit"),
-     ("sqlalchemy", "common.db", "common.models", "common.bus", "celery", "scheduler.service", "scheduler.sim")),
+     ("sqlalchemy", "common.db", "common.tables", "common.bus", "celery", "scheduler.service", "scheduler.sim")),
     # The early-exit policies know nothing of planning; the offline tools nothing of the daemon.
     (("scheduler/early_exit",), ("scheduler.planning",)),
-    (("scheduler/sim",), ("scheduler.service", "sqlalchemy", "common.db", "common.models")),
+    (("scheduler/sim",), ("scheduler.service", "sqlalchemy", "common.db", "common.tables")),
     # The scheduler trains nothing.
     (("scheduler",), ("worker", "kernels", "torch")),
     # The common package is shared by all, so it imports none of them.

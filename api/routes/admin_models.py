@@ -18,7 +18,7 @@ from api.errors import ApiError, conflict, invalid, not_found
 from api.schemas.common import ListPage, PathId, error_responses
 from api.schemas.models import RESTORE_ACTION, AdminModelOut, ModelCreate, ModelUpdate
 from common.architectures import ModelDirError, inspect_gguf, inspect_model_dir
-from common.models import BaseModelEntry, Task, Tenant, utcnow
+from common.tables import BaseModelEntry, Task, Tenant, utcnow
 from common.states import TASK_QUEUED, TASK_RUNNING, TASK_VALIDATING
 
 

@@ -14,7 +14,7 @@ from api.queries import get_task
 from api.schemas.common import INT64_MAX, PathId, error_responses
 from api.schemas.events import EventOut, EventPage
 from api.sse import event_stream
-from common.models import Event
+from common.tables import Event
 
 router = APIRouter(prefix="/tasks/{task_id}/events", tags=["events"], responses=error_responses(401, 404, 422))
 

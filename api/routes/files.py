@@ -14,7 +14,7 @@ from api.schemas.common import ListPage, PathId, error_responses, id_query
 from api.schemas.files import FileDeleted, FileOut
 from api.services.files import delete_file, upload_file
 from api.uploads import request_body
-from common.models import File
+from common.tables import File
 
 router = APIRouter(prefix="/files", tags=["files"], responses=error_responses(401, 404, 422))
 

@@ -9,7 +9,7 @@ from api.deps import SessionDep, TenantDep
 from api.errors import not_found
 from api.schemas.common import ListPage, PathId, error_responses
 from api.schemas.models import ModelOut
-from common.models import BaseModelEntry
+from common.tables import BaseModelEntry
 from common.registry import may_use
 
 router = APIRouter(prefix="/models", tags=["models"], responses=error_responses(401, 404))

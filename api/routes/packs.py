@@ -12,7 +12,7 @@ from api.errors import invalid, not_found
 from api.schemas.cluster import PackOut
 from api.schemas.common import ListPage, PathId, error_responses
 from api.services.cluster import pack_views
-from common.models import Pack
+from common.tables import Pack
 from common.states import PACK_DISPATCHED, PACK_FINISHED, PACK_LIVE, PACK_LOST, PACK_PLANNED, PACK_RUNNING
 
 router = APIRouter(

@@ -14,7 +14,7 @@ from api.schemas.common import INT32_MAX, ListPage, PathId, error_responses
 from api.schemas.trials import LossPoint, MetricScore, TrialMetrics, TrialOut
 from api.services.adapters import adapter_download
 from common.metrics import METRIC_SPLIT
-from common.models import MetricPoint
+from common.tables import MetricPoint
 
 router = APIRouter(prefix="/tasks/{task_id}/trials", tags=["trials"], responses=error_responses(401, 404, 422))
 

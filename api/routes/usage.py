@@ -12,7 +12,7 @@ from api.deps import AdminDep, SessionDep, TenantDep
 from api.errors import invalid
 from api.schemas.common import error_responses
 from api.schemas.usage import UsageList, UsageOut
-from common.models import Tenant, utcnow
+from common.tables import Tenant, utcnow
 from common.usage import Usage, tenant_usage
 
 router = APIRouter(prefix="/usage", tags=["usage"], responses=error_responses(401))

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from fastapi import Path, Query
 from pydantic import AllowInfNan, BaseModel, ConfigDict, PlainSerializer, Strict, StringConstraints
 
-from common.models import as_utc
+from common.tables import as_utc
 
 T = TypeVar("T")
 

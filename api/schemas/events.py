@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from api.schemas.common import UtcDateTime
-from common.models import Event
+from common.tables import Event
 
 
 class EventOut(BaseModel):

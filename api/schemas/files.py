@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from api.schemas.common import UtcDateTime
-from common.models import File
+from common.tables import File
 
 
 class FileOut(BaseModel):

@@ -8,7 +8,7 @@ from pydantic import AfterValidator, BaseModel, Field, StringConstraints
 
 from api.schemas.common import RequestModel, Text, UtcDateTime
 from common.architectures import target_modules_for
-from common.models import BaseModelEntry
+from common.tables import BaseModelEntry
 
 # Hub-style ids are allowed ("org/model"), but no empty segment (no leading, trailing or doubled slash).
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$"

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from api.schemas.common import UtcDateTime
-from common.models import Trial
+from common.tables import Trial
 
 
 class TrialOut(BaseModel):

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, StringConstraints
 
 from api.schemas.common import RequestModel, Text, UtcDateTime
-from common.models import WebhookDelivery, WebhookEndpoint
+from common.tables import WebhookDelivery, WebhookEndpoint
 from common.webhooks import DELIVERY_PENDING
 
 WebhookEventType = Literal["task.succeeded", "task.failed", "task.cancelled", "trial.completed"]

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from api.errors import ApiError, conflict
 from common.artifacts import get_artifact_store
-from common.models import Trial
+from common.tables import Trial
 
 CHUNK_BYTES = 1 << 20
 

@@ -24,7 +24,7 @@ from api.schemas.cluster import (
     TenantLoad,
     WorkerLoad,
 )
-from common.models import Pack, Tenant, Trial, Worker
+from common.tables import Pack, Tenant, Trial, Worker
 from common.pack_phases import number, phase_seconds
 from common.states import PACK_LIVE, TRIAL_PENDING, TRIAL_RUNNING, TRIAL_WAITING, WORKER_ALIVE
 

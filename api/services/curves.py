@@ -29,7 +29,7 @@ from sqlalchemy import select
 
 from api.db import session_factory
 from common.metrics import METRIC_SPLIT
-from common.models import MetricPoint, Task, Trial
+from common.tables import MetricPoint, Task, Trial
 from scheduler.planning.cost import batch_size, tokens_per_step
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from common.models import utcnow
+from common.tables import utcnow
 from common.settings import get_settings
 from scheduler.planning.cost import PRIOR_COST, tokens_per_step
 from scheduler.planning.estimate import Estimate, Gpu, TrialLoad, estimate

@@ -26,7 +26,7 @@ from api.queries import get_file
 from api.uploads import FormEvent, PartStart, form_events, multipart_boundary
 from common.artifacts import StagedObject, file_key, get_artifact_store
 from common.datasets import DatasetReport, JsonlValidator
-from common.models import File, Task, Tenant, new_id, utcnow
+from common.tables import File, Task, Tenant, new_id, utcnow
 from common.states import TASK_FINAL
 
 log = logging.getLogger(__name__)

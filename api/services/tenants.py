@@ -17,7 +17,7 @@ from api.db import commit
 from api.errors import not_found
 from api.services.tasks import cancel_unfinished
 from common.bus import wake_scheduler
-from common.models import ApiKey, Task, Tenant, WebhookEndpoint, utcnow
+from common.tables import ApiKey, Task, Tenant, WebhookEndpoint, utcnow
 from common.states import TASK_FINAL
 
 

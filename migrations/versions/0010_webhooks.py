@@ -17,7 +17,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    # webhook_endpoints.secret is stored as issued: the sender signs with it (see common/models.py).
+    # webhook_endpoints.secret is stored as issued: the sender signs with it (see common/tables.py).
     op.create_table('webhook_endpoints',
     sa.Column('id', sa.String(length=40), nullable=False),
     sa.Column('tenant_id', sa.String(length=40), nullable=False),

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from common import states
-from common.models import BaseModelEntry, Pack, Task, Trial, Worker, as_utc
+from common.tables import BaseModelEntry, Pack, Task, Trial, Worker, as_utc
 from scheduler.planning.cost import (
     PRIOR_COST,
     ModelCost,

@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from common import states
 from common.bus import REGISTRY_KEY, SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
 from common.db import get_engine, session_scope
-from common.models import Pack, Task, utcnow
+from common.tables import Pack, Task, utcnow
 from common.registry import published_registry
 from common.settings import Settings
 from scheduler.planning.placement import place

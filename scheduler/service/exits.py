@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.models import MetricPoint, Pack, Task, Trial
+from common.tables import MetricPoint, Pack, Task, Trial
 from scheduler.early_exit.config import EarlyExitConfig, EarlyExitSpecError, from_spec
 from scheduler.early_exit.policy import curves_from_losses, decide, rung_steps
 from scheduler.planning.cost import batch_size, tokens_per_step

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.models import MetricPoint, Pack, Trial, Worker
+from common.tables import MetricPoint, Pack, Trial, Worker
 from common.settings import Settings, get_settings
 from common.telemetry import scheduler_metrics
 from scheduler.planning.faults import FaultPolicy, quarantine_s_for, recent_losses, requeue_delay_s

@@ -25,7 +25,7 @@ from common import states
 from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
 from common.metrics import METRIC_SPLIT
-from common.models import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
+from common.tables import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from scheduler.planning.cost import Progress
 from scheduler.planning.faults import FaultPolicy

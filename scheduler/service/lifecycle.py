@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from common import states
 from common.events import record_event
 from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, rank_key
-from common.models import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id
+from common.tables import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id
 from common.usage import task_usage
 from scheduler.planning.cost import ModelCost
 from scheduler.planning.faults import pack_cap

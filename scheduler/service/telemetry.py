@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from common import states
-from common.models import Pack, Task, Trial, Worker
+from common.tables import Pack, Task, Trial, Worker
 from common.settings import Settings
 from common.telemetry import MetricsServer, scheduler_metrics, serve
 

@@ -38,7 +38,7 @@ from sqlalchemy import select
 
 from common.db import session_scope
 from common.egress import NOT_ALLOWED, Egress, EgressRefused, IPAddress, Target
-from common.models import WebhookDelivery, WebhookEndpoint, utcnow
+from common.tables import WebhookDelivery, WebhookEndpoint, utcnow
 from common.secret_box import get_secret_box
 from common.settings import get_settings
 from common.webhooks import DELIVERY_DELIVERED, DELIVERY_FAILED, DELIVERY_PENDING

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from common.db import session_scope
-from common.models import ApiKey, Worker, utcnow
+from common.tables import ApiKey, Worker, utcnow
 from common.settings import get_settings
 from tests.factories import ADMIN, TenantKey, make_tenant
 

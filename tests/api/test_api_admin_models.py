@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from common.models import Task
+from common.tables import Task
 from tests.common.gguf_files import llama_gguf
 from tests.factories import ADMIN, TenantKey, count_rows, make_task, prompt_rows, task_body, update_row, upload
 from tests.model_dirs import copy_without, with_config
@@ -268,7 +268,7 @@ def test_a_built_in_model_can_be_retired_and_stays_retired(client: TestClient, t
 
 def test_seeding_fills_the_built_ins_missing_fields_but_keeps_an_operators(client: TestClient) -> None:
     from common.db import session_scope
-    from common.models import BaseModelEntry
+    from common.tables import BaseModelEntry
     from common.registry import ensure_default_models
 
     # A registry seeded before these fields existed, where an operator has since set tiny-random-llama's context.

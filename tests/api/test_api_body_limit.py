@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from fastapi.testclient import TestClient
 
-from common.models import Task
+from common.tables import Task
 from common.settings import get_settings
 from tests.factories import TenantKey, count_rows, task_body, upload
 

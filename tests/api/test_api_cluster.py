@@ -7,7 +7,7 @@ from datetime import timedelta
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.models import Pack, Trial, Worker, utcnow
+from common.tables import Pack, Trial, Worker, utcnow
 from tests.factories import ADMIN, TenantKey, make_task, trial_ids, update_row
 
 

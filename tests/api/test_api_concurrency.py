@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from common.models import Task, Trial
+from common.tables import Task, Trial
 from tests.factories import TenantKey, count_rows, make_tenant, task_body, upload
 
 ROOT = Path(__file__).resolve().parents[2]

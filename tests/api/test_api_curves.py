@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.models import MetricPoint
+from common.tables import MetricPoint
 from scheduler.early_exit.config import EarlyExitConfig
 from scheduler.early_exit.policy import curves_from_losses
 from scheduler.sim.replay import parse_rows, replay

@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from api.schemas.tasks import EARLY_EXIT_MODELS, TaskCreate
 from common.db import session_scope
-from common.models import Task
+from common.tables import Task
 from scheduler.early_exit.config import PARAMETERS, EarlyExitConfig, EarlyExitSpecError, defaults, from_spec
 from tests.factories import TenantKey, make_task, task_body
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.models import BaseModelEntry, Event, Pack, Task, Trial, TrialUsage, Worker, as_utc, utcnow
+from common.tables import BaseModelEntry, Event, Pack, Task, Trial, TrialUsage, Worker, as_utc, utcnow
 from scheduler.planning.cost import PRIOR_COST, ModelCost, fit_profiles, samples_from_profiles
 from scheduler.planning.estimate import Gpu, TrialLoad, estimate
 from scheduler.service.lifecycle import finalize_tasks

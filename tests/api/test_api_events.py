@@ -9,7 +9,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from common.models import Task
+from common.tables import Task
 from tests.factories import TenantKey, add_events, make_task, update_row
 
 

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.artifacts import file_key, get_artifact_store
-from common.models import File
+from common.tables import File
 from tests.factories import ADMIN, TenantKey, chat_rows, count_rows, make_task, prompt_rows, upload
 
 USER = {"role": "user", "content": "hi"}

@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 
 from common.artifacts import get_artifact_store
 from common.db import session_scope
-from common.models import File
+from common.tables import File
 from common.settings import get_settings
 from tests.factories import ADMIN, TenantKey, chat_rows, make_tenant, upload
 

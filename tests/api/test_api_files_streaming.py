@@ -16,7 +16,7 @@ import pytest
 
 from common.artifacts import get_artifact_store
 from common.datasets import MAX_LINE_BYTES
-from common.models import File
+from common.tables import File
 from tests.e2e.procs import app_in_thread
 from tests.factories import TenantKey, count_rows, make_tenant
 

@@ -310,7 +310,7 @@ def test_a_value_the_database_refuses_is_a_422_and_an_outage_a_503_with_retry_af
 
     from api.db import session_factory
     from api.main import create_app
-    from common.models import Tenant
+    from common.tables import Tenant
 
     app = create_app()
 

@@ -25,7 +25,7 @@ from api.queries import get_task
 from api.services.tenants import live_tenant
 from common.db import session_scope
 from common.events import record_event
-from common.models import MetricPoint, Task, Tenant, Trial
+from common.tables import MetricPoint, Task, Tenant, Trial
 from tests.factories import TenantKey, make_task, trial_ids
 
 LOCK_TIMEOUT = "2s"

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from common.models import BaseModelEntry, Task, Trial, utcnow
+from common.tables import BaseModelEntry, Task, Trial, utcnow
 from tests.factories import ADMIN, TenantKey, count_rows, make_task, prompt_rows, task_body, upload
 from tests.model_dirs import copy_without, with_config
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from sqlalchemy import Engine, event
 
-from common.models import Task
+from common.tables import Task
 from tests.api.test_api_scaling import _connections_held, _server_workers, api
 from tests.e2e.procs import app_in_thread
 from tests.factories import ADMIN, TenantKey, add_events, make_task, make_tenant, update_row

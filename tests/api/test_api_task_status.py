@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import delete
 
 from common.db import session_scope
-from common.models import Trial
+from common.tables import Trial
 from tests.factories import ADMIN, TenantKey, make_task
 
 MISSING_TASK = "task-00000000000000000000"

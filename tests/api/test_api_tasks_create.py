@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.bus import SCHEDULER_STREAM, get_bus
-from common.models import Event, Task, Trial
+from common.tables import Event, Task, Trial
 from tests.factories import ADMIN, TenantKey, chat_rows, count_rows, make_task, make_tenant, task_body, upload
 
 

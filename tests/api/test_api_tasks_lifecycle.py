@@ -7,7 +7,7 @@ from datetime import timedelta
 from fastapi.testclient import TestClient
 
 from common.bus import SCHEDULER_STREAM, get_bus
-from common.models import Task, Trial, utcnow
+from common.tables import Task, Trial, utcnow
 from tests.factories import TenantKey, make_task, trial_ids, update_row, upload
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from common.models import Task, Trial
+from common.tables import Task, Trial
 from tests.factories import TenantKey, count_rows, task_body, upload
 
 RANGE = {"min": 1e-5, "max": 1e-3, "num": 3}

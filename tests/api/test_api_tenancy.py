@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.models import MetricPoint
+from common.tables import MetricPoint
 from tests.factories import TenantKey, add_events, make_task, store_adapter, trial_ids, upload
 
 MISSING = {"file": "file-00000000000000000000", "task": "task-00000000000000000000",

@@ -17,7 +17,7 @@ from api.services.tasks import create_task
 from api.services.webhooks import create_webhook
 from common.db import session_scope
 from common.egress import Egress
-from common.models import ApiKey, Event, Task, Tenant, Trial, WebhookDelivery, WebhookEndpoint
+from common.tables import ApiKey, Event, Task, Tenant, Trial, WebhookDelivery, WebhookEndpoint
 from tests.factories import ADMIN, TenantKey, add_events, make_task, task_body, trial_ids, update_row, upload
 
 # A public address written as an IP: a webhook URL every check of its host accepts, resolved without DNS. Nothing

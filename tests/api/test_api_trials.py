@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.models import MetricPoint, Trial
+from common.tables import MetricPoint, Trial
 from tests.factories import TenantKey, make_task, store_adapter, trial_ids, update_row
 
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.models import Pack, Task, TrialUsage
+from common.tables import Pack, Task, TrialUsage
 from common.usage import overlap_s, share_pack
 from tests.factories import ADMIN, TenantKey, make_task, make_tenant, trial_ids, update_row, upload
 
@@ -52,7 +52,7 @@ def billed(client: TestClient) -> tuple[TenantKey, TenantKey, list[str], list[st
                              tokens=tokens, steps=3, end_step=3, created_at=T0 + timedelta(seconds=100)))
     update_row(Task, task_b["id"], finished_at=T0 + timedelta(seconds=100), state="succeeded")
     for trial_id in tb:
-        from common.models import Trial
+        from common.tables import Trial
 
         update_row(Trial, trial_id, state="completed")
     return a, b, ta, tb

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from common.db import get_engine
-from common.models import utcnow
+from common.tables import utcnow
 from common.secret_box import SETTING, SecretKeyError, SecretUnreadable, get_secret_box
 from common.settings import get_settings
 from scheduler.service.webhooks import CLAIM_S, WebhookSender

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.models import Worker, utcnow
+from common.tables import Worker, utcnow
 from tests.api.test_api_cluster import add_worker
 from tests.factories import ADMIN, TenantKey
 

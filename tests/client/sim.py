@@ -27,7 +27,7 @@ def adapter_archive(rank: int) -> bytes:
 
 def finalize() -> None:
     from common.db import session_scope
-    from common.models import utcnow
+    from common.tables import utcnow
     from scheduler.service.lifecycle import finalize_tasks
 
     with session_scope() as session:
@@ -38,7 +38,7 @@ def start(task_id: str, steps_done: int = 1) -> list[str]:
     """Every trial runs (`trial.running`), `steps_done` steps in; the task becomes running."""
     from common.db import session_scope
     from common.events import record_event
-    from common.models import Trial
+    from common.tables import Trial
 
     ids = trial_ids(task_id)
     with session_scope() as session:
@@ -60,7 +60,7 @@ def finish(task_id: str, val_losses: Sequence[float | None], states: Sequence[st
     from common.artifacts import adapter_key, get_artifact_store
     from common.db import session_scope
     from common.events import record_event
-    from common.models import MetricPoint, Trial
+    from common.tables import MetricPoint, Trial
 
     ids = trial_ids(task_id)
     states = states or ["completed"] * len(ids)

@@ -350,7 +350,7 @@ def test_admin_tenants_keys_and_workers(lp: Client, tenant: TenantKey) -> None:
     assert (err.value.status_code, err.value.code) == (404, "tenant_not_found")
     assert lp.admin.list_workers().data == []
     from common.db import session_scope
-    from common.models import Worker
+    from common.tables import Worker
 
     with session_scope() as session:
         session.add(Worker(id="gpu-0", queue="lp:gpu-0", device="cuda:0", memory_bytes=80 << 30, max_slots=8,

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from common.db import session_scope
-from common.models import Worker, utcnow
+from common.tables import Worker, utcnow
 from loraplane.client import Client
 from tests.client.test_cli import Cli, cli, env  # noqa: F401 - the fixtures
 from tests.factories import TenantKey

@@ -9,14 +9,14 @@ from sqlalchemy import select
 
 from common.db import session_scope
 from common.events import record_event
-from common.models import Event
+from common.tables import Event
 from tests.scheduler.test_daemon import make_task
 
 
 def test_a_second_writer_of_a_tasks_events_waits_for_the_first_to_commit(clean_db: None) -> None:
     task_id, _ = make_task(1)
     with session_scope() as s:
-        from common.models import Task
+        from common.tables import Task
 
         tenant_id = s.get(Task, task_id).tenant_id  # type: ignore[union-attr]
     second_done = threading.Event()
@@ -44,7 +44,7 @@ def test_a_second_writer_of_a_tasks_events_waits_for_the_first_to_commit(clean_d
 def test_the_lock_is_taken_again_in_a_later_transaction_of_the_same_session(clean_db: None) -> None:
     task_id, _ = make_task(1)
     from common.db import _session_factory
-    from common.models import Task
+    from common.tables import Task
 
     session = _session_factory()()
     try:

@@ -9,7 +9,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
 from common.db import make_engine, migrate
-from common.models import Base
+from common.tables import Base
 
 
 def schema_drift(url: str) -> list[object]:

@@ -49,7 +49,7 @@ def test_a_partial_scheduling_or_evaluation_keeps_the_other_defaults() -> None:
 
 
 def test_a_task_row_parses_its_spec_once_and_again_when_it_is_replaced() -> None:
-    from common.models import Task
+    from common.tables import Task
 
     task = Task(id="task-1", base_model="m", training_file_id="file-1", spec=dict(OLDEST))
     first = task.parsed_spec

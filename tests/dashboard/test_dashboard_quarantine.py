@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from common.models import Worker, utcnow
+from common.tables import Worker, utcnow
 from tests.dashboard.conftest import WORKER_ID, Service, missing_requirement
 from tests.dashboard.test_dashboard import shot, sign_in
 

@@ -15,7 +15,7 @@ from common import states
 from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
 from common.celery import get_celery, worker_queue
 from common.db import session_scope
-from common.models import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
+from common.tables import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from common.registry import DEFAULT_MODELS, ensure_default_models
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from scheduler.planning.cost import PRIOR_COST, prior_cost
@@ -929,7 +929,7 @@ def test_each_stay_of_a_trial_in_a_pack_is_counted_once_for_usage(daemon: Schedu
     """Issue 18: `trial.finished` carries what the trial trained in its pack; a replayed report is counted once, and
     a trial paused and finished in the same pack leaves two stays. A report without the fields (an older worker)
     counts nothing."""
-    from common.models import TrialUsage
+    from common.tables import TrialUsage
 
     _, trial_ids = make_task(2)
     heartbeat()

@@ -17,7 +17,7 @@ from common import states
 from common.bus import SCHEDULER_STREAM, get_bus
 from common.celery import worker_queue
 from common.db import session_scope
-from common.models import BaseModelEntry, Pack, Trial, Worker, utcnow
+from common.tables import BaseModelEntry, Pack, Trial, Worker, utcnow
 from common.registry import DEFAULT_MODELS
 from common.settings import get_settings
 from scheduler.planning.cost import ModelCost, prior_cost

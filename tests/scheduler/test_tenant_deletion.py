@@ -13,7 +13,7 @@ from sqlalchemy import select
 from common import states
 from common.bus import commands_stream, get_bus
 from common.db import session_scope
-from common.models import Pack, Task, Trial
+from common.tables import Pack, Task, Trial
 from scheduler.service.daemon import SchedulerDaemon
 from tests.factories import ADMIN
 from tests.scheduler.test_daemon import WORKER, fresh_daemon, heartbeat, make_task
