@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 
 from api.db import get_session
 from api.errors import AUTHENTICATION, PERMISSION, ApiError
-from common.tables import ApiKey, Tenant
 from common.settings import get_settings
+from common.tables import ApiKey, Tenant
 
 # scope="function": the session closes when the route returns, before the response is sent, so a
 # streamed response (SSE, adapter download) never holds a database connection while it streams.

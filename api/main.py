@@ -20,13 +20,13 @@ from api.limits import RequestBodyLimit
 from api.routes import (
     admin,
     admin_models,
+    base_models,
     cluster,
     curves,
     dashboard,
     events,
     files,
     health,
-    models,
     packs,
     search_spaces,
     tasks,
@@ -72,7 +72,8 @@ def create_app() -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(health.router)
-    for module in (admin, admin_models, cluster, packs, files, models, search_spaces, tasks, trials, curves, events):
+    for module in (admin, admin_models, cluster, packs, files, base_models, search_spaces, tasks, trials, curves,
+                   events):
         app.include_router(module.router, prefix="/v1")
     app.include_router(usage.router, prefix="/v1")
     app.include_router(usage.admin_router, prefix="/v1")

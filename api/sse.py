@@ -50,8 +50,8 @@ from api.db import session_factory
 from api.errors import AUTHENTICATION, ApiError
 from api.schemas.events import EventOut
 from common.db import get_autocommit_engine
-from common.tables import ApiKey, Event, Task, Tenant
 from common.states import TASK_FINAL
+from common.tables import ApiKey, Event, Task, Tenant
 
 log = logging.getLogger(__name__)
 

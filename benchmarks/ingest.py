@@ -29,8 +29,8 @@ BATCH_SIZES = (1, 20, 100, 500)
 def setup() -> str:
     from common import states
     from common.db import migrate, session_scope
-    from common.tables import File, Pack, Task, Tenant, Trial, new_id
     from common.registry import ensure_default_models
+    from common.tables import File, Pack, Task, Tenant, Trial, new_id
 
     migrate()
     with session_scope() as s:

@@ -15,8 +15,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from common.tables import Event, Task, WebhookDelivery, WebhookEndpoint, as_utc, new_id, utcnow
 from common.secret_box import SecretBox, SecretUnreadable
+from common.tables import Event, Task, WebhookDelivery, WebhookEndpoint, as_utc, new_id, utcnow
 
 WEBHOOK_EVENTS = ("task.succeeded", "task.failed", "task.cancelled", "trial.completed")
 

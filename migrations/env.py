@@ -5,8 +5,8 @@ from __future__ import annotations
 from alembic import context
 
 from common.db import make_engine
-from common.tables import Base
 from common.settings import get_settings
+from common.tables import Base
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or get_settings().resolved_database_url

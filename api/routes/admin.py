@@ -17,8 +17,8 @@ from api.errors import ApiError, conflict, not_found
 from api.schemas.admin import ApiKeyCreate, ApiKeyCreated, ApiKeyOut, TenantCreate, TenantOut, TenantUpdate, WorkerOut
 from api.schemas.common import ListPage, PathId, error_responses, id_query
 from api.services import tenants
-from common.tables import ApiKey, Tenant, Worker, new_id, utcnow
 from common.settings import get_settings
+from common.tables import ApiKey, Tenant, Worker, new_id, utcnow
 
 router = APIRouter(
     prefix="/admin", tags=["admin"], dependencies=[AdminDep], responses=error_responses(401, 403, 404, 422)

@@ -15,11 +15,11 @@ from starlette.convertors import Convertor, register_url_convertor
 from api.db import commit
 from api.deps import AdminDep, SessionDep
 from api.errors import ApiError, conflict, invalid, not_found
+from api.schemas.base_models import RESTORE_ACTION, AdminModelOut, ModelCreate, ModelUpdate
 from api.schemas.common import ListPage, PathId, error_responses
-from api.schemas.models import RESTORE_ACTION, AdminModelOut, ModelCreate, ModelUpdate
 from common.architectures import ModelDirError, inspect_gguf, inspect_model_dir
-from common.tables import BaseModelEntry, Task, Tenant, utcnow
 from common.states import TASK_QUEUED, TASK_RUNNING, TASK_VALIDATING
+from common.tables import BaseModelEntry, Task, Tenant, utcnow
 
 
 class _ModelName(Convertor[str]):

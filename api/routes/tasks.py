@@ -20,8 +20,8 @@ from api.services.adapters import adapter_download, no_best_trial
 from api.services.task_views import draft_view, task_status, task_view, task_views
 from api.services.tasks import cancel_task, create_task, dry_run_task
 from common.db import get_autocommit_engine
-from common.tables import Task
 from common.states import TASK_CANCELLED, TASK_FAILED, TASK_QUEUED, TASK_RUNNING, TASK_SUCCEEDED, TASK_VALIDATING
+from common.tables import Task
 
 router = APIRouter(prefix="/tasks", tags=["tasks"], responses=error_responses(401, 404, 422))
 

@@ -14,8 +14,8 @@ from api.schemas.common import ListPage, PathId, error_responses, id_query
 from api.schemas.webhooks import DeliveryOut, WebhookCreate, WebhookCreated, WebhookDeleted, WebhookOut
 from api.services.webhooks import MAX_WEBHOOKS_PER_TENANT, create_webhook, delete_webhook
 from common.egress import Egress, Resolver, system_resolver
-from common.tables import WebhookDelivery, WebhookEndpoint
 from common.settings import get_settings
+from common.tables import WebhookDelivery, WebhookEndpoint
 
 
 def name_resolver() -> Resolver:

@@ -8,8 +8,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, StringConstraints
 
 from api.schemas.common import RequestModel, Text, UtcDateTime
-from common.tables import ApiKey, Tenant, Worker, as_utc, utcnow
 from common.settings import get_settings
+from common.tables import ApiKey, Tenant, Worker, as_utc, utcnow
 
 TenantName = Annotated[Text, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
 Weight = Annotated[float, Field(gt=0, le=1000)]

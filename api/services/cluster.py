@@ -24,9 +24,9 @@ from api.schemas.cluster import (
     TenantLoad,
     WorkerLoad,
 )
-from common.tables import Pack, Tenant, Trial, Worker
 from common.pack_phases import number, phase_seconds
 from common.states import PACK_LIVE, TRIAL_PENDING, TRIAL_RUNNING, TRIAL_WAITING, WORKER_ALIVE
+from common.tables import Pack, Tenant, Trial, Worker
 
 
 def _slots(session: Session, pack_ids: Sequence[str]) -> dict[str, list[PackSlot]]:

@@ -13,8 +13,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from common.tables import utcnow
 from common.settings import get_settings
+from common.tables import utcnow
 from scheduler.planning.cost import PRIOR_COST, tokens_per_step
 from scheduler.planning.estimate import Estimate, Gpu, TrialLoad, estimate
 from scheduler.planning.types import loads

@@ -26,8 +26,8 @@ from api.queries import get_file
 from api.uploads import FormEvent, PartStart, form_events, multipart_boundary
 from common.artifacts import StagedObject, file_key, get_artifact_store
 from common.datasets import DatasetReport, JsonlValidator
-from common.tables import File, Task, Tenant, new_id, utcnow
 from common.states import TASK_FINAL
+from common.tables import File, Task, Tenant, new_id, utcnow
 
 log = logging.getLogger(__name__)
 

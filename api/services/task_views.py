@@ -21,8 +21,8 @@ from sqlalchemy.orm import Session
 from api.deps import VALID_KEY
 from api.schemas.tasks import BestTrial, TaskEstimate, TaskOut, TrialCounts
 from common.metrics import RankKey, rank_key
-from common.tables import ApiKey, Task, Trial, as_utc, utcnow
 from common.states import TASK_RUNNING, TRIAL_FINAL, TRIAL_PENDING, TRIAL_STATES
+from common.tables import ApiKey, Task, Trial, as_utc, utcnow
 from common.task_spec import LOSS, TaskSpec
 
 

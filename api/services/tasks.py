@@ -29,9 +29,9 @@ from common.architectures import ALL_LINEAR, target_modules_for
 from common.bus import wake_scheduler
 from common.datasets import validation_rows
 from common.events import record_event
-from common.tables import BaseModelEntry, File, Task, Tenant, Trial, new_id, utcnow
 from common.registry import may_use
 from common.states import TASK_CANCELLED, TASK_FINAL, TASK_QUEUED, TRIAL_ACTIVE, TRIAL_CANCELLED, TRIAL_PENDING
+from common.tables import BaseModelEntry, File, Task, Tenant, Trial, new_id, utcnow
 from common.task_spec import Evaluation, Scheduling, TaskSpec
 
 DEFAULT_VALIDATION_SPLIT = 0.1

@@ -17,8 +17,8 @@ from api.db import commit
 from api.errors import not_found
 from api.services.tasks import cancel_unfinished
 from common.bus import wake_scheduler
-from common.tables import ApiKey, Task, Tenant, WebhookEndpoint, utcnow
 from common.states import TASK_FINAL
+from common.tables import ApiKey, Task, Tenant, WebhookEndpoint, utcnow
 
 
 def live_tenant(session: Session, tenant_id: str, *, lock: bool = False) -> Tenant:

@@ -18,8 +18,8 @@ from api.queries import get_webhook
 from api.schemas.common import NO_CONTROL_CHARS
 from api.schemas.webhooks import WebhookCreate
 from common.egress import NOT_ALLOWED, Egress, EgressRefused
-from common.tables import Tenant, WebhookEndpoint, new_id, utcnow
 from common.secret_box import get_secret_box
+from common.tables import Tenant, WebhookEndpoint, new_id, utcnow
 from common.webhooks import WEBHOOK_EVENTS
 
 log = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ from sqlalchemy.orm import Session
 from common import states
 from common.bus import REGISTRY_KEY, SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
 from common.db import get_engine, session_scope
-from common.tables import Pack, Task, utcnow
 from common.registry import published_registry
 from common.settings import Settings
+from common.tables import Pack, Task, utcnow
 from scheduler.planning.placement import place
 from scheduler.service.dispatch import send_pack, trial_payload
 from scheduler.service.exits import PauseRequest, apply_early_exit, placement

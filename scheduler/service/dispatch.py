@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, object_session
 
 from common.artifacts import file_key
 from common.celery import RUN_PACK_TASK
-from common.tables import BaseModelEntry, Pack, Task, Trial, Worker
 from common.registry import model_source_fields
+from common.tables import BaseModelEntry, Pack, Task, Trial, Worker
 from scheduler.early_exit.config import EarlyExitSpecError, from_spec
 from scheduler.early_exit.policy import asha_rung_steps, rung_steps
 from scheduler.planning.cost import tokens_per_step

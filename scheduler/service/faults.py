@@ -31,8 +31,8 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.tables import MetricPoint, Pack, Trial, Worker
 from common.settings import Settings, get_settings
+from common.tables import MetricPoint, Pack, Trial, Worker
 from common.telemetry import scheduler_metrics
 from scheduler.planning.faults import FaultPolicy, quarantine_s_for, recent_losses, requeue_delay_s
 from scheduler.service.cluster_state import quarantine_left_s

@@ -25,8 +25,8 @@ from common import states
 from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
 from common.metrics import METRIC_SPLIT
-from common.tables import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
+from common.tables import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
 from scheduler.planning.cost import Progress
 from scheduler.planning.faults import FaultPolicy
 from scheduler.service.faults import credit_worker, fault_policy, lose_pack, requeue_for_worker, requeue_trial

@@ -15,8 +15,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from common import states
-from common.tables import Pack, Task, Trial, Worker
 from common.settings import Settings
+from common.tables import Pack, Task, Trial, Worker
 from common.telemetry import MetricsServer, scheduler_metrics, serve
 
 _LIVE_TRIAL_STATES = (states.TRIAL_PENDING, states.TRIAL_RUNNING, states.TRIAL_WAITING)

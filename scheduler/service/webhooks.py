@@ -38,9 +38,9 @@ from sqlalchemy import select
 
 from common.db import session_scope
 from common.egress import NOT_ALLOWED, Egress, EgressRefused, IPAddress, Target
-from common.tables import WebhookDelivery, WebhookEndpoint, utcnow
 from common.secret_box import get_secret_box
 from common.settings import get_settings
+from common.tables import WebhookDelivery, WebhookEndpoint, utcnow
 from common.webhooks import DELIVERY_DELIVERED, DELIVERY_FAILED, DELIVERY_PENDING
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from common.db import session_scope
-from common.tables import ApiKey, Worker, utcnow
 from common.settings import get_settings
+from common.tables import ApiKey, Worker, utcnow
 from tests.factories import ADMIN, TenantKey, make_tenant
 
 

@@ -268,8 +268,8 @@ def test_a_built_in_model_can_be_retired_and_stays_retired(client: TestClient, t
 
 def test_seeding_fills_the_built_ins_missing_fields_but_keeps_an_operators(client: TestClient) -> None:
     from common.db import session_scope
-    from common.tables import BaseModelEntry
     from common.registry import ensure_default_models
+    from common.tables import BaseModelEntry
 
     # A registry seeded before these fields existed, where an operator has since set tiny-random-llama's context.
     update_row(BaseModelEntry, "smollm2-135m-instruct", architecture=None, max_context=None, chat_template=None)

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 from fastapi.testclient import TestClient
 
-from common.tables import Task
 from common.settings import get_settings
+from common.tables import Task
 from tests.factories import TenantKey, count_rows, task_body, upload
 
 

@@ -14,8 +14,8 @@ from sqlalchemy import func, select
 
 from common.artifacts import get_artifact_store
 from common.db import session_scope
-from common.tables import File
 from common.settings import get_settings
+from common.tables import File
 from tests.factories import ADMIN, TenantKey, chat_rows, make_tenant, upload
 
 DATA = chat_rows(20)  # every upload here has this size

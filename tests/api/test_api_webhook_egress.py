@@ -26,8 +26,8 @@ from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
 
 from common.egress import RESOLVE_TIMEOUT_S, Egress
-from common.tables import utcnow
 from common.settings import get_settings
+from common.tables import utcnow
 from scheduler.service.webhooks import WebhookSender
 from tests.api.test_api_webhooks import assert_signed, cancel, deliveries, register, serve_receiver
 from tests.egress import PUBLIC_ADDRESS, TableResolver, allowed_networks

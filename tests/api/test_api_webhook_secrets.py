@@ -20,9 +20,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from common.db import get_engine
-from common.tables import utcnow
 from common.secret_box import SETTING, SecretKeyError, SecretUnreadable, get_secret_box
 from common.settings import get_settings
+from common.tables import utcnow
 from scheduler.service.webhooks import CLAIM_S, WebhookSender
 from tests.api.test_api_webhooks import Receiver, assert_signed, cancel, deliveries, register, serve_receiver
 from tests.e2e.procs import ROOT

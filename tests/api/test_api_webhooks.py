@@ -27,8 +27,8 @@ from common.bus import SCHEDULER_STREAM, get_bus
 from common.celery import get_celery, worker_queue
 from common.db import session_scope
 from common.events import record_event
-from common.tables import Pack, Task, WebhookDelivery, utcnow
 from common.settings import get_settings
+from common.tables import Pack, Task, WebhookDelivery, utcnow
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.webhooks import CLAIM_S, WebhookSender, next_delay, sign, verify
 from tests.conftest import REDIS_URL

@@ -129,8 +129,8 @@ def test_a_scheduler_round_plans_while_the_bus_is_down_and_reaps_once_workers_co
     from common import states
     from common.celery import get_celery, worker_queue
     from common.db import session_scope
-    from common.tables import Pack, Worker, utcnow
     from common.settings import get_settings
+    from common.tables import Pack, Worker, utcnow
     from scheduler.service.daemon import SchedulerDaemon
     from tests.scheduler.test_daemon import WORKER, make_task
 

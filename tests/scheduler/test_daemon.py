@@ -15,9 +15,9 @@ from common import states
 from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
 from common.celery import get_celery, worker_queue
 from common.db import session_scope
-from common.tables import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from common.registry import DEFAULT_MODELS, ensure_default_models
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
+from common.tables import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from scheduler.planning.cost import PRIOR_COST, prior_cost
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.exits import PAUSE_MIN_STEPS, should_pause

@@ -15,8 +15,8 @@ from sqlalchemy import select
 from common import states
 from common.celery import worker_queue
 from common.db import session_scope
-from common.tables import Event, Pack, Trial, Worker, as_utc, utcnow
 from common.settings import Settings, get_settings
+from common.tables import Event, Pack, Trial, Worker, as_utc, utcnow
 from common.telemetry import scheduler_metrics
 from scheduler.planning.faults import (
     ALONE_AFTER_WORKER_LOSSES,

@@ -17,8 +17,8 @@ from common import states
 from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
 from common.celery import worker_queue
 from common.db import session_scope
-from common.tables import Event, MetricPoint, Pack, Trial, Worker
 from common.settings import get_settings
+from common.tables import Event, MetricPoint, Pack, Trial, Worker
 from scheduler.service.daemon import SchedulerDaemon
 from tests.scheduler.test_daemon import WORKER, fresh_daemon, live_pack, make_task
 

@@ -16,8 +16,8 @@ from common import states
 from common.bus import REGISTRY_KEY, SCHEDULER_STREAM, get_bus
 from common.celery import get_celery, worker_queue
 from common.db import session_scope
-from common.tables import BaseModelEntry, Event, Pack, Task, Trial, Worker, utcnow
 from common.settings import get_settings
+from common.tables import BaseModelEntry, Event, Pack, Task, Trial, Worker, utcnow
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.lifecycle import MODEL_AVAILABLE, WAITING_FOR_MODEL, build_snapshot, note_model_waits
 from tests.conftest import REDIS_URL

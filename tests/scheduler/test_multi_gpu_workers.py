@@ -17,9 +17,9 @@ from common import states
 from common.bus import SCHEDULER_STREAM, get_bus
 from common.celery import worker_queue
 from common.db import session_scope
-from common.tables import BaseModelEntry, Pack, Trial, Worker, utcnow
 from common.registry import DEFAULT_MODELS
 from common.settings import get_settings
+from common.tables import BaseModelEntry, Pack, Trial, Worker, utcnow
 from scheduler.planning.cost import ModelCost, prior_cost
 from scheduler.planning.estimate import Gpu, TrialLoad, estimate
 from scheduler.planning.placement import Placement, place

@@ -14,8 +14,8 @@ from common import states
 from common.bus import SCHEDULER_STREAM, get_bus
 from common.celery import worker_queue
 from common.db import session_scope
-from common.tables import Pack, Worker
 from common.settings import get_settings
+from common.tables import Pack, Worker
 from scheduler.service.daemon import SchedulerDaemon
 from tests.scheduler.test_daemon import fresh_daemon, make_task
 

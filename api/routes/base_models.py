@@ -7,10 +7,10 @@ from sqlalchemy import select
 
 from api.deps import SessionDep, TenantDep
 from api.errors import not_found
+from api.schemas.base_models import ModelOut
 from api.schemas.common import ListPage, PathId, error_responses
-from api.schemas.models import ModelOut
-from common.tables import BaseModelEntry
 from common.registry import may_use
+from common.tables import BaseModelEntry
 
 router = APIRouter(prefix="/models", tags=["models"], responses=error_responses(401, 404))
 
