@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.base_models import SHAPES, load, make_rows, materialise
 from benchmarks.common import write_result
-from benchmarks.models import SHAPES, load, make_rows, materialise
 from worker.engine import TrialSpec, train_pack
 
 

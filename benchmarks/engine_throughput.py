@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.base_models import SHAPES, load, make_rows, materialise, projections
 from benchmarks.common import device_description, git_commit, print_table, write_result
-from benchmarks.models import SHAPES, load, make_rows, materialise, projections
 from benchmarks.profiling import breakdown, side_by_side
 from kernels import set_backend
 from worker.engine import TrialSpec, restore_base_model

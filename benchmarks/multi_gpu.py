@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.base_models import SHAPES, load, make_rows, materialise, projections
 from benchmarks.common import write_result
-from benchmarks.models import SHAPES, load, make_rows, materialise, projections
 from worker.engine import PackEngine, TrialSpec
 from worker.engine.distributed import Lockstep, assign_ranks, shard_base
 

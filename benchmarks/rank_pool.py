@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.base_models import SHAPES, make_rows, materialise, projections
 from benchmarks.common import write_result
-from benchmarks.models import SHAPES, make_rows, materialise, projections
 
 RANKS = (16, 32, 64)
 
@@ -170,7 +170,7 @@ def engine_alone(args: argparse.Namespace, base: Path, device: str, targets: lis
     then step): what the worker's loop around the engine (reports, the command inbox, the trainer's phases) adds."""
     from transformers import AutoTokenizer
 
-    from benchmarks.models import load
+    from benchmarks.base_models import load
     from benchmarks.multi_gpu import train, trial_specs
 
     started = time.perf_counter()

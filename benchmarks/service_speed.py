@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data", type=Path, required=True, help="the folder benchmarks.sweep_data wrote")
     parser.add_argument("--dataset", choices=["trivia", "arithmetic"], default="arithmetic")
     parser.add_argument("--model", choices=sorted(SOURCES), default="smollm2-135m-instruct")
-    parser.add_argument("--shape", help="instead of --model: a random-weight directory of this benchmarks.models "
+    parser.add_argument("--shape", help="instead of --model: a random-weight directory of this benchmarks.base_models "
                                         "shape, registered with the service (llama-3.2-1b)")
     parser.add_argument("--policies", nargs="+", default=["none", "none", "alto"], choices=["none", "alto", "asha"])
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-4, 3e-4, 1e-3, 3e-3])
@@ -105,7 +105,7 @@ def register(base: str, admin_token: str, args: argparse.Namespace, home: Path) 
     registered now (tokenizer saved beside it)."""
     if not args.shape:
         return args.model, SOURCES[args.model]
-    from benchmarks.models import materialise
+    from benchmarks.base_models import materialise
 
     tokenizer, directory = materialise(args.shape, home / "model")
     tokenizer.save_pretrained(directory)

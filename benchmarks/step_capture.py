@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.base_models import SHAPES, load, make_rows, materialise, projections
 from benchmarks.common import write_result
 from benchmarks.engine_throughput import engine_steps, trial_specs
-from benchmarks.models import SHAPES, load, make_rows, materialise, projections
 from kernels import set_backend
 from worker.engine import feed
 

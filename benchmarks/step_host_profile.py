@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.base_models import SHAPES, load, make_rows, materialise, projections
 from benchmarks.engine_throughput import engine_steps, sync, trial_specs
-from benchmarks.models import SHAPES, load, make_rows, materialise, projections
 from kernels import set_backend
 
 

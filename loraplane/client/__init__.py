@@ -12,7 +12,7 @@ from loraplane.client._async import AsyncClient
 from loraplane.client._sync import Client
 from loraplane.client.config import Settings, config_path, read_config, resolve, write_config
 from loraplane.client.errors import APIConnectionError, APIError, ConfigurationError, LoraplaneError, WaitTimeout
-from loraplane.client.models import (
+from loraplane.client.objects import (
     TASK_FINAL_STATES,
     TRIAL_FINAL_STATES,
     ApiKey,

@@ -18,7 +18,7 @@ import anyio
 import httpx
 
 from loraplane.client.errors import APIConnectionError, APIError, ConfigurationError
-from loraplane.client.models import Event
+from loraplane.client.objects import Event
 
 USER_AGENT = "loraplane-client/0.1.0"
 STREAM_READ_TIMEOUT_S = 60.0  # the server sends a keep-alive every 15 s; silence this long means the stream is dead

@@ -21,7 +21,7 @@ from loraplane.client import _core
 from loraplane.client._core import ADMIN_HINT, KEY_HINT, StreamBroken, StreamEnded
 from loraplane.client.config import resolve
 from loraplane.client.errors import APIConnectionError, APIError, WaitTimeout
-from loraplane.client.models import (
+from loraplane.client.objects import (
     TASK_FINAL_STATES,
     ApiKey,
     Event,
