@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.architectures import target_modules_for
 from worker.engine import ModelSource, load_base_model
-from worker.engine.models import base_dtype
+from worker.engine.base_model import base_dtype
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -22,7 +22,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from worker.engine.models import build_tiny_tokenizer, materialize_tiny_llama
+from worker.engine.base_model import build_tiny_tokenizer, materialize_tiny_llama
 
 # The smallest shapes that keep each family's features: grouped-query attention, Qwen2's q/k/v biases, Qwen3's
 # and Gemma 3's q/k norms, Gemma's embedding scale and (1 + w) norms, Gemma 2's soft caps, Phi-3's fused

@@ -30,7 +30,7 @@ from torch import nn
 
 from common.registry import DEFAULT_MODELS
 from worker.engine import ModelSource
-from worker.engine.models import model_revision
+from worker.engine.base_model import model_revision
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from common.settings import get_settings
 from worker import telemetry
 from worker.agent import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
 from worker.engine import Evaluation, ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
+from worker.engine.base_model import base_dtype
 from worker.engine.distributed import shard_base
 from worker.engine.keeper import EngineKeeper
-from worker.engine.models import base_dtype
 from worker.engine.trainer import PackTimings, StopMode
 from worker.model_cache import Loaded, ModelCache, cache_budget
 from worker.profile import PackProfiler

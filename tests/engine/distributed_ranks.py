@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.engine.factories import TINY, chat_rows, make_spec
+from worker.engine.base_model import load_base_model
 from worker.engine.distributed import Lockstep, assign_ranks, decoder_layers, shard_base
-from worker.engine.models import load_base_model
 from worker.engine.spec import Evaluation, TrialOutcome, TrialSpec
 from worker.engine.trainer import StopMode, train_pack
 

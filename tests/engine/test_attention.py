@@ -8,8 +8,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Co
 
 from tests.engine.factories import make_spec
 from worker.engine.attention import ATTENTION_NAME, use_packed_attention
-from worker.engine.engine import PackEngine
-from worker.engine.models import build_tiny_tokenizer
+from worker.engine.base_model import build_tiny_tokenizer
+from worker.engine.pack_engine import PackEngine
 
 SMALL = dict(
     vocab_size=300,

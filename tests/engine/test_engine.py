@@ -184,7 +184,7 @@ def test_the_next_batch_is_packed_ahead_and_dropped_when_the_pack_changes(
 
 
 def test_trials_with_the_same_rows_tokenise_them_once(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.engine.engine as engine_module
+    import worker.engine.pack_engine as engine_module
 
     calls: list[int] = []
     real = engine_module.encode_rows
@@ -269,7 +269,7 @@ def test_greedy_matches_is_greedy_decoding_of_every_target_token(tiny: Tiny) -> 
 def test_validation_of_many_slots_in_shared_forwards_equals_each_slot_alone(
     tiny: Tiny, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.engine import engine as engine_module
+    from worker.engine import pack_engine as engine_module
 
     specs = [
         make_spec("v1", seed=1),
@@ -296,7 +296,7 @@ def test_validation_of_many_slots_in_shared_forwards_equals_each_slot_alone(
 
 def test_eval_forwards_keep_every_row_once_in_order_within_the_token_budget() -> None:
     from worker.engine.data import Example
-    from worker.engine.engine import _eval_forwards
+    from worker.engine.pack_engine import _eval_forwards
 
     def rows(*lengths: int) -> list[Example]:
         return [Example([1] * n, [1] * n) for n in lengths]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker.engine.base_model import build_tiny_llama
 from worker.engine.fused import FUSED_OPS, chosen_ops, fuse, unfuse
-from worker.engine.models import build_tiny_llama
 
 
 def test_the_setting_picks_all_none_or_a_list(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -122,7 +122,7 @@ def test_a_trial_is_scored_at_its_early_exit_rungs_too_and_trains_on_exactly_as_
 def test_generation_split_into_forwards_of_a_token_budget_gives_the_same_answers(
     tiny: Tiny, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import worker.engine.engine as engine_module
+    import worker.engine.pack_engine as engine_module
 
     model, tokenizer = tiny
     spec = make_spec("s", target_modules=["all-linear"], val_rows=[])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from worker.engine import ModelSource, load_base_model
-from worker.engine.models import dequantised_dir, model_revision
+from worker.engine.base_model import dequantised_dir, model_revision
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CPU = torch.device("cpu")

@@ -19,7 +19,7 @@ from common.bus import SCHEDULER_STREAM, FileBus
 from tests.worker.test_runner import TINY, pack
 from worker.agent import Heartbeat, Incarnation
 from worker.engine import ModelSource, load_base_model
-from worker.engine.models import _save_dequantised, dequantised_dir, model_revision
+from worker.engine.base_model import _save_dequantised, dequantised_dir, model_revision
 from worker.model_cache import Resident, evictions, resident_bytes
 from worker.runner import PackRunner
 

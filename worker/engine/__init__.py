@@ -33,10 +33,10 @@ The engine underneath, for benchmarks and for schedulers that back-fill slots::
 best_step, training). Capacity, max rank and the set of wrappable layers are fixed when the engine starts.
 """
 
-from worker.engine.engine import PackEngine
+from worker.engine.base_model import ModelSource, load_base_model
 from worker.engine.export import adapter_logits, export_peft_adapter, read_peft_adapter
 from worker.engine.lora import restore_base_model
-from worker.engine.models import ModelSource, load_base_model
+from worker.engine.pack_engine import PackEngine
 from worker.engine.schedule import lr_at
 from worker.engine.slots import SlotState, StepStats
 from worker.engine.spec import Evaluation, TrialOutcome, TrialSpec

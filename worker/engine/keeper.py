@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from worker.engine.engine import PackEngine
+from worker.engine.pack_engine import PackEngine
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from common.regex_policy import PatternRefused
 from worker.engine import checkpoint
 from worker.engine.data import eval_prompt
 from worker.engine.distributed import Lockstep
-from worker.engine.engine import PackEngine
 from worker.engine.keeper import EngineKeeper, EngineShape
 from worker.engine.lora import ALL_LINEAR, resolve_target_modules
+from worker.engine.pack_engine import PackEngine
 from worker.engine.slots import StepStats
 from worker.engine.spec import TrialOutcome, TrialSpec, validate_spec
 from worker.engine.store import slot_bytes

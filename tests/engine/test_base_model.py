@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerB
 
 from tests.engine.factories import CPU, TINY
 from worker.engine import ModelSource, load_base_model
-from worker.engine import models as engine_models
+from worker.engine import base_model as engine_models
 
 
 def test_tiny_model_materialises_deterministically(tmp_path: Path, model_cache: Path) -> None:
