@@ -34,6 +34,7 @@ from benchmarks.sweep import MODELS, read, test_accuracy, val_exact_match
 from common.metrics import rank_key
 from common.search_space import DEFAULT_LR_SCHEDULE, auto_space, expand_grid, warmup_steps_for
 from worker.engine import PackEngine, TrialSpec, load_base_model
+from worker.engine.validation import evaluate
 
 SEEDS = 3
 # The defaults before issue 17 (api/search_space.py and the Training schema at commit c25af90).
@@ -92,7 +93,7 @@ def main() -> None:
     while any(state is not None and state.training for state in engine.slots):
         for trial_id in engine.step():
             if engine.state(slots[trial_id]).eval_due:
-                engine.evaluate(slots[trial_id])
+                evaluate(engine, slots[trial_id])
     train_s = time.perf_counter() - started
     results: list[dict[str, Any]] = []
     for group, spec in specs:

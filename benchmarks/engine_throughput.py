@@ -34,7 +34,7 @@ from benchmarks.profiling import breakdown, side_by_side
 from kernels import set_backend
 from worker.engine import TrialSpec, restore_base_model
 from worker.engine.data import Example, collate, encode_rows
-from worker.engine.pack_engine import CUDA_WIDTH_MULTIPLE
+from worker.engine.passes import CUDA_WIDTH_MULTIPLE
 
 RANKS = (16, 32, 64)
 

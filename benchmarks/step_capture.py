@@ -56,7 +56,7 @@ def measure(args: argparse.Namespace, backend: str, base: Path, tokenizer: Any) 
     _, engine = engine_steps(model, tokenizer, specs, device, recompute=False)
     try:
         parts, _ = feed.draw(engine.slots, engine._fail)
-        batch = engine._pack(parts)
+        batch = engine.passes.pack(parts)
         stepped = [p.slot for p in parts]
         lrs = {slot: engine.state(slot).lr() for slot in stepped}
         live = {slot: engine.store.live_columns(slot) for slot in stepped}
@@ -64,7 +64,7 @@ def measure(args: argparse.Namespace, backend: str, base: Path, tokenizer: Any) 
 
         def forward_backward() -> None:
             store.grads.zero_()
-            engine._forward_backward(batch)
+            engine.passes.forward_backward(batch)
 
         def eager() -> None:
             forward_backward()

@@ -39,6 +39,8 @@ from scheduler.early_exit.config import EarlyExitConfig
 from scheduler.early_exit.policy import warmup_step
 from worker.engine import ModelSource, PackEngine, TrialSpec, load_base_model
 from worker.engine.data import encode_rows, eval_prompt
+from worker.engine.generation import answer_stop_ids, generate, greedy_matches
+from worker.engine.validation import evaluate
 
 LRS = (1e-4, 3e-4, 1e-3, 3e-3)
 RANKS = (4, 16)
@@ -75,7 +77,7 @@ def test_accuracy(engine: PackEngine, slot: int, test: list[dict[str, Any]], max
                   for i, row in enumerate(test) for answer in row.get("answers", [row["messages"][1]["content"]])]
     examples = encode_rows([row for _, row in candidates], engine.tokenizer, 4 * max_seq_len)
     assert len(examples) == len(candidates), "a test answer was truncated away"
-    matches = engine.greedy_matches(slot, examples)
+    matches = greedy_matches(engine, slot, examples)
     solved = {i for (i, _), ok in zip(candidates, matches, strict=True) if ok}
     return round(len(solved) / len(test), 4)
 
@@ -84,8 +86,8 @@ def val_exact_match(engine: PackEngine, slot: int, val: list[dict[str, Any]], ma
     """The service's `exact_match` metric of the adapter in `slot` on the validation rows: what a task with
     `evaluation: {"metric": "exact_match"}` scores a trial by (greedy generation, common/metrics.py)."""
     pairs = [eval_prompt(row, engine.tokenizer) for row in val]
-    answers = engine.generate({slot: [ids[-max_seq_len:] for ids, _ in pairs]}, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
-                              stop_ids=engine.answer_stop_ids)[slot]
+    answers = generate(engine, {slot: [ids[-max_seq_len:] for ids, _ in pairs]},
+                       max_new_tokens=DEFAULT_MAX_NEW_TOKENS, stop_ids=answer_stop_ids(engine))[slot]
     texts = [str(engine.tokenizer.decode(ids, skip_special_tokens=True)) for ids in answers]
     return round(score_answers("exact_match", texts, [reference for _, reference in pairs]), 4)
 
@@ -184,7 +186,7 @@ def train_to_the_end(engine: PackEngine, trials: list[TrialSpec], slots: dict[st
             state = engine.state(slots[trial_id])
             curves[trial_id]["train"].append(curve_point(by_id[trial_id], state.steps_done, loss, tokens_per_row))
             if state.eval_due:
-                val_loss = engine.evaluate(slots[trial_id])
+                val_loss = evaluate(engine, slots[trial_id])
                 assert val_loss is not None
                 curves[trial_id]["val"].append(curve_point(by_id[trial_id], state.steps_done, val_loss, tokens_per_row))
     return curves

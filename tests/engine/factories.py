@@ -7,9 +7,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from worker.engine import ModelSource, TrialSpec
+from worker.engine import ModelSource, PackEngine, TrialSpec
 from worker.engine.data import BatchSampler, collate, encode_rows
 from worker.engine.spec import trial_seed
 from worker.engine.store import ModuleTensors
@@ -132,3 +133,17 @@ class Persisted:
         with self._changed:
             assert self._changed.wait_for(lambda: step in self.steps.get(trial_id, []), timeout_s), (
                 f"no checkpoint of {trial_id} at step {step} after {timeout_s} s: {self.steps}")
+
+
+def record_engines(monkeypatch: pytest.MonkeyPatch) -> list[PackEngine]:
+    """Every ``PackEngine`` made from now on in the test, the newest last: a fake of the engine's passes
+    (``ModelPasses``, which knows no trial) looks the trials up in the engine that runs it."""
+    engines: list[PackEngine] = []
+    real_init = PackEngine.__init__
+
+    def recording_init(engine: PackEngine, *args: Any, **kwargs: Any) -> None:
+        real_init(engine, *args, **kwargs)
+        engines.append(engine)
+
+    monkeypatch.setattr(PackEngine, "__init__", recording_init)
+    return engines

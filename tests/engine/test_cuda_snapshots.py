@@ -15,6 +15,7 @@ import torch
 from tests.engine.factories import TINY, Persisted, make_spec
 from worker.engine import PackEngine, load_base_model, restore_base_model, train_pack
 from worker.engine import checkpoint as checkpoints
+from worker.engine.validation import evaluate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -38,7 +39,7 @@ def test_a_snapshot_on_a_gpu_waits_for_nothing_and_holds_the_slot_as_taken(model
         slot = engine.admit(spec)
         for _ in range(3):
             engine.step()
-        engine.evaluate(slot)
+        evaluate(engine, slot)
         engine.step()
         want = _host(engine, slot)
         torch.cuda.set_sync_debug_mode("error")

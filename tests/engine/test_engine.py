@@ -20,7 +20,9 @@ from tests.engine.factories import (
 from worker.engine import PackEngine, TrialSpec, feed
 from worker.engine.batch import SlotRows
 from worker.engine.data import BatchSampler, encode_rows
+from worker.engine.generation import greedy_matches
 from worker.engine.lora import resolve_target_modules
+from worker.engine.passes import ModelPasses
 from worker.engine.spec import trial_seed
 from worker.engine.store import ModuleTensors
 
@@ -164,13 +166,13 @@ def test_the_next_batch_is_packed_ahead_and_dropped_when_the_pack_changes(
 ) -> None:
     specs = [make_spec("a"), make_spec("b", seed=2)]
     packed: list[list[int]] = []
-    real_pack = PackEngine._pack
+    real_pack = ModelPasses.pack
 
-    def recording_pack(engine: PackEngine, parts: Any, **kwargs: Any) -> Any:
+    def recording_pack(passes: ModelPasses, parts: Any, **kwargs: Any) -> Any:
         packed.append([p.slot for p in parts])
-        return real_pack(engine, parts, **kwargs)
+        return real_pack(passes, parts, **kwargs)
 
-    monkeypatch.setattr(PackEngine, "_pack", recording_pack)
+    monkeypatch.setattr(ModelPasses, "pack", recording_pack)
     with _engine(tiny, specs) as engine:
         for spec in specs:
             engine.admit(spec)
@@ -258,18 +260,18 @@ def test_greedy_matches_is_greedy_decoding_of_every_target_token(tiny: Tiny) -> 
         examples.append(Example(ids, [IGNORE_INDEX] * len(prompt) + ids[len(prompt):]))
     with _engine(tiny, [spec]) as engine:
         slot = engine.admit(spec)  # B = 0: the adapter does not change the base model's predictions yet
-        assert engine.greedy_matches(slot, examples) == [True, True]
+        assert greedy_matches(engine, slot, examples) == [True, True]
         wrong = examples[1].labels[:-1] + [(examples[1].labels[-1] + 1) % model.config.vocab_size]
         off = [examples[0], Example(examples[1].input_ids[:-1] + [wrong[-1]], wrong)]
-        assert engine.greedy_matches(slot, off) == [True, False]
-        assert engine.greedy_matches(slot, off, batch_size=1) == [True, False]
-        assert engine.greedy_matches(slot, []) == []
+        assert greedy_matches(engine, slot, off) == [True, False]
+        assert greedy_matches(engine, slot, off, batch_size=1) == [True, False]
+        assert greedy_matches(engine, slot, []) == []
 
 
 def test_validation_of_many_slots_in_shared_forwards_equals_each_slot_alone(
     tiny: Tiny, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.engine import pack_engine as engine_module
+    from worker.engine import validation
 
     specs = [
         make_spec("v1", seed=1),
@@ -280,12 +282,12 @@ def test_validation_of_many_slots_in_shared_forwards_equals_each_slot_alone(
         slots = [engine.admit(s) for s in specs]
         for _ in range(3):
             engine.step()
-        alone = {slot: engine.evaluate(slot) for slot in slots}
+        alone = {slot: validation.evaluate(engine, slot) for slot in slots}
         # A small token budget cuts the validation rows into several forwards, some shared by two slots.
-        monkeypatch.setattr(engine_module, "EVAL_MAX_TOKENS", 150)
-        forwards = engine_module._eval_forwards([(s, engine.state(s).val) for s in slots], 150)
+        monkeypatch.setattr(validation, "EVAL_MAX_TOKENS", 150)
+        forwards = validation._eval_forwards([(s, engine.state(s).val) for s in slots], 150)
         assert len(forwards) > 2 and any(len({p.slot for p in parts}) > 1 for parts in forwards)
-        together = engine.evaluate_slots(slots)
+        together = validation.evaluate_slots(engine, slots)
     assert together[slots[2]] is None and alone[slots[2]] is None
     for slot in slots[:2]:
         value, reference = together[slot], alone[slot]
@@ -296,7 +298,7 @@ def test_validation_of_many_slots_in_shared_forwards_equals_each_slot_alone(
 
 def test_eval_forwards_keep_every_row_once_in_order_within_the_token_budget() -> None:
     from worker.engine.data import Example
-    from worker.engine.pack_engine import _eval_forwards
+    from worker.engine.validation import _eval_forwards
 
     def rows(*lengths: int) -> list[Example]:
         return [Example([1] * n, [1] * n) for n in lengths]
@@ -335,9 +337,9 @@ def test_a_batch_with_static_shapes_trains_as_the_packed_batch(tiny: Tiny) -> No
         parts, _ = feed.draw(engine.slots, engine._fail)
         results = []
         for static_shapes in (False, True):
-            batch = engine._pack(parts, static_shapes=static_shapes)
+            batch = engine.passes.pack(parts, static_shapes=static_shapes)
             engine.store.grads.zero_()
-            results.append((engine._forward_backward(batch), engine.store.grads.clone(), batch))
+            results.append((engine.passes.forward_backward(batch), engine.store.grads.clone(), batch))
         (dynamic_losses, dynamic_grads, dynamic), (static_losses, static_grads, static) = results
         padding = static.input_ids.shape[1] - dynamic.input_ids.shape[1]
         assert padding > 0  # the tiny model's rows leave a gap to their bucket: the idle slot 3 holds it

@@ -13,6 +13,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tests.engine.factories import CPU, TINY, chat_rows, completion_rows, make_spec
 from worker.engine import PackEngine, load_base_model
 from worker.engine.data import eval_prompt
+from worker.engine.generation import generate
+from worker.engine.slot_export import export
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
@@ -41,9 +43,9 @@ def test_generation_of_two_slots_at_once_equals_peft_generate_with_each_adapter(
         for _ in range(15):
             engine.step()
         prompts = {slots[t]: [eval_prompt(r, tokenizer)[0] for r in rows[t]] for t in slots}
-        answers = engine.generate(prompts, max_new_tokens=12, stop_ids=stop)
+        answers = generate(engine, prompts, max_new_tokens=12, stop_ids=stop)
         for trial_id, slot in slots.items():
-            engine.export(slot, tmp_path / trial_id, base_model_name="tiny")
+            export(engine, slot, tmp_path / trial_id, base_model_name="tiny")
     assert any(answers[slots["a"]]) and any(answers[slots["b"]])
     for trial_id, slot in slots.items():
         fresh, _ = load_base_model(TINY, cache_dir=model_cache, device=CPU)
@@ -81,8 +83,8 @@ def test_a_trial_with_a_generative_metric_reports_its_best_adapters_score_once_a
         slot = engine.admit(make_spec("again", target_modules=["all-linear"]))
         engine.store.load_slot(slot, tensors, rank=config.rank, scale=config.scale)
         pairs = [eval_prompt(row, tokenizer) for row in val]
-        answers = engine.generate({slot: [ids for ids, _ in pairs]}, max_new_tokens=10,
-                                  stop_ids=frozenset({int(tokenizer.eos_token_id)}))[slot]
+        answers = generate(engine, {slot: [ids for ids, _ in pairs]}, max_new_tokens=10,
+                           stop_ids=frozenset({int(tokenizer.eos_token_id)}))[slot]
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
     assert any(texts)  # it answered something (a score of 0 would otherwise be easy to match)
     assert metric[0][3] == score_answers("contains", texts, [ref for _, ref in pairs])
@@ -122,20 +124,20 @@ def test_a_trial_is_scored_at_its_early_exit_rungs_too_and_trains_on_exactly_as_
 def test_generation_split_into_forwards_of_a_token_budget_gives_the_same_answers(
     tiny: Tiny, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import worker.engine.pack_engine as engine_module
+    from worker.engine import generation
 
     model, tokenizer = tiny
     spec = make_spec("s", target_modules=["all-linear"], val_rows=[])
     prompts = [eval_prompt(row, tokenizer)[0] for row in chat_rows(5)]
     stop = frozenset({int(tokenizer.eos_token_id)})
     results = []
-    for budget in (engine_module.EVAL_MAX_TOKENS, 40):  # 40 tokens: about one row per forward
-        monkeypatch.setattr(engine_module, "EVAL_MAX_TOKENS", budget)
+    for budget in (generation.EVAL_MAX_TOKENS, 40):  # 40 tokens: about one row per forward
+        monkeypatch.setattr(generation, "EVAL_MAX_TOKENS", budget)
         with PackEngine(model, tokenizer, capacity=1, max_rank=4) as engine:
             slot = engine.admit(spec)
             for _ in range(10):
                 engine.step()
-            results.append(engine.generate({slot: prompts}, max_new_tokens=8, stop_ids=stop)[slot])
+            results.append(generate(engine, {slot: prompts}, max_new_tokens=8, stop_ids=stop)[slot])
     assert results[0] == results[1] and any(results[0])
 
 

@@ -11,11 +11,19 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import assert_rel_close, chat_rows, completion_rows, make_spec, token_loss_sum
-from worker.engine import PackEngine, StepStats, TrialOutcome, TrialSpec, adapter_logits, train_pack
+from tests.engine.factories import (
+    assert_rel_close,
+    chat_rows,
+    completion_rows,
+    make_spec,
+    record_engines,
+    token_loss_sum,
+)
+from worker.engine import StepStats, TrialOutcome, TrialSpec, adapter_logits, train_pack
 from worker.engine.batch import PackedBatch
 from worker.engine.data import collate, encode_rows
 from worker.engine.lora import StackedLoraLinear
+from worker.engine.passes import ModelPasses
 from worker.engine.trainer import StopMode
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
@@ -130,15 +138,17 @@ def test_should_stop_drops_a_trial_at_once(tiny: Tiny, tmp_path: Path) -> None:
 
 
 def test_failing_trials_do_not_take_down_the_pack(tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_forward_backward = PackEngine._forward_backward
+    engines = record_engines(monkeypatch)
+    real_forward_backward = ModelPasses.forward_backward
 
-    def breaks_for_c(engine: PackEngine, batch: PackedBatch) -> Any:
+    def breaks_for_c(passes: ModelPasses, batch: PackedBatch) -> Any:
+        engine = engines[-1]
         c = [slot for slot, state in enumerate(engine.slots) if state is not None and state.spec.trial_id == "c"]
         if c and c[0] in batch.n_targets and engine.state(c[0]).steps_done == 3:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real_forward_backward(engine, batch)
+        return real_forward_backward(passes, batch)
 
-    monkeypatch.setattr(PackEngine, "_forward_backward", breaks_for_c)
+    monkeypatch.setattr(ModelPasses, "forward_backward", breaks_for_c)
     specs = [
         make_spec("bad-target", target_modules=["q_proj", "qkv_proj"]),
         make_spec("ok"),
@@ -156,7 +166,7 @@ def test_failing_trials_do_not_take_down_the_pack(tiny: Tiny, tmp_path: Path, mo
     assert no_data.error == "ValueError: no training row has a target token left after truncation"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]
     # The step that failed jointly was retried slot by slot: "ok" trained as it would have alone.
-    monkeypatch.setattr(PackEngine, "_forward_backward", real_forward_backward)
+    monkeypatch.setattr(ModelPasses, "forward_backward", real_forward_backward)
     (alone,), _ = _run(tiny, [make_spec("ok")], tmp_path / "alone")
     packed, single = _weights(ok.adapter_dir), _weights(alone.adapter_dir)
     for key in packed:
@@ -371,15 +381,17 @@ def test_a_validation_that_breaks_fails_only_its_trial(
 ) -> None:
     """The shared validation forward raises: the due slots are validated one by one, the one that breaks
     fails, the others keep their validation points and complete."""
-    real_loss_sums = PackEngine._loss_sums
+    engines = record_engines(monkeypatch)
+    real_loss_sums = ModelPasses.loss_sums
 
-    def breaks_for_v(engine: PackEngine, batch: PackedBatch, *, training: bool) -> Any:
+    def breaks_for_v(passes: ModelPasses, batch: PackedBatch, *, training: bool) -> Any:
+        engine = engines[-1]
         v = [slot for slot, state in enumerate(engine.slots) if state is not None and state.spec.trial_id == "v"]
         if not training and v and v[0] in batch.n_targets:
             raise RuntimeError("CUDA out of memory in validation")
-        return real_loss_sums(engine, batch, training=training)
+        return real_loss_sums(passes, batch, training=training)
 
-    monkeypatch.setattr(PackEngine, "_loss_sums", breaks_for_v)
+    monkeypatch.setattr(ModelPasses, "loss_sums", breaks_for_v)
     (fine, v), points = _run(tiny, [make_spec("fine"), make_spec("v", seed=5)], tmp_path)
     assert (fine.status, fine.steps_done) == ("completed", 12)
     assert (v.status, v.steps_done, v.error) == ("failed", 4, "RuntimeError: CUDA out of memory in validation")

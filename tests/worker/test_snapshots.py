@@ -21,6 +21,7 @@ from worker.engine import PackEngine, TrialOutcome, TrialSpec, load_base_model, 
 from worker.engine import checkpoint as checkpoints
 from worker.engine.store import ModuleTensors
 from worker.engine.trainer import PackTimings, StopMode
+from worker.engine.validation import evaluate
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 Point = tuple[str, int, str, float]
@@ -57,7 +58,7 @@ def test_a_snapshot_holds_the_slot_as_taken_and_restores_bit_identically(tiny: T
         slot = engine.admit(spec)
         for _ in range(3):
             engine.step()
-        engine.evaluate(slot)  # a best adapter to carry
+        evaluate(engine, slot)  # a best adapter to carry
         engine.step()
         state = engine.state(slot)
         want = _matrices(engine, slot) | {"best": state.best}

@@ -17,17 +17,17 @@ The engine underneath, for benchmarks and for schedulers that back-fill slots::
     engine = PackEngine(model, tokenizer, capacity=32, max_rank=64,
                         target_modules=["all-linear"], device=torch.device("cuda"))
     slot = engine.admit(spec)                   # lowest free slot; fresh init from spec.seed, step 0
-    slot = engine.admit(spec, resume=ckpt_dir)  # ... or continue from engine.checkpoint()
+    slot = engine.admit(spec, resume=ckpt_dir)  # ... or continue from checkpoint(engine, slot, ckpt_dir)
     losses = engine.step()                      # {trial_id: loss} of every training slot; one sync
     engine.last_stats                           # StepStats of that step; engine.failures: failed trials
-    engine.evaluate(slot)                       # validation loss; keeps the best adapter
-    engine.checkpoint(slot, ckpt_dir)           # adapter, AdamW state, data cursor, best-val state
-    engine.export(slot, out_dir, base_model_name=name)  # PEFT directory of the best adapter
+    evaluate(engine, slot)                      # validation loss; keeps the best adapter (validation.py)
+    checkpoint(engine, slot, ckpt_dir)          # adapter, AdamW state, data cursor, best-val state (slot_export.py)
+    export(engine, slot, out_dir, base_model_name=name)  # PEFT directory of the best adapter (slot_export.py)
     engine.evict(slot)                          # free the slot (zeros; nothing kept)
     engine.close()                              # unwrap the model (also on ``with PackEngine(...)``)
 
-``engine.generate({slot: prompts}, max_new_tokens=n, stop_ids=ids)`` decodes greedily under each slot's adapter
-(all slots in shared forwards), for a task's generative metric.
+``generate(engine, {slot: prompts}, max_new_tokens=n, stop_ids=ids)`` (generation.py) decodes greedily under each
+slot's adapter (all slots in shared forwards), for a task's generative metric.
 
 ``engine.state(slot)`` is the trial's ``SlotState`` (spec, steps_done, last_train_loss, best_val_loss,
 best_step, training). Capacity, max rank and the set of wrappable layers are fixed when the engine starts.

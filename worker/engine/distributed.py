@@ -12,10 +12,10 @@ rank must run the same passes in the same order, whatever its own trials need; a
 all-gather while another has gone on to something else waits for ever. So before each phase of a pack step the
 ranks agree how many passes it takes (`Lockstep.most`: the largest of any rank's own count), each runs its own,
 and a rank with fewer makes up the difference with idle passes of one pad token through the base
-(`PackEngine.idle_pass`). The phases, in worker/engine/trainer.py's loop: whether any rank has a live trial (the
-loop goes on while one does), the scoring of trials that leave before the step, the step (a forward and a
-backward), validation, and the scoring after it; greedy generation agrees once per new token
-(`PackEngine.generate`). A pass that fails on one rank part way through its layers cannot be made up: the other
+(`ModelPasses.idle_pass`, worker/engine/passes.py). The phases, in worker/engine/trainer.py's loop: whether any
+rank has a live trial (the loop goes on while one does), the scoring of trials that leave before the step, the step
+(a forward and a backward), validation, and the scoring after it; greedy generation agrees once per new token
+(worker/engine/generation.py). A pass that fails on one rank part way through its layers cannot be made up: the other
 ranks wait in that layer's collective, and the pack fails as a whole (its process group times out).
 
 Not covered here: which trial goes to which rank is the caller's (`assign_ranks`); the worker that spawns the ranks
@@ -39,8 +39,8 @@ T = TypeVar("T")
 
 
 class IdlePasses(Protocol):
-    """What the lockstep drives on a rank with fewer passes than the others (``PackEngine`` is one: typed by what it
-    does, so that this module does not import the engine, which imports it)."""
+    """What the lockstep drives on a rank with fewer passes than the others (``ModelPasses`` is one: typed by what it
+    does, so that this module imports nothing of the engine that uses it)."""
 
     def idle_pass(self, *, train: bool) -> None: ...
 
@@ -132,8 +132,8 @@ class Lockstep:
                        target_tokens=int(total[3]), peak_memory_bytes=peak,
                        seconds=max(float(g[5]) for g in gathered))
 
-    def pad(self, engine: IdlePasses, kind: Pass, count: int) -> None:
+    def pad(self, passes: IdlePasses, kind: Pass, count: int) -> None:
         """``count`` idle passes of ``kind``: this rank's share of a phase the others have more passes in."""
         for _ in range(count):
-            engine.idle_pass(train=kind == "train")
+            passes.idle_pass(train=kind == "train")
         self.idle[kind] += count

@@ -18,12 +18,15 @@ from common.regex_policy import PatternRefused
 from worker.engine import checkpoint
 from worker.engine.data import eval_prompt
 from worker.engine.distributed import Lockstep
+from worker.engine.generation import answer_stop_ids, generate
 from worker.engine.keeper import EngineKeeper, EngineShape
 from worker.engine.lora import ALL_LINEAR, resolve_target_modules
 from worker.engine.pack_engine import PackEngine
+from worker.engine.slot_export import prepare_export
 from worker.engine.slots import StepStats
 from worker.engine.spec import TrialOutcome, TrialSpec, validate_spec
 from worker.engine.store import slot_bytes
+from worker.engine.validation import evaluate, evaluate_slots, evaluation_passes
 from worker.engine.writer import PackWriter, WriterCounts
 
 logger = logging.getLogger(__name__)
@@ -377,7 +380,7 @@ def _step(engine: PackEngine) -> tuple[dict[str, float], StepStats | None]:
     if not lockstep.any(stepping):
         return {}, None
     if not stepping:
-        lockstep.pad(engine, "train", 1)
+        lockstep.pad(engine.passes, "train", 1)
     losses = engine.step() if stepping else {}
     return losses, lockstep.pack_stats(engine.last_stats if losses else None)
 
@@ -488,7 +491,7 @@ class _Hooks:
 def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: bool = False) -> None:
     """The generative metric of trials that finish now with their adapter (completed, or exported on request), or,
     with ``training``, of trials at an early-exit rung that go on training: their best adapters answer their
-    validation rows in one batched greedy generation (``PackEngine.generate``) and each trial's share of passing
+    validation rows in one batched greedy generation (generation.py) and each trial's share of passing
     answers (common/metrics.py) is reported as its "metric" point. A trial that goes on training gets its current
     weights back afterwards. A failure here costs the trials their score, not their result; in a pack over several
     GPUs every rank takes part in the generation, with or without trials to score, and one that fails in it fails
@@ -507,7 +510,7 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: boo
         try:
             evaluations = {slot: engine.state(slot).spec.evaluation for slot in wanted}
             longest = max([e.max_new_tokens for e in evaluations.values() if e is not None], default=0)
-            answers = engine.generate(prompts, max_new_tokens=longest, stop_ids=engine.answer_stop_ids)
+            answers = generate(engine, prompts, max_new_tokens=longest, stop_ids=answer_stop_ids(engine))
         except Exception:
             if engine.lockstep is not None:
                 raise
@@ -552,13 +555,13 @@ def _validate(engine: PackEngine, losses: dict[str, float]) -> dict[int, float |
     if not due:
         return {}
     try:
-        return dict(engine.evaluate_slots(due))
+        return dict(evaluate_slots(engine, due))
     except Exception as exc:
         logger.warning("joint validation of %d slots failed (%s); validating them one by one", len(due), exc)
     results: dict[int, float | BaseException | None] = {}
     for slot in due:
         try:
-            results[slot] = engine.evaluate(slot)
+            results[slot] = evaluate(engine, slot)
         except Exception as exc:
             results[slot] = exc
     return results
@@ -569,10 +572,10 @@ def _validate_in_step(
 ) -> dict[int, float | BaseException | None]:
     """``_validate`` on one rank of a pack over several GPUs: the ranks agree on the phase's forwards and this rank
     pads its own to that (distributed.py); no slot-by-slot retry, whose passes the other ranks would not run."""
-    own = engine.evaluation_passes(due) if due else 0
+    own = evaluation_passes(engine, due) if due else 0
     passes = lockstep.most(own)
-    results: dict[int, float | BaseException | None] = dict(engine.evaluate_slots(due)) if due else {}
-    lockstep.pad(engine, "forward", passes - own)
+    results: dict[int, float | BaseException | None] = dict(evaluate_slots(engine, due)) if due else {}
+    lockstep.pad(engine.passes, "forward", passes - own)
     return results
 
 
@@ -626,7 +629,7 @@ def _finish(
     if export_to is not None:
         adapter_dir = export_to.export_dir / state.spec.trial_id
         with export_to.clock.measure("export_s"):
-            write = engine.prepare_export(slot, adapter_dir, base_model_name=export_to.base_model_name)
+            write = prepare_export(engine, slot, adapter_dir, base_model_name=export_to.base_model_name)
         export_to.writer.submit(write)  # the outcome's report is queued after it
     best_step = state.best_step
     if adapter_dir is not None and state.best is None:  # no (finite) validation: the final adapter is the result
