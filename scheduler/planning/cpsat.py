@@ -12,14 +12,14 @@ tasks and tenants share one backbone. Here the three are one model:
   an optional interval per (pack, GPU) and `NoOverlap` per GPU, with busy GPUs and running packs as intervals
   from 0;
 - step time `a + b·tokens + c·slots` is linear in membership and a member leaves when its steps are done, so
-  every trial's completion `start + n_t·a + Σ_u item_u·min(n_u, n_t)` is linear too (arithmetic.py);
+  every trial's completion `start + n_t·a + Σ_u item_u·min(n_u, n_t)` is linear too (coefficients.py);
 - back-fill puts a pending trial into a running pack's free slot, starting now; with the pack's members known,
   their delayed completions count in the objective, so a back-fill pays for the members it slows;
 - per-tenant quotas (max concurrent trials) are `Cumulative` constraints over trial intervals.
 Objective: makespan_weight·makespan + Σ tenant_weight·completion. Candidate packs follow Smith's order
 (`Prepared.priority`), so a candidate's leader is its highest-priority member, as in the greedy plan that
 seeds the search. All integer arithmetic is in
-`arithmetic.Prepared`, shared with `greedy.plan_greedy`; the reported schedule is recomputed with it from
+`coefficients.Prepared`, shared with `greedy.plan_greedy`; the reported schedule is recomputed with it from
 the solver's choices, so the model, the fallback and the brute-force tests agree exactly.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from ortools.sat.python import cp_model
 
-from scheduler.planning.arithmetic import NEVER, SCALE, Member, Prepared, finish_plan
+from scheduler.planning.coefficients import NEVER, SCALE, Member, Prepared, finish_plan
 from scheduler.planning.greedy import plan_greedy
 from scheduler.planning.types import PendingTrial, PlanningInput, PlanResult, RunningPack, ScheduledPack
 

@@ -1,7 +1,7 @@
 """A task's cost before it runs: tokens, GPU seconds and wall-clock seconds (pure, no I/O).
 
 The task's trials are planned as the daemon would plan them, with the same cost model and the same arithmetic
-(arithmetic.py), from the same snapshot types (`types.planning_input`): the first-fit planner (the CP-SAT planner's
+(coefficients.py), from the same snapshot types (`types.planning_input`): the first-fit planner (the CP-SAT planner's
 hint and fallback, deterministic and fast enough for a request), then the daemon's two rules after its solver
 (rules.py: `work_conserving` and, for a model planned on the priors, `fill_now`). The GPUs are the workers that
 can load the model now, each free from when its running pack is predicted to end. So:

@@ -8,7 +8,7 @@ of tenant weight first (`Prepared.priority`); each goes wherever it adds the lea
   tenant's quota allows; or
 - an open pack of its model (a running pack, or a new pack of this plan that nothing is planned after on its
   GPUs), if memory, caps and quotas still hold. Joining costs its own slower completion plus the delay it
-  causes every member it shares the pack with (arithmetic.py: a short member slows a long one only while they
+  causes every member it shares the pack with (coefficients.py: a short member slows a long one only while they
   share the pack). Only packs that start before the new pack could are worth a look: starting no earlier and
   stepping no faster, a join could never finish sooner than a pack of its own.
 
@@ -33,7 +33,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from scheduler.planning.arithmetic import SCALE, Prepared, finish_plan
+from scheduler.planning.coefficients import SCALE, Prepared, finish_plan
 from scheduler.planning.types import PendingTrial, PlanningInput, PlanResult, RunningPack, ScheduledPack
 
 # Open packs priced per trial (the earliest-ending of its kind). Above this many the insertion is a heuristic

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 
-from scheduler.planning.arithmetic import Prepared, finish_plan
+from scheduler.planning.coefficients import Prepared, finish_plan
 from scheduler.planning.types import PendingTrial, PlanningInput, PlanResult, ScheduledPack
 
 

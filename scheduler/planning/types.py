@@ -1,7 +1,7 @@
 """The planners' one vocabulary (pure data): what the daemon reads of the cluster, what a solver takes and gives.
 
 Two views of the same things, one converted into the other in one place (`planning_input`, below):
-- the daemon's `Snapshot`, in seconds and workers, as scheduler/service/lifecycle.py reads it from the database:
+- the daemon's `Snapshot`, in seconds and workers, as scheduler/service/planner_io.py reads it from the database:
   pending trials, idle and busy workers, running packs with room (`LivePack`); and the `Plan` it records (new packs
   on idle workers, back-fills into running packs);
 - the solvers' `PlanningInput`, in integer time units and GPUs (`GpuSpec`, `RunningPack` with `RunningMember`s),

@@ -2,9 +2,10 @@
 priors for its size), the alive workers with their GPUs and the models they load, and when each busy worker's pack
 is predicted to end.
 
-Shared by the daemon (scheduler/service/lifecycle.py, its snapshot) and the API's estimates (api/services/estimates.py),
-so an estimate rests on the very numbers the planner plans with. Imports only SQLAlchemy, `common` and the pure
-cost modules: the API imports this module, and must not pull in the solver, the bus or torch.
+Shared by the daemon (scheduler/service/planner_io.py, its snapshot) and the API's estimates
+(api/services/estimates.py), so an estimate rests on the very numbers the planner plans with. Imports only
+SQLAlchemy, `common` and the pure cost modules: the API imports this module, and must not pull in the solver, the
+bus or torch.
 """
 
 from __future__ import annotations

@@ -38,11 +38,10 @@ from scheduler.service.dispatch import send_pack, trial_payload
 from scheduler.service.exits import PauseRequest, apply_early_exit, placement
 from scheduler.service.faults import fault_policy, reap_lost_workers
 from scheduler.service.ingest import ingest
-from scheduler.service.lifecycle import (
+from scheduler.service.planner_io import (
     admission_requests,
     build_snapshot,
     busy_workers,
-    finalize_tasks,
     live_packs,
     load_costs,
     note_model_waits,
@@ -50,6 +49,7 @@ from scheduler.service.lifecycle import (
     record_plan,
     stop_requests,
 )
+from scheduler.service.task_results import finalize_tasks
 from scheduler.service.telemetry import SchedulerTelemetry
 from scheduler.service.webhooks import WebhookSender
 

@@ -36,7 +36,7 @@ from common.tables import MetricPoint, Pack, Trial, Worker
 from common.telemetry import scheduler_metrics
 from scheduler.planning.faults import FaultPolicy, quarantine_s_for, recent_losses, requeue_delay_s
 from scheduler.service.cluster_state import quarantine_left_s
-from scheduler.service.lifecycle import best_val, newest_metric_score
+from scheduler.service.task_results import best_val, newest_metric_score
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from common.tables import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, 
 from scheduler.planning.cost import Progress
 from scheduler.planning.faults import FaultPolicy
 from scheduler.service.faults import credit_worker, fault_policy, lose_pack, requeue_for_worker, requeue_trial
-from scheduler.service.lifecycle import newest_metric_score
+from scheduler.service.task_results import newest_metric_score
 
 log = logging.getLogger(__name__)
 

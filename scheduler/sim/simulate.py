@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from scheduler.planning.arithmetic import Prepared, finish_plan
+from scheduler.planning.coefficients import Prepared, finish_plan
 from scheduler.planning.cost import ModelCost
 from scheduler.planning.cpsat import plan_cpsat
 from scheduler.planning.greedy import plan_greedy
@@ -360,7 +360,7 @@ def _planning_input(pending: list[str], trials: dict[str, PendingTrial], gpu_spe
         for t in members:
             tenants[t.tenant_id] = tenants.get(t.tenant_id, 0) + 1
         # Members leave as they finish: the longest one ends after its steps at the shared cost plus every
-        # member's own per-step cost for that member's steps (planning/arithmetic.py, in exact seconds).
+        # member's own per-step cost for that member's steps (planning/coefficients.py, in exact seconds).
         step = pack.cost.step
         end_s = max(pack.left.values()) * step.a_s + sum(
             left * (step.b_s_per_token * trials[i].tokens_per_step + step.c_s_per_slot)

@@ -48,8 +48,8 @@ def test_concurrent_tasks_cannot_overrun_the_concurrency_quota(client: TestClien
 # planner arithmetic, and the reads of the cluster they share with the daemon. Not the solver, the bus or dispatch.
 API_SCHEDULER_MODULES = {
     "scheduler", "scheduler.service", "scheduler.service.cluster_state", "scheduler.planning",
-    "scheduler.planning.cost", "scheduler.planning.types", "scheduler.planning.arithmetic", "scheduler.planning.rules",
-    "scheduler.planning.greedy", "scheduler.planning.estimate",
+    "scheduler.planning.cost", "scheduler.planning.types", "scheduler.planning.coefficients",
+    "scheduler.planning.rules", "scheduler.planning.greedy", "scheduler.planning.estimate",
 }
 
 

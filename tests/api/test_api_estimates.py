@@ -13,7 +13,7 @@ from common.db import session_scope
 from common.tables import BaseModelEntry, Event, Pack, Task, Trial, TrialUsage, Worker, as_utc, utcnow
 from scheduler.planning.cost import PRIOR_COST, ModelCost, fit_profiles, samples_from_profiles
 from scheduler.planning.estimate import Gpu, TrialLoad, estimate
-from scheduler.service.lifecycle import finalize_tasks
+from scheduler.service.task_results import finalize_tasks
 from tests.factories import TenantKey, count_rows, make_tenant, prompt_rows, task_body, update_row, upload
 
 MODEL = "tiny-random-llama"

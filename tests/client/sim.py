@@ -28,7 +28,7 @@ def adapter_archive(rank: int) -> bytes:
 def finalize() -> None:
     from common.db import session_scope
     from common.tables import utcnow
-    from scheduler.service.lifecycle import finalize_tasks
+    from scheduler.service.task_results import finalize_tasks
 
     with session_scope() as session:
         finalize_tasks(session, utcnow())

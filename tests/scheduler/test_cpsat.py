@@ -8,7 +8,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import replace
 
-from scheduler.planning.arithmetic import SCALE, Prepared, finish_plan
+from scheduler.planning.coefficients import SCALE, Prepared, finish_plan
 from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
 from scheduler.planning.cpsat import plan_cpsat
 from scheduler.planning.greedy import plan_greedy

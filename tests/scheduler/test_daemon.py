@@ -357,7 +357,7 @@ def test_a_pack_profile_is_stored_for_the_cost_model(daemon: SchedulerDaemon) ->
 
 
 def test_profiles_fit_the_cost_model_that_predicts_when_a_busy_worker_frees(daemon: SchedulerDaemon) -> None:
-    from scheduler.service.lifecycle import busy_workers, load_costs
+    from scheduler.service.planner_io import busy_workers, load_costs
 
     make_task(2)
     heartbeat()
@@ -383,7 +383,7 @@ def test_profiles_fit_the_cost_model_that_predicts_when_a_busy_worker_frees(daem
 
 
 def test_a_running_packs_measured_step_time_corrects_the_predictions_online(daemon: SchedulerDaemon) -> None:
-    from scheduler.service.lifecycle import busy_workers, load_costs
+    from scheduler.service.planner_io import busy_workers, load_costs
 
     make_task(2)
     heartbeat()
@@ -410,7 +410,7 @@ def test_a_running_packs_measured_step_time_corrects_the_predictions_online(daem
 
 
 def test_a_malformed_profile_is_ignored_by_the_cost_fit(daemon: SchedulerDaemon) -> None:
-    from scheduler.service.lifecycle import load_costs
+    from scheduler.service.planner_io import load_costs
 
     make_task(1)
     heartbeat()
@@ -422,7 +422,7 @@ def test_a_malformed_profile_is_ignored_by_the_cost_fit(daemon: SchedulerDaemon)
 
 
 def test_a_model_no_pack_profiled_gets_the_priors_for_its_size_corrected_online(daemon: SchedulerDaemon) -> None:
-    from scheduler.service.lifecycle import load_costs
+    from scheduler.service.planner_io import load_costs
 
     with session_scope() as s:
         assert load_costs(s) == {m.name: prior_cost(m.parameters) for m in DEFAULT_MODELS}
@@ -914,7 +914,7 @@ def test_a_metric_point_from_another_pack_or_out_of_range_is_dropped(daemon: Sch
 
 
 def test_the_best_trial_is_ranked_by_the_tasks_metric() -> None:
-    from scheduler.service.lifecycle import best_trial
+    from scheduler.service.task_results import best_trial
 
     def trial(index: int, score: float | None, val: float | None) -> Trial:
         return Trial(id=f"t{index}", index=index, metric_score=score, best_val_loss=val, last_train_loss=2.0)

@@ -19,7 +19,7 @@ from common.db import session_scope
 from common.settings import get_settings
 from common.tables import BaseModelEntry, Event, Pack, Task, Trial, Worker, utcnow
 from scheduler.service.daemon import SchedulerDaemon
-from scheduler.service.lifecycle import MODEL_AVAILABLE, WAITING_FOR_MODEL, build_snapshot, note_model_waits
+from scheduler.service.planner_io import MODEL_AVAILABLE, WAITING_FOR_MODEL, build_snapshot, note_model_waits
 from tests.conftest import REDIS_URL
 from tests.scheduler.test_daemon import WORKER, make_task
 
@@ -133,7 +133,7 @@ def test_nothing_is_said_while_no_worker_is_alive(daemon: SchedulerDaemon) -> No
     assert model_events(task_id) == []
 
 
-def test_one_event_per_episode_through_the_lifecycle_functions(clean_db: None) -> None:
+def test_one_event_per_episode_through_the_planner_io_functions(clean_db: None) -> None:
     """note_model_waits with a real session, round after round: waiting is said once, its end once, and a new
     episode (the only worker that could load the model lost it again) is said again."""
     task_id, _ = make_task(2, model=SMOL)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from scheduler.planning.arithmetic import NEVER, SCALE, Member, Prepared, completions
+from scheduler.planning.coefficients import NEVER, SCALE, Member, Prepared, completions
 from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
 from scheduler.planning.cpsat import plan_cpsat
 from scheduler.planning.greedy import plan_greedy

@@ -130,7 +130,7 @@ H100_BYTES = 80 * 10**9  # what an 80 GB H100 reports, a little under DEFAULT_GP
 
 
 def grid_task(n: int, model: str, batches: tuple[int, ...], seq_len: int, rows: int = 2000) -> tuple[PendingTrial, ...]:
-    """One task's grid as `lifecycle.build_snapshot` sees it: tokens per step = batch × max_seq_len, one epoch of
+    """One task's grid as `planner_io.build_snapshot` sees it: tokens per step = batch × max_seq_len, one epoch of
     `rows` rows, the task's default pack cap; learning rates and ranks cycle (the planner does not weigh them)."""
     return tuple(
         PendingTrial(trial_id=f"tr{i:02d}", task_id="t1", tenant_id="ten", base_model=model,

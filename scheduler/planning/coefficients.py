@@ -1,4 +1,5 @@
-"""The integer arithmetic every planner shares (pure).
+"""The integer coefficients every planner shares (pure): memory, step time and pack members' completions in
+integer time units, and a plan's objective.
 
 `Prepared` holds every coefficient in integer time units, so the CP-SAT model (cpsat.py), the greedy planner
 (greedy.py) and the brute-force tests all compute the same durations; `finish_plan` recomputes a plan's

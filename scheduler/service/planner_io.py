@@ -1,7 +1,7 @@
-"""State transitions the scheduler makes on its own clock: finished tasks, new packs (lost workers and who pays
-for a failure: scheduler/service/faults.py).
-
-Each function does one thing inside the caller's transaction; scheduler/service/daemon.py sequences them.
+"""The planner's side of the database, each function inside the caller's transaction (scheduler/service/daemon.py
+sequences them): the snapshot it plans from (pending trials, idle workers, running packs with room), the plan it
+records (new packs, back-fills), and the admissions and stops owed to running packs. What the planner reads of
+the cluster's workers and costs is in scheduler/service/cluster_state.py; a task's end in task_results.py.
 """
 
 from __future__ import annotations
@@ -9,16 +9,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from datetime import datetime, timedelta
-from typing import Any
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, rank_key
-from common.tables import BaseModelEntry, Event, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id
-from common.usage import task_usage
+from common.tables import BaseModelEntry, Event, Pack, Task, Tenant, Trial, Worker, as_utc, new_id
 from scheduler.planning.cost import ModelCost
 from scheduler.planning.faults import pack_cap
 from scheduler.planning.types import (
@@ -45,88 +42,6 @@ from scheduler.service.cluster_state import load_costs as load_costs
 from scheduler.service.exits import stop_mode
 
 log = logging.getLogger(__name__)
-
-
-def best_val(session: Session, trial_id: str) -> tuple[float | None, int | None]:
-    """The trial's lowest validation loss stored and its step (the earliest of equal ones)."""
-    row = session.execute(
-        select(MetricPoint.loss, MetricPoint.step)
-        .where(MetricPoint.trial_id == trial_id, MetricPoint.split == "val")
-        .order_by(MetricPoint.loss, MetricPoint.step)
-        .limit(1)
-    ).first()
-    return (row[0], row[1]) if row else (None, None)
-
-
-def newest_metric_score(session: Session, trial_id: str) -> float | None:
-    """The score of the trial's "metric" point of the highest step (a later score replaces an earlier one)."""
-    return session.scalar(
-        select(MetricPoint.loss)
-        .where(MetricPoint.trial_id == trial_id, MetricPoint.split == METRIC_SPLIT)
-        .order_by(MetricPoint.step.desc())
-        .limit(1)
-    )
-
-
-def finalize_tasks(session: Session, now: datetime) -> None:
-    """Queued tasks with a running trial become running; tasks whose trials all ended get their result."""
-    # Locked (skipping tasks the API is cancelling right now) so a cancel is never overwritten.
-    open_tasks = session.scalars(
-        select(Task)
-        .where(Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
-        .with_for_update(skip_locked=True, key_share=True)
-    ).all()
-    for task in open_tasks:
-        trials = session.scalars(select(Trial).where(Trial.task_id == task.id)).all()
-        if task.state == states.TASK_QUEUED and any(t.state != states.TRIAL_PENDING for t in trials):
-            task.state = states.TASK_RUNNING
-            task.started_at = now
-            record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.running",
-                         message="training started")
-        if not trials or any(t.state not in states.TRIAL_FINAL for t in trials):
-            continue
-        task.finished_at = now
-        record_actual(session, task, now)
-        # A trial stopped early for overfitting had its best adapter saved: it competes like a completed one.
-        done = [t for t in trials if t.state in (states.TRIAL_COMPLETED, states.TRIAL_STOPPED_EARLY) and t.adapter_key]
-        if not done:
-            task.state = states.TASK_FAILED
-            task.error = "no trial completed: " + "; ".join(sorted({t.error or t.state for t in trials}))
-            record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.failed",
-                         level="error", message=task.error)
-            continue
-        metric = task.parsed_spec.metric
-        best = best_trial(metric, done)
-        task.state = states.TASK_SUCCEEDED
-        task.best_trial_id = best.id
-        data: dict[str, Any] = {"best_trial_id": best.id, "best_val_loss": best.best_val_loss}
-        by = ""
-        if metric in GENERATIVE_METRICS:
-            data.update(metric=metric, metric_score=best.metric_score)
-            by = f" ({metric} {'n/a' if best.metric_score is None else f'{best.metric_score:.3f}'})"
-        record_event(
-            session, tenant_id=task.tenant_id, task_id=task.id, trial_id=best.id, type="task.succeeded",
-            message=f"{len(done)} of {len(trials)} trials completed; best is trial {best.index}{by}", data=data,
-        )
-
-
-def record_actual(session: Session, task: Task, now: datetime) -> None:
-    """The task's actual cost beside its estimate (`task.estimate["actual"]`): tokens trained and GPU seconds from
-    its usage (common/usage.py), wall seconds from submission to the end. A task without an estimate (submitted
-    before estimates) gets none: there is nothing to compare it with."""
-    if task.estimate is None:
-        return
-    tokens, gpu_seconds = task_usage(session, task.id)
-    wall_s = (as_utc(now) - as_utc(task.created_at)).total_seconds()
-    actual = {"tokens": tokens, "gpu_seconds": round(gpu_seconds, 3), "wall_seconds": round(wall_s, 3)}
-    task.estimate = {**task.estimate, "actual": actual}  # a new dict: the JSON column is saved only when replaced
-
-
-def best_trial(metric: str, trials: Sequence[Trial]) -> Trial:
-    """The task's best of its finished trials, by its metric (common.metrics.rank_key): the lowest validation
-    loss, or the highest metric score (ties and unscored trials by validation loss)."""
-    return min(trials, key=lambda t: rank_key(metric, metric_score=t.metric_score, best_val_loss=t.best_val_loss,
-                                              last_train_loss=t.last_train_loss, index=t.index))
 
 
 def _target_patterns(trial: Trial) -> tuple[str, ...]:
