@@ -59,6 +59,7 @@ def setup() -> str:
 def run(pack_id: str) -> list[list[object]]:
     from common.bus import SCHEDULER_STREAM, get_bus
     from common.celery import get_celery
+    from common.messages import Point, Points
     from common.settings import get_settings
     from scheduler.service.daemon import SchedulerDaemon
 
@@ -68,11 +69,11 @@ def run(pack_id: str) -> list[list[object]]:
     step0 = 0
     base_rate = None
     for batch in BATCH_SIZES:
-        points = [[f"trial-bench-{i % TRIALS}", step0 + i // TRIALS, "train", 1.0] for i in range(POINTS)]
+        points = [Point(f"trial-bench-{i % TRIALS}", step0 + i // TRIALS, "train", 1.0) for i in range(POINTS)]
         step0 += POINTS
         for start in range(0, POINTS, batch):
-            bus.publish(SCHEDULER_STREAM, {"type": "points", "pack_id": pack_id, "worker_id": "bench",
-                                           "points": points[start:start + batch]})
+            report = Points(pack_id=pack_id, worker_id="bench", points=points[start:start + batch])
+            bus.publish(SCHEDULER_STREAM, report.to_dict())
         t0 = time.perf_counter()
         while daemon.step(block_s=0.01):
             pass

@@ -5,8 +5,9 @@ Two implementations of one small interface:
 - ``RedisBus``: Redis streams with consumer groups (distributed mode).
 - ``FileBus``: the same semantics in a SQLite file (embedded mode: no server to run).
 
-What flows over it is never the source of truth. Reports from workers are acknowledged only after the
-scheduler committed them to the database, so a crash between the two replays them (ingest is idempotent).
+What flows over it (typed in common/messages.py, where both ends build and read it) is never the source of truth.
+Reports from workers are acknowledged only after the scheduler committed them to the database, so a crash between
+the two replays them (ingest is idempotent).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+from common.messages import Wake
 from common.private_files import private_sqlite_file
 from common.settings import get_settings
 
@@ -314,9 +316,9 @@ def get_bus() -> Bus:
     return FileBus(settings.bus_path)
 
 
-def wake_scheduler(reason: str, **fields: Any) -> None:
+def wake_scheduler(reason: str, *, task_id: str | None = None, tenant_id: str | None = None) -> None:
     """Best effort: the scheduler also polls the database, so a lost wake-up only delays it."""
     try:
-        get_bus().publish(SCHEDULER_STREAM, {"type": "wake", "reason": reason, **fields})
+        get_bus().publish(SCHEDULER_STREAM, Wake(reason=reason, task_id=task_id, tenant_id=tenant_id).to_dict())
     except Exception:  # noqa: BLE001 - never fail a committed request because the bus is down
         log.warning("could not wake the scheduler (%s)", reason, exc_info=True)

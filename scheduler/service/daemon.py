@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from common import states
 from common.bus import REGISTRY_KEY, SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
 from common.db import get_engine, session_scope
+from common.messages import AbortPack, AdmitTrials, StopTrials, parse_report
 from common.registry import published_registry
 from common.settings import Settings
 from common.tables import Pack, Task, utcnow
@@ -50,7 +51,7 @@ from scheduler.service.planner_io import (
     stop_requests,
 )
 from scheduler.service.task_results import finalize_tasks
-from scheduler.service.telemetry import SchedulerTelemetry
+from scheduler.service.telemetry import SchedulerTelemetry, message_dropped
 from scheduler.service.webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
@@ -100,15 +101,18 @@ class SchedulerDaemon:
             self._aborts_sent.clear()
             self._registry_sent = None  # and the registry it held for workers
         if batch:
+            # A message that cannot be read is logged, counted and left out, and acked with the rest: read again
+            # it would fail again.
+            reports = [r for _, raw in batch if (r := parse_report(raw, on_drop=message_dropped)) is not None]
             aborts: set[tuple[str, str]] = set()
             with session_scope() as session:
                 touched: set[str] = set()
-                ingest(session, [message for _, message in batch], touched=touched,
-                       stale_after_s=self.settings.worker_timeout_s, aborts=aborts, policy=self.faults)
+                ingest(session, reports, touched=touched, stale_after_s=self.settings.worker_timeout_s,
+                       aborts=aborts, policy=self.faults)
                 # Early exit on every new evaluation, in the same transaction as the points it rests on.
                 self._pauses += apply_early_exit(session, touched, utcnow())
             self._aborts |= aborts
-            self.telemetry.ingested(message for _, message in batch)
+            self.telemetry.ingested(reports)
             # Acked only after the commit: a crash in between replays the batch, and ingest is idempotent.
             try:
                 self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
@@ -213,9 +217,8 @@ class SchedulerDaemon:
                     payloads = [trial_payload(t, session.get_one(Task, t.task_id)) for t in fresh]
                     messages.append((pack_id, worker_id, payloads))
         for pack_id, worker_id, payloads in messages:
-            message = {"type": "admit_trials", "pack_id": pack_id, "trials": payloads}
-            self.bus.publish(commands_stream(worker_id), message)
-            self._admits_sent.update((pack_id, p["trial_id"]) for p in payloads)
+            self.bus.publish(commands_stream(worker_id), AdmitTrials(pack_id=pack_id, trials=payloads).to_dict())
+            self._admits_sent.update((pack_id, p.trial_id) for p in payloads)
 
     def _send_stops(self) -> None:
         with session_scope() as session:
@@ -224,8 +227,8 @@ class SchedulerDaemon:
             fresh = [(t.id, placement(t)) for t in trials if (pack_id, t.id, placement(t)) not in self._stops_sent]
             if not fresh:
                 continue
-            self.bus.publish(commands_stream(worker_id), {"type": "stop_trials", "pack_id": pack_id,
-                                                          "trial_ids": [t for t, _ in fresh], "mode": mode})
+            stop = StopTrials(pack_id=pack_id, trial_ids=[t for t, _ in fresh], mode=mode)
+            self.bus.publish(commands_stream(worker_id), stop.to_dict())
             self._stops_sent.update((pack_id, t, placed) for t, placed in fresh)
         # Holds at the warm-up boundary: checkpoint and free the slot (once per scheduler process; a pause
         # lost to a restart is decided again at the trial's next validation point).
@@ -233,15 +236,15 @@ class SchedulerDaemon:
             pause = self._pauses[0]
             key = (pause.pack_id, pause.trial_id, pause.placed_at)
             if key not in self._stops_sent:
-                self.bus.publish(commands_stream(pause.worker_id), {"type": "stop_trials", "pack_id": pause.pack_id,
-                                                                    "trial_ids": [pause.trial_id], "mode": "pause"})
+                stop = StopTrials(pack_id=pause.pack_id, trial_ids=[pause.trial_id], mode="pause")
+                self.bus.publish(commands_stream(pause.worker_id), stop.to_dict())
                 self._stops_sent.add(key)
             self._pauses.pop(0)
 
     def _send_aborts(self) -> None:
         """Tells workers to stop packs that are over here (declared lost while the worker could not report)."""
         for worker_id, pack_id in sorted(self._aborts - self._aborts_sent):
-            self.bus.publish(commands_stream(worker_id), {"type": "abort_pack", "pack_id": pack_id})
+            self.bus.publish(commands_stream(worker_id), AbortPack(pack_id=pack_id).to_dict())
             self._aborts_sent.add((worker_id, pack_id))
         self._aborts.clear()
 

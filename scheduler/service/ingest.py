@@ -14,6 +14,7 @@ than the one that started their pack are dropped.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -24,13 +25,33 @@ from sqlalchemy.orm import Session
 from common import states
 from common.bus import BACKFILL_NOT_JOINED
 from common.events import record_event
+from common.messages import (
+    MALFORMED,
+    WITH_POINTS,
+    PackFailed,
+    PackFinished,
+    PackProfile,
+    PackProgress,
+    PackReport,
+    PackStarted,
+    Points,
+    Report,
+    TrialAdmitted,
+    TrialCheckpoint,
+    TrialCheckpointLost,
+    TrialFinished,
+    TrialRejected,
+    Wake,
+    WorkerHeartbeat,
+)
 from common.metrics import METRIC_SPLIT
-from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
+from common.settings import get_settings
 from common.tables import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
 from scheduler.planning.cost import Progress
 from scheduler.planning.faults import FaultPolicy
 from scheduler.service.faults import credit_worker, fault_policy, lose_pack, requeue_for_worker, requeue_trial
 from scheduler.service.task_results import newest_metric_score
+from scheduler.service.telemetry import message_dropped
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +61,7 @@ MAX_WORKER_GPUS = 64
 
 
 def ingest(
-    session: Session, messages: list[dict[str, Any]], now: datetime | None = None, touched: set[str] | None = None,
+    session: Session, messages: Sequence[Report], now: datetime | None = None, touched: set[str] | None = None,
     *, stale_after_s: float | None = None, aborts: set[tuple[str, str]] | None = None,
     policy: FaultPolicy | None = None,
 ) -> bool:
@@ -58,47 +79,52 @@ def ingest(
     replan = False
     lock_trials(session, messages)
     for message in messages:
-        kind = message.get("type")
         try:
-            if kind == "wake":
+            if isinstance(message, Wake):
                 replan = True
-            elif kind == "heartbeat":
+            elif isinstance(message, WorkerHeartbeat):
                 replan |= _heartbeat(session, message, now, stale_after_s, aborts, policy)
             elif not _from_pack_process(session, message):
-                log.info("dropping a %r report from a process that does not run pack %s", kind,
-                         message.get("pack_id"))
-            elif kind == "pack.started":
-                touched |= _pack_started(session, message, now)
-            elif kind == "points":
-                touched |= _points(session, message)
-            elif kind == "trial.checkpoint":
-                touched |= _points(session, message)
-                _trial_checkpoint(session, message)
-            elif kind == "trial.checkpoint_lost":
-                _trial_checkpoint_lost(session, message)
-            elif kind == "trial.admitted":
-                touched |= _trial_admitted(session, message)
-            elif kind == "trial.rejected":
-                replan |= _trial_rejected(session, message, now)
-            elif kind == "trial.finished":
-                touched |= _points(session, message)
-                replan |= _trial_finished(session, message, now, touched, policy)
-            elif kind == "pack.profile":
-                _pack_profile(session, message)
-            elif kind == "pack.progress":
-                _pack_progress(session, message)
-            elif kind in ("pack.finished", "pack.failed"):
-                _pack_ended(session, message, now, policy)
-                replan = True
+                log.info("dropping a %r report from a process that does not run pack %s", message.type,
+                         message.pack_id)
             else:
-                log.warning("dropping a message of unknown type %r", kind)
+                replan |= _pack_report(session, message, now, touched, policy)
         except (KeyError, TypeError, ValueError, OverflowError):
-            # A malformed report must not wedge the stream: log it and go on.
-            log.exception("dropping a malformed %r message", kind)
+            # A report that does not make sense (an implausible progress) must not wedge the stream: log it and go on.
+            log.exception("dropping a malformed %r message", message.type)
+            message_dropped(MALFORMED)
     return replan
 
 
-def lock_trials(session: Session, messages: list[dict[str, Any]]) -> None:
+def _pack_report(session: Session, m: PackReport, now: datetime, touched: set[str], policy: FaultPolicy) -> bool:
+    """Applies one report of a pack; True when the planner should look again."""
+    if isinstance(m, PackStarted):
+        touched |= _pack_started(session, m, now)
+    elif isinstance(m, Points):
+        touched |= _points(session, m)
+    elif isinstance(m, TrialCheckpoint):
+        touched |= _points(session, m)
+        _trial_checkpoint(session, m)
+    elif isinstance(m, TrialCheckpointLost):
+        _trial_checkpoint_lost(session, m)
+    elif isinstance(m, TrialAdmitted):
+        touched |= _trial_admitted(session, m)
+    elif isinstance(m, TrialRejected):
+        return _trial_rejected(session, m, now)
+    elif isinstance(m, TrialFinished):
+        touched |= _points(session, m)
+        return _trial_finished(session, m, now, touched, policy)
+    elif isinstance(m, PackProfile):
+        _pack_profile(session, m)
+    elif isinstance(m, PackProgress):
+        _pack_progress(session, m)
+    elif isinstance(m, PackFinished | PackFailed):
+        _pack_ended(session, m, now, policy)
+        return True
+    return False
+
+
+def lock_trials(session: Session, messages: Sequence[Report]) -> None:
     """Lock every trial the batch names (its reports' `trial_id`s and their points'), in id order, before any is
     read. Every transaction that locks several trials locks them in id order (the API's cancel, `lose_pack`):
     in message order, two of them could each hold a trial the other waits for, and the database breaks such a
@@ -110,36 +136,33 @@ def lock_trials(session: Session, messages: list[dict[str, Any]]) -> None:
     deadlocked with this batch, which held the trial and inserted an event naming the task."""
     ids: set[str] = set()
     for m in messages:
-        if isinstance(m.get("trial_id"), str):
-            ids.add(m["trial_id"])
-        points = m.get("points")
-        for point in points if isinstance(points, list) else ():
-            if isinstance(point, list | tuple) and point and isinstance(point[0], str):
-                ids.add(point[0])
+        if isinstance(m, TrialCheckpoint | TrialCheckpointLost | TrialAdmitted | TrialRejected | TrialFinished):
+            ids.add(m.trial_id)
+        if isinstance(m, WITH_POINTS):
+            ids.update(point.trial_id for point in m.points)
     if ids:
         session.execute(select(Trial.id).where(Trial.id.in_(sorted(ids))).order_by(Trial.id).with_for_update(key_share=True))
 
 
-def _sent_at(m: dict[str, Any], now: datetime) -> datetime:
+def _sent_at(m: WorkerHeartbeat | PackReport, now: datetime) -> datetime:
     """When the message was sent, by its sender's clock (never later than now); a message that does not say
     counts as sent now."""
-    raw = m.get("sent_at")
-    return now if raw is None else min(now, datetime.fromtimestamp(float(raw), UTC))
+    return now if m.sent_at is None else min(now, datetime.fromtimestamp(m.sent_at, UTC))
 
 
-def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s: float,
+def _heartbeat(session: Session, m: WorkerHeartbeat, now: datetime, stale_after_s: float,
                aborts: set[tuple[str, str]], policy: FaultPolicy) -> bool:
     sent_at = _sent_at(m, now)
     if now - sent_at > timedelta(seconds=stale_after_s):
         log.info("ignoring a heartbeat of worker %s sent %.0fs ago (stale, or its clock is behind)",
-                 m["worker_id"], (now - sent_at).total_seconds())
+                 m.worker_id, (now - sent_at).total_seconds())
         return False
-    incarnation = m.get("incarnation")
-    started_at = datetime.fromtimestamp(float(m["started_at"]), UTC) if m.get("started_at") else sent_at
-    worker = session.get(Worker, m["worker_id"], with_for_update={"key_share": True})
+    incarnation = m.incarnation
+    started_at = datetime.fromtimestamp(m.started_at, UTC) if m.started_at else sent_at
+    worker = session.get(Worker, m.worker_id, with_for_update={"key_share": True})
     is_new = worker is None or worker.state != states.WORKER_ALIVE
     if worker is None:
-        worker = Worker(id=m["worker_id"], registered_at=now, last_heartbeat=sent_at)
+        worker = Worker(id=m.worker_id, registered_at=now, last_heartbeat=sent_at)
         session.add(worker)
     elif incarnation and worker.incarnation and incarnation != worker.incarnation:
         if worker.incarnation_started_at is not None and started_at < as_utc(worker.incarnation_started_at):
@@ -152,24 +175,24 @@ def _heartbeat(session: Session, m: dict[str, Any], now: datetime, stale_after_s
         return False  # older than one already applied (a replayed batch): it says nothing new
     if incarnation and incarnation != worker.incarnation:
         worker.incarnation, worker.incarnation_started_at = incarnation, started_at
-    worker.queue = m["queue"]
-    worker.device = m.get("device", "cpu")
-    worker.memory_bytes = m.get("memory_bytes")
-    worker.max_slots = int(m.get("max_slots", DEFAULT_MAX_TRIALS_PER_PACK))
-    models, gpus = _models(m.get("models")), _gpus(m.get("gpus"))
+    worker.queue = m.queue
+    worker.device = m.device
+    worker.memory_bytes = m.memory_bytes
+    worker.max_slots = m.max_slots
+    models, gpus = _models(m.models), _gpus(m.gpus)
     # It can load other models now, or has more or less memory for a pack (its GPUs): worth a replan.
     models_changed, gpus_changed = models != worker.models, gpus != worker.gpus
     if models_changed:
         worker.models = models
     if gpus_changed:
         worker.gpus = gpus
-    warm = _warm_models(m.get("warm_models"))
+    warm = _warm_models(m.warm_models)
     if warm != worker.warm_models:  # no replan: a tie-breaker of the planners, read at their next round
         worker.warm_models = warm
     worker.state = states.WORKER_ALIVE
     worker.last_heartbeat = sent_at if is_new else max(as_utc(worker.last_heartbeat), sent_at)
-    if "pack_id" in m:  # what the process runs now (a report from before this field cannot be judged)
-        is_new |= _check_named_pack(session, worker, m["pack_id"], sent_at, now, aborts, policy)
+    if m.names_pack:  # what the process runs now (a report from before this field cannot be judged)
+        is_new |= _check_named_pack(session, worker, m.pack_id, sent_at, now, aborts, policy)
     return is_new or models_changed or gpus_changed
 
 
@@ -247,9 +270,9 @@ def _check_named_pack(session: Session, worker: Worker, named: str | None, sent_
     return lost
 
 
-def _from_pack_process(session: Session, m: dict[str, Any]) -> bool:
+def _from_pack_process(session: Session, m: PackReport) -> bool:
     """False for a report from a worker process other than the one that started the report's pack."""
-    incarnation, pack_id = m.get("incarnation"), m.get("pack_id")
+    incarnation, pack_id = m.incarnation, m.pack_id
     if not incarnation or not pack_id:
         return True
     pack = session.get(Pack, pack_id)
@@ -269,37 +292,36 @@ def _live_pack(session: Session, pack_id: str) -> Pack | None:
     return pack if pack is not None and pack.state in states.PACK_LIVE else None
 
 
-def _pack_started(session: Session, m: dict[str, Any], now: datetime) -> set[str]:
+def _pack_started(session: Session, m: PackStarted, now: datetime) -> set[str]:
     """Marks the pack running; returns its trials' tasks (a trial resumed only to export its best adapter is
     stopped as soon as it runs: the policy decides on a pack's start, not only on new validation points)."""
-    pack = _live_pack(session, m["pack_id"])
+    pack = _live_pack(session, m.pack_id)
     if pack is None:
         return set()
     pack.state = states.PACK_RUNNING
     pack.started_at = pack.started_at or _sent_at(m, now)
-    pack.incarnation = pack.incarnation or m.get("incarnation")
+    pack.incarnation = pack.incarnation or m.incarnation
     worker = session.get(Worker, pack.worker_id)
     if worker is not None:
         worker.current_pack_id = pack.id
     return set(session.scalars(select(Trial.task_id).where(Trial.id.in_(list(pack.trial_ids)))))
 
 
-def _points(session: Session, m: dict[str, Any]) -> set[str]:
+def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> set[str]:
     """Stores the points; returns the tasks that got a validation point. A "metric" point (a trial's score on
     its task's generative metric, sent when it ends) is stored too and sets the trial's metric_score; it is
     no validation point (early exit reads train and val only)."""
-    pack_id = m["pack_id"]
+    pack_id = m.pack_id
     validated: set[str] = set()
     rows: list[dict[str, Any]] = []
     trials: dict[str, Trial | None] = {}
     scored: dict[str, Trial] = {}
-    for trial_id, step, split, loss in m.get("points") or ():
+    for trial_id, step, split, loss in m.points:
         if trial_id not in trials:
             trials[trial_id] = _reporting_trial(session, trial_id, pack_id)
         trial = trials[trial_id]
         if trial is None or (split != METRIC_SPLIT and trial.state != states.TRIAL_RUNNING):
             continue
-        step, loss = int(step), float(loss)
         if split == METRIC_SPLIT and not 0.0 <= loss <= 1.0:  # a share of rows (NaN fails too): it would mis-rank
             log.warning("dropping trial %s's metric score %r at step %s: not in [0, 1]", trial_id, loss, step)
             continue
@@ -345,16 +367,16 @@ def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) ->
     return insert(MetricPoint).values(rows)
 
 
-def _trial_checkpoint(session: Session, m: dict[str, Any]) -> None:
-    trial = _live_trial(session, m["trial_id"], m["pack_id"])
-    if trial is not None and int(m["step"]) >= (trial.checkpoint_step or 0):
-        trial.checkpoint_key, trial.checkpoint_step = m["checkpoint_key"], int(m["step"])
+def _trial_checkpoint(session: Session, m: TrialCheckpoint) -> None:
+    trial = _live_trial(session, m.trial_id, m.pack_id)
+    if trial is not None and m.step >= (trial.checkpoint_step or 0):
+        trial.checkpoint_key, trial.checkpoint_step = m.checkpoint_key, m.step
 
 
-def _trial_checkpoint_lost(session: Session, m: dict[str, Any]) -> None:
+def _trial_checkpoint_lost(session: Session, m: TrialCheckpointLost) -> None:
     """The worker could not find the checkpoint the trial was to resume from: it trains from step 0, so its
     stored curve and checkpoint go (the new run's points replace them)."""
-    trial = _live_trial(session, m["trial_id"], m["pack_id"])
+    trial = _live_trial(session, m.trial_id, m.pack_id)
     if trial is None:
         return
     session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id))
@@ -364,56 +386,57 @@ def _trial_checkpoint_lost(session: Session, m: dict[str, Any]) -> None:
     record_event(
         session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.restarted",
         level="warn", message=f"trial {trial.index} starts again from step 0: its checkpoint "
-                              f"{m.get('checkpoint_key')} was gone",
-        data={"checkpoint_key": m.get("checkpoint_key")},
+                              f"{m.checkpoint_key} was gone",
+        data={"checkpoint_key": m.checkpoint_key},
     )
 
 
-def _trial_admitted(session: Session, m: dict[str, Any]) -> set[str]:
+def _trial_admitted(session: Session, m: TrialAdmitted) -> set[str]:
     """A back-fill joined its pack; returns its task (as `_pack_started`)."""
-    trial = _live_trial(session, m["trial_id"], m["pack_id"])
+    trial = _live_trial(session, m.trial_id, m.pack_id)
     if trial is None:
         return set()
     trial.awaiting_admission = False
     return {trial.task_id}
 
 
-def _trial_rejected(session: Session, m: dict[str, Any], now: datetime) -> bool:
+def _trial_rejected(session: Session, m: TrialRejected, now: datetime) -> bool:
     """A back-fill its pack could not take: pending again. The attempt is spent when the worker tried and failed to
     admit it (its files or checkpoint could not be read, its rank or layers do not fit the pack: a trial that cannot
     be admitted anywhere fails after its attempts); not when the pack was ending (scheduler/service/faults.py)."""
-    trial = _live_trial(session, m["trial_id"], m["pack_id"])
+    trial = _live_trial(session, m.trial_id, m.pack_id)
     if trial is None or not trial.awaiting_admission:
         return False
-    reason = str(m.get("reason") or "refused")
+    reason = m.reason or "refused"
     refund = reason == BACKFILL_NOT_JOINED
     if refund:  # the pack is ending: it takes no more back-fills (capacity None: none)
-        pack = session.get(Pack, m["pack_id"])
+        pack = session.get(Pack, m.pack_id)
         if pack is not None:
             pack.capacity = None
-    requeue_trial(session, trial, f"pack {m['pack_id']} did not take it: {reason}",
+    requeue_trial(session, trial, f"pack {m.pack_id} did not take it: {reason}",
                   blame="none" if refund else "trial", now=now)
     return True
 
 
-def _pack_progress(session: Session, m: dict[str, Any]) -> None:
-    pack = _live_pack(session, m["pack_id"])
+def _pack_progress(session: Session, m: PackProgress) -> None:
+    pack = _live_pack(session, m.pack_id)
     if pack is not None:
-        Progress.from_report(m)  # a malformed report is dropped here, not when the planner reads it
-        pack.progress = {k: m[k] for k in ("steps", "step_s", "tokens", "slots") if k in m}
+        progress = m.model_dump(include={"steps", "step_s", "tokens", "slots"}, exclude_none=True)
+        Progress.from_report(progress)  # an implausible report is dropped here, not when the planner reads it
+        pack.progress = progress
 
 
-def _pack_profile(session: Session, m: dict[str, Any]) -> None:
-    pack = session.get(Pack, m["pack_id"])
+def _pack_profile(session: Session, m: PackProfile) -> None:
+    pack = session.get(Pack, m.pack_id)
     if pack is not None:
-        pack.profile = m["profile"]
+        pack.profile = m.profile
 
 
-def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched: set[str],
+def _trial_finished(session: Session, m: TrialFinished, now: datetime, touched: set[str],
                     policy: FaultPolicy) -> bool:
-    status = m["status"]
+    status = m.status
     _record_usage(session, m, now)
-    trial = _live_trial(session, m["trial_id"], m["pack_id"])
+    trial = _live_trial(session, m.trial_id, m.pack_id)
     if trial is None:
         _stopped_early_adapter(session, m)
         return False
@@ -424,17 +447,17 @@ def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched:
     if status not in ("completed", "stopped"):
         # Its own failure (an exception in its step or set-up, its data, its OOM): one attempt spent; again from
         # its checkpoint until they are all spent (an OOM may not recur in another pack).
-        requeue_trial(session, trial, str(m.get("error") or "unknown error"), blame="trial", now=now, policy=policy)
+        requeue_trial(session, trial, m.error or "unknown error", blame="trial", now=now, policy=policy)
         return True
     trial.finished_at = now
-    trial.steps_done = int(m.get("steps_done") or trial.steps_done)
-    if m.get("final_train_loss") is not None:
-        trial.last_train_loss = float(m["final_train_loss"])
+    trial.steps_done = m.steps_done or trial.steps_done
+    if m.final_train_loss is not None:
+        trial.last_train_loss = m.final_train_loss
     if status == "completed":
         trial.state = states.TRIAL_COMPLETED
-        trial.best_val_loss = m.get("best_val_loss")
-        trial.best_step = m.get("best_step")
-        trial.adapter_key = m.get("adapter_key")
+        trial.best_val_loss = m.best_val_loss
+        trial.best_step = m.best_step
+        trial.adapter_key = m.adapter_key
         loss = "n/a" if trial.best_val_loss is None else f"{trial.best_val_loss:.4f}"
         message = f"trial {trial.index} completed after {trial.steps_done} steps (best validation loss {loss})"
         level = "info"
@@ -456,29 +479,29 @@ def _trial_finished(session: Session, m: dict[str, Any], now: datetime, touched:
     return True
 
 
-def _record_usage(session: Session, m: dict[str, Any], now: datetime) -> None:
+def _record_usage(session: Session, m: TrialFinished, now: datetime) -> None:
     """What the trial trained in this pack (a worker before usage accounting sends no `pack_tokens`): counted even
     when the report itself is stale for the trial's state (a trial stopped while its pack still trained it), as the
     GPU time was spent; once per (pack, trial, step), so a replayed report is not counted twice."""
-    if m.get("pack_tokens") is None:
+    if m.pack_tokens is None:
         return
-    trial = session.get(Trial, m["trial_id"])
-    key = (m["pack_id"], m["trial_id"], int(m.get("steps_done") or 0))
+    trial = session.get(Trial, m.trial_id)
+    key = (m.pack_id, m.trial_id, m.steps_done or 0)
     if trial is None or session.scalar(select(TrialUsage.id).where(
             TrialUsage.pack_id == key[0], TrialUsage.trial_id == key[1], TrialUsage.end_step == key[2])) is not None:
         return
     session.add(TrialUsage(pack_id=key[0], trial_id=trial.id, task_id=trial.task_id, tenant_id=trial.tenant_id,
-                           tokens=int(m["pack_tokens"]), steps=int(m.get("pack_steps") or 0), end_step=key[2],
+                           tokens=m.pack_tokens, steps=m.pack_steps or 0, end_step=key[2],
                            created_at=now))
 
 
-def _trial_paused(session: Session, trial: Trial, m: dict[str, Any]) -> None:
+def _trial_paused(session: Session, trial: Trial, m: TrialFinished) -> None:
     """Out of its pack at its warm-up boundary, checkpointed (the `trial.checkpoint` came first): it waits,
     holding no slot, for its task's warm-up ranking. Pausing is not a failure: the attempt is not counted."""
     trial.state = states.TRIAL_WAITING
     trial.pack_id = None
     trial.attempts = max(0, trial.attempts - 1)
-    trial.steps_done = int(m.get("steps_done") or trial.steps_done)
+    trial.steps_done = m.steps_done or trial.steps_done
     at = f"checkpointed at step {trial.checkpoint_step}" if trial.checkpoint_step else "no checkpoint yet"
     record_event(
         session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.waiting",
@@ -488,14 +511,14 @@ def _trial_paused(session: Session, trial: Trial, m: dict[str, Any]) -> None:
     )
 
 
-def _stopped_early_adapter(session: Session, m: dict[str, Any]) -> None:
+def _stopped_early_adapter(session: Session, m: TrialFinished) -> None:
     """A trial the scheduler stopped early for overfitting reports from its pack with its best adapter saved."""
-    trial = session.get(Trial, m["trial_id"], with_for_update={"key_share": True})
-    if (trial is None or trial.pack_id != m["pack_id"] or trial.state != states.TRIAL_STOPPED_EARLY
-            or not m.get("adapter_key") or trial.adapter_key):
+    trial = session.get(Trial, m.trial_id, with_for_update={"key_share": True})
+    if (trial is None or trial.pack_id != m.pack_id or trial.state != states.TRIAL_STOPPED_EARLY
+            or not m.adapter_key or trial.adapter_key):
         return
-    trial.adapter_key = m["adapter_key"]
-    trial.best_val_loss, trial.best_step = m.get("best_val_loss"), m.get("best_step")
+    trial.adapter_key = m.adapter_key
+    trial.best_val_loss, trial.best_step = m.best_val_loss, m.best_step
     record_event(
         session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.adapter_saved",
         message=f"trial {trial.index}: its best adapter (step {trial.best_step}) was saved before it stopped",
@@ -503,13 +526,13 @@ def _stopped_early_adapter(session: Session, m: dict[str, Any]) -> None:
     )
 
 
-def _pack_ended(session: Session, m: dict[str, Any], now: datetime, policy: FaultPolicy) -> None:
+def _pack_ended(session: Session, m: PackFinished | PackFailed, now: datetime, policy: FaultPolicy) -> None:
     """The pack's end. Trials it did not report on are not to blame for that: a pack that failed as a whole (its
     model or files would not load, the store could not be written) or ended without reporting them ends by its
     worker's doing, so they go back to pending at no attempt's cost and the worker is charged (a model no worker can
     load ends its trials at the loss bound, with the error; scheduler/service/faults.py). A back-fill it never took
     goes back to pending; a pack that ended well clears its worker's run of quarantines."""
-    pack = _live_pack(session, m["pack_id"])
+    pack = _live_pack(session, m.pack_id)
     if pack is None:
         return
     pack.state = states.PACK_FINISHED
@@ -517,9 +540,9 @@ def _pack_ended(session: Session, m: dict[str, Any], now: datetime, policy: Faul
     stranded = session.scalars(
         select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING).order_by(Trial.id)
     ).all()
-    if m["type"] == "pack.failed" or any(not t.awaiting_admission for t in stranded):
-        why = (f"pack {pack.id} failed on worker {pack.worker_id}: {m.get('error') or 'unknown error'}"
-               if m["type"] == "pack.failed" else f"pack {pack.id} ended without reporting this trial")
+    if isinstance(m, PackFailed) or any(not t.awaiting_admission for t in stranded):
+        why = (f"pack {pack.id} failed on worker {pack.worker_id}: {m.error or 'unknown error'}"
+               if isinstance(m, PackFailed) else f"pack {pack.id} ended without reporting this trial")
         log.warning("%s", why)
         requeue_for_worker(session, pack, now, why, policy)
         return

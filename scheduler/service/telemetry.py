@@ -9,12 +9,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from common import states
+from common.messages import Report, Wake
 from common.settings import Settings
 from common.tables import Pack, Task, Trial, Worker
 from common.telemetry import MetricsServer, scheduler_metrics, serve
@@ -36,7 +36,7 @@ class SchedulerTelemetry:
                        "scheduler")
         return cls(enabled=server is not None, server=server)
 
-    def ingested(self, messages: Iterable[dict[str, Any]]) -> None:
+    def ingested(self, messages: Iterable[Report]) -> None:
         """Ingest lag: now minus the `sent_at` every worker message carries (heartbeats and pack reports, the
         worker's clock, so it includes any clock skew between the hosts)."""
         if not self.enabled:
@@ -44,9 +44,9 @@ class SchedulerTelemetry:
         metrics, now = scheduler_metrics(), time.time()
         for message in messages:
             metrics.reports.inc()
-            sent_at = message.get("sent_at")
-            if isinstance(sent_at, int | float):
-                metrics.ingest_lag.observe(max(0.0, now - float(sent_at)))
+            sent_at = None if isinstance(message, Wake) else message.sent_at
+            if sent_at is not None:
+                metrics.ingest_lag.observe(max(0.0, now - sent_at))
 
     def replanned(self, seconds: float) -> None:
         if self.enabled:
@@ -79,3 +79,9 @@ class SchedulerTelemetry:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+
+
+def message_dropped(reason: str) -> None:
+    """A bus message the scheduler could not read (common/messages.py). Counted whether or not metrics are served
+    (a drop is rare, and its count should not wait for a server)."""
+    scheduler_metrics().messages_dropped.labels(side="scheduler", reason=reason).inc()

@@ -341,7 +341,7 @@ def test_a_requeued_trial_resumes_from_its_checkpoint_with_its_curve_cut_back(da
 
     with session_scope() as s:
         message = pack_message(s, s.get(Pack, live_pack().id))  # type: ignore[arg-type]
-    assert (message["trials"][0]["resume_key"], message["trials"][0]["resume_step"]) == ("checkpoints/t/x.tar", 4)
+    assert (message.trials[0].resume_key, message.trials[0].resume_step) == ("checkpoints/t/x.tar", 4)
 
 
 def test_a_pack_profile_is_stored_for_the_cost_model(daemon: SchedulerDaemon) -> None:
@@ -611,7 +611,7 @@ def test_alto_keeps_the_best_quarter_at_the_warm_up_boundary_and_stops_the_rest(
     from scheduler.service.dispatch import pack_message
     with session_scope() as s:
         message = pack_message(s, s.get_one(Pack, pack.id))
-        assert {t["extra_eval_steps"][0] for t in message["trials"]} == {2}
+        assert {t.extra_eval_steps[0] for t in message.trials} == {2}
         assert s.get_one(Task, task_id).state == states.TASK_RUNNING
 
 
@@ -853,12 +853,12 @@ def test_the_pack_message_carries_the_tasks_evaluation(daemon: SchedulerDaemon) 
     daemon.step(block_s=0.2)
     with session_scope() as s:
         pack = s.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE))).one()
-        sent = {t["trial_id"]: t["evaluation"] for t in pack_message(s, pack)["trials"]}
+        sent = {t.trial_id: t.evaluation for t in pack_message(s, pack).trials}
         assert sent.get(scored, evaluation) == evaluation and sent.get(old) is None
         payloads = {}
         for trial_id in (scored, old):
             trial = s.get_one(Trial, trial_id)
-            payloads[trial_id] = trial_payload(trial, s.get_one(Task, trial.task_id))["evaluation"]
+            payloads[trial_id] = trial_payload(trial, s.get_one(Task, trial.task_id)).evaluation
     assert payloads == {scored: evaluation, old: None}
 
 

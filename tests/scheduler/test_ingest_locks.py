@@ -13,6 +13,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from common.db import get_engine, session_scope
+from common.messages import Point, Points
 from scheduler.service.ingest import ingest
 from tests.scheduler.test_daemon import make_task
 
@@ -29,8 +30,8 @@ def test_a_batch_holds_no_trial_while_it_waits_for_one_with_a_lower_id(clean_db:
 
     def batch() -> None:  # the higher id's points first, as another rank's report may come first
         with session_scope() as session:
-            ingest(session, [{"type": "points", "pack_id": "pack-x",
-                              "points": [[high, 1, "train", 1.0], [low, 1, "train", 1.0]]}])
+            ingest(session, [Points(pack_id="pack-x", worker_id="w",
+                                    points=[Point(high, 1, "train", 1.0), Point(low, 1, "train", 1.0)])])
 
     worker = threading.Thread(target=batch)
     worker.start()

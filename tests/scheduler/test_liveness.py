@@ -17,6 +17,7 @@ from common import states
 from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
 from common.celery import worker_queue
 from common.db import session_scope
+from common.messages import AbortPack
 from common.settings import get_settings
 from common.tables import Event, MetricPoint, Pack, Trial, Worker
 from scheduler.service.daemon import SchedulerDaemon
@@ -144,7 +145,7 @@ def test_a_heartbeat_naming_a_pack_that_is_over_gets_an_abort_command(daemon: Sc
     proc.beat(pack.id)
     daemon.step(block_s=0.2)
     commands = [m for _, m in bus.read_after(commands_stream(WORKER), tail, count=10, block_s=0.1)]
-    assert [c for c in commands if c["type"] == "abort_pack"] == [{"type": "abort_pack", "pack_id": pack.id}]
+    assert [c for c in commands if c["type"] == "abort_pack"] == [AbortPack(pack_id=pack.id).to_dict()]
 
 
 def test_reports_from_another_process_than_the_packs_are_dropped(daemon: SchedulerDaemon) -> None:

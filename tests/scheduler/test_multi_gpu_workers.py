@@ -17,6 +17,7 @@ from common import states
 from common.bus import SCHEDULER_STREAM, get_bus
 from common.celery import worker_queue
 from common.db import session_scope
+from common.messages import WorkerHeartbeat
 from common.registry import DEFAULT_MODELS
 from common.settings import get_settings
 from common.tables import BaseModelEntry, Pack, Trial, Worker, utcnow
@@ -89,7 +90,7 @@ def test_a_change_of_gpus_is_worth_a_replan(clean_db: None) -> None:
     start = utcnow()
 
     def beat_at(seconds: float, **fields: Any) -> bool:
-        message = {"type": "heartbeat", "worker_id": "w-gpus", "queue": "q.w-gpus", **fields}
+        message = WorkerHeartbeat(worker_id="w-gpus", queue="q.w-gpus", **fields)
         with session_scope() as s:
             return ingest(s, [message], now=start + timedelta(seconds=seconds))
 

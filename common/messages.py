@@ -1,0 +1,356 @@
+"""Every message that crosses between the scheduler and its workers, typed: both ends build and read them here.
+
+Three channels carry them:
+- the pack a worker runs (`PackMessage`, a `TrialPayload` per trial): the argument of the Celery task
+  `RUN_PACK_TASK` on the worker's queue. scheduler/service/dispatch.py builds it, worker/tasks.py parses it;
+- commands on a worker's stream, `commands:{worker_id}` (`AdmitTrials`, `StopTrials`, `AbortPack`): the scheduler
+  daemon sends them, the worker's `CommandInbox` (worker/agent.py) reads them;
+- reports on the scheduler stream: a worker's `WorkerHeartbeat`, its packs' reports (`PackStarted`, `Points`,
+  `TrialCheckpoint`, ..., `PackFinished`) and the API's `Wake`. scheduler/service/ingest.py applies them.
+
+On the wire each is the JSON object of its fields (`to_dict`), with `type` (which message) and `version` (of its
+format). A message without `version` is of version 1: it was sent before the field existed.
+
+Reading one never raises: `parse_pack`, `parse_command` and `parse_report` log a message they cannot read, tell
+``on_drop`` why (its side counts it: `loraplane_bus_messages_dropped_total`) and return None; the caller then goes
+on to the next one (a stream's reader acks it all the same: read again it would fail again).
+
+How the format may change: a field added with a default needs no new version (a reader leaves out the fields it
+does not know, and a message from an older sender takes the default); a field renamed, retyped or removed does,
+and readers then accept both versions until no sender of the old one is left.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # the format this code sends
+READABLE_VERSIONS = frozenset({1})  # the formats it reads
+
+# Why a message was dropped (the `reason` label of the dropped-messages counter).
+UNKNOWN_TYPE = "unknown_type"
+UNKNOWN_VERSION = "unknown_version"
+MALFORMED = "malformed"
+
+OnDrop = Callable[[str], None]  # told the reason of each message dropped
+
+
+class Message(BaseModel):
+    """A message's fields. Built with a field it does not have, it raises (a sender's typo fails at once); read
+    with one, it leaves it out (a newer sender's addition)."""
+
+    model_config = ConfigDict(extra="forbid")
+    # Fields a sender leaves out of the wire when None: their absence means "not said", which the reader tells
+    # from a value.
+    omit_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    version: int = VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object sent on the wire."""
+        return {k: v for k, v in self.model_dump().items() if v is not None or k not in self.omit_when_none}
+
+
+# The pack a worker runs (the Celery task's argument).
+
+
+class TrialPayload(BaseModel):
+    """What a worker needs to train one trial: in a `PackMessage`, and in an `AdmitTrials` command. The task's
+    structures (`hyperparameters`, `training`, `evaluation`) are checked by the worker as it builds the trial's spec,
+    so that a trial that cannot be built fails alone (worker/runner.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trial_id: str
+    task_id: str
+    hyperparameters: dict[str, Any]
+    total_steps: int
+    max_seq_len: int
+    eval_interval: int
+    training_file_key: str
+    validation_file_key: str | None = None
+    validation_split: float | None = None
+    split_seed: int  # the split depends on the task only, so every trial validates on the same rows
+    training: dict[str, Any] = {}
+    # How the trial is judged (common/metrics.py): a generative metric has the worker decode the validation rows
+    # with the trial's best adapter when it ends and report the score as a "metric" point. None: loss.
+    evaluation: dict[str, Any] | None = None
+    # A requeued trial resumes from its newest checkpoint instead of step 0.
+    resume_key: str | None = None
+    resume_step: int | None = None
+    extra_eval_steps: list[int] = []  # where the task's early-exit policy must see a validation
+    placed_at: str | None = None  # tells one placement from the next (a trial paused and placed again)
+
+
+class ModelSourceFields(BaseModel):
+    """How a worker loads the pack's base model (common/registry.py, `model_source_fields`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    kind: str
+    path: str | None = None
+    package: str | None = None
+    gguf_file: str | None = None
+
+
+class PackMessage(Message):
+    type: Literal["run_pack"] = "run_pack"
+    pack_id: str
+    worker_id: str
+    base_model: ModelSourceFields
+    trials: list[TrialPayload]
+    capacity: int | None = None  # the pack's slots (None: it takes no back-fill)
+    max_rank: int | None = None
+    target_modules: list[str] | None = None
+
+
+# Commands, on a worker's stream.
+
+
+class AdmitTrials(Message):
+    """Back-fills for a running pack's free slots."""
+
+    type: Literal["admit_trials"] = "admit_trials"
+    pack_id: str
+    trials: list[TrialPayload]
+
+
+class StopTrials(Message):
+    type: Literal["stop_trials"] = "stop_trials"
+    pack_id: str
+    trial_ids: list[str]
+    # "drop"; "export" saves the best-validation adapter first; "pause" checkpoints and frees the slot. A mode the
+    # worker does not know (from a newer scheduler) drops.
+    mode: str = "drop"
+
+
+class AbortPack(Message):
+    """The scheduler no longer counts on this pack (it was declared lost, its trials requeued)."""
+
+    type: Literal["abort_pack"] = "abort_pack"
+    pack_id: str
+
+
+Command = AdmitTrials | StopTrials | AbortPack
+
+
+# Reports, on the scheduler stream.
+
+
+class Point(NamedTuple):
+    """One loss point; on the wire a list ``[trial_id, step, split, loss]``."""
+
+    trial_id: str
+    step: int
+    split: str  # "train", "val" or "metric" (a generative metric's score, common/metrics.py)
+    loss: float
+
+
+class WorkerHeartbeat(Message):
+    """A worker process's presence. `gpus`, `models` and `warm_models` are read leniently by ingest (a malformed
+    value is logged and taken as not said), as a beat must prove its worker alive whatever else it says."""
+
+    omit_when_none: ClassVar[frozenset[str]] = frozenset({"models", "warm_models"})
+
+    type: Literal["heartbeat"] = "heartbeat"
+    worker_id: str
+    queue: str
+    device: str = "cpu"
+    memory_bytes: int | None = None  # one GPU's
+    gpus: Any = None  # how many the worker runs each pack over (None: one)
+    max_slots: int = DEFAULT_MAX_TRIALS_PER_PACK
+    models: Any = None  # the registered models it can load (None: not said, taken as every model)
+    warm_models: Any = None  # the base models it holds loaded (worker/model_cache.py)
+    pack_id: str | None = None  # the pack this process runs (None: none)
+    incarnation: str | None = None
+    started_at: float | None = None  # the process's start, by its clock
+    sent_at: float | None = None
+
+    @property
+    def names_pack(self) -> bool:
+        """Whether the beat says which pack its process runs (a beat from before the field cannot be judged)."""
+        return "pack_id" in self.model_fields_set
+
+
+class Wake(Message):
+    """The API committed something the scheduler should plan for (best effort: it also polls the database)."""
+
+    omit_when_none: ClassVar[frozenset[str]] = frozenset({"task_id", "tenant_id"})
+
+    type: Literal["wake"] = "wake"
+    reason: str
+    task_id: str | None = None
+    tenant_id: str | None = None
+
+
+class PackReport(Message):
+    """What every report of a pack carries: the pack, and the worker process that runs it."""
+
+    pack_id: str
+    worker_id: str
+    incarnation: str | None = None
+    sent_at: float | None = None  # by the worker's clock
+
+
+class PackStarted(PackReport):
+    type: Literal["pack.started"] = "pack.started"
+
+
+class Points(PackReport):
+    type: Literal["points"] = "points"
+    points: list[Point] = []
+
+
+class TrialCheckpoint(PackReport):
+    """A trial's checkpoint is in the store; it repeats the trial's recent points (worker/agent.py, `Reporter`)."""
+
+    type: Literal["trial.checkpoint"] = "trial.checkpoint"
+    trial_id: str
+    step: int
+    checkpoint_key: str
+    points: list[Point] = []
+
+
+class TrialCheckpointLost(PackReport):
+    """The checkpoint a trial was to resume from is gone: it starts again from step 0."""
+
+    type: Literal["trial.checkpoint_lost"] = "trial.checkpoint_lost"
+    trial_id: str
+    checkpoint_key: str | None = None
+
+
+class TrialAdmitted(PackReport):
+    type: Literal["trial.admitted"] = "trial.admitted"
+    trial_id: str
+
+
+class TrialRejected(PackReport):
+    type: Literal["trial.rejected"] = "trial.rejected"
+    trial_id: str
+    reason: str | None = None
+
+
+class TrialFinished(PackReport):
+    """A trial's end in its pack, its adapter (if any) already stored; it repeats the trial's recent points."""
+
+    type: Literal["trial.finished"] = "trial.finished"
+    trial_id: str
+    # "completed", "stopped" or "paused"; anything else is the trial's own failure (with `error`).
+    status: str
+    steps_done: int | None = None
+    best_val_loss: float | None = None
+    best_step: int | None = None
+    final_train_loss: float | None = None
+    adapter_key: str | None = None
+    error: str | None = None
+    pack_steps: int | None = None  # what it trained in this pack (usage accounting)
+    pack_tokens: int | None = None
+    points: list[Point] = []
+
+
+class PackProgress(PackReport):
+    """The mean step since the last one (worker/profile.py): the scheduler corrects its step-time predictions."""
+
+    type: Literal["pack.progress"] = "pack.progress"
+    steps: int | None = None
+    step_s: float
+    tokens: float
+    slots: float
+
+
+class PackProfile(PackReport):
+    type: Literal["pack.profile"] = "pack.profile"
+    profile: dict[str, Any]
+
+
+class PackFinished(PackReport):
+    type: Literal["pack.finished"] = "pack.finished"
+
+
+class PackFailed(PackReport):
+    type: Literal["pack.failed"] = "pack.failed"
+    error: str | None = None
+
+
+Report = (WorkerHeartbeat | Wake | PackStarted | Points | TrialCheckpoint | TrialCheckpointLost | TrialAdmitted
+          | TrialRejected | TrialFinished | PackProgress | PackProfile | PackFinished | PackFailed)
+TrialReport = TrialCheckpoint | TrialCheckpointLost | TrialAdmitted | TrialRejected | TrialFinished
+WITH_POINTS = (Points, TrialCheckpoint, TrialFinished)  # the reports that carry loss points
+
+
+def _by_type(*classes: type[Message]) -> dict[str, type[Any]]:
+    return {cls.model_fields["type"].default: cls for cls in classes}
+
+
+PACK_TYPES = _by_type(PackMessage)
+COMMAND_TYPES = _by_type(AdmitTrials, StopTrials, AbortPack)
+REPORT_TYPES = _by_type(WorkerHeartbeat, Wake, PackStarted, Points, TrialCheckpoint, TrialCheckpointLost, TrialAdmitted,
+                        TrialRejected, TrialFinished, PackProgress, PackProfile, PackFinished, PackFailed)
+
+M = TypeVar("M", bound=Message)
+
+
+def parse_pack(raw: object, *, on_drop: OnDrop) -> PackMessage | None:
+    """The pack message a worker was sent (one from before `type` was sent is a pack too)."""
+    if isinstance(raw, dict) and "type" not in raw:
+        raw = {**raw, "type": "run_pack"}
+    return _parse(raw, PACK_TYPES, "pack", on_drop)
+
+
+def parse_command(raw: object, *, on_drop: OnDrop) -> Command | None:
+    parsed: Command | None = _parse(raw, COMMAND_TYPES, "command", on_drop)
+    return parsed
+
+
+def parse_report(raw: object, *, on_drop: OnDrop) -> Report | None:
+    parsed: Report | None = _parse(raw, REPORT_TYPES, "report", on_drop)
+    return parsed
+
+
+def _parse(raw: object, classes: Mapping[str, type[M]], what: str, on_drop: OnDrop) -> M | None:
+    try:
+        return _read(raw, classes)
+    except _Unreadable as exc:
+        log.warning("dropping a %s: %s", what, exc)
+        on_drop(exc.reason)
+        return None
+
+
+class _Unreadable(Exception):
+    def __init__(self, reason: str, why: str) -> None:
+        super().__init__(why)
+        self.reason = reason
+
+
+def _read(raw: object, classes: Mapping[str, type[M]]) -> M:
+    if not isinstance(raw, dict):
+        raise _Unreadable(MALFORMED, f"not a JSON object: {raw!r:.200}")
+    kind = raw.get("type")
+    cls = classes.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise _Unreadable(UNKNOWN_TYPE, f"of unknown type {kind!r:.100}")
+    version = raw.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise _Unreadable(UNKNOWN_VERSION, f"{kind!r} of version {version!r:.100} (this process reads "
+                                           f"{sorted(READABLE_VERSIONS)})")
+    try:
+        # Fields this version does not know are a newer sender's additions: left out, not refused.
+        return cls.model_validate({k: v for k, v in raw.items() if k in cls.model_fields})
+    except ValidationError as exc:
+        raise _Unreadable(MALFORMED, f"{kind!r}, malformed: {_errors(exc)}") from None
+
+
+def _errors(exc: ValidationError) -> str:
+    """The fields at fault and why, without their values (a points batch can be long, and names tenants' trials)."""
+    errors = exc.errors(include_input=False, include_url=False)
+    shown = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'message'}: {e['msg']}" for e in errors[:5])
+    return shown + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else "")
