@@ -24,12 +24,15 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from benchmarks.base_models import SHAPES, make_rows, materialise, projections
 from benchmarks.common import write_result
+
+if TYPE_CHECKING:
+    from common.messages import PackMessage
 
 RANKS = (16, 32, 64)
 
@@ -39,26 +42,27 @@ def training_file(rows: list[dict[str, str]]) -> bytes:
 
 
 def pack_message(pack_id: str, model_dir: Path, trials: int, steps: int, seq_len: int, batch: int,
-                 targets: list[str]) -> dict[str, Any]:
+                 targets: list[str]) -> PackMessage:
     """A pack message as scheduler/service/dispatch.py builds it."""
-    def trial(i: int) -> dict[str, Any]:
+    from common.messages import ModelSourceFields, PackMessage, TrialPayload
+
+    def trial(i: int) -> TrialPayload:
         rank = RANKS[i % len(RANKS)]
-        return {
-            "trial_id": f"{pack_id}-t{i:02d}", "task_id": "task-bench", "total_steps": steps, "max_seq_len": seq_len,
-            "eval_interval": 10**9, "training_file_key": "files/bench.jsonl", "validation_file_key": None,
-            "validation_split": None, "split_seed": 0, "training": {}, "evaluation": None, "resume_key": None,
-            "extra_eval_steps": [], "placed_at": None,
-            "hyperparameters": {"learning_rate": 1e-4 * (1 + i % 4), "lora_rank": rank, "lora_alpha": 2.0 * rank,
-                                "lora_dropout": 0.0, "batch_size": batch, "target_modules": targets, "seed": i},
-        }
+        return TrialPayload(
+            trial_id=f"{pack_id}-t{i:02d}", task_id="task-bench", total_steps=steps, max_seq_len=seq_len,
+            eval_interval=10**9, training_file_key="files/bench.jsonl", validation_file_key=None,
+            validation_split=None, split_seed=0, training={}, evaluation=None, resume_key=None,
+            extra_eval_steps=[], placed_at=None,
+            hyperparameters={"learning_rate": 1e-4 * (1 + i % 4), "lora_rank": rank, "lora_alpha": 2.0 * rank,
+                             "lora_dropout": 0.0, "batch_size": batch, "target_modules": targets, "seed": i},
+        )
 
-    return {"pack_id": pack_id, "worker_id": "bench", "trials": [trial(i) for i in range(trials)],
-            "base_model": {"name": "bench-model", "kind": "hf", "path": str(model_dir), "package": None,
-                           "gguf_file": None},
-            "capacity": trials, "max_rank": max(RANKS), "target_modules": targets}
+    return PackMessage(pack_id=pack_id, worker_id="bench", trials=[trial(i) for i in range(trials)],
+                       base_model=ModelSourceFields(name="bench-model", kind="hf", path=str(model_dir)),
+                       capacity=trials, max_rank=max(RANKS), target_modules=targets)
 
 
-def run_pack(devices: list[str], pack: dict[str, Any], timeout_s: float) -> tuple[list[dict[str, Any]], float]:
+def run_pack(devices: list[str], pack: PackMessage, timeout_s: float) -> tuple[list[dict[str, Any]], float]:
     """The pack on ``devices`` as a worker runs it; (its reports, wall seconds)."""
     from common.artifacts import get_artifact_store
     from common.bus import SCHEDULER_STREAM, get_bus
@@ -90,13 +94,13 @@ def run_pack(devices: list[str], pack: dict[str, Any], timeout_s: float) -> tupl
     return [m for _, m in bus.read_after(SCHEDULER_STREAM, tail, count=10**6, block_s=0)], wall
 
 
-def summary(reports: list[dict[str, Any]], pack: dict[str, Any], warmup: int) -> dict[str, Any]:
+def summary(reports: list[dict[str, Any]], pack: PackMessage, warmup: int) -> dict[str, Any]:
     kinds = [r["type"] for r in reports]
     failed = [r for r in reports if r["type"] == "pack.failed"]
     assert not failed, failed
     assert kinds[0] == "pack.started" and kinds[-1] == "pack.finished", kinds
     finished = {r["trial_id"]: r for r in reports if r["type"] == "trial.finished"}
-    steps = {t["trial_id"]: t["total_steps"] for t in pack["trials"]}
+    steps = {t.trial_id: t.total_steps for t in pack.trials}
     assert {t: (r["status"], r["steps_done"]) for t, r in finished.items()} == {
         t: ("completed", n) for t, n in steps.items()}, finished
     (profile,) = [r["profile"] for r in reports if r["type"] == "pack.profile"]

@@ -34,6 +34,7 @@ import torch
 from benchmarks.common import RESULTS, command_line, device_description, git_commit, print_table
 from benchmarks.live_sweep import ALL_LINEAR, GpuBusy, pack_profiles, start_service, stop_service
 from benchmarks.sweep import MODELS, read
+from common.messages import TrialPayload
 from loraplane.client import Client
 from worker.engine import ModelSource, TrialSpec, load_base_model, train_pack
 from worker.engine.trainer import PackTimings
@@ -175,10 +176,10 @@ def trial_spec(trial: Any, args: argparse.Namespace, train: list[dict[str, Any]]
                steps: int | None = None) -> TrialSpec:  # fmt: skip
     """The spec the worker built for ``trial`` (``PackRunner.trial_spec`` on the pack message's trial: the task's
     defaults for what it left out), ``steps`` long if given."""
-    message = {"trial_id": trial.id, "hyperparameters": trial.hyperparameters,
-               "total_steps": steps or int(trial.total_steps), "max_seq_len": args.max_seq_len,
-               "eval_interval": args.eval_interval, "training_file_key": "train", "validation_file_key": "val",
-               "training": {}}  # fmt: skip
+    message = TrialPayload(trial_id=trial.id, task_id=trial.task_id, hyperparameters=trial.hyperparameters,
+                           total_steps=steps or int(trial.total_steps), max_seq_len=args.max_seq_len,
+                           eval_interval=args.eval_interval, training_file_key="train", validation_file_key="val",
+                           split_seed=0, training={})  # fmt: skip
     return PackRunner.trial_spec(message, {"train": train, "val": val}.__getitem__)
 
 

@@ -1,7 +1,7 @@
 """The worker's side of the bus: heartbeats, batched loss reports and stop commands.
 
 A worker never touches the database: everything it knows comes in the pack message and through its
-command stream, and everything it learns goes out on the scheduler stream.
+command stream, and everything it learns goes out on the scheduler stream (the messages: common/messages.py).
 """
 
 from __future__ import annotations
@@ -13,11 +13,27 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from common.bus import SCHEDULER_STREAM, Bus, commands_stream
+from common.messages import (
+    AbortPack,
+    AdmitTrials,
+    PackReport,
+    Point,
+    Points,
+    StopTrials,
+    TrialCheckpoint,
+    TrialFinished,
+    TrialPayload,
+    WorkerHeartbeat,
+    parse_command,
+)
+from worker import telemetry
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=PackReport)
 
 
 @dataclass(frozen=True)
@@ -81,10 +97,9 @@ class Heartbeat(threading.Thread):
             except Exception:  # noqa: BLE001 - as above: the beat goes out without them
                 log.exception("could not tell which models this worker holds warm")
         with self._lock:
-            self.bus.publish(SCHEDULER_STREAM, {
-                "type": "heartbeat", **self.identity, "pack_id": self._pack_id, "incarnation": self.incarnation.id,
-                "started_at": self.incarnation.started_at, "sent_at": time.time(), **extra,
-            })
+            beat = WorkerHeartbeat(**self.identity, pack_id=self._pack_id, incarnation=self.incarnation.id,
+                                   started_at=self.incarnation.started_at, sent_at=time.time(), **extra)
+            self.bus.publish(SCHEDULER_STREAM, beat.to_dict())
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -125,11 +140,11 @@ class Reporter:
         self.flush_every_s = flush_every_s
         self.max_points = max_points
         self.max_outbox = max_outbox
-        self._points: list[list[Any]] = []
-        self._recent: dict[str, list[list[Any]]] = {}  # trial -> its points since the checkpoint before last
+        self._points: list[Point] = []
+        self._recent: dict[str, list[Point]] = {}  # trial -> its points since the checkpoint before last
         self._checkpoint_step: dict[str, int] = {}  # trial -> its newest checkpoint's step
         self._last_flush = time.monotonic()
-        self._outbox: deque[dict[str, Any]] = deque()
+        self._outbox: deque[PackReport] = deque()
         self._retry_at = 0.0
         self._backoff_s = 0.0
         # Points come from the training thread, checkpoint and end reports from the pack's writer thread.
@@ -137,7 +152,7 @@ class Reporter:
 
     def point(self, trial_id: str, step: int, split: str, loss: float) -> None:
         with self._lock:
-            point = [trial_id, step, split, loss]
+            point = Point(trial_id, step, split, loss)
             self._points.append(point)
             self._recent.setdefault(trial_id, []).append(point)
             if len(self._points) >= self.max_points or time.monotonic() - self._last_flush >= self.flush_every_s:
@@ -148,22 +163,24 @@ class Reporter:
             self._last_flush = time.monotonic()
             if self._points:
                 points, self._points = self._points, []
-                self.send("points", points=points)
+                self.send(Points, points=points)
 
-    def send(self, kind: str, **fields: Any) -> None:
+    def send(self, kind: type[R], **fields: Any) -> None:
+        """Sends a report of this pack: ``kind`` with ``fields`` (the pack, the worker process and the time are the
+        reporter's)."""
         with self._lock:
-            if kind != "points":
+            if kind is not Points:
                 self.flush()
-            if kind in ("trial.checkpoint", "trial.finished"):
+            if kind is TrialCheckpoint or kind is TrialFinished:
                 fields["points"] = self._repeated_points(fields["trial_id"], fields.get("step"))
-            self._outbox.append({"type": kind, "pack_id": self.pack_id, "worker_id": self.worker_id,
-                                 "incarnation": self.incarnation.id, "sent_at": time.time(), **fields})
+            self._outbox.append(kind(pack_id=self.pack_id, worker_id=self.worker_id, incarnation=self.incarnation.id,
+                                     sent_at=time.time(), **fields))
             if time.monotonic() >= self._retry_at:
                 self._drain()
             if len(self._outbox) > self.max_outbox:
                 raise ReportsLost(f"{len(self._outbox)} reports could not be sent: the bus has been away too long")
 
-    def _repeated_points(self, trial_id: str, checkpoint_step: int | None) -> list[list[Any]]:
+    def _repeated_points(self, trial_id: str, checkpoint_step: int | None) -> list[Point]:
         """The points a checkpoint at `checkpoint_step` (None: the trial's end) repeats; from then on the trial
         keeps only those after its previous checkpoint."""
         points = self._recent.get(trial_id, [])
@@ -173,8 +190,8 @@ class Reporter:
             return points
         previous = self._checkpoint_step.get(trial_id, 0)
         self._checkpoint_step[trial_id] = checkpoint_step
-        self._recent[trial_id] = [p for p in points if p[1] > previous]
-        return [p for p in points if p[1] <= checkpoint_step]
+        self._recent[trial_id] = [p for p in points if p.step > previous]
+        return [p for p in points if p.step <= checkpoint_step]
 
     def _locked_drain(self) -> bool:
         with self._lock:
@@ -184,7 +201,7 @@ class Reporter:
         """Sends what waits, oldest first; True when nothing is left."""
         while self._outbox:
             try:
-                self.bus.publish(SCHEDULER_STREAM, self._outbox[0])
+                self.bus.publish(SCHEDULER_STREAM, self._outbox[0].to_dict())
             except Exception as exc:  # noqa: BLE001 - any bus failure: keep it, try again later
                 self._backoff_s = min(5.0, max(0.5, self._backoff_s * 2))
                 self._retry_at = time.monotonic() + self._backoff_s
@@ -217,7 +234,8 @@ class CommandInbox:
     best-validation adapter first, ``pause`` to checkpoint and free the slot), ``admit_trials`` (pack id,
     trial payloads in the pack message's format: back-fills for a running pack's free slots) and
     ``abort_pack`` (the scheduler no longer counts on this pack: it was declared lost, its trials requeued).
-    Admissions wait here per pack, each trial once, until the pack takes them or ends.
+    Admissions wait here per pack, each trial once, until the pack takes them or ends. A command that cannot be
+    read (common/messages.py) is logged, counted and passed over.
     """
 
     OUTAGE_POLL_S = 5.0  # while the bus is away, each failed read would stall a training step: try less often
@@ -229,7 +247,7 @@ class CommandInbox:
         self._last_id = bus.tail_id(self.stream)
         self._last_poll = 0.0
         self._stopped: dict[str, dict[str, str]] = {}  # pack -> trial -> mode
-        self._admissions: dict[str, dict[str, dict[str, Any]]] = {}  # pack -> trial id -> payload
+        self._admissions: dict[str, dict[str, TrialPayload]] = {}  # pack -> trial id -> payload
         self._seen_admissions: set[tuple[str, str, str]] = set()  # (pack, trial, placement)
         self._aborted: set[str] = set()
 
@@ -243,25 +261,28 @@ class CommandInbox:
             log.warning("could not read this worker's commands (%s); next try in %.0fs", exc, self.OUTAGE_POLL_S)
             self._last_poll = time.monotonic() + self.OUTAGE_POLL_S - self.poll_s
             return
-        for msg_id, message in messages:
-            self._last_id = msg_id
-            if message.get("type") == "abort_pack":
-                self._aborted.add(message["pack_id"])
-            elif message.get("type") == "stop_trials":
-                mode = message.get("mode", "drop")
-                stops = self._stopped.setdefault(message["pack_id"], {})
-                stops.update((trial_id, mode) for trial_id in message["trial_ids"] if trial_id not in stops)
-            elif message.get("type") == "admit_trials":
-                pack_id = message["pack_id"]
-                queue = self._admissions.setdefault(pack_id, {})
-                for trial in message["trials"]:
-                    # A command re-sent after a scheduler restart repeats its placement: taken once. A trial
-                    # paused and placed again in the same pack is a new placement, and its old stop is void.
-                    key = (pack_id, trial["trial_id"], str(trial.get("placed_at")))
-                    if key not in self._seen_admissions:
-                        self._seen_admissions.add(key)
-                        queue[trial["trial_id"]] = trial
-                        self._stopped.get(pack_id, {}).pop(trial["trial_id"], None)
+        for msg_id, raw in messages:
+            self._last_id = msg_id  # past it whether or not it can be read: read again it would fail again
+            command = parse_command(raw, on_drop=telemetry.message_dropped)
+            if isinstance(command, AbortPack):
+                self._aborted.add(command.pack_id)
+            elif isinstance(command, StopTrials):
+                stops = self._stopped.setdefault(command.pack_id, {})
+                stops.update((trial_id, command.mode) for trial_id in command.trial_ids if trial_id not in stops)
+            elif isinstance(command, AdmitTrials):
+                self._admit(command)
+
+    def _admit(self, command: AdmitTrials) -> None:
+        pack_id = command.pack_id
+        queue = self._admissions.setdefault(pack_id, {})
+        for trial in command.trials:
+            # A command re-sent after a scheduler restart repeats its placement: taken once. A trial paused and
+            # placed again in the same pack is a new placement, and its old stop is void.
+            key = (pack_id, trial.trial_id, str(trial.placed_at))
+            if key not in self._seen_admissions:
+                self._seen_admissions.add(key)
+                queue[trial.trial_id] = trial
+                self._stopped.get(pack_id, {}).pop(trial.trial_id, None)
 
     def aborted(self, pack_id: str) -> bool:
         self._poll()
@@ -272,14 +293,14 @@ class CommandInbox:
         self._poll()
         return dict(self._stopped.get(pack_id, {}))
 
-    def take_admissions(self, pack_id: str, limit: int) -> list[dict[str, Any]]:
+    def take_admissions(self, pack_id: str, limit: int) -> list[TrialPayload]:
         """Up to ``limit`` trials waiting to join ``pack_id``, oldest first (removed from the inbox)."""
         self._poll()
         queue = self._admissions.get(pack_id, {})
         taken = list(queue)[: max(0, limit)]
         return [queue.pop(trial_id) for trial_id in taken]
 
-    def drain_admissions(self, pack_id: str) -> list[dict[str, Any]]:
+    def drain_admissions(self, pack_id: str) -> list[TrialPayload]:
         """Every trial still waiting to join ``pack_id`` (the pack is ending: they will be refused)."""
         self._last_poll = 0.0  # read the newest commands too
         self._poll()

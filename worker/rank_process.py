@@ -48,7 +48,7 @@ def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:
         preload_models(runner.model, config.preload, ModelAvailability(bus).registry())
     while (pack := packs.get()) is not None:
         runner.run_share(pack)
-        ended.put((rank, pack["pack_id"]))
+        ended.put((rank, pack.pack_id))
     dist.destroy_process_group()
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.messages import PackMessage
 from worker.agent import Incarnation
 from worker.engine.distributed import Lockstep, assign_ranks
 
@@ -94,7 +95,7 @@ class Ranks:
             raise RuntimeError("the pack could not be set up on another GPU of this worker (its log says why)")
         self.training = True
 
-    def share_admissions(self, free: int, take: Callable[[int], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    def share_admissions(self, free: int, take: Callable[[int], list[T]]) -> list[T]:
         """This rank's share of the back-fills waiting to join the pack. Every rank says how many slots it has
         free; rank 0 takes up to as many back-fills from ``take`` (its command inbox) and deals them out
         (`deal_admissions`)."""
@@ -104,8 +105,7 @@ class Ranks:
         frees = [int(g.item()) for g in gathered]
         if not sum(frees):  # every rank knows: nothing to deal, no second agreement
             return []
-        box: list[list[list[dict[str, Any]]] | None] = [deal_admissions(take(sum(frees)), frees)
-                                                        if self.rank == 0 else None]
+        box: list[list[list[T]] | None] = [deal_admissions(take(sum(frees)), frees) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=group)
         assert box[0] is not None
         return box[0][self.rank]
@@ -164,7 +164,7 @@ class RankPool:
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
         return join(0, self.config)
 
-    def hand_over(self, pack: dict[str, Any]) -> None:
+    def hand_over(self, pack: PackMessage) -> None:
         for queue in self._packs:
             queue.put(pack)
 

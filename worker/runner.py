@@ -27,6 +27,20 @@ import torch
 from common.artifacts import LocalArtifactStore, adapter_key, checkpoint_key
 from common.bus import BACKFILL_NOT_JOINED, Bus
 from common.datasets import parse_jsonl, split_rows
+from common.messages import (
+    PackFailed,
+    PackFinished,
+    PackMessage,
+    PackProfile,
+    PackProgress,
+    PackStarted,
+    TrialAdmitted,
+    TrialCheckpoint,
+    TrialCheckpointLost,
+    TrialFinished,
+    TrialPayload,
+    TrialRejected,
+)
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS
 from common.regex_policy import SYNTAX, PatternRefused, check_pattern
 from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
@@ -147,20 +161,20 @@ class PackRunner:
             self.engines.drop()
 
     @staticmethod
-    def trial_spec(t: dict[str, Any], read_rows: Callable[[str], list[dict[str, Any]]]) -> TrialSpec:
+    def trial_spec(t: TrialPayload, read_rows: Callable[[str], list[dict[str, Any]]]) -> TrialSpec:
         """The spec of a pack message's trial ``t``, its files read with ``read_rows`` (benchmarks build theirs here
         too, to train exactly what the worker trains)."""
-        rows = read_rows(t["training_file_key"])
-        if t.get("validation_file_key"):
-            train, val = rows, read_rows(t["validation_file_key"])
-        elif t.get("validation_split"):
-            train, val = split_rows(rows, float(t["validation_split"]), int(t["split_seed"]))
+        rows = read_rows(t.training_file_key)
+        if t.validation_file_key:
+            train, val = rows, read_rows(t.validation_file_key)
+        elif t.validation_split:
+            train, val = split_rows(rows, t.validation_split, t.split_seed)
         else:
             train, val = rows, []
-        hp, training = t["hyperparameters"], t.get("training") or {}
+        hp, training = t.hyperparameters, t.training
         targets = hp["target_modules"]  # a list of module names, or the string "all-linear"
         return TrialSpec(
-            trial_id=t["trial_id"],
+            trial_id=t.trial_id,
             learning_rate=float(hp["learning_rate"]),
             lora_rank=int(hp["lora_rank"]),
             lora_alpha=float(hp["lora_alpha"]),
@@ -168,22 +182,22 @@ class PackRunner:
             batch_size=int(hp["batch_size"]),
             target_modules=[targets] if isinstance(targets, str) else list(targets),
             seed=int(hp["seed"]),
-            max_steps=int(t["total_steps"]),
-            max_seq_len=int(t["max_seq_len"]),
-            eval_interval=int(t["eval_interval"]),
+            max_steps=t.total_steps,
+            max_seq_len=t.max_seq_len,
+            eval_interval=t.eval_interval,
             train_rows=train,
             val_rows=val,
             weight_decay=float(training.get("weight_decay", 0.0)),
-            warmup_steps=warmup_steps_for(int(t["total_steps"]), training.get("warmup_steps")),
+            warmup_steps=warmup_steps_for(t.total_steps, training.get("warmup_steps")),
             lr_schedule=str(training.get("lr_schedule", DEFAULT_LR_SCHEDULE)),
             max_grad_norm=training.get("max_grad_norm"),
             use_rslora=bool(training.get("use_rslora", False)),
-            extra_eval_steps=tuple(int(s) for s in t.get("extra_eval_steps") or ()),
-            evaluation=evaluation_of(t.get("evaluation"), t["trial_id"]),
+            extra_eval_steps=tuple(t.extra_eval_steps),
+            evaluation=evaluation_of(t.evaluation, t.trial_id),
         )
 
-    def run(self, pack: dict[str, Any]) -> None:
-        pack_id = pack["pack_id"]
+    def run(self, pack: PackMessage) -> None:
+        pack_id = pack.pack_id
         if not self.bus.claim(f"pack:{pack_id}"):
             log.warning("pack %s was already claimed; skipping the duplicate delivery", pack_id)
             return
@@ -192,9 +206,9 @@ class PackRunner:
         # From here until its last report went out, every heartbeat names this pack (see Heartbeat).
         self.heartbeat.set_pack(pack_id)
         try:
-            reporter.send("pack.started")
+            reporter.send(PackStarted)
             self._train_on_every_rank(pack, reporter)
-            reporter.send("pack.finished")
+            reporter.send(PackFinished)
         except ReportsLost:
             # The bus has been away too long to keep the reports: stop. The next heartbeat names no pack, so
             # the scheduler requeues the trials from their checkpoints.
@@ -202,7 +216,7 @@ class PackRunner:
         except Exception as exc:  # the pack failed as a whole (model or data would not load)
             log.exception("pack %s failed", pack_id)
             try:
-                reporter.send("pack.failed", error=f"{type(exc).__name__}: {exc}")
+                reporter.send(PackFailed, error=f"{type(exc).__name__}: {exc}")
             except ReportsLost:
                 pass
         finally:
@@ -210,7 +224,7 @@ class PackRunner:
             self.heartbeat.set_pack(None)
             telemetry.pack_ended()
 
-    def _train_on_every_rank(self, pack: dict[str, Any], reporter: Reporter) -> None:
+    def _train_on_every_rank(self, pack: PackMessage, reporter: Reporter) -> None:
         """``_train`` here and, on a worker over several GPUs, on the other ranks too: they get the pack first, and
         it ends once each has ended its share (its reports went out, before the pack's end is reported)."""
         if self.pool is None:
@@ -220,19 +234,19 @@ class PackRunner:
         try:
             self._train(pack, reporter)
         except BaseException:
-            self._end_if_ranks_wait(pack["pack_id"])  # failed while the ranks train: they would wait for ever
+            self._end_if_ranks_wait(pack.pack_id)  # failed while the ranks train: they would wait for ever
             raise
         finally:
-            self.pool.wait(pack["pack_id"])
+            self.pool.wait(pack.pack_id)
 
-    def run_share(self, pack: dict[str, Any]) -> None:
+    def run_share(self, pack: PackMessage) -> None:
         """A rank's share of a pack over several GPUs (rank 0 runs ``run``, which reports its start and end)."""
-        reporter = Reporter(self.bus, pack["pack_id"], self.worker_id, self.incarnation)
+        reporter = Reporter(self.bus, pack.pack_id, self.worker_id, self.incarnation)
         try:
             self._train(pack, reporter)
         except Exception:  # noqa: BLE001 - rank 0 reports the pack's failure, which every rank agreed on
-            log.exception("pack %s failed", pack["pack_id"])
-            self._end_if_ranks_wait(pack["pack_id"])
+            log.exception("pack %s failed", pack.pack_id)
+            self._end_if_ranks_wait(pack.pack_id)
         finally:
             reporter.close(self.report_timeout_s)
 
@@ -250,11 +264,11 @@ class PackRunner:
             return dict.fromkeys(trial_ids, "drop")
         return stop_modes(self.inbox.stopped_trials(pack_id))
 
-    def _train(self, pack: dict[str, Any], reporter: Reporter) -> None:
-        pack_id, ranks = pack["pack_id"], self.ranks
-        source = ModelSource(**pack["base_model"])
-        trials = pack["trials"] if ranks is None else ranks.mine(pack["trials"])
-        task_of = {t["trial_id"]: t["task_id"] for t in trials}
+    def _train(self, pack: PackMessage, reporter: Reporter) -> None:
+        pack_id, ranks = pack.pack_id, self.ranks
+        source = ModelSource(**pack.base_model.model_dump())
+        trials = pack.trials if ranks is None else ranks.mine(pack.trials)
+        task_of = {t.trial_id: t.task_id for t in trials}
         # The trials of one task share their files: read and parse each once per pack.
         read_rows = functools.cache(lambda key: parse_jsonl(self.store.get_bytes(key)))
         leads = ranks is None or ranks.rank == 0  # reports the pack's steps, profile and refused back-fills
@@ -273,18 +287,18 @@ class PackRunner:
                 self._train_pack(pack, model, tokenizer, specs, resume, source, tmp, calls, timings, leads)
             refused = self.inbox.drain_admissions(pack_id)  # each rank's inbox saw them; rank 0 answers
             for t in refused if leads else []:
-                reporter.send("trial.rejected", trial_id=t["trial_id"], reason=BACKFILL_NOT_JOINED)
+                reporter.send(TrialRejected, trial_id=t.trial_id, reason=BACKFILL_NOT_JOINED)
         if ranks is not None:
             ranks.training = False
         if leads:
             gpus = {} if ranks is None else {"gpus": ranks.world}
-            reporter.send("pack.profile", profile={**profiler.summary(), **gpus, "phases": timings.summary()})
+            reporter.send(PackProfile, profile={**profiler.summary(), **gpus, "phases": timings.summary()})
             telemetry.pack_profiled(timings.summary())  # the phase counters of the worker's metrics
 
-    def _train_pack(self, pack: dict[str, Any], model: Any, tokenizer: Any, specs: list[TrialSpec],
+    def _train_pack(self, pack: PackMessage, model: Any, tokenizer: Any, specs: list[TrialSpec],
                     resume: dict[str, Path], source: ModelSource, tmp: Path, calls: _PackCallbacks,
                     timings: PackTimings, leads: bool) -> None:
-        pack_id, ranks, task_of = pack["pack_id"], self.ranks, calls.task_of
+        pack_id, ranks, task_of = pack.pack_id, self.ranks, calls.task_of
         reporter = calls.reporter
         train_pack(
             model, tokenizer, specs, base_model_name=export_base_name(source), export_dir=tmp / "adapters",
@@ -292,14 +306,14 @@ class PackRunner:
             on_step=calls.stepped if leads else None, resume=resume, checkpoint_dir=tmp / "checkpoints",
             # Snapshots to host memory on a time policy; the writer uploads them (upload_checkpoint).
             checkpoint_interval_s=get_settings().checkpoint_interval_s,
-            on_checkpoint=calls.upload_checkpoint, max_rank=pack.get("max_rank"),
-            capacity=pack.get("capacity") if ranks is None else ranks.capacity(pack.get("capacity")),
-            target_modules=pack.get("target_modules"), admissions=calls.admissions, on_admitted=calls.admitted,
+            on_checkpoint=calls.upload_checkpoint, max_rank=pack.max_rank,
+            capacity=pack.capacity if ranks is None else ranks.capacity(pack.capacity),
+            target_modules=pack.target_modules, admissions=calls.admissions, on_admitted=calls.admitted,
             on_outcome=calls.finished, timings=timings, lockstep=None if ranks is None else ranks.lockstep,
             keeper=self.engines if ranks is None else None,
         )
 
-    def _set_up(self, source: ModelSource, trials: list[dict[str, Any]],
+    def _set_up(self, source: ModelSource, trials: list[TrialPayload],
                 read_rows: Callable[[str], list[dict[str, Any]]], resume_into: Path, reporter: Reporter,
                 timings: PackTimings) -> tuple[tuple[Any, Any], list[TrialSpec], dict[str, Path]]:
         """The base model (warm, or loaded: its seconds are the pack's ``load_s``), the trials' specs and the
@@ -318,8 +332,8 @@ class PackRunner:
             self.ranks.ready(None)
         return (loaded.model, loaded.tokenizer), specs, resume
 
-    def _trial_specs(self, trials: list[dict[str, Any]], read_rows: Callable[[str], list[dict[str, Any]]],
-                     reporter: Reporter) -> tuple[list[TrialSpec], list[dict[str, Any]]]:
+    def _trial_specs(self, trials: list[TrialPayload], read_rows: Callable[[str], list[dict[str, Any]]],
+                     reporter: Reporter) -> tuple[list[TrialSpec], list[TrialPayload]]:
         """The specs of the trials whose data could be read, and those trials. A trial whose files parse wrong or
         whose spec is malformed fails alone, reported as its own failure (the scheduler spends one of its attempts);
         the pack goes on with the others. A store that cannot be read (OSError) fails the pack: that is no trial's
@@ -331,39 +345,39 @@ class PackRunner:
             except OSError:
                 raise
             except Exception as exc:
-                log.warning("trial %s failed during set-up: %s", t["trial_id"], exc)
-                reporter.send("trial.finished", trial_id=t["trial_id"], status="failed", steps_done=0,
+                log.warning("trial %s failed during set-up: %s", t.trial_id, exc)
+                reporter.send(TrialFinished, trial_id=t.trial_id, status="failed", steps_done=0,
                               error=f"{type(exc).__name__}: {exc}")
                 continue
             kept.append(t)
         return specs, kept
 
-    def _fetch_checkpoints(self, trials: list[dict[str, Any]], into: Path, reporter: Reporter) -> dict[str, Path]:
+    def _fetch_checkpoints(self, trials: list[TrialPayload], into: Path, reporter: Reporter) -> dict[str, Path]:
         """Unpacks the checkpoint of every trial that resumes (a requeued trial that had one). A checkpoint that
         is gone (the database lagged behind the worker that replaced it, during an outage) costs that trial
         its progress, not the pack: it starts again from step 0, and `trial.checkpoint_lost` tells the
         scheduler to cut its curve back to nothing."""
         resume: dict[str, Path] = {}
         for t in trials:
-            key = t.get("resume_key")
+            key = t.resume_key
             if not key:
                 continue
             if not self.store.exists(key):
-                log.warning("trial %s: its checkpoint %s is gone; it starts again from step 0", t["trial_id"], key)
-                reporter.send("trial.checkpoint_lost", trial_id=t["trial_id"], checkpoint_key=key)
+                log.warning("trial %s: its checkpoint %s is gone; it starts again from step 0", t.trial_id, key)
+                reporter.send(TrialCheckpointLost, trial_id=t.trial_id, checkpoint_key=key)
                 continue
-            target = into / t["trial_id"]
+            target = into / t.trial_id
             target.mkdir(parents=True)
             try:
                 with self.store.open(key) as f, tarfile.open(fileobj=f, mode="r:") as tar:
                     tar.extractall(target, filter="data")
             except tarfile.TarError as exc:  # a torn or corrupt archive: as good as gone (and no one pack's fault)
                 log.warning("trial %s: its checkpoint %s cannot be unpacked (%s); it starts again from step 0",
-                            t["trial_id"], key, exc)
-                reporter.send("trial.checkpoint_lost", trial_id=t["trial_id"], checkpoint_key=key)
+                            t.trial_id, key, exc)
+                reporter.send(TrialCheckpointLost, trial_id=t.trial_id, checkpoint_key=key)
                 shutil.rmtree(target, ignore_errors=True)
                 continue
-            resume[t["trial_id"]] = target
+            resume[t.trial_id] = target
         return resume
 
 
@@ -390,7 +404,7 @@ class _PackCallbacks:
         snapshot of a trial waits for it, so a slow store costs checkpoints, never training steps."""
         key = checkpoint_key(self.task_of[trial_id], trial_id, step)
         self.runner.store.put_file(key, _tar(path, self.tmp / f"{trial_id}.ckpt.tar", gzip=False))
-        self.reporter.send("trial.checkpoint", trial_id=trial_id, step=step, checkpoint_key=key)
+        self.reporter.send(TrialCheckpoint, trial_id=trial_id, step=step, checkpoint_key=key)
         # Keep the newest two: the scheduler may not have ingested the newest report yet, and the
         # one before it is what the database points at meanwhile.
         keys = self.written.setdefault(trial_id, [])
@@ -412,19 +426,19 @@ class _PackCallbacks:
         for t in waiting:
             try:
                 spec = runner.trial_spec(t, self.read_rows)
-                path = runner._fetch_checkpoints([t], self.tmp / "resume", reporter).get(t["trial_id"])
+                path = runner._fetch_checkpoints([t], self.tmp / "resume", reporter).get(t.trial_id)
             except Exception as exc:  # its files or its checkpoint cannot be read
-                reporter.send("trial.rejected", trial_id=t["trial_id"], reason=f"{type(exc).__name__}: {exc}")
+                reporter.send(TrialRejected, trial_id=t.trial_id, reason=f"{type(exc).__name__}: {exc}")
                 continue
-            self.task_of[t["trial_id"]] = t["task_id"]
+            self.task_of[t.trial_id] = t.task_id
             taken.append((spec, path))
         return taken
 
     def admitted(self, trial_id: str, reason: str | None) -> None:
         if reason is None:
-            self.reporter.send("trial.admitted", trial_id=trial_id)
+            self.reporter.send(TrialAdmitted, trial_id=trial_id)
         else:
-            self.reporter.send("trial.rejected", trial_id=trial_id, reason=reason)
+            self.reporter.send(TrialRejected, trial_id=trial_id, reason=reason)
 
     @contextmanager
     def storing_adapters(self, timings: PackTimings) -> Iterator[None]:
@@ -456,7 +470,7 @@ class _PackCallbacks:
             self.runner.store.put_file(key, archive)
             telemetry.adapter_uploaded()
         self.reporter.send(
-            "trial.finished", trial_id=outcome.trial_id, status=outcome.status,
+            TrialFinished, trial_id=outcome.trial_id, status=outcome.status,
             steps_done=outcome.steps_done, best_val_loss=outcome.best_val_loss,
             best_step=outcome.best_step, final_train_loss=outcome.final_train_loss,
             adapter_key=key, error=outcome.error, pack_steps=outcome.pack_steps,
@@ -468,4 +482,4 @@ class _PackCallbacks:
         telemetry.observe_step(stats)
         progress = self.profiler.take_progress()
         if progress is not None:  # the scheduler corrects its step-time predictions with it
-            self.reporter.send("pack.progress", **progress)
+            self.reporter.send(PackProgress, **progress)

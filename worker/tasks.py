@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from common.celery import RUN_PACK_TASK, get_celery
+from common.messages import parse_pack
+from worker import telemetry
 from worker.runner import PackRunner
 
 celery_app = get_celery()
@@ -18,7 +20,11 @@ def install_runner(runner: PackRunner) -> None:
 
 @celery_app.task(name=RUN_PACK_TASK, acks_late=False)
 def run_pack(*, pack: dict[str, Any]) -> None:
-    """Runs one pack to the end (see PackRunner.run for the states before and after)."""
+    """Runs one pack to the end (see PackRunner.run for the states before and after). A pack message that cannot be
+    read (common/messages.py) is logged, counted and dropped (the scheduler, hearing nothing of it, sends it again
+    after its worker timeout)."""
     if _runner is None:
         raise RuntimeError("this process was not started with `loraplane worker`")
-    _runner.run(pack)
+    message = parse_pack(pack, on_drop=telemetry.message_dropped)
+    if message is not None:
+        _runner.run(message)

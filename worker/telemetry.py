@@ -89,3 +89,8 @@ def pack_profiled(phases: dict[str, Any]) -> None:
 
 def adapter_uploaded() -> None:
     worker_metrics().adapters_uploaded.inc()
+
+
+def message_dropped(reason: str) -> None:
+    """A pack message or command this worker could not read (common/messages.py)."""
+    worker_metrics().messages_dropped.labels(side="worker", reason=reason).inc()

@@ -78,17 +78,18 @@ def test_a_call_while_redis_is_down_fails_in_bounded_time(private_redis: Private
 
 
 def test_a_reporter_keeps_reports_in_order_through_an_outage(private_redis: PrivateRedis) -> None:
+    from common.messages import PackStarted, TrialCheckpoint
     from worker.agent import Incarnation, Reporter, ReportsLost
 
     ns = f"lp-{uuid.uuid4().hex[:6]}"
     bus = RedisBus(private_redis.url, ns)
     reporter = Reporter(bus, "pack-1", "w", Incarnation(), max_outbox=50)
-    reporter.send("pack.started")
+    reporter.send(PackStarted)
     private_redis.kill()
     for step in range(1, 6):  # training goes on: nothing raises while the outbox has room
         reporter.point("t1", step, "train", 1.0)
         reporter.flush()
-    reporter.send("trial.checkpoint", trial_id="t1", step=5, checkpoint_key="ck")
+    reporter.send(TrialCheckpoint, trial_id="t1", step=5, checkpoint_key="ck")
     private_redis.start()  # back, empty
     assert reporter.close(timeout_s=30)
     got = [m for _, m in RedisBus(private_redis.url, ns).read_after(SCHEDULER_STREAM, "0", count=100, block_s=0)]

@@ -33,7 +33,7 @@ def make_runner(tmp_path: Path, model_cache_bytes: int | None = None) -> PackRun
     store = LocalArtifactStore(tmp_path / "artifacts")
     rows = [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(8)]
     store.put_bytes("files/data.jsonl", "\n".join(json.dumps(r) for r in rows).encode())
-    heartbeat = Heartbeat(bus, 1.0, {"worker_id": "w"}, Incarnation())
+    heartbeat = Heartbeat(bus, 1.0, {"worker_id": "w", "queue": "q"}, Incarnation())
     return PackRunner(worker_id="w", device=CPU, bus=bus, store=store, model_cache_dir=MODEL_CACHE,
                       heartbeat=heartbeat, report_timeout_s=5.0, model_cache_bytes=model_cache_bytes)
 

@@ -15,6 +15,7 @@ import torch
 import worker.runner
 from common.artifacts import LocalArtifactStore
 from common.bus import SCHEDULER_STREAM, FileBus
+from common.messages import ModelSourceFields, PackMessage, TrialPayload
 from worker.agent import Heartbeat, Incarnation
 from worker.engine import ModelSource
 from worker.model_cache import preload_models
@@ -43,7 +44,7 @@ def runner(tmp_path: Path, model_cache: Path) -> PackRunner:
     store = LocalArtifactStore(tmp_path / "artifacts")
     rows = [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(8)]
     store.put_bytes("files/data.jsonl", "\n".join(json.dumps(r) for r in rows).encode())
-    heartbeat = Heartbeat(bus, 1.0, {"worker_id": "w"}, Incarnation())
+    heartbeat = Heartbeat(bus, 1.0, {"worker_id": "w", "queue": "q"}, Incarnation())
     return PackRunner(worker_id="w", device=torch.device("cpu"), bus=bus, store=store, model_cache_dir=model_cache,
                       heartbeat=heartbeat, report_timeout_s=5.0)
 
@@ -55,15 +56,15 @@ def model_cache() -> Path:
     return MODEL_CACHE
 
 
-def pack(pack_id: str, source: dict[str, Any] = TINY) -> dict[str, Any]:
-    trial = {
-        "trial_id": f"{pack_id}-t0", "task_id": "task", "total_steps": 2, "max_seq_len": 32, "eval_interval": 2,
-        "hyperparameters": {"learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-                            "batch_size": 2, "target_modules": ["q_proj"], "seed": 0},
-        "training_file_key": "files/data.jsonl", "validation_file_key": None, "validation_split": 0.25,
-        "split_seed": 0, "training": {},
-    }
-    return {"pack_id": pack_id, "worker_id": "w", "base_model": source, "trials": [trial]}
+def pack(pack_id: str, source: dict[str, Any] = TINY) -> PackMessage:
+    trial = TrialPayload(
+        trial_id=f"{pack_id}-t0", task_id="task", total_steps=2, max_seq_len=32, eval_interval=2,
+        hyperparameters={"learning_rate": 1e-3, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                         "batch_size": 2, "target_modules": ["q_proj"], "seed": 0},
+        training_file_key="files/data.jsonl", validation_file_key=None, validation_split=0.25,
+        split_seed=0, training={},
+    )
+    return PackMessage(pack_id=pack_id, worker_id="w", base_model=ModelSourceFields(**source), trials=[trial])
 
 
 def ends(runner: PackRunner) -> list[tuple[str, str]]:
@@ -104,7 +105,7 @@ def test_a_model_whose_registry_entry_changed_is_loaded_again(runner: PackRunner
 def test_a_trials_warm_up_and_schedule_come_from_its_task_or_the_defaults(
     runner: PackRunner, training: dict[str, Any], warmup: int, schedule: str
 ) -> None:
-    trial = {**pack("p")["trials"][0], "total_steps": 120, "training": training}
+    trial = pack("p").trials[0].model_copy(update={"total_steps": 120, "training": training})
     spec = runner.trial_spec(trial, lambda key: [json.loads(line) for line in runner.store.get_bytes(key).splitlines()])
     assert (spec.warmup_steps, spec.lr_schedule, spec.max_steps) == (warmup, schedule, 120)
 
@@ -136,12 +137,12 @@ def test_a_stored_pattern_the_policy_refuses_is_never_compiled(stored: dict[str,
 
 def test_a_pack_with_a_refused_pattern_finishes_and_scores_only_the_allowed_trial(runner: PackRunner) -> None:
     # Refused (a count over 1000); compiling it anyway would cost `regex` ~260 MB and report a score.
-    first = pack("pack-1")["trials"][0]
-    refused = {**first, "trial_id": "refused", "evaluation": {"metric": "regex", "max_new_tokens": 4,
-                                                               "pattern": "a{1000001}"}}
-    allowed = {**first, "trial_id": "allowed", "evaluation": {"metric": "regex", "max_new_tokens": 4,
-                                                              "pattern": ".*"}}
-    runner.run({**pack("pack-1"), "trials": [refused, allowed]})
+    first = pack("pack-1").trials[0]
+    refused = first.model_copy(update={"trial_id": "refused", "evaluation": {"metric": "regex", "max_new_tokens": 4,
+                                                                             "pattern": "a{1000001}"}})
+    allowed = first.model_copy(update={"trial_id": "allowed", "evaluation": {"metric": "regex", "max_new_tokens": 4,
+                                                                             "pattern": ".*"}})
+    runner.run(pack("pack-1").model_copy(update={"trials": [refused, allowed]}))
     messages = [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
     assert [m["type"] for m in messages if m["type"].startswith("pack.")][-1] == "pack.finished"
     assert {m["trial_id"] for m in messages if m["type"] == "trial.finished"} == {"refused", "allowed"}
@@ -160,8 +161,9 @@ def test_trials_that_end_together_store_their_adapters_side_by_side(runner: Pack
         real_put(key, path)
 
     runner.store.put_file = put_file  # type: ignore[method-assign]
-    first = pack("pack-1")["trials"][0]
-    runner.run({**pack("pack-1"), "trials": [first, {**first, "trial_id": "pack-1-t1"}]})
+    first = pack("pack-1").trials[0]
+    second = first.model_copy(update={"trial_id": "pack-1-t1"})
+    runner.run(pack("pack-1").model_copy(update={"trials": [first, second]}))
     messages = [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
     assert [m["type"] for m in messages if m["type"].startswith("pack.")][-1] == "pack.finished"
     finished = {m["trial_id"]: m["adapter_key"] for m in messages if m["type"] == "trial.finished"}

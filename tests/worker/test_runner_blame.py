@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from common.bus import SCHEDULER_STREAM
+from common.messages import PackMessage
 from tests.worker.test_runner import model_cache, pack, runner  # noqa: F401 - the fixtures
 from worker.runner import PackRunner
 
@@ -17,10 +18,10 @@ def reports(runner: PackRunner) -> list[dict[str, Any]]:  # noqa: F811 - the fix
     return [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
 
 
-def two_trials(pack_id: str) -> dict[str, Any]:
+def two_trials(pack_id: str) -> PackMessage:
     body = pack(pack_id)
-    first = body["trials"][0]
-    body["trials"] = [first, {**first, "trial_id": f"{pack_id}-t1"}]
+    first = body.trials[0]
+    body.trials = [first, first.model_copy(update={"trial_id": f"{pack_id}-t1"})]
     return body
 
 
@@ -32,7 +33,7 @@ def outcome(messages: list[dict[str, Any]], trial_id: str) -> dict[str, Any]:
 def test_a_trial_whose_data_does_not_parse_fails_alone_and_the_pack_trains_on(runner: PackRunner) -> None:  # noqa: F811
     runner.store.put_bytes("files/broken.jsonl", b"{not json\n")
     body = two_trials("p-data")
-    body["trials"][1]["training_file_key"] = "files/broken.jsonl"
+    body.trials[1].training_file_key = "files/broken.jsonl"
     runner.run(body)
     messages = reports(runner)
     assert [m["type"] for m in messages if m["type"].startswith("pack.") and m["type"] != "pack.progress"][-1] \
@@ -45,7 +46,7 @@ def test_a_trial_whose_data_does_not_parse_fails_alone_and_the_pack_trains_on(ru
 def test_a_checkpoint_that_cannot_be_unpacked_is_a_lost_one(runner: PackRunner) -> None:  # noqa: F811
     runner.store.put_bytes("checkpoints/torn.tar", b"this is no tar archive")
     body = two_trials("p-ckpt")
-    body["trials"][1]["resume_key"] = "checkpoints/torn.tar"
+    body.trials[1].resume_key = "checkpoints/torn.tar"
     runner.run(body)
     messages = reports(runner)
     lost = [m for m in messages if m["type"] == "trial.checkpoint_lost"]
@@ -57,7 +58,7 @@ def test_a_checkpoint_that_cannot_be_unpacked_is_a_lost_one(runner: PackRunner) 
 
 def test_a_store_that_cannot_be_read_fails_the_pack(runner: PackRunner, tmp_path: Path) -> None:  # noqa: F811
     body = two_trials("p-store")
-    body["trials"][1]["training_file_key"] = "files/gone.jsonl"  # not in the store: an OSError
+    body.trials[1].training_file_key = "files/gone.jsonl"  # not in the store: an OSError
     runner.run(body)
     messages = reports(runner)
     assert not [m for m in messages if m["type"] == "trial.finished"]
