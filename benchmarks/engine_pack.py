@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.base_models import SHAPES, load, make_rows, materialise
 from benchmarks.common import write_result
-from worker.engine import TrialSpec, train_pack
+from worker.engine import PackCallbacks, PackConfig, TrialSpec, train_pack
 
 
 def spec(i: int, steps: int, seq_len: int, batch_size: int, data: list[dict[str, str]]) -> TrialSpec:
@@ -46,8 +46,11 @@ def main() -> None:
         data = make_rows(256, args.seq_len, seed=0, min_fraction=1.0)
         # Warm-up (CUDA context, kernels' autotuning, allocator) so the first row is not charged for it.
         model = load(base, device)
-        train_pack(model, tokenizer, [spec(0, 3, args.seq_len, args.batch_size, data)], base_model_name=args.shape,
-                   export_dir=Path(tmp) / "warm", on_point=lambda *a: None)
+        train_pack(
+            model, tokenizer, [spec(0, 3, args.seq_len, args.batch_size, data)],
+            PackConfig(base_model_name=args.shape, export_dir=Path(tmp) / "warm"),
+            PackCallbacks(on_point=lambda *a: None),
+        )
         del model
         tokens_per_step = args.batch_size * args.seq_len
         table = []
@@ -60,8 +63,11 @@ def main() -> None:
             load_s = time.perf_counter() - t0
             torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
             t0 = time.perf_counter()
-            train_pack(model, tokenizer, trials, base_model_name=args.shape, export_dir=Path(tmp) / "out",
-                       on_point=lambda *a: None)
+            train_pack(
+                model, tokenizer, trials,
+                PackConfig(base_model_name=args.shape, export_dir=Path(tmp) / "out"),
+                PackCallbacks(on_point=lambda *a: None),
+            )
             sync()
             pack_s = time.perf_counter() - t0
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
@@ -70,8 +76,11 @@ def main() -> None:
             t0 = time.perf_counter()
             for trial in trials:
                 model = load(base, device)
-                train_pack(model, tokenizer, [trial], base_model_name=args.shape,
-                           export_dir=Path(tmp) / "out", on_point=lambda *a: None)
+                train_pack(
+                    model, tokenizer, [trial],
+                    PackConfig(base_model_name=args.shape, export_dir=Path(tmp) / "out"),
+                    PackCallbacks(on_point=lambda *a: None),
+                )
                 sync()
                 del model
             separate_s = time.perf_counter() - t0

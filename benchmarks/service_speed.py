@@ -36,7 +36,7 @@ from benchmarks.live_sweep import ALL_LINEAR, GpuBusy, pack_profiles, start_serv
 from benchmarks.sweep import MODELS, read
 from common.messages import TrialPayload
 from loraplane.client import Client
-from worker.engine import ModelSource, TrialSpec, load_base_model, train_pack
+from worker.engine import ModelSource, PackCallbacks, PackConfig, TrialSpec, load_base_model, train_pack
 from worker.engine.trainer import PackTimings
 from worker.runner import PackRunner
 
@@ -158,14 +158,21 @@ def engine_alone(args: argparse.Namespace, source: ModelSource, trials: list[Any
     specs = [trial_spec(t, args, train, val) for t in trials]
     with tempfile.TemporaryDirectory() as tmp:
         warm = [trial_spec(trials[0], args, train, val, steps=3)]
-        train_pack(model, tokenizer, warm, base_model_name=source.name, export_dir=Path(tmp) / "warm",
-                   on_point=lambda *p: None)
+        train_pack(
+            model, tokenizer, warm,
+            PackConfig(base_model_name=source.name, export_dir=Path(tmp) / "warm"),
+            PackCallbacks(on_point=lambda *p: None),
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
         timings = PackTimings()
         started = time.perf_counter()
-        train_pack(model, tokenizer, specs, base_model_name=source.name, export_dir=Path(tmp) / "out",
-                   on_point=lambda *p: None, timings=timings, capacity=len(specs))
+        train_pack(
+            model, tokenizer, specs,
+            PackConfig(base_model_name=source.name, export_dir=Path(tmp) / "out", capacity=len(specs)),
+            PackCallbacks(on_point=lambda *p: None),
+            timings=timings,
+        )
         wall = time.perf_counter() - started
     print(f"engine alone: {len(specs)} trials in {wall:.1f} s", flush=True)
     return {"wall_s": round(wall, 2), "trials": len(specs), "steps": sum(s.max_steps for s in specs),

@@ -41,13 +41,24 @@ from common.messages import (
     TrialPayload,
     TrialRejected,
 )
-from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS
+from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS, score_answers
 from common.regex_policy import SYNTAX, PatternRefused, check_pattern
 from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
 from common.settings import get_settings
 from worker import telemetry
 from worker.agent import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
-from worker.engine import Evaluation, ModelSource, StepStats, TrialOutcome, TrialSpec, load_base_model, train_pack
+from worker.engine import (
+    Evaluation,
+    ModelSource,
+    NoScore,
+    PackCallbacks,
+    PackConfig,
+    StepStats,
+    TrialOutcome,
+    TrialSpec,
+    load_base_model,
+    train_pack,
+)
 from worker.engine.base_model import base_dtype
 from worker.engine.distributed import shard_base
 from worker.engine.keeper import EngineKeeper
@@ -102,6 +113,17 @@ def evaluation_of(stored: dict[str, Any] | None, trial_id: str = "") -> Evaluati
     return Evaluation(metric=str(stored["metric"]),
                       max_new_tokens=int(stored.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
                       pattern=pattern)
+
+
+def score_metric(evaluation: Evaluation, answers: list[str], references: list[str]) -> float:
+    """A trial's generative metric as ``train_pack`` scores it: the share of its answers that pass
+    (common/metrics.py). A regex pattern the policy refuses when compiled (``evaluation_of`` refuses most first;
+    compiling may still refuse one, by recursion) raises ``NoScore``: the trial goes without a metric.
+    """
+    try:
+        return score_answers(evaluation.metric, answers, references, evaluation.pattern)
+    except PatternRefused as exc:
+        raise NoScore(f"its pattern is refused ({exc})") from exc
 
 
 class PackRunner:
@@ -300,18 +322,20 @@ class PackRunner:
                     timings: PackTimings, leads: bool) -> None:
         pack_id, ranks, task_of = pack.pack_id, self.ranks, calls.task_of
         reporter = calls.reporter
-        train_pack(
-            model, tokenizer, specs, base_model_name=export_base_name(source), export_dir=tmp / "adapters",
-            on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, task_of),
-            on_step=calls.stepped if leads else None, resume=resume, checkpoint_dir=tmp / "checkpoints",
+        config = PackConfig(
+            base_model_name=export_base_name(source), export_dir=tmp / "adapters", checkpoint_dir=tmp / "checkpoints",
             # Snapshots to host memory on a time policy; the writer uploads them (upload_checkpoint).
             checkpoint_interval_s=get_settings().checkpoint_interval_s,
-            on_checkpoint=calls.upload_checkpoint, max_rank=pack.max_rank,
             capacity=pack.capacity if ranks is None else ranks.capacity(pack.capacity),
-            target_modules=pack.target_modules, admissions=calls.admissions, on_admitted=calls.admitted,
-            on_outcome=calls.finished, timings=timings, lockstep=None if ranks is None else ranks.lockstep,
-            keeper=self.engines if ranks is None else None,
+            max_rank=pack.max_rank, target_modules=pack.target_modules,
         )
+        callbacks = PackCallbacks(
+            on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, task_of),
+            on_step=calls.stepped if leads else None, on_checkpoint=calls.upload_checkpoint,
+            admissions=calls.admissions, on_admitted=calls.admitted, on_outcome=calls.finished, score=score_metric,
+        )
+        train_pack(model, tokenizer, specs, config, callbacks, resume=resume, timings=timings,
+                   lockstep=None if ranks is None else ranks.lockstep, keeper=self.engines if ranks is None else None)
 
     def _set_up(self, source: ModelSource, trials: list[TrialPayload],
                 read_rows: Callable[[str], list[dict[str, Any]]], resume_into: Path, reporter: Reporter,

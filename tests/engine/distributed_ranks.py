@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tests.engine.factories import TINY, chat_rows, make_spec
+from tests.engine.factories import TINY, chat_rows, make_spec, score
 from worker.engine.base_model import load_base_model
 from worker.engine.distributed import Lockstep, assign_ranks, decoder_layers, shard_base
-from worker.engine.spec import Evaluation, TrialOutcome, TrialSpec
-from worker.engine.trainer import StopMode, train_pack
+from worker.engine.spec import Evaluation, PackConfig, TrialOutcome, TrialSpec
+from worker.engine.trainer import PackCallbacks, StopMode, train_pack
 
 CAPACITY = 3  # slots of each rank's engine; the one-process engine has room for every trial
 EXPORT_AT, PAUSE_AT, RESUME_FROM, BACKFILL_AT = 7, 5, 9, 3  # loop iterations
@@ -100,12 +100,15 @@ def _run(rank: int, world: int, out: Path, cache: Path) -> None:
         return given
 
     outcomes = train_pack(
-        model, tokenizer, mine, base_model_name="tiny-random-llama", export_dir=out / f"export{rank}",
-        on_point=lambda *p: points.append(list(p)), should_stop=should_stop, admissions=admissions,
-        checkpoint_dir=out / f"checkpoints{rank}",  # pauses only
-        capacity=CAPACITY if world > 1 else 2 * CAPACITY, max_rank=4,
-        on_checkpoint=lambda trial_id, step, path: checkpoints.setdefault(trial_id, path), lockstep=lockstep,
-        on_step=lambda stats: steps.append([stats.active_slots, stats.tokens, stats.target_tokens]),
+        model, tokenizer, mine,
+        PackConfig(base_model_name="tiny-random-llama", export_dir=out / f"export{rank}",
+                   checkpoint_dir=out / f"checkpoints{rank}",  # pauses only
+                   capacity=CAPACITY if world > 1 else 2 * CAPACITY, max_rank=4),
+        PackCallbacks(on_point=lambda *p: points.append(list(p)), should_stop=should_stop,
+                      on_step=lambda stats: steps.append([stats.active_slots, stats.tokens, stats.target_tokens]),
+                      on_checkpoint=lambda trial_id, step, path: checkpoints.setdefault(trial_id, path),
+                      admissions=admissions, score=score),
+        lockstep=lockstep,
     )  # fmt: skip
     result = {"outcomes": [_outcome(o) for o in outcomes], "points": points, "steps": steps,
               "idle": lockstep.idle if lockstep is not None else None, "layer_share": _layer_share(model)}

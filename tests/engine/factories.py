@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from worker.engine import ModelSource, PackEngine, TrialSpec
+from common.metrics import score_answers
+from worker.engine import Evaluation, ModelSource, PackCallbacks, PackConfig, PackEngine, TrialSpec
 from worker.engine.data import BatchSampler, collate, encode_rows
 from worker.engine.spec import trial_seed
 from worker.engine.store import ModuleTensors
@@ -147,3 +149,19 @@ def record_engines(monkeypatch: pytest.MonkeyPatch) -> list[PackEngine]:
 
     monkeypatch.setattr(PackEngine, "__init__", recording_init)
     return engines
+
+
+def score(evaluation: Evaluation, answers: list[str], references: list[str]) -> float:
+    """A trial's generative metric as the worker scores it (common/metrics.py; worker/runner.py's ``score_metric``
+    also turns a refused pattern into ``NoScore``), for the packs the tests train."""
+    return score_answers(evaluation.metric, answers, references, evaluation.pattern)
+
+
+def pack_arguments(**kwargs: Any) -> tuple[PackConfig, PackCallbacks, dict[str, Any]]:
+    """``train_pack``'s keywords as a test helper takes them, flat, sorted into its ``PackConfig``, its
+    ``PackCallbacks`` and the rest (``resume``, ``timings``, ``lockstep``, ``keeper``)."""
+    config = {f.name for f in dataclasses.fields(PackConfig)}
+    callbacks = {f.name for f in dataclasses.fields(PackCallbacks)}
+    return (PackConfig(**{k: v for k, v in kwargs.items() if k in config}),
+            PackCallbacks(**{k: v for k, v in kwargs.items() if k in callbacks}),
+            {k: v for k, v in kwargs.items() if k not in config | callbacks})

@@ -19,7 +19,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from common.architectures import target_modules_for
 from tests.engine.factories import CPU, assert_rel_close, chat_rows, completion_rows, make_spec, peft_adamw_reference
 from tests.model_dirs import ARCHITECTURES, tiny_model_dir
-from worker.engine import ModelSource, PackEngine, TrialSpec, adapter_logits, load_base_model, train_pack
+from worker.engine import (
+    ModelSource,
+    PackCallbacks,
+    PackConfig,
+    PackEngine,
+    TrialSpec,
+    adapter_logits,
+    load_base_model,
+    train_pack,
+)
 from worker.engine.data import encode_rows
 from worker.engine.lora import resolve_target_modules
 from worker.engine.store import ModuleTensors
@@ -125,7 +134,11 @@ def test_the_export_loads_in_peft_and_reproduces_the_engines_logits(
     model = _load(model_dirs, architecture)
     spec = make_spec("t", target_modules=["all-linear"], max_steps=6, lora_dropout=0.1, train_rows=ROWS)
     base_path = str(model_dirs[architecture])
-    (outcome,) = train_pack(*model, [spec], base_model_name=base_path, export_dir=tmp_path, on_point=lambda *p: None)
+    (outcome,) = train_pack(
+        *model, [spec],
+        PackConfig(base_model_name=base_path, export_dir=tmp_path),
+        PackCallbacks(on_point=lambda *p: None),
+    )
     assert outcome.status == "completed" and outcome.adapter_dir is not None
     config = json.loads((outcome.adapter_dir / "adapter_config.json").read_text())
     assert config["target_modules"] == sorted(target_modules_for(architecture) or ())

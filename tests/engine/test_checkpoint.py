@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import Persisted, completion_rows, make_spec
-from worker.engine import TrialOutcome, TrialSpec, train_pack
+from tests.engine.factories import Persisted, completion_rows, make_spec, pack_arguments
+from worker.engine import PackCallbacks, PackConfig, TrialOutcome, TrialSpec, train_pack
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 Point = tuple[str, int, str, float]
@@ -29,8 +29,9 @@ def _specs() -> list[TrialSpec]:
 
 def _run(tiny: Tiny, out: Path, **kwargs: Any) -> tuple[list[TrialOutcome], list[Point]]:
     points: list[Point] = []
-    outcomes = train_pack(*tiny, _specs(), base_model_name="tiny", export_dir=out,
-                          on_point=lambda *p: points.append(p), **kwargs)
+    config, callbacks, rest = pack_arguments(base_model_name="tiny", export_dir=out,
+                                             on_point=lambda *p: points.append(p), **kwargs)
+    outcomes = train_pack(*tiny, _specs(), config, callbacks, **rest)
     return outcomes, points
 
 
@@ -43,9 +44,12 @@ def test_a_resumed_pack_continues_bit_for_bit(tiny: Tiny, tmp_path: Path) -> Non
         if point[1:3] == (5, "train"):  # each trial's step-4 snapshot is on disk before it goes on
             persisted.wait(point[0], 4)
 
-    straight = train_pack(*tiny, _specs(), base_model_name="tiny", export_dir=tmp_path / "straight",
-                          on_point=on_point, checkpoint_dir=tmp_path / "ckpt", checkpoint_interval_s=0,
-                          on_checkpoint=persisted)
+    straight = train_pack(
+        *tiny, _specs(),
+        PackConfig(base_model_name="tiny", export_dir=tmp_path / "straight", checkpoint_dir=tmp_path / "ckpt",
+                   checkpoint_interval_s=0),
+        PackCallbacks(on_point=on_point, on_checkpoint=persisted),
+    )
     for steps in (persisted.steps["a"], persisted.steps["b"]):
         # Newest first, superseded ones dropped: increasing steps, never the last (the trial ended there).
         assert 4 in steps and steps == sorted(set(steps)) and steps[-1] < 8, steps
@@ -76,13 +80,25 @@ def test_a_checkpoint_of_another_configuration_is_refused(tiny: Tiny, tmp_path: 
         if (step, split) == (2, "train"):
             persisted.wait(trial_id, 1)  # a checkpoint of each trial is on disk
 
-    train_pack(*tiny, _specs(), base_model_name="tiny", export_dir=tmp_path / "out", on_point=on_point,
-               checkpoint_dir=tmp_path / "ckpt", checkpoint_interval_s=0, on_checkpoint=persisted)
+    train_pack(
+        *tiny, _specs(),
+        PackConfig(base_model_name="tiny", export_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt",
+                   checkpoint_interval_s=0),
+        PackCallbacks(on_point=on_point, on_checkpoint=persisted),
+    )
     other = make_spec("a", lora_rank=8)
-    (outcome,) = train_pack(*tiny, [other], base_model_name="tiny", export_dir=tmp_path / "x",
-                            on_point=lambda *p: None, resume={"a": tmp_path / "ckpt" / "a"})
+    (outcome,) = train_pack(
+        *tiny, [other],
+        PackConfig(base_model_name="tiny", export_dir=tmp_path / "x"),
+        PackCallbacks(on_point=lambda *p: None),
+        resume={"a": tmp_path / "ckpt" / "a"},
+    )
     assert outcome.status == "failed" and outcome.error is not None
     assert "different configuration" in outcome.error and "lora_rank" in outcome.error
-    (missing,) = train_pack(*tiny, [make_spec("a")], base_model_name="tiny", export_dir=tmp_path / "x",
-                            on_point=lambda *p: None, resume={"a": tmp_path / "nowhere"})
+    (missing,) = train_pack(
+        *tiny, [make_spec("a")],
+        PackConfig(base_model_name="tiny", export_dir=tmp_path / "x"),
+        PackCallbacks(on_point=lambda *p: None),
+        resume={"a": tmp_path / "nowhere"},
+    )
     assert missing.status == "failed" and missing.error is not None and "FileNotFoundError" in missing.error

@@ -14,7 +14,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from tests.engine.factories import TINY, chat_rows, completion_rows, make_spec
-from worker.engine import StepStats, TrialSpec, adapter_logits, load_base_model, train_pack
+from worker.engine import PackCallbacks, PackConfig, StepStats, TrialSpec, adapter_logits, load_base_model, train_pack
 from worker.engine.lora import StackedLoraLinear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -54,13 +54,9 @@ def test_cuda_pack_learns_equals_alone_and_matches_peft(model_cache: Path, tmp_p
     points: list[tuple[str, int, str, float]] = []
     stats: list[StepStats] = []
     pack = train_pack(
-        model,
-        tokenizer,
-        _specs(),
-        base_model_name=TINY.name,
-        export_dir=tmp_path / "pack",
-        on_point=lambda *p: points.append(p),
-        on_step=stats.append,
+        model, tokenizer, _specs(),
+        PackConfig(base_model_name=TINY.name, export_dir=tmp_path / "pack"),
+        PackCallbacks(on_point=lambda *p: points.append(p), on_step=stats.append),
     )
     assert [o.status for o in pack] == ["completed", "completed"]
     assert all(s.peak_memory_bytes is not None and s.peak_memory_bytes > 0 for s in stats)
@@ -70,7 +66,9 @@ def test_cuda_pack_learns_equals_alone_and_matches_peft(model_cache: Path, tmp_p
 
     for spec, in_pack in zip(_specs(), pack, strict=True):
         (alone,) = train_pack(
-            model, tokenizer, [spec], base_model_name=TINY.name, export_dir=tmp_path / "alone", on_point=lambda *p: None
+            model, tokenizer, [spec],
+            PackConfig(base_model_name=TINY.name, export_dir=tmp_path / "alone"),
+            PackCallbacks(on_point=lambda *p: None),
         )
         assert in_pack.adapter_dir is not None and alone.adapter_dir is not None
         packed = load_file(str(in_pack.adapter_dir / "adapter_model.safetensors"))
@@ -214,9 +212,13 @@ def test_cuda_a_kept_engine_replays_its_graphs_in_the_next_pack_and_shrinks_as_t
 
     def pack(prefix: str, keeper: EngineKeeper | None) -> tuple[PackTimings, list[StepStats], dict[str, list[float]]]:
         timings, stats, losses = PackTimings(), list[StepStats](), dict[str, list[float]]()
-        train_pack(model, tokenizer, specs(prefix), base_model_name="tiny", export_dir=tmp_path / prefix,
-                   on_point=lambda t, s, split, v: losses.setdefault(t[1:], []).append(v) if split == "train" else None,
-                   on_step=stats.append, timings=timings, keeper=keeper)
+        train_pack(
+            model, tokenizer, specs(prefix),
+            PackConfig(base_model_name="tiny", export_dir=tmp_path / prefix),
+            PackCallbacks(on_point=lambda t, s, split, v: losses.setdefault(t[1:], []).append(v) if split == "train"
+                          else None, on_step=stats.append),
+            timings=timings, keeper=keeper,
+        )
         return timings, stats, losses
 
     keeper = EngineKeeper()

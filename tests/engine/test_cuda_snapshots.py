@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.engine.factories import TINY, Persisted, make_spec
-from worker.engine import PackEngine, load_base_model, restore_base_model, train_pack
+from worker.engine import PackCallbacks, PackConfig, PackEngine, load_base_model, restore_base_model, train_pack
 from worker.engine import checkpoint as checkpoints
 from worker.engine.validation import evaluate
 
@@ -76,14 +76,21 @@ def test_a_pack_on_a_gpu_snapshotting_every_step_resumes_from_a_persisted_checkp
             persisted.wait(trial_id, 5)
 
     specs = [make_spec("g1", max_steps=12), make_spec("g2", seed=3, lora_rank=2, max_steps=12)]
-    straight = train_pack(model, tokenizer, specs, base_model_name="tiny", export_dir=tmp_path / "straight",
-                          on_point=on_point, checkpoint_dir=tmp_path / "ckpt", checkpoint_interval_s=0,
-                          on_checkpoint=persisted)
+    straight = train_pack(
+        model, tokenizer, specs,
+        PackConfig(base_model_name="tiny", export_dir=tmp_path / "straight", checkpoint_dir=tmp_path / "ckpt",
+                   checkpoint_interval_s=0),
+        PackCallbacks(on_point=on_point, on_checkpoint=persisted),
+    )
     assert [o.status for o in straight] == ["completed", "completed"]
     resume = {t: tmp_path / "kept" / t / "5" for t in ("g1", "g2")}
     points: list[tuple[str, int, str, float]] = []
-    resumed = train_pack(model, tokenizer, specs, base_model_name="tiny", export_dir=tmp_path / "resumed",
-                         on_point=lambda *p: points.append(p), resume=resume)
+    resumed = train_pack(
+        model, tokenizer, specs,
+        PackConfig(base_model_name="tiny", export_dir=tmp_path / "resumed"),
+        PackCallbacks(on_point=lambda *p: points.append(p)),
+        resume=resume,
+    )
     assert [(o.status, o.steps_done) for o in resumed] == [("completed", 12), ("completed", 12)]
     assert [p[1] for p in points if p[0] == "g1" and p[2] == "train"] == list(range(6, 13))
     for before, after in zip(straight, resumed, strict=True):  # the same run within the GPU's rounding

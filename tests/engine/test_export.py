@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tests.engine.factories import chat_rows, make_spec
-from worker.engine import adapter_logits, export_peft_adapter, read_peft_adapter, train_pack
+from worker.engine import PackCallbacks, PackConfig, adapter_logits, export_peft_adapter, read_peft_adapter, train_pack
 from worker.engine.lora import LoraConfig, StackedLoraLinear
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
@@ -21,7 +21,9 @@ Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 def _train_one(tiny: Tiny, out: Path, **overrides: object) -> Path:
     spec = make_spec("t1", max_steps=8, lora_rank=4, lora_alpha=16.0, lora_dropout=0.1, **overrides)
     (outcome,) = train_pack(
-        *tiny, [spec], base_model_name="tiny-random-llama", export_dir=out, on_point=lambda *p: None
+        *tiny, [spec],
+        PackConfig(base_model_name="tiny-random-llama", export_dir=out),
+        PackCallbacks(on_point=lambda *p: None),
     )
     assert outcome.status == "completed" and outcome.adapter_dir == out / "t1"
     return outcome.adapter_dir

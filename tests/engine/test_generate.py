@@ -10,7 +10,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import CPU, TINY, chat_rows, completion_rows, make_spec
+from tests.engine.factories import CPU, TINY, chat_rows, completion_rows, make_spec, score
 from worker.engine import PackEngine, load_base_model
 from worker.engine.data import eval_prompt
 from worker.engine.generation import generate
@@ -64,7 +64,7 @@ def test_a_trial_with_a_generative_metric_reports_its_best_adapters_score_once_a
     tiny: Tiny, tmp_path: Path
 ) -> None:
     from common.metrics import score_answers
-    from worker.engine import Evaluation, train_pack
+    from worker.engine import Evaluation, PackCallbacks, PackConfig, train_pack
     from worker.engine.export import read_peft_adapter
 
     model, tokenizer = tiny
@@ -73,8 +73,11 @@ def test_a_trial_with_a_generative_metric_reports_its_best_adapters_score_once_a
                        evaluation=Evaluation(metric="contains", max_new_tokens=10))
     plain = make_spec("p", max_steps=16, val_rows=val, seed=3)
     points: list[tuple[str, int, str, float]] = []
-    outcomes = train_pack(model, tokenizer, [scored, plain], base_model_name="tiny", export_dir=tmp_path,
-                          on_point=lambda *p: points.append(p))
+    outcomes = train_pack(
+        model, tokenizer, [scored, plain],
+        PackConfig(base_model_name="tiny", export_dir=tmp_path),
+        PackCallbacks(on_point=lambda *p: points.append(p), score=score),
+    )
     metric = [p for p in points if p[2] == "metric"]
     assert [(p[0], p[1]) for p in metric] == [("m", 24)]  # the scored trial only, once, at its last step
     # The same score from its exported (best) adapter, generated and scored again here.
@@ -93,7 +96,7 @@ def test_a_trial_with_a_generative_metric_reports_its_best_adapters_score_once_a
 def test_a_trial_is_scored_at_its_early_exit_rungs_too_and_trains_on_exactly_as_unscored(
     tiny: Tiny, tmp_path: Path
 ) -> None:
-    from worker.engine import Evaluation, train_pack
+    from worker.engine import Evaluation, PackCallbacks, PackConfig, train_pack
     from worker.engine.export import read_peft_adapter
 
     model, tokenizer = tiny
@@ -104,9 +107,11 @@ def test_a_trial_is_scored_at_its_early_exit_rungs_too_and_trains_on_exactly_as_
     runs = {}
     for name, evaluation in (("scored", Evaluation(metric="contains", max_new_tokens=10)), ("plain", None)):
         points: list[tuple[str, int, str, float]] = []
-        outcomes = train_pack(model, tokenizer, [make_spec("t", evaluation=evaluation, **common)],
-                              base_model_name="tiny", export_dir=tmp_path / name,
-                              on_point=lambda *p, into=points: into.append(p))
+        outcomes = train_pack(
+            model, tokenizer, [make_spec("t", evaluation=evaluation, **common)],
+            PackConfig(base_model_name="tiny", export_dir=tmp_path / name),
+            PackCallbacks(on_point=lambda *p, into=points: into.append(p), score=score),
+        )
         runs[name] = (points, outcomes[0])
     scored_points, scored = runs["scored"]
     plain_points, plain = runs["plain"]
@@ -143,13 +148,37 @@ def test_generation_split_into_forwards_of_a_token_budget_gives_the_same_answers
 
 def test_a_trial_reports_the_steps_and_real_tokens_it_trained_in_its_pack(tiny: Tiny, tmp_path: Path) -> None:
     """Issue 18's usage accounting: a batch of every row each step, so the tokens are the rows' lengths x steps."""
-    from worker.engine import train_pack
+    from worker.engine import PackCallbacks, PackConfig, train_pack
     from worker.engine.data import encode_rows
 
     model, tokenizer = tiny
     rows = chat_rows(4)
     spec = make_spec("u", train_rows=rows, batch_size=4, max_steps=3, val_rows=[])
-    (outcome,) = train_pack(model, tokenizer, [spec], base_model_name="tiny", export_dir=tmp_path,
-                            on_point=lambda *_: None)
+    (outcome,) = train_pack(
+        model, tokenizer, [spec],
+        PackConfig(base_model_name="tiny", export_dir=tmp_path),
+        PackCallbacks(on_point=lambda *_: None),
+    )
     lengths = sum(len(e.input_ids) for e in encode_rows(rows, tokenizer, spec.max_seq_len))
     assert (outcome.pack_steps, outcome.pack_tokens) == (3, 3 * lengths)
+
+
+def test_a_trial_its_scorer_gives_no_score_goes_without_a_metric_and_completes(
+    tiny: Tiny, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's scorer raises ``NoScore`` for a regex pattern the policy refuses when compiled (worker/runner.py's
+    ``score_metric``): the trial has no metric point, says why in the log, and completes."""
+    from worker.engine import Evaluation, NoScore, PackCallbacks, PackConfig, train_pack
+
+    def refuses(evaluation: Evaluation, answers: list[str], references: list[str]) -> float:
+        raise NoScore("its pattern is refused (a test's)")
+
+    model, tokenizer = tiny
+    spec = make_spec("n", max_steps=4, val_rows=chat_rows(2),
+                     evaluation=Evaluation(metric="regex", max_new_tokens=4, pattern="x"))
+    points: list[tuple[str, int, str, float]] = []
+    (outcome,) = train_pack(model, tokenizer, [spec], PackConfig(base_model_name="tiny", export_dir=tmp_path),
+                            PackCallbacks(on_point=lambda *p: points.append(p), score=refuses))
+    assert outcome.status == "completed" and outcome.adapter_dir is not None
+    assert [p for p in points if p[2] == "metric"] == [] and [p for p in points if p[2] == "val"]
+    assert "trial n goes without a metric: its pattern is refused (a test's)" in caplog.text

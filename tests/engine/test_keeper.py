@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import chat_rows, make_spec
+from tests.engine.factories import chat_rows, make_spec, pack_arguments
 from worker.engine import TrialOutcome, TrialSpec, train_pack
 from worker.engine.keeper import EngineKeeper
 from worker.engine.lora import StackedLoraLinear
@@ -27,8 +27,9 @@ def _specs(prefix: str) -> list[TrialSpec]:
 
 def _pack(tiny: Tiny, specs: list[TrialSpec], out: Path, keeper: EngineKeeper | None,
           **kwargs: object) -> list[TrialOutcome]:  # fmt: skip
-    return train_pack(*tiny, specs, base_model_name="tiny", export_dir=out, on_point=lambda *p: None,
-                      keeper=keeper, **kwargs)  # type: ignore[arg-type]
+    config, callbacks, rest = pack_arguments(base_model_name="tiny", export_dir=out, on_point=lambda *p: None,
+                                             **kwargs)
+    return train_pack(*tiny, specs, config, callbacks, keeper=keeper, **rest)
 
 
 def _adapters(outcomes: list[TrialOutcome]) -> list[dict[str, torch.Tensor]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.engine.factories import CPU, make_spec
-from worker.engine import ModelSource, load_base_model, train_pack
+from worker.engine import ModelSource, PackCallbacks, PackConfig, load_base_model, train_pack
 from worker.engine.data import IGNORE_INDEX, encode_row
 
 SMOLLM2 = ModelSource(
@@ -57,12 +57,9 @@ def test_smollm2_loads_and_runs_a_two_step_pack(tmp_path: Path) -> None:
     ]
     points: list[tuple[str, int, str, float]] = []
     outcomes = train_pack(
-        model,
-        tokenizer,
-        specs,
-        base_model_name=SMOLLM2.name,
-        export_dir=tmp_path / "out",
-        on_point=lambda *p: points.append(p),
+        model, tokenizer, specs,
+        PackConfig(base_model_name=SMOLLM2.name, export_dir=tmp_path / "out"),
+        PackCallbacks(on_point=lambda *p: points.append(p)),
     )
     assert [(o.status, o.steps_done) for o in outcomes] == [("completed", 2), ("completed", 2)]
     assert len(points) == 2 + 2 + 2  # s1: 2 train + 2 val, s2: 2 train

@@ -16,10 +16,11 @@ from tests.engine.factories import (
     chat_rows,
     completion_rows,
     make_spec,
+    pack_arguments,
     record_engines,
     token_loss_sum,
 )
-from worker.engine import StepStats, TrialOutcome, TrialSpec, adapter_logits, train_pack
+from worker.engine import PackCallbacks, PackConfig, StepStats, TrialOutcome, TrialSpec, adapter_logits, train_pack
 from worker.engine.batch import PackedBatch
 from worker.engine.data import collate, encode_rows
 from worker.engine.lora import StackedLoraLinear
@@ -55,14 +56,13 @@ TRIAL_B: dict[str, Any] = {
 
 def _run(tiny: Tiny, specs: list[TrialSpec], out: Path, **kwargs: Any) -> tuple[list[TrialOutcome], list[Point]]:
     points: list[Point] = []
-    outcomes = train_pack(
-        *tiny,
-        specs,
+    config, callbacks, rest = pack_arguments(
         base_model_name="tiny-random-llama",
         export_dir=out,
         on_point=lambda *p: points.append(p),
         **kwargs,
     )
+    outcomes = train_pack(*tiny, specs, config, callbacks, **rest)
     return outcomes, points
 
 
@@ -122,12 +122,9 @@ def test_should_stop_drops_a_trial_at_once(tiny: Tiny, tmp_path: Path) -> None:
         return {"b": "drop"} if any(p[:3] == ("b", 5, "train") for p in points) else {}
 
     outcomes = train_pack(
-        *tiny,
-        [make_spec("a"), make_spec("b", seed=2)],
-        base_model_name="tiny",
-        export_dir=tmp_path,
-        on_point=lambda *p: points.append(p),
-        should_stop=stop_b_after_five,
+        *tiny, [make_spec("a"), make_spec("b", seed=2)],
+        PackConfig(base_model_name="tiny", export_dir=tmp_path),
+        PackCallbacks(on_point=lambda *p: points.append(p), should_stop=stop_b_after_five),
     )
     a, b = outcomes
     assert (a.status, a.steps_done, a.adapter_dir) == ("completed", 12, tmp_path / "a")
@@ -251,10 +248,11 @@ def test_a_back_filled_trial_joins_a_free_slot_mid_pack_and_trains_as_alone(tiny
         return [(spec, None) for spec in taken]
 
     outcomes = train_pack(
-        *tiny, [make_spec("a", max_steps=8), make_spec("b", max_steps=16, seed=2)], base_model_name="tiny",
-        export_dir=tmp_path / "pack", on_point=lambda *p: points.append(p), capacity=3, max_rank=8,
-        admissions=admissions, on_admitted=lambda t, reason: admitted.append((t, reason)),
-        on_outcome=lambda o: ended.append((o.trial_id, len(points))),
+        *tiny, [make_spec("a", max_steps=8), make_spec("b", max_steps=16, seed=2)],
+        PackConfig(base_model_name="tiny", export_dir=tmp_path / "pack", capacity=3, max_rank=8),
+        PackCallbacks(on_point=lambda *p: points.append(p), admissions=admissions,
+                      on_admitted=lambda t, reason: admitted.append((t, reason)),
+                      on_outcome=lambda o: ended.append((o.trial_id, len(points)))),
     )  # fmt: skip
     assert offered == [1, 1]  # one slot free after c joined; then a finished and freed another for d
     assert [t for t, _ in admitted] == ["c", "d"]
@@ -295,9 +293,10 @@ def test_stop_modes_export_the_best_adapter_or_pause_to_resume_exactly(tiny: Tin
 
     outcomes = train_pack(
         *tiny, [make_spec("a", max_steps=12), make_spec("b", max_steps=12, seed=2), make_spec("c", seed=3)],
-        base_model_name="tiny", export_dir=tmp_path / "pack", on_point=lambda *p: points.append(p),
-        checkpoint_dir=tmp_path / "ckpt", admissions=admissions, should_stop=stops,  # pauses only
-        on_checkpoint=lambda t, step, path: checkpoints.setdefault(t, (step, path)),
+        PackConfig(base_model_name="tiny", export_dir=tmp_path / "pack",
+                   checkpoint_dir=tmp_path / "ckpt"),  # pauses only
+        PackCallbacks(on_point=lambda *p: points.append(p), should_stop=stops, admissions=admissions,
+                      on_checkpoint=lambda t, step, path: checkpoints.setdefault(t, (step, path))),
     )  # fmt: skip
     got = [(o.trial_id, o.status, o.steps_done) for o in outcomes]
     assert got == [("a", "stopped", 4), ("b", "paused", 6), ("b", "completed", 12), ("c", "completed", 12)]
@@ -340,9 +339,11 @@ def test_files_and_their_callbacks_run_off_the_training_thread_in_order(tiny: Ti
 
     timings = PackTimings()
     outcomes = train_pack(
-        model, tokenizer, specs, base_model_name="tiny", export_dir=tmp_path / "out", on_point=on_point,
-        checkpoint_dir=tmp_path / "ckpt", checkpoint_interval_s=0, on_checkpoint=on_checkpoint,
-        on_outcome=on_outcome, timings=timings,
+        model, tokenizer, specs,
+        PackConfig(base_model_name="tiny", export_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt",
+                   checkpoint_interval_s=0),
+        PackCallbacks(on_point=on_point, on_checkpoint=on_checkpoint, on_outcome=on_outcome),
+        timings=timings,
     )  # fmt: skip
     assert [o.status for o in outcomes] == ["completed", "completed"]
     assert {thread for *_, thread in events} != {main}  # not on the training thread
@@ -368,9 +369,10 @@ def test_a_callback_that_raises_on_the_writer_thread_stops_the_pack(tiny: Tiny, 
     steps: list[int] = []
     with pytest.raises(RuntimeError, match="store is full"):
         train_pack(
-            model, tokenizer, [make_spec("x", max_steps=100_000)], base_model_name="tiny",
-            export_dir=tmp_path / "out", on_point=lambda t, step, split, v: steps.append(step),
-            checkpoint_dir=tmp_path / "ckpt", checkpoint_interval_s=0, on_checkpoint=on_checkpoint,
+            model, tokenizer, [make_spec("x", max_steps=100_000)],
+            PackConfig(base_model_name="tiny", export_dir=tmp_path / "out", checkpoint_dir=tmp_path / "ckpt",
+                       checkpoint_interval_s=0),
+            PackCallbacks(on_point=lambda t, step, split, v: steps.append(step), on_checkpoint=on_checkpoint),
         )  # fmt: skip
     assert max(steps) < 100_000  # the pack stopped at the failure, not at its end
     assert not any(isinstance(m, StackedLoraLinear) for m in model.modules())  # the model is bare again

@@ -17,7 +17,7 @@ from common.artifacts import LocalArtifactStore
 from common.bus import SCHEDULER_STREAM, FileBus
 from common.messages import ModelSourceFields, PackMessage, TrialPayload
 from worker.agent import Heartbeat, Incarnation
-from worker.engine import ModelSource
+from worker.engine import Evaluation, ModelSource, NoScore
 from worker.model_cache import preload_models
 from worker.runner import PackRunner
 
@@ -133,6 +133,13 @@ def test_a_stored_pattern_the_policy_refuses_is_never_compiled(stored: dict[str,
     assert "t-1: its regex metric's pattern is refused" in caplog.text
     allowed = worker.runner.evaluation_of({**stored, "pattern": r"\d+"}, "t-2")
     assert allowed is not None and allowed.pattern == r"\d+"
+
+
+def test_the_scorer_turns_a_pattern_refused_when_compiled_into_no_score() -> None:
+    # What train_pack hears for a pattern that reaches the scorer and the policy refuses: NoScore (no metric point).
+    with pytest.raises(NoScore, match="its pattern is refused"):
+        worker.runner.score_metric(Evaluation(metric="regex", pattern="a{1000001}"), ["a"], [""])
+    assert worker.runner.score_metric(Evaluation(metric="regex", pattern=r"\d"), ["a1", "b"], ["", ""]) == 0.5
 
 
 def test_a_pack_with_a_refused_pattern_finishes_and_scores_only_the_allowed_trial(runner: PackRunner) -> None:

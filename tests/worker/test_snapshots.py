@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tests.conftest import MODEL_CACHE
-from tests.engine.factories import TINY, Persisted, make_spec
+from tests.engine.factories import TINY, Persisted, make_spec, pack_arguments
 from worker.engine import PackEngine, TrialOutcome, TrialSpec, load_base_model, restore_base_model, train_pack
 from worker.engine import checkpoint as checkpoints
 from worker.engine.store import ModuleTensors
@@ -89,8 +89,8 @@ def _run(tiny: Tiny, out: Path, **kwargs: Any) -> tuple[TrialOutcome, list[Point
         if on_point is not None:
             on_point(*point)
 
-    (outcome,) = train_pack(*tiny, [make_spec("k", max_steps=12, lora_dropout=0.1)], base_model_name="tiny",
-                            export_dir=out, on_point=record, **kwargs)
+    config, callbacks, rest = pack_arguments(base_model_name="tiny", export_dir=out, on_point=record, **kwargs)
+    (outcome,) = train_pack(*tiny, [make_spec("k", max_steps=12, lora_dropout=0.1)], config, callbacks, **rest)
     return outcome, points
 
 

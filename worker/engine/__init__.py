@@ -6,10 +6,12 @@ as it is on the GPU image (torch 2.11, transformers 5.17), which has none of the
 A whole pack, as a worker runs it::
 
     model, tokenizer = load_base_model(source, cache_dir=cache, device=torch.device("cuda"))
-    outcomes = train_pack(model, tokenizer, trials, base_model_name=source.name, export_dir=out,
-                          on_point=publish, should_stop=poll_evictions,
-                          on_step=record_stats,                               # StepStats per pack step
-                          checkpoint_dir=ckpt, checkpoint_interval_s=60.0, on_checkpoint=upload,
+    config = PackConfig(base_model_name=source.name, export_dir=out,
+                        checkpoint_dir=ckpt, checkpoint_interval_s=60.0)      # snapshot every minute
+    callbacks = PackCallbacks(on_point=publish, should_stop=poll_evictions,
+                              on_step=record_stats,                           # StepStats per pack step
+                              on_checkpoint=upload, score=score_metric)       # the shell's metric scorer
+    outcomes = train_pack(model, tokenizer, trials, config, callbacks,
                           resume={"trial-7": ckpt / "trial-7"})                # continue a trial exactly
 
 The engine underneath, for benchmarks and for schedulers that back-fill slots::
@@ -39,12 +41,15 @@ from worker.engine.lora import restore_base_model
 from worker.engine.pack_engine import PackEngine
 from worker.engine.schedule import lr_at
 from worker.engine.slots import SlotState, StepStats
-from worker.engine.spec import Evaluation, TrialOutcome, TrialSpec
-from worker.engine.trainer import train_pack
+from worker.engine.spec import Evaluation, PackConfig, TrialOutcome, TrialSpec
+from worker.engine.trainer import NoScore, PackCallbacks, train_pack
 
 __all__ = [
     "Evaluation",
     "ModelSource",
+    "NoScore",
+    "PackCallbacks",
+    "PackConfig",
     "PackEngine",
     "SlotState",
     "StepStats",

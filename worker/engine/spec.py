@@ -1,4 +1,5 @@
-"""What a trial asks for (``TrialSpec``) and how it ended (``TrialOutcome``)."""
+"""What a trial asks for (``TrialSpec``), what a pack of them asks for besides (``PackConfig``) and how a trial
+ended (``TrialOutcome``)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,23 @@ class TrialSpec:
     # Also validate after these steps (the scheduler's early-exit warm-up boundary, which a ranking needs).
     extra_eval_steps: tuple[int, ...] = ()
     evaluation: Evaluation | None = None  # a generative metric, scored on the validation rows at the end
+
+
+@dataclass(frozen=True)
+class PackConfig:
+    """What a pack asks for besides its trials (``train_pack``): where its adapters and checkpoints go, and the room
+    its engine makes for back-fills."""
+
+    base_model_name: str  # what an exported adapter names as its base (``base_model_name_or_path``)
+    export_dir: Path  # each trial's exported adapter goes to export_dir/<trial_id>/
+    # The training trials are snapshotted every checkpoint_interval_s (0: each step; None: on a pause only) and
+    # written to checkpoint_dir/<trial_id>/ (None: no checkpoint, a paused trial's included).
+    checkpoint_dir: Path | None = None
+    checkpoint_interval_s: float | None = None
+    capacity: int | None = None  # the engine's slots (None: one per trial it starts with)
+    max_rank: int | None = None  # the rank its slots are padded to (None: the trials' largest)
+    target_modules: list[str] | None = None  # layers it wraps beyond the trials' own (PEFT patterns)
+    activation_checkpointing: bool = False  # recompute each decoder layer in the backward (PackEngine)
 
 
 @dataclass

@@ -13,8 +13,6 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from common.metrics import score_answers
-from common.regex_policy import PatternRefused
 from worker.engine import checkpoint
 from worker.engine.data import eval_prompt
 from worker.engine.distributed import Lockstep
@@ -24,7 +22,7 @@ from worker.engine.lora import ALL_LINEAR, resolve_target_modules
 from worker.engine.pack_engine import PackEngine
 from worker.engine.slot_export import prepare_export
 from worker.engine.slots import StepStats
-from worker.engine.spec import TrialOutcome, TrialSpec, validate_spec
+from worker.engine.spec import Evaluation, PackConfig, TrialOutcome, TrialSpec, validate_spec
 from worker.engine.store import slot_bytes
 from worker.engine.validation import evaluate, evaluate_slots, evaluation_passes
 from worker.engine.writer import PackWriter, WriterCounts
@@ -38,62 +36,78 @@ PointCallback = Callable[[str, int, str, float], None]
 StopMode = Literal["drop", "export", "pause"]
 # Given the free slots, the trials to admit now, each with the checkpoint it resumes from (or None).
 Admissions = Callable[[int], list[tuple[TrialSpec, Path | None]]]
+# A trial's generative metric: the share of its generated answers that pass against the references, in [0, 1].
+# The worker's shell gives it (common/metrics.py); the engine knows no metric.
+Scorer = Callable[[Evaluation, list[str], list[str]], float]
 # Spare slots (for back-fills) may take this share of the device's free memory at the pack's start; the rest
 # is for the trials' activations.
 SPARE_SLOTS_MEMORY_FRACTION = 0.25
 CUDA_RANK_MULTIPLE = 8  # see _engine_rank
 
 
+class NoScore(Exception):
+    """What a ``Scorer`` raises for a trial that goes without a score (its regex pattern refused when compiled):
+    logged, and the pack goes on; any other exception from it propagates."""
+
+
+def _nothing_stops() -> Mapping[str, StopMode]:
+    return {}
+
+
+@dataclass(frozen=True)
+class PackCallbacks:
+    """What ``train_pack`` calls back while the pack trains; exceptions from them propagate.
+
+    ``on_checkpoint`` and ``on_outcome`` run on the pack's writer thread (worker/engine/writer.py), after their files
+    are written; one that raises stops the pack at its next step.
+    """
+
+    on_point: PointCallback  # each train step and validation of each trial, and its generative metric's score
+    should_stop: Callable[[], Mapping[str, StopMode]] = _nothing_stops  # polled once per step: trials to take out
+    # Each pack step's ``StepStats`` (under a ``lockstep``: on every rank, the whole pack's step over all ranks,
+    # ``Lockstep.pack_stats``).
+    on_step: Callable[[StepStats], None] | None = None
+    # (trial_id, step, path) of each snapshot written, unless a newer one or the trial's end came first
+    # (``_Hooks.snapshot``).
+    on_checkpoint: Callable[[str, int, Path], None] | None = None
+    admissions: Admissions | None = None  # back-fills, asked before each step (see ``train_pack``)
+    on_admitted: Callable[[str, str | None], None] | None = None  # (trial_id, None) admitted, or why it was refused
+    on_outcome: Callable[[TrialOutcome], None] | None = None  # each trial's outcome once its adapter is written
+    score: Scorer | None = None  # scores the trials with an ``evaluation`` (None: none is scored by generation)
+
+
 def train_pack(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     trials: list[TrialSpec],
+    config: PackConfig,
+    callbacks: PackCallbacks,
     *,
-    base_model_name: str,
-    export_dir: Path,
-    on_point: PointCallback,
-    should_stop: Callable[[], Mapping[str, StopMode]] = lambda: {},
-    on_step: Callable[[StepStats], None] | None = None,
     resume: dict[str, Path] | None = None,
-    checkpoint_dir: Path | None = None,
-    checkpoint_interval_s: float | None = None,
-    on_checkpoint: Callable[[str, int, Path], None] | None = None,
-    activation_checkpointing: bool = False,
-    capacity: int | None = None,
-    max_rank: int | None = None,
-    target_modules: list[str] | None = None,
-    admissions: Admissions | None = None,
-    on_admitted: Callable[[str, str | None], None] | None = None,
-    on_outcome: Callable[[TrialOutcome], None] | None = None,
     timings: PackTimings | None = None,
     lockstep: Lockstep | None = None,
     keeper: EngineKeeper | None = None,
 ) -> list[TrialOutcome]:
-    """Train ``trials`` together on ``model`` and export each completed one to ``export_dir/<trial_id>/``.
+    """Train ``trials`` together on ``model`` and export each completed one to ``config.export_dir/<trial_id>/``.
 
     All trials share one ``PackEngine``: one forward and one backward per step. A trial that raises (bad
     spec, unknown target module, no data, an exception in its step) is ``"failed"`` and the others go on; a
-    NaN loss is reported, not an error. Trials ``should_stop`` names (polled once per step) leave at once:
+    NaN loss is reported, not an error. Trials ``callbacks.should_stop`` names (polled once per step) leave at once:
     ``"drop"`` and ``"export"`` end them ``"stopped"`` (with the best-validation adapter exported for
     ``"export"``); ``"pause"`` checkpoints them and ends them ``"paused"``. Exceptions from the callbacks propagate.
     The model is left with no adapter layers, ready for the next pack.
 
-    Back-filling: the engine has ``capacity`` slots (default: one per trial) of rank up to ``max_rank``
-    (default: the trials' largest) over the layers ``target_modules`` select (default: the trials' own).
-    Before each step ``admissions(free slots)`` may hand over more trials (under a ``lockstep`` it is asked
+    Back-filling: the engine has ``config.capacity`` slots (default: one per trial) of rank up to ``config.max_rank``
+    (default: the trials' largest) over the layers ``config.target_modules`` select (default: the trials' own).
+    Before each step ``callbacks.admissions(free slots)`` may hand over more trials (under a ``lockstep`` it is asked
     every time, with no free slot too); each is admitted into a free slot (fresh, or from its checkpoint) and
     trains exactly as it would alone, or is refused (``on_admitted(trial_id, reason)``; ``None`` when admitted).
     The pack ends when no trial is left and ``admissions`` has none to give.
 
     Args:
-        on_point: called per train step and per validation of each trial.
-        on_step: called with each pack step's ``StepStats`` (under a ``lockstep``: on every rank, with the
-            whole pack's step over all ranks, ``Lockstep.pack_stats``).
+        config: where adapters and checkpoints go, and the engine's room (``PackConfig``).
+        callbacks: what the pack reports to and asks (``PackCallbacks``).
         resume: ``{trial_id: checkpoint dir}`` of trials to continue instead of starting fresh.
-        checkpoint_dir, checkpoint_interval_s: snapshot the training trials every ``checkpoint_interval_s`` (0: each
-            step; None: pauses only); each is written to ``checkpoint_dir/<trial_id>/`` then ``on_checkpoint(trial_id,
-            step, path)`` is called, unless a newer one or the trial's end came first (``_Hooks.snapshot``).
-        on_outcome: called with each trial's outcome as soon as the trial ends and its adapter is written.
         timings: filled in with where the pack's wall time went on the training thread.
         keeper: the worker's kept engine (worker/engine/keeper.py): the pack takes it where it fits, and it is kept
             again, with its captured graphs, when the pack ends well (none: a new engine, closed at the end).
@@ -112,17 +126,17 @@ def train_pack(
     clock = timings if timings is not None else PackTimings()
     started = time.perf_counter()
     writer = PackWriter()
-    report = _Reporter([], on_outcome, writer)
+    report = _Reporter([], callbacks.on_outcome, writer)
     ready = _set_up(model, trials, report)
-    snapshots = SnapshotClock(checkpoint_interval_s, started)
-    hooks = _Hooks(on_point, Path(export_dir), base_model_name, checkpoint_dir, snapshots, on_checkpoint, writer, clock)
-    layers = _pack_layers(model, ready, target_modules)
-    rank = _engine_rank(model, max([max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64)
+    snapshots = SnapshotClock(config.checkpoint_interval_s, started)
+    hooks = _Hooks(config, callbacks, Path(config.export_dir), snapshots, writer, clock)
+    layers = _pack_layers(model, ready, config.target_modules)
+    rank = _engine_rank(model, max([config.max_rank or 0, *(spec.lora_rank for spec, _ in ready)]) or 64)
     with _closing_writer(writer, clock, started):
-        if ready or admissions is not None or lockstep is not None:  # a rank takes part even with no trial
-            shape = EngineShape(frozenset(layers), rank, activation_checkpointing)
-            with _pack_engine(model, tokenizer, shape, capacity, len(ready), lockstep, keeper, clock) as engine:
-                _run(engine, ready, resume or {}, report, hooks, admissions, on_admitted, should_stop, on_step)
+        if ready or callbacks.admissions is not None or lockstep is not None:  # a rank takes part even with no trial
+            shape = EngineShape(frozenset(layers), rank, config.activation_checkpointing)
+            with _pack_engine(model, tokenizer, shape, config.capacity, len(ready), lockstep, keeper, clock) as engine:
+                _run(engine, ready, resume or {}, report, hooks)
     return _in_trial_order(report.outcomes, ids)
 
 
@@ -289,15 +303,8 @@ def _linear(module: torch.nn.Module) -> torch.nn.Linear:
 
 
 def _run(
-    engine: PackEngine,
-    ready: list[tuple[TrialSpec, list[str]]],
-    resume: dict[str, Path],
-    report: _Reporter,
+    engine: PackEngine, ready: list[tuple[TrialSpec, list[str]]], resume: dict[str, Path], report: _Reporter,
     hooks: _Hooks,
-    admissions: Admissions | None,
-    on_admitted: Callable[[str, str | None], None] | None,
-    should_stop: Callable[[], Mapping[str, StopMode]],
-    on_step: Callable[[StepStats], None] | None,
 ) -> None:
     """The pack's loop: admit, take out what should stop, step, validate, then each slot's after-step work."""
     for spec, _ in ready:
@@ -308,20 +315,21 @@ def _run(
             report(TrialOutcome(spec.trial_id, "failed", 0, None, None, None, None, _describe(exc)))
     while True:
         hooks.writer.poll()  # a write or callback that failed stops the pack here
-        if admissions is not None:
-            _admit(engine, admissions, on_admitted)
+        calls = hooks.calls
+        if calls.admissions is not None:
+            _admit(engine, calls.admissions, calls.on_admitted)
         live = _live(engine)
         if not (live if engine.lockstep is None else engine.lockstep.any(bool(live))):
             break
-        stop = should_stop()
+        stop = calls.should_stop()
         leaving = [s for s in live if engine.state(s).spec.trial_id in stop]
         _score(engine, [s for s in leaving if stop[engine.state(s).spec.trial_id] == "export"], hooks)
         for slot in leaving:
             report(_take_out(engine, slot, stop[engine.state(slot).spec.trial_id], hooks))
         with hooks.clock.measure("steps_s"):
             losses, stats = _step(engine)
-        if on_step is not None and stats is not None:
-            on_step(stats)
+        if calls.on_step is not None and stats is not None:
+            calls.on_step(stats)
         with hooks.clock.measure("validation_s"):
             validation = _validate(engine, losses)
         finishing = [s for s in _live(engine) if not engine.state(s).training
@@ -344,7 +352,7 @@ def _snapshot_round(engine: PackEngine, losses: dict[str, float], hooks: _Hooks)
     every trial that stepped and trains on, for the writer to persist (``_Hooks.snapshot``). One that fails is only
     missed: the trial trains on, and the next round tries again."""
     now = time.perf_counter()
-    if hooks.checkpoint_dir is None or not losses or not hooks.snapshots.due(now):
+    if hooks.config.checkpoint_dir is None or not losses or not hooks.snapshots.due(now):
         return
     for slot in _live(engine):
         state = engine.state(slot)
@@ -456,12 +464,13 @@ def _admit(
 
 @dataclass(frozen=True)
 class _Hooks:
-    on_point: PointCallback
+    """What the pack's loop hands on to its parts: the pack's config and callbacks, its snapshot clock, writer thread
+    and timings."""
+
+    config: PackConfig
+    calls: PackCallbacks
     export_dir: Path
-    base_model_name: str
-    checkpoint_dir: Path | None
     snapshots: SnapshotClock
-    on_checkpoint: Callable[[str, int, Path], None] | None
     writer: PackWriter
     clock: PackTimings
 
@@ -470,11 +479,12 @@ class _Hooks:
         the writer thread writes it to ``checkpoint_dir/<trial_id>/`` and calls ``on_checkpoint``. With ``keep``
         (a pause) it is written in order, before the trial's outcome; else a newer snapshot of the trial, or the
         trial's end, drops it if it has not started."""
-        assert self.checkpoint_dir is not None
+        assert self.config.checkpoint_dir is not None
         with self.clock.measure("snapshot_s"):
             snapshot = checkpoint.snapshot_slot(slot=slot, state=engine.state(slot), store=engine.store,
                                                 optimizer=engine.optimizer)
-        directory, on_checkpoint, clock = self.checkpoint_dir / snapshot.trial_id, self.on_checkpoint, self.clock
+        directory = self.config.checkpoint_dir / snapshot.trial_id
+        on_checkpoint, clock = self.calls.on_checkpoint, self.clock
 
         def persist() -> None:
             with clock.measure("persist_s"):  # on the writer thread: the training thread never touches persist_s
@@ -491,12 +501,14 @@ class _Hooks:
 def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: bool = False) -> None:
     """The generative metric of trials that finish now with their adapter (completed, or exported on request), or,
     with ``training``, of trials at an early-exit rung that go on training: their best adapters answer their
-    validation rows in one batched greedy generation (generation.py) and each trial's share of passing
-    answers (common/metrics.py) is reported as its "metric" point. A trial that goes on training gets its current
-    weights back afterwards. A failure here costs the trials their score, not their result; in a pack over several
-    GPUs every rank takes part in the generation, with or without trials to score, and one that fails in it fails
-    the pack (the ranks' passes no longer match)."""
-    wanted = [s for s in slots if engine.state(s).spec.evaluation is not None and engine.state(s).spec.val_rows]
+    validation rows in one batched greedy generation (generation.py) and each trial's share of passing answers
+    (``callbacks.score``; without a scorer no trial is scored) is reported as its "metric" point. A trial that goes
+    on training gets its current weights back afterwards. A failure here costs the trials their score, not their
+    result; in a pack over several GPUs every rank takes part in the generation, with or without trials to score,
+    and one that fails in it fails the pack (the ranks' passes no longer match)."""
+    scorer = hooks.calls.score
+    wanted = [s for s in slots if scorer is not None and engine.state(s).spec.evaluation is not None
+              and engine.state(s).spec.val_rows]
     if not wanted and engine.lockstep is None:
         return
     tokenizer = engine.tokenizer
@@ -521,16 +533,16 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: boo
                 engine.store.install(slot, tensors)
     for slot in wanted:
         state, evaluation = engine.state(slot), evaluations[slot]
-        assert evaluation is not None
+        assert evaluation is not None and scorer is not None
         # Greedy decoding is prefix-stable: a trial's shorter budget is the first max_new_tokens of the longest.
         texts = [str(tokenizer.decode(ids[: evaluation.max_new_tokens], skip_special_tokens=True))
                  for ids in answers[slot]]
         try:
-            score = score_answers(evaluation.metric, texts, references[slot], evaluation.pattern)
-        except PatternRefused as exc:  # the runner refuses these first; compiling may still refuse (recursion)
-            logger.error("trial %s goes without a metric: its pattern is refused (%s)", state.spec.trial_id, exc)
+            score = scorer(evaluation, texts, references[slot])
+        except NoScore as exc:  # e.g. a regex the runner let through that compiling still refuses (recursion)
+            logger.error("trial %s goes without a metric: %s", state.spec.trial_id, exc)
             continue
-        hooks.on_point(state.spec.trial_id, state.steps_done, "metric", score)
+        hooks.calls.on_point(state.spec.trial_id, state.steps_done, "metric", score)
 
 
 def _prompts(engine: PackEngine, slots: list[int]) -> tuple[dict[int, list[list[int]]], dict[int, list[str]]]:
@@ -602,9 +614,9 @@ def _after_step(
         logger.exception("trial %s failed after step %d", trial_id, step)
         return _finish(engine, slot, "failed", _describe(exc))
     if trial_id in losses:
-        hooks.on_point(trial_id, step, "train", losses[trial_id])
+        hooks.calls.on_point(trial_id, step, "train", losses[trial_id])
     if val_loss is not None:
-        hooks.on_point(trial_id, step, "val", val_loss)
+        hooks.calls.on_point(trial_id, step, "val", val_loss)
     return outcome
 
 
@@ -614,7 +626,7 @@ def _take_out(engine: PackEngine, slot: int, mode: StopMode, hooks: _Hooks) -> T
     if mode == "export":
         return _finish(engine, slot, "stopped", export_to=hooks)
     if mode == "pause":
-        if hooks.checkpoint_dir is not None:
+        if hooks.config.checkpoint_dir is not None:
             hooks.snapshot(engine, slot, keep=True)
         return _finish(engine, slot, "paused")
     return _finish(engine, slot, "stopped")
@@ -629,7 +641,7 @@ def _finish(
     if export_to is not None:
         adapter_dir = export_to.export_dir / state.spec.trial_id
         with export_to.clock.measure("export_s"):
-            write = prepare_export(engine, slot, adapter_dir, base_model_name=export_to.base_model_name)
+            write = prepare_export(engine, slot, adapter_dir, base_model_name=export_to.config.base_model_name)
         export_to.writer.submit(write)  # the outcome's report is queued after it
     best_step = state.best_step
     if adapter_dir is not None and state.best is None:  # no (finite) validation: the final adapter is the result
