@@ -8,6 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.bus import SCHEDULER_STREAM, get_bus
+from common.messages import Wake
 from common.tables import Event, Task, Trial
 from tests.factories import ADMIN, TenantKey, chat_rows, count_rows, make_task, make_tenant, task_body, upload
 
@@ -209,7 +210,7 @@ def test_created_task_records_an_event_and_wakes_the_scheduler(client: TestClien
     tail = bus.tail_id(SCHEDULER_STREAM)
     task = make_task(client, tenant)
     messages = [m for _id, m in bus.read_after(SCHEDULER_STREAM, tail, 100, 0.5)]
-    assert {"type": "wake", "reason": "task.created", "task_id": task["id"]} in messages
+    assert Wake(reason="task.created", task_id=task["id"]).to_dict() in messages
     [event] = client.get(f"/v1/tasks/{task['id']}/events", headers=tenant.headers).json()["data"]
     assert (event["type"], event["data"]) == ("task.created", {"trials": 4})
 

@@ -7,6 +7,7 @@ from datetime import timedelta
 from fastapi.testclient import TestClient
 
 from common.bus import SCHEDULER_STREAM, get_bus
+from common.messages import Wake
 from common.tables import Task, Trial, utcnow
 from tests.factories import TenantKey, make_task, trial_ids, update_row, upload
 
@@ -114,7 +115,7 @@ def test_cancel_task_cancels_unfinished_trials_and_wakes_the_scheduler(client: T
     events = client.get(f"/v1/tasks/{task['id']}/events", headers=tenant.headers).json()["data"]
     assert [e["type"] for e in events] == ["task.created", "task.cancelled"]
     messages = [m for _id, m in bus.read_after(SCHEDULER_STREAM, tail, 100, 0.5)]
-    assert {"type": "wake", "reason": "task.cancelled", "task_id": task["id"]} in messages
+    assert Wake(reason="task.cancelled", task_id=task["id"]).to_dict() in messages
 
 
 def test_cancelling_a_finished_task_is_409(client: TestClient, tenant: TenantKey) -> None:
