@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks.common import write_result
 from scheduler.planning.cost import PRIOR_COST
-from scheduler.planning.estimate import Gpu, TrialLoad, estimate
+from scheduler.planning.estimate import TrialLoad, UsableWorker, estimate
 from scheduler.sim.simulate import SimResult, simulate
 from scheduler.sim.traces import Trace, TraceTask, alto_mix, tenant_stream
 
@@ -35,43 +35,43 @@ def sweep_row(path: Path) -> list[Any]:
     sweep = json.loads(path.read_text())
     seq = int(sweep["max_seq_len"])
     trials = [TrialLoad(int(r["steps"]), int(r["batch_size"]) * seq) for r in sweep["results"]]
-    e = estimate(trials, PRIOR_COST, [Gpu(H100_BYTES)], max_trials_per_pack=32, on_priors=True)
+    e = estimate(trials, PRIOR_COST, [UsableWorker(H100_BYTES)], max_trials_per_pack=32, on_priors=True)
     actual = float(sweep["train_wall_s"])
     assert e.wall_seconds is not None
     return [path.stem, len(trials), e.tokens, round(e.wall_seconds, 1), actual, round(e.wall_seconds / actual, 3), ""]
 
 
-def _busy_at(sim: SimResult, gpu_ids: list[str], t: float) -> list[Gpu]:
+def _busy_at(sim: SimResult, worker_ids: list[str], t: float) -> list[UsableWorker]:
     """Each GPU busy until the end of the simulated pack that holds it at `t` (free: 0)."""
-    until = dict.fromkeys(gpu_ids, t)
+    until = dict.fromkeys(worker_ids, t)
     for p in sim.packs:
         if p.start_s <= t < p.end_s:
-            for g in p.gpu_ids:
+            for g in p.worker_ids:
                 until[g] = max(until[g], p.end_s)
-    return [Gpu(busy_for_s=until[g] - t) for g in gpu_ids]
+    return [UsableWorker(busy_for_s=until[g] - t) for g in worker_ids]
 
 
 def trace_ratios(trace: Trace, gpus: int) -> list[float]:
     """estimate / simulated completion of each task of the trace."""
     sim = simulate(trace, gpus, "greedy")
-    gpu_ids = [f"gpu{i:04d}" for i in range(gpus)]  # the simulator's names
+    worker_ids = [f"gpu{i:04d}" for i in range(gpus)]  # the simulator's names
     ratios = []
     for task in trace.tasks:
         done = [sim.completed_s[t.trial_id] for t in task.trials if t.trial_id in sim.completed_s]
         if len(done) < len(task.trials):
             continue  # a trial the simulation never placed
         actual = max(done) - task.arrival_s
-        e = _task_estimate(trace, task, _busy_at(sim, gpu_ids, task.arrival_s))
+        e = _task_estimate(trace, task, _busy_at(sim, worker_ids, task.arrival_s))
         if e is not None and actual > 0:
             ratios.append(e / actual)
     return ratios
 
 
-def _task_estimate(trace: Trace, task: TraceTask, gpus: list[Gpu]) -> float | None:
+def _task_estimate(trace: Trace, task: TraceTask, gpus: list[UsableWorker]) -> float | None:
     cost = trace.costs[task.base_model]
     trials = [TrialLoad(t.steps, t.tokens_per_step) for t in task.trials]
     cap = min(t.max_trials_per_pack for t in task.trials)
-    gpus = [Gpu(trace.gpu_memory_bytes, g.busy_for_s) for g in gpus]
+    gpus = [UsableWorker(trace.gpu_memory_bytes, g.busy_for_s) for g in gpus]
     return estimate(trials, cost, gpus, max_trials_per_pack=cap, on_priors=False,
                     gpus_per_pack=task.gpus_needed).wall_seconds
 

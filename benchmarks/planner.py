@@ -21,7 +21,7 @@ import time
 
 from benchmarks.common import write_result
 from scheduler.planning.cpsat import plan_cpsat
-from scheduler.planning.types import GpuSpec, PendingTrial, PlanningInput
+from scheduler.planning.types import PendingTrial, PlanningInput, WorkerSpec
 from scheduler.sim.simulate import POLICIES, SimResult, mean_jct_lower_bound, simulate
 from scheduler.sim.traces import Trace, alto_mix, tenant_stream
 
@@ -35,8 +35,8 @@ def snapshot(trace: Trace, gpus: int) -> PlanningInput:
                                 tokens_per_step=tr.tokens_per_step, remaining_steps=tr.steps, slot_bytes=tr.slot_bytes,
                                 max_trials_per_pack=tr.max_trials_per_pack)
                    for t in trace.tasks for tr in t.trials)
-    return PlanningInput(trials=trials, gpus=tuple(GpuSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus)),
-                         costs=trace.costs)
+    workers = tuple(WorkerSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus))  # a GPU a worker
+    return PlanningInput(trials=trials, workers=workers, costs=trace.costs)
 
 
 def timed_replan(inp: PlanningInput, time_limit_s: float) -> tuple[float, str, int]:

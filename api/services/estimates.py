@@ -16,8 +16,8 @@ from sqlalchemy.orm import Session
 from common.settings import get_settings
 from common.tables import utcnow
 from scheduler.planning.cost import PRIOR_COST, tokens_per_step
-from scheduler.planning.estimate import Estimate, Gpu, TrialLoad, estimate
-from scheduler.planning.types import loads
+from scheduler.planning.estimate import Estimate, TrialLoad, UsableWorker, estimate
+from scheduler.planning.types import loads, lower_to_slots
 from scheduler.service.cluster_state import alive_workers, busy_workers, load_costs, quarantine_left_s, worker_models
 
 
@@ -32,11 +32,10 @@ def estimate_task(
     workers = [w for w in alive_workers(session, now, timeout_s) if loads(worker_models(w), base_model)]
     busy_for = {b.worker_id: b.busy_for_s for b in busy_workers(session, now, timeout_s, costs)}
     # A quarantined worker gets no pack until its quarantine ends: busy until then, as far as the estimate goes.
-    gpus = [Gpu(memory_bytes=w.memory_bytes, busy_for_s=max(busy_for.get(w.id, 0.0), quarantine_left_s(w, now)),
-                gpus=w.gpus) for w in workers]
-    # The daemon caps a pack at the smallest worker's slots (scheduler/planning/placement.py).
-    cap = min([max_trials_per_pack, *(w.max_slots for w in workers)])
+    usable = [UsableWorker(memory_bytes=w.memory_bytes, gpus=w.gpus,
+                           busy_for_s=max(busy_for.get(w.id, 0.0), quarantine_left_s(w, now))) for w in workers]
     trials = [TrialLoad(steps=n, tokens_per_step=tokens_per_step(c, max_seq_len))
               for c, n in zip(configs, steps, strict=True)]
     cost = costs.get(base_model, PRIOR_COST)  # every registered model has one: the default is for an unknown name
-    return estimate(trials, cost, gpus, max_trials_per_pack=cap, on_priors=cost.prior)
+    max_trials_per_pack = lower_to_slots(max_trials_per_pack, [w.max_slots for w in workers])  # as the daemon does
+    return estimate(trials, cost, usable, max_trials_per_pack=max_trials_per_pack, on_priors=cost.prior)

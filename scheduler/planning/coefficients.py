@@ -71,14 +71,14 @@ class Prepared:
 
     def __init__(self, inp: PlanningInput) -> None:
         self.inp = inp
-        self.gpu_mem = {g.gpu_id: g.memory_bytes for g in inp.gpus}
-        self._memories = sorted(g.memory_bytes for g in inp.gpus)  # for counting the GPUs that hold a trial
-        self._gpu_models = {g.gpu_id: g.models for g in inp.gpus}
-        self._restricted = any(g.models is not None for g in inp.gpus)  # some GPU loads only some models
-        self.warm_gpus: dict[str, list[str]] = {}  # base model -> the GPUs whose worker holds it loaded
-        for g in inp.gpus:
+        self.worker_mem = {g.worker_id: g.memory_bytes for g in inp.workers}
+        self._memories = sorted(g.memory_bytes for g in inp.workers)  # for counting the workers that hold a trial
+        self._worker_models = {g.worker_id: g.models for g in inp.workers}
+        self._restricted = any(g.models is not None for g in inp.workers)  # some worker loads only some models
+        self.warm_workers: dict[str, list[str]] = {}  # base model -> the workers holding it loaded
+        for g in inp.workers:
             for model in sorted(g.warm):
-                self.warm_gpus.setdefault(model, []).append(g.gpu_id)
+                self.warm_workers.setdefault(model, []).append(g.worker_id)
         placeable = [self._placeable(t) for t in inp.trials]
         self.trials = [t for t, ok in zip(inp.trials, placeable, strict=True) if ok]
         self.unschedulable = tuple(t.trial_id for t, ok in zip(inp.trials, placeable, strict=True) if not ok)
@@ -95,22 +95,22 @@ class Prepared:
             return False
         solo = self.mem_base(t.base_model) + self.mem_item(t)
         if self._restricted:
-            hold = sum(1 for g in self.inp.gpus if g.memory_bytes >= solo and self.loads(g.gpu_id, t.base_model))
+            hold = sum(1 for g in self.inp.workers if g.memory_bytes >= solo and self.loads(g.worker_id, t.base_model))
             return hold >= t.gpus_needed
         return len(self._memories) - bisect.bisect_left(self._memories, solo) >= t.gpus_needed
 
-    def loads(self, gpu_id: str, model: str) -> bool:
-        """Whether the GPU's worker can load ``model`` (its heartbeat's models; None: every one)."""
-        models = self._gpu_models[gpu_id]
+    def loads(self, worker_id: str, model: str) -> bool:
+        """Whether the worker can load ``model`` (its heartbeat's models; None: every one)."""
+        models = self._worker_models[worker_id]
         return models is None or model in models
 
-    def cold(self, gpu_id: str, model: str) -> bool:
-        """Whether a pack of ``model`` on the GPU would wait for its worker to load the model while another GPU's
-        worker holds it warm: what the planners avoid, all else equal (no warm GPU anywhere: no GPU is cold)."""
-        warm = self.warm_gpus.get(model, [])
-        return bool(warm) and gpu_id not in warm
+    def cold(self, worker_id: str, model: str) -> bool:
+        """Whether a pack of ``model`` on the worker would wait for it to load the model while another worker holds
+        it warm: what the planners avoid, all else equal (no warm worker anywhere: no worker is cold)."""
+        warm = self.warm_workers.get(model, [])
+        return bool(warm) and worker_id not in warm
 
-    # Memory: base + Σ items ≤ GPU bytes. Each term is rounded up so the sum never under-estimates.
+    # Memory: base + Σ items ≤ the worker's bytes. Each term is rounded up so the sum never under-estimates.
     def mem_base(self, model: str) -> int:
         return math.ceil(self._cost(model).memory.k0_bytes)
 
@@ -145,7 +145,7 @@ class Prepared:
                 + math.ceil(s.c_s_per_slot * self._kk()) * r.trials)
 
     def solo_milli(self, t: PendingTrial) -> int:
-        """The trial's remaining time alone on its GPUs, in SCALE-ths of a unit (unrounded, for ordering)."""
+        """The trial's remaining time alone on its workers, in SCALE-ths of a unit (unrounded, for ordering)."""
         return t.remaining_steps * (self.step_base(t.base_model) + self.step_item(t))
 
     @staticmethod
@@ -197,14 +197,14 @@ class Prepared:
         return max(q, running)
 
     def compatible(self, t: PendingTrial, r: RunningPack) -> bool:
-        return t.base_model == r.base_model and t.gpus_needed == len(r.gpu_ids) and r.free_slots > 0
+        return t.base_model == r.base_model and t.gpus_needed == len(r.worker_ids) and r.free_slots > 0
 
     def fixed_busy(self) -> dict[str, int]:
-        """GPU -> time it is taken until by something the plan cannot move (busy or a running pack)."""
-        busy = {g.gpu_id: g.busy_until for g in self.inp.gpus}
+        """Worker -> time it is taken until by something the plan cannot move (busy or a running pack)."""
+        busy = {g.worker_id: g.busy_until for g in self.inp.workers}
         for r in self.inp.running:
             end = self.running_end(r)
-            for g in r.gpu_ids:
+            for g in r.worker_ids:
                 busy[g] = max(busy.get(g, 0), end)
         return busy
 

@@ -1,4 +1,4 @@
-"""The CP-SAT planner: which pending trials share a pack, on which GPU(s), starting when.
+"""The CP-SAT planner: which pending trials share a pack, on which worker(s), starting when.
 
 docs/ARCHITECTURE.md ("A task's way through the system") says where it sits in the daemon.
 
@@ -6,10 +6,12 @@ Pure: `plan_cpsat(PlanningInput) -> PlanResult`, no I/O. ALTO §7.2 (Table 1) sc
 tasks for makespan; PLoRA §6 adds the packing (configuration → job); tLoRA §3.4 lets trials of different
 tasks and tenants share one backbone. Here the three are one model:
 
-- candidate packs per (base model, GPU count): pack j holds pending trial j as its lowest-index member or is
-  empty (bin-packing symmetry breaking: n trials need n(n+1)/2 membership literals, not n²);
-- a pack is one start and duration on k GPUs chosen together, among those whose worker can load its model:
-  an optional interval per (pack, GPU) and `NoOverlap` per GPU, with busy GPUs and running packs as intervals
+- candidate packs per (base model, `gpus_needed`): pack j holds pending trial j as its lowest-index member or is
+  empty (bin-packing symmetry breaking: n trials need n(n+1)/2 membership literals, not n²), and holds at most
+  each member's `max_trials_per_pack` (the papers' Z);
+- a pack is one start and duration on k workers chosen together (k = `gpus_needed`: 1 in the service; the
+  simulator's workers are single GPUs), among those that can load its model: an optional interval per
+  (pack, worker) and `NoOverlap` per worker, with busy workers and running packs as intervals
   from 0;
 - step time `a + b·tokens + c·slots` is linear in membership and a member leaves when its steps are done, so
   every trial's completion `start + n_t·a + Σ_u item_u·min(n_u, n_t)` is linear too (coefficients.py);
@@ -53,7 +55,7 @@ def plan_cpsat(inp: PlanningInput, *, time_limit_s: float = 1.0, seed: int = 0, 
     groups: dict[tuple[str, int], list[PendingTrial]] = {}
     for t in prep.priority():
         groups.setdefault((t.base_model, t.gpus_needed), []).append(t)
-    n_intervals = sum(len(ts) for ts in groups.values()) * len(inp.gpus) + len(prep.trials)
+    n_intervals = sum(len(ts) for ts in groups.values()) * len(inp.workers) + len(prep.trials)
     greedy = plan_greedy(inp)
     if not prep.trials:  # nothing to decide: the empty plan is trivially optimal
         return replace(greedy, solve_s=time.perf_counter() - t0, status="optimal")
@@ -98,7 +100,8 @@ class _Model:
         self.comp = {t.trial_id: m.new_int_var(1, h, f"C_{t.trial_id}") for t in prep.trials}
         self.st = {t.trial_id: m.new_int_var(0, h, f"st_{t.trial_id}") for t in prep.trials}
         # Gathered while the packs are modelled, constrained at the end:
-        self.on_gpu: dict[str, list[cp_model.IntervalVar]] = {g.gpu_id: [] for g in inp.gpus}  # NoOverlap per GPU
+        # NoOverlap per worker:
+        self.on_worker: dict[str, list[cp_model.IntervalVar]] = {g.worker_id: [] for g in inp.workers}
         self.placed: dict[str, list[cp_model.IntVar]] = {t.trial_id: [] for t in prep.trials}  # exactly one each
         self.by_tenant: dict[str, list[tuple[cp_model.IntervalVar, int]]] = {}  # (interval, trials): quotas
         self.ends: list[cp_model.IntVar] = []  # running packs' ends, in the makespan
@@ -129,27 +132,27 @@ class _Model:
         used = members[0][1]
         s, d, e = (m.new_int_var(0, self.h, f"{n}_{lead.trial_id}") for n in "SDE")
         m.add(e == s + d)
-        y = self._pack_gpus(model, k, members, used, (s, d, e))
+        y = self._pack_workers(model, k, members, used, (s, d, e))
         self._pack_completions(model, members, used, s, e)
         self.packs.append((lead, members, s, y))
         self.span[lead.trial_id] = (d, e)
 
-    def _pack_gpus(self, model: str, k: int, members: list[tuple[PendingTrial, cp_model.IntVar]],
+    def _pack_workers(self, model: str, k: int, members: list[tuple[PendingTrial, cp_model.IntVar]],
                    used: cp_model.IntVar, sde: tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar]
                    ) -> dict[str, cp_model.IntVar]:
         """A used pack takes k GPUs together for its whole span, each with memory for its base and members."""
         m, prep, lead = self.m, self.prep, members[0][0]
         base_mem = prep.mem_base(model)
         # Only GPUs that hold its leader and whose worker can load the model (its heartbeat says).
-        gpus = [g for g in prep.inp.gpus
-                if g.memory_bytes >= base_mem + prep.mem_item(lead) and prep.loads(g.gpu_id, model)]
-        y = {g.gpu_id: m.new_bool_var(f"y_{lead.trial_id}_{g.gpu_id}") for g in gpus}
+        workers = [g for g in prep.inp.workers
+                if g.memory_bytes >= base_mem + prep.mem_item(lead) and prep.loads(g.worker_id, model)]
+        y = {g.worker_id: m.new_bool_var(f"y_{lead.trial_id}_{g.worker_id}") for g in workers}
         m.add(sum(y.values()) == k * used)
-        self.cold.extend(y[g.gpu_id] for g in gpus if prep.cold(g.gpu_id, model))
-        for g in gpus:
-            self.on_gpu[g.gpu_id].append(m.new_optional_interval_var(*sde, y[g.gpu_id], "p"))
+        self.cold.extend(y[g.worker_id] for g in workers if prep.cold(g.worker_id, model))
+        for g in workers:
+            self.on_worker[g.worker_id].append(m.new_optional_interval_var(*sde, y[g.worker_id], "p"))
             m.add(base_mem + sum(prep.mem_item(t) * x for t, x in members) <= g.memory_bytes
-                  ).only_enforce_if(y[g.gpu_id])
+                  ).only_enforce_if(y[g.worker_id])
         return y
 
     def _pack_completions(self, model: str, members: list[tuple[PendingTrial, cp_model.IntVar]],
@@ -175,11 +178,11 @@ class _Model:
         m, prep = self.m, self.prep
         e_r = m.new_int_var(prep.running_end(r), self.h, f"E_{r.pack_id}")
         self.ends.append(e_r)
-        for gid in r.gpu_ids:
+        for gid in r.worker_ids:
             # The GPU is taken until the pack ends or its own busy_until, whichever is later.
             occ = m.new_int_var(0, self.h, f"occ_{gid}")
             m.add_max_equality(occ, [e_r, self.fixed[gid]])
-            self.on_gpu[gid].append(m.new_interval_var(0, occ, occ, f"held_{gid}"))
+            self.on_worker[gid].append(m.new_interval_var(0, occ, occ, f"held_{gid}"))
         z = [(t, m.new_bool_var(f"z_{t.trial_id}_{r.pack_id}")) for t in prep.trials if prep.compatible(t, r)]
         own = prep.running_members(r)  # a legacy pack: one member that never leaves
         base_r = prep.step_base(r.base_model)
@@ -216,7 +219,7 @@ class _Model:
         n_fill = sum(v for _, v in z)
         m.add(n_fill <= min(r.free_slots, r.max_trials_per_pack - r.trials))
         # Only the additions are constrained: a running pack the model thinks over-full still runs.
-        room = max(0, min(prep.gpu_mem[gid] for gid in r.gpu_ids) - prep.mem_running(r))
+        room = max(0, min(prep.worker_mem[gid] for gid in r.worker_ids) - prep.mem_running(r))
         m.add(sum(prep.mem_item(t) * v for t, v in z) <= room)
         for t, v in z:
             self.placed[t.trial_id].append(v)
@@ -230,10 +233,10 @@ class _Model:
     def _no_overlap(self) -> None:
         """One pack at a time on each GPU, a busy GPU (not a running pack's) taken until its busy_until."""
         m, inp = self.m, self.prep.inp
-        for g in inp.gpus:
-            if g.busy_until > 0 and not any(g.gpu_id in r.gpu_ids for r in inp.running):
-                self.on_gpu[g.gpu_id].append(m.new_fixed_size_interval_var(0, g.busy_until, "busy"))
-            m.add_no_overlap(self.on_gpu[g.gpu_id])
+        for g in inp.workers:
+            if g.busy_until > 0 and not any(g.worker_id in r.worker_ids for r in inp.running):
+                self.on_worker[g.worker_id].append(m.new_fixed_size_interval_var(0, g.busy_until, "busy"))
+            m.add_no_overlap(self.on_worker[g.worker_id])
 
     def _each_trial_placed_once(self) -> None:
         """Every pending trial in exactly one pack, new or running; its interval (start to completion) counts
@@ -248,9 +251,9 @@ class _Model:
     def _quotas(self) -> None:
         """At most a tenant's quota of its trials at once."""
         for ten, ivs in self.by_tenant.items():
-            cap = self.prep.quota_cap(ten)
-            if cap is not None:
-                self.m.add_cumulative([iv for iv, _ in ivs], [n for _, n in ivs], cap)
+            quota = self.prep.quota_cap(ten)
+            if quota is not None:
+                self.m.add_cumulative([iv for iv, _ in ivs], [n for _, n in ivs], quota)
 
     def _objective(self, greedy: PlanResult) -> None:
         """Minimise makespan_weight·makespan + Σ weight·completion (running members' too), no worse than greedy;
@@ -278,7 +281,7 @@ class _Model:
             self.m.add_hint(d, p.end - p.start if p else 0)
             self.m.add_hint(e, p.end if p else 0)
             for g, v in y.items():
-                self.m.add_hint(v, p is not None and g in p.gpu_ids)
+                self.m.add_hint(v, p is not None and g in p.worker_ids)
         # A complete hint lets CP-SAT start from a feasible solution instead of repairing a partial one.
         start = {tid: (0 if p.backfill else p.start) for p in greedy.packs for tid in p.trial_ids}
         for tid, c in self.comp.items():
@@ -302,5 +305,5 @@ class _Model:
         for r, z in self.fills:
             trials = [t.trial_id for t, v in z if solver.boolean_value(v)]
             if trials:
-                out.append(ScheduledPack(r.pack_id, r.gpu_ids, r.base_model, tuple(trials), 0, 0, backfill=True))
+                out.append(ScheduledPack(r.pack_id, r.worker_ids, r.base_model, tuple(trials), 0, 0, backfill=True))
         return out

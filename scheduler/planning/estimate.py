@@ -43,7 +43,7 @@ class TrialLoad:
 
 
 @dataclass(frozen=True)
-class Gpu:
+class UsableWorker:
     """A worker that can load the task's model: one planning unit, as the daemon plans it, whatever its GPUs."""
 
     # Of one of its GPUs; None: not reported (planned as DEFAULT_GPU_BYTES, as the daemon does).
@@ -63,46 +63,47 @@ class Estimate:
 
 
 def estimate(
-    trials: Sequence[TrialLoad], cost: ModelCost, gpus: Sequence[Gpu], *, max_trials_per_pack: int,
+    trials: Sequence[TrialLoad], cost: ModelCost, workers: Sequence[UsableWorker], *, max_trials_per_pack: int,
     on_priors: bool, gpus_per_pack: int = 1,
 ) -> Estimate:
-    """The task's tokens, GPU seconds and wall seconds, planned on ``gpus`` with ``cost``.
+    """The task's tokens, GPU seconds and wall seconds, planned on ``workers`` with ``cost``.
 
     Args:
         trials: the task's trials, in trial order.
         cost: the base model's fitted cost model, or its priors (`cost.prior_cost`).
-        gpus: the GPUs that can load the model now (none: GPU time is planned on one free default GPU, and the
-            wall time is unknown).
-        max_trials_per_pack: the task's cap, already lowered to the workers' slots.
+        workers: the workers that can load the model now (none: GPU time is planned on one free default worker of
+            one GPU, and the wall time is unknown).
+        max_trials_per_pack: the task's, already lowered to the workers' slots (`types.lower_to_slots`).
         on_priors: ``cost`` is the priors (the daemon then applies `fill_now`).
         gpus_per_pack: GPUs one pack of the model takes together (the service runs 1; the simulator's traces more).
     """
     tokens = sum(t.steps * t.tokens_per_step for t in trials)
     if not trials:
         return Estimate(tokens=0, gpu_seconds=0.0, wall_seconds=0.0)
-    usable = tuple(gpus) or (Gpu(),) * gpus_per_pack
-    cap = max(1, max_trials_per_pack)
+    usable = tuple(workers) or (UsableWorker(),) * gpus_per_pack
+    max_trials_per_pack = max(1, max_trials_per_pack)
     snapshot = Snapshot(
         pending=tuple(
             PendingTrial(trial_id=f"t{i}", task_id="task", tenant_id="tenant", base_model=_MODEL,
-                         max_trials_per_pack=cap, remaining_steps=t.steps, tokens_per_step=t.tokens_per_step,
-                         gpus_needed=gpus_per_pack)
+                         max_trials_per_pack=max_trials_per_pack, remaining_steps=t.steps,
+                         tokens_per_step=t.tokens_per_step, gpus_needed=gpus_per_pack)
             for i, t in enumerate(trials)
         ),
-        idle_workers=tuple(LiveWorker(f"gpu{i}", cap, g.memory_bytes, gpus=g.gpus)
-                           for i, g in enumerate(usable) if g.busy_for_s <= 0),
-        busy_workers=tuple(LiveWorker(f"gpu{i}", cap, g.memory_bytes, busy_for_s=g.busy_for_s, gpus=g.gpus)
-                           for i, g in enumerate(usable) if g.busy_for_s > 0),
+        idle_workers=tuple(LiveWorker(f"gpu{i}", max_trials_per_pack, w.memory_bytes, gpus=w.gpus)
+                           for i, w in enumerate(usable) if w.busy_for_s <= 0),
+        busy_workers=tuple(LiveWorker(f"gpu{i}", max_trials_per_pack, w.memory_bytes, busy_for_s=w.busy_for_s,
+                                      gpus=w.gpus)
+                           for i, w in enumerate(usable) if w.busy_for_s > 0),
     )
     inp = planning_input(snapshot, {_MODEL: cost}, unit_s=ESTIMATE_UNIT_S)
     result = after_solver(inp, plan_greedy(inp), on_priors={_MODEL} if on_priors else set())
-    # A pack holds every GPU of the workers it is planned on (each `Gpu` here is a worker, of `gpus` GPUs).
-    gpus_of = {f"gpu{i}": g.gpus for i, g in enumerate(usable)}
-    units = sum((p.end - p.start) * sum(gpus_of[g] for g in p.gpu_ids) for p in result.packs)
-    # A trial no usable GPU can hold is priced alone on a GPU (it cannot be placed now: no wall time).
+    # A pack holds every GPU of the workers it is planned on.
+    gpus_of = {f"gpu{i}": w.gpus for i, w in enumerate(usable)}
+    units = sum((p.end - p.start) * sum(gpus_of[g] for g in p.worker_ids) for p in result.packs)
+    # A trial no usable worker can hold is priced alone (it cannot be placed now: no wall time).
     solo = sum(
         t.remaining_steps * cost.step.predict(t.tokens_per_step, 1) * gpus_per_pack
         for t in inp.trials if t.trial_id in set(result.unschedulable)
     )
-    wall = None if result.unschedulable or not gpus else round(max(p.end for p in result.packs) * ESTIMATE_UNIT_S, 3)
+    wall = None if result.unschedulable or not workers else round(max(p.end for p in result.packs) * ESTIMATE_UNIT_S, 3)
     return Estimate(tokens=tokens, gpu_seconds=round(units * ESTIMATE_UNIT_S + solo, 3), wall_seconds=wall)

@@ -8,7 +8,8 @@ trial's doing: the trial goes back to pending with its attempt given back, may b
 `requeue_delay_s`, and the loss counts against the worker. A worker id that loses `quarantine_losses` packs
 within `quarantine_window_s` gets no packs for `quarantine_s`, doubled for each quarantine in a row up to
 `quarantine_max_s` (`quarantine_s_for`). A trial whose workers were lost `ALONE_AFTER_WORKER_LOSSES` times trains
-alone (`pack_cap`), and one lost `MAX_TRIAL_WORKER_LOSSES` times fails: it may be what crashes them.
+alone (`max_trials_per_pack_after_losses`), and one lost `MAX_TRIAL_WORKER_LOSSES` times fails: it may be what
+crashes them.
 scheduler/service/faults.py applies these in the scheduler's transaction.
 """
 
@@ -68,7 +69,7 @@ def quarantine_s_for(losses_in_window: int, quarantines_in_a_row: int, policy: F
     return min(policy.quarantine_max_s, policy.quarantine_s * 2.0**exponent)
 
 
-def pack_cap(task_cap: int, worker_losses: int) -> int:
-    """The most trials a pack holding this trial may hold: its task's cap, or 1 once the trial's workers were lost
-    `ALONE_AFTER_WORKER_LOSSES` times."""
-    return 1 if worker_losses >= ALONE_AFTER_WORKER_LOSSES else task_cap
+def max_trials_per_pack_after_losses(max_trials_per_pack: int, worker_losses: int) -> int:
+    """The most trials a pack holding this trial may hold: its task's `max_trials_per_pack`, or 1 once the trial's
+    workers were lost `ALONE_AFTER_WORKER_LOSSES` times."""
+    return 1 if worker_losses >= ALONE_AFTER_WORKER_LOSSES else max_trials_per_pack

@@ -51,14 +51,14 @@ class _Pack:
     of cost `items[j]` each, and `milli[j]` = SCALE·(time from the pack's start to its last step)."""
 
     key: str
-    gpu_ids: tuple[str, ...]
+    worker_ids: tuple[str, ...]
     kind: tuple[str, int]
     start: int
     base: int  # shared step cost (SCALE-ths); a legacy running pack's whole load is in it
     running: RunningPack | None
     floor_end: int  # the pack ends no earlier (a running pack's predicted end)
     count: int  # members in all, running ones included
-    cap: int  # most members in all
+    max_trials_per_pack: int  # most members in all
     mem_left: int  # bytes left for more members on its smallest GPU
     ids: list[str] = field(default_factory=list)  # members the plan knows: running ones first, then placed
     steps: list[int] = field(default_factory=list)
@@ -78,13 +78,13 @@ def _quota_ok(prep: Prepared, used: dict[str, dict[str, tuple[int, int]]],
               changes: dict[str, tuple[str, int, int]]) -> bool:
     """Whether the spans `changes` (key -> tenant, start, end; new or moved) keep every tenant within quota."""
     for tenant in {ten for ten, _, _ in changes.values()}:
-        cap = prep.quota_cap(tenant)
-        if cap is None:
+        quota = prep.quota_cap(tenant)
+        if quota is None:
             continue
         spans = dict(used.get(tenant, {}))
         spans.update({k: (s, e) for k, (ten, s, e) in changes.items() if ten == tenant})
         # Concurrency peaks at some interval start: count the spans covering each start.
-        if any(sum(1 for s, e in spans.values() if s <= x < e) > cap for x, _ in spans.values()):
+        if any(sum(1 for s, e in spans.values() if s <= x < e) > quota for x, _ in spans.values()):
             return False
     return True
 
@@ -106,16 +106,16 @@ class _GreedyPlan:
 
     def __init__(self, inp: PlanningInput) -> None:
         self.prep = prep = Prepared(inp)
-        self.mw, self.n_gpus = inp.makespan_weight, len(inp.gpus)
+        self.mw, self.n_workers = inp.makespan_weight, len(inp.workers)
         self.quotas = bool(inp.tenant_quota)
         self.tenant_of = {t.trial_id: t.tenant_id for t in prep.trials}
         self.avail = avail = prep.fixed_busy()
         self.seq = itertools.count()
         # GPUs by memory size, each size a heap of (free at, GPU id); an entry is stale once avail moved on.
-        self.sizes = sorted({g.memory_bytes for g in inp.gpus})
+        self.sizes = sorted({g.memory_bytes for g in inp.workers})
         self.free_heaps: dict[int, list[tuple[int, str]]] = {m: [] for m in self.sizes}
-        for spec in inp.gpus:
-            self.free_heaps[spec.memory_bytes].append((avail[spec.gpu_id], spec.gpu_id))
+        for spec in inp.workers:
+            self.free_heaps[spec.memory_bytes].append((avail[spec.worker_id], spec.worker_id))
         for h in self.free_heaps.values():
             heapq.heapify(h)
         self.last_on: dict[str, _Pack] = {}  # GPU -> the pack planned last on it
@@ -134,11 +134,11 @@ class _GreedyPlan:
         """Takes in a running pack: its GPUs, its members' spans for quotas, and open to back-fill if it has room."""
         prep, used = self.prep, self.used
         # A legacy pack (members unknown) is its load in the shared cost until its end; a known one, members.
-        p = _Pack(r.pack_id, r.gpu_ids, (r.base_model, len(r.gpu_ids)), 0,
+        p = _Pack(r.pack_id, r.worker_ids, (r.base_model, len(r.worker_ids)), 0,
                   prep.step_base(r.base_model) if r.members else prep.step_running(r), r,
                   floor_end=prep.running_end(r), count=r.trials,
-                  cap=min(r.max_trials_per_pack, r.trials + r.free_slots),
-                  mem_left=min(prep.gpu_mem[g] for g in r.gpu_ids) - prep.mem_running(r), end=prep.running_end(r))
+                  max_trials_per_pack=min(r.max_trials_per_pack, r.trials + r.free_slots),
+                  mem_left=min(prep.worker_mem[g] for g in r.worker_ids) - prep.mem_running(r), end=prep.running_end(r))
         for member in prep.running_members(r) if r.members else []:
             p.ids.append(member.trial_id)
             p.steps.append(member.steps)
@@ -153,7 +153,7 @@ class _GreedyPlan:
             for ten, n in r.tenant_trials:
                 used.setdefault(ten, {}).update({f"{r.pack_id}#{ten}#{i}": (0, r.ends_at) for i in range(n)})
         self.packs.append(p)
-        for g in r.gpu_ids:
+        for g in r.worker_ids:
             self.last_on[g] = p
         if r.free_slots > 0:
             self._publish(p)
@@ -161,28 +161,29 @@ class _GreedyPlan:
     def place(self, t: PendingTrial, rest: int) -> None:
         """Places t where it adds the least to the objective: a new pack of its own, or the cheapest open pack
         of its kind; `rest` is the weight of the trials still to be placed after it."""
-        prep, avail, n_gpus = self.prep, self.avail, self.n_gpus
+        prep, avail, n_workers = self.prep, self.avail, self.n_workers
         kind, item = (t.base_model, t.gpus_needed), prep.step_item(t)
         base = prep.step_base(t.base_model)
         need = prep.mem_base(t.base_model) + prep.mem_item(t)
-        gpus = self._earliest_gpus(t, need)
+        workers = self._earliest_workers(t, need)
         solo = prep.duration(t.remaining_steps, base + item)
-        start = self._quota_start(t, max(avail[g] for g in gpus), solo)
-        new_cost = (t.tenant_weight * (start + solo) + self.mw * max(0, start + solo - self.makespan)) * n_gpus
-        new_cost += rest * sum(start + solo - avail[g] for g in gpus)
+        start = self._quota_start(t, max(avail[g] for g in workers), solo)
+        new_cost = (t.tenant_weight * (start + solo) + self.mw * max(0, start + solo - self.makespan)) * n_workers
+        new_cost += rest * sum(start + solo - avail[g] for g in workers)
         best = self._best_join(t, kind, item, start, new_cost, rest)
         if best is not None:
             _, milli, own, p = best
             p.milli = [*milli, own]
             p.count += 1
-            p.cap = min(p.cap, t.max_trials_per_pack)
+            p.max_trials_per_pack = min(p.max_trials_per_pack, t.max_trials_per_pack)
             p.mem_left -= prep.mem_item(t)
         else:
-            p = _Pack(f"new-{t.trial_id}", tuple(sorted(gpus)), kind, start, base, None, floor_end=0, count=1,
-                      cap=t.max_trials_per_pack, mem_left=min(prep.gpu_mem[g] for g in gpus) - need,
+            p = _Pack(f"new-{t.trial_id}", tuple(sorted(workers)), kind, start, base, None, floor_end=0, count=1,
+                      max_trials_per_pack=t.max_trials_per_pack,
+                      mem_left=min(prep.worker_mem[g] for g in workers) - need,
                       milli=[t.remaining_steps * (base + item)])
             self.packs.append(p)
-            for g in gpus:
+            for g in workers:
                 if g in self.last_on:
                     self.last_on[g].open = False
                 self.last_on[g] = p
@@ -200,14 +201,14 @@ class _GreedyPlan:
             for j, i in enumerate(p.ids):
                 if i in self.tenant_of:
                     self.used.setdefault(self.tenant_of[i], {})[i] = (p.start, p.comp(j))
-        avail, free_heaps, gpu_mem = self.avail, self.free_heaps, self.prep.gpu_mem
-        for g in p.gpu_ids:
+        avail, free_heaps, worker_mem = self.avail, self.free_heaps, self.prep.worker_mem
+        for g in p.worker_ids:
             avail[g] = max(avail[g], p.end)
-            heapq.heappush(free_heaps[gpu_mem[g]], (avail[g], g))
+            heapq.heappush(free_heaps[worker_mem[g]], (avail[g], g))
         self.makespan = max(self.makespan, p.end)
         self._publish(p)
 
-    def _earliest_gpus(self, t: PendingTrial, need: int) -> list[str]:
+    def _earliest_workers(self, t: PendingTrial, need: int) -> list[str]:
         """The t.gpus_needed earliest-free GPUs with `need` bytes that load t's model, from the heaps, stale entries
         dropped; those that cannot load the model are passed over and put back. Ties: a GPU whose worker holds the
         model warm first (it starts without loading it), then by id."""
@@ -226,11 +227,11 @@ class _GreedyPlan:
             for e in [*got, *passed]:
                 heapq.heappush(h, e)
             picked.extend(got)
-        warm = prep.warm_gpus.get(t.base_model, [])
+        warm = prep.warm_workers.get(t.base_model, [])
         if warm and picked:
             # A warm GPU free no later than the last one picked may take a cold one's place at the same time.
             last = max(at for at, _ in picked)
-            picked.extend((avail[g], g) for g in warm if avail[g] <= last and prep.gpu_mem[g] >= need
+            picked.extend((avail[g], g) for g in warm if avail[g] <= last and prep.worker_mem[g] >= need
                           and prep.loads(g, t.base_model) and (avail[g], g) not in picked)
         ranked = sorted(picked, key=lambda e: (e[0], prep.cold(e[1], t.base_model), e[1]))
         return [gid for _, gid in ranked[: t.gpus_needed]]
@@ -266,14 +267,14 @@ class _GreedyPlan:
 
     def _price_join(self, p: _Pack, t: PendingTrial, item: int, bound: int,
                     rest: int) -> tuple[int, list[int], int] | None:
-        """(cost in n_gpus-ths, members' new milli, t's milli) of t joining p, or None if it may not or
+        """(cost in n_workers-ths, members' new milli, t's milli) of t joining p, or None if it may not or
         costs `bound` or more."""
-        prep, n_gpus = self.prep, self.n_gpus
-        if p.count + 1 > min(p.cap, t.max_trials_per_pack) or prep.mem_item(t) > p.mem_left:
+        prep, n_workers = self.prep, self.n_workers
+        if p.count + 1 > min(p.max_trials_per_pack, t.max_trials_per_pack) or prep.mem_item(t) > p.mem_left:
             return None
         n = t.remaining_steps
         # Its own time at least: every step the shared cost and its own item, the members' items aside.
-        if t.tenant_weight * (p.start + _units(n * (p.base + item))) * n_gpus >= bound:
+        if t.tenant_weight * (p.start + _units(n * (p.base + item))) * n_workers >= bound:
             return None
         own = n * (p.base + item) + sum(i * min(n2, n) for n2, i in zip(p.steps, p.items, strict=True))
         mine = p.start + _units(own)
@@ -286,8 +287,8 @@ class _GreedyPlan:
             cost += p.weights[j] * (c2 - p.comp(j))
             last = max(last, c2)
         end = max(last, p.floor_end)
-        # In n_gpus-ths: the pack's GPUs stay taken (end - p.end) longer, which the trials still to place pay.
-        cost = (cost + self.mw * max(0, end - self.makespan)) * n_gpus + rest * len(p.gpu_ids) * (end - p.end)
+        # In n_workers-ths: the pack's GPUs stay taken (end - p.end) longer, which the trials still to place pay.
+        cost = (cost + self.mw * max(0, end - self.makespan)) * n_workers + rest * len(p.worker_ids) * (end - p.end)
         if cost >= bound:
             return None
         if self.quotas:
@@ -299,5 +300,6 @@ class _GreedyPlan:
 
     def scheduled(self) -> list[ScheduledPack]:
         """The plan's packs that got pending trials: new ones, and running ones back-filled."""
-        return [ScheduledPack(p.key, p.gpu_ids, p.kind[0], tuple(p.placed), p.start, 0, backfill=p.running is not None)
+        return [ScheduledPack(p.key, p.worker_ids, p.kind[0], tuple(p.placed), p.start, 0,
+                              backfill=p.running is not None)
                 for p in self.packs if p.placed]

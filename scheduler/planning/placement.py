@@ -1,6 +1,6 @@
 """The daemon's planner: the cluster snapshot as a `PlanningInput`, CP-SAT (greedy fallback), packs to start now.
 
-Pure, no I/O. One worker is one planning unit (one `GpuSpec`), whether it owns one GPU (`loraplane worker --gpu N`)
+Pure, no I/O. One worker is one planning unit (one `WorkerSpec`), whether it owns one GPU (`loraplane worker --gpu N`)
 or several of one host (`--gpus 0,1`: it runs one pack at a time over all of them, with all of their memory); a
 busy worker is a unit whose pack is predicted to end at `busy_for_s`, so the solver may choose to wait for it
 rather than open a worse pack now.
@@ -15,9 +15,9 @@ inside the fitted `k0`), and step time comes from the base model's fitted profil
 Running packs with free slots are offered to the solver as such: it may back-fill a pending trial into one
 (the trial joins at the pack's next step) when the pack's engine can take it (`LivePack.fits`: its base
 model, a rank within its padding, targets among its wrapped layers); a proposal it cannot take is dropped
-and the trial stays pending. A new pack is given room to grow: its capacity is the worker's slots (capped by
-its members' `max_trials_per_pack`), and its rank padding and wrapped layers cover its members and every
-pending trial of its base model, so that those can be back-filled later.
+and the trial stays pending. A new pack is given room to grow: its `max_trials_per_pack` is its members' lowered
+to the worker's slots (`types.lower_to_slots`), and its rank padding and wrapped layers cover its members and
+every pending trial of its base model, so that those can be back-filled later.
 
 One rule comes before the solver: a resumed trial (one kept by its task's warm-up ranking after it paused
 at its boundary, or one requeued from a checkpoint) rejoins a running pack of its own task that has room
@@ -51,6 +51,7 @@ from scheduler.planning.types import (
     PlannedPack,
     PlanResult,
     Snapshot,
+    lower_to_slots,
     planning_input,
 )
 
@@ -98,9 +99,9 @@ def _new_packs(snapshot: Snapshot, result: PlanResult) -> tuple[PlannedPack, ...
     idle = {w.worker_id: w for w in snapshot.idle_workers}
     pending = {t.trial_id: t for t in snapshot.pending}
     return tuple(
-        _new_pack(idle[p.gpu_ids[0]], p.base_model, [pending[i] for i in p.trial_ids], snapshot.pending)
+        _new_pack(idle[p.worker_ids[0]], p.base_model, [pending[i] for i in p.trial_ids], snapshot.pending)
         for p in result.start_now
-        if not p.backfill and p.start == 0 and p.gpu_ids[0] in idle
+        if not p.backfill and p.start == 0 and p.worker_ids[0] in idle
     )
 
 
@@ -147,10 +148,10 @@ def _new_pack(
 ) -> PlannedPack:
     """A pack of ``members`` on ``worker``, shaped to take later back-fills of the same base model."""
     same_model = [t for t in pending if t.base_model == model]
-    capacity = min(worker.max_slots, *(t.max_trials_per_pack for t in members))
+    max_trials_per_pack = lower_to_slots(min(t.max_trials_per_pack for t in members), [worker.max_slots])
     targets = sorted({pattern for t in same_model for pattern in t.target_modules})
     return PlannedPack(
         worker_id=worker.worker_id, base_model=model, trial_ids=tuple(t.trial_id for t in members),
-        capacity=max(capacity, len(members)), max_rank=max(t.lora_rank for t in same_model),
+        max_trials_per_pack=max(max_trials_per_pack, len(members)), max_rank=max(t.lora_rank for t in same_model),
         target_modules=tuple(targets),
     )

@@ -4,16 +4,22 @@ Two views of the same things, one converted into the other in one place (`planni
 - the daemon's `Snapshot`, in seconds and workers, as scheduler/service/planner_io.py reads it from the database:
   pending trials, idle and busy workers, running packs with room (`LivePack`); and the `Plan` it records (new packs
   on idle workers, back-fills into running packs);
-- the solvers' `PlanningInput`, in integer time units and GPUs (`GpuSpec`, `RunningPack` with `RunningMember`s),
-  which the CP-SAT model (cpsat.py), the greedy planner (greedy.py), the estimates (estimate.py) and the
-  simulator (scheduler/sim/) share, and the `PlanResult` they return.
+- the solvers' `PlanningInput`, in integer time units and workers (`WorkerSpec`, `RunningPack` with
+  `RunningMember`s), which the CP-SAT model (cpsat.py), the greedy planner (greedy.py), the estimates (estimate.py)
+  and the simulator (scheduler/sim/) share, and the `PlanResult` they return.
 A pending trial is one type in both (`PendingTrial`).
+
+One name per quantity: a planner's unit is a worker (`worker_id`, `workers`, `worker_ids`), one planning unit
+whatever its GPUs; "gpus" counts real GPUs (a worker's `gpus`, a trial's `gpus_needed`, GPU seconds). How many
+trials may share one pack is `max_trials_per_pack` everywhere (the task's, lowered by `lower_to_slots`; a running or
+planned pack's); times are integer time units (`busy_until`, `ends_at`, `start`, `end`) in the solvers and
+seconds, suffixed `_s`, in the daemon's snapshot.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from scheduler.planning.cost import PRIOR_COST, ModelCost
@@ -46,14 +52,19 @@ class PendingTrial:
 
 
 @dataclass(frozen=True)
-class GpuSpec:
-    gpu_id: str
+class WorkerSpec:
+    """A worker as the solvers see it: one planning unit, whatever its GPUs (its memory is all of theirs,
+    `unit_memory_bytes`). The daemon puts a pack on one worker; the simulator (scheduler/sim/) makes each simulated
+    GPU a worker of one GPU, and a trial of `gpus_needed` > 1 takes that many of them together (ALTO's rigid
+    multi-GPU jobs)."""
+
+    worker_id: str
     memory_bytes: int
     busy_until: int = 0  # time units from now; 0 = free now
-    # The base models its worker can load; None: every one. A pack goes only on GPUs that all load its model.
+    # The base models it can load; None: every one. A pack goes only on workers that all load its model.
     models: frozenset[str] | None = None
-    # The base models its worker holds loaded (its heartbeat's warm_models): all else equal, a pack of one of them
-    # goes here rather than to a GPU that must load it first.
+    # The base models it holds loaded (its heartbeat's warm_models): all else equal, a pack of one of them
+    # goes here rather than to a worker that must load it first.
     warm: frozenset[str] = frozenset()
 
 
@@ -79,7 +90,7 @@ class RunningPack:
     """
 
     pack_id: str
-    gpu_ids: tuple[str, ...]
+    worker_ids: tuple[str, ...]
     base_model: str
     ends_at: int  # predicted end of its current members, time units from now
     trials: int
@@ -156,7 +167,7 @@ class PlannedPack:
     base_model: str
     trial_ids: tuple[str, ...]
     # The engine's shape, for back-fills later (None: the pack takes none).
-    capacity: int | None = None
+    max_trials_per_pack: int | None = None  # the pack's `capacity` column
     max_rank: int | None = None
     target_modules: tuple[str, ...] | None = None
 
@@ -179,7 +190,7 @@ class Plan:
 @dataclass(frozen=True)
 class PlanningInput:
     trials: tuple[PendingTrial, ...]  # pending, oldest first
-    gpus: tuple[GpuSpec, ...]
+    workers: tuple[WorkerSpec, ...]
     costs: Mapping[str, ModelCost]  # by base model
     running: tuple[RunningPack, ...] = ()
     tenant_quota: Mapping[str, int] = field(default_factory=dict)  # max concurrent trials per tenant
@@ -194,7 +205,7 @@ class PlanningInput:
 @dataclass(frozen=True)
 class ScheduledPack:
     pack_key: str  # "new-<leader trial id>" or the running pack's id for a back-fill
-    gpu_ids: tuple[str, ...]
+    worker_ids: tuple[str, ...]
     base_model: str
     trial_ids: tuple[str, ...]
     start: int
@@ -207,7 +218,7 @@ class PlanResult:
     packs: tuple[ScheduledPack, ...]  # the full schedule, by (start, pack_key)
     start_now: tuple[ScheduledPack, ...]  # the first wave: new packs starting at 0 and all back-fills
     completion: Mapping[str, int]  # trial id -> completion time (units)
-    unschedulable: tuple[str, ...]  # pending trials no GPU set can hold (memory) or load (the model) now
+    unschedulable: tuple[str, ...]  # pending trials no set of workers can hold (memory) or load (the model) now
     makespan: int
     objective: int
     solve_s: float
@@ -225,31 +236,37 @@ def unit_memory_bytes(worker: LiveWorker) -> int:
     return (worker.memory_bytes or DEFAULT_GPU_BYTES) * worker.gpus
 
 
+def lower_to_slots(max_trials_per_pack: int, worker_slots: Iterable[int]) -> int:
+    """A task's `max_trials_per_pack` as every planner applies it (the daemon's snapshot, a new pack's size, the
+    estimates): lowered to the smallest worker's slots, one limit for the whole cluster (the workers of one
+    deployment share it), and at least 1. No workers (or a worker of no slots): the task's own."""
+    smallest = min(worker_slots, default=None)
+    return max(1, min(max_trials_per_pack, smallest or max_trials_per_pack))
+
+
 def planning_input(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, unit_s: float) -> PlanningInput:
-    """The snapshot in the solvers' terms: its workers as GPUs (one `GpuSpec` per worker, holding all of its GPUs'
-    memory; free now, or busy until their pack's predicted end, in whole units), its pending trials capped by the
-    smallest worker's slots, its running packs member by member, and a cost model for every pending trial's base
-    model: the one in ``costs`` (the daemon's hold a fitted one or the priors for the model's size, for every
-    registered model: cluster_state.load_costs), else `PRIOR_COST`."""
-    workers: list[LiveWorker] = [*snapshot.idle_workers, *snapshot.busy_workers]
-    # One cap per pack for the whole cluster: the smallest worker's slots (workers of one deployment share it).
-    max_slots = min((w.max_slots for w in workers), default=None)
-    gpus = tuple(
-        GpuSpec(gpu_id=w.worker_id, memory_bytes=unit_memory_bytes(w), models=w.models, warm=w.warm)
+    """The snapshot in the solvers' terms: one `WorkerSpec` per worker (holding all of its GPUs' memory; free now, or
+    busy until its pack's predicted end, in whole units), its pending trials' `max_trials_per_pack` lowered to the
+    workers' slots (`lower_to_slots`), its running packs member by member, and a cost model for every pending
+    trial's base model: the one in ``costs`` (the daemon's hold a fitted one or the priors for the model's size, for
+    every registered model: cluster_state.load_costs), else `PRIOR_COST`."""
+    slots = [w.max_slots for w in (*snapshot.idle_workers, *snapshot.busy_workers)]
+    workers = tuple(
+        WorkerSpec(worker_id=w.worker_id, memory_bytes=unit_memory_bytes(w), models=w.models, warm=w.warm)
         for w in snapshot.idle_workers
     ) + tuple(
-        GpuSpec(gpu_id=w.worker_id, memory_bytes=unit_memory_bytes(w),
-                busy_until=max(1, math.ceil(w.busy_for_s / unit_s)), models=w.models, warm=w.warm)
+        WorkerSpec(worker_id=w.worker_id, memory_bytes=unit_memory_bytes(w),
+                   busy_until=max(1, math.ceil(w.busy_for_s / unit_s)), models=w.models, warm=w.warm)
         for w in snapshot.busy_workers
     )  # fmt: skip
     trials = tuple(
         replace(t, remaining_steps=max(1, t.remaining_steps),
-                max_trials_per_pack=max(1, min(t.max_trials_per_pack, max_slots or t.max_trials_per_pack)))
+                max_trials_per_pack=lower_to_slots(t.max_trials_per_pack, slots))
         for t in snapshot.pending
     )
     running = tuple(
         RunningPack(
-            pack_id=p.pack_id, gpu_ids=(p.worker_id,), base_model=p.base_model,
+            pack_id=p.pack_id, worker_ids=(p.worker_id,), base_model=p.base_model,
             ends_at=max(1, math.ceil(p.busy_for_s / unit_s)), trials=p.members, free_slots=p.free_slots,
             tokens_per_step=p.tokens_per_step, slot_bytes=0, max_trials_per_pack=p.members + p.free_slots,
             # Member by member: a back-fill then pays in the objective for the members it slows.
@@ -258,5 +275,5 @@ def planning_input(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, unit_s
         for p in snapshot.live_packs
     )  # fmt: skip
     models = {t.base_model for t in trials}
-    return PlanningInput(trials=trials, gpus=gpus, costs={m: costs.get(m, PRIOR_COST) for m in models},
+    return PlanningInput(trials=trials, workers=workers, costs={m: costs.get(m, PRIOR_COST) for m in models},
                          running=running, unit_s=unit_s)

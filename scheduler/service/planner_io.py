@@ -17,7 +17,7 @@ from common import states
 from common.events import record_event
 from common.tables import BaseModelEntry, Event, Pack, Task, Tenant, Trial, Worker, as_utc, new_id
 from scheduler.planning.cost import ModelCost
-from scheduler.planning.faults import pack_cap
+from scheduler.planning.faults import max_trials_per_pack_after_losses
 from scheduler.planning.types import (
     LivePack,
     LiveWorker,
@@ -72,7 +72,8 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
             task_id=task.id,
             tenant_id=task.tenant_id,
             base_model=task.base_model,
-            max_trials_per_pack=pack_cap(task.parsed_spec.scheduling.max_trials_per_pack, trial.worker_losses),
+            max_trials_per_pack=max_trials_per_pack_after_losses(task.parsed_spec.scheduling.max_trials_per_pack,
+                                                                 trial.worker_losses),
             remaining_steps=max(1, trial.total_steps - (trial.checkpoint_step or 0)),
             tokens_per_step=trial_tokens_per_step(trial, task),
             # The objective's weights are integers: a tenant's weight rounds to the nearest, at least 1.
@@ -221,7 +222,7 @@ def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult 
         worker = session.get(Worker, planned.worker_id)
         pack = Pack(id=new_id("pack"), worker_id=planned.worker_id, base_model=planned.base_model,
                     state=states.PACK_PLANNED, trial_ids=list(planned.trial_ids), created_at=now,
-                    capacity=planned.capacity, max_rank=planned.max_rank, gpus=worker.gpus if worker else 1,
+                    capacity=planned.max_trials_per_pack, max_rank=planned.max_rank, gpus=worker.gpus if worker else 1,
                     target_modules=list(planned.target_modules) if planned.target_modules is not None else None)
         session.add(pack)
         for trial_id in planned.trial_ids:

@@ -28,13 +28,13 @@ from scheduler.planning.cpsat import plan_cpsat
 from scheduler.planning.greedy import plan_greedy
 from scheduler.planning.rules import work_conserving
 from scheduler.planning.types import (
-    GpuSpec,
     PendingTrial,
     PlanningInput,
     PlanResult,
     RunningMember,
     RunningPack,
     ScheduledPack,
+    WorkerSpec,
 )
 from scheduler.sim.traces import Trace, TraceTask
 
@@ -49,7 +49,7 @@ def plan_fifo(inp: PlanningInput) -> PlanResult:
     t0 = time.perf_counter()
     prep = Prepared(inp)
     busy = prep.fixed_busy()
-    free = [g for g in inp.gpus if busy[g.gpu_id] == 0]
+    free = [g for g in inp.workers if busy[g.worker_id] == 0]
     packs: list[ScheduledPack] = []
     for t in prep.trials:
         need = prep.mem_base(t.base_model) + prep.mem_item(t)
@@ -57,7 +57,7 @@ def plan_fifo(inp: PlanningInput) -> PlanResult:
         if len(fits) < t.gpus_needed:
             break
         free = [g for g in free if g not in fits]
-        packs.append(ScheduledPack(f"new-{t.trial_id}", tuple(g.gpu_id for g in fits), t.base_model,
+        packs.append(ScheduledPack(f"new-{t.trial_id}", tuple(g.worker_id for g in fits), t.base_model,
                                    (t.trial_id,), 0, 0))
     return finish_plan(prep, packs, time.perf_counter() - t0, "fifo")
 
@@ -90,7 +90,7 @@ class PackRecord:
     """One pack's life: its GPUs, and its members after each change of membership."""
 
     pack_id: str
-    gpu_ids: tuple[str, ...]
+    worker_ids: tuple[str, ...]
     base_model: str
     start_s: float
     end_s: float
@@ -136,7 +136,7 @@ def percentile(values: list[float], q: float) -> float:
 @dataclass
 class _Pack:
     pack_id: str
-    gpu_ids: tuple[str, ...]
+    worker_ids: tuple[str, ...]
     base_model: str
     cost: ModelCost
     start_s: float
@@ -192,7 +192,7 @@ class _Sim:
 
     def __init__(self, trace: Trace, gpus: int, plan: Planner, unit_s: float, makespan_weight: int) -> None:
         self.trace, self.plan, self.unit_s, self.makespan_weight = trace, plan, unit_s, makespan_weight
-        self.gpu_specs = tuple(GpuSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus))
+        self.worker_specs = tuple(WorkerSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus))
         self.tasks = sorted(trace.tasks, key=lambda t: t.arrival_s)  # stable: trace order within an instant
         self.trials: dict[str, PendingTrial] = {}
         self.task_of: dict[str, str] = {}
@@ -205,7 +205,7 @@ class _Sim:
                     max_trials_per_pack=tr.max_trials_per_pack)
                 self.task_of[tr.trial_id] = task.task_id
         self.pending: list[str] = []
-        self.free = {g.gpu_id for g in self.gpu_specs}
+        self.free = {g.worker_id for g in self.worker_specs}
         self.running: dict[str, _Pack] = {}
         self.done: list[_Pack] = []
         self.started: dict[str, float] = {}
@@ -228,7 +228,7 @@ class _Sim:
     def replan(self) -> float | None:
         """Calls the planner and starts what its plan starts now; returns when a start it holds back is due."""
         now, unit_s = self.now, self.unit_s
-        inp = _planning_input(self.pending, self.trials, self.gpu_specs, self.free, self.running, self.trace, now,
+        inp = _planning_input(self.pending, self.trials, self.worker_specs, self.free, self.running, self.trace, now,
                               unit_s, self.makespan_weight)
         t0 = time.perf_counter()
         res = self.plan(inp)
@@ -241,7 +241,7 @@ class _Sim:
             self._start(p)
         self.pending = [i for i in self.pending if i not in gone and i not in placed]
         # A plan may hold free GPUs back for a later start: wake up then, not only at the next completion.
-        later = [p.start for p in res.packs if not p.backfill and p.start > 0 and set(p.gpu_ids) <= self.free]
+        later = [p.start for p in res.packs if not p.backfill and p.start > 0 and set(p.worker_ids) <= self.free]
         return now + min(later) * unit_s if later else None
 
     def _start(self, p: ScheduledPack) -> None:
@@ -251,11 +251,12 @@ class _Sim:
             pack = self.running[p.pack_key]
             _advance(pack, trials, now)
         else:
-            if not set(p.gpu_ids) <= self.free or len(p.gpu_ids) != trials[p.trial_ids[0]].gpus_needed:
+            if not set(p.worker_ids) <= self.free or len(p.worker_ids) != trials[p.trial_ids[0]].gpus_needed:
                 raise AssertionError(f"the planner started {p.pack_key} on GPUs that are not free")
             self.n_packs += 1
-            pack = _Pack(f"pack{self.n_packs:05d}", p.gpu_ids, p.base_model, self.trace.costs[p.base_model], now, now)
-            self.free -= set(p.gpu_ids)
+            pack = _Pack(f"pack{self.n_packs:05d}", p.worker_ids, p.base_model, self.trace.costs[p.base_model], now,
+                         now)
+            self.free -= set(p.worker_ids)
             self.running[pack.pack_id] = pack
         for i in p.trial_ids:
             pack.left[i] = float(trials[i].remaining_steps)
@@ -288,7 +289,7 @@ class _Sim:
             pack.history.append((now, tuple(pack.left)))
             if not pack.left:
                 del self.running[pack.pack_id]
-                self.free |= set(pack.gpu_ids)
+                self.free |= set(pack.worker_ids)
                 self.done.append(pack)
 
 
@@ -348,14 +349,14 @@ def _can_start(pending: list[str], trials: dict[str, PendingTrial], free: set[st
                for p in running.values())
 
 
-def _planning_input(pending: list[str], trials: dict[str, PendingTrial], gpu_specs: tuple[GpuSpec, ...],
+def _planning_input(pending: list[str], trials: dict[str, PendingTrial], worker_specs: tuple[WorkerSpec, ...],
                     free: set[str], running: dict[str, _Pack], trace: Trace, now: float, unit_s: float,
                     makespan_weight: int) -> PlanningInput:
     packs = []
     for pack in sorted(running.values(), key=lambda p: p.pack_id):
         _advance(pack, trials, now)
         members = [trials[i] for i in pack.left]
-        cap = min(t.max_trials_per_pack for t in members)
+        max_trials_per_pack = min(t.max_trials_per_pack for t in members)
         tenants: dict[str, int] = {}
         for t in members:
             tenants[t.tenant_id] = tenants.get(t.tenant_id, 0) + 1
@@ -366,15 +367,15 @@ def _planning_input(pending: list[str], trials: dict[str, PendingTrial], gpu_spe
             left * (step.b_s_per_token * trials[i].tokens_per_step + step.c_s_per_slot)
             for i, left in pack.left.items())
         packs.append(RunningPack(
-            pack.pack_id, pack.gpu_ids, pack.base_model, ends_at=max(1, math.ceil(end_s / unit_s - _REL_EPS)),
-            trials=len(members), free_slots=max(0, cap - len(members)),
+            pack.pack_id, pack.worker_ids, pack.base_model, ends_at=max(1, math.ceil(end_s / unit_s - _REL_EPS)),
+            trials=len(members), free_slots=max(0, max_trials_per_pack - len(members)),
             tokens_per_step=sum(t.tokens_per_step for t in members), slot_bytes=sum(t.slot_bytes for t in members),
-            max_trials_per_pack=cap, tenant_trials=tuple(sorted(tenants.items())),
+            max_trials_per_pack=max_trials_per_pack, tenant_trials=tuple(sorted(tenants.items())),
             members=tuple(RunningMember(i, trials[i].tenant_id, trials[i].tenant_weight,
                                         max(1, math.ceil(left - _REL_EPS * max(1.0, left))), trials[i].tokens_per_step)
                           for i, left in pack.left.items()),
         ))
-    return PlanningInput(trials=tuple(trials[i] for i in pending), gpus=gpu_specs, costs=trace.costs,
+    return PlanningInput(trials=tuple(trials[i] for i in pending), workers=worker_specs, costs=trace.costs,
                          running=tuple(packs), unit_s=unit_s, makespan_weight=makespan_weight)
 
 
@@ -387,8 +388,8 @@ def _result(trace: Trace, gpus: int, policy: str, tasks: list[TraceTask], task_o
     for i, c in completed.items():
         task_done[task_of[i]] = max(task_done.get(task_of[i], c), c)
     jcts = [task_done[t.task_id] - t.arrival_s for t in tasks if t.task_id in task_done]
-    busy = sum((p.history[-1][0] - p.start_s) * len(p.gpu_ids) for p in done)
-    records = tuple(PackRecord(p.pack_id, p.gpu_ids, p.base_model, p.start_s, p.history[-1][0], tuple(p.history))
+    busy = sum((p.history[-1][0] - p.start_s) * len(p.worker_ids) for p in done)
+    records = tuple(PackRecord(p.pack_id, p.worker_ids, p.base_model, p.start_s, p.history[-1][0], tuple(p.history))
                     for p in sorted(done, key=lambda p: p.pack_id))
     return SimResult(
         policy=policy, trace=trace.name, gpus=gpus, makespan_s=makespan,

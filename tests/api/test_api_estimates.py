@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from common.db import session_scope
 from common.tables import BaseModelEntry, Event, Pack, Task, Trial, TrialUsage, Worker, as_utc, utcnow
 from scheduler.planning.cost import PRIOR_COST, ModelCost, fit_profiles, samples_from_profiles
-from scheduler.planning.estimate import Gpu, TrialLoad, estimate
+from scheduler.planning.estimate import TrialLoad, UsableWorker, estimate
 from scheduler.service.task_results import finalize_tasks
 from tests.factories import TenantKey, count_rows, make_tenant, prompt_rows, task_body, update_row, upload
 
@@ -32,7 +32,7 @@ def add_worker(worker_id: str = "w1", **fields: Any) -> None:
                      last_heartbeat=utcnow(), **fields))
 
 
-def prior_estimate(trials: int, steps: int, tokens: int, gpus: list[Gpu]) -> dict[str, Any]:
+def prior_estimate(trials: int, steps: int, tokens: int, gpus: list[UsableWorker]) -> dict[str, Any]:
     return estimate([TrialLoad(steps, tokens)] * trials, PRIOR_COST, gpus, max_trials_per_pack=32,
                     on_priors=True).as_dict()
 
@@ -48,7 +48,7 @@ def test_expand_has_an_estimate_only_with_a_model_and_a_training_file(client: Te
         "search_space": SPACE, "base_model": MODEL, "training_file": file_id, "max_steps": 50, "max_seq_len": 128})
     assert r.status_code == 200, r.text
     # 4 trials x 50 steps x batch 4 x 128 tokens, on the priors (no profile), one free worker.
-    assert r.json()["estimate"] == prior_estimate(4, 50, 4 * 128, [Gpu()])
+    assert r.json()["estimate"] == prior_estimate(4, 50, 4 * 128, [UsableWorker()])
     assert r.json()["estimate"]["tokens"] == 4 * 50 * 4 * 128
     # Its steps from epochs: the file's 10 rows, 0.1 held out (1 row), 9 rows at batch 4: 3 steps an epoch.
     r = client.post("/v1/search-spaces/expand", headers=tenant.headers, json={
@@ -73,7 +73,7 @@ def test_a_dry_run_answers_the_task_and_its_estimate_and_writes_nothing(client: 
     assert r.status_code == 200, r.text
     dry = r.json()
     assert dry["id"] is None and dry["state"] == "queued" and dry["trial_counts"]["pending"] == 4
-    assert dry["estimate"] == {**prior_estimate(4, 50, 4 * 128, [Gpu()]), "actual": None}
+    assert dry["estimate"] == {**prior_estimate(4, 50, 4 * 128, [UsableWorker()]), "actual": None}
     assert {m.__name__: count_rows(m) for m in (Task, Trial, Event, TrialUsage)} == before
     # The same request for real: the same task, with its estimate stored and shown.
     r = client.post("/v1/tasks", json=body(file_id), headers=tenant.headers)
@@ -160,8 +160,8 @@ def test_the_estimate_uses_the_fitted_profile_and_the_busy_workers(client: TestC
         s.add(Pack(id="pack-old", worker_id="w1", base_model=MODEL, state="finished", trial_ids=[], profile=profile,
                    created_at=utcnow()))
     memory, step = fit_profiles(samples_from_profiles([profile]))
-    fitted = estimate([TrialLoad(50, 512)] * 4, ModelCost(memory, step), [Gpu(80 * 2**30)], max_trials_per_pack=32,
-                      on_priors=False).as_dict()
+    fitted = estimate([TrialLoad(50, 512)] * 4, ModelCost(memory, step), [UsableWorker(80 * 2**30)],
+                      max_trials_per_pack=32, on_priors=False).as_dict()
     got = client.post("/v1/tasks?dry_run=true", json=body(file_id), headers=tenant.headers).json()["estimate"]
     assert got == {**fitted, "actual": None} and got["gpu_seconds"] < priors["gpu_seconds"]
     # w1 busy with a running pack of 1,000 steps left: the task waits for it.

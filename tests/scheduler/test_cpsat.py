@@ -14,13 +14,13 @@ from scheduler.planning.cpsat import plan_cpsat
 from scheduler.planning.greedy import plan_greedy
 from scheduler.planning.rules import work_conserving
 from scheduler.planning.types import (
-    GpuSpec,
     PendingTrial,
     PlanningInput,
     PlanResult,
     RunningMember,
     RunningPack,
     ScheduledPack,
+    WorkerSpec,
 )
 
 GB = 10**9
@@ -69,19 +69,19 @@ def _durations(inp: PlanningInput, model: str, trials: list[PendingTrial], runni
     return out
 
 
-def _loads(g: GpuSpec, model: str) -> bool:
+def _loads(g: WorkerSpec, model: str) -> bool:
     return g.models is None or model in g.models
 
 
 def check_valid(inp: PlanningInput, res: PlanResult) -> None:
     """Every constraint the planner promises, checked from scratch on its output."""
     by_id = {t.trial_id: t for t in inp.trials}
-    gpu = {g.gpu_id: g for g in inp.gpus}
+    gpu = {g.worker_id: g for g in inp.workers}
     running = {r.pack_id: r for r in inp.running}
     seen = [tid for p in res.packs for tid in p.trial_ids]
     assert len(seen) == len(set(seen))
     assert set(seen) | set(res.unschedulable) == set(by_id) and not set(seen) & set(res.unschedulable)
-    busy: dict[str, list[tuple[int, int]]] = {g.gpu_id: [] for g in inp.gpus}
+    busy: dict[str, list[tuple[int, int]]] = {g.worker_id: [] for g in inp.workers}
     spans: dict[str, list[tuple[int, int]]] = {}
     fills = {p.pack_key: [by_id[i] for i in p.trial_ids] for p in res.packs if p.backfill}
     run_end, theirs = {}, {}
@@ -94,38 +94,38 @@ def check_valid(inp: PlanningInput, res: PlanResult) -> None:
         if not r.members:
             for ten, n in r.tenant_trials:
                 spans.setdefault(ten, []).extend([(0, r.ends_at)] * n)
-        for g in r.gpu_ids:
+        for g in r.worker_ids:
             busy[g].append((0, max(run_end[r.pack_id], gpu[g].busy_until)))
     assert res.running_completion == theirs
     for p in res.packs:
         ts = [by_id[i] for i in p.trial_ids]
         assert {t.base_model for t in ts} == {p.base_model}
         assert len(ts) <= min(t.max_trials_per_pack for t in ts)
-        assert len(set(p.gpu_ids)) == len(p.gpu_ids) and {t.gpus_needed for t in ts} == {len(p.gpu_ids)}
+        assert len(set(p.worker_ids)) == len(p.worker_ids) and {t.gpus_needed for t in ts} == {len(p.worker_ids)}
         r = running.get(p.pack_key) if p.backfill else None
         if p.backfill:
-            assert r is not None and p.start == 0 and set(p.gpu_ids) == set(r.gpu_ids)
+            assert r is not None and p.start == 0 and set(p.worker_ids) == set(r.worker_ids)
             assert len(ts) <= r.free_slots and r.trials + len(ts) <= min(r.max_trials_per_pack,
                                                                           *(t.max_trials_per_pack for t in ts))
             mem = _mem(inp, p.base_model, ts, r.tokens_per_step, r.slot_bytes)
         else:
             assert p.start >= 0
-            assert all(_loads(gpu[g], p.base_model) for g in p.gpu_ids), "a GPU whose worker cannot load the model"
+            assert all(_loads(gpu[g], p.base_model) for g in p.worker_ids), "a GPU whose worker cannot load the model"
             mem = _mem(inp, p.base_model, ts)
-        assert all(mem <= gpu[g].memory_bytes for g in p.gpu_ids), "memory"
+        assert all(mem <= gpu[g].memory_bytes for g in p.worker_ids), "memory"
         durs = _durations(inp, p.base_model, ts, r)
         for t in ts:
             assert res.completion[t.trial_id] == p.start + durs[t.trial_id]
             spans.setdefault(t.tenant_id, []).append((p.start, p.start + durs[t.trial_id]))
         assert p.end == p.start + max(durs[t.trial_id] for t in ts)
         if not r:
-            for g in p.gpu_ids:
+            for g in p.worker_ids:
                 busy[g].append((p.start, p.end))
-    for spec in inp.gpus:
-        if spec.busy_until and not any(spec.gpu_id in r.gpu_ids for r in inp.running):
-            busy[spec.gpu_id].append((0, spec.busy_until))
-        ivs = sorted(busy[spec.gpu_id])
-        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ivs)), f"overlap on {spec.gpu_id}: {ivs}"
+    for spec in inp.workers:
+        if spec.busy_until and not any(spec.worker_id in r.worker_ids for r in inp.running):
+            busy[spec.worker_id].append((0, spec.busy_until))
+        ivs = sorted(busy[spec.worker_id])
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ivs)), f"overlap on {spec.worker_id}: {ivs}"
     for ten, q in inp.tenant_quota.items():
         cap = max(q, sum(n for r in inp.running for t, n in r.tenant_trials if t == ten))
         ss = spans.get(ten, [])
@@ -156,7 +156,7 @@ def brute_force(inp: PlanningInput) -> int:
     best = math.inf
     # A trial no GPU set can hold even alone is left out (the planner reports it as unschedulable).
     placeable = [t for t in inp.trials if sum(_mem(inp, t.base_model, [t]) <= g.memory_bytes and _loads(g, t.base_model)
-                                              for g in inp.gpus) >= t.gpus_needed]
+                                              for g in inp.workers) >= t.gpus_needed]
     (r,) = inp.running or (None,)
     weight = {t.trial_id: t.tenant_weight for t in inp.trials} | {m.trial_id: m.tenant_weight
                                                                    for m in (r.members if r else ())}
@@ -166,9 +166,9 @@ def brute_force(inp: PlanningInput) -> int:
             continue
         fills: list[list[PendingTrial]] = [[]]
         if r:
-            room = min(g.memory_bytes for g in inp.gpus if g.gpu_id in r.gpu_ids)
+            room = min(g.memory_bytes for g in inp.workers if g.worker_id in r.worker_ids)
             fills += [p for p in part
-                      if {(t.base_model, t.gpus_needed) for t in p} == {(r.base_model, len(r.gpu_ids))}
+                      if {(t.base_model, t.gpus_needed) for t in p} == {(r.base_model, len(r.worker_ids))}
                       and len(p) <= r.free_slots and r.trials + len(p) <= min(r.max_trials_per_pack,
                                                                               *(t.max_trials_per_pack for t in p))
                       and _mem(inp, r.base_model, p, r.tokens_per_step, r.slot_bytes) <= room]
@@ -177,19 +177,19 @@ def brute_force(inp: PlanningInput) -> int:
             r_end = max([r.ends_at, *durs_r.values()]) if r else 0
             rest = [p for p in part if p is not fill]
             for order in itertools.permutations(rest):
-                choices = [[c for c in itertools.combinations(inp.gpus, p[0].gpus_needed)
+                choices = [[c for c in itertools.combinations(inp.workers, p[0].gpus_needed)
                             if all(_mem(inp, p[0].base_model, list(p)) <= g.memory_bytes and _loads(g, p[0].base_model)
                                    for g in c)] for p in order]
                 for pick in itertools.product(*choices):
-                    avail = {g.gpu_id: max(g.busy_until, r_end if r and g.gpu_id in r.gpu_ids else 0)
-                             for g in inp.gpus}
+                    avail = {g.worker_id: max(g.busy_until, r_end if r and g.worker_id in r.worker_ids else 0)
+                             for g in inp.workers}
                     done = dict(durs_r)  # the back-filled trials and the running pack's own members
                     for p, gs in zip(order, pick, strict=True):
-                        start = max(avail[g.gpu_id] for g in gs)
+                        start = max(avail[g.worker_id] for g in gs)
                         durs = _durations(inp, p[0].base_model, list(p))
                         done.update({i: start + d for i, d in durs.items()})
                         for g in gs:
-                            avail[g.gpu_id] = start + max(durs.values())
+                            avail[g.worker_id] = start + max(durs.values())
                     makespan = max([*done.values(), r_end, 0])
                     best = min(best, inp.makespan_weight * makespan + sum(weight[i] * c for i, c in done.items()))
     return 0 if best == math.inf else int(best)
@@ -198,13 +198,13 @@ def brute_force(inp: PlanningInput) -> int:
 def test_tiny_instances_match_brute_force() -> None:
     rng = random.Random(7)
     for case in range(40):
-        n, n_gpus = rng.randint(1, 4), rng.randint(1, 2)
+        n, n_workers = rng.randint(1, 4), rng.randint(1, 2)
         trials = tuple(
             trial(i, rng.choice(["small", "big"]), steps=rng.randint(10, 400), tokens=rng.choice([500, 2000, 8000]),
-                  weight=rng.randint(1, 3), gpus=rng.randint(1, n_gpus), cap=rng.randint(1, 4))
+                  weight=rng.randint(1, 3), gpus=rng.randint(1, n_workers), cap=rng.randint(1, 4))
             for i in range(n))
-        gpus = tuple(GpuSpec(f"g{j}", rng.choice([40, 80]) * GB, busy_until=rng.choice([0, 0, 20]))
-                     for j in range(n_gpus))
+        gpus = tuple(WorkerSpec(f"g{j}", rng.choice([40, 80]) * GB, busy_until=rng.choice([0, 0, 20]))
+                     for j in range(n_workers))
         inp = PlanningInput(trials, gpus, COSTS)
         res = plan_cpsat(inp, time_limit_s=5.0)
         check_valid(inp, res)
@@ -213,9 +213,9 @@ def test_tiny_instances_match_brute_force() -> None:
 
 
 def random_instance(rng: random.Random) -> PlanningInput:
-    n_gpus, unit_s = rng.randint(1, 4), rng.choice([0.5, 1.0, 5.0])
-    gpus = tuple(GpuSpec(f"g{j}", rng.choice([24, 40, 80, 80]) * GB, busy_until=rng.choice([0, 0, 0, 15, 60]))
-                 for j in range(n_gpus))
+    n_workers, unit_s = rng.randint(1, 4), rng.choice([0.5, 1.0, 5.0])
+    gpus = tuple(WorkerSpec(f"g{j}", rng.choice([24, 40, 80, 80]) * GB, busy_until=rng.choice([0, 0, 0, 15, 60]))
+                 for j in range(n_workers))
     tenants = ["a", "b", "c"]
     trials = tuple(
         trial(i, rng.choice(["small", "big"]), steps=rng.randint(1, 300), tokens=rng.choice([256, 1024, 4096, 16384]),
@@ -245,7 +245,7 @@ def test_tiny_instances_with_a_running_pack_match_brute_force() -> None:
         trials = tuple(trial(i, rng.choice(["small", "small", "big"]), steps=rng.randint(10, 400),
                              tokens=rng.choice([500, 2000, 8000]), weight=rng.randint(1, 3), cap=rng.randint(2, 4))
                        for i in range(rng.randint(1, 4)))
-        gpus = tuple(GpuSpec(f"g{j}", 80 * GB) for j in range(rng.randint(1, 2)))
+        gpus = tuple(WorkerSpec(f"g{j}", 80 * GB) for j in range(rng.randint(1, 2)))
         run = RunningPack("r0", ("g0",), "small", rng.randint(20, 600), trials=1, free_slots=rng.randint(1, 3),
                           tokens_per_step=2000, slot_bytes=10**8, max_trials_per_pack=4)
         if rng.random() < 0.6:
@@ -278,13 +278,13 @@ def test_tiny_instances_with_workers_that_load_some_models_match_brute_force() -
     # unschedulable. CP-SAT's optimum is brute force's over the GPUs that load each pack's model.
     rng = random.Random(16)
     for case in range(40):
-        n, n_gpus = rng.randint(1, 4), rng.randint(1, 3)
+        n, n_workers = rng.randint(1, 4), rng.randint(1, 3)
         trials = tuple(
             trial(i, rng.choice(["small", "big"]), steps=rng.randint(10, 400), tokens=rng.choice([500, 2000, 8000]),
-                  weight=rng.randint(1, 3), gpus=rng.choice([1, 1, n_gpus]), cap=rng.randint(1, 4))
+                  weight=rng.randint(1, 3), gpus=rng.choice([1, 1, n_workers]), cap=rng.randint(1, 4))
             for i in range(n))
-        gpus = tuple(GpuSpec(f"g{j}", rng.choice([40, 80]) * GB, busy_until=rng.choice([0, 0, 20]),
-                             models=rng.choice(MODEL_SETS)) for j in range(n_gpus))
+        gpus = tuple(WorkerSpec(f"g{j}", rng.choice([40, 80]) * GB, busy_until=rng.choice([0, 0, 20]),
+                             models=rng.choice(MODEL_SETS)) for j in range(n_workers))
         inp = PlanningInput(trials, gpus, COSTS)
         greedy = plan_greedy(inp)
         check_valid(inp, greedy)
@@ -300,7 +300,7 @@ def test_random_instances_with_workers_that_load_some_models_never_violate_const
     rng = random.Random(4242)
     for _ in range(50):
         inp = random_instance(rng)
-        inp = replace(inp, gpus=tuple(replace(g, models=rng.choice(MODEL_SETS)) for g in inp.gpus))
+        inp = replace(inp, workers=tuple(replace(g, models=rng.choice(MODEL_SETS)) for g in inp.workers))
         greedy = plan_greedy(inp)
         check_valid(inp, greedy)
         res = plan_cpsat(inp, time_limit_s=0.3)
@@ -312,20 +312,20 @@ def test_random_instances_with_workers_that_load_some_models_never_violate_const
 def test_a_model_goes_only_to_gpus_whose_worker_can_load_it() -> None:
     # g0 is free now but loads only "small"; g1 loads every model but is busy for a while: the big trials wait
     # for g1 rather than start on g0, and a model that no GPU loads is not planned at all.
-    gpus = (GpuSpec("g0", 80 * GB, models=frozenset({"small"})), GpuSpec("g1", 80 * GB, busy_until=50))
+    gpus = (WorkerSpec("g0", 80 * GB, models=frozenset({"small"})), WorkerSpec("g1", 80 * GB, busy_until=50))
     inp = PlanningInput((trial(0, "big"), trial(1, "big"), trial(2, "small")), gpus, COSTS)
     for res in (plan_greedy(inp), plan_cpsat(inp), work_conserving(inp, plan_cpsat(inp))):
         check_valid(inp, res)
-        assert {p.gpu_ids for p in res.packs if p.base_model == "big"} == {("g1",)}
+        assert {p.worker_ids for p in res.packs if p.base_model == "big"} == {("g1",)}
         assert all(p.start >= 50 for p in res.packs if p.base_model == "big")
-    only_small = (GpuSpec("g0", 80 * GB, models=frozenset({"small"})),)
-    for res in (plan_greedy(replace(inp, gpus=only_small)), plan_cpsat(replace(inp, gpus=only_small))):
+    only_small = (WorkerSpec("g0", 80 * GB, models=frozenset({"small"})),)
+    for res in (plan_greedy(replace(inp, workers=only_small)), plan_cpsat(replace(inp, workers=only_small))):
         assert set(res.unschedulable) == {"t0", "t1"} and [p.trial_ids for p in res.packs] == [("t2",)]
 
 
 def test_greedy_fallback_when_the_model_is_too_big() -> None:
-    inp = PlanningInput(tuple(trial(i) for i in range(6)), (GpuSpec("g0", 80 * GB), GpuSpec("g1", 80 * GB)), COSTS,
-                        max_interval_vars=1)
+    inp = PlanningInput(tuple(trial(i) for i in range(6)), (WorkerSpec("g0", 80 * GB), WorkerSpec("g1", 80 * GB)),
+                        COSTS, max_interval_vars=1)
     res = plan_cpsat(inp)
     assert res.status == "greedy_fallback"
     check_valid(inp, res)
@@ -345,7 +345,7 @@ def test_backfills_a_running_packs_free_slot() -> None:
     # g0 is the only GPU and runs a long pack with a free slot: joining it beats waiting for it to end.
     running = RunningPack("r0", ("g0",), "small", ends_at=10_000, trials=1, free_slots=1, tokens_per_step=2000,
                           slot_bytes=10**8, max_trials_per_pack=4)
-    inp = PlanningInput((trial(0), trial(1, "big")), (GpuSpec("g0", 80 * GB),), COSTS, running=(running,))
+    inp = PlanningInput((trial(0), trial(1, "big")), (WorkerSpec("g0", 80 * GB),), COSTS, running=(running,))
     res = plan_cpsat(inp)
     check_valid(inp, res)
     fills = [p for p in res.start_now if p.backfill]
@@ -356,20 +356,20 @@ def test_backfills_a_running_packs_free_slot() -> None:
 def test_no_backfill_when_memory_does_not_fit() -> None:
     running = RunningPack("r0", ("g0",), "small", ends_at=50, trials=1, free_slots=3, tokens_per_step=2000,
                           slot_bytes=10**8, max_trials_per_pack=4)
-    inp = PlanningInput((trial(0, slot=8 * GB),), (GpuSpec("g0", 24 * GB),), COSTS, running=(running,))
+    inp = PlanningInput((trial(0, slot=8 * GB),), (WorkerSpec("g0", 24 * GB),), COSTS, running=(running,))
     res = plan_cpsat(inp)
     check_valid(inp, res)
     assert not any(p.backfill for p in res.packs) and res.packs[0].start == 50
 
 
 def test_multi_gpu_task_gets_its_gpus_together_and_unplaceable_trials_are_reported() -> None:
-    gpus = tuple(GpuSpec(f"g{j}", 80 * GB, busy_until=10 * j) for j in range(3))
+    gpus = tuple(WorkerSpec(f"g{j}", 80 * GB, busy_until=10 * j) for j in range(3))
     inp = PlanningInput((trial(0, "big", gpus=2), trial(1, "big", gpus=4), trial(2)), gpus, COSTS)
     res = plan_cpsat(inp)
     check_valid(inp, res)
     assert res.unschedulable == ("t1",)
     (pack,) = [p for p in res.packs if "t0" in p.trial_ids]
-    assert len(pack.gpu_ids) == 2 and pack.start >= 10
+    assert len(pack.worker_ids) == 2 and pack.start >= 10
 
 
 def test_same_input_and_seed_give_the_same_plan() -> None:
@@ -379,7 +379,7 @@ def test_same_input_and_seed_give_the_same_plan() -> None:
 
 
 def test_nothing_pending_gives_an_empty_plan() -> None:
-    res = plan_cpsat(PlanningInput((), (GpuSpec("g0", 80 * GB),), COSTS))
+    res = plan_cpsat(PlanningInput((), (WorkerSpec("g0", 80 * GB),), COSTS))
     assert res.packs == () and res.start_now == () and res.makespan == 0
 
 
@@ -387,7 +387,7 @@ def test_trials_of_different_tenants_and_tasks_share_one_backbone() -> None:
     # A large fixed step cost (the frozen backbone's forward/backward) makes one shared pack the best plan.
     costs = {"small": ModelCost(MemoryModel(10 * GB, 1e6), StepTimeModel(2.0, 1e-5, 0.01))}
     trials = (trial(0, tenant="a"), trial(1, tenant="b"), trial(2, tenant="c"))
-    inp = PlanningInput(trials, (GpuSpec("g0", 80 * GB),), costs)
+    inp = PlanningInput(trials, (WorkerSpec("g0", 80 * GB),), costs)
     res = plan_cpsat(inp)
     check_valid(inp, res)
     assert res.status == "optimal"
@@ -396,7 +396,7 @@ def test_trials_of_different_tenants_and_tasks_share_one_backbone() -> None:
 
 def test_quota_limits_concurrent_trials_of_a_tenant() -> None:
     costs = {"small": ModelCost(MemoryModel(10 * GB, 1e6), StepTimeModel(2.0, 1e-5, 0.01))}
-    inp = PlanningInput(tuple(trial(i, tenant="a") for i in range(3)), (GpuSpec("g0", 80 * GB),), costs,
+    inp = PlanningInput(tuple(trial(i, tenant="a") for i in range(3)), (WorkerSpec("g0", 80 * GB),), costs,
                         tenant_quota={"a": 2})
     res = plan_cpsat(inp)
     check_valid(inp, res)
@@ -407,7 +407,7 @@ def test_backfill_respects_the_caps_counting_the_running_trials() -> None:
     # Two run already; the pending trials' own cap of 3 leaves room for one more, not for the 2 free slots.
     running = RunningPack("r0", ("g0",), "small", ends_at=10_000, trials=2, free_slots=2, tokens_per_step=2000,
                           slot_bytes=10**8, max_trials_per_pack=8)
-    inp = PlanningInput((trial(0, cap=3), trial(1, cap=3)), (GpuSpec("g0", 80 * GB),), COSTS, running=(running,))
+    inp = PlanningInput((trial(0, cap=3), trial(1, cap=3)), (WorkerSpec("g0", 80 * GB),), COSTS, running=(running,))
     for res in (plan_greedy(inp), plan_cpsat(inp)):
         check_valid(inp, res)
         assert [len(p.trial_ids) for p in res.packs if p.backfill] == [1]
@@ -423,25 +423,25 @@ def _later_plan(inp: PlanningInput) -> PlanResult:
 
 
 def test_work_conserving_starts_the_earliest_waiting_pack_on_an_idle_gpu_now() -> None:
-    gpus = (GpuSpec("g0", 80 * GB), GpuSpec("g1", 80 * GB), GpuSpec("g2", 80 * GB, busy_until=300))
+    gpus = (WorkerSpec("g0", 80 * GB), WorkerSpec("g1", 80 * GB), WorkerSpec("g2", 80 * GB, busy_until=300))
     inp = PlanningInput(tuple(trial(i) for i in range(3)), gpus, COSTS)
     before = _later_plan(inp)
     after = work_conserving(inp, before)
-    assert sorted((p.pack_key, p.gpu_ids, p.start) for p in after.start_now) == [
+    assert sorted((p.pack_key, p.worker_ids, p.start) for p in after.start_now) == [
         ("new-t0", ("g0",), 0), ("new-t2", ("g1",), 0)]  # t2 (earliest later) moved to the idle g1
     assert after.completion["t2"] < before.completion["t2"]
     assert all(after.completion[t] <= before.completion[t] for t in before.completion)
     # Nothing idle, or nothing waiting: the plan as it was.
-    busy = replace(inp, gpus=(gpus[0], replace(gpus[1], busy_until=10), gpus[2]))
+    busy = replace(inp, workers=(gpus[0], replace(gpus[1], busy_until=10), gpus[2]))
     assert work_conserving(busy, _later_plan(busy)) == _later_plan(busy)
 
 
 def test_work_conserving_respects_memory_and_quotas() -> None:
-    gpus = (GpuSpec("g0", 80 * GB), GpuSpec("g1", 11 * GB), GpuSpec("g2", 80 * GB, busy_until=300))
+    gpus = (WorkerSpec("g0", 80 * GB), WorkerSpec("g1", 11 * GB), WorkerSpec("g2", 80 * GB, busy_until=300))
     inp = PlanningInput(tuple(trial(i) for i in range(3)), gpus, COSTS)
     # g1 cannot hold a pack of "small" (10 GB base + 2e6 x 2000 tokens per trial): nothing moves.
     assert work_conserving(inp, _later_plan(inp)) == _later_plan(inp)
-    roomy = replace(inp, gpus=(gpus[0], replace(gpus[1], memory_bytes=80 * GB), gpus[2]))
+    roomy = replace(inp, workers=(gpus[0], replace(gpus[1], memory_bytes=80 * GB), gpus[2]))
     # Tenant "a" may run one trial at a time: t0 runs now, so neither waiting pack may start beside it.
     capped = replace(roomy, tenant_quota={"a": 1})
     assert work_conserving(capped, _later_plan(capped)) == _later_plan(capped)

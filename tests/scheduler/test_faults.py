@@ -21,7 +21,7 @@ from common.telemetry import scheduler_metrics
 from scheduler.planning.faults import (
     ALONE_AFTER_WORKER_LOSSES,
     FaultPolicy,
-    pack_cap,
+    max_trials_per_pack_after_losses,
     quarantine_s_for,
     recent_losses,
     requeue_delay_s,
@@ -72,7 +72,7 @@ def test_a_worker_is_quarantined_past_the_count_for_longer_each_time(losses: int
 
 def test_a_trial_whose_workers_keep_being_lost_trains_alone_from_half_the_bound() -> None:
     assert ALONE_AFTER_WORKER_LOSSES == states.MAX_TRIAL_WORKER_LOSSES // 2 == 5
-    assert [pack_cap(8, k) for k in (0, 1, 4, 5, 9)] == [8, 8, 8, 1, 1]
+    assert [max_trials_per_pack_after_losses(8, k) for k in (0, 1, 4, 5, 9)] == [8, 8, 8, 1, 1]
 
 
 # ----------------------------------------------------------------------------------------- through the daemon

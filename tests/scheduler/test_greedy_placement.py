@@ -30,7 +30,7 @@ def test_plan_fills_one_worker_up_to_its_slots() -> None:
     # The oldest first; on the cost priors no trial waits while the pack starting now has room (`fill_now`).
     assert packs(snapshot) == {("w1", "m1", frozenset({"tr0", "tr1", "tr2"}))}
     (pack,) = place(snapshot, {}, solver="greedy").plan.packs
-    assert pack.capacity == 3
+    assert pack.max_trials_per_pack == 3
 
 
 def test_plan_respects_the_tasks_own_pack_cap() -> None:

@@ -22,7 +22,7 @@ from common.registry import DEFAULT_MODELS
 from common.settings import get_settings
 from common.tables import BaseModelEntry, Pack, Trial, Worker, utcnow
 from scheduler.planning.cost import ModelCost, prior_cost
-from scheduler.planning.estimate import Gpu, TrialLoad, estimate
+from scheduler.planning.estimate import TrialLoad, UsableWorker, estimate
 from scheduler.planning.placement import Placement, place
 from scheduler.planning.types import DEFAULT_GPU_BYTES, LiveWorker, PendingTrial, Snapshot, planning_input
 from scheduler.service.daemon import SchedulerDaemon
@@ -113,7 +113,7 @@ def test_planning_input_gives_a_worker_all_of_its_gpus_memory() -> None:
                       LiveWorker("unsaid", 8, None, gpus=2)),
         busy_workers=(LiveWorker("busy", 8, H200_BYTES, busy_for_s=30.0, gpus=4),),
     )
-    gpus = {g.gpu_id: g.memory_bytes for g in planning_input(snapshot, {}, unit_s=1.0).gpus}
+    gpus = {g.worker_id: g.memory_bytes for g in planning_input(snapshot, {}, unit_s=1.0).workers}
     assert gpus == {"h100": H100_BYTES, H200X2: 2 * H200_BYTES, "unsaid": 2 * DEFAULT_GPU_BYTES,
                     "busy": 4 * H200_BYTES}
 
@@ -143,14 +143,14 @@ def test_a_model_larger_than_a_gpu_is_placed_only_on_a_worker_whose_gpus_hold_it
 def test_the_estimate_plans_on_a_workers_gpus_too() -> None:
     trials = [TrialLoad(steps=100, tokens_per_step=TOKENS)] * 2
 
-    def wall(gpus: list[Gpu]) -> float | None:
+    def wall(gpus: list[UsableWorker]) -> float | None:
         return estimate(trials, COSTS[BIG], gpus, max_trials_per_pack=8, on_priors=True).wall_seconds
 
-    assert wall([Gpu(H100_BYTES)]) is None and wall([Gpu(H200_BYTES)]) is None
-    assert wall([Gpu(H200_BYTES, gpus=2)]) is not None
+    assert wall([UsableWorker(H100_BYTES)]) is None and wall([UsableWorker(H200_BYTES)]) is None
+    assert wall([UsableWorker(H200_BYTES, gpus=2)]) is not None
     # A pack holds every GPU of its worker: GPU seconds are its time on the worker times the worker's GPUs.
-    small = estimate(trials, COSTS[SMOL], [Gpu(H200_BYTES)], max_trials_per_pack=8, on_priors=True)
-    doubled = estimate(trials, COSTS[SMOL], [Gpu(H200_BYTES, gpus=2)], max_trials_per_pack=8, on_priors=True)
+    small = estimate(trials, COSTS[SMOL], [UsableWorker(H200_BYTES)], max_trials_per_pack=8, on_priors=True)
+    doubled = estimate(trials, COSTS[SMOL], [UsableWorker(H200_BYTES, gpus=2)], max_trials_per_pack=8, on_priors=True)
     assert doubled.wall_seconds == small.wall_seconds
     assert doubled.gpu_seconds == pytest.approx(2 * small.gpu_seconds)
 

@@ -10,7 +10,7 @@ from scheduler.planning.coefficients import NEVER, SCALE, Member, Prepared, comp
 from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
 from scheduler.planning.cpsat import plan_cpsat
 from scheduler.planning.greedy import plan_greedy
-from scheduler.planning.types import GpuSpec, PendingTrial, PlanningInput, RunningMember, RunningPack
+from scheduler.planning.types import PendingTrial, PlanningInput, RunningMember, RunningPack, WorkerSpec
 from tests.scheduler.test_cpsat import check_valid
 
 GB = 10**9
@@ -41,7 +41,7 @@ def test_completions_match_stepping_the_pack_one_step_at_a_time() -> None:
 
 def test_priority_is_smiths_rule_with_ties_in_arrival_order() -> None:
     trials = (trial(0, 300), trial(1, 100), trial(2, 300, weight=3), trial(3, 100), trial(4, 100, tokens=8000))
-    inp = PlanningInput(trials, (GpuSpec("g0", 80 * GB),), COSTS)
+    inp = PlanningInput(trials, (WorkerSpec("g0", 80 * GB),), COSTS)
     prep = Prepared(inp)
     # t2 is 3x as long as t1/t3 at 3x the weight: equal key, so arrival order decides among the three.
     assert [t.trial_id for t in prep.priority()] == ["t1", "t2", "t3", "t4", "t0"]
@@ -51,7 +51,7 @@ def random_identical(rng: random.Random, cap_one: bool) -> PlanningInput:
     trials = tuple(trial(i, rng.randint(1, 2000), model=rng.choice(["m", "n"]), tokens=rng.choice([512, 2048, 8192]),
                          weight=rng.choice([1, 1, 2, 3]), cap=1 if cap_one else rng.randint(1, 8))
                    for i in range(rng.randint(2, 40)))
-    return PlanningInput(trials, tuple(GpuSpec(f"g{j}", 80 * GB) for j in range(rng.randint(1, 6))), COSTS)
+    return PlanningInput(trials, tuple(WorkerSpec(f"g{j}", 80 * GB) for j in range(rng.randint(1, 6))), COSTS)
 
 
 def test_greedy_opens_packs_in_smiths_order() -> None:
@@ -89,7 +89,7 @@ def test_cpsat_on_one_gpu_orders_by_smiths_rule() -> None:
     rng = random.Random(8)
     for _ in range(10):
         trials = tuple(trial(i, rng.randint(5, 500), weight=rng.randint(1, 4), cap=1) for i in range(6))
-        inp = PlanningInput(trials, (GpuSpec("g0", 80 * GB),), COSTS, makespan_weight=rng.choice([0, 1, 5]))
+        inp = PlanningInput(trials, (WorkerSpec("g0", 80 * GB),), COSTS, makespan_weight=rng.choice([0, 1, 5]))
         prep = Prepared(inp)
         keys = [prep.solo_milli(t) / t.tenant_weight for t in prep.trials]
         if len(set(keys)) < len(keys):
@@ -109,7 +109,7 @@ def running(steps: int, weight: int = 1) -> RunningPack:
 
 def test_a_short_trial_slips_into_a_running_pack_rather_than_wait_behind_it() -> None:
     # Waiting for the long member (~4,200 units) costs far more than sharing its step for ~42 units.
-    inp = PlanningInput((trial(0, 100),), (GpuSpec("g0", 80 * GB),), COSTS, running=(running(10_000),))
+    inp = PlanningInput((trial(0, 100),), (WorkerSpec("g0", 80 * GB),), COSTS, running=(running(10_000),))
     for res in (plan_greedy(inp), plan_cpsat(inp)):
         check_valid(inp, res)
         assert [(p.pack_key, p.trial_ids) for p in res.start_now] == [("r0", ("t0",))]
@@ -124,7 +124,7 @@ def test_a_backfill_pays_for_the_members_it_slows() -> None:
     for weight, backfill in ((1, True), (8, False)):
         pack = running(50, weight)
         pack = replace(pack, ends_at=Prepared(PlanningInput((), (), costs, running=(pack,))).running_end(pack))
-        inp = PlanningInput((trial(0, 5_000),), (GpuSpec("g0", 80 * GB),), costs, running=(pack,), makespan_weight=0)
+        inp = PlanningInput((trial(0, 5_000),), (WorkerSpec("g0", 80 * GB),), costs, running=(pack,), makespan_weight=0)
         for res in (plan_greedy(inp), plan_cpsat(inp)):
             check_valid(inp, res)
             assert any(p.backfill for p in res.packs) == backfill, (weight, res.status)

@@ -53,13 +53,13 @@ def check_invariants(trace: Trace, gpus: int, r: SimResult) -> None:
     by_gpu: dict[str, list[tuple[float, float]]] = {}
     for p in r.packs:
         assert p.start_s < p.end_s and p.members[-1][1] == ()
-        for g in p.gpu_ids:
+        for g in p.worker_ids:
             by_gpu.setdefault(g, []).append((p.start_s, p.end_s))
         cost = trace.costs[p.base_model].memory
         for _, members in p.members:
             specs = [trials[i][1] for i in members]
             assert {trials[i][0].base_model for i in members} <= {p.base_model}
-            assert all(trials[i][0].gpus_needed == len(p.gpu_ids) for i in members)
+            assert all(trials[i][0].gpus_needed == len(p.worker_ids) for i in members)
             mem = cost.k0_bytes + sum(cost.k1_bytes_per_token * s.tokens_per_step + s.slot_bytes for s in specs)
             assert mem <= trace.gpu_memory_bytes
             assert len(members) <= min([s.max_trials_per_pack for s in specs], default=1)

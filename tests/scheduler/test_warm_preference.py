@@ -69,7 +69,7 @@ def test_warmth_never_costs_the_objective_nor_leaves_trials_unplaced_on_random_s
         pending = tuple(trial(i, rng.choice(models), steps=rng.randint(1, 300), task=f"t{i % 3}")
                         for i in range(rng.randint(1, 8)))
         warm = planning_input(Snapshot(pending, idle, busy), {}, unit_s=1.0)
-        cold = replace(warm, gpus=tuple(replace(g, warm=frozenset()) for g in warm.gpus))
+        cold = replace(warm, workers=tuple(replace(g, warm=frozenset()) for g in warm.workers))
         if solver == "greedy":
             with_warm, without = plan_greedy(warm), plan_greedy(cold)
         else:
