@@ -159,7 +159,7 @@ class WorkerHeartbeat(Message):
     """A worker process's presence. `gpus`, `models` and `warm_models` are read leniently by ingest (a malformed
     value is logged and taken as not said), as a beat must prove its worker alive whatever else it says."""
 
-    omit_when_none: ClassVar[frozenset[str]] = frozenset({"models", "warm_models"})
+    omit_when_none: ClassVar[frozenset[str]] = frozenset({"gpus", "models", "warm_models"})
 
     type: Literal["heartbeat"] = "heartbeat"
     worker_id: str

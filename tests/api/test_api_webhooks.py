@@ -27,6 +27,7 @@ from common.bus import SCHEDULER_STREAM, get_bus
 from common.celery import get_celery, worker_queue
 from common.db import session_scope
 from common.events import record_event
+from common.messages import REPORT_TYPES
 from common.settings import get_settings
 from common.tables import Pack, Task, WebhookDelivery, utcnow
 from scheduler.service.daemon import SchedulerDaemon
@@ -211,7 +212,7 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
 
 
 def report(kind: str, **fields: object) -> None:
-    get_bus().publish(SCHEDULER_STREAM, {"type": kind, "worker_id": WORKER, **fields})
+    get_bus().publish(SCHEDULER_STREAM, REPORT_TYPES[kind](**{"worker_id": WORKER, **fields}).to_dict())
 
 
 def test_a_task_run_to_success_sends_signed_deliveries(

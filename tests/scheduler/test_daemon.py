@@ -15,6 +15,7 @@ from common import states
 from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
 from common.celery import get_celery, worker_queue
 from common.db import session_scope
+from common.messages import REPORT_TYPES
 from common.registry import DEFAULT_MODELS, ensure_default_models
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from common.tables import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
@@ -78,7 +79,8 @@ def make_task(n_trials: int, cap: int = 8, early_exit: dict[str, object] | None 
 
 
 def report(kind: str, **fields: object) -> None:
-    get_bus().publish(SCHEDULER_STREAM, {"type": kind, "worker_id": WORKER, **fields})
+    """What a worker sends: the report of type ``kind`` (common/messages.py) with these fields."""
+    get_bus().publish(SCHEDULER_STREAM, REPORT_TYPES[kind](**{"worker_id": WORKER, **fields}).to_dict())
 
 
 def heartbeat() -> None:
@@ -937,8 +939,7 @@ def test_each_stay_of_a_trial_in_a_pack_is_counted_once_for_usage(daemon: Schedu
     pack = live_pack()
     report("pack.started", pack_id=pack.id)
     first, second = trial_ids
-    paused = dict(pack_id=pack.id, trial_id=first, status="paused", steps_done=2, pack_steps=2, pack_tokens=120,
-                  checkpoint_key=f"checkpoints/{first}.tar")
+    paused = dict(pack_id=pack.id, trial_id=first, status="paused", steps_done=2, pack_steps=2, pack_tokens=120)
     report("trial.finished", **paused)
     report("trial.finished", **paused)  # replayed
     report("trial.finished", pack_id=pack.id, trial_id=first, status="completed", steps_done=5, pack_steps=3,

@@ -17,7 +17,7 @@ from common import states
 from common.bus import SCHEDULER_STREAM, commands_stream, get_bus
 from common.celery import worker_queue
 from common.db import session_scope
-from common.messages import AbortPack
+from common.messages import REPORT_TYPES, AbortPack
 from common.settings import get_settings
 from common.tables import Event, MetricPoint, Pack, Trial, Worker
 from scheduler.service.daemon import SchedulerDaemon
@@ -46,8 +46,8 @@ class FakeProcess:
         self.publish(kind, sent_at=time.time(), **fields)
 
     def publish(self, kind: str, **fields: Any) -> None:
-        get_bus().publish(SCHEDULER_STREAM, {"type": kind, "worker_id": WORKER, "incarnation": self.incarnation,
-                                             **fields})
+        message = REPORT_TYPES[kind](**{"worker_id": WORKER, "incarnation": self.incarnation, **fields})
+        get_bus().publish(SCHEDULER_STREAM, message.to_dict())
 
 
 def start_pack(daemon: SchedulerDaemon, proc: FakeProcess, n_trials: int = 2) -> tuple[Pack, list[str]]:

@@ -16,6 +16,7 @@ from common import states
 from common.bus import REGISTRY_KEY, SCHEDULER_STREAM, get_bus
 from common.celery import get_celery, worker_queue
 from common.db import session_scope
+from common.messages import WorkerHeartbeat
 from common.settings import get_settings
 from common.tables import BaseModelEntry, Event, Pack, Task, Trial, Worker, utcnow
 from scheduler.service.daemon import SchedulerDaemon
@@ -49,9 +50,9 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
 
 def beat(models: list[str] | None, worker_id: str = WORKER) -> None:
     """A heartbeat of `worker_id` naming `models` (None: a beat that does not say)."""
-    get_bus().publish(SCHEDULER_STREAM, {
-        "type": "heartbeat", "worker_id": worker_id, "queue": worker_queue(get_settings(), worker_id),
-        "device": "cpu", "max_slots": 8, **({} if models is None else {"models": models})})
+    get_bus().publish(SCHEDULER_STREAM, WorkerHeartbeat(
+        worker_id=worker_id, queue=worker_queue(get_settings(), worker_id), device="cpu", max_slots=8,
+        models=models).to_dict())
 
 
 def model_events(task_id: str) -> list[Event]:

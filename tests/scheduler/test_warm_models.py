@@ -14,6 +14,7 @@ from common import states
 from common.bus import SCHEDULER_STREAM, get_bus
 from common.celery import worker_queue
 from common.db import session_scope
+from common.messages import WorkerHeartbeat
 from common.settings import get_settings
 from common.tables import Pack, Worker
 from scheduler.service.daemon import SchedulerDaemon
@@ -30,9 +31,9 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
 
 def beat(worker_id: str, warm: Any = None) -> None:
     """A heartbeat of `worker_id` naming `warm` as its warm models (None: a beat that does not say)."""
-    get_bus().publish(SCHEDULER_STREAM, {
-        "type": "heartbeat", "worker_id": worker_id, "queue": worker_queue(get_settings(), worker_id),
-        "device": "cpu", "max_slots": 8, "pack_id": None, **({} if warm is None else {"warm_models": warm})})
+    get_bus().publish(SCHEDULER_STREAM, WorkerHeartbeat(
+        worker_id=worker_id, queue=worker_queue(get_settings(), worker_id), device="cpu", max_slots=8, pack_id=None,
+        warm_models=warm).to_dict())
 
 
 def entry(name: str, used: float = 1700000000.5) -> dict[str, Any]:
