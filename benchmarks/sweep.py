@@ -11,7 +11,7 @@ trial's run and at its warm-up step (ALTO's default 5% of its steps, where the s
 trial of an `alto` task, so that a replay ranks trials where the live service does). At the end every
 trial's best-validation adapter is scored on the 512 held-out test rows:
 a row counts as solved when greedy decoding reproduces one of its accepted answers exactly (end-of-turn
-included; `PackEngine.greedy_matches`).
+included; `worker/engine/generation.py` `greedy_matches`).
 
 Writes `benchmarks/results/sweeps/<dataset>-<model>-full.jsonl` (one row per trial in `loraplane replay`'s
 format: hyperparameters, samples and tokens per step, total steps, train and validation points as [step,
