@@ -48,7 +48,7 @@ DEFAULT_MODELS = (
         description="A 2-layer randomly initialised Llama with a byte-level tokenizer, for quick runs and tests.",
         parameters=107_200,  # build_tiny_llama's, counted by benchmarks/defaults.py --model tiny
         architecture="llama",
-        max_context=2048,  # worker/engine/models.py build_tiny_llama: max_position_embeddings
+        max_context=2048,  # worker/engine/base_model.py build_tiny_llama: max_position_embeddings
         chat_template=True,  # build_tiny_tokenizer: TINY_CHAT_TEMPLATE
     ),
 )

@@ -29,7 +29,7 @@ CHECK_TTL_S = 15.0
 
 def can_load(fields: Mapping[str, Any]) -> bool:
     """Whether the model whose source is ``fields`` (`common.registry.model_source_fields`) loads here, judged
-    as worker/engine/models.py's `load_base_model` would find it, without loading it:
+    as worker/engine/base_model.py's `load_base_model` would find it, without loading it:
 
     - ``tiny-random-llama``: always (synthetic, materialised on first use);
     - ``hf``: ``path`` is a directory whose config.json parses as a JSON object;

@@ -107,7 +107,7 @@ PRIOR_COST = ModelCost(
     prior=True,
 )
 
-# Bytes of one frozen base parameter: the engine holds the base in bf16 on CUDA (worker/engine/models.py), whatever
+# Bytes of one frozen base parameter: the engine holds the base in bf16 on CUDA (worker/engine/base_model.py), whatever
 # the checkpoint's own dtype (a GGUF's quantized weights are dequantized to it).
 BYTES_PER_FROZEN_PARAM = 2
 
