@@ -12,8 +12,9 @@ On the wire each is the JSON object of its fields (`to_dict`), with `type` (whic
 format). A message without `version` is of version 1: it was sent before the field existed.
 
 Reading one never raises: `parse_pack`, `parse_command` and `parse_report` log a message they cannot read, tell
-``on_drop`` why (its side counts it: `loraplane_bus_messages_dropped_total`) and return None; the caller then goes
-on to the next one (a stream's reader acks it all the same: read again it would fail again).
+``on_drop`` why (each side counts it: `loraplane_scheduler_bus_messages_dropped_total`, and the worker's) and
+return None; the caller goes on to the next one (a stream's reader acks it all the same: read again it would fail
+again).
 
 How the format may change: a field added with a default needs no new version (a reader leaves out the fields it
 does not know, and a message from an older sender takes the default); a field renamed, retyped or removed does,

@@ -72,7 +72,7 @@ class SchedulerMetrics:
     reports: Counter
     workers_quarantined: Gauge  # alive workers the planners give no pack now (scheduler/service/faults.py)
     quarantines: Counter
-    messages_dropped: Counter  # labels: side ("scheduler"), reason (why common/messages.py dropped them)
+    messages_dropped: Counter  # label: reason (why common/messages.py dropped them)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class WorkerMetrics:
     adapters_uploaded: Counter
     pack_phase: Counter  # label: phase (common/pack_phases.py's names less `_s`)
     outside_steps: Gauge
-    messages_dropped: Counter  # labels: side ("worker"), reason
+    messages_dropped: Counter  # label: reason
 
 
 @cache
@@ -124,7 +124,7 @@ def scheduler_metrics() -> SchedulerMetrics:
                                   registry=registry),
         quarantines=Counter("loraplane_scheduler_worker_quarantines", "Quarantines begun (a worker that lost "
                             "LORAPLANE_WORKER_QUARANTINE_LOSSES packs within the window).", registry=registry),
-        messages_dropped=_messages_dropped(registry),
+        messages_dropped=_messages_dropped(registry, "scheduler"),
     )
 
 
@@ -152,15 +152,13 @@ def worker_metrics() -> WorkerMetrics:
                            "the packs' wall time).", ["phase"], registry=registry),
         outside_steps=Gauge("loraplane_worker_last_pack_outside_steps_ratio", "The share of the last pack's wall "
                             "time outside training steps (0 to 1).", registry=registry),
-        messages_dropped=_messages_dropped(registry),
+        messages_dropped=_messages_dropped(registry, "worker"),
     )
 
 
-def _messages_dropped(registry: CollectorRegistry) -> Counter:
-    """One name on both sides of the bus (each in its own registry), so one query sums them."""
-    return Counter("loraplane_bus_messages_dropped", "Bus messages dropped unread (common/messages.py): of an unknown "
-                   "type or version, or malformed; by the side that read them and why.", ["side", "reason"],
-                   registry=registry)
+def _messages_dropped(registry: CollectorRegistry, side: str) -> Counter:
+    return Counter(f"loraplane_{side}_bus_messages_dropped", "Bus messages dropped unread (common/messages.py), by "
+                   "why: of an unknown type or version, or malformed.", ["reason"], registry=registry)
 
 
 def multiprocess_dir() -> Path | None:

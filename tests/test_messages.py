@@ -186,7 +186,7 @@ def test_a_heartbeats_lenient_fields_do_not_drop_it() -> None:
 
 
 def dropped(reason: str) -> float:
-    return float(worker_metrics().messages_dropped.labels(side="worker", reason=reason)._value.get())
+    return float(worker_metrics().messages_dropped.labels(reason=reason)._value.get())
 
 
 def test_the_worker_counts_a_command_it_cannot_read_and_reads_the_next(tmp_path: Path,

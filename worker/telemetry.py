@@ -93,4 +93,4 @@ def adapter_uploaded() -> None:
 
 def message_dropped(reason: str) -> None:
     """A pack message or command this worker could not read (common/messages.py)."""
-    worker_metrics().messages_dropped.labels(side="worker", reason=reason).inc()
+    worker_metrics().messages_dropped.labels(reason=reason).inc()

@@ -84,4 +84,4 @@ class SchedulerTelemetry:
 def message_dropped(reason: str) -> None:
     """A bus message the scheduler could not read (common/messages.py). Counted whether or not metrics are served
     (a drop is rare, and its count should not wait for a server)."""
-    scheduler_metrics().messages_dropped.labels(side="scheduler", reason=reason).inc()
+    scheduler_metrics().messages_dropped.labels(reason=reason).inc()

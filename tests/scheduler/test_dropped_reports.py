@@ -18,7 +18,7 @@ from tests.scheduler.test_daemon import WORKER, daemon  # noqa: F401 - the fixtu
 
 
 def dropped(reason: str) -> float:
-    return float(scheduler_metrics().messages_dropped.labels(side="scheduler", reason=reason)._value.get())
+    return float(scheduler_metrics().messages_dropped.labels(reason=reason)._value.get())
 
 
 def test_a_report_that_cannot_be_read_is_logged_counted_acked_and_the_next_is_applied(
