@@ -284,7 +284,7 @@ class PackFailed(PackReport):
 
 Report = (WorkerHeartbeat | Wake | PackStarted | Points | TrialCheckpoint | TrialCheckpointLost | TrialAdmitted
           | TrialRejected | TrialFinished | PackProgress | PackProfile | PackFinished | PackFailed)
-TrialReport = TrialCheckpoint | TrialCheckpointLost | TrialAdmitted | TrialRejected | TrialFinished
+TrialReport = TrialCheckpoint | TrialCheckpointLost | TrialAdmitted | TrialRejected | TrialFinished  # of one trial
 WITH_POINTS = (Points, TrialCheckpoint, TrialFinished)  # the reports that carry loss points
 
 

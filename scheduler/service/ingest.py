@@ -41,6 +41,7 @@ from common.messages import (
     TrialCheckpointLost,
     TrialFinished,
     TrialRejected,
+    TrialReport,
     Wake,
     WorkerHeartbeat,
 )
@@ -136,7 +137,7 @@ def lock_trials(session: Session, messages: Sequence[Report]) -> None:
     deadlocked with this batch, which held the trial and inserted an event naming the task."""
     ids: set[str] = set()
     for m in messages:
-        if isinstance(m, TrialCheckpoint | TrialCheckpointLost | TrialAdmitted | TrialRejected | TrialFinished):
+        if isinstance(m, TrialReport):
             ids.add(m.trial_id)
         if isinstance(m, WITH_POINTS):
             ids.update(point.trial_id for point in m.points)
