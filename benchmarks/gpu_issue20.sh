@@ -5,7 +5,7 @@
 #   device (one GPU):   LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue20.sh one     # the sharding machinery on one GPU, N = 1
 #   device (2 GPUs):    LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue20.sh two     # nvidia-h200-x2: 8B x 16 trials on 2 GPUs vs 1,
 #                                                              # and a 70B shape one GPU cannot hold
-#   device (2 GPUs):    LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue20.sh pool    # the worker's own path (worker/ranks.py,
+#   device (2 GPUs):    LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue20.sh pool    # the worker's own path (worker/rank_pool.py,
 #                                                              # benchmarks/rank_pool.py): carry [".whl", ".whlsvc"]
 # The pool stage imports the service (Celery, Redis's client, pydantic-settings, ...), which the image lacks: its
 # wheels travel as .whlsvc (`bash benchmarks/gpu_issue6.sh prepare-service` here).

@@ -1,5 +1,5 @@
-"""The worker over several devices (issue 20) on real devices: one pack through `worker/ranks.py` and
-`worker/runner.py`, the code path of `loraplane worker --gpus 0,1`, without the service around it (a file bus and a
+"""The worker over several devices (issue 20) on real devices: one pack through `worker/rank_pool.py` and
+`worker/pack_runner.py`, the code path of `loraplane worker --gpus 0,1`, without the service around it (a file bus and a
 local artifact store stand in for Redis; there is no database and no Celery).
 
     python -m benchmarks.rank_pool --devices cuda:0,cuda:1 --shape llama-3.1-8b --trials 16 --steps 30
@@ -67,10 +67,10 @@ def run_pack(devices: list[str], pack: PackMessage, timeout_s: float) -> tuple[l
     from common.artifacts import get_artifact_store
     from common.bus import SCHEDULER_STREAM, get_bus
     from common.settings import get_settings
-    from worker.agent import Heartbeat, Incarnation
-    from worker.rank_process import rank_main
-    from worker.ranks import RankConfig, RankPool, free_port
-    from worker.runner import PackRunner
+    from worker.bus_client import Heartbeat, Incarnation
+    from worker.main import rank_main
+    from worker.pack_runner import PackRunner
+    from worker.rank_pool import RankConfig, RankPool, free_port
 
     bus, incarnation = get_bus(), Incarnation()
     pool = ranks = None

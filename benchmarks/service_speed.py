@@ -38,7 +38,7 @@ from common.messages import TrialPayload
 from loraplane.client import Client
 from worker.engine import ModelSource, PackCallbacks, PackConfig, TrialSpec, load_base_model, train_pack
 from worker.engine.trainer import PackTimings
-from worker.runner import PackRunner
+from worker.pack_runner import PackRunner
 
 PHASES = ("load_s", "capture_s", "steps_s", "validation_s", "metric_s", "snapshot_s", "persist_s", "export_s",
           "idle_s")

@@ -1,5 +1,5 @@
 """The Celery application's configuration, shared by the scheduler (which only sends) and the workers
-(which register the tasks in worker/tasks.py). Kept free of torch so the scheduler image stays small."""
+(which register the tasks in worker/celery_app.py). Kept free of torch so the scheduler image stays small."""
 
 from __future__ import annotations
 

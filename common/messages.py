@@ -2,9 +2,9 @@
 
 Three channels carry them:
 - the pack a worker runs (`PackMessage`, a `TrialPayload` per trial): the argument of the Celery task
-  `RUN_PACK_TASK` on the worker's queue. scheduler/service/dispatch.py builds it, worker/tasks.py parses it;
+  `RUN_PACK_TASK` on the worker's queue. scheduler/service/dispatch.py builds it, worker/celery_app.py parses it;
 - commands on a worker's stream, `commands:{worker_id}` (`AdmitTrials`, `StopTrials`, `AbortPack`): the scheduler
-  daemon sends them, the worker's `CommandInbox` (worker/agent.py) reads them;
+  daemon sends them, the worker's `CommandInbox` (worker/bus_client.py) reads them;
 - reports on the scheduler stream: a worker's `WorkerHeartbeat`, its packs' reports (`PackStarted`, `Points`,
   `TrialCheckpoint`, ..., `PackFinished`) and the API's `Wake`. scheduler/service/ingest.py applies them.
 
@@ -66,7 +66,7 @@ class Message(BaseModel):
 class TrialPayload(BaseModel):
     """What a worker needs to train one trial: in a `PackMessage`, and in an `AdmitTrials` command. The task's
     structures (`hyperparameters`, `training`, `evaluation`) are checked by the worker as it builds the trial's spec,
-    so that a trial that cannot be built fails alone (worker/runner.py)."""
+    so that a trial that cannot be built fails alone (worker/pack_runner.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -212,7 +212,7 @@ class Points(PackReport):
 
 
 class TrialCheckpoint(PackReport):
-    """A trial's checkpoint is in the store; it repeats the trial's recent points (worker/agent.py, `Reporter`)."""
+    """A trial's checkpoint is in the store; it repeats the trial's recent points (worker/bus_client.py, `Reporter`)."""
 
     type: Literal["trial.checkpoint"] = "trial.checkpoint"
     trial_id: str

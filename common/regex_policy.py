@@ -23,7 +23,7 @@ before it, and only a pattern that passes them all is compiled:
                  `re` 186 ms (it case-folds every code point of a range), `regex` 1 ms
 
 The same `compile_pattern` runs at submission (api/schemas/tasks.py: a refusal is a 422 naming the limit) and in
-the worker before it scores (worker/runner.py: a pattern refused there, e.g. of a task stored before this policy,
+the worker before it scores (worker/pack_runner.py: a pattern refused there, e.g. of a task stored before this policy,
 is never compiled; the trials go without a metric score).
 
 What `regex` reads differently from `re` in a pattern both accept: fuzzy constraints such as `(?:ab){e<=2}`,

@@ -69,7 +69,7 @@ class Settings(BaseSettings):
     # for it, as the variable, the heartbeat's `max_slots` and the workers table's column say.
     worker_max_slots: int = Field(default=DEFAULT_MAX_TRIALS_PER_PACK, ge=1, alias="LORAPLANE_WORKER_MAX_SLOTS")
     # A worker over several GPUs (`--gpus`): how long one of its ranks waits for the others in an agreement or a
-    # collective before the pack fails (worker/ranks.py). It covers the slowest rank's model load before a pack.
+    # collective before the pack fails (worker/rank_pool.py). It covers the slowest rank's model load before a pack.
     worker_rank_timeout_s: float = Field(default=600.0, gt=0, alias="LORAPLANE_WORKER_RANK_TIMEOUT_S")
     # Registry names (comma-separated) of base models a worker loads at start, before its first pack: the
     # first pack of a task then pays no model load (tens of seconds for a GGUF model).

@@ -4,6 +4,7 @@ no import cycle anywhere, and no function longer than a screen and a half."""
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +17,9 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS_ALLOWED = ("kernels", "migrations")
 
 
-def python_files(*roots: str) -> Iterator[Path]:
+def python_files(*roots: str, base: Path = ROOT) -> Iterator[Path]:
     for root in roots:
-        yield from sorted((ROOT / root).rglob("*.py"))
+        yield from sorted((base / root).rglob("*.py"))
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -33,13 +34,13 @@ def imported_modules(path: Path) -> set[str]:
     return modules
 
 
-def offenders(roots: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(f"{path.relative_to(ROOT)} imports {module}"
-                  for path in python_files(*roots) for module in imported_modules(path)
+def offenders(roots: tuple[str, ...], forbidden: tuple[str, ...], base: Path = ROOT) -> list[str]:
+    return sorted(f"{path.relative_to(base)} imports {module}"
+                  for path in python_files(*roots, base=base) for module in imported_modules(path)
                   if any(module == f or module.startswith(f + ".") for f in forbidden))
 
 
-@pytest.mark.parametrize(("roots", "forbidden"), [
+IMPORT_RULES = [
     # Nothing imports the API (the CLI starts it by name).
     (("common", "scheduler", "worker", "kernels", "loraplane", "benchmarks"), ("api",)),
     # The kernels import nothing of ours.
@@ -54,7 +55,12 @@ def offenders(roots: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
     (("scheduler",), ("worker", "kernels", "torch")),
     # The common package is shared by all, so it imports none of them.
     (("common",), ("scheduler", "worker", "kernels", "loraplane")),
-])
+    # The API serves; it trains nothing and loads no model (its image has no torch).
+    (("api",), ("torch", "transformers", "kernels", "worker")),
+]
+
+
+@pytest.mark.parametrize(("roots", "forbidden"), IMPORT_RULES)
 def test_imports_point_one_way(roots: tuple[str, ...], forbidden: tuple[str, ...]) -> None:
     assert offenders(roots, forbidden) == []
 
@@ -63,6 +69,47 @@ def test_the_layout_check_sees_an_import_it_forbids(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from api.main import app\n    import scheduler.service.daemon as d\n")
     assert {"api.main", "api.main.app", "scheduler.service.daemon"} <= imported_modules(source)
+
+
+@pytest.mark.parametrize(("roots", "forbidden"), IMPORT_RULES)
+def test_each_import_rule_catches_a_violation(tmp_path: Path, roots: tuple[str, ...],
+                                              forbidden: tuple[str, ...]) -> None:
+    # A file under the rule's first root importing its first forbidden module, inside a function.
+    offender = tmp_path / roots[0] / "offender.py"
+    offender.parent.mkdir(parents=True)
+    offender.write_text(f"def f():\n    import {forbidden[0]}.x\n")
+    assert offenders(roots, forbidden, base=tmp_path) == [f"{roots[0]}/offender.py imports {forbidden[0]}.x"]
+    offender.write_text("import json\n")
+    assert offenders(roots, forbidden, base=tmp_path) == []
+
+
+# The engine is the pure core a worker wraps: it imports the standard library, the numeric stack and our kernels
+# (docs/ARCHITECTURE.md), never the service around it (common/, the worker's shell), so it runs and tests alone.
+ENGINE_ROOT = "worker/engine"
+ENGINE_MAY_IMPORT = ("torch", "transformers", "safetensors", "tokenizers", "liger_kernel", "kernels", "worker.engine")
+
+
+def engine_rule_offenders(base: Path = ROOT) -> list[str]:
+    return sorted(f"{path.relative_to(base)} imports {module}"
+                  for path in python_files(ENGINE_ROOT, base=base) for module in imported_modules(path)
+                  if module.split(".")[0] not in sys.stdlib_module_names
+                  and not any(module == m or module.startswith(m + ".") for m in ENGINE_MAY_IMPORT))
+
+
+def test_the_engine_imports_only_torch_its_libraries_and_the_kernels() -> None:
+    assert engine_rule_offenders() == []
+
+
+def test_the_engine_rule_catches_a_service_import(tmp_path: Path) -> None:
+    engine = tmp_path / ENGINE_ROOT
+    engine.mkdir(parents=True)
+    (engine / "ok.py").write_text("import math\nimport torch.nn\nfrom kernels.x import y\n"
+                                  "from worker.engine import z\n")
+    assert engine_rule_offenders(tmp_path) == []
+    (engine / "bad.py").write_text("def f():\n    from common.metrics import score\n    import worker.pack_runner\n")
+    assert engine_rule_offenders(tmp_path) == [
+        "worker/engine/bad.py imports common.metrics", "worker/engine/bad.py imports common.metrics.score",
+        "worker/engine/bad.py imports worker.pack_runner"]
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -191,7 +191,7 @@ def dropped(reason: str) -> float:
 
 def test_the_worker_counts_a_command_it_cannot_read_and_reads_the_next(tmp_path: Path,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
-    from worker.agent import CommandInbox
+    from worker.bus_client import CommandInbox
 
     bus = FileBus(tmp_path / "bus.db")
     inbox = CommandInbox(bus, "w", poll_s=0)
@@ -210,7 +210,7 @@ def test_the_worker_counts_a_command_it_cannot_read_and_reads_the_next(tmp_path:
 
 
 def test_the_worker_counts_a_pack_it_cannot_read_and_runs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.tasks
+    import worker.celery_app
 
     ran: list[PackMessage] = []
 
@@ -218,11 +218,11 @@ def test_the_worker_counts_a_pack_it_cannot_read_and_runs_nothing(monkeypatch: p
         def run(self, pack: PackMessage) -> None:
             ran.append(pack)
 
-    monkeypatch.setattr(worker.tasks, "_runner", Runner())
+    monkeypatch.setattr(worker.celery_app, "_runner", Runner())
     before = dropped(MALFORMED)
     good = EVERY_MESSAGE[0]
     assert isinstance(good, PackMessage)
-    worker.tasks.run_pack(pack={**good.to_dict(), "trials": "none"})
+    worker.celery_app.run_pack(pack={**good.to_dict(), "trials": "none"})
     assert ran == [] and dropped(MALFORMED) == before + 1
-    worker.tasks.run_pack(pack=good.to_dict())
+    worker.celery_app.run_pack(pack=good.to_dict())
     assert ran == [good]

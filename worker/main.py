@@ -1,24 +1,32 @@
-"""`loraplane worker`: one Celery worker process bound to one device, or to several GPUs of its host (a rank process
-for each GPU after the first: worker/ranks.py), consuming its own queue."""
+"""The worker's process entry points. `loraplane worker` (`run_worker`): one Celery worker process bound to one device,
+or to several GPUs of its host, consuming its own queue; and `rank_main`: the process of each GPU after the first,
+which the worker's `RankPool` starts (worker/rank_pool.py says what the ranks share and how). The rank protocol is
+apart from this module, so that the pack runner, which uses it, imports no entry point."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
+import threading
+import time
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from transformers.utils import logging as hf_logging
 
 from common.artifacts import get_artifact_store
 from common.bus import get_bus
 from common.celery import worker_queue
 from common.settings import get_settings
 from worker import telemetry
-from worker.agent import Heartbeat, Incarnation
 from worker.availability import ModelAvailability
+from worker.bus_client import Heartbeat, Incarnation
 from worker.model_cache import device_memory, preload_models
-from worker.rank_process import rank_main
-from worker.ranks import RankConfig, RankPool, free_port
-from worker.runner import PackRunner
+from worker.pack_runner import PackRunner
+from worker.rank_pool import RankConfig, RankPool, free_port, join
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +48,7 @@ def default_worker_id(gpus: list[int] | None, device: torch.device) -> str:
 
 
 def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, loglevel: str = "INFO") -> None:
-    """A worker on ``gpus`` (one: a pack on that GPU; several: each pack over all of them, worker/ranks.py)."""
+    """A worker on ``gpus`` (one: a pack on that GPU; several: each pack over all of them, worker/rank_pool.py)."""
     settings = get_settings()
     devices = pick_devices(gpus)
     device = devices[0]
@@ -71,13 +79,11 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     runner = PackRunner(worker_id=worker_id, device=device, bus=bus, store=get_artifact_store(),
                         model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat, ranks=ranks,
                         pool=pool, report_timeout_s=settings.worker_timeout_s)
-    from worker.tasks import celery_app, install_runner
+    from worker.celery_app import celery_app, install_runner
 
     install_runner(runner)
     heartbeat.warm_models = runner.models.warm  # every beat names the base models this worker holds warm
     # Progress bars of model loading end up as WARNING lines in Celery's redirected stderr.
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     telemetry.start(settings, device)  # LORAPLANE_WORKER_METRICS_PORT (0: off)
     heartbeat.start()  # beating while models load: the scheduler sees the worker, busy with no pack
@@ -94,3 +100,41 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     finally:
         if pool is not None:
             pool.close()
+
+
+def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:
+    """A rank process of a worker over several GPUs: joins the worker's process group, then runs its share of each
+    pack rank 0 hands it until it is handed None."""
+    logging.basicConfig(level=config.loglevel, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s %(message)s")
+    # A rank ends when its worker says so (`RankPool.close`), or when the worker is gone: not on the signals a
+    # terminal or a process manager sends the worker's whole process group, which the worker shuts down on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent()
+    if config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
+    hf_logging.disable_progress_bar()
+    ranks = join(rank, config)
+    bus = get_bus()
+    runner = PackRunner(worker_id=config.worker_id, device=torch.device(config.devices[rank]), bus=bus,
+                        store=get_artifact_store(), model_cache_dir=get_settings().resolved_model_cache_dir,
+                        incarnation=config.incarnation, ranks=ranks)
+    log.info("rank %d of worker %s on %s", rank, config.worker_id, config.devices[rank])
+    if config.preload:
+        preload_models(runner.model, config.preload, ModelAvailability(bus).registry())
+    while (pack := packs.get()) is not None:
+        runner.run_share(pack)
+        ended.put((rank, pack.pack_id))
+    dist.destroy_process_group()
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process when the worker process that started it is gone (killed, so it could not say so)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

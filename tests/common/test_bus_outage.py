@@ -79,7 +79,7 @@ def test_a_call_while_redis_is_down_fails_in_bounded_time(private_redis: Private
 
 def test_a_reporter_keeps_reports_in_order_through_an_outage(private_redis: PrivateRedis) -> None:
     from common.messages import PackStarted, TrialCheckpoint
-    from worker.agent import Incarnation, Reporter, ReportsLost
+    from worker.bus_client import Incarnation, Reporter, ReportsLost
 
     ns = f"lp-{uuid.uuid4().hex[:6]}"
     bus = RedisBus(private_redis.url, ns)
@@ -109,7 +109,7 @@ def test_a_reporter_keeps_reports_in_order_through_an_outage(private_redis: Priv
 
 
 def test_a_worker_inbox_reads_nothing_while_redis_is_down_and_carries_on(private_redis: PrivateRedis) -> None:
-    from worker.agent import CommandInbox
+    from worker.bus_client import CommandInbox
 
     bus = RedisBus(private_redis.url, f"lp-{uuid.uuid4().hex[:6]}")
     inbox = CommandInbox(bus, "w", poll_s=0)

@@ -119,7 +119,7 @@ def test_alto_rotates_trials_through_their_warm_up_and_stops_the_weakest(service
     """Four trials, two slots: the first two pause at their warm-up boundary (checkpointed, slots freed) so
     the other two can warm up; the ranking then keeps two, which finish, and stops two as underperforming.
     (Divergence and overfitting are switched off here: their thresholds are unit-tested on exact curves.)
-    Also on a worker over two ranks (`--gpus 0,1`, on the CPU: worker/ranks.py), one slot each: the pauses, the
+    Also on a worker over two ranks (`--gpus 0,1`, on the CPU: worker/rank_pool.py), one slot each: the pauses, the
     trials rejoining from their checkpoints (back-fills dealt to the rank with room) and the stops."""
     c, base_url = services
     if gpus:

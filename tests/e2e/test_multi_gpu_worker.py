@@ -1,4 +1,4 @@
-"""A worker over several GPUs (`loraplane worker --gpus 0,1`, worker/ranks.py) end to end, with its two ranks on the
+"""A worker over several GPUs (`loraplane worker --gpus 0,1`, worker/rank_pool.py) end to end, with its two ranks on the
 CPU (gloo): the real API, scheduler and Celery worker processes against the real PostgreSQL and Redis.
 
 A pack on it runs over both ranks, its base's layers sharded and its trials dealt to the ranks; a back-fill goes to

@@ -152,7 +152,7 @@ def record_engines(monkeypatch: pytest.MonkeyPatch) -> list[PackEngine]:
 
 
 def score(evaluation: Evaluation, answers: list[str], references: list[str]) -> float:
-    """A trial's generative metric as the worker scores it (common/metrics.py; worker/runner.py's ``score_metric``
+    """A trial's generative metric as the worker scores it (common/metrics.py; worker/pack_runner.py's ``score_metric``
     also turns a refused pattern into ``NoScore``), for the packs the tests train."""
     return score_answers(evaluation.metric, answers, references, evaluation.pattern)
 

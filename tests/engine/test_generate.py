@@ -166,8 +166,8 @@ def test_a_trial_reports_the_steps_and_real_tokens_it_trained_in_its_pack(tiny: 
 def test_a_trial_its_scorer_gives_no_score_goes_without_a_metric_and_completes(
     tiny: Tiny, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The worker's scorer raises ``NoScore`` for a regex pattern the policy refuses when compiled (worker/runner.py's
-    ``score_metric``): the trial has no metric point, says why in the log, and completes."""
+    """The worker's scorer raises ``NoScore`` for a regex pattern the policy refuses when compiled
+    (worker/pack_runner.py's ``score_metric``): the trial has no metric point, says why in the log, and completes."""
     from worker.engine import Evaluation, NoScore, PackCallbacks, PackConfig, train_pack
 
     def refuses(evaluation: Evaluation, answers: list[str], references: list[str]) -> float:

@@ -32,7 +32,7 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
 
 
 class FakeProcess:
-    """One worker process's identity on the bus: what worker/agent.py puts in every message."""
+    """One worker process's identity on the bus: what worker/bus_client.py puts in every message."""
 
     def __init__(self, started_at: float | None = None) -> None:
         self.incarnation = uuid.uuid4().hex

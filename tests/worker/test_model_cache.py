@@ -17,11 +17,11 @@ import torch
 from common.artifacts import LocalArtifactStore
 from common.bus import SCHEDULER_STREAM, FileBus
 from tests.worker.test_runner import TINY, pack
-from worker.agent import Heartbeat, Incarnation
+from worker.bus_client import Heartbeat, Incarnation
 from worker.engine import ModelSource, load_base_model
 from worker.engine.base_model import _save_dequantised, dequantised_dir, model_revision
 from worker.model_cache import Resident, evictions, resident_bytes
-from worker.runner import PackRunner
+from worker.pack_runner import PackRunner
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The pure parts of a worker over several GPUs (worker/ranks.py, worker/main.py, the CLI): how back-fills are dealt
+"""The pure parts of a worker over several GPUs (worker/rank_pool.py, worker/main.py, the CLI): how back-fills are dealt
 to the ranks, a rank's share of a pack, the worker's devices and id, and `--gpus` parsing. The ranks themselves run
 in tests/engine/test_distributed.py and tests/e2e/test_multi_gpu_worker.py."""
 
@@ -11,7 +11,7 @@ import torch
 
 from loraplane.cli import build_parser
 from worker.main import default_worker_id, pick_devices
-from worker.ranks import deal_admissions
+from worker.rank_pool import deal_admissions
 
 
 def test_back_fills_go_to_the_ranks_with_the_most_free_slots() -> None:

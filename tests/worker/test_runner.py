@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-import worker.runner
+import worker.pack_runner
 from common.artifacts import LocalArtifactStore
 from common.bus import SCHEDULER_STREAM, FileBus
 from common.messages import ModelSourceFields, PackMessage, TrialPayload
-from worker.agent import Heartbeat, Incarnation
+from worker.bus_client import Heartbeat, Incarnation
 from worker.engine import Evaluation, ModelSource, NoScore
 from worker.model_cache import preload_models
-from worker.runner import PackRunner
+from worker.pack_runner import PackRunner
 
 TINY = {"name": "tiny-random-llama", "kind": "tiny-random-llama", "path": None, "package": None, "gguf_file": None}
 
@@ -28,13 +28,13 @@ TINY = {"name": "tiny-random-llama", "kind": "tiny-random-llama", "path": None, 
 def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every real load of a base model the runner makes, by name."""
     calls: list[str] = []
-    real = worker.runner.load_base_model
+    real = worker.pack_runner.load_base_model
 
     def counting(source: ModelSource, **kwargs: Any) -> Any:
         calls.append(source.name)
         return real(source, **kwargs)
 
-    monkeypatch.setattr(worker.runner, "load_base_model", counting)
+    monkeypatch.setattr(worker.pack_runner, "load_base_model", counting)
     return calls
 
 
@@ -129,17 +129,17 @@ def _metric_points(messages: list[dict[str, Any]]) -> dict[str, list[float]]:
 def test_a_stored_pattern_the_policy_refuses_is_never_compiled(stored: dict[str, Any],
                                                                caplog: pytest.LogCaptureFixture) -> None:
     # A task row written before common/regex_policy.py existed: the worker scores it by nothing (and says why).
-    assert worker.runner.evaluation_of(stored, "t-1") is None
+    assert worker.pack_runner.evaluation_of(stored, "t-1") is None
     assert "t-1: its regex metric's pattern is refused" in caplog.text
-    allowed = worker.runner.evaluation_of({**stored, "pattern": r"\d+"}, "t-2")
+    allowed = worker.pack_runner.evaluation_of({**stored, "pattern": r"\d+"}, "t-2")
     assert allowed is not None and allowed.pattern == r"\d+"
 
 
 def test_the_scorer_turns_a_pattern_refused_when_compiled_into_no_score() -> None:
     # What train_pack hears for a pattern that reaches the scorer and the policy refuses: NoScore (no metric point).
     with pytest.raises(NoScore, match="its pattern is refused"):
-        worker.runner.score_metric(Evaluation(metric="regex", pattern="a{1000001}"), ["a"], [""])
-    assert worker.runner.score_metric(Evaluation(metric="regex", pattern=r"\d"), ["a1", "b"], ["", ""]) == 0.5
+        worker.pack_runner.score_metric(Evaluation(metric="regex", pattern="a{1000001}"), ["a"], [""])
+    assert worker.pack_runner.score_metric(Evaluation(metric="regex", pattern=r"\d"), ["a1", "b"], ["", ""]) == 0.5
 
 
 def test_a_pack_with_a_refused_pattern_finishes_and_scores_only_the_allowed_trial(runner: PackRunner) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from common.bus import SCHEDULER_STREAM
 from common.messages import PackMessage
 from tests.worker.test_runner import model_cache, pack, runner  # noqa: F401 - the fixtures
-from worker.runner import PackRunner
+from worker.pack_runner import PackRunner
 
 
 def reports(runner: PackRunner) -> list[dict[str, Any]]:  # noqa: F811 - the fixture's name

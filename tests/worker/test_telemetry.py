@@ -17,7 +17,7 @@ from tests.e2e.procs import free_port
 from tests.prom import Key, samples, value
 from tests.worker.test_runner import model_cache, pack, runner  # noqa: F401  (fixtures)
 from worker import telemetry
-from worker.runner import PackRunner
+from worker.pack_runner import PackRunner
 
 COUNTER = "loraplane_worker_pack_phase_seconds_total"
 GAUGE = "loraplane_worker_last_pack_outside_steps_ratio"

@@ -19,7 +19,7 @@ rank has a live trial (the loop goes on while one does), the scoring of trials t
 ranks wait in that layer's collective, and the pack fails as a whole (its process group times out).
 
 Not covered here: which trial goes to which rank is the caller's (`assign_ranks`); the worker that spawns the ranks
-and hands them packs and back-fills is worker/ranks.py.
+and hands them packs and back-fills is worker/rank_pool.py.
 """
 
 from __future__ import annotations

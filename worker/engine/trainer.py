@@ -450,7 +450,7 @@ def _admit(
     back; one still in it is refused: ``engine.admit`` raises)."""
     free = sum(1 for state in engine.slots if state is None)
     if not free and engine.lockstep is None:  # the ranks of a pack over several GPUs are all asked, every time:
-        return  # handing a back-fill to a rank with room may be an agreement among them (worker/ranks.py)
+        return  # handing a back-fill to a rank with room may be an agreement among them (worker/rank_pool.py)
     for spec, resume in admissions(free):
         reason = None
         try:

@@ -1,4 +1,4 @@
-"""Celery tasks of the GPU agent. The body lives in worker/runner.py; this only binds it to Celery."""
+"""Celery tasks of the GPU agent. The body lives in worker/pack_runner.py; this only binds it to Celery."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 from common.celery import RUN_PACK_TASK, get_celery
 from common.messages import parse_pack
 from worker import telemetry
-from worker.runner import PackRunner
+from worker.pack_runner import PackRunner
 
 celery_app = get_celery()
 _runner: PackRunner | None = None

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.messages import PackMessage
-from worker.agent import Incarnation
+from worker.bus_client import Incarnation
 from worker.engine.distributed import Lockstep, assign_ranks
 
 log = logging.getLogger(__name__)
@@ -146,14 +146,14 @@ class RankPool:
     each pack and waits for them to end it, and ends the worker process if one of them dies."""
 
     def __init__(self, config: RankConfig, entry: Callable[[int, RankConfig, Any, Any], None]) -> None:
-        """``entry``: each rank process's main (worker/rank_process.py ``rank_main``: passed in, so that this protocol,
+        """``entry``: each rank process's main (worker/main.py ``rank_main``: passed in, so that this protocol,
         which the runner uses, does not import the runner)."""
         self.config = config
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
         self._packs = [ctx.Queue() for _ in range(config.world - 1)]
         self._ended = ctx.Queue()  # (rank, pack id) as each rank ends its share of a pack
         # Not daemonic: a rank may start processes of its own (torch.compile's workers); each ends with the worker
-        # instead (worker/rank_process.py `_exit_with_parent`).
+        # instead (worker/main.py `_exit_with_parent`).
         self._processes = [ctx.Process(target=entry, args=(rank, config, self._packs[rank - 1], self._ended),
                                        name=f"rank{rank}") for rank in range(1, config.world)]
         self._closing = False
@@ -189,6 +189,6 @@ class RankPool:
             for process in self._processes:
                 process.join(timeout=0.5)  # its sentinel closes as it exits, a moment before it can be reaped
             dead = [f"{p.name} (exit status {p.exitcode})" for p in self._processes if p.exitcode is not None]
-            log.critical("worker %s: %s ended; the worker ends with it (see worker/ranks.py)", self.config.worker_id,
-                         ", ".join(dead))
+            log.critical("worker %s: %s ended; the worker ends with it (see worker/rank_pool.py)",
+                         self.config.worker_id, ", ".join(dead))
             os._exit(1)

@@ -46,7 +46,7 @@ from common.regex_policy import SYNTAX, PatternRefused, check_pattern
 from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
 from common.settings import get_settings
 from worker import telemetry
-from worker.agent import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
+from worker.bus_client import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
 from worker.engine import (
     Evaluation,
     ModelSource,
@@ -65,7 +65,7 @@ from worker.engine.keeper import EngineKeeper
 from worker.engine.trainer import PackTimings, StopMode
 from worker.model_cache import Loaded, ModelCache, cache_budget
 from worker.profile import PackProfiler
-from worker.ranks import RankPool, Ranks
+from worker.rank_pool import RankPool, Ranks
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def score_metric(evaluation: Evaluation, answers: list[str], references: list[st
 class PackRunner:
     """Holds what outlives one pack: the loaded base models (loaded once per process) and the bus.
 
-    On a worker over several GPUs (worker/ranks.py) each rank has one: rank 0's, in the worker process, has the
+    On a worker over several GPUs (worker/rank_pool.py) each rank has one: rank 0's, in the worker process, has the
     heartbeat and the ``pool`` of the other ranks and runs each pack (``run``); the others run their share of it
     (``run_share``).
     """
@@ -274,7 +274,7 @@ class PackRunner:
 
     def _end_if_ranks_wait(self, pack_id: str) -> None:
         """A rank that fails while the pack trains leaves the others waiting in a collective: end this process
-        (worker/ranks.py says what follows)."""
+        (worker/rank_pool.py says what follows)."""
         if self.ranks is not None and self.ranks.training:
             log.critical("pack %s failed on rank %d while training: this process ends", pack_id, self.ranks.rank)
             logging.shutdown()

@@ -41,7 +41,7 @@ class Incarnation:
     """This worker process: a new id on every start, so the scheduler tells a restarted worker (same worker
     id) from the process it replaced, and can end that process's packs at once instead of waiting for a
     heartbeat timeout that never comes (the new process beats under the same id). The rank processes of a
-    worker over several GPUs (worker/ranks.py) report under their worker process's."""
+    worker over several GPUs (worker/rank_pool.py) report under their worker process's."""
 
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
