@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from worker.engine.files import HostCopy, copy_to_host, write_dir_atomically
 from worker.engine.optim import SlotAdamW
 from worker.engine.slots import SlotState
 from worker.engine.store import AdapterStore, ModuleTensors
+from worker.engine.trial_files import HostCopy, copy_to_host, write_dir_atomically
 
 FORMAT = 1
 TENSORS, STATE = "slot.safetensors", "slot.json"
@@ -35,7 +35,7 @@ MATRICES = ("adapter", "exp_avg", "exp_avg_sq")
 
 @dataclass(frozen=True)
 class SlotSnapshot:
-    """A slot's checkpoint as of one moment, in host memory (or on its way there: ``files.copy_to_host``), not
+    """A slot's checkpoint as of one moment, in host memory (or on its way there: ``trial_files.copy_to_host``), not
     yet on disk.
 
     Taking one queues copies on the device and waits for none; ``write`` (which waits for them, cuts the rows into

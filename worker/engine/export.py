@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from kernels import build_segments
-from worker.engine.files import to_host, write_dir_atomically
 from worker.engine.lora import LoraConfig, LoraContext, TokenRouting, inject_lora, restore_base_model
 from worker.engine.store import AdapterStore, ModuleTensors
+from worker.engine.trial_files import to_host, write_dir_atomically
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
