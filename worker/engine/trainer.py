@@ -476,8 +476,7 @@ class _Hooks:
 
     def snapshot(self, engine: PackEngine, slot: int, *, keep: bool = False) -> None:
         """Snapshot the slot now, to host memory (trial_files.copy_to_host: the device's copy is queued, not waited
-        for);
-        the writer thread writes it to ``checkpoint_dir/<trial_id>/`` and calls ``on_checkpoint``. With ``keep``
+        for); the writer thread writes it to ``checkpoint_dir/<trial_id>/`` and calls ``on_checkpoint``. With ``keep``
         (a pause) it is written in order, before the trial's outcome; else a newer snapshot of the trial, or the
         trial's end, drops it if it has not started."""
         assert self.config.checkpoint_dir is not None
