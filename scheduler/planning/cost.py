@@ -97,6 +97,9 @@ class ModelCost:
     # Nothing measured: the priors (`prior_cost`). The planner then keeps no trial back for a later pack while one
     # starting now has room (rules.fill_now): a prior step time cannot say whether a bigger pack pays.
     prior: bool = False
+    # The packs whose measured steps it rests on: the profiles it was fitted on and the running packs that correct
+    # it (cluster_state.load_costs; 0 for the priors). An estimate states it (estimate.Basis).
+    packs: int = 0
 
 
 # Without a profile: the cost priors above, the one prior of the daemon's planner and the API's estimates (for a
@@ -112,14 +115,59 @@ PRIOR_COST = ModelCost(
 BYTES_PER_FROZEN_PARAM = 2
 
 
-def prior_cost(parameters: int | None) -> ModelCost:
-    """The cost model of a base model no pack has profiled yet, from its parameter count (the registry's
-    `parameters`; None: unknown): `PRIOR_COST`, with the frozen base's bytes as the memory's k0 when the count is
-    known, so that a model larger than a GPU is never planned onto one (a 70B base is 140 GB in bf16). The step time
-    stays the prior's: a size alone does not say how fast the engine steps on a given GPU."""
+# Device kinds: what a cost model is fitted and its priors chosen for (a CPU step is ~100x a GPU's, so a CPU run
+# must not teach a GPU estimate, nor the other way round). A worker's kind comes from its heartbeat's `device`
+# (`device_kind`); the GPU priors above hold for every GPU kind.
+CPU_DEVICE_KIND = "cpu"
+GPU_DEVICE_KIND = "cuda"
+
+
+def device_kind(device: str | None) -> str:
+    """A worker's device kind from its heartbeat's `device` ("cpu", "cuda:0", "cuda:0,cuda:1"; None: not said, as a
+    GPU worker, the service's target)."""
+    return CPU_DEVICE_KIND if device is not None and device.startswith("cpu") else GPU_DEVICE_KIND
+
+
+# The CPU priors, from the packed engine on this repository's 2-core x86_64 development machine at the worker's
+# default 2 torch threads (benchmarks/results/cpu_priors-cpu-20261126.json, `python -m benchmarks.cpu_priors`;
+# fp32, rank 8 on every linear layer, "tokens" the planner's). A CPU step is compute-bound: its per-token time grows
+# with the model's parameters, so the prior's slope is a base (the tiny model's, mostly per-layer host work) plus a
+# time per token per parameter (SmolLM2-135M's slope less that base, over its parameters). Its shared and per-slot
+# costs are the larger of the two models' fits. A model of unknown size is priced as SmolLM2-135M. Measured:
+# - tiny-random-llama (107,200 parameters), 64-8,192 tokens: 7.9-132 ms per step; fit 7.3 ms + 1.5e-5 s per token
+#   + 3e-5 s per slot.
+# - SmolLM2-135M (134,515,008 parameters), 64-1,024 tokens: 0.40-6.97 s per step; fit 6.6e-3 s per token (no
+#   measurable shared or per-slot part), i.e. (6.6e-3 - 1.5e-5) / 134.5e6 = 4.9e-11 s per token per parameter.
+# Against the H100 priors the SmolLM2 step is ~50x slower at 1,024 tokens (6.8 s against 0.26 s): the 200x
+# under-estimate of issue 32 on a CPU worker.
+CPU_PRIOR_STEP_BASE_S = 7.3e-3
+CPU_PRIOR_STEP_S_PER_TOKEN = 1.5e-5
+CPU_PRIOR_STEP_S_PER_TOKEN_PER_PARAM = 4.9e-11
+CPU_PRIOR_STEP_S_PER_SLOT = 3e-5
+CPU_PRIOR_UNKNOWN_PARAMETERS = 134_515_008  # SmolLM2-135M's (common/registry.py)
+
+
+def cpu_prior_step(parameters: int | None) -> StepTimeModel:
+    """The prior step time of a model of `parameters` (None: unknown) on a CPU worker."""
+    n = parameters if parameters is not None and parameters > 0 else CPU_PRIOR_UNKNOWN_PARAMETERS
+    return StepTimeModel(a_s=CPU_PRIOR_STEP_BASE_S,
+                         b_s_per_token=CPU_PRIOR_STEP_S_PER_TOKEN + CPU_PRIOR_STEP_S_PER_TOKEN_PER_PARAM * n,
+                         c_s_per_slot=CPU_PRIOR_STEP_S_PER_SLOT)
+
+
+def prior_cost(parameters: int | None, kind: str = GPU_DEVICE_KIND) -> ModelCost:
+    """The cost model of a base model no pack has profiled yet on a device kind, from its parameter count (the
+    registry's `parameters`; None: unknown): `PRIOR_COST`, with the frozen base's bytes as the memory's k0 when the
+    count is known, so that a model larger than a GPU is never planned onto one (a 70B base is 140 GB in bf16). On a
+    GPU the step time stays the prior's: a size alone does not say how fast the engine steps on a given GPU; on the
+    CPU it is `cpu_prior_step` of the size. The memory model is the same on both (the CPU's memory is planned as
+    a GPU's is)."""
+    cost = PRIOR_COST
+    if kind == CPU_DEVICE_KIND:
+        cost = replace(cost, step=cpu_prior_step(parameters))
     if parameters is None or parameters <= 0:
-        return PRIOR_COST
-    return replace(PRIOR_COST, memory=replace(PRIOR_COST.memory, k0_bytes=float(BYTES_PER_FROZEN_PARAM * parameters)))
+        return cost
+    return replace(cost, memory=replace(cost.memory, k0_bytes=float(BYTES_PER_FROZEN_PARAM * parameters)))
 
 
 @dataclass(frozen=True)
