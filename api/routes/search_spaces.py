@@ -7,9 +7,10 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from api.deps import SessionDep, TenantDep
+from api.errors import invalid
 from api.schemas.common import error_responses
 from api.schemas.search_spaces import SearchSpaceExpand, SearchSpaceExpansion
-from api.schemas.tasks import Cost
+from api.schemas.tasks import CostEstimate, SearchSpace
 from api.services.estimates import estimate_task
 from api.services.tasks import (
     check_context,
@@ -23,7 +24,9 @@ from api.services.tasks import (
     trial_steps,
     usable_model,
 )
+from common import search_space as ss
 from common.architectures import target_modules_for
+from common.tables import BaseModelEntry
 
 router = APIRouter(prefix="/search-spaces", tags=["search_spaces"], responses=error_responses(401, 422))
 
@@ -40,26 +43,41 @@ def expand_search_space(
     tenant's quota; with `base_model`, an unknown model or a module it does not have). With `base_model` and
     `training_file`, also the task's `estimate` (its budget fields as in `POST /v1/tasks`). Nothing is written."""
     require_max_trials(body.strategy, body.max_trials)
-    space = space_of(body.search_space)
+    model = usable_model(session, tenant, body.base_model) if body.base_model is not None else None
+    budget, n_train = None, None
+    if model is not None and body.training_file is not None:
+        # The task's own checks and step counts (api/services/tasks.py).
+        budget = resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
+                                validation_split=body.validation_split)
+        check_context(model, body.max_seq_len)
+        n_train = train_rows(owned_file(session, tenant, body.training_file, "training_file"), budget.validation_split)
+    space = _space(body.search_space, model, n_train)
     all_linear = None
-    if body.base_model is not None:
-        model = usable_model(session, tenant, body.base_model)
+    if model is not None:
         check_target_modules(model, space)
         targets = target_modules_for(model.architecture)
         all_linear = list(targets) if targets is not None else None
     trials = expand_trials(space, strategy=body.strategy, max_trials=body.max_trials, seed=body.seed, tenant=tenant)
     estimate = None
-    if body.base_model is not None and body.training_file is not None:
-        # The task's own checks and step counts (api/services/tasks.py), then its estimate.
-        budget = resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
-                                validation_split=body.validation_split)
-        check_context(model, body.max_seq_len)
-        n_train = train_rows(owned_file(session, tenant, body.training_file, "training_file"), budget.validation_split)
-        estimate = Cost.model_validate(estimate_task(
-            session, base_model=body.base_model, configs=trials, steps=trial_steps(trials, budget, n_train),
+    if budget is not None and n_train is not None:
+        estimate = CostEstimate.model_validate(estimate_task(
+            session, base_model=str(body.base_model), configs=trials, steps=trial_steps(trials, budget, n_train),
             max_seq_len=body.max_seq_len, max_trials_per_pack=body.scheduling.max_trials_per_pack).as_dict())
     return SearchSpaceExpansion(
         strategy=body.strategy, count=len(trials), max_trials_per_task=tenant.max_trials_per_task,
         trials=[{**config, "seed": body.seed + i} for i, config in enumerate(trials[:limit])],
         has_more=len(trials) > limit, all_linear=all_linear, estimate=estimate,
     )
+
+
+def _space(search_space: SearchSpace | str, model: BaseModelEntry | None,
+           n_train: int | None) -> dict[str, ss.Dimension]:
+    """The space to expand: the one given, or "auto"'s, which a task picks from its model's size and its training
+    rows (common/search_space.py `auto_space`), so it needs both."""
+    if isinstance(search_space, SearchSpace):
+        return space_of(search_space)
+    if model is None or n_train is None:
+        raise invalid('"auto" picks the space from the model\'s size and the number of training rows: give '
+                      "base_model and training_file with it, as a task has them.", param="search_space",
+                      code="auto_needs_model")
+    return ss.auto_space(model.parameters, n_train)

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, StrictInt
 
 from api.schemas.common import FiniteFloat, RequestModel, Text
-from api.schemas.tasks import Cost, Scheduling, SearchSpace, TaskCreate
+from api.schemas.tasks import CostEstimate, Scheduling, SearchSpaceOrAuto, TaskCreate
 
 
 class SearchSpaceExpand(RequestModel):
@@ -17,7 +17,8 @@ class SearchSpaceExpand(RequestModel):
     base_model: Text | None = Field(
         default=None, min_length=1, max_length=100,
         description="Check target_modules against this model (as a task would) and say what all-linear is on it.")
-    search_space: SearchSpace
+    search_space: SearchSpaceOrAuto = Field(description='The dimensions, or "auto" (with base_model and '
+                                           "training_file): the space a task with \"auto\" gets.")
     strategy: Literal["grid", "random"] = "grid"
     max_trials: Annotated[StrictInt, Field(ge=1, le=10_000)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=2**31 - 1)] = 0
@@ -43,6 +44,6 @@ class SearchSpaceExpansion(BaseModel):
     all_linear: list[str] | None = Field(
         default=None, description='The modules "all-linear" stands for on base_model (every linear layer of the '
         "decoder except lm_head); null without base_model or where its architecture is not known.")
-    estimate: Cost | None = Field(
-        default=None, description="The task's predicted tokens, GPU seconds and wall seconds on the cluster now, as "
-        "its submission would store them; null without base_model and training_file.")
+    estimate: CostEstimate | None = Field(
+        default=None, description="The task's predicted tokens, GPU seconds and wall seconds on the cluster now, with "
+        "its band and basis, as its submission would store them; null without base_model and training_file.")

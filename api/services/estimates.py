@@ -3,7 +3,8 @@ submission, stored in `tasks.estimate`): the database read here, the arithmetic 
 
 It reads what the daemon's planner reads (scheduler/service/cluster_state.py): the base model's cost model fitted
 from its pack profiles (the priors for its size when it has none), the alive workers that can load the model, with
-their GPUs, and when each busy one's pack is predicted to end.
+their GPUs, and when each busy one's pack is predicted to end; all of one device kind (`estimate_kind`: a CPU run
+teaches no GPU estimate), which the estimate's `basis` names with its error band.
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ from sqlalchemy.orm import Session
 
 from common.settings import get_settings
 from common.tables import utcnow
-from scheduler.planning.cost import PRIOR_COST, tokens_per_step
+from scheduler.planning.cost import CPU_DEVICE_KIND, GPU_DEVICE_KIND, PRIOR_COST, tokens_per_step
 from scheduler.planning.estimate import Estimate, TrialLoad, UsableWorker, estimate
 from scheduler.planning.types import loads, lower_to_slots
-from scheduler.service.cluster_state import alive_workers, busy_workers, load_costs, quarantine_left_s, worker_models
+from scheduler.service.cluster_state import (
+    alive_workers,
+    busy_workers,
+    load_costs,
+    quarantine_left_s,
+    worker_kind,
+    worker_models,
+)
 
 
 def estimate_task(
@@ -28,8 +36,10 @@ def estimate_task(
     """The estimate of trials with these hyperparameters (`configs`) and step counts, on the cluster as it is now."""
     now = utcnow()
     timeout_s = get_settings().worker_timeout_s
-    costs = load_costs(session, [base_model])
-    workers = [w for w in alive_workers(session, now, timeout_s) if loads(worker_models(w), base_model)]
+    able = [w for w in alive_workers(session, now, timeout_s) if loads(worker_models(w), base_model)]
+    kind = estimate_kind([worker_kind(w) for w in able])
+    workers = [w for w in able if worker_kind(w) == kind]
+    costs = load_costs(session, [base_model], kind)
     busy_for = {b.worker_id: b.busy_for_s for b in busy_workers(session, now, timeout_s, costs)}
     # A quarantined worker gets no pack until its quarantine ends: busy until then, as far as the estimate goes.
     usable = [UsableWorker(memory_bytes=w.memory_bytes, gpus=w.gpus,
@@ -38,4 +48,12 @@ def estimate_task(
               for c, n in zip(configs, steps, strict=True)]
     cost = costs.get(base_model, PRIOR_COST)  # every registered model has one: the default is for an unknown name
     max_trials_per_pack = lower_to_slots(max_trials_per_pack, [w.max_slots for w in workers])  # as the daemon does
-    return estimate(trials, cost, usable, max_trials_per_pack=max_trials_per_pack, on_priors=cost.prior)
+    return estimate(trials, cost, usable, max_trials_per_pack=max_trials_per_pack, on_priors=cost.prior, kind=kind)
+
+
+def estimate_kind(kinds: Sequence[str]) -> str:
+    """The device kind an estimate plans on, given the kinds of the alive workers that can load the model: a GPU
+    kind when any is there (the planner's cost model has no kinds: a pack may go to any worker, and a GPU worker
+    finishes ~50x sooner), the CPU's when only CPU workers are, and a GPU's when none is (the service's target; the
+    estimate then has no wall time). Only the workers of that kind are planned on."""
+    return GPU_DEVICE_KIND if not kinds or any(k != CPU_DEVICE_KIND for k in kinds) else CPU_DEVICE_KIND

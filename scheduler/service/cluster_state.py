@@ -14,15 +14,18 @@ import logging
 from collections.abc import Collection
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, not_, select
 from sqlalchemy.orm import Session
 
 from common import states
 from common.tables import BaseModelEntry, Pack, Task, Trial, Worker, as_utc
 from scheduler.planning.cost import (
+    CPU_DEVICE_KIND,
+    GPU_DEVICE_KIND,
     PRIOR_COST,
     ModelCost,
     Progress,
+    device_kind,
     fit_profiles,
     prior_cost,
     samples_from_profiles,
@@ -35,22 +38,28 @@ log = logging.getLogger(__name__)
 PROFILES_PER_MODEL = 20  # the newest pack profiles a base model's cost model is fitted on
 
 
-def load_costs(session: Session, models: Collection[str] | None = None) -> dict[str, ModelCost]:
+def load_costs(
+    session: Session, models: Collection[str] | None = None, kind: str | None = None
+) -> dict[str, ModelCost]:
     """Each base model's cost model: the one place the daemon's planner and the API's estimates get it from.
     Fitted on its newest pack profiles; without any, the priors for its size (`prior_cost` of its registered
     `parameters`, flagged `ModelCost.prior`); either then corrected online by what its running packs measure now
     (the mean measured/predicted step-time ratio of their `pack.progress`: no longer the priors). Every registered
-    model has one. `models`: only these base models (None: every one)."""
-    costs = _fitted_costs(session, models)
+    model has one. `models`: only these base models (None: every one). `kind`: only the packs of workers of this
+    device kind (`cost.device_kind`), and its priors (the estimates: a CPU run must not teach a GPU estimate); None:
+    every pack, and the GPU priors (the daemon's planner, which has one cost model per base model)."""
+    costs = _fitted_costs(session, models, kind)
     registered = select(BaseModelEntry.name, BaseModelEntry.parameters)
     if models is not None:
         registered = registered.where(BaseModelEntry.name.in_(list(models)))
     for model, parameters in session.execute(registered):
-        costs.setdefault(model, prior_cost(parameters))
+        costs.setdefault(model, prior_cost(parameters, kind or GPU_DEVICE_KIND))
     ratios: dict[str, list[float]] = {}
     running = select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.progress.is_not(None))
     if models is not None:
         running = running.where(Pack.base_model.in_(list(models)))
+    if kind is not None:
+        running = running.join(Worker, Worker.id == Pack.worker_id).where(_of_kind(kind))
     for pack in session.scalars(running):
         measured = progress_of(pack)
         if measured is not None:
@@ -58,31 +67,49 @@ def load_costs(session: Session, models: Collection[str] | None = None) -> dict[
             ratios.setdefault(pack.base_model, []).append(measured.ratio(base.step))
     for model, found in ratios.items():
         base = costs.get(model, PRIOR_COST)
-        costs[model] = ModelCost(memory=base.memory, step=base.step.scaled(sum(found) / len(found)))
+        costs[model] = ModelCost(memory=base.memory, step=base.step.scaled(sum(found) / len(found)),
+                                 packs=base.packs + len(found))
     return costs
 
 
-def _fitted_costs(session: Session, models: Collection[str] | None) -> dict[str, ModelCost]:
-    """The cost models fitted on each profiled base model's newest pack profiles (`models`: only these)."""
+def _of_kind(kind: str) -> ColumnElement[bool]:
+    """The workers of a device kind, as `cost.device_kind` reads their `device`."""
+    on_cpu = Worker.device.like(f"{CPU_DEVICE_KIND}%")
+    return on_cpu if kind == CPU_DEVICE_KIND else not_(on_cpu)
+
+
+def _fitted_costs(session: Session, models: Collection[str] | None, kind: str | None) -> dict[str, ModelCost]:
+    """The cost models fitted on each profiled base model's newest pack profiles (`models`: only these; `kind`: only
+    packs of workers of this device kind)."""
     profiled = select(Pack.base_model).where(Pack.profile.is_not(None)).distinct()
     if models is not None:
         profiled = profiled.where(Pack.base_model.in_(list(models)))
+    if kind is not None:
+        profiled = profiled.join(Worker, Worker.id == Pack.worker_id).where(_of_kind(kind))
     costs: dict[str, ModelCost] = {}
     for model in session.scalars(profiled).all():
-        profiles = session.scalars(
-            select(Pack.profile).where(Pack.base_model == model, Pack.profile.is_not(None))
-            .order_by(Pack.created_at.desc()).limit(PROFILES_PER_MODEL)
-        ).all()
-        samples = []
+        newest = select(Pack.profile).where(Pack.base_model == model, Pack.profile.is_not(None))
+        if kind is not None:
+            newest = newest.join(Worker, Worker.id == Pack.worker_id).where(_of_kind(kind))
+        profiles = session.scalars(newest.order_by(Pack.created_at.desc()).limit(PROFILES_PER_MODEL)).all()
+        samples, packs = [], 0
         for profile in profiles:
             try:
-                samples.extend(samples_from_profiles([profile]))
+                found = samples_from_profiles([profile])
             except (ValueError, TypeError, AssertionError) as exc:  # a malformed report must not stop planning
                 log.warning("ignoring a malformed %s pack profile: %s", model, exc)
+                continue
+            samples.extend(found)
+            packs += bool(found)
         if samples:
             memory, step = fit_profiles(samples)
-            costs[model] = ModelCost(memory=memory, step=step)
+            costs[model] = ModelCost(memory=memory, step=step, packs=packs)
     return costs
+
+
+def worker_kind(worker: Worker) -> str:
+    """The worker's device kind (`cost.device_kind` of its heartbeat's `device`)."""
+    return device_kind(worker.device)
 
 
 def progress_of(pack: Pack) -> Progress | None:

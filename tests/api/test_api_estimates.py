@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 
 from common.db import session_scope
 from common.tables import BaseModelEntry, Event, Pack, Task, Trial, TrialUsage, Worker, as_utc, utcnow
-from scheduler.planning.cost import PRIOR_COST, ModelCost, fit_profiles, samples_from_profiles
-from scheduler.planning.estimate import TrialLoad, UsableWorker, estimate
+from scheduler.planning.cost import PRIOR_COST, ModelCost, fit_profiles, prior_cost, samples_from_profiles
+from scheduler.planning.estimate import CPU_DEVICE_KIND, FITTED_BAND, PRIOR_BAND, TrialLoad, UsableWorker, estimate
 from scheduler.service.task_results import finalize_tasks
 from tests.factories import TenantKey, count_rows, make_tenant, prompt_rows, task_body, update_row, upload
 
@@ -26,9 +26,9 @@ def body(file_id: str, **overrides: Any) -> dict[str, Any]:
     return {**out, **overrides}
 
 
-def add_worker(worker_id: str = "w1", **fields: Any) -> None:
+def add_worker(worker_id: str = "w1", device: str = "cuda:0", **fields: Any) -> None:
     with session_scope() as s:
-        s.add(Worker(id=worker_id, queue=f"q.{worker_id}", device="cpu", state="alive", max_slots=32,
+        s.add(Worker(id=worker_id, queue=f"q.{worker_id}", device=device, state="alive", max_slots=32,
                      last_heartbeat=utcnow(), **fields))
 
 
@@ -160,7 +160,7 @@ def test_the_estimate_uses_the_fitted_profile_and_the_busy_workers(client: TestC
         s.add(Pack(id="pack-old", worker_id="w1", base_model=MODEL, state="finished", trial_ids=[], profile=profile,
                    created_at=utcnow()))
     memory, step = fit_profiles(samples_from_profiles([profile]))
-    fitted = estimate([TrialLoad(50, 512)] * 4, ModelCost(memory, step), [UsableWorker(80 * 2**30)],
+    fitted = estimate([TrialLoad(50, 512)] * 4, ModelCost(memory, step, packs=1), [UsableWorker(80 * 2**30)],
                       max_trials_per_pack=32, on_priors=False).as_dict()
     got = client.post("/v1/tasks?dry_run=true", json=body(file_id), headers=tenant.headers).json()["estimate"]
     assert got == {**fitted, "actual": None} and got["gpu_seconds"] < priors["gpu_seconds"]
@@ -199,3 +199,80 @@ def test_a_finished_task_records_its_actual_beside_its_estimate(client: TestClie
     assert got["estimate"]["actual"] == {"tokens": 10_000, "gpu_seconds": 40.0, "wall_seconds": 50.0}
     assert {k: got["estimate"][k] for k in ("tokens", "gpu_seconds", "wall_seconds")} == {
         k: task["estimate"][k] for k in ("tokens", "gpu_seconds", "wall_seconds")}
+
+
+def dry_estimate(client: TestClient, tenant: TenantKey, file_id: str) -> dict[str, Any]:
+    r = client.post("/v1/tasks?dry_run=true", json=body(file_id), headers=tenant.headers)
+    assert r.status_code == 200, r.text
+    return dict(r.json()["estimate"])
+
+
+def test_the_estimate_says_what_it_rests_on_and_its_band(client: TestClient, tenant: TenantKey) -> None:
+    """On the priors of the workers' device kind, with the priors' band; fitted from the model's packs on that kind,
+    with the narrower fitted band; in the dry run, the expansion and the stored task alike."""
+    file_id = upload(client, tenant)["id"]
+    add_worker("gpu-1", memory_bytes=80 * 2**30)
+    got = dry_estimate(client, tenant, file_id)
+    assert got["basis"] == {"source": "prior", "device_kind": "cuda", "packs": 0}
+    low, high = PRIOR_BAND["cuda"]
+    assert got["wall_seconds_low"] == pytest.approx(got["wall_seconds"] * low, abs=1e-3)
+    assert got["wall_seconds_high"] == pytest.approx(got["wall_seconds"] * high, abs=1e-3)
+    assert got["wall_seconds_low"] < got["wall_seconds"] < got["wall_seconds_high"]
+    expanded = client.post("/v1/search-spaces/expand", headers=tenant.headers, json={
+        "search_space": SPACE, "base_model": MODEL, "training_file": file_id, "max_steps": 50, "max_seq_len": 128})
+    assert expanded.json()["estimate"] == {k: v for k, v in got.items() if k != "actual"}
+    profile = {"samples": [[4, 2048, 0, 0.05, 3 * 2**30], [8, 4096, 0, 0.09, 4 * 2**30]]}
+    with session_scope() as s:
+        for i in range(2):
+            s.add(Pack(id=f"pack-{i}", worker_id="gpu-1", base_model=MODEL, state="finished", trial_ids=[],
+                       profile=profile, created_at=utcnow()))
+    fitted = dry_estimate(client, tenant, file_id)
+    assert fitted["basis"] == {"source": "fitted", "device_kind": "cuda", "packs": 2}
+    assert (fitted["wall_seconds_low"], fitted["wall_seconds_high"]) == pytest.approx(
+        (fitted["wall_seconds"] * FITTED_BAND[0], fitted["wall_seconds"] * FITTED_BAND[1]), abs=1e-3)
+    assert fitted["wall_seconds_high"] / fitted["wall_seconds_low"] < got["wall_seconds_high"] / got["wall_seconds_low"]
+    task = client.post("/v1/tasks", json=body(file_id), headers=tenant.headers).json()
+    stored = client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()["estimate"]
+    assert stored["basis"] == fitted["basis"] and stored["wall_seconds_high"] == fitted["wall_seconds_high"]
+
+
+def test_a_cpu_worker_is_estimated_on_cpu_priors_and_cpu_packs_only(client: TestClient, tenant: TenantKey) -> None:
+    """Issue 32: a CPU worker's task was estimated from the H100 priors (200x short). On a CPU-only cluster the
+    estimate rests on the CPU priors; a CPU pack's profile teaches the CPU estimate and not a GPU one, and a GPU
+    pack's not the CPU one."""
+    file_id = upload(client, tenant)["id"]
+    add_worker("cpu-1", device="cpu")
+    on_cpu = dry_estimate(client, tenant, file_id)
+    assert on_cpu["basis"] == {"source": "prior", "device_kind": CPU_DEVICE_KIND, "packs": 0}
+    with session_scope() as s:
+        parameters = s.get(BaseModelEntry, MODEL).parameters  # type: ignore[union-attr]
+    expected = estimate([TrialLoad(50, 4 * 128)] * 4, prior_cost(parameters, CPU_DEVICE_KIND), [UsableWorker()],
+                        max_trials_per_pack=32, on_priors=True, kind=CPU_DEVICE_KIND).as_dict()
+    assert on_cpu == {**expected, "actual": None}
+    assert on_cpu["wall_seconds_low"] < on_cpu["wall_seconds"] < on_cpu["wall_seconds_high"]
+    # A slow CPU pack: the CPU estimate is fitted on it.
+    cpu_profile = {"samples": [[4, 2048, 0, 5.0, None], [8, 4096, 0, 9.0, None]]}
+    with session_scope() as s:
+        s.add(Pack(id="pack-cpu", worker_id="cpu-1", base_model=MODEL, state="finished", trial_ids=[],
+                   profile=cpu_profile, created_at=utcnow()))
+    cpu_fitted = dry_estimate(client, tenant, file_id)
+    assert cpu_fitted["basis"] == {"source": "fitted", "device_kind": CPU_DEVICE_KIND, "packs": 1}
+    # A GPU worker joins: the estimate plans on it, on the GPU priors; the CPU pack taught it nothing.
+    add_worker("gpu-1", memory_bytes=80 * 2**30)
+    on_gpu = dry_estimate(client, tenant, file_id)
+    assert on_gpu["basis"] == {"source": "prior", "device_kind": "cuda", "packs": 0}
+    assert on_gpu["wall_seconds"] == prior_estimate(4, 50, 4 * 128, [UsableWorker(80 * 2**30)])["wall_seconds"]
+    assert on_gpu["wall_seconds"] < cpu_fitted["wall_seconds"]
+    # A GPU pack: the GPU estimate is fitted on it alone, and the CPU pack is not among its packs.
+    with session_scope() as s:
+        s.add(Pack(id="pack-gpu", worker_id="gpu-1", base_model=MODEL, state="finished", trial_ids=[],
+                   profile={"samples": [[4, 2048, 0, 0.05, None], [8, 4096, 0, 0.09, None]]}, created_at=utcnow()))
+    gpu_fitted = dry_estimate(client, tenant, file_id)
+    assert gpu_fitted["basis"] == {"source": "fitted", "device_kind": "cuda", "packs": 1}
+    gpu_step = fit_profiles(samples_from_profiles([{"samples": [[4, 2048, 0, 0.05, None], [8, 4096, 0, 0.09, None]]}]))
+    assert gpu_fitted["gpu_seconds"] == estimate(
+        [TrialLoad(50, 4 * 128)] * 4, ModelCost(*gpu_step, packs=1), [UsableWorker(80 * 2**30)],
+        max_trials_per_pack=32, on_priors=False).gpu_seconds
+    # And the GPU pack taught the CPU estimate nothing: with the GPU worker gone, it is the CPU fit of before.
+    update_row(Worker, "gpu-1", state="lost")
+    assert dry_estimate(client, tenant, file_id) == cpu_fitted

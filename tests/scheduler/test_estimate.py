@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.planning.cost import PRIOR_COST, MemoryModel, ModelCost, StepTimeModel
-from scheduler.planning.estimate import Estimate, TrialLoad, UsableWorker, estimate
+from scheduler.planning.cost import (
+    CPU_DEVICE_KIND,
+    GPU_DEVICE_KIND,
+    PRIOR_COST,
+    MemoryModel,
+    ModelCost,
+    StepTimeModel,
+    device_kind,
+    prior_cost,
+)
+from scheduler.planning.estimate import FITTED_BAND, PRIOR_BAND, Basis, Estimate, TrialLoad, UsableWorker, estimate
 
 # A GPU-bound model (small shared cost): trials spread over GPUs rather than share one.
 FITTED = ModelCost(memory=MemoryModel(k0_bytes=2 * 2**30, k1_bytes_per_token=2**20),
@@ -74,3 +83,53 @@ def test_without_a_usable_gpu_there_is_no_wall_time() -> None:
 
 def test_no_trials_cost_nothing() -> None:
     assert estimate([], PRIOR_COST, [UsableWorker()], max_trials_per_pack=32, on_priors=True) == Estimate(0, 0.0, 0.0)
+
+
+def test_the_basis_names_the_priors_or_the_packs_of_a_fit_and_its_device_kind() -> None:
+    assert run().basis == Basis("prior", GPU_DEVICE_KIND, 0)
+    fitted = estimate([TrialLoad(100, 2048)] * 8, ModelCost(FITTED.memory, FITTED.step, packs=3), [UsableWorker()],
+                      max_trials_per_pack=32, on_priors=False, kind=CPU_DEVICE_KIND)
+    assert fitted.basis == Basis("fitted", CPU_DEVICE_KIND, 3)
+    assert fitted.as_dict()["basis"] == {"source": "fitted", "device_kind": "cpu", "packs": 3}
+
+
+@pytest.mark.parametrize("kind", [GPU_DEVICE_KIND, CPU_DEVICE_KIND])
+def test_the_band_is_ordered_and_wider_on_the_priors_than_fitted(kind: str) -> None:
+    prior = estimate([TrialLoad(100, 2048)] * 8, prior_cost(135_000_000, kind), [UsableWorker()],
+                     max_trials_per_pack=32, on_priors=True, kind=kind)
+    fitted = estimate([TrialLoad(100, 2048)] * 8, FITTED, [UsableWorker()], max_trials_per_pack=32, on_priors=False,
+                      kind=kind)
+    for e in (prior, fitted):
+        assert e.wall_band is not None and e.wall_seconds is not None
+        low, high = e.wall_band
+        assert 0 < low < e.wall_seconds < high
+        assert e.as_dict()["wall_seconds_low"] == low and e.as_dict()["wall_seconds_high"] == high
+    assert prior.wall_band == pytest.approx((prior.wall_seconds * PRIOR_BAND[kind][0],  # type: ignore[operator]
+                                             prior.wall_seconds * PRIOR_BAND[kind][1]), abs=1e-3)  # type: ignore[operator]
+    assert fitted.wall_band == pytest.approx((fitted.wall_seconds * FITTED_BAND[0],  # type: ignore[operator]
+                                              fitted.wall_seconds * FITTED_BAND[1]), abs=1e-3)  # type: ignore[operator]
+    assert PRIOR_BAND[kind][1] / PRIOR_BAND[kind][0] > FITTED_BAND[1] / FITTED_BAND[0]
+
+
+def test_without_a_wall_time_there_is_no_band() -> None:
+    e = run(gpus=[])
+    assert e.wall_band is None
+    assert e.as_dict()["wall_seconds_low"] is None and e.as_dict()["wall_seconds_high"] is None
+
+
+def test_the_cpu_priors_are_slower_and_grow_with_the_model_while_the_gpu_priors_stay() -> None:
+    """The GPU priors are what the daemon has always planned with (one for every size); the CPU's step grows with
+    the model's parameters (benchmarks/results/cpu_priors-cpu-20261126.json)."""
+    assert prior_cost(None) == PRIOR_COST and prior_cost(None, GPU_DEVICE_KIND) == PRIOR_COST
+    assert prior_cost(135_000_000).step == PRIOR_COST.step == prior_cost(7_000_000_000).step
+    tiny, smol = prior_cost(107_200, CPU_DEVICE_KIND), prior_cost(134_515_008, CPU_DEVICE_KIND)
+    assert tiny.prior and smol.prior and smol.memory == prior_cost(134_515_008).memory
+    # SmolLM2 at 4 trials x batch 4 x 128 tokens: ~50x the H100's step on the CPU, the tiny model far less.
+    assert smol.step.predict(2048, 4) > 20 * PRIOR_COST.step.predict(2048, 4)
+    assert tiny.step.predict(2048, 4) < smol.step.predict(2048, 4) / 50
+    assert prior_cost(None, CPU_DEVICE_KIND).step == smol.step  # an unknown size: priced as SmolLM2
+
+
+def test_a_workers_device_kind_is_the_cpu_or_a_gpu() -> None:
+    assert device_kind("cpu") == device_kind("cpu,cpu") == CPU_DEVICE_KIND
+    assert device_kind("cuda:0") == device_kind("cuda:0,cuda:1") == device_kind(None) == GPU_DEVICE_KIND
