@@ -391,7 +391,29 @@ class Cost(BaseModel):
         "load the model could take the trials.")
 
 
-class TaskEstimate(Cost):
+class EstimateBasis(BaseModel):
+    """What an estimate rests on (scheduler/planning/estimate.py `Basis`)."""
+
+    source: Literal["prior", "fitted"] = Field(
+        description="prior: no pack of this model has run on this device kind, the step time is the kind's prior "
+        "(scheduler/planning/cost.py); fitted: fitted from the measured steps of `packs` packs of the model on it.")
+    device_kind: str = Field(description='The device kind planned on: "cpu", or "cuda" for a GPU.')
+    packs: int = Field(ge=0, description="The packs whose measured steps it rests on (0 for the priors).")
+
+
+class CostEstimate(Cost):
+    """A predicted cost, with what it rests on and the range its wall time is expected in."""
+
+    wall_seconds_low: float | None = Field(
+        default=None, description="The low end of the range the actual wall time is expected in: wider on the "
+        "priors than fitted (measured ratios, scheduler/planning/estimate.py); null without wall_seconds, or for an "
+        "estimate stored before bands.")
+    wall_seconds_high: float | None = Field(default=None, description="The high end of that range.")
+    basis: EstimateBasis | None = Field(default=None, description="What it rests on; null for an estimate stored "
+                                        "before bases.")
+
+
+class TaskEstimate(CostEstimate):
     """What the task was predicted to cost at submission, from the planner's cost model and the cluster then
     (api/services/estimates.py); `actual` once it ended: its usage and its wall time."""
 
