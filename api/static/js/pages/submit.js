@@ -1,8 +1,9 @@
 // A new task: upload a dataset (or pick one), choose a base model, build a search space, see how many
-// trials it expands to (the server's own count, POST /v1/search-spaces/expand), and submit.
+// trials it expands to (the server's own count, POST /v1/search-spaces/expand) and what the task is estimated to
+// take (its dry run, POST /v1/tasks?dry_run=true: wall time, its band and what it rests on), and submit.
 
 import { ApiError, api, request } from "../api.js";
-import { clear, h } from "../dom.js";
+import { clear, fmt, h } from "../dom.js";
 
 const DIMENSIONS = [
   { name: "learning_rate", label: "Learning rate", integer: false, placeholder: "2e-4", example: "1e-4, 3e-4, 1e-3" },
@@ -88,6 +89,26 @@ function dimensionRow(dim) {
   return { row, value, error };
 }
 
+// Seconds in words: tenths under 10 s (a tiny model's task takes a second or less), else as elsewhere.
+const wallText = (s) => (s < 10 ? `${Number(s).toFixed(1)}s` : fmt.duration(s));
+
+/** An estimate in words: its wall time with the band the actual is expected in, and what it rests on (the
+ * priors of a device kind, or a fit from the model's own packs on it). */
+export function estimateText(est) {
+  const kind = est.basis ? (est.basis.device_kind === "cpu" ? "CPU" : "GPU") : null;
+  const basis = !est.basis ? ""
+    : est.basis.source === "fitted"
+      ? ` Fitted from ${est.basis.packs} pack${est.basis.packs === 1 ? "" : "s"} of this model on ${kind} workers.`
+      : ` From the ${kind} priors: no pack of this model has run on a ${kind} worker yet, so the range is wide.`;
+  const device = `${Number(est.gpu_seconds).toFixed(1)} ${kind || "device"} seconds, ${est.tokens} tokens.`;
+  if (est.wall_seconds === null || est.wall_seconds === undefined) {
+    return `No live worker can take these trials now: no wall time to estimate (${device})${basis}`;
+  }
+  const band = est.wall_seconds_low === null || est.wall_seconds_low === undefined ? ""
+    : ` (likely ${wallText(est.wall_seconds_low)} to ${wallText(est.wall_seconds_high)})`;
+  return `Estimated wall time ${wallText(est.wall_seconds)}${band}; ${device}${basis}`;
+}
+
 export async function mount(root, { go }) {
   const [models, files] = await Promise.all([api.get("/v1/models"), api.get("/v1/files?limit=100")]);
 
@@ -119,6 +140,7 @@ export async function mount(root, { go }) {
   const moduleBoxes = MODULES.map((m) => h("input", { type: "checkbox", id: id(m), value: m }));
 
   const count = h("output", { id: "trial-count", "aria-live": "polite" });
+  const estimateOut = h("output", { id: "task-estimate", class: "estimate", "aria-live": "polite" });
   const formError = h("div", { class: "error", role: "alert", id: "submit-error" });
   const submit = h("button", { type: "submit", id: "submit-task" }, "Submit task");
 
@@ -149,6 +171,7 @@ export async function mount(root, { go }) {
       field("Best trial by", metric, "A generative metric scores each trial's greedy answers to the validation rows."),
       field("Pattern", pattern, "For the regex metric: an answer passes when the pattern matches in it.")),
     h("p", { class: "count" }, count),
+    h("p", { class: "estimate" }, estimateOut),
     submit, formError);
   root.append(form);
 
@@ -176,6 +199,42 @@ export async function mount(root, { go }) {
     const body = { search_space: space, strategy: strategy.value, seed: intOr(seed) ?? 0 };
     if (maxTrials.value) body.max_trials = intOr(maxTrials);
     return body;
+  }
+
+  /** The task's body for POST /v1/tasks, from the search space's fields and a training file. */
+  function taskBody(space, fileId) {
+    const body = { ...space, base_model: model.value, training_file: fileId, max_seq_len: intOr(seqLen) ?? 512,
+      early_exit: { policy: policy.value } };
+    if (metric.value !== "loss") {
+      body.evaluation = { metric: metric.value };
+      if (metric.value === "regex") body.evaluation.pattern = pattern.value;
+    }
+    if (split.value) body.validation_split = Number(split.value);
+    if (maxSteps.value) body.max_steps = intOr(maxSteps);
+    else if (epochs.value) body.epochs = intOr(epochs);
+    return body;
+  }
+
+  // The estimate before submission: the task's dry run (every check of a submission, nothing written). It needs
+  // the file's rows, so a file still to be uploaded gets none until it is.
+  let estimateSeq = 0;
+  async function previewEstimate() {
+    const seq = ++estimateSeq;
+    const space = spaceBody();
+    estimateOut.dataset.source = "";
+    if (!existing.value || !space) {
+      estimateOut.textContent = existing.value ? "" : "Pick an uploaded file to see the task's estimate.";
+      return;
+    }
+    try {
+      const task = await api.post("/v1/tasks?dry_run=true", taskBody(space, existing.value));
+      if (seq !== estimateSeq) return; // a newer edit answered first
+      estimateOut.textContent = task.estimate ? estimateText(task.estimate) : "";
+      estimateOut.dataset.source = task.estimate?.basis?.source ?? "";
+    } catch (e) {
+      if (seq !== estimateSeq) return;
+      estimateOut.textContent = `No estimate: ${e instanceof ApiError && e.param ? `${e.param}: ` : ""}${e.message}`;
+    }
   }
 
   let previewSeq = 0;
@@ -206,10 +265,14 @@ export async function mount(root, { go }) {
       count.dataset.count = "";
     }
   }
-  const schedule = () => { clearTimeout(previewTimer); previewTimer = setTimeout(preview, 250); };
+  const schedule = () => {
+    clearTimeout(previewTimer);
+    previewTimer = setTimeout(() => { preview(); previewEstimate(); }, 250);
+  };
   form.addEventListener("input", schedule);
   form.addEventListener("change", schedule);
   preview();
+  previewEstimate();
 
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
@@ -231,15 +294,7 @@ export async function mount(root, { go }) {
         data.append("purpose", "fine-tune");
         fileId = (await request("/v1/files", { method: "POST", form: data })).id;
       }
-      const body = { ...space, base_model: model.value, training_file: fileId, max_seq_len: intOr(seqLen) ?? 512,
-        early_exit: { policy: policy.value } };
-      if (metric.value !== "loss") {
-        body.evaluation = { metric: metric.value };
-        if (metric.value === "regex") body.evaluation.pattern = pattern.value;
-      }
-      if (split.value) body.validation_split = Number(split.value);
-      if (maxSteps.value) body.max_steps = intOr(maxSteps);
-      else if (epochs.value) body.epochs = intOr(epochs);
+      const body = taskBody(space, fileId);
       // One key per submission: a retried request (a flaky network) returns the first task, not a second.
       const task = await request("/v1/tasks", { method: "POST", json: body,
         headers: { "Idempotency-Key": randomKey() } });
@@ -254,5 +309,5 @@ export async function mount(root, { go }) {
       form.removeAttribute("aria-busy");
     }
   });
-  return { focus: upload, dispose: () => { clearTimeout(previewTimer); previewSeq += 1; } };
+  return { focus: upload, dispose: () => { clearTimeout(previewTimer); previewSeq += 1; estimateSeq += 1; } };
 }
