@@ -160,7 +160,8 @@ class WorkerHeartbeat(Message):
     """A worker process's presence. `gpus`, `models` and `warm_models` are read leniently by ingest (a malformed
     value is logged and taken as not said), as a beat must prove its worker alive whatever else it says."""
 
-    omit_when_none: ClassVar[frozenset[str]] = frozenset({"gpus", "models", "warm_models"})
+    omit_when_none: ClassVar[frozenset[str]] = frozenset({"gpus", "models", "warm_models", "progress",
+                                                          "progressed_at"})
 
     type: Literal["heartbeat"] = "heartbeat"
     worker_id: str
@@ -175,6 +176,10 @@ class WorkerHeartbeat(Message):
     incarnation: str | None = None
     started_at: float | None = None  # the process's start, by its clock
     sent_at: float | None = None
+    # With a pack: its progress count (steps, validations, phases) and when, by the sender's clock, the count was
+    # last seen to change; the scheduler ends a pack stalled for LORAPLANE_WORKER_STALL_S (None: not said).
+    progress: int | None = None
+    progressed_at: float | None = None
 
     @property
     def names_pack(self) -> bool:

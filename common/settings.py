@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(default=5.0, alias="LORAPLANE_HEARTBEAT_S")
     # A worker silent for this long is declared lost and its trials go back to pending.
     worker_timeout_s: float = Field(default=30.0, alias="LORAPLANE_WORKER_TIMEOUT_S")
+    # A worker whose beats arrive but whose pack has not progressed (no step, validation or phase) for this long is
+    # hung: the pack is lost, its trials go back to pending, and the worker gets no pack while its beats say so.
+    # Generous: a model's download and load, or a long validation, count as one phase.
+    worker_stall_s: float = Field(default=3600.0, alias="LORAPLANE_WORKER_STALL_S")
     # The scheduler replans at least this often even when no event arrives (Redis is not the source of truth).
     scheduler_tick_s: float = Field(default=2.0, alias="LORAPLANE_SCHEDULER_TICK_S")
     # A worker's loss (its process died or restarted, its heartbeat stopped, its whole pack failed) costs its trials

@@ -3,9 +3,14 @@
 A pack holds its worker's GPUs (one, or several of one host: `Pack.gpus`) from its start to its end (or until now,
 while it runs): its GPU seconds are its seconds times its GPUs. They are shared among the
 trials it trained by the real tokens each trained there, as their workers reported when the trial left the pack
-(`trial_usage`, one row per trial per stay); a pack with no such report (lost with its worker, or still running)
-shares its time equally among the trials placed in it. So the trials' GPU seconds add up exactly to the packs' time.
+(`trial_usage`, one row per trial per stay); a pack with no such report (still running) shares its time equally
+among the trials placed in it. So the trials' GPU seconds add up exactly to the packs' time.
 Over a window [start, end) a pack counts only the part of its time inside the window.
+
+Each step is counted once, whatever happens to the pack: a lost pack's time ends when it was declared lost (its
+process may train on, unheard, until it learns so: that time is no one's bill), it records no tokens (its trials
+went back to pending and train those steps again in another pack, which counts them: scheduler/service/ingest.py),
+and its time is shared equally among its trials (the reports of those it lost never came).
 
 `share_pack` is the pure rule; the rest reads the database.
 """
@@ -20,6 +25,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from common import states
 from common.tables import File, Pack, Task, Trial, TrialUsage, as_utc, utcnow
 
 
@@ -90,7 +96,8 @@ def gpu_seconds_by_trial(
         assert pack.started_at is not None
         end = as_utc(pack.finished_at) if pack.finished_at is not None else now
         seconds = overlap_s(as_utc(pack.started_at), end, window) * pack.gpus
-        for trial_id, share in share_pack(seconds, [str(t) for t in pack.trial_ids], tokens[pack.id]).items():
+        reported = tokens[pack.id] if pack.state != states.PACK_LOST else {}  # a lost pack's: equally (module doc)
+        for trial_id, share in share_pack(seconds, [str(t) for t in pack.trial_ids], reported).items():
             out[trial_id] += share
     return dict(out)
 

@@ -1,4 +1,5 @@
-"""The worker's side of the bus: heartbeats, batched loss reports and stop commands.
+"""The worker's side of the bus: heartbeats (worker/heartbeat.py, a process of their own), batched loss reports and
+stop commands.
 
 A worker never touches the database: everything it knows comes in the pack message and through its
 command stream, and everything it learns goes out on the scheduler stream (the messages: common/messages.py).
@@ -9,10 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from common.bus import SCHEDULER_STREAM, Bus, commands_stream
@@ -26,91 +24,16 @@ from common.messages import (
     TrialCheckpoint,
     TrialFinished,
     TrialPayload,
-    WorkerHeartbeat,
     parse_command,
 )
 from worker import telemetry
+from worker.heartbeat import Heartbeat, Incarnation
+
+__all__ = ["CommandInbox", "Heartbeat", "Incarnation", "Reporter", "ReportsLost"]
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=PackReport)
-
-
-@dataclass(frozen=True)
-class Incarnation:
-    """This worker process: a new id on every start, so the scheduler tells a restarted worker (same worker
-    id) from the process it replaced, and can end that process's packs at once instead of waiting for a
-    heartbeat timeout that never comes (the new process beats under the same id). The rank processes of a
-    worker over several GPUs (worker/rank_pool.py) report under their worker process's."""
-
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    started_at: float = field(default_factory=time.time)
-
-
-class Heartbeat(threading.Thread):
-    """Publishes the worker's presence every `interval_s`; the scheduler declares it lost when it stops.
-
-    Each beat names the pack this process is running (or none). The scheduler ends any running pack of this
-    worker that a beat does not name, so the pack is set and cleared under the same lock as a beat is sent:
-    a beat sent before `pack.started` names no pack, and every beat after it names the pack until its last
-    report went out.
-
-    Each beat also names the registered models this machine can load (`models`, e.g.
-    `worker.availability.ModelAvailability.models`), when it knows them: the planner places a model's trials
-    only on workers that name it. A beat without them (no registry published yet) is taken as "every model".
-
-    And the base models it holds loaded (`warm_models`, `worker.model_cache.ModelCache.warm`: name, revision, bytes,
-    last use, most recently used first), when it is given them: the planners prefer, all else equal, a worker
-    that has a pack's model warm.
-    """
-
-    def __init__(self, bus: Bus, interval_s: float, identity: dict[str, Any], incarnation: Incarnation,
-                 models: Callable[[], list[str] | None] | None = None) -> None:
-        super().__init__(name="heartbeat", daemon=True)
-        self.bus = bus
-        self.interval_s = interval_s
-        self.identity = identity
-        self.incarnation = incarnation
-        self._models = models
-        self.warm_models: Callable[[], list[dict[str, Any]]] | None = None  # set once the worker's runner exists
-        self._pack_id: str | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-
-    def set_pack(self, pack_id: str | None) -> None:
-        with self._lock:
-            self._pack_id = pack_id
-
-    def beat(self) -> None:
-        extra: dict[str, Any] = {}
-        if self._models is not None:
-            try:  # outside the lock: a pack's start does not wait for a look at the disks
-                models = self._models()
-            except Exception:  # noqa: BLE001 - a failed check must not silence the beat (it would look dead)
-                log.exception("could not tell which models this worker can load")
-                models = None
-            if models is not None:
-                extra["models"] = models
-        if self.warm_models is not None:
-            try:
-                extra["warm_models"] = self.warm_models()
-            except Exception:  # noqa: BLE001 - as above: the beat goes out without them
-                log.exception("could not tell which models this worker holds warm")
-        with self._lock:
-            beat = WorkerHeartbeat(**self.identity, pack_id=self._pack_id, incarnation=self.incarnation.id,
-                                   started_at=self.incarnation.started_at, sent_at=time.time(), **extra)
-            self.bus.publish(SCHEDULER_STREAM, beat.to_dict())
-
-    def run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.beat()
-            except Exception as exc:  # noqa: BLE001 - the bus may blink; the next beat retries (none is queued:
-                log.warning("heartbeat failed: %s", exc)  # an old beat says nothing about now)
-            self._stop.wait(self.interval_s)
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class ReportsLost(RuntimeError):

@@ -86,18 +86,21 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     # Progress bars of model loading end up as WARNING lines in Celery's redirected stderr.
     hf_logging.disable_progress_bar()
     telemetry.start(settings, device)  # LORAPLANE_WORKER_METRICS_PORT (0: off)
-    heartbeat.start()  # beating while models load: the scheduler sees the worker, busy with no pack
+    # Beating from a process of its own (worker/heartbeat.py), which training cannot starve, from now on: while
+    # models load the scheduler sees the worker, busy with no pack.
+    heartbeat.start()
     preload_models(runner.model, settings.worker_preload_models,
                    availability.registry() if settings.worker_preload_models else None)
     log.info("worker %s (incarnation %s) on %s consuming %s", worker_id, incarnation.id[:8], device, queue)
-    # The solo pool runs the pack in this process, where the model stays loaded between packs and the
-    # heartbeat thread dies with it: a killed worker stops beating and the scheduler requeues its trials.
+    # The solo pool runs the pack in this process, where the model stays loaded between packs; the heartbeat
+    # process ends with it: a killed worker stops beating and the scheduler requeues its trials.
     try:
         celery_app.worker_main([
             "worker", "-Q", queue, "--pool", "solo", "--concurrency", "1", "-n", f"{worker_id}@%h",
             "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
         ])
     finally:
+        heartbeat.stop()
         if pool is not None:
             pool.close()
 

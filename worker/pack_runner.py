@@ -280,6 +280,12 @@ class PackRunner:
             logging.shutdown()
             os._exit(1)
 
+    def progressed(self) -> None:
+        """The pack moved on (a step, a validation, a trial's end, a phase): its heartbeat says so, and the scheduler
+        ends a pack that stops moving for LORAPLANE_WORKER_STALL_S (worker/heartbeat.py)."""
+        if self.heartbeat is not None:
+            self.heartbeat.progressed()
+
     def should_stop(self, pack_id: str, trial_ids: Iterable[str]) -> dict[str, StopMode]:
         """The trials to take out now: those the scheduler stopped, or all of them once it aborted the pack."""
         if self.inbox.aborted(pack_id):
@@ -301,6 +307,7 @@ class PackRunner:
             set_up_started = time.perf_counter()
             (model, tokenizer), specs, resume = self._set_up(source, trials, read_rows, tmp / "resume", reporter,
                                                              timings)
+            self.progressed()  # the model loaded, the trials set up: a phase done
             # The pack's wall time runs from its start here: the load (load_s) and the rest of the set-up (in
             # other_s) are part of what its trials wait for; train_pack adds its own.
             timings.wall_s += time.perf_counter() - set_up_started
@@ -321,7 +328,6 @@ class PackRunner:
                     resume: dict[str, Path], source: ModelSource, tmp: Path, calls: _PackCallbacks,
                     timings: PackTimings, leads: bool) -> None:
         pack_id, ranks, task_of = pack.pack_id, self.ranks, calls.task_of
-        reporter = calls.reporter
         config = PackConfig(
             base_model_name=export_base_name(source), export_dir=tmp / "adapters", checkpoint_dir=tmp / "checkpoints",
             # Snapshots to host memory on a time policy; the writer uploads them (upload_checkpoint).
@@ -330,7 +336,7 @@ class PackRunner:
             max_rank=pack.max_rank, target_modules=pack.target_modules,
         )
         callbacks = PackCallbacks(
-            on_point=reporter.point, should_stop=lambda: self.should_stop(pack_id, task_of),
+            on_point=calls.point, should_stop=lambda: self.should_stop(pack_id, task_of),
             on_step=calls.stepped if leads else None, on_checkpoint=calls.upload_checkpoint,
             admissions=calls.admissions, on_admitted=calls.admitted, on_outcome=calls.finished, score=score_metric,
         )
@@ -483,6 +489,7 @@ class _PackCallbacks:
 
     def finished(self, outcome: TrialOutcome) -> None:
         """The trial's adapter stored and its end reported, on an upload thread (its slot frees now)."""
+        self.runner.progressed()
         self._pending.append(self._uploads.submit(self._store_and_report, outcome))
 
     def _store_and_report(self, outcome: TrialOutcome) -> None:
@@ -501,7 +508,13 @@ class _PackCallbacks:
             pack_tokens=outcome.pack_tokens,
         )
 
+    def point(self, trial_id: str, step: int, split: str, loss: float) -> None:
+        """A trial's train step, validation or metric: reported, and progress for the heartbeat."""
+        self.reporter.point(trial_id, step, split, loss)
+        self.runner.progressed()
+
     def stepped(self, stats: StepStats) -> None:
+        self.runner.progressed()
         self.profiler.record(stats)
         telemetry.observe_step(stats)
         progress = self.profiler.take_progress()

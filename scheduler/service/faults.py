@@ -184,11 +184,29 @@ def reap_lost_workers(session: Session, now: datetime, timeout_s: float,
         select(Worker).where(Worker.state == states.WORKER_ALIVE, Worker.last_heartbeat < cutoff)
     ).all()
     for worker in lost:
-        worker.state = states.WORKER_LOST
-        worker.current_pack_id = None
-        packs = session.scalars(
-            select(Pack).where(Pack.worker_id == worker.id, Pack.state.in_(states.PACK_LIVE))
-        ).all()
-        for pack in packs:
-            lose_pack(session, pack, now, f"worker {worker.id} was lost", policy)
+        lose_worker(session, worker, now, f"worker {worker.id} was lost", policy)
     return [w.id for w in lost]
+
+
+def lose_worker(session: Session, worker: Worker, now: datetime, reason: str, policy: FaultPolicy | None) -> None:
+    """The worker is lost (the planners give it nothing until a beat says it is well again): its live packs are
+    lost, for ``reason``."""
+    worker.state = states.WORKER_LOST
+    worker.current_pack_id = None
+    packs = session.scalars(select(Pack).where(Pack.worker_id == worker.id, Pack.state.in_(states.PACK_LIVE))).all()
+    for pack in packs:
+        lose_pack(session, pack, now, reason, policy)
+
+
+def stalled_s(pack_id: str | None, progressed_at: float | None, sent_at: float, stall_s: float) -> float | None:
+    """How long the pack a heartbeat names has made no progress, when that is longer than ``stall_s`` (the process
+    beats, but its training hangs); None while it progresses, or when the beat names no pack or does not say (a
+    worker from before progress was reported). Both times are the sender's clock.
+
+    >>> stalled_s("p", 100.0, 4000.0, 3600.0), stalled_s("p", 100.0, 200.0, 3600.0), stalled_s(None, 1.0, 9e9, 1.0)
+    (3900.0, None, None)
+    """
+    if pack_id is None or progressed_at is None:
+        return None
+    idle_s = sent_at - progressed_at
+    return idle_s if idle_s > stall_s else None

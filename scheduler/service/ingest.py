@@ -7,8 +7,10 @@ reporting pack (a report from a pack that was declared lost is dropped).
 Liveness is judged by what a message carries, not by when it is read: a heartbeat counts from the time it
 was sent (an old one replayed after a restart proves nothing), a heartbeat from a new process under a known
 worker id (a new `incarnation`) ends the packs of the process it replaced at once, a heartbeat that names no
-pack or another pack ends the worker's running pack it does not name, and reports from a process other
-than the one that started their pack are dropped.
+pack or another pack ends the worker's running pack it does not name, a heartbeat whose pack has made no progress
+for LORAPLANE_WORKER_STALL_S (a hung process beats on) ends that pack and keeps its worker lost while it says so, and
+reports from a process other than the one that started their pack are dropped. A lost pack bills no tokens: its
+trials train again from their checkpoints (common/usage.py).
 """
 
 from __future__ import annotations
@@ -50,7 +52,15 @@ from common.settings import get_settings
 from common.tables import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
 from scheduler.planning.cost import Progress
 from scheduler.planning.faults import FaultPolicy
-from scheduler.service.faults import credit_worker, fault_policy, lose_pack, requeue_for_worker, requeue_trial
+from scheduler.service.faults import (
+    credit_worker,
+    fault_policy,
+    lose_pack,
+    lose_worker,
+    requeue_for_worker,
+    requeue_trial,
+    stalled_s,
+)
 from scheduler.service.task_results import newest_metric_score
 from scheduler.service.telemetry import message_dropped
 
@@ -64,18 +74,20 @@ MAX_WORKER_GPUS = 64
 def ingest(
     session: Session, messages: Sequence[Report], now: datetime | None = None, touched: set[str] | None = None,
     *, stale_after_s: float | None = None, aborts: set[tuple[str, str]] | None = None,
-    policy: FaultPolicy | None = None,
+    policy: FaultPolicy | None = None, stall_after_s: float | None = None,
 ) -> bool:
     """Returns True when something changed that the planner should look at. ``touched`` collects the tasks
     whose trials got a validation point, started in a pack or ended (their early-exit policy has something new
     to decide on).
     A heartbeat sent more than ``stale_after_s`` (default: the worker timeout) ago is ignored; ``aborts``
     collects (worker, pack) for workers whose heartbeat names a pack the scheduler no longer counts on (they
-    should stop it). ``policy``: who pays for a failure, and how (default: the settings')."""
+    should stop it). ``policy``: who pays for a failure, and how (default: the settings'). A pack whose heartbeats
+    say it made no progress for ``stall_after_s`` (default: LORAPLANE_WORKER_STALL_S) is lost."""
     now = now or utcnow()
     touched = touched if touched is not None else set()
     aborts = aborts if aborts is not None else set()
     stale_after_s = get_settings().worker_timeout_s if stale_after_s is None else stale_after_s
+    stall_after_s = get_settings().worker_stall_s if stall_after_s is None else stall_after_s
     policy = policy or fault_policy()
     replan = False
     lock_trials(session, messages)
@@ -84,7 +96,7 @@ def ingest(
             if isinstance(message, Wake):
                 replan = True
             elif isinstance(message, WorkerHeartbeat):
-                replan |= _heartbeat(session, message, now, stale_after_s, aborts, policy)
+                replan |= _heartbeat(session, message, now, (stale_after_s, stall_after_s), aborts, policy)
             elif not _from_pack_process(session, message):
                 log.info("dropping a %r report from a process that does not run pack %s", message.type,
                          message.pack_id)
@@ -151,9 +163,10 @@ def _sent_at(m: WorkerHeartbeat | PackReport, now: datetime) -> datetime:
     return now if m.sent_at is None else min(now, datetime.fromtimestamp(m.sent_at, UTC))
 
 
-def _heartbeat(session: Session, m: WorkerHeartbeat, now: datetime, stale_after_s: float,
+def _heartbeat(session: Session, m: WorkerHeartbeat, now: datetime, limits_s: tuple[float, float],
                aborts: set[tuple[str, str]], policy: FaultPolicy) -> bool:
-    sent_at = _sent_at(m, now)
+    """Applies one beat (``limits_s``: how old a beat may be, how long its pack may go without progress)."""
+    (stale_after_s, stall_after_s), sent_at = limits_s, _sent_at(m, now)
     if now - sent_at > timedelta(seconds=stale_after_s):
         log.info("ignoring a heartbeat of worker %s sent %.0fs ago (stale, or its clock is behind)",
                  m.worker_id, (now - sent_at).total_seconds())
@@ -190,11 +203,29 @@ def _heartbeat(session: Session, m: WorkerHeartbeat, now: datetime, stale_after_
     warm = _warm_models(m.warm_models)
     if warm != worker.warm_models:  # no replan: a tie-breaker of the planners, read at their next round
         worker.warm_models = warm
-    worker.state = states.WORKER_ALIVE
     worker.last_heartbeat = sent_at if is_new else max(as_utc(worker.last_heartbeat), sent_at)
+    stall_s = stalled_s(m.pack_id, m.progressed_at, sent_at.timestamp(), stall_after_s)
+    if stall_s is not None and m.pack_id is not None:
+        return _stalled(session, worker, m.pack_id, stall_s, now, aborts, policy)
+    worker.state = states.WORKER_ALIVE
     if m.names_pack:  # what the process runs now (a report from before this field cannot be judged)
         is_new |= _check_named_pack(session, worker, m.pack_id, sent_at, now, aborts, policy)
     return is_new or models_changed or gpus_changed
+
+
+def _stalled(session: Session, worker: Worker, pack_id: str, stall_s: float, now: datetime,
+             aborts: set[tuple[str, str]], policy: FaultPolicy) -> bool:
+    """A beat whose pack made no progress for longer than LORAPLANE_WORKER_STALL_S: the process lives, its training
+    hangs. The worker is lost while its beats say so (its one pack process is taken: the planners give it nothing),
+    its live packs with it, and it is told to stop the pack (should it wake). True when it was alive until now."""
+    aborts.add((worker.id, pack_id))
+    was_alive = worker.state == states.WORKER_ALIVE
+    if was_alive:
+        log.warning("worker %s: pack %s made no progress for %.0fs; the worker is lost while it hangs", worker.id,
+                    pack_id, stall_s)
+    lose_worker(session, worker, now, f"pack {pack_id} made no progress for {stall_s:.0f}s on worker {worker.id} "
+                                      "(its process beats, its training hangs)", policy)
+    return was_alive
 
 
 def _gpus(raw: Any) -> int:
@@ -483,8 +514,13 @@ def _trial_finished(session: Session, m: TrialFinished, now: datetime, touched: 
 def _record_usage(session: Session, m: TrialFinished, now: datetime) -> None:
     """What the trial trained in this pack (a worker before usage accounting sends no `pack_tokens`): counted even
     when the report itself is stale for the trial's state (a trial stopped while its pack still trained it), as the
-    GPU time was spent; once per (pack, trial, step), so a replayed report is not counted twice."""
+    GPU time was spent; once per (pack, trial, step), so a replayed report is not counted twice. Not from a lost pack
+    (its process may train on, unheard, after it was declared lost): its trials went back to pending and train those
+    steps again elsewhere, where they are counted."""
     if m.pack_tokens is None:
+        return
+    pack = session.get(Pack, m.pack_id)
+    if pack is not None and pack.state == states.PACK_LOST:
         return
     trial = session.get(Trial, m.trial_id)
     key = (m.pack_id, m.trial_id, m.steps_done or 0)

@@ -1,5 +1,6 @@
 """Liveness that cannot be fooled (issue 14): incarnations, the time a heartbeat carries, the pack a heartbeat
-names, and reports from a process that does not run their pack. The daemon runs against the real Postgres and
+names, and reports from a process that does not run their pack; and a pack that beats but makes no progress (issue 32:
+a hung training process; the heartbeat's own process: tests/worker/test_heartbeat.py). The daemon runs against the real Postgres and
 Redis; we play the worker by publishing its messages, as tests/scheduler/test_daemon.py does."""
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ class FakeProcess:
         self.incarnation = uuid.uuid4().hex
         self.started_at = time.time() if started_at is None else started_at
 
-    def beat(self, pack_id: str | None, sent_at: float | None = None) -> None:
+    def beat(self, pack_id: str | None, sent_at: float | None = None, **progress: Any) -> None:
         self.publish("heartbeat", queue=worker_queue(get_settings(), WORKER), device="cpu", max_slots=8,
-                     pack_id=pack_id, started_at=self.started_at, sent_at=time.time() if sent_at is None else sent_at)
+                     pack_id=pack_id, started_at=self.started_at, sent_at=time.time() if sent_at is None else sent_at,
+                     **progress)
 
     def report(self, kind: str, **fields: Any) -> None:
         self.publish(kind, sent_at=time.time(), **fields)
@@ -198,3 +200,51 @@ def test_a_trial_whose_checkpoint_is_gone_starts_again_from_step_zero(daemon: Sc
         assert (trial.checkpoint_key, trial.checkpoint_step, trial.steps_done) == (None, None, 2)
         assert sorted(s.scalars(select(MetricPoint.step).where(MetricPoint.trial_id == t))) == [1, 2]
         assert s.scalars(select(Event).where(Event.type == "trial.restarted")).one().trial_id == t
+
+
+def commands_since(tail: str) -> list[dict[str, Any]]:
+    return [m for _, m in get_bus().read_after(commands_stream(WORKER), tail, count=100, block_s=0.1)]
+
+
+def test_a_pack_that_beats_but_makes_no_progress_is_lost_and_its_worker_gets_nothing_while_it_hangs(
+        daemon: SchedulerDaemon) -> None:
+    proc = FakeProcess()
+    tail = get_bus().tail_id(commands_stream(WORKER))
+    pack, trial_ids = start_pack(daemon, proc)
+    stall_s = get_settings().worker_stall_s
+    hung_since = time.time() - stall_s - 60  # its count stopped changing more than the stall limit ago
+    proc.beat(pack.id, progress=4, progressed_at=hung_since)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Pack, pack.id).state == states.PACK_LOST
+        assert s.get_one(Worker, WORKER).state == states.WORKER_LOST
+        requeued = s.scalars(select(Event).where(Event.type == "trial.requeued")).all()
+        assert sorted(e.trial_id for e in requeued) == sorted(trial_ids)  # type: ignore[type-var]
+        assert all("made no progress" in e.message and e.data["resume_step"] == 4 for e in requeued)
+    assert AbortPack(pack_id=pack.id).to_dict() in commands_since(tail)  # should it wake, it stops
+    # Its beats go on saying so: the worker stays lost, and its trials are not placed on it again.
+    proc.beat(pack.id, progress=4, progressed_at=hung_since)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Worker, WORKER).state == states.WORKER_LOST
+        assert {t.state for t in s.scalars(select(Trial))} == {states.TRIAL_PENDING}
+    # It woke and left the pack: well again, and its trials are placed on it.
+    proc.beat(None)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Worker, WORKER).state == states.WORKER_ALIVE
+        assert {t.state for t in s.scalars(select(Trial))} == {states.TRIAL_RUNNING}
+
+
+def test_a_slow_pack_that_progresses_is_not_lost(daemon: SchedulerDaemon) -> None:
+    proc = FakeProcess()
+    pack, _ = start_pack(daemon, proc)
+    stall_s = get_settings().worker_stall_s
+    # A long phase (a model's load, a validation) still inside the limit, and a beat of a worker from before progress
+    # was reported: neither is a stall.
+    proc.beat(pack.id, progress=0, progressed_at=time.time() - stall_s + 60)
+    proc.beat(pack.id)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Pack, pack.id).state == states.PACK_RUNNING
+        assert s.get_one(Worker, WORKER).state == states.WORKER_ALIVE
