@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from common.architectures import target_modules_for
+from common.tiny_tokenizer import TINY_TOKENIZER
 from worker.engine import ModelSource, load_base_model
 from worker.engine.base_model import base_dtype
 
@@ -54,7 +55,7 @@ def materialise(shape: str, directory: Path) -> tuple[Any, Path]:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    _, tokenizer = load_base_model(ModelSource("tiny-random-llama", "tiny-random-llama"),
+    _, tokenizer = load_base_model(ModelSource("tiny-random-llama", "tiny-random-llama", tokenizer=TINY_TOKENIZER),
                                    cache_dir=directory, device=torch.device("cpu"))
     torch.manual_seed(0)
     base = directory / "base"

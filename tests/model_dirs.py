@@ -22,6 +22,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from common.tiny_tokenizer import TINY_TOKENIZER
 from worker.engine.base_model import build_tiny_tokenizer, materialize_tiny_llama
 
 # The smallest shapes that keep each family's features: grouped-query attention, Qwen2's q/k/v biases, Qwen3's
@@ -46,7 +47,7 @@ TINY_SEED = 0
 
 def tiny_llama_dir(path: Path) -> Path:
     """`path`, holding config.json (model_type llama), model.safetensors and tokenizer.json."""
-    return materialize_tiny_llama(path)
+    return materialize_tiny_llama(path, TINY_TOKENIZER)
 
 
 def tiny_model_dir(architecture: str, path: Path, *, chat_template: bool = True) -> Path:
@@ -55,7 +56,7 @@ def tiny_model_dir(architecture: str, path: Path, *, chat_template: bool = True)
     The weights come from a fixed seed, so two directories of one architecture hold the same model.
     """
     config_class, extra = ARCHITECTURES[architecture]
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(TINY_TOKENIZER)
     if not chat_template:
         tokenizer.chat_template = None
     config = config_class(

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from common.registry import DEFAULT_MODELS
+from common.tiny_tokenizer import TINY_TOKENIZER
 from worker.engine import ModelSource
 from worker.engine.base_model import model_revision
 
@@ -189,6 +190,13 @@ class ModelCache:
                     for c in copies]
 
 
+def model_source(fields: Mapping[str, Any]) -> ModelSource:
+    """The engine's source of a registry entry's fields (`common.registry.model_source_fields`, as a pack message
+    carries them); the synthetic model gets its tokenizer's one definition (common/tiny_tokenizer.py)."""
+    tokenizer = TINY_TOKENIZER if fields.get("kind") == "tiny-random-llama" else None
+    return ModelSource(**fields, tokenizer=tokenizer)
+
+
 def preload_models(load: Callable[[ModelSource], object], names: str,
                    registry: Mapping[str, Mapping[str, Any]] | None = None) -> None:
     """Load the named registry models now with ``load`` (``PackRunner.model``: into its warm models, as a pack would,
@@ -196,10 +204,10 @@ def preload_models(load: Callable[[ModelSource], object], names: str,
     ``LORAPLANE_WORKER_PRELOAD``. A name is looked up in ``registry`` (the one the scheduler published, with
     the models an operator registered), then among the default models; an unknown name is logged and skipped,
     and so is a model that fails to load (its packs will say why)."""
-    sources = {m.name: ModelSource(name=m.name, kind=m.kind, path=m.path, package=m.package, gguf_file=m.gguf_file)
-               for m in DEFAULT_MODELS}
+    sources = {m.name: model_source({"name": m.name, "kind": m.kind, "path": m.path, "package": m.package,
+                                     "gguf_file": m.gguf_file}) for m in DEFAULT_MODELS}
     for name, fields in (registry or {}).items():
-        sources[name] = ModelSource(**fields)  # common.registry.model_source_fields, as a pack message carries them
+        sources[name] = model_source(fields)
     for name in filter(None, (n.strip() for n in names.split(","))):
         if name not in sources:
             log.warning("LORAPLANE_WORKER_PRELOAD: %r is not a registered model; not preloaded", name)

@@ -63,7 +63,7 @@ from worker.engine.base_model import base_dtype
 from worker.engine.distributed import shard_base
 from worker.engine.keeper import EngineKeeper
 from worker.engine.trainer import PackTimings, StopMode
-from worker.model_cache import Loaded, ModelCache, cache_budget
+from worker.model_cache import Loaded, ModelCache, cache_budget, model_source
 from worker.profile import PackProfiler
 from worker.rank_pool import RankPool, Ranks
 
@@ -294,7 +294,7 @@ class PackRunner:
 
     def _train(self, pack: PackMessage, reporter: Reporter) -> None:
         pack_id, ranks = pack.pack_id, self.ranks
-        source = ModelSource(**pack.base_model.model_dump())
+        source = model_source(pack.base_model.model_dump())
         trials = pack.trials if ranks is None else ranks.mine(pack.trials)
         task_of = {t.trial_id: t.task_id for t in trials}
         # The trials of one task share their files: read and parse each once per pack.

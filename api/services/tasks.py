@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import func, select
@@ -24,6 +24,7 @@ from api.errors import RATE_LIMIT, ApiError, conflict, invalid
 from api.queries import find_file, get_task
 from api.schemas.tasks import RangeSpec, SearchSpace, TaskCreate
 from api.services.estimates import estimate_task
+from api.services.lengths import Shortened, check_row_lengths, record_shortened
 from common import search_space as ss
 from common.architectures import ALL_LINEAR, target_modules_for
 from common.bus import wake_scheduler
@@ -249,6 +250,7 @@ class Draft:
     task: Task
     configs: list[dict[str, Any]]
     steps: list[int]
+    shortened: list[Shortened] = field(default_factory=list)  # files whose rows max_seq_len shortens
 
 
 def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None) -> Task | Draft:
@@ -261,9 +263,11 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
     check_context(model, body.max_seq_len)
     train = owned_file(session, tenant, body.training_file, "training_file")
     _check_chat_template(model, train, "training_file")
+    files = [("training_file", train)]
     if body.validation_file is not None:
-        _check_chat_template(model, owned_file(session, tenant, body.validation_file, "validation_file"),
-                             "validation_file")
+        files.append(("validation_file", owned_file(session, tenant, body.validation_file, "validation_file")))
+        _check_chat_template(model, files[-1][1], "validation_file")
+    shortened = check_row_lengths(session, model, files, body.max_seq_len)
     n_train = train_rows(train, budget.validation_split)
     space = (space_of(body.search_space) if isinstance(body.search_space, SearchSpace)
              else ss.auto_space(model.parameters, n_train))
@@ -289,7 +293,7 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
         validation_file_id=body.validation_file, state=TASK_QUEUED, spec=_spec(body, budget, space, steps),
         idempotency_key=idempotency_key, created_at=utcnow(), estimate=estimate,
     )
-    return Draft(task=task, configs=configs, steps=steps)
+    return Draft(task=task, configs=configs, steps=steps, shortened=shortened)
 
 
 def trial_steps(configs: list[dict[str, Any]], budget: Budget, n_train: int) -> list[int]:
@@ -309,6 +313,7 @@ def create_task(
     task.id = new_id("task")
     try:
         _insert(session, task, draft.configs, draft.steps, body.seed)
+        record_shortened(session, task, draft.shortened)
         session.commit()
     except IntegrityError:
         session.rollback()
@@ -363,4 +368,3 @@ def cancel_unfinished(session: Session, tasks: Sequence[Task], *, why: str) -> N
         n = cancelled[task.id]
         record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.cancelled",
                      message=f"{why}; {n} unfinished trial(s) cancelled.", data={"trials": n})
-

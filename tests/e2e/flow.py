@@ -143,11 +143,12 @@ def assert_adapter_changes_output(adapter_dir: Path, base_model: str, model_cach
     from peft import PeftModel
 
     from common.registry import DEFAULT_MODELS
-    from worker.engine import ModelSource, load_base_model
+    from worker.engine import load_base_model
+    from worker.model_cache import model_source
 
     definition = next(d for d in DEFAULT_MODELS if d.name == base_model)
-    source = ModelSource(name=definition.name, kind=definition.kind, path=definition.path,
-                         package=definition.package, gguf_file=definition.gguf_file)
+    source = model_source({"name": definition.name, "kind": definition.kind, "path": definition.path,
+                           "package": definition.package, "gguf_file": definition.gguf_file})
     model, tokenizer = load_base_model(source, cache_dir=model_cache, device=torch.device("cpu"))
     inputs = tokenizer("3 plus 4 is", return_tensors="pt")
     with torch.no_grad():

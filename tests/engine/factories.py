@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from common.metrics import score_answers
+from common.tiny_tokenizer import TINY_TOKENIZER
 from worker.engine import Evaluation, ModelSource, PackCallbacks, PackConfig, PackEngine, TrialSpec
 from worker.engine.data import BatchSampler, collate, encode_rows
 from worker.engine.spec import trial_seed
 from worker.engine.store import ModuleTensors
 
-TINY = ModelSource(name="tiny-random-llama", kind="tiny-random-llama")
+TINY = ModelSource(name="tiny-random-llama", kind="tiny-random-llama", tokenizer=TINY_TOKENIZER)
 CPU = torch.device("cpu")
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
+from common.tiny_tokenizer import TINY_TOKENIZER
 from tests.engine.factories import make_spec
 from worker.engine.attention import ATTENTION_NAME, use_packed_attention
 from worker.engine.base_model import build_tiny_tokenizer
@@ -72,7 +73,7 @@ def test_packed_attention_refuses_a_forward_without_row_boundaries() -> None:
 def test_the_engine_switches_attention_for_its_life_only() -> None:
     model = _models()[0]
     assert model.config._attn_implementation == "sdpa"
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(TINY_TOKENIZER)
     with PackEngine(model, tokenizer, capacity=1) as engine:
         assert model.config._attn_implementation == ATTENTION_NAME
         engine.admit(make_spec("a"))

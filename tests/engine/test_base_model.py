@@ -10,14 +10,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from common.tiny_tokenizer import TINY_TOKENIZER
 from tests.engine.factories import CPU, TINY
 from worker.engine import ModelSource, load_base_model
 from worker.engine import base_model as engine_models
 
 
 def test_tiny_model_materialises_deterministically(tmp_path: Path, model_cache: Path) -> None:
-    engine_models.materialize_tiny_llama(model_cache / TINY.name)  # a no-op once another test has loaded it
-    engine_models.materialize_tiny_llama(tmp_path / "again")
+    # a no-op once another test has loaded it
+    engine_models.materialize_tiny_llama(model_cache / TINY.name, TINY_TOKENIZER)
+    engine_models.materialize_tiny_llama(tmp_path / "again", TINY_TOKENIZER)
     first = load_file(str(model_cache / TINY.name / "model.safetensors"))
     second = load_file(str(tmp_path / "again" / "model.safetensors"))
     assert first.keys() == second.keys()
@@ -67,7 +69,7 @@ def test_losing_a_materialisation_race_keeps_the_winner(tmp_path: Path, monkeypa
         real_rename(src, dst)  # raises: dst exists and is not empty
 
     monkeypatch.setattr(engine_models.os, "rename", rename_after_rival)
-    assert engine_models.materialize_tiny_llama(target) == target
+    assert engine_models.materialize_tiny_llama(target, TINY_TOKENIZER) == target
     assert os.listdir(target) == ["winner"]
     assert os.listdir(tmp_path) == ["tiny"]  # the loser's temp dir is gone
 

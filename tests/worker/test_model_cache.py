@@ -20,7 +20,7 @@ from tests.worker.test_runner import TINY, pack
 from worker.bus_client import Heartbeat, Incarnation
 from worker.engine import ModelSource, load_base_model
 from worker.engine.base_model import _save_dequantised, dequantised_dir, model_revision
-from worker.model_cache import Resident, evictions, resident_bytes
+from worker.model_cache import Resident, evictions, model_source, resident_bytes
 from worker.pack_runner import PackRunner
 
 CPU = torch.device("cpu")
@@ -75,7 +75,7 @@ def test_a_changed_registry_entry_or_rewritten_files_load_again(tmp_path: Path, 
     runner = make_runner(tmp_path)
     source = hf_copy(tiny_model_dir, tmp_path / "m", "m")
     runner.run(pack("pack-1", source))
-    first = weakref.ref(runner.model(ModelSource(**source)).model)
+    first = weakref.ref(runner.model(model_source(source)).model)
     runner.run(pack("pack-2", source))
     assert runner.models.loads == 1
     revision = runner.models.warm()[0]["revision"]
@@ -93,8 +93,8 @@ def test_a_changed_registry_entry_or_rewritten_files_load_again(tmp_path: Path, 
 
     # PATCHed to another directory: loaded again, still one copy under the name.
     moved = hf_copy(tiny_model_dir, tmp_path / "elsewhere", "m")
-    assert not runner.model(ModelSource(**moved)).warm
-    assert runner.model(ModelSource(**moved)).warm
+    assert not runner.model(model_source(moved)).warm
+    assert runner.model(model_source(moved)).warm
     assert runner.models.loads == 3
     assert [w["name"] for w in runner.models.warm()] == ["m"]
     assert [m["pack_id"] for m in reports(runner) if m["type"] == "pack.finished"] == ["pack-1", "pack-2", "pack-3"]
@@ -103,18 +103,18 @@ def test_a_changed_registry_entry_or_rewritten_files_load_again(tmp_path: Path, 
 def test_past_the_budget_the_least_recently_used_model_is_evicted_and_freed(tmp_path: Path,
                                                                              tiny_model_dir: Path) -> None:
     a, b, c = (hf_copy(tiny_model_dir, tmp_path / name, name) for name in "abc")
-    size = resident_bytes(load_base_model(ModelSource(**a), cache_dir=tmp_path / "cache", device=CPU)[0])
+    size = resident_bytes(load_base_model(model_source(a), cache_dir=tmp_path / "cache", device=CPU)[0])
     runner = make_runner(tmp_path, model_cache_bytes=2 * size)  # room for two
     runner.run(pack("pack-a", a))
     runner.run(pack("pack-b", b))  # the pack's engine is kept around b's layers
-    evicted = weakref.ref(runner.model(ModelSource(**b)).model)
-    assert runner.model(ModelSource(**a)).warm  # a is now used more recently than b
+    evicted = weakref.ref(runner.model(model_source(b)).model)
+    assert runner.model(model_source(a)).warm  # a is now used more recently than b
     assert [w["name"] for w in runner.models.warm()] == ["a", "b"]
     runner.run(pack("pack-c", c))
     assert [w["name"] for w in runner.models.warm()] == ["c", "a"]
     assert evicted() is None  # no reference left anywhere: its memory is free
     assert sum(w["bytes"] for w in runner.models.warm()) == 2 * size
-    assert runner.model(ModelSource(**a)).warm and runner.models.loads == 3
+    assert runner.model(model_source(a)).warm and runner.models.loads == 3
     assert [m["pack_id"] for m in reports(runner) if m["type"] == "pack.finished"] == ["pack-a", "pack-b", "pack-c"]
 
 
@@ -124,19 +124,19 @@ def test_the_heartbeat_names_the_warm_models_most_recently_used_first(tmp_path: 
     assert heartbeat is not None
     heartbeat.warm_models = runner.models.warm
     heartbeat.beat()
-    runner.model(ModelSource(**hf_copy(tiny_model_dir, tmp_path / "m", "m")))
-    runner.model(ModelSource(**TINY))
+    runner.model(model_source(hf_copy(tiny_model_dir, tmp_path / "m", "m")))
+    runner.model(model_source(TINY))
     heartbeat.beat()
     beats = [m for m in reports(runner) if m["type"] == "heartbeat"]
     assert beats[0]["warm_models"] == []
     names = [(w["name"], w["revision"]) for w in beats[1]["warm_models"]]
-    assert names == [("tiny-random-llama", "tiny-random-llama"), ("m", model_revision(ModelSource(
-        **{"name": "m", "kind": "hf", "path": str(tmp_path / "m")})))]
+    assert names == [("tiny-random-llama", "tiny-random-llama"), ("m", model_revision(model_source(
+        {"name": "m", "kind": "hf", "path": str(tmp_path / "m")})))]
     assert all(w["bytes"] > 0 and isinstance(w["last_used_at"], float) for w in beats[1]["warm_models"])
 
 
 def test_a_revision_is_the_files_that_make_the_model(tmp_path: Path, tiny_model_dir: Path) -> None:
-    source = ModelSource(**hf_copy(tiny_model_dir, tmp_path / "m", "m"))
+    source = model_source(hf_copy(tiny_model_dir, tmp_path / "m", "m"))
     revision = model_revision(source)
     (tmp_path / "m" / "README.md").write_text("notes")  # not a weight, config or tokenizer file
     assert model_revision(source) == revision
@@ -149,11 +149,11 @@ def test_a_revision_is_the_files_that_make_the_model(tmp_path: Path, tiny_model_
     before = model_revision(by_path)
     gguf.write_bytes(b"GGUF2")
     assert model_revision(by_path) != before
-    assert model_revision(ModelSource(**TINY)) == "tiny-random-llama"
+    assert model_revision(model_source(TINY)) == "tiny-random-llama"
 
 
 def test_a_dequantised_copy_replaces_the_older_revisions_copies(tmp_path: Path) -> None:
-    model, tokenizer = load_base_model(ModelSource(**TINY), cache_dir=tmp_path / "cache", device=CPU)
+    model, tokenizer = load_base_model(model_source(TINY), cache_dir=tmp_path / "cache", device=CPU)
     gguf = tmp_path / "g" / "m.gguf"
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF")
@@ -169,6 +169,6 @@ def test_a_dequantised_copy_replaces_the_older_revisions_copies(tmp_path: Path) 
     _save_dequantised(model, tokenizer, new)
     assert old.parent.name == "org%2Fm" and new != old
     assert sorted(p.name for p in new.parent.iterdir()) == sorted([new.name, in_progress.name])
-    loaded = load_base_model(ModelSource(**{**TINY, "name": "copy", "kind": "hf", "path": str(new)}),
+    loaded = load_base_model(model_source({**TINY, "name": "copy", "kind": "hf", "path": str(new)}),
                              cache_dir=tmp_path / "cache", device=CPU)[0]
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())

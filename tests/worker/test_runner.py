@@ -18,7 +18,7 @@ from common.bus import SCHEDULER_STREAM, FileBus
 from common.messages import ModelSourceFields, PackMessage, TrialPayload
 from worker.bus_client import Heartbeat, Incarnation
 from worker.engine import Evaluation, ModelSource, NoScore
-from worker.model_cache import preload_models
+from worker.model_cache import model_source, preload_models
 from worker.pack_runner import PackRunner
 
 TINY = {"name": "tiny-random-llama", "kind": "tiny-random-llama", "path": None, "package": None, "gguf_file": None}
@@ -88,9 +88,9 @@ def test_a_preloaded_model_is_not_loaded_again_by_its_first_pack(runner: PackRun
 
 def test_a_model_whose_registry_entry_changed_is_loaded_again(runner: PackRunner, loads: list[str],
                                                                tmp_path: Path) -> None:
-    first = runner.model(ModelSource(**TINY)).model
-    assert runner.model(ModelSource(**TINY)).model is first
-    moved = ModelSource(**{**TINY, "path": str(tmp_path / "elsewhere")})  # PATCHed: another source, same name
+    first = runner.model(model_source(TINY)).model
+    assert runner.model(model_source(TINY)).model is first
+    moved = model_source({**TINY, "path": str(tmp_path / "elsewhere")})  # PATCHed: another source, same name
     assert runner.model(moved).model is not first
     assert runner.model(moved).model is runner.model(moved).model
     assert loads == ["tiny-random-llama", "tiny-random-llama"]

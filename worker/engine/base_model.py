@@ -14,9 +14,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -33,14 +34,20 @@ logger = logging.getLogger(__name__)
 MODEL_KINDS = ("tiny-random-llama", "hf", "gguf", "gguf-package")
 
 TINY_SEED = 0  # fixed: every worker and test materialises bit-identical tiny weights
-TINY_PAD, TINY_IM_START, TINY_IM_END = "<|pad|>", "<|im_start|>", "<|im_end|>"
-# ChatML, as SmolLM2-Instruct uses, minus its default system prompt.
-TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+
+
+class TokenizerRecipe(Protocol):
+    """How to build the synthetic model's tokenizer: its one definition is common/tiny_tokenizer.py (`TinyTokenizer`,
+    which the API also counts tokens with); the worker's shell puts it in the model source, since the engine imports
+    nothing of the service. Frozen and compared by value, as the model source it sits in."""
+
+    @property
+    def pad_token(self) -> str: ...
+    @property
+    def eos_token(self) -> str: ...
+    @property
+    def chat_template(self) -> str: ...
+    def build(self) -> Tokenizer: ...
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class ModelSource:
         path: directory or hub id, kinds ``"hf"`` and ``"gguf"``.
         package: Python package whose folder holds ``gguf_file``, kind ``"gguf-package"`` only.
         gguf_file: file name of the GGUF checkpoint inside that folder.
+        tokenizer: the synthetic model's tokenizer, kind ``"tiny-random-llama"`` only (required there).
     """
 
     name: str
@@ -63,6 +71,7 @@ class ModelSource:
     path: str | None = None
     package: str | None = None
     gguf_file: str | None = None
+    tokenizer: TokenizerRecipe | None = None
 
 
 def base_dtype(device: torch.device) -> torch.dtype:
@@ -94,7 +103,10 @@ def load_base_model(
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     if source.kind == "tiny-random-llama":
-        model_dir = materialize_tiny_llama(Path(cache_dir) / source.name)
+        if source.tokenizer is None:
+            raise ValueError(f"model source {source.name!r}: kind 'tiny-random-llama' needs its tokenizer recipe "
+                             "(common/tiny_tokenizer.py TINY_TOKENIZER)")
+        model_dir = materialize_tiny_llama(Path(cache_dir) / source.name, source.tokenizer)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     elif source.kind == "hf":
@@ -239,7 +251,7 @@ def _gguf_location(source: ModelSource) -> tuple[Path, str]:
     return folder, source.gguf_file
 
 
-def materialize_tiny_llama(model_dir: Path) -> Path:
+def materialize_tiny_llama(model_dir: Path, recipe: TokenizerRecipe) -> Path:
     """Write the tiny random Llama and its byte-level tokenizer to ``model_dir`` once.
 
     Safe when processes race: each writes a private temp dir next to ``model_dir`` and renames it into
@@ -255,7 +267,7 @@ def materialize_tiny_llama(model_dir: Path) -> Path:
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
     try:
-        tokenizer = build_tiny_tokenizer()
+        tokenizer = build_tiny_tokenizer(recipe)
         model = build_tiny_llama(
             vocab_size=len(tokenizer),
             pad_token_id=tokenizer.pad_token_id,
@@ -296,38 +308,12 @@ def build_tiny_llama(*, vocab_size: int, pad_token_id: int | None, eos_token_id:
     return model
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer: token id ``b`` is byte ``b`` (0..255), then pad, im_start, im_end (eos).
-
-    No merges, so every byte is one token and any text round-trips exactly.
-    """
-    byte_chars = _bytes_to_unicode()
-    vocab = {byte_chars[b]: b for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    # use_regex=False: no word splitting is needed when there are no merges to apply within words.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([TINY_PAD, TINY_IM_START, TINY_IM_END])
+def build_tiny_tokenizer(recipe: TokenizerRecipe) -> PreTrainedTokenizerFast:
+    """The synthetic model's tokenizer from its recipe (common/tiny_tokenizer.py), as transformers wraps it."""
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=TINY_PAD,
-        eos_token=TINY_IM_END,
-        chat_template=TINY_CHAT_TEMPLATE,
+        tokenizer_object=recipe.build(),
+        pad_token=recipe.pad_token,
+        eos_token=recipe.eos_token,
+        chat_template=recipe.chat_template,
         padding_side="right",
     )
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character map, the alphabet of ``ByteLevel``."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
