@@ -130,6 +130,9 @@ class Task(Base):
     # What the task was predicted to take at submission ({"tokens", "gpu_seconds", "wall_seconds"}) and, once it
     # ended, what it took (`"actual"`, the same keys): api/services/estimates.py.
     estimate: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # Why its pending trials wait, as the scheduler's last plan saw it ({"reason", "message", "position",
+    # "estimated_start_at", ...}); None while none waits: scheduler/service/waits.py.
+    waiting: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -40,6 +40,7 @@ from common.regex_policy import (
 from common.search_space import AUTO, DEFAULT_LR_SCHEDULE
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from common.task_spec import DEFAULT_MAX_SEQ_LEN, DEFAULT_SEED
+from scheduler.planning.waits import WaitReason
 
 # The target names of every supported architecture, in canonical order; which of them a model has is checked
 # against the model at submission (api.services.tasks.check_target_modules).
@@ -420,6 +421,23 @@ class TaskEstimate(CostEstimate):
     actual: Cost | None = Field(default=None, description="What it took (tokens trained, GPU seconds, wall seconds).")
 
 
+class TaskWaiting(BaseModel):
+    """Why the task's pending trials wait, as the scheduler's last plan saw it (scheduler/planning/waits.py)."""
+
+    reason: WaitReason = Field(description="no_worker | model_not_loadable | does_not_fit | behind_pack | "
+                               "planned_later | retry_backoff")
+    message: str = Field(description='In words: "3 trials waiting behind pack pack-… on worker local (4 trials of '
+                         'tiny-random-llama, about 3 min left); 1st in queue; starts in about 3 min".')
+    position: int | None = Field(description="1 = next among the waiting tasks, in the planner's order (submission); "
+                                 "null while its trials wait out a retry backoff.")
+    estimated_start_at: UtcDateTime | None = Field(description="When its first waiting trial is predicted to "
+                                                   "start; null when nothing predicts it.")
+    waiting_trials: int = Field(description="Its pending trials that did not start.")
+    pack_id: str | None = Field(default=None, description="behind_pack: the pack it waits behind.")
+    worker_id: str | None = Field(default=None, description="behind_pack: that pack's worker.")
+    updated_at: UtcDateTime = Field(description="When the scheduler last changed this.")
+
+
 class TaskOut(BaseModel):
     id: str | None = Field(description="null only in a dry run (POST /v1/tasks?dry_run=true): nothing was written.")
     object: Literal["task"] = "task"
@@ -447,6 +465,9 @@ class TaskOut(BaseModel):
     estimate: TaskEstimate | None = Field(
         default=None, description="Predicted tokens, GPU seconds and wall seconds at submission, with the `actual` "
         "once the task ended; null for a task submitted before estimates.")
+    waiting: TaskWaiting | None = Field(
+        default=None, description="Why its pending trials wait, where it is in the queue and when it is predicted to "
+        "start; null while no trial of it waits (each change of reason is also a `task.waiting` event).")
     error: str | None
     created_at: UtcDateTime
     started_at: UtcDateTime | None

@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Float, and_, bindparam, case, cast, func, or_
 from sqlalchemy.orm import Session
 
 from api.deps import VALID_KEY
-from api.schemas.tasks import BestTrial, TaskEstimate, TaskOut, TrialCounts
+from api.schemas.tasks import BestTrial, TaskEstimate, TaskOut, TaskWaiting, TrialCounts
 from common.metrics import RankKey, rank_key
 from common.states import TASK_RUNNING, TRIAL_FINAL, TRIAL_PENDING, TRIAL_STATES
 from common.tables import ApiKey, Task, Trial, as_utc, utcnow
@@ -53,6 +53,8 @@ class TaskFields(Protocol):
     def finished_at(self) -> datetime | None: ...
     @property
     def estimate(self) -> dict[str, Any] | None: ...
+    @property
+    def waiting(self) -> dict[str, Any] | None: ...
 
 
 # How much of a trial is done: a finished one fully, others by their steps (clamped to [0, 1]).
@@ -81,7 +83,7 @@ _TASK_STATUS = (
     select(
         Task.id, Task.state, Task.base_model, Task.training_file_id, Task.validation_file_id, Task.spec,
         Task.best_trial_id, Task.error, Task.created_at, Task.started_at, Task.finished_at, Task.estimate,
-        *_BY_STATE,
+        Task.waiting, *_BY_STATE,
     )
     .select_from(Task)
     .join(ApiKey, ApiKey.tenant_id == Task.tenant_id)
@@ -187,6 +189,8 @@ def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, n
         best_trial=best,
         estimated_seconds_left=seconds_left(task, summary.progress, now),
         estimate=TaskEstimate.model_validate(task.estimate) if task.estimate else None,
+        # Only while a trial is pending: the scheduler clears it a round after they start, this at once.
+        waiting=TaskWaiting.model_validate(task.waiting) if task.waiting and summary.counts[TRIAL_PENDING] else None,
         error=task.error,
         created_at=task.created_at,
         started_at=task.started_at,

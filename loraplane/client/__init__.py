@@ -26,6 +26,7 @@ from loraplane.client.objects import (
     Page,
     RegisteredModel,
     Task,
+    TaskWaiting,
     Tenant,
     Trial,
     TrialCounts,
@@ -40,7 +41,7 @@ from loraplane.client.objects import (
 __all__ = [
     "TASK_FINAL_STATES", "TRIAL_FINAL_STATES", "APIConnectionError", "APIError", "ApiKey", "AsyncClient",
     "BestTrial", "Client", "ConfigurationError", "Event", "File", "FileDeleted", "LoraplaneError", "LossPoint",
-    "MetricScore", "Model", "Page", "RegisteredModel", "Settings", "Task", "Tenant", "Trial", "TrialCounts",
-    "TrialMetrics", "Usage", "WaitTimeout", "Webhook", "WebhookDeleted", "WebhookDelivery", "Worker", "config_path",
-    "read_config", "resolve", "write_config",
+    "MetricScore", "Model", "Page", "RegisteredModel", "Settings", "Task", "TaskWaiting", "Tenant", "Trial",
+    "TrialCounts", "TrialMetrics", "Usage", "WaitTimeout", "Webhook", "WebhookDeleted", "WebhookDelivery", "Worker",
+    "config_path", "read_config", "resolve", "write_config",
 ]

@@ -307,9 +307,12 @@ class AsyncTasks:
                    on_event: Callable[[Event], object] | None = None) -> Task:
         # unasync: async-only
         """Follows the task (`iter_events`) until it is final and returns it; `on_event` (a function or a
-        coroutine function) sees every event."""
+        coroutine function) sees every event, `task.waiting` included: while the task is queued, why it waits,
+        its place in the queue and its predicted start, each time that changes (`Task.waiting` holds the latest)."""
         # unasync: sync-only
-        # """Follows the task (`iter_events`) until it is final and returns it; `on_event` sees every event."""
+        # """Follows the task (`iter_events`) until it is final and returns it; `on_event` sees every event,
+        # `task.waiting` included: while the task is queued, why it waits, its place in the queue and its predicted
+        # start, each time that changes (`Task.waiting` holds the latest)."""
         # unasync: end
         async for event in self.iter_events(task_id, timeout=timeout, poll_interval=poll_interval):
             if on_event is not None:

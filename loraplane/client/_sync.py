@@ -275,7 +275,9 @@ class Tasks:
 
     def wait(self, task_id: str, *, timeout: float | None = None, poll_interval: float = 1.0,
              on_event: Callable[[Event], object] | None = None) -> Task:
-        """Follows the task (`iter_events`) until it is final and returns it; `on_event` sees every event."""
+        """Follows the task (`iter_events`) until it is final and returns it; `on_event` sees every event,
+        `task.waiting` included: while the task is queued, why it waits, its place in the queue and its predicted
+        start, each time that changes (`Task.waiting` holds the latest)."""
         for event in self.iter_events(task_id, timeout=timeout, poll_interval=poll_interval):
             if on_event is not None:
                 _core.notify(on_event, event)

@@ -174,6 +174,23 @@ class BestTrial(ApiObject):
 
 
 @dataclass(frozen=True)
+class TaskWaiting(ApiObject):
+    """Why a task's pending trials wait (`Task.waiting`): `reason` is one of no_worker, model_not_loadable,
+    does_not_fit, behind_pack, planned_later, retry_backoff; `message` says it in words."""
+
+    reason: str
+    message: str
+    position: int | None  # 1 = next among the waiting tasks; None while its trials wait out a retry backoff
+    estimated_start_at: datetime | None  # when its first waiting trial is predicted to start
+    waiting_trials: int
+    updated_at: datetime
+    pack_id: str | None = None  # behind_pack: the pack it waits behind, and its worker
+    worker_id: str | None = None
+
+    TIMES = frozenset({"estimated_start_at", "updated_at"})
+
+
+@dataclass(frozen=True)
 class Task(ApiObject):
     id: str
     state: str
@@ -202,14 +219,17 @@ class Task(ApiObject):
     finished_at: datetime | None
     # {"metric", "max_new_tokens", "pattern"}: how the best trial is chosen (None: a server that does not say, loss).
     evaluation: dict[str, Any] | None = None
+    # Why its pending trials wait, its place in the queue and predicted start (None: none waits, or an older server).
+    waiting: TaskWaiting | None = None
 
     TIMES = frozenset({"created_at", "started_at", "finished_at"})
 
     @classmethod
     def of(cls, raw: dict[str, Any]) -> Task:
-        best = raw.get("best_trial")
+        best, waiting = raw.get("best_trial"), raw.get("waiting")
         return replace(super().of(raw), trial_counts=TrialCounts.of(raw.get("trial_counts") or {}),
-                       best_trial=BestTrial.of(best) if isinstance(best, dict) else None)
+                       best_trial=BestTrial.of(best) if isinstance(best, dict) else None,
+                       waiting=TaskWaiting.of(waiting) if isinstance(waiting, dict) else None)
 
     @property
     def done(self) -> bool:

@@ -1,7 +1,8 @@
 """`loraplane tasks watch`: a task's live progress until it ends.
 
-On a terminal, a block redrawn in place: the task's progress bar and counts, a compact trials table and
-the last event. Elsewhere (a pipe, CI logs), plain lines: one per event, a progress line when it moved.
+On a terminal, a block redrawn in place: the task's progress bar and counts, why its pending trials wait (if
+they do: the task's `waiting` field), a compact trials table and the last event. Elsewhere (a pipe, CI logs),
+plain lines: one per event (`task.waiting` says why it waits, when that changes), a progress line when it moved.
 With `--json`, one line per event (the API's event objects), then the final task object. Either way the
 command ends with the task's outcome and exits 0 only when it succeeded.
 
@@ -105,6 +106,12 @@ def counts_text(task: Task) -> str:
     return ", ".join(parts) or "no trials"
 
 
+def waiting_text(task: Task, prefix: str = "") -> str:
+    """Why its pending trials wait, when they do (the scheduler's `waiting` field): "3 trials waiting behind pack
+    ...; 1st in queue; starts in about 3 min"."""
+    return f"{prefix}{task.waiting.message}" if task.waiting else ""
+
+
 def outcome(task: Task, trials: list[Trial]) -> list[str]:
     """The closing lines: how the task ended and its best trial."""
     took = ""
@@ -187,7 +194,7 @@ class _LineView(_View):
     def draw(self, task: Task, trials: list[Trial]) -> None:
         if task.done:
             return  # the closing lines say how it ended
-        line = f"{task.id} {task.state} {percent(task.progress)} ({counts_text(task)})"
+        line = f"{task.id} {task.state} {percent(task.progress)} ({counts_text(task)})" + waiting_text(task, "; ")
         now = time.monotonic()
         if line != self.shown and (now - self.shown_at >= LINE_PROGRESS_S or not self.shown):
             self.write(line + "\n")
@@ -224,7 +231,8 @@ class _LiveView(_View):
                 .splitlines() if trials else [])
         if len(trials) > room:
             body.append(f"... and {len(trials) - room} more trials")
-        block = [head, *body] + ([self.last_event] if self.last_event else [])
+        block = [head, *([waiting_text(task)] if task.waiting else []), *body] + (
+            [self.last_event] if self.last_event else [])
         text = "".join(line[:width - 1] + "\n" for line in block)
         up = f"\x1b[{self.lines}F" if self.lines else ""
         self.write(f"{up}\x1b[J{text}")

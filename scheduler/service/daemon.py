@@ -9,7 +9,9 @@ a lost wake-up only delays it. Every decision is read from and written to the da
 and Celery only carry what was already committed.
 
 Each round also keeps the model registry published on the bus, for workers to say in their heartbeats which
-models they can load; a task whose model no live worker can load waits, told so by one event.
+models they can load; a task whose model no live worker can load waits, told so by one event. And after the plan,
+each task whose pending trials still wait is told why (behind which pack, which model, its place in the queue, an
+estimated start): its `waiting` field, and a `task.waiting` event when that is news (scheduler/service/waits.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from common.messages import AbortPack, AdmitTrials, StopTrials, parse_report
 from common.registry import published_registry
 from common.settings import Settings
 from common.tables import Pack, Task, utcnow
+from scheduler.planning.cost import ModelCost
 from scheduler.planning.placement import place
+from scheduler.planning.types import Plan, PlanResult, Snapshot
 from scheduler.service.dispatch import send_pack, trial_payload
 from scheduler.service.exits import PauseRequest, apply_early_exit, placement
 from scheduler.service.faults import fault_policy, reap_lost_workers
@@ -52,6 +56,7 @@ from scheduler.service.planner_io import (
 )
 from scheduler.service.task_results import finalize_tasks
 from scheduler.service.telemetry import SchedulerTelemetry, message_dropped
+from scheduler.service.waits import note_task_waits
 from scheduler.service.webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
@@ -142,8 +147,11 @@ class SchedulerDaemon:
                 placement = place(snapshot, costs, solver=self.settings.planner,
                                   time_limit_s=self.settings.planner_time_limit_s)
                 new_packs = record_plan(session, placement.plan, now, placement.result)
+                plan, result = placement.plan, placement.result
             else:
                 new_packs, replanned = [], False
+                costs, plan, result = None, Plan(), None
+            self._note_waits(session, snapshot, plan, result, now, costs)
             if replanned:
                 self.telemetry.replanned(time.perf_counter() - plan_started)
             self.telemetry.observe_state(session, now)
@@ -158,6 +166,16 @@ class SchedulerDaemon:
                 send()
             except Exception as exc:  # noqa: BLE001
                 log.warning("sending %s failed (%s); retrying next round", what, exc)
+
+    def _note_waits(self, session: Session, snapshot: Snapshot, plan: Plan, result: PlanResult | None,
+                    now: datetime, costs: dict[str, ModelCost] | None) -> None:
+        """Why each task's pending trials still wait (scheduler/service/waits.py), in a savepoint: a failure to
+        explain must not undo the plan it explains."""
+        try:
+            with session.begin_nested():
+                note_task_waits(session, snapshot, plan, result, now, self.settings.worker_timeout_s, costs)
+        except Exception:  # noqa: BLE001 - logged; the next round judges again
+            log.exception("could not record why tasks wait; the plan stands")
 
     def _publish_registry(self, session: Session) -> None:
         """Publishes the model registry for workers (`REGISTRY_KEY`): at start, whenever it changed, and every

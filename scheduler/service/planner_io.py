@@ -115,14 +115,8 @@ def note_model_waits(session: Session, pending: Sequence[PendingTrial], now: dat
     for t in pending:
         tasks.setdefault(t.task_id, (t.tenant_id, t.base_model))
     loadable = {model: any(loads(worker_models(w), model) for w in workers) for _, model in tasks.values()}
-    if not all(loadable.values()):
-        recent = now - timedelta(seconds=timeout_s)
-        for name, created_at, updated_at in session.execute(
-            select(BaseModelEntry.name, BaseModelEntry.created_at, BaseModelEntry.updated_at)
-            .where(BaseModelEntry.name.in_([m for m, ok in loadable.items() if not ok]))
-        ):
-            if as_utc(updated_at or created_at) > recent:
-                del loadable[name]  # too new to judge: the workers may not have checked it yet
+    for name in unjudged_models(session, [m for m, ok in loadable.items() if not ok], now, timeout_s):
+        del loadable[name]  # too new to judge: the workers may not have checked it yet
     told: dict[str, str] = {}  # the newest of the two kinds per task (rows in id order: the last one wins)
     for task_id, kind in session.execute(
         select(Event.task_id, Event.type)
@@ -149,6 +143,18 @@ def note_model_waits(session: Session, pending: Sequence[PendingTrial], now: dat
                         + (f" (and {len(able) - 1} more)" if len(able) > 1 else ""),
                 data={"base_model": model, "workers": able},
             )
+
+
+def unjudged_models(session: Session, models: Sequence[str], now: datetime, timeout_s: float) -> set[str]:
+    """Those of ``models`` registered (or edited) within the last ``timeout_s``: too new to say that no worker
+    can load them (the workers' heartbeats may predate them; each checks the registry every few seconds)."""
+    if not models:
+        return set()
+    recent = now - timedelta(seconds=timeout_s)
+    return {name for name, created_at, updated_at in session.execute(
+        select(BaseModelEntry.name, BaseModelEntry.created_at, BaseModelEntry.updated_at)
+        .where(BaseModelEntry.name.in_(list(models))))
+        if as_utc(updated_at or created_at) > recent}
 
 
 def packs_with_room(session: Session, now: datetime) -> bool:

@@ -1,0 +1,197 @@
+"""Why a task's trials wait, after a plan: pure, no I/O (scheduler/service/waits.py records it on the task).
+
+After each round's plan, every task with pending trials the plan did not start gets one `TaskWait`: a reason of a
+small typed set (`WaitReason`), its place in the queue (among the tasks still waiting, in the planner's order:
+submission order, as the snapshot holds them) and, when the planner predicted one, when its first waiting trial
+starts. The reasons, judged in this order:
+
+- `no_worker`: no usable worker is alive (none at all, or every one quarantined);
+- `model_not_loadable`: none of them can load the task's base model (the `task.waiting_for_model` episode);
+- `does_not_fit`: a worker loads the model, but none has the memory for the trial (`PlanResult.unschedulable`);
+- `behind_pack`: the worker it is to start on is busy with a pack until about then (the planner's predicted start,
+  or without a plan, the earliest predicted end of a pack on a worker that loads the model);
+- `planned_later`: the plan starts it later on a worker with no pack now, or the planner has not placed it yet;
+- `retry_backoff`: its trials were requeued after a failure and wait out their backoff (not in the queue yet).
+
+The planner's times are integer units from now (`unit_s` seconds each). Whether a change is worth an event (the
+reason, the position, or a start moving by more than half of the wait and more than a minute) is `worth_telling`:
+an ETA that drifts round after round is not news.
+
+No `tenant_quota` reason: the API refuses a task that would take its tenant over `max_concurrent_trials` at
+submission (api/services/tasks.py), and the daemon's planner applies no quota of its own, so no trial waits for one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+
+from scheduler.planning.types import LiveWorker, PendingTrial, PlanResult
+
+WaitReason = Literal["no_worker", "model_not_loadable", "does_not_fit", "behind_pack", "planned_later",
+                     "retry_backoff"]
+WAIT_REASONS: tuple[WaitReason, ...] = ("no_worker", "model_not_loadable", "does_not_fit", "behind_pack",
+                                        "planned_later", "retry_backoff")
+ETA_MOVE_FRACTION = 0.5  # a new event when the predicted start moves by more than this share of the wait...
+ETA_MOVE_MIN_S = 60.0  # ...and by more than this many seconds
+
+
+@dataclass(frozen=True)
+class BusyPack:
+    """A live pack (planned, dispatched or running) on a worker: what a waiting trial may be behind."""
+
+    pack_id: str
+    worker_id: str
+    base_model: str
+    trials: int  # its running members
+    ends_in_s: float  # predicted seconds until its members are done
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """A task whose pending trials all wait out a requeue backoff (they are not in the snapshot)."""
+
+    task_id: str
+    tenant_id: str
+    base_model: str
+    trials: int
+    ends_in_s: float  # until the first of them may be placed again
+
+
+@dataclass(frozen=True)
+class TaskWait:
+    task_id: str
+    tenant_id: str
+    base_model: str
+    reason: WaitReason
+    waiting_trials: int  # its pending trials this plan did not start
+    position: int | None  # 1 = first among the waiting tasks; None: not in the queue (its backoff)
+    starts_in_s: float | None  # predicted; None: nothing to predict it from
+    message: str
+    pack_id: str | None = None  # `behind_pack`: the pack, its worker
+    worker_id: str | None = None
+
+
+def task_waits(pending: Sequence[PendingTrial], started: Set[str], workers: Sequence[LiveWorker],
+               packs: Sequence[BusyPack], result: PlanResult | None, *, unit_s: float,
+               unjudged_models: Set[str] = frozenset(), backoffs: Sequence[Backoff] = ()) -> list[TaskWait]:
+    """Each task of ``pending`` (the snapshot's, in the planner's order) with trials not in ``started`` (what
+    the plan starts now), why they wait, in queue order; then the tasks of ``backoffs``.
+
+    Args:
+        workers: the usable workers (idle and busy); packs: their live packs, those this plan starts included.
+        result: the solver's schedule (None: the planner did not run, or had nothing to decide).
+        unjudged_models: models registered too recently to say no worker loads them (the workers' heartbeats may
+            predate them): their tasks are not told `model_not_loadable` yet.
+    """
+    waiting: dict[str, list[PendingTrial]] = {}
+    for trial in pending:
+        if trial.trial_id not in started:
+            waiting.setdefault(trial.task_id, []).append(trial)
+    scheduled = {tid: (p.start, p.worker_ids[0]) for p in result.packs for tid in p.trial_ids} if result else {}
+    unschedulable = set(result.unschedulable) if result else set()
+    by_worker = {p.worker_id: p for p in packs}
+    out = []
+    for position, trials in enumerate(waiting.values(), start=1):
+        first = trials[0]
+        reason, starts_in_s, pack = _why(first.base_model, [t.trial_id for t in trials], workers, by_worker,
+                                         scheduled, unschedulable, unit_s, unjudged_models)
+        out.append(_wait(first, len(trials), reason, position, starts_in_s, pack, len(workers)))
+    for held in backoffs:
+        out.append(TaskWait(
+            task_id=held.task_id, tenant_id=held.tenant_id, base_model=held.base_model, reason="retry_backoff",
+            waiting_trials=held.trials, position=None, starts_in_s=max(0.0, held.ends_in_s),
+            message=f"{_trials(held.trials)} requeued after a failure, waiting out the retry backoff; back in the "
+                    f"queue in {_about(held.ends_in_s)}"))
+    return out
+
+
+def _why(model: str, trial_ids: list[str], workers: Sequence[LiveWorker], by_worker: Mapping[str, BusyPack],
+         scheduled: Mapping[str, tuple[int, str]], unschedulable: Set[str], unit_s: float,
+         unjudged_models: Set[str]) -> tuple[WaitReason, float | None, BusyPack | None]:
+    """The reason, the predicted seconds until the first trial starts, and the pack it waits behind."""
+    if not workers:
+        return "no_worker", None, None
+    loaders = [w for w in workers if w.can_load(model)]
+    if not loaders and model not in unjudged_models:
+        return "model_not_loadable", None, None
+    planned = sorted(scheduled[t] for t in trial_ids if t in scheduled)
+    if planned:
+        start, worker_id = planned[0]
+        behind = by_worker.get(worker_id)
+        return ("behind_pack" if behind else "planned_later"), start * unit_s, behind
+    if loaders and all(t in unschedulable for t in trial_ids):
+        return "does_not_fit", None, None
+    # No prediction (the planner had nothing to decide: no idle worker loads the model, no pack can take the
+    # trials): the pack on a worker that loads the model that is predicted to end first.
+    ends = sorted((p.ends_in_s, p.pack_id) for w in loaders if (p := by_worker.get(w.worker_id)) is not None)
+    if ends and len(ends) == len(loaders):
+        behind = next(p for p in by_worker.values() if p.pack_id == ends[0][1])
+        return "behind_pack", max(0.0, behind.ends_in_s), behind
+    return "planned_later", None, None  # a worker that loads it is free: the planner places it at a next round
+
+
+def _wait(first: PendingTrial, n: int, reason: WaitReason, position: int, starts_in_s: float | None,
+          pack: BusyPack | None, workers: int) -> TaskWait:
+    model = first.base_model
+    what = {
+        "no_worker": "no usable worker is alive (none, or every one quarantined)",
+        "model_not_loadable": f"no live worker can load model {model} ({workers} worker(s) alive)",
+        "does_not_fit": f"no worker that loads model {model} has the memory for them",
+        "planned_later": "the planner starts them later" if starts_in_s is not None
+        else "a worker that loads the model is free: the planner places them at its next round",
+    }
+    if pack is not None:
+        text = (f"waiting behind pack {pack.pack_id} on worker {pack.worker_id} ({_trials(pack.trials)} of "
+                f"{pack.base_model}, {_about(pack.ends_in_s)} left)")
+    else:
+        text = f"waiting: {what[reason]}"
+    starts = f"; starts in {_about(starts_in_s)}" if starts_in_s is not None else ""
+    return TaskWait(task_id=first.task_id, tenant_id=first.tenant_id, base_model=model, reason=reason,
+                    waiting_trials=n, position=position, starts_in_s=starts_in_s,
+                    message=f"{_trials(n)} {text}; {_ordinal(position)} in queue{starts}",
+                    pack_id=pack.pack_id if pack else None, worker_id=pack.worker_id if pack else None)
+
+
+def start_at(wait: TaskWait, now: datetime) -> datetime | None:
+    """The predicted start as a time (to the second)."""
+    if wait.starts_in_s is None:
+        return None
+    return (now + timedelta(seconds=wait.starts_in_s)).replace(microsecond=0)
+
+
+def worth_telling(told: tuple[str, int | None, datetime | None] | None, wait: TaskWait, now: datetime) -> bool:
+    """Whether ``wait`` is news against what the task was last told, ``told`` = (reason, position, predicted
+    start) or None: a new reason or position, a start newly known or no longer known, or a start that moved by
+    more than `ETA_MOVE_FRACTION` of the wait then announced and by more than `ETA_MOVE_MIN_S`."""
+    if told is None:
+        return True
+    reason, position, at = told
+    new_at = start_at(wait, now)
+    if (reason, position) != (wait.reason, wait.position) or (at is None) != (new_at is None):
+        return True
+    if at is None or new_at is None:
+        return False
+    moved = abs((new_at - at).total_seconds())
+    announced_wait = max(0.0, (at - now).total_seconds())
+    return moved > ETA_MOVE_MIN_S and moved > ETA_MOVE_FRACTION * announced_wait
+
+
+def _trials(n: int) -> str:
+    return f"{n} trial" + ("" if n == 1 else "s")
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _about(seconds: float) -> str:
+    """A duration as people say it: "under a minute", "about 3 min", "about 1.5 h"."""
+    if seconds < 60:
+        return "under a minute"
+    if seconds < 3600:
+        return f"about {round(seconds / 60)} min"
+    return f"about {seconds / 3600:.1f} h"

@@ -1,0 +1,125 @@
+"""Why a task waits, judged purely from a snapshot and a plan (scheduler/planning/waits.py): one test per reason,
+the queue positions, the predicted starts in seconds, and which changes are worth an event."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from scheduler.planning.types import LiveWorker, PendingTrial, PlanResult, ScheduledPack
+from scheduler.planning.waits import Backoff, BusyPack, TaskWait, start_at, task_waits, worth_telling
+
+X, Y = "model-x", "model-y"
+NOW = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+
+
+def trial(trial_id: str, task_id: str, model: str = Y) -> PendingTrial:
+    return PendingTrial(trial_id=trial_id, task_id=task_id, tenant_id="ten", base_model=model,
+                        max_trials_per_pack=8, remaining_steps=10, tokens_per_step=128)
+
+
+def worker(worker_id: str = "local", models: frozenset[str] | None = None) -> LiveWorker:
+    return LiveWorker(worker_id, max_slots=32, models=models)
+
+
+PACK_A = BusyPack(pack_id="pack-a", worker_id="local", base_model=X, trials=4, ends_in_s=180.0)
+
+
+def result(*packs: ScheduledPack, unschedulable: tuple[str, ...] = ()) -> PlanResult:
+    return PlanResult(packs=packs, start_now=tuple(p for p in packs if p.start == 0), completion={},
+                      unschedulable=unschedulable, makespan=0, objective=0, solve_s=0.0, status="optimal")
+
+
+def test_behind_the_pack_of_another_model_without_a_plan() -> None:
+    """The issue's case: the only worker trains a 4-trial pack of model X with room to spare; the task on model Y
+    waits for it. The planner had nothing to decide (no idle worker, no pack that can take Y): the pack's
+    predicted end is the start."""
+    [wait] = task_waits([trial("t1", "B"), trial("t2", "B"), trial("t3", "B")], set(), [worker()], [PACK_A], None,
+                        unit_s=1.0)
+    assert (wait.task_id, wait.reason, wait.position, wait.starts_in_s) == ("B", "behind_pack", 1, 180.0)
+    assert (wait.pack_id, wait.worker_id, wait.waiting_trials) == ("pack-a", "local", 3)
+    assert wait.message == ("3 trials waiting behind pack pack-a on worker local (4 trials of model-x, about 3 min "
+                            "left); 1st in queue; starts in about 3 min")
+
+
+def test_behind_a_pack_by_the_planners_predicted_start_in_seconds() -> None:
+    later = ScheduledPack(pack_key="new-t1", worker_ids=("local",), base_model=Y, trial_ids=("t1",), start=95, end=200)
+    [wait] = task_waits([trial("t1", "B")], set(), [worker()], [PACK_A], result(later), unit_s=2.0)
+    assert (wait.reason, wait.starts_in_s, wait.pack_id) == ("behind_pack", 190.0, "pack-a")
+
+
+def test_planned_later_on_a_worker_with_no_pack() -> None:
+    later = ScheduledPack(pack_key="new-t1", worker_ids=("other",), base_model=Y, trial_ids=("t1",), start=30, end=90)
+    [wait] = task_waits([trial("t1", "B")], set(), [worker(), worker("other")], [PACK_A], result(later), unit_s=1.0)
+    assert (wait.reason, wait.starts_in_s, wait.pack_id) == ("planned_later", 30.0, None)
+    assert wait.message == "1 trial waiting: the planner starts them later; 1st in queue; starts in under a minute"
+
+
+def test_planned_later_without_a_prediction_while_a_worker_that_loads_it_is_free() -> None:
+    [wait] = task_waits([trial("t1", "B")], set(), [worker(), worker("idle")], [PACK_A], None, unit_s=1.0)
+    assert (wait.reason, wait.starts_in_s) == ("planned_later", None)
+
+
+def test_no_worker_alive() -> None:
+    [wait] = task_waits([trial("t1", "B")], set(), [], [], None, unit_s=1.0)
+    assert (wait.reason, wait.starts_in_s, wait.position) == ("no_worker", None, 1)
+
+
+def test_model_not_loadable_unless_it_is_too_new_to_judge() -> None:
+    only_x = [worker(models=frozenset({X}))]
+    [wait] = task_waits([trial("t1", "B")], set(), only_x, [PACK_A], None, unit_s=1.0)
+    assert wait.reason == "model_not_loadable"
+    assert wait.message.startswith("1 trial waiting: no live worker can load model model-y (1 worker(s) alive)")
+    [fresh] = task_waits([trial("t1", "B")], set(), only_x, [PACK_A], None, unit_s=1.0, unjudged_models={Y})
+    assert fresh.reason != "model_not_loadable"
+
+
+def test_does_not_fit_when_the_planner_finds_no_worker_with_the_memory() -> None:
+    [wait] = task_waits([trial("t1", "B")], set(), [worker()], [], result(unschedulable=("t1",)), unit_s=1.0)
+    assert (wait.reason, wait.starts_in_s) == ("does_not_fit", None)
+
+
+def test_positions_follow_the_planners_order_and_started_tasks_are_left_out() -> None:
+    pending = [trial("a1", "A", X), trial("b1", "B"), trial("b2", "B"), trial("c1", "C"), trial("d1", "D")]
+    waits = task_waits(pending, {"a1", "d1"}, [worker()], [PACK_A], None, unit_s=1.0)
+    assert [(w.task_id, w.position, w.waiting_trials) for w in waits] == [("B", 1, 2), ("C", 2, 1)]
+    assert "2nd in queue" in waits[1].message
+
+
+def test_a_running_task_with_trials_left_waits_behind_its_own_pack() -> None:
+    own = BusyPack(pack_id="pack-own", worker_id="local", base_model=Y, trials=8, ends_in_s=4000.0)
+    [wait] = task_waits([trial("t9", "B")], set(), [worker()], [own], None, unit_s=1.0)
+    assert (wait.reason, wait.pack_id) == ("behind_pack", "pack-own")
+    assert "about 1.1 h left" in wait.message
+
+
+def test_retry_backoff_is_out_of_the_queue() -> None:
+    held = Backoff(task_id="R", tenant_id="ten", base_model=Y, trials=2, ends_in_s=45.0)
+    [queued, backing_off] = task_waits([trial("t1", "B")], set(), [worker()], [PACK_A], None, unit_s=1.0,
+                                       backoffs=[held])
+    assert queued.position == 1
+    assert (backing_off.task_id, backing_off.reason, backing_off.position, backing_off.starts_in_s) == (
+        "R", "retry_backoff", None, 45.0)
+
+
+def wait_of(reason: str = "behind_pack", position: int | None = 1, starts_in_s: float | None = 600.0) -> TaskWait:
+    return TaskWait(task_id="B", tenant_id="ten", base_model=Y, reason=reason,  # type: ignore[arg-type]
+                    waiting_trials=1, position=position, starts_in_s=starts_in_s, message="m")
+
+
+def test_worth_telling_a_new_reason_or_position_but_not_a_drifting_eta() -> None:
+    told = ("behind_pack", 1, NOW + timedelta(seconds=600))
+    assert worth_telling(None, wait_of(), NOW)
+    assert not worth_telling(told, wait_of(starts_in_s=630.0), NOW)  # moved 30 s: drift
+    assert not worth_telling(told, wait_of(starts_in_s=880.0), NOW)  # moved 280 s, less than half of 600
+    assert worth_telling(told, wait_of(starts_in_s=950.0), NOW)  # moved 350 s: more than half and a minute
+    assert worth_telling(told, wait_of(reason="planned_later"), NOW)
+    assert worth_telling(told, wait_of(position=2), NOW)
+    assert worth_telling(told, wait_of(starts_in_s=None), NOW)
+    # Close to the start, a move of half the wait must still be more than a minute.
+    soon = ("behind_pack", 1, NOW + timedelta(seconds=40))
+    assert not worth_telling(soon, wait_of(starts_in_s=90.0), NOW)
+
+
+def test_start_at_is_a_time_to_the_second() -> None:
+    assert start_at(wait_of(starts_in_s=90.4), NOW) == NOW + timedelta(seconds=90)
+    assert start_at(wait_of(starts_in_s=None), NOW) is None
