@@ -1,4 +1,4 @@
-"""Dependencies every route composes: a session, the calling tenant, or the admin."""
+"""Dependencies every route composes: a session, the calling tenant, the admin, or a reader (either of them)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,31 @@ def invalid_api_key() -> ApiError:
     return _unauthenticated("invalid_api_key", "The API key is not valid (unknown or revoked).")
 
 
+ADMIN_READ_ONLY = "admin_read_only"
+
+
+def admin_read_only() -> ApiError:
+    """What the admin token gets on a tenant route it may not use: every write (submit, cancel, upload, ...) and the
+    tenant-only reads (files, webhooks, usage). It reads tenants' tasks only (`ReaderDep`)."""
+    return ApiError(403, PERMISSION, ADMIN_READ_ONLY,
+                    "The admin token may only read tenants' tasks, trials, curves and events (GET); "
+                    "this route acts as a tenant: use one of the tenant's API keys.")
+
+
+def is_admin_token(token: str) -> bool:
+    """Whether `token` is the configured admin token (constant-time; False while none is configured)."""
+    expected = get_settings().admin_token
+    if not expected:
+        return False
+    return hmac.compare_digest(token.encode(), expected.encode())
+
+
+def refused_key(key: str) -> ApiError:
+    """The answer for a bearer that is no valid API key: 403 for the admin token (it is valid, just not here), 401
+    for any other."""
+    return admin_read_only() if is_admin_token(key) else invalid_api_key()
+
+
 # An API key that authenticates, its hash bound as `key_hash`. The statements are built once: building one costs
 # more than running it.
 VALID_KEY = and_(ApiKey.key_hash == bindparam("key_hash"), ApiKey.revoked_at.is_(None))
@@ -71,7 +96,7 @@ def tenant_id_for_key(conn: Connection, key: str) -> str:
     tenant: what a status poll that found no task asks (api/routes/tasks.py)."""
     tenant_id = conn.execute(_TENANT_ID_OF_KEY, {"key_hash": hash_api_key(key)}).scalar_one_or_none()
     if tenant_id is None:
-        raise invalid_api_key()
+        raise refused_key(key)
     return str(tenant_id)
 
 
@@ -86,7 +111,7 @@ class Caller:
 def get_caller(session: SessionDep, key: ApiKeyDep) -> Caller:
     row = session.execute(_CALLER_OF_KEY, {"key_hash": hash_api_key(key)}).one_or_none()
     if row is None:
-        raise invalid_api_key()
+        raise refused_key(key)
     # Ends the lookup's read transaction (nothing was written; the tenant stays loaded), so its connection is
     # back in the pool while this request waits for the worker thread that runs the route. Held across that
     # wait, a burst of requests (100 SSE streams opening at once) deadlocked: every worker thread waited for a
@@ -109,10 +134,45 @@ def require_admin(
             "Admin endpoints are disabled: no admin token is configured (set LORAPLANE_ADMIN_TOKEN).",
         )
     token = _bearer(request, creds, "admin token", "admin_token")
-    if not hmac.compare_digest(token.encode(), expected.encode()):
+    if not is_admin_token(token):
         raise ApiError(403, PERMISSION, "invalid_admin_token", "The admin token is not valid.")
 
 
+def admin_actor(token: str) -> str:
+    """How the audit log names the operator: "admin:" and the first 12 hex digits of the token's SHA-256, so rows
+    of a rotated token can be told apart, while the log holds nothing that helps to guess the token."""
+    return "admin:" + hash_api_key(token)[:12]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """Who reads a task and what hangs off it: a tenant (its own tasks only, scoped by `tenant_id`) or the operator
+    with the admin token (`tenant_id` None: any tenant's, each read written to the audit log, api/services/audit.py).
+    """
+
+    tenant_id: str | None  # None: the operator
+    key_id: str | None  # the tenant's API key (its event stream keeps checking it); None for the operator
+    actor: str | None  # the operator as the audit log names it; None for a tenant
+
+    @property
+    def is_admin(self) -> bool:
+        return self.tenant_id is None
+
+
+def operator_reader(token: str) -> Reader:
+    """The operator as a reader; `token` is the admin token (the caller checked it)."""
+    return Reader(tenant_id=None, key_id=None, actor=admin_actor(token))
+
+
+def get_reader(session: SessionDep, key: ApiKeyDep) -> Reader:
+    """A tenant's API key or the admin token. The admin token is checked first: a constant-time compare in memory,
+    before a tenant key's database lookup."""
+    if is_admin_token(key):
+        return operator_reader(key)
+    caller = get_caller(session, key)
+    return Reader(tenant_id=caller.tenant.id, key_id=caller.key_id, actor=None)
+
+
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
-CallerDep = Annotated[Caller, Depends(get_caller)]
+ReaderDep = Annotated[Reader, Depends(get_reader)]
 AdminDep = Depends(require_admin)

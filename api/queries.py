@@ -1,7 +1,9 @@
 """Tenant-scoped lookups: the one place ownership is checked.
 
 Every function is keyword-only and takes `tenant_id`; an object of another tenant is answered exactly
-like a missing one (same 404 body), so nobody can probe for other tenants' ids.
+like a missing one (same 404 body), so nobody can probe for other tenants' ids. The task lookups also take
+`tenant_id=None`: any tenant's, for the operator's reads (`Reader.tenant_id`, api/deps.py), which the routes
+write to the audit log.
 """
 
 from __future__ import annotations
@@ -37,34 +39,38 @@ def get_file(session: Session, *, tenant_id: str, file_id: str, lock: Lock = Non
     return file
 
 
-def find_task(session: Session, *, tenant_id: str, task_id: str, lock: bool = False) -> Task | None:
-    stmt = select(Task).where(Task.id == task_id, Task.tenant_id == tenant_id)
+def find_task(session: Session, *, tenant_id: str | None, task_id: str, lock: bool = False) -> Task | None:
+    """`tenant_id=None`: a task of any tenant (the operator's read)."""
+    stmt = select(Task).where(Task.id == task_id)
+    if tenant_id is not None:
+        stmt = stmt.where(Task.tenant_id == tenant_id)
     if lock:
         stmt = stmt.with_for_update(key_share=True)
     return session.scalar(stmt)
 
 
-def get_task(session: Session, *, tenant_id: str, task_id: str, lock: bool = False) -> Task:
+def get_task(session: Session, *, tenant_id: str | None, task_id: str, lock: bool = False) -> Task:
     task = find_task(session, tenant_id=tenant_id, task_id=task_id, lock=lock)
     if task is None:
         raise not_found("task", task_id)
     return task
 
 
-def get_trial(session: Session, *, tenant_id: str, task_id: str, trial_id: str) -> Trial:
-    """A trial of one of the tenant's tasks; a trial of another task answers 404 too."""
-    get_task(session, tenant_id=tenant_id, task_id=task_id)
+def get_trial(session: Session, *, tenant_id: str | None, task_id: str, trial_id: str) -> Trial:
+    """A trial of one of the tenant's tasks (of any task for `tenant_id=None`); a trial of another task answers
+    404 too."""
+    task = get_task(session, tenant_id=tenant_id, task_id=task_id)
     trial = session.scalar(
-        select(Trial).where(Trial.id == trial_id, Trial.task_id == task_id, Trial.tenant_id == tenant_id)
+        select(Trial).where(Trial.id == trial_id, Trial.task_id == task_id, Trial.tenant_id == task.tenant_id)
     )
     if trial is None:
         raise not_found("trial", trial_id)
     return trial
 
 
-def list_trials(session: Session, *, tenant_id: str, task_id: str) -> list[Trial]:
-    get_task(session, tenant_id=tenant_id, task_id=task_id)
-    stmt = select(Trial).where(Trial.task_id == task_id, Trial.tenant_id == tenant_id).order_by(Trial.index)
+def list_trials(session: Session, *, tenant_id: str | None, task_id: str) -> list[Trial]:
+    task = get_task(session, tenant_id=tenant_id, task_id=task_id)
+    stmt = select(Trial).where(Trial.task_id == task_id, Trial.tenant_id == task.tenant_id).order_by(Trial.index)
     return list(session.scalars(stmt))
 
 

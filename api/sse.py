@@ -25,6 +25,9 @@ Wire format, one block per event, then a final `end` once the task is final and 
     event: end
     data: {"task_id": "task-...", "state": "succeeded"}
 
+A stream opened with the admin token (the operator reading a tenant's task) has no key to re-check (`key_id`
+None): the admin token is the deployment's setting, which a running process does not change.
+
 or, when the key was revoked (or its tenant deleted) while the stream was open:
 
     event: error
@@ -118,23 +121,25 @@ class TaskWatch:
         self._runner: asyncio.Task[None] | None = None
 
     @contextmanager
-    def watching(self, task_id: str, key_id: str) -> Iterator[None]:
-        self._streams[task_id] += 1
-        self._keys[key_id] += 1
+    def watching(self, task_id: str, key_id: str | None) -> Iterator[None]:
+        """`key_id` None: the operator's stream, no key to watch."""
+        watched = [(self._streams, task_id)] + ([(self._keys, key_id)] if key_id is not None else [])
+        for counter, item in watched:
+            counter[item] += 1
         if self._runner is None:
             self._runner = asyncio.get_running_loop().create_task(self._run(), name="sse-task-watch")
         try:
             yield
         finally:
-            for counter, item in ((self._streams, task_id), (self._keys, key_id)):
+            for counter, item in watched:
                 counter[item] -= 1
                 if not counter[item]:
                     del counter[item]
 
-    def key_valid(self, key_id: str) -> bool:
+    def key_valid(self, key_id: str | None) -> bool:
         """False once a read found the key revoked or its tenant deleted; True before a read included it (the
-        key authenticated when its stream opened)."""
-        return self._now.keys.get(key_id, True)
+        key authenticated when its stream opened), and always for the operator's stream (None)."""
+        return key_id is None or self._now.keys.get(key_id, True)
 
     async def next_tick(self, task_id: str, timeout: float) -> TaskNow | None:
         """After the next read (or `timeout`), the task as last read; None until a read included it."""
@@ -183,13 +188,15 @@ class Polled:
     key_valid: bool  # False: the stream's key was revoked or its tenant deleted; no events were read
 
 
-def poll(tenant_id: str, task_id: str, after: int, key_id: str) -> Polled:
-    """The events after `after` and the task's state, if the stream's key still authenticates. The state is read
-    first, so a final state read here guarantees that every event written before the task became final is in
-    this or an earlier batch; the key with it, so no event is read once the revocation is committed."""
+def poll(tenant_id: str, task_id: str, after: int, key_id: str | None) -> Polled:
+    """The events after `after` and the task's state, if the stream's key still authenticates (`key_id` None: the
+    operator's stream, nothing to check). The state is read first, so a final state read here guarantees that
+    every event written before the task became final is in this or an earlier batch; the key with it, so no event
+    is read once the revocation is committed."""
     state_now = select(Task.state).where(Task.id == task_id, Task.tenant_id == tenant_id).scalar_subquery()
+    key_check = literal(True) if key_id is None else _key_valid(key_id)
     with session_factory()() as session:
-        state, key_valid = session.execute(select(state_now, _key_valid(key_id))).one()
+        state, key_valid = session.execute(select(state_now, key_check)).one()
         if not key_valid:
             return Polled(events=[], state=state, key_valid=False)
         rows = session.scalars(
@@ -214,8 +221,9 @@ KEY_REVOKED = ApiError(401, AUTHENTICATION, "api_key_revoked",
 REVOKED_BLOCK = f"event: error\ndata: {json.dumps(KEY_REVOKED.body())}\n\n"
 
 
-async def event_stream(tenant_id: str, task_id: str, after: int, key_id: str) -> AsyncIterator[str]:
-    """The stream of a task of `tenant_id` opened with the API key `key_id`, after event id `after`."""
+async def event_stream(tenant_id: str, task_id: str, after: int, key_id: str | None) -> AsyncIterator[str]:
+    """The stream of a task of `tenant_id` opened with the API key `key_id` (None: the admin token), after event id
+    `after`."""
     watch = task_watch()
     last_write = time.monotonic()
     with watch.watching(task_id, key_id):

@@ -25,7 +25,7 @@ def metrics() -> Response:
     return Response(render_api_metrics(), media_type=CONTENT_TYPE)
 
 
-def _route_label(scope: Scope) -> str:
+def route_label(scope: Scope) -> str:
     """The template of the route that answered (`/v1/tasks/{task_id}`): bounded label values, where raw paths
     (ids) would not be.
 
@@ -63,7 +63,7 @@ class RequestMetrics:
             nonlocal recorded
             recorded = True
             metrics = api_metrics()
-            route, method = _route_label(scope), str(scope.get("method", ""))
+            route, method = route_label(scope), str(scope.get("method", ""))
             metrics.requests.labels(route=route, method=method, status=str(status)).inc()
             metrics.latency.labels(route=route, method=method).observe(time.perf_counter() - start)
 

@@ -344,3 +344,19 @@ class FileTokenLengths(Base):
     tokenizer: Mapped[str] = mapped_column(String(64), primary_key=True)
     lengths: Mapped[dict[str, Any]] = mapped_column(JSON)  # FileLengths.to_stored()
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AuditEntry(Base):
+    """One read of a tenant's data by the operator (the admin token): who, when, what route, which tenant and
+    object (api/services/audit.py). Written by the API only; kept when the tenant is deleted (no foreign key):
+    the record of who looked at a tenant's data outlives the tenant."""
+
+    __tablename__ = "audit_log"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    actor: Mapped[str] = mapped_column(String(64))  # "admin:<first 12 hex of the token's SHA-256>"
+    method: Mapped[str] = mapped_column(String(10))
+    route: Mapped[str] = mapped_column(String(200))  # the route's template, "/v1/tasks/{task_id}"
+    tenant_id: Mapped[str | None] = mapped_column(String(40), default=None, index=True)  # None: a list of all
+    resource_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the trial's, else the task's id
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (Index("ix_audit_log_created_at_id", "created_at", "id"),)

@@ -87,8 +87,8 @@ def database() -> Iterator[str]:
     admin.dispose()
 
 
-TABLES = ("webhook_deliveries", "webhook_endpoints", "metric_points", "events", "trials", "tasks", "packs",
-          "workers", "api_keys", "files", "tenants")
+TABLES = ("audit_log", "webhook_deliveries", "webhook_endpoints", "metric_points", "events", "trials", "tasks",
+          "packs", "workers", "api_keys", "files", "tenants")
 
 
 @pytest.fixture

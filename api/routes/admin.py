@@ -1,4 +1,4 @@
-"""Operator endpoints (admin token): tenants, API keys, workers.
+"""Operator endpoints (admin token): tenants, API keys, workers, the audit log of reads of tenants' data.
 
 A deleted tenant (`deleted_at` set; api/services/tenants.py) reads as missing here (404), except in the list
 with `include_deleted=true`; it keeps its name, so creating or renaming a tenant to that name is a 409."""
@@ -14,11 +14,20 @@ from sqlalchemy import select
 from api.db import bad_cursor, commit, newest_first
 from api.deps import AdminDep, SessionDep, hash_api_key
 from api.errors import ApiError, conflict, not_found
-from api.schemas.admin import ApiKeyCreate, ApiKeyCreated, ApiKeyOut, TenantCreate, TenantOut, TenantUpdate, WorkerOut
+from api.schemas.admin import (
+    ApiKeyCreate,
+    ApiKeyCreated,
+    ApiKeyOut,
+    AuditEntryOut,
+    TenantCreate,
+    TenantOut,
+    TenantUpdate,
+    WorkerOut,
+)
 from api.schemas.common import ListPage, PathId, error_responses, id_query
 from api.services import tenants
 from common.settings import get_settings
-from common.tables import ApiKey, Tenant, Worker, new_id, utcnow
+from common.tables import ApiKey, AuditEntry, Tenant, Worker, new_id, utcnow
 
 router = APIRouter(
     prefix="/admin", tags=["admin"], dependencies=[AdminDep], responses=error_responses(401, 403, 404, 422)
@@ -152,3 +161,20 @@ def lift_worker_quarantine(worker_id: PathId, session: SessionDep) -> WorkerOut:
         worker.quarantined_until, worker.lost_packs, worker.quarantines = None, None, 0
         commit(session)
     return WorkerOut.of(worker)
+
+
+@router.get("/audit")
+def list_audit_entries(
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, id_query("The id of the last entry of the previous page.")] = None,
+    tenant_id: Annotated[str | None, id_query("Only reads of this tenant's data.")] = None,
+) -> ListPage[AuditEntryOut]:
+    """The operator's reads of tenants' tasks, trials, curves and events (one row per request, one per event stream
+    opened), newest first. Reading this log is not itself logged."""
+    cursor = None
+    if after is not None and (cursor := session.get(AuditEntry, after)) is None:
+        raise bad_cursor("audit entry", after)
+    stmt = select(AuditEntry) if tenant_id is None else select(AuditEntry).where(AuditEntry.tenant_id == tenant_id)
+    rows, has_more = newest_first(session, stmt, AuditEntry, after=cursor, limit=limit)
+    return ListPage(data=[AuditEntryOut.of(e) for e in rows], has_more=has_more)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from api.deps import SessionDep, TenantDep
+from api.deps import ReaderDep, SessionDep
 from api.queries import get_task, list_trials
 from api.schemas.common import INT32_MAX, PathId, error_responses
+from api.services.audit import audit_read
 from api.services.curves import curve_lines
 
-router = APIRouter(prefix="/tasks/{task_id}/curves", tags=["curves"], responses=error_responses(401, 404, 422))
+router = APIRouter(prefix="/tasks/{task_id}/curves", tags=["curves"], responses=error_responses(401, 403, 404, 422))
 
 
 @router.get(
@@ -23,14 +24,16 @@ router = APIRouter(prefix="/tasks/{task_id}/curves", tags=["curves"], responses=
 )
 def export_curves(
     task_id: PathId,
-    tenant: TenantDep,
+    reader: ReaderDep,
     session: SessionDep,
+    request: Request,
     after_step: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="Only points past this step (every "
                                                                             "trial still has its line).")] = None,
 ) -> StreamingResponse:
     """Every trial's train and validation points with samples and tokens seen, one line per trial."""
-    task = get_task(session, tenant_id=tenant.id, task_id=task_id)
-    trials = list_trials(session, tenant_id=tenant.id, task_id=task.id)
+    task = get_task(session, tenant_id=reader.tenant_id, task_id=task_id)
+    trials = list_trials(session, tenant_id=reader.tenant_id, task_id=task.id)
+    audit_read(session, reader, request, tenant_id=task.tenant_id, resource_id=task.id)
     return StreamingResponse(
         curve_lines(task, trials, after_step),
         media_type="application/x-ndjson",

@@ -1,4 +1,4 @@
-"""Tuning tasks of the calling tenant."""
+"""Tuning tasks of the calling tenant; the operator (admin token) reads any tenant's, each read audited."""
 
 from __future__ import annotations
 
@@ -6,24 +6,35 @@ from typing import Annotated
 
 import anyio
 from anyio.lowlevel import RunVar
-from fastapi import APIRouter, Header, Query, Response, status
+from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
-from api.db import bad_cursor, newest_first
-from api.deps import ApiKeyDep, SessionDep, TenantDep, hash_api_key, tenant_id_for_key
-from api.errors import invalid, not_found
+from api.db import bad_cursor, newest_first, session_factory
+from api.deps import (
+    ApiKeyDep,
+    Reader,
+    ReaderDep,
+    SessionDep,
+    TenantDep,
+    hash_api_key,
+    is_admin_token,
+    operator_reader,
+    tenant_id_for_key,
+)
+from api.errors import PERMISSION, ApiError, invalid, not_found
 from api.queries import find_task, get_task, get_trial
 from api.schemas.common import NO_CONTROL_CHARS, ListPage, PathId, error_responses, id_query
 from api.schemas.tasks import TaskCreate, TaskOut
 from api.services.adapters import adapter_download, no_best_trial
+from api.services.audit import audit_read
 from api.services.task_views import draft_view, task_status, task_view, task_views
 from api.services.tasks import cancel_task, create_task, dry_run_task
 from common.db import get_autocommit_engine
 from common.states import TASK_CANCELLED, TASK_FAILED, TASK_QUEUED, TASK_RUNNING, TASK_SUCCEEDED, TASK_VALIDATING
-from common.tables import Task
+from common.tables import Task, Tenant
 
-router = APIRouter(prefix="/tasks", tags=["tasks"], responses=error_responses(401, 404, 422))
+router = APIRouter(prefix="/tasks", tags=["tasks"], responses=error_responses(401, 403, 404, 422))
 
 TASK_STATES = (TASK_VALIDATING, TASK_QUEUED, TASK_RUNNING, TASK_SUCCEEDED, TASK_FAILED, TASK_CANCELLED)
 
@@ -58,25 +69,45 @@ def submit_task(
     return task_view(session, task)
 
 
+def listed_tenant(session: SessionDep, reader: Reader, tenant_id: str | None) -> str | None:
+    """The tenant whose tasks a list shows (None: every tenant's, the operator's default). A tenant sees its own
+    only: naming another is a 403 `admin_only`; the operator naming a tenant that never existed gets a 404 (a
+    deleted one's tasks are still listed: they are kept)."""
+    if not reader.is_admin:
+        if tenant_id is not None and tenant_id != reader.tenant_id:
+            raise ApiError(403, PERMISSION, "admin_only", "Only the admin token lists another tenant's tasks.",
+                           param="tenant_id")
+        return reader.tenant_id
+    if tenant_id is not None and session.get(Tenant, tenant_id) is None:
+        raise not_found("tenant", tenant_id)
+    return tenant_id
+
+
 @router.get("")
 def list_tasks(
-    tenant: TenantDep,
+    reader: ReaderDep,
     session: SessionDep,
+    request: Request,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: Annotated[str | None, id_query("The id of the last task of the previous page.")] = None,
     state: Annotated[str | None, Query(description=f"One of {', '.join(TASK_STATES)}.")] = None,
+    tenant_id: Annotated[str | None, id_query("The admin token only: one tenant's tasks (default: every tenant's)."
+                                              )] = None,
 ) -> ListPage[TaskOut]:
-    """This tenant's tasks, newest first."""
+    """This tenant's tasks, newest first; with the admin token, every tenant's (or `tenant_id`'s), audited."""
     if state is not None and state not in TASK_STATES:
         raise invalid(f"state must be one of {', '.join(TASK_STATES)}.", param="state")
+    listed = listed_tenant(session, reader, tenant_id)
     cursor = None
-    if after is not None and (cursor := find_task(session, tenant_id=tenant.id, task_id=after)) is None:
+    if after is not None and (cursor := find_task(session, tenant_id=listed, task_id=after)) is None:
         raise bad_cursor("task", after)
-    stmt = select(Task).where(Task.tenant_id == tenant.id)
+    stmt = select(Task) if listed is None else select(Task).where(Task.tenant_id == listed)
     if state is not None:
         stmt = stmt.where(Task.state == state)
     rows, has_more = newest_first(session, stmt, Task, after=cursor, limit=limit)
-    return ListPage(data=task_views(session, rows), has_more=has_more)
+    page = ListPage(data=task_views(session, rows), has_more=has_more)
+    audit_read(session, reader, request, tenant_id=listed, resource_id=None)
+    return page
 
 
 # Status reads of this process (of its event loop) run at most two at a time: one can wait on the database
@@ -95,11 +126,22 @@ def _status_reads() -> anyio.CapacityLimiter:
 
 
 @router.get("/{task_id}")
-async def read_task(task_id: PathId, key: ApiKeyDep) -> TaskOut:
+async def read_task(task_id: PathId, key: ApiKeyDep, request: Request) -> TaskOut:
     """The task now: state, trial counts, progress, best trial so far, ETA (what clients poll)."""
+    if is_admin_token(key):  # the operator's read of any tenant's task: audited, by the ordinary session path
+        return await anyio.to_thread.run_sync(_read_task_as_operator, operator_reader(key), task_id, request,
+                                              limiter=_status_reads())
     # The path clients poll: the key check and the reads run in one worker thread on one connection, rather
     # than a thread hop (and a handover of the interpreter lock) for the session, the tenant and the route each.
     return await anyio.to_thread.run_sync(_read_task, key, task_id, limiter=_status_reads())
+
+
+def _read_task_as_operator(reader: Reader, task_id: str, request: Request) -> TaskOut:
+    with session_factory()() as session:
+        task = get_task(session, tenant_id=None, task_id=task_id)
+        view = task_view(session, task)
+        audit_read(session, reader, request, tenant_id=task.tenant_id, resource_id=task.id)
+    return view
 
 
 def _read_task(key: str, task_id: str) -> TaskOut:
@@ -113,7 +155,8 @@ def _read_task(key: str, task_id: str) -> TaskOut:
 
 @router.post("/{task_id}/cancel", responses=error_responses(409))
 def cancel(task_id: PathId, tenant: TenantDep, session: SessionDep) -> TaskOut:
-    """Cancel the task and its unfinished trials; 409 task_finished if it already finished."""
+    """Cancel the task and its unfinished trials; 409 task_finished if it already finished. A tenant's key only:
+    the admin token gets 403 `admin_read_only`."""
     return task_view(session, cancel_task(session, tenant=tenant, task_id=task_id))
 
 
@@ -122,10 +165,14 @@ def cancel(task_id: PathId, tenant: TenantDep, session: SessionDep) -> TaskOut:
     response_class=StreamingResponse,
     responses={200: {"content": {"application/gzip": {}}}, **error_responses(409)},
 )
-def download_best_adapter(task_id: PathId, tenant: TenantDep, session: SessionDep) -> StreamingResponse:
+def download_best_adapter(
+    task_id: PathId, reader: ReaderDep, session: SessionDep, request: Request
+) -> StreamingResponse:
     """The best trial's adapter (PEFT directory as .tar.gz); 409 adapter_not_ready until there is one."""
-    task = get_task(session, tenant_id=tenant.id, task_id=task_id)
+    task = get_task(session, tenant_id=reader.tenant_id, task_id=task_id)
     if task.best_trial_id is None:
         raise no_best_trial(task.id)
-    trial = get_trial(session, tenant_id=tenant.id, task_id=task.id, trial_id=task.best_trial_id)
-    return adapter_download(trial)
+    trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task.id, trial_id=task.best_trial_id)
+    download = adapter_download(trial)  # a 409 before the audit row: no adapter was read
+    audit_read(session, reader, request, tenant_id=task.tenant_id, resource_id=task.id)
+    return download

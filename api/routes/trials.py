@@ -1,47 +1,58 @@
-"""Trials of a task: their configurations, state, loss curves and adapters."""
+"""Trials of a task: their configurations, state, loss curves and adapters. A tenant's key reads its own; the
+admin token any tenant's, each read written to the audit log (api/services/audit.py)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
-from api.deps import SessionDep, TenantDep
-from api.queries import get_trial, list_trials
+from api.deps import ReaderDep, SessionDep
+from api.queries import get_task, get_trial, list_trials
 from api.schemas.common import INT32_MAX, ListPage, PathId, error_responses
 from api.schemas.trials import LossPoint, MetricScore, TrialMetrics, TrialOut
 from api.services.adapters import adapter_download
+from api.services.audit import audit_read
 from common.metrics import METRIC_SPLIT
 from common.tables import MetricPoint
 
-router = APIRouter(prefix="/tasks/{task_id}/trials", tags=["trials"], responses=error_responses(401, 404, 422))
+router = APIRouter(prefix="/tasks/{task_id}/trials", tags=["trials"], responses=error_responses(401, 403, 404, 422))
 
 
 @router.get("")
-def list_task_trials(task_id: PathId, tenant: TenantDep, session: SessionDep) -> ListPage[TrialOut]:
+def list_task_trials(task_id: PathId, reader: ReaderDep, session: SessionDep, request: Request) -> ListPage[TrialOut]:
     """All trials of the task, by index."""
-    return ListPage(data=[TrialOut.of(t) for t in list_trials(session, tenant_id=tenant.id, task_id=task_id)])
+    task = get_task(session, tenant_id=reader.tenant_id, task_id=task_id)
+    page = ListPage(data=[TrialOut.of(t) for t in list_trials(session, tenant_id=reader.tenant_id, task_id=task.id)])
+    audit_read(session, reader, request, tenant_id=task.tenant_id, resource_id=task.id)
+    return page
 
 
 @router.get("/{trial_id}")
-def read_trial(task_id: PathId, trial_id: PathId, tenant: TenantDep, session: SessionDep) -> TrialOut:
-    return TrialOut.of(get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id))
+def read_trial(
+    task_id: PathId, trial_id: PathId, reader: ReaderDep, session: SessionDep, request: Request
+) -> TrialOut:
+    trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task_id, trial_id=trial_id)
+    out = TrialOut.of(trial)
+    audit_read(session, reader, request, tenant_id=trial.tenant_id, resource_id=trial.id)
+    return out
 
 
 @router.get("/{trial_id}/metrics")
 def read_trial_metrics(
     task_id: PathId,
     trial_id: PathId,
-    tenant: TenantDep,
+    reader: ReaderDep,
     session: SessionDep,
+    request: Request,
     step_from: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
     step_to: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
 ) -> TrialMetrics:
     """Train and validation loss by step, and the scores on the task's generative metric, optionally within
     [step_from, step_to]."""
-    trial = get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id)
+    trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task_id, trial_id=trial_id)
     stmt = select(MetricPoint).where(MetricPoint.trial_id == trial.id)
     if step_from is not None:
         stmt = stmt.where(MetricPoint.step >= step_from)
@@ -54,7 +65,9 @@ def read_trial_metrics(
             scores.append(MetricScore(step=point.step, score=point.loss))
         else:
             curves.setdefault(point.split, []).append(LossPoint(step=point.step, loss=point.loss))
-    return TrialMetrics(trial_id=trial.id, train=curves["train"], val=curves["val"], metric=scores)
+    metrics = TrialMetrics(trial_id=trial.id, train=curves["train"], val=curves["val"], metric=scores)
+    audit_read(session, reader, request, tenant_id=trial.tenant_id, resource_id=trial.id)
+    return metrics
 
 
 @router.get(
@@ -63,7 +76,10 @@ def read_trial_metrics(
     responses={200: {"content": {"application/gzip": {}}}, **error_responses(409)},
 )
 def download_trial_adapter(
-    task_id: PathId, trial_id: PathId, tenant: TenantDep, session: SessionDep
+    task_id: PathId, trial_id: PathId, reader: ReaderDep, session: SessionDep, request: Request
 ) -> StreamingResponse:
     """This trial's adapter (PEFT directory as .tar.gz); 409 adapter_not_ready until there is one."""
-    return adapter_download(get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id))
+    trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task_id, trial_id=trial_id)
+    download = adapter_download(trial)  # a 409 before the audit row: no adapter was read
+    audit_read(session, reader, request, tenant_id=trial.tenant_id, resource_id=trial.id)
+    return download

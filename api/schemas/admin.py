@@ -1,4 +1,4 @@
-"""Admin resources: tenants, their API keys, and the worker fleet."""
+"""Admin resources: tenants, their API keys, the worker fleet, and the audit log."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, StringConstraints
 
 from api.schemas.common import RequestModel, Text, UtcDateTime
 from common.settings import get_settings
-from common.tables import ApiKey, Tenant, Worker, as_utc, utcnow
+from common.tables import ApiKey, AuditEntry, Tenant, Worker, as_utc, utcnow
 
 TenantName = Annotated[Text, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
 Weight = Annotated[float, Field(gt=0, le=1000)]
@@ -143,3 +143,22 @@ def _warm_models(w: Worker) -> list[WarmModelOut] | None:
         return None
     return [WarmModelOut(name=m["name"], revision=m["revision"], bytes=m["bytes"],
                          last_used_at=datetime.fromtimestamp(float(m["last_used_at"]), UTC)) for m in w.warm_models]
+
+
+class AuditEntryOut(BaseModel):
+    """One read of a tenant's data by the operator (api/services/audit.py)."""
+
+    id: str
+    object: Literal["audit_entry"] = "audit_entry"
+    actor: str = Field(description="'admin:' and the first 12 hex digits of the admin token's SHA-256.")
+    method: str
+    route: str = Field(description="The route's template, e.g. /v1/tasks/{task_id}.")
+    tenant_id: str | None = Field(description="The tenant whose data was read; null for a list of every tenant's.")
+    resource_id: str | None = Field(description="The last id in the route's path (a trial's, else a task's); null "
+                                                "for a list.")
+    created_at: UtcDateTime
+
+    @classmethod
+    def of(cls, e: AuditEntry) -> AuditEntryOut:
+        return cls(id=e.id, actor=e.actor, method=e.method, route=e.route, tenant_id=e.tenant_id,
+                   resource_id=e.resource_id, created_at=e.created_at)

@@ -441,6 +441,7 @@ class TaskWaiting(BaseModel):
 class TaskOut(BaseModel):
     id: str | None = Field(description="null only in a dry run (POST /v1/tasks?dry_run=true): nothing was written.")
     object: Literal["task"] = "task"
+    tenant_id: str = Field(description="The tenant that owns it (the operator's lists show every tenant's).")
     state: str
     base_model: str
     training_file: str

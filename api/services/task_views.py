@@ -32,6 +32,8 @@ class TaskFields(Protocol):
     @property
     def id(self) -> str: ...
     @property
+    def tenant_id(self) -> str: ...
+    @property
     def state(self) -> str: ...
     @property
     def base_model(self) -> str: ...
@@ -81,7 +83,7 @@ _TRIAL_SUMMARIES = (
 # task reads like a missing one, as in api/queries.py), with its trials grouped by state (a row per state).
 _TASK_STATUS = (
     select(
-        Task.id, Task.state, Task.base_model, Task.training_file_id, Task.validation_file_id, Task.spec,
+        Task.id, Task.tenant_id, Task.state, Task.base_model, Task.training_file_id, Task.validation_file_id, Task.spec,
         Task.best_trial_id, Task.error, Task.created_at, Task.started_at, Task.finished_at, Task.estimate,
         Task.waiting, *_BY_STATE,
     )
@@ -167,6 +169,7 @@ def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, n
     counts = TrialCounts(**{k: v for k, v in summary.counts.items() if k in TrialCounts.model_fields})
     return TaskOut(
         id=task.id,
+        tenant_id=task.tenant_id,
         state=task.state,
         base_model=task.base_model,
         training_file=task.training_file_id,

@@ -1,5 +1,6 @@
 // The dashboard's shell: sign-in state, navigation, and a hash router that disposes each page (its
 // streams and timers) before mounting the next, so navigating around never piles up connections.
+// A route names the roles that may open it: the operator (admin token) reads every tenant's tasks, read-only.
 
 import { clearSession, currentSession, setUnauthorisedHandler } from "./api.js";
 import { clear, h } from "./dom.js";
@@ -11,12 +12,12 @@ import * as tasks from "./pages/tasks.js";
 import * as tenants from "./pages/tenants.js";
 
 const ROUTES = [
-  { pattern: /^\/signin$/, page: signin, role: null },
-  { pattern: /^\/tasks$/, page: tasks, role: "tenant", nav: "Tasks", href: "#/tasks" },
-  { pattern: /^\/tasks\/([\w-]+)$/, page: task, role: "tenant" },
-  { pattern: /^\/submit$/, page: submit, role: "tenant", nav: "New task", href: "#/submit" },
-  { pattern: /^\/cluster$/, page: cluster, role: "admin", nav: "Cluster", href: "#/cluster" },
-  { pattern: /^\/tenants$/, page: tenants, role: "admin", nav: "Tenants", href: "#/tenants" },
+  { pattern: /^\/signin$/, page: signin, roles: null },
+  { pattern: /^\/tasks$/, page: tasks, roles: ["tenant", "admin"], nav: "Tasks", href: "#/tasks" },
+  { pattern: /^\/tasks\/([\w-]+)$/, page: task, roles: ["tenant", "admin"] },
+  { pattern: /^\/submit$/, page: submit, roles: ["tenant"], nav: "New task", href: "#/submit" },
+  { pattern: /^\/cluster$/, page: cluster, roles: ["admin"], nav: "Cluster", href: "#/cluster" },
+  { pattern: /^\/tenants$/, page: tenants, roles: ["admin"], nav: "Tenants", href: "#/tenants" },
 ];
 const HOME = { tenant: "#/tasks", admin: "#/cluster" };
 
@@ -39,7 +40,7 @@ function renderChrome(session, path) {
   const who = clear(document.getElementById("who"));
   if (!session) return;
   for (const r of ROUTES) {
-    if (r.nav && r.role === session.role) {
+    if (r.nav && r.roles.includes(session.role)) {
       const here = path === r.href.slice(1) || (r.href === "#/tasks" && path.startsWith("/tasks/"));
       nav.append(h("a", { href: r.href, "aria-current": here ? "page" : null }, r.nav));
     }
@@ -64,8 +65,8 @@ async function route() {
     const m = r.pattern.exec(path);
     if (m) { match = r; params = m.slice(1); break; }
   }
-  if (!session && (!match || match.role)) return go("#/signin");
-  if (session && (!match || match.page === signin || (match.role && match.role !== session.role))) {
+  if (!session && (!match || match.roles)) return go("#/signin");
+  if (session && (!match || match.page === signin || (match.roles && !match.roles.includes(session.role)))) {
     return go(HOME[session.role]);
   }
   renderChrome(session, path);

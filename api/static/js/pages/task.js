@@ -54,8 +54,9 @@ function capped(points) {
   return kept;
 }
 
-export function mount(root, { params }) {
+export function mount(root, { params, session }) {
   const [taskId] = params;
+  const operator = session.role === "admin"; // the admin token reads any tenant's task: no cancel button
   // waiting: why the task's trials cannot start (the message of its newest `task.waiting_for_model` event, until
   // a `task.model_available` one), or null.
   const state = { task: null, trials: [], curves: new Map(), sort: { key: "val", dir: 1 }, events: [], waiting: null };
@@ -95,6 +96,7 @@ export function mount(root, { params }) {
     clear(summary);
     const items = [
       ["State", badge(t.state)],
+      ...(operator ? [["Tenant", h("span", { class: "mono", id: "task-tenant" }, t.tenant_id)]] : []),
       ...(state.waiting && !FINAL.has(t.state)
         ? [["Waiting", h("span", { class: "waiting", id: "waiting-reason", role: "status" }, state.waiting)]] : []),
       ["Base model", t.base_model],
@@ -114,7 +116,7 @@ export function mount(root, { params }) {
     const best = state.trials.find((tr) => tr.id === bestId());
     actions.append(h("button", { type: "button", id: "download-best", disabled: !(best && best.adapter_ready),
       onclick: () => save(`/v1/tasks/${taskId}/adapter`, `${taskId}-adapter.tar.gz`) }, "Download best adapter"));
-    if (!FINAL.has(t.state)) {
+    if (!FINAL.has(t.state) && !operator) {
       actions.append(h("button", { type: "button", class: "secondary", onclick: async () => {
         if (!window.confirm(`Cancel ${taskId} and its unfinished trials?`)) return;
         try {
