@@ -63,6 +63,9 @@ def list_files(
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: Annotated[str | None, id_query("The id of the last file of the previous page.")] = None,
+    sha256: Annotated[str | None, Query(pattern="^[0-9a-f]{64}$", description=(
+        "Only the files with this content (the hex SHA-256 of the uploaded bytes, as `sha256` says): a client finds "
+        "a file it uploaded before instead of uploading it again."))] = None,
 ) -> ListPage[FileOut]:
     """This tenant's files, newest first."""
     cursor = None
@@ -71,6 +74,8 @@ def list_files(
         if cursor is None:
             raise bad_cursor("file", after)
     stmt = select(File).where(File.tenant_id == tenant.id, File.deleted_at.is_(None))
+    if sha256 is not None:
+        stmt = stmt.where(File.sha256 == sha256)
     rows, has_more = newest_first(session, stmt, File, after=cursor, limit=limit)
     return ListPage(data=[FileOut.of(f) for f in rows], has_more=has_more)
 

@@ -171,7 +171,7 @@ def download_best_adapter(
     """The best trial's adapter (PEFT directory as .tar.gz); 409 adapter_not_ready until there is one."""
     task = get_task(session, tenant_id=reader.tenant_id, task_id=task_id)
     if task.best_trial_id is None:
-        raise no_best_trial(task.id)
+        raise no_best_trial(task)
     trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task.id, trial_id=task.best_trial_id)
     download = adapter_download(trial)  # a 409 before the audit row: no adapter was read
     audit_read(session, reader, request, tenant_id=task.tenant_id, resource_id=task.id)

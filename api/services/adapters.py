@@ -13,7 +13,8 @@ from fastapi.responses import StreamingResponse
 
 from api.errors import ApiError, conflict
 from common.artifacts import get_artifact_store
-from common.tables import Trial
+from common.states import TASK_CANCELLED, TASK_FAILED, TASK_SUCCEEDED
+from common.tables import Task, Trial
 
 CHUNK_BYTES = 1 << 20
 
@@ -43,5 +44,14 @@ def adapter_download(trial: Trial) -> StreamingResponse:
     )
 
 
-def no_best_trial(task_id: str) -> ApiError:
-    return _not_ready(f"Task '{task_id}' has no best trial yet, so no adapter to download.")
+def no_best_trial(task: Task) -> ApiError:
+    """409 for a task without a best trial: `adapter_not_ready` while it may still get one; `no_best_trial` once it
+    ended without one, saying why (a failed task's reason), so nobody waits for an adapter that will not come."""
+    if task.state == TASK_FAILED:
+        reason = f": {task.error}" if task.error else ""
+        return conflict("no_best_trial", f"Task '{task.id}' failed with no completed trial, so there is no adapter "
+                                         f"to download{reason}")
+    if task.state in (TASK_CANCELLED, TASK_SUCCEEDED):
+        return conflict("no_best_trial", f"Task '{task.id}' ended ({task.state}) with no completed trial, so there "
+                                         "is no adapter to download.")
+    return _not_ready(f"Task '{task.id}' has no best trial yet (state: {task.state}), so no adapter to download.")

@@ -148,9 +148,12 @@ class Files:
         part = _core.upload_part(file, filename)
         return File.of(self._c._json("POST", "/v1/files", files={"file": part}, data={"purpose": purpose}))
 
-    def list(self, *, limit: int | None = None, after: str | None = None) -> Page[File]:
-        """Newest first; `after`: the last id of the previous page."""
-        return page(self._c._json("GET", "/v1/files", params=_core.params(limit=limit, after=after)), File)
+    def list(self, *, limit: int | None = None, after: str | None = None,
+             sha256: str | None = None) -> Page[File]:
+        """Newest first; `after`: the last id of the previous page; `sha256`: only the files with that content (the
+        hex SHA-256 of their bytes), to reuse one instead of uploading it again."""
+        params = _core.params(limit=limit, after=after, sha256=sha256)
+        return page(self._c._json("GET", "/v1/files", params=params), File)
 
     def get(self, file_id: str) -> File:
         return File.of(self._c._json("GET", f"/v1/files/{file_id}"))

@@ -191,6 +191,42 @@ class TaskWaiting(ApiObject):
 
 
 @dataclass(frozen=True)
+class Cost(ApiObject):
+    """Tokens trained, GPU seconds held and wall seconds: predicted (`TaskEstimate`) or taken (`.actual`)."""
+
+    tokens: int
+    gpu_seconds: float
+    wall_seconds: float | None  # None in an estimate when no live worker that can load the model could take the trials
+
+
+@dataclass(frozen=True)
+class EstimateBasis(ApiObject):
+    """What an estimate rests on: `source` "prior" (the device kind's priors) or "fitted" (from `packs` packs of the
+    model on `device_kind`)."""
+
+    source: str
+    device_kind: str
+    packs: int
+
+
+@dataclass(frozen=True)
+class TaskEstimate(Cost):
+    """What a task was predicted to cost at submission (`Task.estimate`), the range its wall time is expected in,
+    what the prediction rests on, and `actual` once the task ended. None of a field an older server does not send."""
+
+    wall_seconds_low: float | None = None
+    wall_seconds_high: float | None = None
+    basis: EstimateBasis | None = None
+    actual: Cost | None = None
+
+    @classmethod
+    def of(cls, raw: dict[str, Any]) -> TaskEstimate:
+        basis, actual = raw.get("basis"), raw.get("actual")
+        return replace(super().of(raw), basis=EstimateBasis.of(basis) if isinstance(basis, dict) else None,
+                       actual=Cost.of(actual) if isinstance(actual, dict) else None)
+
+
+@dataclass(frozen=True)
 class Task(ApiObject):
     id: str
     state: str
@@ -221,15 +257,20 @@ class Task(ApiObject):
     evaluation: dict[str, Any] | None = None
     # Why its pending trials wait, its place in the queue and predicted start (None: none waits, or an older server).
     waiting: TaskWaiting | None = None
+    # Predicted tokens, GPU seconds and wall seconds at submission, `actual` once it ended (None: before estimates).
+    estimate: TaskEstimate | None = None
+    suffix: str | None = None  # the submitter's label and string pairs (OpenAI's names), kept as given
+    metadata: dict[str, str] | None = None
 
     TIMES = frozenset({"created_at", "started_at", "finished_at"})
 
     @classmethod
     def of(cls, raw: dict[str, Any]) -> Task:
-        best, waiting = raw.get("best_trial"), raw.get("waiting")
+        best, waiting, estimate = raw.get("best_trial"), raw.get("waiting"), raw.get("estimate")
         return replace(super().of(raw), trial_counts=TrialCounts.of(raw.get("trial_counts") or {}),
                        best_trial=BestTrial.of(best) if isinstance(best, dict) else None,
-                       waiting=TaskWaiting.of(waiting) if isinstance(waiting, dict) else None)
+                       waiting=TaskWaiting.of(waiting) if isinstance(waiting, dict) else None,
+                       estimate=TaskEstimate.of(estimate) if isinstance(estimate, dict) else None)
 
     @property
     def done(self) -> bool:

@@ -81,6 +81,8 @@ def guarded(func: Command) -> Callable[[argparse.Namespace], int]:
             if getattr(args, "json", False):
                 emit(exc.body)  # the API's error object, for scripts
             error(exc.describe())
+            for line in error_details(exc.error):
+                sys.stderr.write(f"  {line}\n")
             return EXIT_UNREACHABLE if exc.is_server_error else EXIT_REFUSED
         except APIConnectionError as exc:
             error(exc.message)
@@ -96,6 +98,24 @@ def guarded(func: Command) -> Callable[[argparse.Namespace], int]:
             return EXIT_INTERRUPTED
 
     return run
+
+
+def error_details(error: dict[str, Any]) -> list[str]:
+    """The lines under an error that lists several problems (an upload's bad rows, a body's invalid fields): every
+    one the API returned, then how many more it counted. None for a single problem: the message says it."""
+    items = error.get("errors")
+    if not isinstance(items, list) or len(items) < 2:
+        return []
+    lines = []
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        where = f"line {item['line']}" if item.get("line") else item.get("param")
+        lines.append(f"{where}: {item.get('message')}" if where else str(item.get("message")))
+    total = error.get("error_count")
+    if isinstance(total, int) and total > len(items):
+        lines.append(f"... and {total - len(items)} more")
+    return lines
 
 
 def out(text: str = "") -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -87,12 +88,29 @@ def upload_local_files(lp: Client, spec: dict[str, Any], base: Path) -> dict[str
         path = Path(value).expanduser()
         path = path if path.is_absolute() else base / path
         if path.is_file():
-            f = lp.files.upload(path)
-            note(f"uploaded {value} as {f.id} ({f.rows} rows, {f.format})")
-            spec[key] = f.id
+            spec[key] = _uploaded(lp, path, value)
         elif _is_path(value):
             raise UsageError(f"{key}: no such file: {path} (give a local path or a file id)")
     return spec
+
+
+def _uploaded(lp: Client, path: Path, shown: str) -> str:
+    """The id of a file of this tenant with `path`'s content: one uploaded before (same SHA-256), else uploaded now.
+    Creating the same task spec again reuses its dataset instead of storing another copy."""
+    digest = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError as exc:
+        raise UsageError(f"{shown}: {exc.strerror or exc}") from exc
+    same = lp.files.list(sha256=digest.hexdigest(), limit=1).data
+    if same:
+        note(f"reusing {same[0].id} for {shown} (uploaded before as {same[0].filename}, same content)")
+        return same[0].id
+    uploaded = lp.files.upload(path)
+    note(f"uploaded {shown} as {uploaded.id} ({uploaded.rows} rows, {uploaded.format})")
+    return uploaded.id
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -192,10 +210,19 @@ def cmd_show(args: argparse.Namespace) -> int:
         out(f"  #{t.index}: {t.stop_reason or ''}{': ' if t.stop_reason and t.error else ''}{t.error or ''}")
     out()
     if task.best_trial is None:
-        out("best trial: none yet")
+        out(f"best trial: {no_best_trial_text(task)}")
     else:
         out("\n".join(line for line in outcome(task, trials) if not line.startswith(task.id)))
     return 0
+
+
+def no_best_trial_text(task: Task) -> str:
+    """Why a task has no best trial: not yet, or never (a failed task's reason)."""
+    if task.state == "failed":
+        return f"none: the task failed{f' ({task.error})' if task.error else ''}"
+    if task.done:
+        return f"none: the task ended ({task.state}) with no completed trial"
+    return "none yet"
 
 
 def cmd_watch(args: argparse.Namespace) -> int:

@@ -198,12 +198,16 @@ def test_files_upload_list_show_delete(cli: Cli, env: TenantKey, tmp_path: Path)
     one_error_line(gone, f"No file with id '{file_id}'.", "HTTP 404", "file_not_found")
 
 
-def test_a_bad_upload_is_one_line_with_the_param(cli: Cli, env: TenantKey, tmp_path: Path) -> None:
+def test_a_bad_upload_is_an_error_line_with_the_param_then_each_bad_row(cli: Cli, env: TenantKey,
+                                                                         tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "p"}\nnot json\n')
     r = cli("files", "upload", str(bad))
     assert r.code == 1 and r.out == ""
-    one_error_line(r, "The file is not valid training data (2 problem(s)); first: line 1:", "[param: file]")
+    first, *rows = r.err.splitlines()
+    assert first.startswith("loraplane: error: The file is not valid training data (2 problem(s)); first: line 1:")
+    assert "[param: file]" in first
+    assert rows == ["  line 1: 'completion' must be a non-empty string", "  line 2: invalid JSON: Expecting value"]
     as_json = cli("files", "upload", str(bad), "--json")
     assert as_json.code == 1 and as_json.json()["error"]["error_count"] == 2  # the API's error object
     missing = cli("files", "upload", str(tmp_path / "missing.jsonl"))
