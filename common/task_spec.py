@@ -67,6 +67,9 @@ class TaskSpec:
     # None: a task stored before `evaluation` existed, judged by its loss (as a new one is by default); the
     # worker is sent None for it, as before.
     evaluation: Evaluation | None = field(default_factory=Evaluation)
+    # The submitter's own label and string pairs (OpenAI's `suffix` and `metadata`): kept and returned, not read.
+    suffix: str | None = None
+    metadata: Mapping[str, str] | None = None
 
     @property
     def metric(self) -> str:
@@ -99,12 +102,14 @@ class TaskSpec:
                 max_new_tokens=int(evaluation.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
                 pattern=evaluation.get("pattern"),
             ),
+            suffix=stored.get("suffix"),
+            metadata=stored.get("metadata"),
         )
 
     def to_stored(self) -> dict[str, Any]:
         """The JSON stored in `tasks.spec` (`from_stored(to_stored(s)) == s`; an older row's missing
-        `evaluation` comes back as null)."""
-        return {
+        `evaluation` comes back as null; `suffix` and `metadata` only when given)."""
+        stored = {
             "base_model": self.base_model,
             "training_file": self.training_file,
             "validation_file": self.validation_file,
@@ -122,3 +127,8 @@ class TaskSpec:
             "scheduling": {"max_trials_per_pack": self.scheduling.max_trials_per_pack},
             "evaluation": self.evaluation.as_dict() if self.evaluation else None,
         }
+        if self.suffix is not None:
+            stored["suffix"] = self.suffix
+        if self.metadata is not None:
+            stored["metadata"] = dict(self.metadata)
+        return stored

@@ -333,7 +333,65 @@ class Scheduling(RequestModel):
         description="The most trials of this task that share one pack (a worker's slot cap may lower it).")
 
 
+MetadataKey = Annotated[Text, Field(min_length=1, max_length=64)]
+MetadataValue = Annotated[Text, Field(max_length=512)]
+
+
+def _alias_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
+    return ValidationError.from_exception_data("TaskCreate", [InitErrorDetails(
+        type=PydanticCustomError("alias_not_mapped", message), loc=loc, input=value)])
+
+
+# OpenAI's fine-tuning hyperparameters that loraplane has no equivalent of: the field to give instead.
+_UNMAPPED_HYPERPARAMETERS = {
+    "learning_rate_multiplier": "give learning_rate, an absolute rate (OpenAI's multiplies a rate it keeps hidden)",
+    "beta": "loraplane trains supervised fine-tuning only (no DPO)",
+}
+
+
+def openai_names(body: dict[str, Any]) -> dict[str, Any]:
+    """A task body in OpenAI's / Together's names, in loraplane's: `model` is `base_model`; `hyperparameters`
+    (fixed values, as those APIs take them) is one trial: each of its names of a search-space dimension becomes
+    that dimension with the one value (`"auto"`: the dimension's default), `n_epochs` is `epochs`. A name given
+    both ways, or a hyperparameter with no loraplane equivalent, is refused naming the field to use."""
+    body = dict(body)
+    if "model" in body:
+        if "base_model" in body:
+            raise _alias_error(("model",), "Give base_model or its alias model, not both.", body["model"])
+        body["base_model"] = body.pop("model")
+    if "hyperparameters" not in body:
+        return body
+    fixed = body.pop("hyperparameters")
+    if not isinstance(fixed, dict):
+        raise _alias_error(("hyperparameters",), 'Give an object of fixed values, e.g. {"learning_rate": 0.0002, '
+                           '"lora_rank": 8, "n_epochs": 3}.', fixed)
+    if "search_space" in body:
+        raise _alias_error(("hyperparameters",), "Give search_space (the values to search) or hyperparameters "
+                           "(one trial of fixed values), not both.", fixed)
+    space: dict[str, Any] = {}
+    for name, value in fixed.items():
+        if name == "n_epochs":
+            if "epochs" in body:
+                raise _alias_error(("hyperparameters", name), "Give epochs or hyperparameters.n_epochs, not both.",
+                                   value)
+            if value != "auto":
+                body["epochs"] = value
+        elif name in SearchSpace.model_fields:
+            if value != "auto":
+                space[name] = [value]
+        else:
+            why = _UNMAPPED_HYPERPARAMETERS.get(name) or (
+                f"unknown; loraplane's are n_epochs and the search space's: {', '.join(SearchSpace.model_fields)}")
+            raise _alias_error(("hyperparameters", name), f"Hyperparameter {name!r}: {why}.", value)
+    body["search_space"] = space
+    return body
+
+
 class TaskCreate(RequestModel):
+    """A tuning task. OpenAI's and Together's names are taken too: `model` for `base_model`, `hyperparameters` (one
+    trial of fixed values: search-space names with one value each, and `n_epochs` for `epochs`) for `search_space`;
+    `suffix` and `metadata` are kept and returned."""
+
     base_model: Text = Field(min_length=1, max_length=100)
     training_file: Text = Field(min_length=1, max_length=200)
     validation_file: Text | None = Field(default=None, min_length=1, max_length=200)
@@ -362,6 +420,16 @@ class TaskCreate(RequestModel):
         default_factory=Evaluation,
         description='{"metric": "loss" | "exact_match" | "contains" | "regex" | "json_valid", "max_new_tokens", '
         '"pattern"}: how the best trial is chosen; default the validation loss.')
+    suffix: Text | None = Field(default=None, min_length=1, max_length=64,
+                                description="Your label for the task (as OpenAI's `suffix`): kept and returned.")
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(
+        default=None, max_length=16, description="Up to 16 string pairs of your own (keys up to 64 characters, values "
+        "up to 512), as OpenAI's `metadata`: kept and returned, not interpreted.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_names(cls, data: Any) -> Any:
+        return openai_names(data) if isinstance(data, dict) else data
 
 
 class TrialCounts(BaseModel):
@@ -469,6 +537,8 @@ class TaskOut(BaseModel):
     waiting: TaskWaiting | None = Field(
         default=None, description="Why its pending trials wait, where it is in the queue and when it is predicted to "
         "start; null while no trial of it waits (each change of reason is also a `task.waiting` event).")
+    suffix: str | None = Field(default=None, description="The label given at submission, if any.")
+    metadata: dict[str, str] | None = Field(default=None, description="The pairs given at submission, if any.")
     error: str | None
     created_at: UtcDateTime
     started_at: UtcDateTime | None

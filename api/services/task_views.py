@@ -194,6 +194,8 @@ def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, n
         estimate=TaskEstimate.model_validate(task.estimate) if task.estimate else None,
         # Only while a trial is pending: the scheduler clears it a round after they start, this at once.
         waiting=TaskWaiting.model_validate(task.waiting) if task.waiting and summary.counts[TRIAL_PENDING] else None,
+        suffix=spec.suffix,
+        metadata=dict(spec.metadata) if spec.metadata is not None else None,
         error=task.error,
         created_at=task.created_at,
         started_at=task.started_at,

@@ -228,6 +228,8 @@ def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], step
         training=body.training.model_dump(),
         scheduling=Scheduling(**body.scheduling.model_dump()),
         evaluation=Evaluation(**body.evaluation.model_dump()),
+        suffix=body.suffix,
+        metadata=body.metadata,
     ).to_stored()
 
 
