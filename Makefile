@@ -1,5 +1,6 @@
 # The two set-up commands of the quick start. Each does all of its own set-up on a fresh machine.
-#   make up     run the whole service on its embedded default (API on 127.0.0.1:8000)
+#   make up     run the whole service on its embedded default (API on 127.0.0.1:8000; `make up PORT=8080 HOST=0.0.0.0`,
+#               data under LORAPLANE_HOME, default .loraplane/)
 #   make test   lint, type-check and run the whole test suite (real PostgreSQL, Redis, Celery worker)
 
 VENV  := .venv
@@ -7,6 +8,9 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # No machine here reaches a model hub: a missing file must fail at once instead of hanging.
 OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Where `make up` listens (`make up PORT=8080`; HOST=0.0.0.0 for other machines too).
+HOST  ?= 127.0.0.1
+PORT  ?= 8000
 
 .PHONY: up test lint install chromium clean
 
@@ -27,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 up: $(STAMP)
-	$(OFFLINE) $(VENV)/bin/loraplane up
+	$(OFFLINE) $(VENV)/bin/loraplane up --host $(HOST) --port $(PORT)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

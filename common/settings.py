@@ -29,6 +29,8 @@ DEFAULT_MAX_TRIALS_PER_PACK = 32
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", extra="ignore")
 
+    # Where the embedded mode keeps everything (the SQLite database, the bus, the broker's files, artifacts, the model
+    # cache, the generated secret key), relative to the directory `loraplane up` runs in unless absolute.
     home: Path = Field(default=Path(".loraplane"), alias="LORAPLANE_HOME")
     database_url: str | None = Field(default=None, alias="DATABASE_URL")
     redis_url: str | None = Field(default=None, alias="REDIS_URL")
@@ -109,6 +111,9 @@ class Settings(BaseSettings):
     # The largest request body the API reads whole (every route but the streamed upload, POST /v1/files):
     # a task body is a few kilobytes; without a bound one request could make an API process hold gigabytes.
     max_request_bytes: int = Field(default=1024 * 1024, ge=1024, alias="LORAPLANE_MAX_REQUEST_BYTES")
+    # The API's access log, a line per request (`loraplane up|api --access-log` turns it on too): off by default,
+    # since the dashboard polls every few seconds and its lines would bury everything else.
+    access_log: bool = Field(default=False, alias="LORAPLANE_ACCESS_LOG")
 
     @field_validator("database_url")
     @classmethod

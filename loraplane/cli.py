@@ -40,19 +40,40 @@ from pathlib import Path
 log = logging.getLogger("loraplane")
 
 
+def _schema_revision() -> str | None:
+    """The database's schema revision (None: an empty database)."""
+    from alembic.runtime.migration import MigrationContext
+
+    from common.db import make_engine
+    from common.settings import get_settings
+
+    engine = make_engine(get_settings().resolved_database_url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
 def _migrate() -> None:
+    """Brings the schema up to date and says so in one line (Alembic's own line per revision is at DEBUG)."""
     from common.db import migrate
     from common.secret_box import SecretKeyError
 
+    before = _schema_revision()
     try:
         migrate()
     except SecretKeyError as exc:  # revision 0014 encrypts existing webhook secrets: it needs the key
         raise SystemExit(f"loraplane: {exc}") from None
+    after = _schema_revision()
+    if before == after:
+        log.info("database schema is up to date (revision %s)", after)
+    else:
+        log.info("database schema upgraded from revision %s to %s", before or "(empty)", after)
 
 
 def cmd_migrate(_args: argparse.Namespace) -> None:
     _migrate()
-    log.info("database is at the newest schema")
 
 
 def _require_secret_key() -> None:
@@ -104,10 +125,19 @@ def cmd_api(args: argparse.Namespace) -> None:
     _migrate()  # once, here, before any server process starts
     if args.workers == 1:
         # Imported by name so this package never imports api/ (dependencies point one way).
-        uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="info")
+        uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="info",
+                    access_log=_access_log(args))
     else:
         with _api_metrics_dir() as metrics_dir:
-            _serve_api_processes(args.host, args.port, args.workers, metrics_dir)
+            _serve_api_processes(args.host, args.port, args.workers, metrics_dir, _access_log(args))
+
+
+def _access_log(args: argparse.Namespace) -> bool:
+    """A line per request: `--access-log` or LORAPLANE_ACCESS_LOG=1 (off by default: the dashboard's polls would
+    bury every other line)."""
+    from common.settings import get_settings
+
+    return bool(args.access_log or get_settings().access_log)
 
 
 @contextlib.contextmanager
@@ -144,7 +174,7 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_process(sock: socket.socket, parent_pid: int) -> None:
+def _api_process(sock: socket.socket, parent_pid: int, access_log: bool) -> None:
     """One server process of `loraplane api --workers N`, on its own listening socket."""
     import uvicorn
 
@@ -153,10 +183,10 @@ def _api_process(sock: socket.socket, parent_pid: int) -> None:
     _signal_on_parent_death(signal.SIGTERM)
     if os.getppid() != parent_pid:  # it died before prctl took effect
         return
-    uvicorn.Server(uvicorn.Config("api.main:app", log_level="info")).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config("api.main:app", log_level="info", access_log=access_log)).run(sockets=[sock])
 
 
-def _serve_api_processes(host: str, port: int, workers: int, metrics_dir: Path) -> None:
+def _serve_api_processes(host: str, port: int, workers: int, metrics_dir: Path, access_log: bool) -> None:
     """`workers` server processes, each on a socket of its own: with uvicorn's `workers=N` they share one
     socket, and whichever process wakes first accepts a whole burst of connections (asyncio accepts up to the
     backlog at once) and keeps them while they are kept alive; measured under wrk, all 32 of 32 went to one
@@ -169,7 +199,7 @@ def _serve_api_processes(host: str, port: int, workers: int, metrics_dir: Path) 
     sockets = [_listening_socket(host, port) for _ in range(workers)]  # a port in use fails here, at once
 
     def start(sock: socket.socket) -> multiprocessing.process.BaseProcess:
-        process = context.Process(target=_api_process, args=(sock, os.getpid()), name="loraplane-api")
+        process = context.Process(target=_api_process, args=(sock, os.getpid(), access_log), name="loraplane-api")
         process.start()
         return process
 
@@ -227,8 +257,13 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from worker.main import run_worker
 
     watch_supervisor()
+    report_ready_to_supervisor()
+    if args.quiet:
+        # `up` prints one box when everything answers: Celery's own start-up lines would only repeat it.
+        for name in ("celery.apps.worker", "celery.worker.consumer.connection", "kombu.connection"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     gpus = args.gpus if args.gpus is not None else ([args.gpu] if args.gpu is not None else None)
-    run_worker(gpus=gpus, worker_id=args.worker_id, loglevel=args.loglevel)
+    run_worker(gpus=gpus, worker_id=args.worker_id, loglevel=args.loglevel, quiet=args.quiet)
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -293,6 +328,8 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
 
 SUPERVISOR_PID_ENV = "LORAPLANE_SUPERVISOR_PID"
+# A pipe `up` gives its worker: the worker writes a byte into it once Celery consumes its queue.
+READY_FD_ENV = "LORAPLANE_READY_FD"
 
 
 def _signal_on_parent_death(sig: signal.Signals) -> None:
@@ -328,6 +365,24 @@ def watch_supervisor() -> None:
     threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
 
 
+def report_ready_to_supervisor() -> None:
+    """In a worker started by `up`: tell `up` (through the pipe it gave) when Celery is ready to take packs, so
+    `up` prints its box after that, not before."""
+    fd_text = os.environ.pop(READY_FD_ENV, None)  # popped: the worker's own children get no copy
+    if fd_text is None:
+        return
+    from celery.signals import worker_ready
+
+    fd = int(fd_text)
+
+    def ready(**_: object) -> None:
+        with contextlib.suppress(OSError):  # `up` is gone: the supervisor watch ends this process anyway
+            os.write(fd, b"1")
+            os.close(fd)
+
+    worker_ready.connect(ready, weak=False)
+
+
 class _Supervised:
     """Keeps one child process running: a worker that crashes is started again under the same worker id.
     The new process's first heartbeat carries a new incarnation, so the scheduler ends the dead one's pack at
@@ -336,6 +391,7 @@ class _Supervised:
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
         self.proc: subprocess.Popen[bytes] | None = None
+        self.ready = threading.Event()  # the first process consumes its queue (a restarted one does not clear it)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # no child is started once stop() began
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
@@ -348,13 +404,28 @@ class _Supervised:
             with self._lock:
                 if self._stop.is_set():
                     return
-                env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())}
-                self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent)
-            while self.proc.poll() is None and not self._stop.is_set():
-                time.sleep(0.5)
+                ready_r, ready_w = os.pipe()
+                env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid()), READY_FD_ENV: str(ready_w)}
+                self.proc = subprocess.Popen(self.argv, env=env, preexec_fn=_die_with_parent, pass_fds=(ready_w,))
+                os.close(ready_w)
+            self._watch(self.proc, ready_r)
             if not self._stop.is_set():
                 log.warning("worker exited with %s; restarting it in 2s", self.proc.returncode)
                 self._stop.wait(2)
+
+    def _watch(self, proc: subprocess.Popen[bytes], ready_r: int) -> None:
+        """Until `proc` exits or stop(): sets `ready` when it writes into its pipe."""
+        import select
+
+        listening = True
+        while proc.poll() is None and not self._stop.is_set():
+            if not listening:
+                time.sleep(0.5)
+            elif select.select([ready_r], [], [], 0.5)[0]:
+                if os.read(ready_r, 1):
+                    self.ready.set()
+                listening = False  # one byte, or the end of the pipe: nothing more will come
+        os.close(ready_r)
 
     def stop(self) -> None:
         with self._lock:
@@ -373,15 +444,13 @@ def cmd_up(args: argparse.Namespace) -> None:
     from common.private_files import private_dir
     from common.settings import get_settings
 
+    generated_token = None
     if not os.environ.get("LORAPLANE_ADMIN_TOKEN"):
-        os.environ["LORAPLANE_ADMIN_TOKEN"] = "lpadmin_" + secrets.token_urlsafe(24)
+        generated_token = os.environ["LORAPLANE_ADMIN_TOKEN"] = "lpadmin_" + secrets.token_urlsafe(24)
         get_settings.cache_clear()
-        sys.stdout.write(
-            "\n  No LORAPLANE_ADMIN_TOKEN was set; this run's admin token is:\n\n"
-            f"    {os.environ['LORAPLANE_ADMIN_TOKEN']}\n\n"
-        )
-        sys.stdout.flush()
     settings = get_settings()
+    if settings.resolved_broker_url == "filesystem://":  # the embedded broker has no host: kombu warns each dispatch
+        logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     private_dir(settings.home)  # 0700: the database, the bus and the artifacts below are the owner's alone
     _require_secret_key()  # embedded: generated into the home on first start
     _migrate()
@@ -390,18 +459,84 @@ def cmd_up(args: argparse.Namespace) -> None:
     scheduler.start()
     worker = None
     if not args.no_worker:
-        worker_argv = [sys.executable, "-m", "loraplane.cli", "worker", "--worker-id", args.worker_id]
+        worker_argv = [sys.executable, "-m", "loraplane.cli", "worker", "--worker-id", args.worker_id, "--quiet"]
         worker = _Supervised(worker_argv)
         worker.start()
-    log.info("loraplane is up: API on http://%s:%s (docs at /docs), data in %s",
-             args.host, args.port, settings.home.resolve())
+    lines = up_summary(f"http://{args.host}:{args.port}", settings.home.resolve(), generated_token,
+                       None if args.no_worker else args.worker_id)
+    announcer = threading.Thread(target=_announce_when_ready, name="announcer", daemon=True, args=(
+        _loopback_url(args.host, args.port), worker.ready if worker else None, lines, stop))
+    announcer.start()
     try:
-        uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="info")
+        # Warnings and errors only: the box says where the API is, and the access log is off unless asked for.
+        uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="warning",
+                    access_log=_access_log(args))
     finally:
         stop.set()
         if worker is not None:
             worker.stop()
         scheduler.join(timeout=10)
+
+
+# How long `up` waits for its worker to take packs before it prints its box anyway (saying the worker is not ready):
+# the admin token must not wait on a worker that cannot start.
+WORKER_READY_WAIT_S = 180.0
+
+
+def up_summary(url: str, home: Path, generated_token: str | None, worker_id: str | None) -> list[str]:
+    """The lines of `up`'s closing box: where everything is, and the admin token when this run generated it."""
+    lines = ["loraplane is up", "", f"  API        {url}   (reference: {url}/docs)", f"  dashboard  {url}/"]
+    if worker_id is not None:
+        lines.append(f"  worker     {worker_id} (this machine)")
+    lines.append(f"  data       {home}   (LORAPLANE_HOME)")
+    lines.append("")
+    if generated_token is None:
+        lines.append("  admin token: the one in LORAPLANE_ADMIN_TOKEN")
+    else:
+        lines += ["  admin token, generated for this run (set LORAPLANE_ADMIN_TOKEN to keep one):",
+                  f"    {generated_token}"]
+    lines += ["", "Ctrl+C stops the API, the scheduler and the worker."]
+    return lines
+
+
+def framed(lines: list[str]) -> str:
+    """`lines` in an ASCII frame, so the box stands out among log lines."""
+    width = max(len(line) for line in lines)
+    rule = "+" + "-" * (width + 2) + "+"
+    return "\n".join([rule, *(f"| {line.ljust(width)} |" for line in lines), rule]) + "\n"
+
+
+def _loopback_url(host: str, port: int) -> str:
+    """Where this machine reaches an API listening on host:port (a wildcard address is reached on loopback)."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _announce_when_ready(url: str, worker_ready: threading.Event | None, lines: list[str],
+                         stop: threading.Event) -> None:
+    """Prints the box once the API answers and the worker takes packs: the last lines of start-up, so the admin
+    token stays on screen."""
+    import httpx
+
+    while not stop.is_set():
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
+                break
+        stop.wait(0.2)
+    deadline = time.monotonic() + WORKER_READY_WAIT_S
+    while worker_ready is not None and not worker_ready.wait(0.5):
+        if stop.is_set():
+            return
+        if time.monotonic() > deadline:
+            lines = [*lines, "", f"The worker does not take packs yet after {WORKER_READY_WAIT_S:.0f}s: see the "
+                                 "lines above."]
+            break
+    if not stop.is_set():
+        sys.stdout.write("\n" + framed(lines))
+        sys.stdout.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -415,12 +550,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--worker-id", default="local")
     up.add_argument("--no-worker", action="store_true", help="run the API and the scheduler only")
+    up.add_argument("--access-log", action="store_true",
+                    help="log a line per HTTP request (or LORAPLANE_ACCESS_LOG=1; off by default)")
     up.set_defaults(func=cmd_up)
     api = sub.add_parser("api", help="run the HTTP control plane")
     api.add_argument("--host", default="0.0.0.0")
     api.add_argument("--port", type=int, default=8000)
     api.add_argument("--workers", type=_api_workers, default=1,
                      help="server processes sharing the port (default 1; 'auto': one per CPU core)")
+    api.add_argument("--access-log", action="store_true",
+                     help="log a line per HTTP request (or LORAPLANE_ACCESS_LOG=1; off by default)")
     api.set_defaults(func=cmd_api)
     sub.add_parser("scheduler", help="run the planner daemon").set_defaults(func=cmd_scheduler)
     worker = sub.add_parser("worker", help="run a GPU agent (Celery worker)")
@@ -432,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--worker-id", default=None,
                         help="defaults to <hostname>-gpu<N> (<hostname>-gpu0-1 for --gpus 0,1)")
     worker.add_argument("--loglevel", default="INFO")
+    worker.add_argument("--quiet", action="store_true", help="no Celery banner or start-up lines (`up` passes it)")
     worker.set_defaults(func=cmd_worker)
     sub.add_parser("migrate", help="upgrade the database schema").set_defaults(func=cmd_migrate)
     sub.add_parser("rotate-secrets", help="re-encrypt stored secrets under the first key of LORAPLANE_SECRET_KEY "
@@ -468,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not getattr(args, "client", False):  # the client commands print their own lines, no log records
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # a line per revision; _migrate says it in one
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request `up` makes to see the API answer
     return int(args.func(args) or 0)
 
 

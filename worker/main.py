@@ -47,8 +47,10 @@ def default_worker_id(gpus: list[int] | None, device: torch.device) -> str:
     return f"{socket.gethostname()}-{suffix}"
 
 
-def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, loglevel: str = "INFO") -> None:
-    """A worker on ``gpus`` (one: a pack on that GPU; several: each pack over all of them, worker/rank_pool.py)."""
+def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, loglevel: str = "INFO",
+               quiet: bool = False) -> None:
+    """A worker on ``gpus`` (one: a pack on that GPU; several: each pack over all of them, worker/rank_pool.py).
+    ``quiet``: without Celery's start-up banner (`loraplane up` prints its own summary)."""
     settings = get_settings()
     devices = pick_devices(gpus)
     device = devices[0]
@@ -96,6 +98,7 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     # process ends with it: a killed worker stops beating and the scheduler requeues its trials.
     try:
         celery_app.worker_main([
+            *(["--quiet"] if quiet else []),
             "worker", "-Q", queue, "--pool", "solo", "--concurrency", "1", "-n", f"{worker_id}@%h",
             "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
         ])

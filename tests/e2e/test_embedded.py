@@ -26,7 +26,7 @@ from tests.e2e.flow import (
     upload,
     wait_for,
 )
-from tests.e2e.procs import ROOT, cluster, free_port, wait_ready
+from tests.e2e.procs import ROOT, START_CEILING_S, cluster, free_port, wait_ready
 
 EMBEDDED_UNSET = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ADMIN_TOKEN",
                   "LORAPLANE_ARTIFACT_DIR", "LORAPLANE_NAMESPACE")
@@ -41,8 +41,8 @@ def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
     with cluster(env, tmp_path) as c:
         up = c.start("up", "up", "--port", str(port), "--worker-id", "embedded")
         wait_ready(base_url, [up])
-        token = wait_for(lambda: re.search(r"admin token is:\s+(\S+)", up.log_path.read_text()), 30,
-                         "the generated admin token").group(1)
+        token = wait_for(lambda: re.search(r"^\|\s+(lpadmin_\S+)\s+\|$", up.log_path.read_text(), re.MULTILINE),
+                         START_CEILING_S, "the generated admin token, in the box `up` prints").group(1)
         with tenant_client(base_url, token, "team-embedded") as lp:
             file_id = upload(lp, arithmetic_rows())
             task = submit(lp, grid_task(file_id))
