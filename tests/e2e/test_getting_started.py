@@ -87,3 +87,13 @@ def test_access_log_is_on_when_asked_for(tmp_path: Path) -> None:
         wait_ready(base_url, [loud])
         assert httpx.get(f"{base_url}/healthz").status_code == 200
         wait_for(lambda: '"GET /healthz' in loud.log_path.read_text(), START_CEILING_S, "the access-log line")
+
+
+def test_make_up_takes_host_and_port() -> None:
+    """`make up PORT=... HOST=...` reaches `loraplane up` (printed by make -n, not run)."""
+    shown = subprocess.run(["make", "-n", "up", "PORT=8123", "HOST=0.0.0.0"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "loraplane up --host 0.0.0.0 --port 8123" in shown.stdout, shown.stdout
+    default = subprocess.run(["make", "-n", "up"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "loraplane up --host 127.0.0.1 --port 8000" in default.stdout, default.stdout
