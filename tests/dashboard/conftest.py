@@ -18,7 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import Engine
 
+from common.db import make_engine
 from tests.e2e.procs import ROOT, Cluster, cluster, free_port, wait_ready
 
 ARTIFACTS = ROOT / ".test-artifacts" / "dashboard"
@@ -68,6 +70,16 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         key = httpx.post(f"{base_url}/v1/admin/tenants/{tenant['id']}/api-keys", headers=admin,
                          json={"name": "browser"}).json()["key"]
         yield Service(base_url, ADMIN_TOKEN, tenant["name"], key, c)
+
+
+@pytest.fixture(scope="session")
+def service_db(service: Service) -> Iterator[Engine]:
+    """The service's SQLite database, with its own engine settings (WAL, a busy timeout). Kept open until the
+    session ends: closing this process's connection to the WAL database while the service runs upset the service's
+    processes (seen as `disk I/O error` 503s, and as writes made afterwards that the service did not see)."""
+    engine = make_engine(f"sqlite:///{service.cluster.env['LORAPLANE_HOME']}/loraplane.db")
+    yield engine
+    engine.dispose()
 
 
 @dataclass

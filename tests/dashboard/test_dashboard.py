@@ -255,7 +255,7 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
         pack = page.locator("article.pack")
         expect(pack).to_have_count(1, timeout=30_000)
         expect(pack.locator(".slot.used")).not_to_have_count(0)
-        # The page shows what the API says: the pack's capacity as slots, the trials holding them.
+        # The page shows what the API says: the pack's used and free slots as counts, the trials holding the used.
         # (Both are re-read until they agree: a back-fill may land between the page's refresh and ours.)
         admin = {"Authorization": f"Bearer {service.admin_token}"}
         for _ in range(6):
@@ -264,7 +264,8 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
             if pack.locator(".slot.used").count() == used:
                 break
             time.sleep(1)
-        expect(pack.locator(".slot")).to_have_count(live["capacity"])
+        expect(pack.locator(".slot-counts")).to_have_text(f"{used} used · {live['capacity'] - used} free")
+        expect(pack.locator(".slot")).to_have_count(used)
         expect(pack.locator(".slot.used")).to_have_count(used)
         expect(pack).to_contain_text(task["id"][:13])
         expect(worker).to_contain_text(f"{used}/")

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from common.tables import Worker, utcnow
@@ -23,8 +23,10 @@ if (missing := missing_requirement()) is not None:
 from playwright.sync_api import expect  # noqa: E402  (only once we know it is installed)
 
 
-def test_the_cluster_page_shows_a_quarantined_worker_until_it_is_lifted(page: Any, service: Service) -> None:
-    engine = create_engine(f"sqlite:///{service.cluster.env['LORAPLANE_HOME']}/loraplane.db")
+def test_the_cluster_page_shows_a_quarantined_worker_until_it_is_lifted(
+    page: Any, service: Service, service_db: Engine
+) -> None:
+    engine = service_db  # the session's one engine (conftest.py): closing one mid-run upsets the service's
     admin = {"Authorization": f"Bearer {service.admin_token}"}
     try:
         sign_in(page, service.admin_token)
@@ -43,6 +45,5 @@ def test_the_cluster_page_shows_a_quarantined_worker_until_it_is_lifted(page: An
     finally:
         assert httpx.delete(f"{service.base_url}/v1/admin/workers/{WORKER_ID}/quarantine",
                             headers=admin).status_code == 200
-        engine.dispose()
     expect(worker).not_to_contain_text("quarantined", timeout=15_000)
     expect(worker).to_contain_text("alive")

@@ -77,10 +77,13 @@ export function badge(state) {
   return h("span", { class: `badge state-${state}` }, state.replace("_", " "));
 }
 
-export function progressBar(p, label) {
+/** A progress bar; `state` (a task's or trial's: running, succeeded, failed, cancelled, ...) colours its fill
+ * through the class `progress-<state>`, so a failed task never reads as a finished blue one. */
+export function progressBar(p, label, state = null) {
   const pct = Math.min(100, Math.max(0, Math.round((p || 0) * 100)));
   const fill = h("div", { class: "fill" });
   fill.style.width = `${pct}%`; // through the CSSOM: the page's policy allows no inline style attributes
-  return h("div", { class: "bar", role: "progressbar", "aria-valuemin": 0, "aria-valuemax": 100,
-    "aria-valuenow": pct, "aria-label": label }, fill);
+  return h("div", { class: state ? `bar progress-${state}` : "bar", role: "progressbar", "aria-valuemin": 0,
+    "aria-valuemax": 100, "aria-valuenow": pct, "aria-label": state ? `${label} (${state.replace("_", " ")})` : label },
+  fill);
 }

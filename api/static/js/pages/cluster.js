@@ -1,10 +1,17 @@
 // The operator's view of the fleet: utilisation, workers (one GPU, or several of one host) with their live pack,
-// every live pack slot by slot, and where the newest finished packs' wall time went. Re-read every 5 seconds while
+// every live pack (its used and free slots, the trials in the used ones), and where the newest finished packs' wall time went. Re-read every 5 seconds while
 // the tab is visible.
 
 import { api } from "../api.js";
 import { badge, clear, fmt, h, progressBar } from "../dom.js";
 import { Poller } from "../live.js";
+
+/** What a second of training time is called for these workers: usage is counted per device, and a CPU worker's
+ * seconds are no GPU's. "device seconds" when the fleet mixes kinds (or nothing is known yet). */
+export function secondsLabel(workers) {
+  const kinds = new Set(workers.map((w) => (/^cpu\b/i.test(w.device || "") ? "CPU" : "GPU")));
+  return kinds.size === 1 ? `${[...kinds][0]} seconds` : "device seconds";
+}
 
 function stat(label, value) {
   return h("div", { class: "stat" }, h("div", { class: "stat-value" }, value), h("div", { class: "muted small" }, label));
@@ -44,23 +51,24 @@ function warmCell(w) {
       `${m.name} `, h("span", { class: "muted" }, fmt.bytes(m.bytes))))));
 }
 
+/** A pack's slots in one line — "4 used · 28 free" over a bar — and then only the used ones, each with its trial:
+ * a pack of 32 slots holding 4 trials is 4 rows, not 28 empty boxes. */
 function packCard(pack) {
-  const slots = [];
-  for (let i = 0; i < pack.capacity; i += 1) {
-    const slot = pack.slots[i];
-    slots.push(slot
-      ? h("li", { class: "slot used", title: `${slot.task_id} trial ${slot.index}` },
-        h("span", { class: "mono small" }, `${slot.task_id.slice(0, 13)}… #${slot.index}`),
-        progressBar(slot.total_steps ? slot.steps_done / slot.total_steps : 0, `Trial ${slot.index} steps`),
-        h("span", { class: "small" }, `${slot.steps_done}/${slot.total_steps}${slot.awaiting_admission ? " (admitting)" : ""}`))
-      : h("li", { class: "slot free" }, h("span", { class: "muted small" }, "free")));
-  }
+  const used = pack.slots.length;
+  const free = Math.max(0, pack.capacity - used);
+  const slots = pack.slots.map((slot) => h("li", { class: "slot used", title: `${slot.task_id} trial ${slot.index}` },
+    h("span", { class: "mono small" }, `${slot.task_id.slice(0, 13)}… #${slot.index}`),
+    progressBar(slot.total_steps ? slot.steps_done / slot.total_steps : 0, `Trial ${slot.index} steps`, "running"),
+    h("span", { class: "small" }, `${slot.steps_done}/${slot.total_steps}${slot.awaiting_admission ? " (admitting)" : ""}`)));
   return h("article", { class: "card pack", dataset: { pack: pack.id } },
     h("h3", {}, h("span", { class: "mono" }, pack.id), " ", badge(pack.state)),
-    h("p", { class: "small" }, `${pack.base_model} on ${pack.worker_id} · ${pack.slots.length}/${pack.capacity} slots · `,
+    h("p", { class: "small" }, `${pack.base_model} on ${pack.worker_id} · `,
       pack.tokens_per_s ? `${Math.round(pack.tokens_per_s)} tokens/s` : "no speed measured yet",
       pack.max_rank ? ` · rank ≤ ${pack.max_rank}` : ""),
-    h("ol", { class: "slots", "aria-label": `Slots of ${pack.id}` }, slots));
+    h("div", { class: "slots-summary" }, progressBar(pack.capacity ? used / pack.capacity : 0, `Slots of ${pack.id} in use`),
+      h("span", { class: "small slot-counts", dataset: { used: String(used), free: String(free) } },
+        `${used} used · ${free} free`)),
+    h("ol", { class: "slots", "aria-label": `Used slots of ${pack.id}` }, slots));
 }
 
 // Where a finished pack's wall time went, from its worker's profile: the training thread's phases side by side in
@@ -129,7 +137,7 @@ export function mount(root) {
       stat("workers quarantined", String(cluster.workers_quarantined)),
       stat("trials running", String(cluster.trials_running)),
       stat("trials waiting", String(cluster.trials_pending)));
-    clear(workers).append(cluster.workers.length ? workersTable(cluster.workers)
+    clear(workers).append(cluster.workers.length ? h("div", { class: "table-box" }, workersTable(cluster.workers))
       : h("p", { class: "muted" }, "No worker has registered yet."));
     clear(packs).append(h("h2", { id: "packs-title" }, "Live packs"),
       live.data.length ? h("div", { class: "packs" }, live.data.map(packCard)) : h("p", { class: "muted" }, "No pack is training."));

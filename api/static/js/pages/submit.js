@@ -139,6 +139,28 @@ export async function mount(root, { go }) {
   const allLinear = h("input", { type: "checkbox", id: id("all-linear"), value: "all-linear", checked: true });
   const moduleBoxes = MODULES.map((m) => h("input", { type: "checkbox", id: id(m), value: m }));
 
+  // The hand-made search space: one fieldset, so "Choose it for me" can disable all of it at once (and clear it,
+  // so nothing typed there looks as if it still counted).
+  const manual = h("fieldset", { class: "manual-space", id: "manual-space" },
+    h("legend", { class: "sr-only" }, "Your own search space"),
+    dims.map((d) => d.row),
+    h("fieldset", { class: "modules" }, h("legend", {}, "Target modules"),
+      moduleBoxes.map((box) => h("label", { class: "check" }, box, box.value)),
+      h("label", { class: "check" }, allLinear, "all-linear")),
+    field("Strategy", strategy),
+    field("Max trials", maxTrials, "Needed for random search; caps a grid."),
+    field("Seed", seed));
+  auto.addEventListener("change", () => {
+    manual.disabled = auto.checked;
+    if (!auto.checked) return;
+    for (const input of manual.querySelectorAll("input:not([type=checkbox])")) input.value = input === seed ? "0" : "";
+    for (const select of manual.querySelectorAll("select")) select.selectedIndex = 0;
+    for (const d of manual.querySelectorAll(".dim select")) d.dispatchEvent(new Event("change")); // back to "values"
+    moduleBoxes.forEach((box) => { box.checked = false; });
+    allLinear.checked = true;
+    dims.forEach((d) => { d.error.textContent = ""; });
+  });
+
   const count = h("output", { id: "trial-count", "aria-live": "polite" });
   const estimateOut = h("output", { id: "task-estimate", class: "estimate", "aria-live": "polite" });
   const formError = h("div", { class: "error", role: "alert", id: "submit-error" });
@@ -155,13 +177,7 @@ export async function mount(root, { go }) {
       h("label", { class: "check" }, auto, "Choose it for me: six trials picked from the model's and the data's size"),
       h("p", { class: "help" }, "Values: a list (comma separated). Range: min, max, points and scale. " +
         "A dimension left empty takes its default."),
-      dims.map((d) => d.row),
-      h("fieldset", { class: "modules" }, h("legend", {}, "Target modules"),
-        moduleBoxes.map((box) => h("label", { class: "check" }, box, box.value)),
-        h("label", { class: "check" }, allLinear, "all-linear")),
-      field("Strategy", strategy),
-      field("Max trials", maxTrials, "Needed for random search; caps a grid."),
-      field("Seed", seed)),
+      manual),
     h("fieldset", {}, h("legend", {}, "Training"),
       field("Max steps", maxSteps, "Or leave empty and give epochs."),
       field("Epochs", epochs),

@@ -1,12 +1,14 @@
-// One task, live: summary, every trial's loss curves on one chart, the sortable trials table with the best
-// trial highlighted, adapter downloads, and the event log. Events arrive on the SSE stream (polling when it
+// One task, live: summary (its progress coloured by state), its settings and estimate, every trial's loss curves on
+// one chart (log scale, trials hidden or isolated from the legend or the table), each trial's hyperparameter against
+// its result, the sortable trials table with the best trial highlighted, adapter downloads, and the event log. Events arrive on the SSE stream (polling when it
 // cannot be used); loss points are not events, so while the task runs the page also re-reads the task, its
 // trials and the curves' new points every few seconds, and at once (at most once a second) after an event.
 
 import { api, download, ndjson } from "../api.js";
-import { colourOf, lossChart } from "../chart.js";
+import { colourOf, lossChart, scatterChart } from "../chart.js";
 import { badge, clear, fmt, h, progressBar } from "../dom.js";
 import { Poller, TaskStream } from "../live.js";
+import { renderSettings } from "./task_settings.js";
 import { trialSummary } from "./tasks.js";
 
 const FINAL = new Set(["succeeded", "failed", "cancelled"]);
@@ -26,6 +28,15 @@ const COLUMNS = [
   { key: "modules", label: "Modules", value: (t) => fmt.modules(t.hyperparameters.target_modules) },
   { key: "train", label: "Last train", value: (t) => t.last_train_loss },
   { key: "val", label: "Best val", value: (t) => t.best_val_loss },
+];
+// The hyperparameters the scatter can put on its x axis; learning rates spread over decades, so on a log axis.
+const HYPERPARAMETERS = [
+  { key: "learning_rate", label: "learning rate", log: true },
+  { key: "lora_rank", label: "LoRA rank" },
+  { key: "lora_alpha", label: "LoRA alpha" },
+  { key: "batch_size", label: "batch size" },
+  { key: "lora_dropout", label: "LoRA dropout" },
+  { key: "target_modules", label: "target modules", text: true },
 ];
 // A task judged by a generative metric (exact_match, contains, regex, json_valid) adds its score per trial.
 const METRIC_COLUMN = { key: "metric", label: "Metric", value: (t) => t.metric_score };
@@ -54,29 +65,74 @@ function capped(points) {
   return kept;
 }
 
+/** How far a task's trials got, steps over steps: a failed or cancelled task's bar shows where it stopped
+ * (the task's own `progress` counts every ended trial as done). */
+export function reached(trials) {
+  if (!trials.length) return 0;
+  const done = trials.map((t) => (t.total_steps > 0 ? Math.min(1, t.steps_done / t.total_steps) : 0));
+  return done.reduce((a, b) => a + b, 0) / trials.length;
+}
+
+/** The hyperparameter the scatter starts on: the first that differs between trials (else the learning rate). */
+function varying(trials) {
+  const found = HYPERPARAMETERS.find((p) =>
+    new Set(trials.map((t) => JSON.stringify(t.hyperparameters[p.key]))).size > 1);
+  return (found || HYPERPARAMETERS[0]).key;
+}
+
+/** Hidden trial ids after a click on trial `id`: a plain click toggles it; isolating shows it alone (or,
+ * when it already is alone, every trial again). */
+export function toggled(hidden, ids, id, isolate) {
+  const next = new Set(hidden);
+  if (isolate) {
+    const alone = ids.every((other) => (other === id) !== next.has(other));
+    return alone ? new Set() : new Set(ids.filter((other) => other !== id));
+  }
+  if (next.has(id)) next.delete(id);
+  else next.add(id);
+  return next;
+}
+
 export function mount(root, { params, session }) {
   const [taskId] = params;
   const operator = session.role === "admin"; // the admin token reads any tenant's task: no cancel button
   // waiting: why the task's trials cannot start (the message of its newest `task.waiting_for_model` event, until
   // a `task.model_available` one), or null.
-  const state = { task: null, trials: [], curves: new Map(), sort: { key: "val", dir: 1 }, events: [], waiting: null };
+  // hidden: the ids of the trials left off the loss chart; logY: its loss axis on a log scale; hp: the scatter's x.
+  const state = { task: null, trials: [], curves: new Map(), sort: { key: "val", dir: 1 }, events: [], waiting: null,
+    hidden: new Set(), logY: false, hp: null };
 
   const heading = h("h1", {}, "Task ", h("span", { class: "mono" }, taskId));
   const liveNote = h("span", { class: "muted small", role: "status", id: "live-mode" }, "connecting…");
   const alert = h("p", { class: "error", role: "alert" });
   const summary = h("section", { class: "summary", "aria-label": "Summary" });
   const actions = h("div", { class: "actions" });
-  const chartBox = h("figure", { class: "chart-box" });
+  const settings = h("section", { class: "summary settings", id: "settings", "aria-label": "Settings and estimate" });
+  const chartBox = h("figure", { class: "chart-box", id: "loss-chart" });
   const legend = h("ul", { class: "legend", "aria-label": "Trials on the chart" });
+  const logToggle = h("input", { type: "checkbox", id: "log-y", onchange: () => { state.logY = logToggle.checked; renderChart(); } });
+  const showAll = h("button", { type: "button", class: "secondary small-button", id: "show-all",
+    onclick: () => { state.hidden = new Set(); renderChart(); renderTable(); } }, "Show all trials");
+  const hpSelect = h("select", { id: "hp-select", onchange: () => { state.hp = hpSelect.value; renderScatter(); } },
+    HYPERPARAMETERS.map((p) => h("option", { value: p.key }, p.label)));
+  const hpNote = h("span", { class: "muted small", id: "hp-note" });
+  const scatterBox = h("figure", { class: "chart-box", id: "hp-scatter" });
   const tableBox = h("div", { class: "table-box" });
   const log = h("ol", { class: "log", "aria-label": "Event log, newest first" });
   root.append(
     h("div", { class: "page-head" }, heading, liveNote),
     alert, summary, actions,
+    h("h2", { id: "settings-title" }, "Settings and estimate"), settings,
     h("section", { "aria-labelledby": "curves-title" }, h("h2", { id: "curves-title" }, "Loss curves"),
       h("p", { class: "muted small" }, "Solid: train loss. Dashed with dots: validation loss. ",
-        "Thick: the best trial. ×: stopped early (hover for the reason)."),
+        "Thick: the best trial. ×: stopped early (hover for the reason). ",
+        "Click a trial below (or its row in the table) to hide or show it; Shift- or Alt-click to show it alone."),
+      h("div", { class: "chart-tools" }, h("label", { class: "check" }, logToggle, "Log scale (loss)"), showAll),
       chartBox, legend),
+    h("section", { "aria-labelledby": "hp-title" }, h("h2", { id: "hp-title" }, "Hyperparameters against the result"),
+      h("div", { class: "chart-tools" }, h("label", { for: "hp-select" }, "Hyperparameter"), hpSelect,
+        hpNote),
+      scatterBox),
     h("section", { "aria-labelledby": "trials-title" }, h("h2", { id: "trials-title" }, "Trials"), tableBox),
     h("section", { "aria-labelledby": "events-title" }, h("h2", { id: "events-title" }, "Events"), log));
 
@@ -100,17 +156,17 @@ export function mount(root, { params, session }) {
       ...(state.waiting && !FINAL.has(t.state)
         ? [["Waiting", h("span", { class: "waiting", id: "waiting-reason", role: "status" }, state.waiting)]] : []),
       ["Base model", t.base_model],
-      ["Progress", h("span", { class: "progress-cell" }, progressBar(t.progress, "Task progress"), fmt.pct(t.progress))],
+      ["Progress", progressCell(t)],
       ["Trials", trialSummary(t.trial_counts)],
       ["Best val loss", t.best_trial ? `${fmt.loss(t.best_trial.best_val_loss)} (step ${fmt.num(t.best_trial.best_step)})` : "—"],
       ...(metricOf(t) ? [["Best " + metricOf(t), h("span", { id: "best-metric" },
         t.best_trial ? score(t.best_trial.metric_score) : "—")]] : []),
       ["Time left", t.state === "running" ? fmt.duration(t.estimated_seconds_left) : "—"],
-      ["Early exit", t.early_exit.policy],
       ["Created", fmt.datetime(t.created_at)],
     ];
     if (t.error) items.push(["Error", t.error]);
     summary.append(h("dl", {}, items.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])));
+    clear(settings).append(renderSettings(t));
 
     clear(actions);
     const best = state.trials.find((tr) => tr.id === bestId());
@@ -129,9 +185,38 @@ export function mount(root, { params, session }) {
     }
   }
 
+  /** The task's bar, coloured by its state; a failed or cancelled task's shows how far its trials got. */
+  function progressCell(t) {
+    const stopped = t.state === "failed" || t.state === "cancelled";
+    const p = stopped ? reached(state.trials) : t.progress;
+    return h("span", { class: "progress-cell", id: "task-progress" }, progressBar(p, "Task progress", t.state),
+      stopped ? `${t.state} at ${fmt.pct(p)}` : fmt.pct(p));
+  }
+
   function label(t) {
     const hp = t.hyperparameters;
     return `#${t.index} lr=${fmt.lr(hp.learning_rate)} r=${hp.lora_rank} b=${hp.batch_size}`;
+  }
+
+  /** The drawing width of a figure: its box's, so the chart stays legible from a phone to a wide screen. */
+  function widthOf(box) {
+    const inner = box.clientWidth - 18; // less its padding and border
+    return inner > 0 ? Math.max(280, Math.round(inner)) : 1000;
+  }
+
+  function toggleTrial(id, event) {
+    const isolate = Boolean(event && (event.shiftKey || event.altKey));
+    state.hidden = toggled(state.hidden, state.trials.map((t) => t.id), id, isolate);
+    renderChart();
+    renderTable();
+  }
+
+  /** Why there is no curve at all: a failed task says so, with its reason, rather than an empty chart. */
+  function noCurves() {
+    const t = state.task;
+    if (t.state === "failed") return `No curves: the task failed (${t.error || "no reason given"}).`;
+    if (t.state === "cancelled") return "No curves: the task was cancelled before any trial reported a loss.";
+    return null;
   }
 
   function renderChart() {
@@ -141,16 +226,51 @@ export function mount(root, { params, session }) {
         best: t.id === bestId(), stopped: t.state === "stopped_early" ? (t.stop_reason || "stopped") : null };
     });
     const maxStep = Math.max(1, ...state.trials.map((t) => t.total_steps));
-    clear(chartBox).append(lossChart(series, { maxStep }),
-      h("figcaption", { class: "sr-only" }, "Loss by step for every trial; the table below has the numbers."));
+    const points = series.some((line) => line.train.length || line.val.length);
+    const why = points ? null : noCurves();
+    clear(chartBox);
+    if (why) {
+      chartBox.append(h("p", { class: "no-curves", role: "status" }, why));
+    } else {
+      const width = widthOf(chartBox);
+      const shown = series.filter((line) => !state.hidden.has(line.id));
+      chartBox.append(lossChart(shown, { maxStep, width, height: Math.min(380, Math.max(220, Math.round(width * 0.42))),
+        logY: state.logY, empty: shown.length || !series.length ? "No loss points yet" : "Every trial is hidden: pick one below" }),
+      h("figcaption", { class: "sr-only" }, "Loss by step for every trial shown; the table below has the numbers."));
+    }
     clear(legend);
     for (const t of state.trials) {
       const swatch = h("span", { class: "swatch", "aria-hidden": "true" });
       swatch.style.background = colourOf(t.index);
-      legend.append(h("li", { class: t.id === bestId() ? "best" : null }, swatch, label(t), " ", badge(t.state),
+      const visible = !state.hidden.has(t.id);
+      legend.append(h("li", { class: [t.id === bestId() ? "best" : "", visible ? "" : "off"].join(" ").trim() || null },
+        h("button", { type: "button", class: "legend-toggle", "aria-pressed": String(visible), dataset: { trial: t.id },
+          title: "Click: hide or show. Shift- or Alt-click: show it alone.", onclick: (e) => toggleTrial(t.id, e) },
+        swatch, label(t)), " ", badge(t.state),
         t.id === bestId() ? h("strong", {}, " best") : null,
         t.state === "stopped_early" ? h("span", { class: "reason" }, ` — ${t.stop_reason || "stopped"}`) : null));
     }
+  }
+
+  /** The chosen hyperparameter against each trial's best validation loss (or metric score), a dot per trial. */
+  function renderScatter() {
+    if (!state.hp) state.hp = varying(state.trials);
+    hpSelect.value = state.hp;
+    const param = HYPERPARAMETERS.find((p) => p.key === state.hp);
+    const metric = metricOf(state.task);
+    const yLabel = metric ? `${metric} score` : "best validation loss";
+    const points = state.trials.map((t) => {
+      const raw = t.hyperparameters[param.key];
+      return { id: t.id, label: label(t), state: t.state, y: metric ? t.metric_score : t.best_val_loss,
+        x: param.text ? fmt.modules(raw) : raw };
+    });
+    const missing = points.filter((p) => p.y === null || p.y === undefined).length;
+    hpNote.textContent = `${metric ? "Higher is better" : "Lower is better"}. Dots coloured by trial state.` +
+      (missing ? ` ${missing} trial(s) have no ${yLabel} yet.` : "");
+    const width = widthOf(scatterBox);
+    const height = missing === points.length ? 90 : Math.min(300, Math.max(200, Math.round(width * 0.32))); // nothing: a line
+    clear(scatterBox).append(scatterChart(points, { width, height,
+      xLabel: param.label, yLabel, logX: Boolean(param.log), empty: `No trial has a ${yLabel} yet` }));
   }
 
   function renderTable() {
@@ -170,7 +290,10 @@ export function mount(root, { params, session }) {
     const body = h("tbody", {}, rows.map((t) => {
       const hp = t.hyperparameters;
       const isBest = t.id === bestId();
-      return h("tr", { class: isBest ? "best" : null, dataset: { trial: t.id } },
+      const off = state.hidden.has(t.id);
+      return h("tr", { class: [isBest ? "best" : "", off ? "off" : ""].join(" ").trim() || null, dataset: { trial: t.id },
+        title: off ? "Hidden from the chart: click to show" : "Click to hide from the chart; Shift- or Alt-click to show it alone",
+        onclick: (e) => { if (!e.target.closest("button")) toggleTrial(t.id, e); } },
         h("td", {}, String(t.index), isBest ? h("span", { class: "tag" }, "best") : null),
         h("td", {}, badge(t.state)),
         h("td", { class: "num" }, `${t.steps_done}/${t.total_steps}`),
@@ -238,6 +361,7 @@ export function mount(root, { params, session }) {
     if (!curvesComplete) await fetchCurves();
     renderSummary();
     renderChart();
+    renderScatter();
     renderTable();
     if (FINAL.has(task.state)) {
       curvesComplete = true; // read after the task was final: nothing more will come
@@ -265,6 +389,15 @@ export function mount(root, { params, session }) {
     }
     if (!FINAL.has(state.task.state)) poller.start({ immediate: false });
     stream.start(); // a final task's stream sends its whole log, then `end`
-    return { dispose() { controller.abort(); poller.stop(); stream.close(); } };
+    // The charts are drawn to their box's width: redrawn when it changes (a resized window, a rotated phone).
+    let drawnWidth = chartBox.clientWidth;
+    const resized = new ResizeObserver(() => {
+      if (chartBox.clientWidth === drawnWidth || !state.task) return;
+      drawnWidth = chartBox.clientWidth;
+      renderChart();
+      renderScatter();
+    });
+    resized.observe(chartBox);
+    return { dispose() { controller.abort(); poller.stop(); stream.close(); resized.disconnect(); } };
   })();
 }

@@ -21,7 +21,7 @@ function row(task, tenantNames = null) {
     tenantNames ? h("td", { class: "tenant", dataset: { tenant: task.tenant_id } },
       tenantNames.get(task.tenant_id) || task.tenant_id) : null,
     h("td", {}, badge(task.state)),
-    h("td", { class: "progress-cell" }, progressBar(task.progress, `Progress of ${task.id}`),
+    h("td", { class: "progress-cell" }, progressBar(task.progress, `Progress of ${task.id}`, task.state),
       h("span", { class: "small" }, fmt.pct(task.progress))),
     h("td", { class: "num" }, fmt.loss(task.best_trial?.best_val_loss)),
     h("td", {}, h("span", { class: "small" }, `${total}: ${trialSummary(task.trial_counts)}`)),

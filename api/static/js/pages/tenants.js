@@ -4,6 +4,7 @@
 import { api } from "../api.js";
 import { clear, fmt, h } from "../dom.js";
 import { Poller } from "../live.js";
+import { secondsLabel } from "./cluster.js";
 
 export function mount(root) {
   const status = h("p", { class: "muted", role: "status" });
@@ -20,9 +21,10 @@ export function mount(root) {
       if (!got.has_more) break;
       after = got.data[got.data.length - 1].id;
     }
-    const [keys, usage] = await Promise.all([
+    const [keys, usage, cluster] = await Promise.all([
       Promise.all(tenants.map((t) => api.get(`/v1/admin/tenants/${t.id}/api-keys`))),
       api.get("/v1/admin/usage"), // since the beginning (GET /v1/admin/usage?from=&to= narrows it)
+      api.get("/v1/admin/cluster"), // its workers' devices name the seconds: CPU, GPU or device seconds
     ]);
     const used = new Map(usage.data.map((u) => [u.tenant_id, u]));
     const nothing = { gpu_seconds: 0, tokens: 0, storage_bytes: 0 };
@@ -30,7 +32,7 @@ export function mount(root) {
     clear(box).append(h("table", { class: "data", id: "tenants" },
       h("caption", { class: "sr-only" }, "Tenants, newest first"),
       h("thead", {}, h("tr", {}, ["Tenant", "Weight", "Concurrent trials", "Trials per task", "Max file",
-        "Max storage", "Max files", "GPU seconds", "Tokens trained", "Stored", "API keys", "Created"]
+        "Max storage", "Max files", secondsLabel(cluster.workers), "Tokens trained", "Stored", "API keys", "Created"]
         .map((c) => h("th", { scope: "col" }, c)))),
       h("tbody", {}, tenants.map((t, i) => h("tr", { dataset: { tenant: t.id } },
         h("td", {}, h("strong", {}, t.name), h("div", { class: "mono small muted" }, t.id)),
