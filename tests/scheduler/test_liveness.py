@@ -1,7 +1,7 @@
 """Liveness that cannot be fooled (issue 14): incarnations, the time a heartbeat carries, the pack a heartbeat
-names, and reports from a process that does not run their pack; and a pack that beats but makes no progress (issue 32:
-a hung training process; the heartbeat's own process: tests/worker/test_heartbeat.py). The daemon runs against the real Postgres and
-Redis; we play the worker by publishing its messages, as tests/scheduler/test_daemon.py does."""
+names, and reports from a process that does not run their pack; and a pack that beats but makes no progress (issue
+32: a hung training process; the heartbeat's own process: tests/worker/test_heartbeat.py). The daemon runs against
+the real Postgres and Redis; we play the worker by publishing its messages, as tests/scheduler/test_daemon.py does."""
 
 from __future__ import annotations
 
