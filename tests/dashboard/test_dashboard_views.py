@@ -222,13 +222,19 @@ def test_a_failed_task_shows_how_far_it_got_and_why_it_has_no_curves(
                                  "validation_split": 0.2, "search_space": {"lora_rank": [2, 4]}, "max_steps": 8,
                                  "max_seq_len": 64})
     wait_for(lambda: trial_rows(service_db, task["id"]), 60, f"task {task['id']}'s trials")
+    # Before it fails, it says why it waits: behind the long task's pack, as the API says.
+    waiting = wait_for(lambda: httpx.get(f"{service.base_url}/v1/tasks/{task['id']}",
+                                         headers=tenant_headers(service)).json()["waiting"], 60, "a waiting reason")
+    assert waiting["reason"] == "behind_pack", waiting
+    signed_in(page, service.tenant_key)
+    open_task(page, task["id"])
+    expect(page.locator("#waiting-reason")).to_contain_text("behind pack")
     with Session(service_db) as session, session.begin():
         trials = session.scalars(select(Trial).where(Trial.task_id == task["id"])).all()
         assert all(t.state == "pending" for t in trials), [t.state for t in trials]
         for t in trials:
             t.state, t.steps_done, t.total_steps = "failed", 3, 8
             t.error, t.finished_at = "out of memory on the device", utcnow()
-    signed_in(page, service.tenant_key)
     open_task(page, task["id"])
     summary = page.get_by_role("region", name="Summary")
     expect(summary.locator(".badge").first).to_have_text("failed", timeout=30_000)  # the scheduler's verdict

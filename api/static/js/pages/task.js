@@ -96,8 +96,8 @@ export function toggled(hidden, ids, id, isolate) {
 export function mount(root, { params, session }) {
   const [taskId] = params;
   const operator = session.role === "admin"; // the admin token reads any tenant's task: no cancel button
-  // waiting: why the task's trials cannot start (the message of its newest `task.waiting_for_model` event, until
-  // a `task.model_available` one), or null.
+  // waiting: why the task's trials cannot start (the message of its newest `task.waiting_for_model` or
+  // `task.waiting` event, until a `task.model_available` one), or null.
   // hidden: the ids of the trials left off the loss chart; logY: its loss axis on a log scale; hp: the scatter's x.
   const state = { task: null, trials: [], curves: new Map(), sort: { key: "val", dir: 1 }, events: [], waiting: null,
     hidden: new Set(), logY: false, hp: null };
@@ -153,8 +153,9 @@ export function mount(root, { params, session }) {
     const items = [
       ["State", badge(t.state)],
       ...(operator ? [["Tenant", h("span", { class: "mono", id: "task-tenant" }, t.tenant_id)]] : []),
-      ...(state.waiting && !FINAL.has(t.state)
-        ? [["Waiting", h("span", { class: "waiting", id: "waiting-reason", role: "status" }, state.waiting)]] : []),
+      ...(waitingMessage(t) && !FINAL.has(t.state)
+        ? [["Waiting", h("span", { class: "waiting", id: "waiting-reason", role: "status" }, waitingMessage(t))]]
+        : []),
       ["Base model", t.base_model],
       ["Progress", progressCell(t)],
       ["Trials", trialSummary(t.trial_counts)],
@@ -315,8 +316,14 @@ export function mount(root, { params, session }) {
       h("caption", { class: "sr-only" }, "Trials; the column buttons sort"), h("thead", {}, head), body));
   }
 
+  // Why the task waits: the task's own `waiting` (the scheduler's reason, place in the queue and expected start),
+  // else the newest waiting event's message.
+  function waitingMessage(t) {
+    return (t.waiting && t.waiting.message) || state.waiting;
+  }
+
   function addEvent(event) {
-    if (event.type === "task.waiting_for_model") state.waiting = event.message;
+    if (event.type === "task.waiting_for_model" || event.type === "task.waiting") state.waiting = event.message;
     else if (event.type === "task.model_available") state.waiting = null;
     state.events.push(event);
     log.prepend(h("li", { class: `level-${event.level}`, dataset: { type: event.type } },
