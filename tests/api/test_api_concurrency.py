@@ -45,11 +45,13 @@ def test_concurrent_tasks_cannot_overrun_the_concurrency_quota(client: TestClien
 
 
 # The scheduler's modules the API may import for its estimates (api/services/estimates.py): the pure cost model and
-# planner arithmetic, and the reads of the cluster they share with the daemon. Not the solver, the bus or dispatch.
+# planner arithmetic, the reasons a task waits, and the reads of the cluster they share with the daemon. Not the
+# solver, the bus or dispatch.
 API_SCHEDULER_MODULES = {
     "scheduler", "scheduler.service", "scheduler.service.cluster_state", "scheduler.planning",
     "scheduler.planning.cost", "scheduler.planning.types", "scheduler.planning.coefficients",
     "scheduler.planning.rules", "scheduler.planning.greedy", "scheduler.planning.estimate",
+    "scheduler.planning.waits",  # the reasons a task waits (pure): the task's `waiting` field names them
 }
 
 

@@ -108,7 +108,16 @@ def test_a_pack_over_two_ranks_back_fills_cancels_and_trains_as_one_device(servi
 
 
 def _rank_processes(worker_pid: int) -> list[int]:
-    return [pid for pid in child_pids(worker_pid) if any("spawn_main" in part for part in cmdline(pid))]
+    """The worker's spawned children that run torch: its ranks (its heartbeat process, spawned too, imports none)."""
+    return [pid for pid in child_pids(worker_pid) if any("spawn_main" in part for part in cmdline(pid))
+            and _loads_torch(pid)]
+
+
+def _loads_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # it ended meanwhile
+        return False
 
 
 def test_a_killed_rank_ends_its_worker_and_the_restarted_worker_resumes_the_trials(
