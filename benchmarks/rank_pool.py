@@ -67,7 +67,7 @@ def run_pack(devices: list[str], pack: PackMessage, timeout_s: float) -> tuple[l
     from common.artifacts import get_artifact_store
     from common.bus import SCHEDULER_STREAM, get_bus
     from common.settings import get_settings
-    from worker.bus_client import Heartbeat, Incarnation
+    from worker.heartbeat import Heartbeat, Incarnation
     from worker.main import rank_main
     from worker.pack_runner import PackRunner
     from worker.rank_pool import RankConfig, RankPool, free_port

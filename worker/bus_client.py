@@ -27,9 +27,7 @@ from common.messages import (
     parse_command,
 )
 from worker import telemetry
-from worker.heartbeat import Heartbeat, Incarnation
-
-__all__ = ["CommandInbox", "Heartbeat", "Incarnation", "Reporter", "ReportsLost"]
+from worker.heartbeat import Incarnation
 
 log = logging.getLogger(__name__)
 

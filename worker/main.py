@@ -23,7 +23,7 @@ from common.celery import worker_queue
 from common.settings import get_settings
 from worker import telemetry
 from worker.availability import ModelAvailability
-from worker.bus_client import Heartbeat, Incarnation
+from worker.heartbeat import Heartbeat, Incarnation
 from worker.model_cache import device_memory, preload_models
 from worker.pack_runner import PackRunner
 from worker.rank_pool import RankConfig, RankPool, free_port, join

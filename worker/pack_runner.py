@@ -46,7 +46,7 @@ from common.regex_policy import SYNTAX, PatternRefused, check_pattern
 from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
 from common.settings import get_settings
 from worker import telemetry
-from worker.bus_client import CommandInbox, Heartbeat, Incarnation, Reporter, ReportsLost
+from worker.bus_client import CommandInbox, Reporter, ReportsLost
 from worker.engine import (
     Evaluation,
     ModelSource,
@@ -63,6 +63,7 @@ from worker.engine.base_model import base_dtype
 from worker.engine.distributed import shard_base
 from worker.engine.keeper import EngineKeeper
 from worker.engine.trainer import PackTimings, StopMode
+from worker.heartbeat import Heartbeat, Incarnation
 from worker.model_cache import Loaded, ModelCache, cache_budget, model_source
 from worker.profile import PackProfiler
 from worker.rank_pool import RankPool, Ranks

@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.messages import PackMessage
-from worker.bus_client import Incarnation
 from worker.engine.distributed import Lockstep, assign_ranks
+from worker.heartbeat import Incarnation
 
 log = logging.getLogger(__name__)
 

@@ -79,7 +79,8 @@ def test_a_call_while_redis_is_down_fails_in_bounded_time(private_redis: Private
 
 def test_a_reporter_keeps_reports_in_order_through_an_outage(private_redis: PrivateRedis) -> None:
     from common.messages import PackStarted, TrialCheckpoint
-    from worker.bus_client import Incarnation, Reporter, ReportsLost
+    from worker.bus_client import Reporter, ReportsLost
+    from worker.heartbeat import Incarnation
 
     ns = f"lp-{uuid.uuid4().hex[:6]}"
     bus = RedisBus(private_redis.url, ns)

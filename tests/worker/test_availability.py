@@ -14,7 +14,7 @@ import pytest
 from common.bus import REGISTRY_KEY, SCHEDULER_STREAM, FileBus
 from tests.model_dirs import copy_without
 from worker.availability import ModelAvailability, can_load
-from worker.bus_client import Heartbeat, Incarnation
+from worker.heartbeat import Heartbeat, Incarnation
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,9 +17,9 @@ import torch
 from common.artifacts import LocalArtifactStore
 from common.bus import SCHEDULER_STREAM, FileBus
 from tests.worker.test_runner import TINY, pack
-from worker.bus_client import Heartbeat, Incarnation
 from worker.engine import ModelSource, load_base_model
 from worker.engine.base_model import _save_dequantised, dequantised_dir, model_revision
+from worker.heartbeat import Heartbeat, Incarnation
 from worker.model_cache import Resident, evictions, model_source, resident_bytes
 from worker.pack_runner import PackRunner
 

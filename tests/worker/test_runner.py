@@ -16,8 +16,8 @@ import worker.pack_runner
 from common.artifacts import LocalArtifactStore
 from common.bus import SCHEDULER_STREAM, FileBus
 from common.messages import ModelSourceFields, PackMessage, TrialPayload
-from worker.bus_client import Heartbeat, Incarnation
 from worker.engine import Evaluation, ModelSource, NoScore
+from worker.heartbeat import Heartbeat, Incarnation
 from worker.model_cache import model_source, preload_models
 from worker.pack_runner import PackRunner
 
