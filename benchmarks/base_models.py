@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +50,86 @@ def projections(shape: str) -> list[str]:
     return list(target_modules_for(model_type(shape)) or ())
 
 
-def materialise(shape: str, directory: Path) -> tuple[Any, Path]:
-    """(byte-level tokenizer, directory of a random-weight model of `shape`) under `directory`."""
+def shape_config(shape: str, layers: int | None = None) -> Any:
+    """The transformers config of `shape` (`layers`: only its first L decoder layers)."""
+    fields = {k: v for k, v in SHAPES[shape].items() if k != "model_type"}
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    return AutoConfig.for_model(model_type(shape), **fields, max_position_embeddings=4096)
+
+
+def tiny_tokenizer(directory: Path) -> Any:
+    """The byte-level tokenizer every shape is benchmarked with (a token a byte), saved under `directory`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     _, tokenizer = load_base_model(ModelSource("tiny-random-llama", "tiny-random-llama", tokenizer=TINY_TOKENIZER),
                                    cache_dir=directory, device=torch.device("cpu"))
-    torch.manual_seed(0)
+    return tokenizer
+
+
+def materialise(shape: str, directory: Path, layers: int | None = None) -> tuple[Any, Path]:
+    """(byte-level tokenizer, directory of a random-weight model of `shape`) under `directory`: a checkpoint
+    on disk, as a registered model is. The weights are drawn on the GPU where there is one (`build`), in the
+    dtype the engine loads them in: drawing 8B parameters on the CPU in fp32 took minutes."""
+    tokenizer = tiny_tokenizer(directory)
     base = directory / "base"
-    fields = {k: v for k, v in SHAPES[shape].items() if k != "model_type"}
-    config = AutoConfig.for_model(model_type(shape), **fields, max_position_embeddings=4096)
-    AutoModelForCausalLM.from_config(config).save_pretrained(base)
+    written = base / "materialised"  # the last thing written: a directory without it is half-written
+    if written.exists() and written.read_text() == f"{shape} {layers}":
+        return tokenizer, base  # an earlier benchmark on this machine wrote it (8B: 16 GB, a minute)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model = build(shape, device, layers=layers)
+    model.save_pretrained(base)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    written.write_text(f"{shape} {layers}")
     return tokenizer, base
+
+
+def build(shape: str, device: torch.device, *, layers: int | None = None, shard: bool = False,
+          seed: int = 0) -> Any:
+    """A frozen random-weight model of `shape` made on `device`, never written to disk: bf16 on CUDA, fp32 on the
+    CPU. Each weight is drawn whole on `device` from a generator seeded by its name and `seed`, so every build
+    has the same weights on every device of a kind. With `shard` (torch.distributed initialised), the model is
+    made on the meta device, its decoder layers are sharded over the ranks (`shard_base`) and each rank keeps only
+    its shard of each weight, one whole weight in memory at a time: a shape one GPU cannot hold (70B) is built
+    over several in place, where writing it to disk first took ~84 GB and ran the device's disk out (issue 37)."""
+    from torch.distributed.tensor import DTensor
+
+    from worker.engine.distributed import shard_base
+
+    config = shape_config(shape, layers)
+    with torch.device("meta"):
+        model: Any = AutoModelForCausalLM.from_config(config, dtype=base_dtype(device))
+    model.requires_grad_(False)
+    if shard:
+        shard_base(model, device=device)  # gives the meta model empty storage on `device`, shards included
+    else:
+        model.to_empty(device=device)
+    generator = torch.Generator(device=device)
+    std = float(getattr(config, "initializer_range", 0.02))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            generator.manual_seed(zlib.crc32(name.encode()) ^ seed)
+            if name.endswith("norm.weight"):
+                whole = torch.ones(param.shape, device=device, dtype=param.dtype)
+            else:
+                whole = torch.empty(param.shape, device=device, dtype=param.dtype).normal_(0.0, std,
+                                                                                          generator=generator)
+            if isinstance(param, DTensor):  # FSDP2 shards dim 0 as torch.chunk does; this rank keeps its chunk
+                mesh = param.device_mesh
+                local = torch.chunk(whole, mesh.size(), dim=0)[mesh.get_local_rank()]
+                param.to_local().copy_(local)
+            else:
+                param.copy_(whole)
+            del whole
+        # Buffers computed from the config (RoPE's inverse frequencies) are not weights: made again on `device`.
+        for path, module in list(model.named_modules()):
+            if hasattr(module, "inv_freq"):
+                model.set_submodule(path, type(module)(config=config).to(device))
+    return model
 
 
 def load(path: Path, device: torch.device, dtype: torch.dtype | None = None) -> Any:

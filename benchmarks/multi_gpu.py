@@ -3,7 +3,8 @@ GPU, and whether they train the same adapters.
 
     torchrun --nproc_per_node=N -m benchmarks.multi_gpu --shape llama-3.1-8b --trials 16 [--layers L] [--no-single]
 
-Every rank builds the same random-weight model of `--shape` (rank 0 writes it, the others wait and load it).
+Every rank builds the same random-weight model of `--shape` on its GPU, never on disk (`base_models.build`: each
+weight drawn from a seed of its name; sharded, each rank keeps its shard of each).
 First, unless `--no-single`, rank 0 trains every trial alone on its GPU, as one pack (the baseline), while the
 others wait. Then every rank shards the base's layers over the N GPUs (`worker.engine.distributed.shard_base`) and
 trains its share of the trials (`assign_ranks`) in lockstep: the pack over N GPUs. Each measures `--steps` steps
@@ -27,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.base_models import SHAPES, load, make_rows, materialise, projections
+from benchmarks.base_models import SHAPES, build, make_rows, projections, tiny_tokenizer
 from benchmarks.common import write_result
 from worker.engine import PackEngine, TrialSpec
-from worker.engine.distributed import Lockstep, assign_ranks, shard_base
+from worker.engine.distributed import Lockstep, assign_ranks
 
 RANKS = (16, 32, 64)
 
@@ -103,11 +104,11 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")  # a CPU smoke run of the script
     rank, world = dist.get_rank(), dist.get_world_size()
-    directory = args.dir / f"multi_gpu-{args.shape}-{args.layers}"
+    directory = args.dir / "multi_gpu-tokenizer"
     if rank == 0:
-        materialise_shape(args.shape, args.layers, directory)
+        tiny_tokenizer(directory)
     dist.barrier()
-    tokenizer = load_tokenizer(directory)
+    tokenizer = tiny_tokenizer(directory)
     rows = make_rows(64, args.seq_len, seed=0)
     specs = trial_specs(args.trials, args.batch, args.seq_len, rows, projections(args.shape))
     mine = assign_ranks(specs, world)[rank]
@@ -117,13 +118,13 @@ def main() -> None:
     for _ in range(2):
         single: tuple[float, int, dict[str, float], int] | None = None
         if not args.no_single and rank == 0:
-            single = train(load(directory / "base", device), tokenizer, specs, device, args.warmup, args.steps, None)
+            single = train(build(args.shape, device, layers=args.layers), tokenizer, specs, device, args.warmup,
+                           args.steps, None)
             if cuda:
                 torch.cuda.empty_cache()
         dist.barrier()
-        # Loaded in host memory and sharded from there (shard_base): no GPU ever holds the whole model.
-        model = load(directory / "base", torch.device("cpu"), dtype=torch.bfloat16 if cuda else None)
-        shard_base(model, device=device)
+        # Built sharded in place (shard_base on the meta model): no GPU ever holds the whole model.
+        model = build(args.shape, device, layers=args.layers, shard=True)
         seconds, tokens, adapters, peak = train(model, tokenizer, mine, device, args.warmup, args.steps, Lockstep())
         del model
         if cuda:
@@ -139,19 +140,6 @@ def main() -> None:
         report(args, world, single, seconds, int(totals.item()), peaks, diffs)
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
-
-
-def materialise_shape(shape: str, layers: int | None, directory: Path) -> None:
-    if layers is not None:
-        SHAPES[shape] = {**SHAPES[shape], "num_hidden_layers": layers}
-    tokenizer, _ = materialise(shape, directory)
-    tokenizer.save_pretrained(directory / "tokenizer")
-
-
-def load_tokenizer(directory: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(directory / "tokenizer")
 
 
 def report(args: argparse.Namespace, world: int, single: tuple[float, int, dict[str, float], int] | None,

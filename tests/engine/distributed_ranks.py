@@ -10,6 +10,7 @@ runs see the same events at the same pack steps.
 from __future__ import annotations
 
 import json
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ def specs() -> dict[str, TrialSpec]:
         "a": make_spec("a", max_steps=10, seed=1, eval_interval=4,
                        evaluation=Evaluation(metric="exact_match", max_new_tokens=6)),
         "b": make_spec("b", max_steps=12, seed=2, eval_interval=5),
-        "c": make_spec("c", max_steps=6, seed=3, eval_interval=3, val_rows=chat_rows(6)),
+        "c": make_spec("c", max_steps=6, seed=3, eval_interval=3, val_rows=chat_rows(6), batch_size=2,
+                       lora_rank=8, target_modules=["all-linear"]),
         "d": make_spec("d", max_steps=8, seed=4, eval_interval=2, lora_rank=2,
                        evaluation=Evaluation(metric="contains", max_new_tokens=4)),
         "e": make_spec("e", max_steps=9, seed=5, eval_interval=3),
@@ -49,23 +51,27 @@ def rank_of(trial_id: str, world: int) -> int:
     return next(r for r, ids in enumerate(assign_ranks(order, world)) if trial_id in ids)
 
 
-def run(rank: int, world: int, out: str, store: str, cache: str) -> None:
+def run(rank: int, world: int, out: str, store: str, cache: str, backend: str = "gloo") -> None:
     """The scenario on ``rank`` of ``world`` processes (``world`` 1: alone, with every trial); writes this rank's
-    outcomes and points to ``out/rank<rank>.json`` and its adapters under ``out/export<rank>/``."""
+    outcomes and points to ``out/rank<rank>.json`` and its adapters under ``out/export<rank>/``. ``backend``
+    ``gloo``: on the CPU in fp32; ``nccl``: rank r on GPU r, the base in bf16 as the service runs it."""
     torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world > 1:
         # A collective the ranks disagree on fails after the timeout instead of hanging the suite.
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120), device_id=device if device.type == "cuda" else None)
     try:
-        _run(rank, world, Path(out), Path(cache))
+        _run(rank, world, Path(out), Path(cache), device)
     finally:
         if world > 1:
             dist.destroy_process_group()
 
 
-def _run(rank: int, world: int, out: Path, cache: Path) -> None:
-    model, tokenizer = load_base_model(TINY, cache_dir=cache, device=torch.device("cpu"))
+def _run(rank: int, world: int, out: Path, cache: Path, device: torch.device) -> None:
+    model, tokenizer = load_base_model(TINY, cache_dir=cache, device=device)
     lockstep = None
     if world > 1:
         shard_base(model)
@@ -127,3 +133,44 @@ def _layer_share(model: torch.nn.Module) -> float:
 def _outcome(o: TrialOutcome) -> dict[str, Any]:
     return {"trial_id": o.trial_id, "status": o.status, "steps_done": o.steps_done, "best_val_loss": o.best_val_loss,
             "best_step": o.best_step, "adapter_dir": str(o.adapter_dir) if o.adapter_dir else None, "error": o.error}
+
+
+def fused_forwards(rank: int, world: int, store: str, cache: str) -> None:
+    """On ``rank`` of ``world`` (gloo): the forwards ``fuse`` sets, run in layers sharded by FSDP2, give the
+    unsharded model's logits and input gradients. Torch functions stand in for Liger's Triton kernels (the same
+    signatures): a forward that kept a module's weight from fuse time would hand the kernel the sharded DTensor."""
+    import torch.nn.functional as F
+
+    from worker.engine.fused import FUSED_OPS, FusedKernels, fuse, unfuse
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        model, _ = load_base_model(TINY, cache_dir=Path(cache), device=torch.device("cpu"))
+        ids = torch.tensor([[5, 9, 14, 3, 7, 21, 30, 2]])
+
+        def logits_and_grad() -> tuple[torch.Tensor, torch.Tensor]:
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            logits = model(inputs_embeds=embeds).logits
+            logits.float().square().mean().backward()
+            assert embeds.grad is not None
+            return logits.detach(), embeds.grad
+
+        expected = logits_and_grad()
+        shard_base(model)
+        family = sys.modules[type(model).__module__]
+
+        def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *_: Any) -> torch.Tensor:
+            assert not isinstance(weight, DTensor), "the fused RMSNorm was handed the sharded weight"
+            return weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+        kernels = FusedKernels(rms_norm=rms_norm, swiglu=lambda gate, up: F.silu(gate) * up,
+                               rope=family.apply_rotary_pos_emb)
+        assert fuse(model, FUSED_OPS, kernels) == list(FUSED_OPS)
+        for _ in range(2):  # the second pass runs on weights FSDP2 freed after the first and gathered again
+            got = logits_and_grad()
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        unfuse(model)
+    finally:
+        dist.destroy_process_group()

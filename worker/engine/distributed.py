@@ -70,7 +70,9 @@ def shard_base(model: nn.Module, *, device: torch.device | None = None,
     the embedding's own weight); for a large model they are a few GB of its tens. A model too large for one GPU
     is loaded in host memory and sharded from there: FSDP moves each layer to ``device`` as it shards it, so the
     GPU never holds more than its shards and one whole layer; the rest follows. Call it before the pack's engine
-    wraps the layers: the wrappers then use the gathered weights.
+    wraps the layers: the wrappers then use the gathered weights. A model made on the meta device (no weights
+    yet) gets empty storage on ``device``, each rank's shards only, for its caller to fill (benchmarks/
+    base_models.py's ``build`` draws a large shape's random weights in place that way).
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
@@ -81,7 +83,10 @@ def shard_base(model: nn.Module, *, device: torch.device | None = None,
     mesh = DeviceMesh.from_group(group, device.type)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    model.to(device)  # what is not sharded: the embeddings, the final norm, the output projection
+    if any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+    else:
+        model.to(device)  # what is not sharded: the embeddings, the final norm, the output projection
 
 
 def assign_ranks(items: Sequence[T], world: int) -> list[list[T]]:

@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,30 +60,56 @@ def chosen_ops() -> tuple[str, ...]:
     return names
 
 
-def fuse(model: nn.Module, ops: tuple[str, ...] | None = None) -> list[str]:
-    """Put the fused kernels ``ops`` (default ``chosen_ops()``) on ``model``; returns what was fused.
+@dataclass(frozen=True)
+class FusedKernels:
+    """The functions ``fuse`` puts in the base's forwards, with Liger-Kernel's signatures: ``rms_norm(x, weight,
+    eps, offset, casting_mode, in_place)``, ``swiglu(gate, up)`` and ``rope(q, k, cos, sin)`` (HF's
+    ``apply_rotary_pos_emb``'s)."""
 
-    Only on CUDA in bf16/fp16 and where Liger-Kernel imports; elsewhere nothing changes.
-    """
-    ops = chosen_ops() if ops is None else ops
-    parameter = next(model.parameters())
-    if not ops or not parameter.is_cuda or parameter.dtype not in (torch.bfloat16, torch.float16):
-        return []
+    rms_norm: Callable[..., torch.Tensor]
+    swiglu: Callable[..., torch.Tensor]
+    rope: Callable[..., Any]
+
+
+def liger_kernels() -> FusedKernels | None:
+    """Liger-Kernel's Triton functions, or None where it does not import (not installed, or a Triton that does not
+    work here)."""
     try:
         from liger_kernel.transformers.functional import liger_rms_norm, liger_rope, liger_swiglu
-    except Exception as exc:  # not installed, or a Triton that does not work here
+    except Exception as exc:
         logger.warning("Liger-Kernel unavailable (%s): the base model's norms and MLPs run unfused", exc)
+        return None
+    return FusedKernels(rms_norm=liger_rms_norm, swiglu=liger_swiglu, rope=liger_rope)
+
+
+def fuse(model: nn.Module, ops: tuple[str, ...] | None = None, kernels: FusedKernels | None = None) -> list[str]:
+    """Put the fused kernels ``ops`` (default ``chosen_ops()``) on ``model``; returns what was fused.
+
+    ``kernels`` default to Liger-Kernel's, only on CUDA in bf16/fp16 and where it imports; elsewhere nothing
+    changes. A test passes torch functions of the same signatures to run the forwards ``fuse`` sets on the CPU
+    (tests/engine/test_distributed.py: under FSDP2).
+    """
+    ops = chosen_ops() if ops is None else ops
+    if not ops:
         return []
+    if kernels is None:
+        parameter = next(model.parameters())
+        if not parameter.is_cuda or parameter.dtype not in (torch.bfloat16, torch.float16):
+            return []
+        kernels = liger_kernels()
+        if kernels is None:
+            return []
+    rms_norm, swiglu = kernels.rms_norm, kernels.swiglu
     done = []
-    if "rmsnorm" in ops and _replace_forwards(model, _is_rmsnorm, lambda m: _rmsnorm_forward(m, liger_rms_norm)):
+    if "rmsnorm" in ops and _replace_forwards(model, _is_rmsnorm, lambda m: _rmsnorm_forward(m, rms_norm)):
         done.append("rmsnorm")
-    if "swiglu" in ops and _replace_forwards(model, _is_swiglu_mlp, lambda m: _swiglu_forward(m, liger_swiglu)):
+    if "swiglu" in ops and _replace_forwards(model, _is_swiglu_mlp, lambda m: _swiglu_forward(m, swiglu)):
         done.append("swiglu")
     if "rope" in ops:
         module = _family_module(model)
         if module is not None and callable(getattr(module, "apply_rotary_pos_emb", None)):
             setattr(model, FUSED_ROPE, (module, module.apply_rotary_pos_emb))
-            module.apply_rotary_pos_emb = liger_rope
+            module.apply_rotary_pos_emb = kernels.rope
             done.append("rope")
     return done
 
@@ -112,11 +139,15 @@ def _is_rmsnorm(module: nn.Module) -> bool:
     return type(module).__name__ in RMSNORM_CLASSES and hasattr(module, "variance_epsilon")
 
 
-def _rmsnorm_forward(module: nn.Module, liger_rms_norm: Callable[..., torch.Tensor]) -> Callable[..., Any]:
-    weight, eps = module.weight, float(getattr(module, "variance_epsilon"))  # noqa: B009 (an nn.Module attribute)
+def _rmsnorm_forward(module: nn.Module, rms_norm: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    eps = float(getattr(module, "variance_epsilon"))  # noqa: B009 (an nn.Module attribute)
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        return liger_rms_norm(hidden_states, weight, eps, 0.0, "llama", False)
+        # The weight is looked up per call, never kept from fuse time: in a layer sharded by FSDP2
+        # (worker/engine/distributed.py) the module's ``weight`` between passes is the sharded DTensor, and FSDP2
+        # sets the gathered whole weight on the module only for the layer's forward and backward. A kernel handed
+        # the kept shard read past its end on two GPUs (issue 37: illegal memory access at the first step).
+        return rms_norm(hidden_states, module.weight, eps, 0.0, "llama", False)
 
     return forward
 
@@ -126,11 +157,11 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
     return act in ("silu", "swish") and all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
 
 
-def _swiglu_forward(module: nn.Module, liger_swiglu: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+def _swiglu_forward(module: nn.Module, swiglu: Callable[..., torch.Tensor]) -> Callable[..., Any]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         # Looked up per call: the projections may be wrapped in LoRA layers after this forward was set.
         gate, up, down = (getattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
-        return down(liger_swiglu(gate(x), up(x)))
+        return down(swiglu(gate(x), up(x)))
 
     return forward
 
