@@ -32,7 +32,8 @@ collect() {
 
 case $stage in
   start)
-    rm -rf "$LOGS"/*
+    [ -z "${KEEP:-}" ] && rm -rf "$LOGS"/*  # KEEP=1: a later run beside an earlier one's logs
+    while pgrep -f "gpu_issue37.sh all" >/dev/null; do sleep 5; done  # one driver at a time
     setsid nohup bash "$0" all > "$LOGS/driver.log" 2>&1 < /dev/null &
     sleep 5
     exec bash "$0" wait "${2:-540}" ;;
@@ -54,7 +55,8 @@ case $stage in
     # The 70B shape's adapters: 8 trials of rank up to 64 on every projection fit beside a 48-layer half on an
     # H200 (141 GB), 4 on an H100 (80 GB).
     big_trials=$([ "$memory" -gt 100000 ] && echo 8 || echo 4)
-    mg() { python -m torch.distributed.run --standalone --nproc_per_node=2 -m benchmarks.multi_gpu "$@"; }
+    eight_trials=$([ "$memory" -gt 100000 ] && echo 16 || echo 8)  # the 8B shape's one-GPU baseline must fit too
+    mg=(python -m torch.distributed.run --standalone --nproc_per_node=2 -m benchmarks.multi_gpu)
     step() {  # step NAME LIMIT_S COMMAND...: one step, its log, its exit status and time in the driver's log
       local name=$1 limit=$2; shift 2
       local started; started=$(date +%s)
@@ -70,27 +72,28 @@ case $stage in
     for s in ${STEPS:-quick tests 8b 70b service pool paths}; do
       case $s in
         quick)
-          if ! step quick 300 mg --shape llama-3.2-1b --trials 4 --seq-len 256 --warmup 1 --steps 2; then
+          if ! step quick 300 "${mg[@]}" --shape llama-3.2-1b --trials 4 --seq-len 256 --warmup 1 --steps 2; then
             for ops in none rmsnorm swiglu rope; do
-              CUDA_LAUNCH_BLOCKING=1 LORAPLANE_FUSED_OPS=$ops step "diag-$ops" 150 mg --shape llama-3.2-1b --trials 2 \
+              CUDA_LAUNCH_BLOCKING=1 LORAPLANE_FUSED_OPS=$ops step "diag-$ops" 150 "${mg[@]}" --shape llama-3.2-1b --trials 2 \
                 --seq-len 128 --warmup 0 --steps 1 --no-single
             done
           fi ;;
         tests)
           step tests 600 python -m pytest --confcutdir=tests/engine -p no:cacheprovider -q -rs \
             tests/engine/test_distributed.py tests/engine/test_fused.py tests/engine/test_cuda.py ;;
-        8b) step 8b 600 mg --shape llama-3.1-8b --trials 16 --seq-len 512 --warmup 3 --steps 10 ;;
-        70b) step 70b 600 mg --shape llama-3.1-70b --layers 48 --trials "$big_trials" --seq-len 512 --warmup 2 \
+        8b) step 8b 600 "${mg[@]}" --shape llama-3.1-8b --trials "$eight_trials" --seq-len 512 --warmup 3 \
+              --steps 10 --profile ;;
+        70b) step 70b 600 "${mg[@]}" --shape llama-3.1-70b --layers 48 --trials "$big_trials" --seq-len 512 --warmup 2 \
                --steps 4 --no-single ;;
         service) step service 600 python -m benchmarks.multi_gpu_service --gpus 0,1 --shape llama-3.1-8b \
                    --model-dir /root/lp/models/rank_pool-llama-3.1-8b-None ;;
-        pool) step pool 600 python -m benchmarks.rank_pool --devices cuda:0,cuda:1 --shape llama-3.1-8b --trials 16 \
-                --seq-len 512 --steps 30 ;;
+        pool) step pool 600 python -m benchmarks.rank_pool --devices cuda:0,cuda:1 --shape llama-3.1-8b \
+                --trials "$eight_trials" --seq-len 512 --steps 30 ;;
         paths)
-          LORAPLANE_LORA_BACKEND=triton step paths-triton 240 mg --shape llama-3.2-1b --trials 8 --seq-len 512 \
+          LORAPLANE_LORA_BACKEND=triton step paths-triton 240 "${mg[@]}" --shape llama-3.2-1b --trials 8 --seq-len 512 \
             --warmup 3 --steps 10
-          LORAPLANE_ATTENTION=rows step paths-rows 240 mg --shape llama-3.2-1b --trials 8 --seq-len 512 --warmup 3 \
-            --steps 10 ;;
+          LORAPLANE_ATTENTION=rows step paths-rows 240 "${mg[@]}" --shape llama-3.2-1b --trials 8 --seq-len 512 --warmup 3 \
+            --steps 10 --profile ;;
       esac
     done
     echo "=== all done $(date +%T)" ;;

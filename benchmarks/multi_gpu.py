@@ -44,8 +44,11 @@ def trial_specs(k: int, batch: int, seq_len: int, rows: list[dict[str, str]], ta
 
 
 def train(model: Any, tokenizer: Any, specs: list[TrialSpec], device: torch.device, warmup: int, steps: int,
-          lockstep: Lockstep | None) -> tuple[float, int, dict[str, float], int]:
-    """(seconds of the measured steps, their real tokens, each trial's mean loss over them, peak bytes)."""
+          lockstep: Lockstep | None, profiled: dict[str, Any] | None = None,
+          ) -> tuple[float, int, dict[str, float], int]:
+    """(seconds of the measured steps, their real tokens, each trial's mean loss over them, peak bytes). With
+    ``profiled`` (a dict), two more steps run under torch.profiler and their time split goes into it
+    (``step_profile``)."""
     engine = PackEngine(model, tokenizer, capacity=max(1, len(specs)), device=device, max_rank=max(RANKS),
                         target_modules=specs[0].target_modules if specs else None, lockstep=lockstep)
     with engine:
@@ -65,7 +68,61 @@ def train(model: Any, tokenizer: Any, specs: list[TrialSpec], device: torch.devi
                     losses[trial_id] += loss / steps
         wait(device, lockstep)
         seconds = time.perf_counter() - started
+        if profiled is not None:
+            profiled.update(step_profile(engine, device, lockstep, 2))
     return seconds, tokens, losses, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+KERNEL_KINDS = (("nccl", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "matmul", "grouped_mm")),
+                ("triton", ("triton",)))
+
+
+def step_profile(engine: PackEngine, device: torch.device, lockstep: Lockstep | None, steps: int) -> dict[str, Any]:
+    """Where ``steps`` more steps' wall time goes on this rank: the GPU's kernel time by kind (NCCL collectives,
+    GEMMs, Triton kernels, the rest), the time no kernel ran (host work, waits on the other rank), and the time spent
+    in the lockstep's host agreements. What the issue-37 question (why two GPUs are not twice one) needs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    agreed = 0.0
+    if lockstep is not None:  # time the agreements by wrapping this rank's lockstep for the profiled steps
+        most = lockstep.most
+
+        def timed_most(own: int) -> int:
+            nonlocal agreed
+            t0 = time.perf_counter()
+            try:
+                return most(own)
+            finally:
+                agreed += time.perf_counter() - t0
+
+        lockstep.most = timed_most  # type: ignore[method-assign]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    wait(device, lockstep)
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        wait(device, lockstep)
+    wall = time.perf_counter() - started
+    if lockstep is not None:
+        del lockstep.most  # the class's method again
+    kinds = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
+    spans: list[tuple[float, float]] = []
+    for event in prof.events():
+        if str(event.device_type).split(".")[-1] != "CUDA":
+            continue
+        name = event.name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
+        span = (event.time_range.start / 1e6, event.time_range.end / 1e6)
+        kinds[kind] += span[1] - span[0]
+        spans.append(span)
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):  # the union of kernel spans: time some kernel ran
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return {"steps": steps, "wall_s": round(wall, 4), "kernel_s": {k: round(v, 4) for k, v in kinds.items()},
+            "gpu_busy_s": round(busy, 4), "no_kernel_s": round(max(0.0, wall - busy), 4),
+            "lockstep_agreements_s": round(agreed, 4)}
 
 
 def wait(device: torch.device, lockstep: Lockstep | None) -> None:
@@ -93,6 +150,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline (it does not fit)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the measured steps, two more under torch.profiler: each rank's time split")
     parser.add_argument("--dir", type=Path, default=Path(os.environ.get("LORAPLANE_BENCH_DIR", tempfile.gettempdir())))
     args = parser.parse_args()
 
@@ -117,15 +176,18 @@ def main() -> None:
     # both, so neither profits from the other's warm caches.
     for _ in range(2):
         single: tuple[float, int, dict[str, float], int] | None = None
+        single_profile: dict[str, Any] | None = {} if args.profile else None
+        sharded_profile: dict[str, Any] | None = {} if args.profile else None
         if not args.no_single and rank == 0:
             single = train(build(args.shape, device, layers=args.layers), tokenizer, specs, device, args.warmup,
-                           args.steps, None)
+                           args.steps, None, single_profile)
             if cuda:
                 torch.cuda.empty_cache()
         dist.barrier()
         # Built sharded in place (shard_base on the meta model): no GPU ever holds the whole model.
         model = build(args.shape, device, layers=args.layers, shard=True)
-        seconds, tokens, adapters, peak = train(model, tokenizer, mine, device, args.warmup, args.steps, Lockstep())
+        seconds, tokens, adapters, peak = train(model, tokenizer, mine, device, args.warmup, args.steps, Lockstep(),
+                                                sharded_profile)
         del model
         if cuda:
             torch.cuda.empty_cache()
@@ -136,14 +198,17 @@ def main() -> None:
     dist.all_gather_object(diffs, diff)
     peaks: list[Any] = [None] * world
     dist.all_gather_object(peaks, peak)
+    profiles: list[Any] = [None] * world
+    dist.all_gather_object(profiles, sharded_profile)
     if rank == 0:
-        report(args, world, single, seconds, int(totals.item()), peaks, diffs)
+        report(args, world, single, seconds, int(totals.item()), peaks, diffs,
+               {"one_gpu": single_profile, "ranks": profiles} if args.profile else None)
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 
 def report(args: argparse.Namespace, world: int, single: tuple[float, int, dict[str, float], int] | None,
-           seconds: float, tokens: int, peaks: list[Any], diffs: list[Any]) -> None:
+           seconds: float, tokens: int, peaks: list[Any], diffs: list[Any], profiles: dict[str, Any] | None) -> None:
     sharded_tps = tokens / seconds
     rows: list[list[Any]] = []
     if single is not None:
@@ -156,7 +221,11 @@ def report(args: argparse.Namespace, world: int, single: tuple[float, int, dict[
     headers = ["run", "gpus", "tokens/s", "x one GPU", "peak GiB per GPU", "loss rel diff"]
     write_result(f"multi_gpu-{args.shape}{layers}-{world}gpu", headers, rows,
                  {"shape": args.shape, "layers": args.layers, "trials": args.trials, "batch": args.batch,
-                  "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup})
+                  "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "step_profiles": profiles})
+    if profiles is not None:
+        for label, profile in [("one GPU", profiles["one_gpu"])] + [(f"rank {r}", p)
+                                                                  for r, p in enumerate(profiles["ranks"])]:
+            print(f"{label}: {profile}")
 
 
 if __name__ == "__main__":
