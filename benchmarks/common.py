@@ -12,7 +12,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+PACKAGE = Path(__file__).resolve().parent
+# Where results are written: the committed folder, unless a test sends a benchmark's run elsewhere.
+RESULTS = Path(os.environ.get("LORAPLANE_BENCH_RESULTS") or PACKAGE / "results")
 
 
 def device_description() -> str:
@@ -44,8 +46,12 @@ def git_commit() -> str:
 
 def command_line() -> str:
     """How the benchmark was started (`python -m benchmarks.x ...`, as its docstring says to run it)."""
-    script = Path(sys.argv[0])
-    head = ["python", "-m", f"benchmarks.{script.stem}"] if script.parent == RESULTS.parent else ["python", sys.argv[0]]
+    script = Path(sys.argv[0]).resolve()
+    if script.is_relative_to(PACKAGE):  # benchmarks/x.py or benchmarks/quality/run.py: run as a module
+        module = ".".join(script.relative_to(PACKAGE.parent).with_suffix("").parts)
+        head = ["python", "-m", module]
+    else:
+        head = ["python", sys.argv[0]]
     return " ".join(shlex.quote(a) for a in [*head, *sys.argv[1:]])
 
 
