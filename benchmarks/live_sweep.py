@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -53,12 +54,17 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 MODEL_KEYS = {"smollm2-135m-instruct": "smollm2", "tiny-random-llama": "tiny"}
 
 
-def start_service(home: Path, port: int, admin_token: str, workers: int, slots: int) -> list[subprocess.Popen[bytes]]:
+def start_service(home: Path, port: int, admin_token: str, workers: int, slots: int,
+                  worker_args: Sequence[str] = ()) -> list[subprocess.Popen[bytes]]:
+    """`loraplane up` (the embedded default) with its worker, and ``workers - 1`` more workers once it answers.
+    With ``worker_args``, `up` runs no worker and one `loraplane worker <worker_args>` joins instead (a worker over
+    several GPUs: ``["--gpus", "0,1"]``)."""
     env = {**os.environ, "LORAPLANE_HOME": str(home), "LORAPLANE_ADMIN_TOKEN": admin_token,
            "LORAPLANE_WORKER_MAX_SLOTS": str(slots), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     log = (home / "service.log").open("ab")
-    procs = [subprocess.Popen([sys.executable, "-m", "loraplane.cli", "up", "--port", str(port),
-                               "--worker-id", "live-1"], env=env, stdout=log, stderr=log, start_new_session=True)]
+    up = ["--no-worker"] if worker_args else ["--worker-id", "live-1"]
+    procs = [subprocess.Popen([sys.executable, "-m", "loraplane.cli", "up", "--port", str(port), *up],
+                              env=env, stdout=log, stderr=log, start_new_session=True)]
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:  # the extra workers join once the database exists (`up` migrates it first)
@@ -70,6 +76,9 @@ def start_service(home: Path, port: int, admin_token: str, workers: int, slots: 
         if time.monotonic() > deadline or procs[0].poll() is not None:
             raise SystemExit(f"the service did not come up; see {home / 'service.log'}")
         time.sleep(1)
+    if worker_args:
+        procs.append(subprocess.Popen([sys.executable, "-m", "loraplane.cli", "worker", *worker_args],
+                                      env=env, stdout=log, stderr=log, start_new_session=True))
     for i in range(2, workers + 1):
         procs.append(subprocess.Popen([sys.executable, "-m", "loraplane.cli", "worker", "--worker-id", f"live-{i}"],
                                       env=env, stdout=log, stderr=log, start_new_session=True))

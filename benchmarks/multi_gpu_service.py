@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from benchmarks.base_models import make_rows, materialise
 from benchmarks.common import write_result
-from benchmarks.live_sweep import pack_profiles
+from benchmarks.live_sweep import pack_profiles, start_service, stop_service
 from loraplane.client import Client
 
 
@@ -50,41 +45,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path,
                         help="where the random-weight model is written, or found if an earlier run wrote it there")
     return parser.parse_args()
-
-
-def start(home: Path, port: int, admin_token: str, gpus: str) -> list[subprocess.Popen[bytes]]:
-    env = {**os.environ, "LORAPLANE_HOME": str(home), "LORAPLANE_ADMIN_TOKEN": admin_token,
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    log = (home / "service.log").open("ab")
-
-    def spawn(*args: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([sys.executable, "-m", "loraplane.cli", *args], env=env, stdout=log, stderr=log,
-                                start_new_session=True)
-
-    procs = [spawn("up", "--port", str(port), "--no-worker")]
-    deadline = time.monotonic() + 180
-    while True:  # the worker joins once the database exists (`up` migrates it first)
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline or procs[0].poll() is not None:
-            raise SystemExit(f"the service did not come up; see {home / 'service.log'}")
-        time.sleep(1)
-    procs.append(spawn("worker", "--worker-id", "multi", *([] if gpus == "cpu" else ["--gpus", gpus])))
-    return procs
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in reversed(procs):
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def jsonl(rows: list[dict[str, str]]) -> bytes:
@@ -115,7 +75,8 @@ def main() -> None:
     admin_token = "lpadmin_" + secrets.token_urlsafe(16)
     tokenizer, directory = materialise(args.shape, args.model_dir or home / "model")
     tokenizer.save_pretrained(directory)
-    procs = start(home, args.port, admin_token, args.gpus)
+    worker = ["--worker-id", "multi", *([] if args.gpus == "cpu" else ["--gpus", args.gpus])]
+    procs = start_service(home, args.port, admin_token, workers=1, slots=64, worker_args=worker)
     url = f"http://127.0.0.1:{args.port}"
     lrs = [1e-4 * 2**i for i in range(max(1, args.trials // 2))]
     try:
@@ -143,7 +104,7 @@ def main() -> None:
                   f"{[(t.id, t.state, t.steps_done) for t in trials]}", flush=True)
             adapter = lp.tasks.download_adapter(task.id, home / "adapter") if task.state == "succeeded" else None
     finally:
-        stop(procs)
+        stop_service(procs)
     packs = [p for p in pack_profiles(home) if p["trials"]]
     device = torch.device("cpu") if args.gpus == "cpu" else torch.device("cuda", 0)
     check = peft_check(directory, adapter, tokenizer, device) if adapter is not None else None
