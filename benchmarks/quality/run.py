@@ -18,9 +18,11 @@ and submits one task per arm:
 each trial's seed the task's seed. Then it downloads each task's best adapter (and, for ``oracle``, every trial's
 adapter of ``grid-none``), loads them in PEFT on the same base model, and decodes the test rows greedily (the prompt
 as the worker renders it for a generative metric, `worker.engine.data.eval_prompt`; the answer up to its first end
-of turn or newline). ``base`` is the model without an adapter; ``oracle`` is the ``grid-none`` trial best on the test
-rows (the ceiling of choosing among those trials). Prints, per task and size, each arm's mean and 95% interval over
-the seeds (Student's t), and writes benchmarks/results/quality-<model>-<device>-<date>.json with every score.
+of turn or newline). ``base`` is the model without an adapter; ``oracle`` is the ``grid-none`` trial best on the
+test rows (the ceiling of choosing among those trials); every ``grid-none`` trial's test score and validation curve
+are kept, so that another way of picking the winner can be judged on them without training again. Prints, per task
+and size, each arm's mean and 95% interval over the seeds (Student's t), and writes
+benchmarks/results/quality-<model>-<device>-<date>.json with every score.
 """
 
 from __future__ import annotations
@@ -209,7 +211,11 @@ def score(lp: Client, cells: list[Cell], args: argparse.Namespace, decoder: Deco
             if each:
                 best_id = max(each, key=lambda t: each[t])
                 cell.scores["oracle"] = each[best_id]
-                cell.winners["oracle"] = {"trial_id": best_id, "all": each}
+                # Every trial's validation curve beside its test score: a rule that picks the winner another way
+                # (a smoothed score, the last points) can be judged on these without training again.
+                curves = {t.id: [[p.step, p.loss] for p in lp.tasks.metrics(task_id, t.id).val] for t in trials}
+                cell.winners["oracle"] = {"trial_id": best_id, "all": each, "val_curves": curves,
+                                          "hyperparameters": {t.id: t.hyperparameters for t in trials}}
         print(f"{cell.task}/{cell.size}/seed {cell.seed}: " +
               ", ".join(f"{arm} {value:.3f}" for arm, value in cell.scores.items()), flush=True)
 

@@ -51,3 +51,6 @@ def test_the_small_benchmark_scores_every_arm_through_the_service(tmp_path: Path
         assert sorted(winners["oracle"]["all"]) and len(winners["oracle"]["all"]) == len(GRID_LRS)
         assert cell["scores"]["oracle"] == max(winners["oracle"]["all"].values()) >= cell["scores"]["grid-none"]
         assert winners["grid-none"]["trial_id"] in winners["oracle"]["all"]
+        # Every grid trial's validation curve is kept beside its test score (for judging selection rules later).
+        curves = winners["oracle"]["val_curves"]
+        assert set(curves) == set(winners["oracle"]["all"]) and all(curve for curve in curves.values())
