@@ -79,23 +79,11 @@ KERNEL_KINDS = (("nccl", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90
 
 def step_profile(engine: PackEngine, device: torch.device, lockstep: Lockstep | None, steps: int) -> dict[str, Any]:
     """Where ``steps`` more steps' wall time goes on this rank: the GPU's kernel time by kind (NCCL collectives,
-    GEMMs, Triton kernels, the rest), the time no kernel ran (host work, waits on the other rank), and the time spent
-    in the lockstep's host agreements. What the issue-37 question (why two GPUs are not twice one) needs."""
+    GEMMs, Triton kernels, the rest) and the time no kernel ran (host work, waits on the other rank). What the
+    issue-37 question (why two GPUs are not twice one) needs. This loop calls ``engine.step`` alone, so the
+    lockstep's host agreements (the trainer's loop, worker/engine/trainer.py) are not in it."""
     from torch.profiler import ProfilerActivity, profile
 
-    agreed = 0.0
-    if lockstep is not None:  # time the agreements by wrapping this rank's lockstep for the profiled steps
-        most = lockstep.most
-
-        def timed_most(own: int) -> int:
-            nonlocal agreed
-            t0 = time.perf_counter()
-            try:
-                return most(own)
-            finally:
-                agreed += time.perf_counter() - t0
-
-        lockstep.most = timed_most  # type: ignore[method-assign]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     wait(device, lockstep)
     started = time.perf_counter()
@@ -104,8 +92,6 @@ def step_profile(engine: PackEngine, device: torch.device, lockstep: Lockstep | 
             engine.step()
         wait(device, lockstep)
     wall = time.perf_counter() - started
-    if lockstep is not None:
-        del lockstep.most  # the class's method again
     kinds = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
     spans: list[tuple[float, float]] = []
     for event in prof.events():
@@ -121,8 +107,7 @@ def step_profile(engine: PackEngine, device: torch.device, lockstep: Lockstep | 
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     return {"steps": steps, "wall_s": round(wall, 4), "kernel_s": {k: round(v, 4) for k, v in kinds.items()},
-            "gpu_busy_s": round(busy, 4), "no_kernel_s": round(max(0.0, wall - busy), 4),
-            "lockstep_agreements_s": round(agreed, 4)}
+            "gpu_busy_s": round(busy, 4), "no_kernel_s": round(max(0.0, wall - busy), 4)}
 
 
 def wait(device: torch.device, lockstep: Lockstep | None) -> None:

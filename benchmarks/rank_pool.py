@@ -139,10 +139,8 @@ def main() -> None:
                       LORAPLANE_MODEL_CACHE=str(work / "models"), HF_HUB_OFFLINE="1")
     from common.artifacts import get_artifact_store
 
-    if args.layers is not None:
-        SHAPES[args.shape] = {**SHAPES[args.shape], "num_hidden_layers": args.layers}
     model_dir = args.dir / f"rank_pool-{args.shape}-{args.layers}"
-    tokenizer, base = materialise(args.shape, model_dir)
+    tokenizer, base = materialise(args.shape, model_dir, layers=args.layers)
     tokenizer.save_pretrained(base)  # a registered model directory holds its tokenizer
     get_artifact_store().put_bytes("files/bench.jsonl", training_file(make_rows(64, args.seq_len, seed=0)))
     targets = projections(args.shape)
