@@ -89,7 +89,7 @@ def materialise(shape: str, directory: Path, layers: int | None = None) -> tuple
 
 
 def build(shape: str, device: torch.device, *, layers: int | None = None, shard: bool = False,
-          seed: int = 0) -> Any:
+          seed: int = 0, reshard_after_forward: bool = True) -> Any:
     """A frozen random-weight model of `shape` made on `device`, never written to disk: bf16 on CUDA, fp32 on the
     CPU. Each weight is drawn whole on `device` from a generator seeded by its name and `seed`, so every build
     has the same weights on every device of a kind. With `shard` (torch.distributed initialised), the model is
@@ -105,7 +105,8 @@ def build(shape: str, device: torch.device, *, layers: int | None = None, shard:
         model: Any = AutoModelForCausalLM.from_config(config, dtype=base_dtype(device))
     model.requires_grad_(False)
     if shard:
-        shard_base(model, device=device)  # gives the meta model empty storage on `device`, shards included
+        # gives the meta model empty storage on `device`, shards included
+        shard_base(model, device=device, reshard_after_forward=reshard_after_forward)
     else:
         model.to_empty(device=device)
     generator = torch.Generator(device=device)

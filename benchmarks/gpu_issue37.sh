@@ -7,11 +7,16 @@
 # `start` runs the steps below in a process of its own (setsid), each under its own time limit, logging to
 # /root/lp/i37/<step>.log; `wait` follows it and leaves $OUT/i37.tar.gz (logs and result files) after each call.
 # Steps, in order of what matters if time runs out (STEPS="..." picks some):
+#   nccl     benchmarks/collectives.py: one 8B layer's all-gather timed alone, NCCL's chosen transport from its log
 #   quick    a sharded pack of the 1B shape on both GPUs, Liger's fused ops on (what crashed); if it fails, `diag`
 #            runs it again per fused op with CUDA_LAUNCH_BLOCKING=1, to name the culprit
 #   tests    tests/engine/test_distributed.py on two GPUs (NCCL: the scenario of back-fill, export, pause and resume
 #            over each LoRA and attention path, against one GPU) and the engine's one-GPU CUDA tests
-#   8b       benchmarks/multi_gpu.py: 8B shape, 16 trials, one GPU against two, side by side in one run
+#   8b       benchmarks/multi_gpu.py: 8B shape, 16 trials, one GPU against two, side by side in one run, each
+#            profiled (their Chrome traces come back beside i37.tar.gz)
+#   8b-replicate, 8b-keep   the same with the base whole on each rank (no gathers: the ceiling of the rank's
+#            own step), and sharded but kept whole from forward to backward (half the gathers)
+#   8b-b4    the same at batch 4: four times the rows a step, for what is fixed per step against what is per row
 #   70b      the 70B shape, 48 layers, built sharded in place (no disk), over two GPUs only
 #   service  benchmarks/multi_gpu_service.py: `loraplane up --no-worker` + `loraplane worker --gpus 0,1`, a task on a
 #            registered 8B-shape directory, its adapter loaded in PEFT
@@ -26,8 +31,9 @@ mkdir -p "$OUT" "$LOGS" /root/lp/models
 
 collect() {
   cp benchmarks/results/multi_gpu-* benchmarks/results/rank_pool-* benchmarks/results/multi_gpu_service-* \
-    "$LOGS"/ 2>/dev/null
-  tar -czf "$OUT/i37.tar.gz" -C /root/lp i37 2>/dev/null
+    benchmarks/results/collectives-* "$LOGS"/ 2>/dev/null
+  cp "$LOGS"/trace/*.json.gz "$OUT"/ 2>/dev/null  # already compressed, each a file of its own
+  tar -czf "$OUT/i37.tar.gz" --exclude='*.json.gz' -C /root/lp i37 2>/dev/null
 }
 
 case $stage in
@@ -69,7 +75,7 @@ case $stage in
       collect
       return $rc
     }
-    for s in ${STEPS:-quick tests 8b 70b service pool paths}; do
+    for s in ${STEPS:-nccl quick tests 8b 8b-replicate 8b-keep 8b-b4 70b service pool paths}; do
       case $s in
         quick)
           if ! step quick 300 "${mg[@]}" --shape llama-3.2-1b --trials 4 --seq-len 256 --warmup 1 --steps 2; then
@@ -81,8 +87,16 @@ case $stage in
         tests)
           step tests 600 python -m pytest --confcutdir=tests/engine -p no:cacheprovider -q -rs \
             tests/engine/test_distributed.py tests/engine/test_fused.py tests/engine/test_cuda.py ;;
+        nccl) NCCL_DEBUG=INFO step nccl 120 python -m torch.distributed.run --standalone --nproc_per_node=2 \
+                -m benchmarks.collectives --shape llama-3.1-8b
+              grep -E "via |Channel 00|NVLS|P2P" "$LOGS/nccl.log" | head -8 ;;
         8b) step 8b 600 "${mg[@]}" --shape llama-3.1-8b --trials "$eight_trials" --seq-len 512 --warmup 3 \
-              --steps 10 --profile ;;
+              --steps 10 --profile --trace "$LOGS/trace" ;;
+        8b-replicate|8b-keep)
+          step "$s" 600 "${mg[@]}" --shape llama-3.1-8b --trials "$eight_trials" --seq-len 512 --warmup 3 --steps 10 \
+            --profile --layout "$([ "$s" = 8b-keep ] && echo shard-keep || echo replicate)" ;;
+        8b-b4) step 8b-b4 600 "${mg[@]}" --shape llama-3.1-8b --trials "$eight_trials" --batch 4 --seq-len 512 \
+                 --warmup 2 --steps 6 --profile ;;
         70b) step 70b 600 "${mg[@]}" --shape llama-3.1-70b --layers 48 --trials "$big_trials" --seq-len 512 --warmup 2 \
                --steps 4 --no-single ;;
         service) step service 600 python -m benchmarks.multi_gpu_service --gpus 0,1 --shape llama-3.1-8b \

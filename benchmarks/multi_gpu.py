@@ -19,7 +19,9 @@ costs on one GPU. Results: benchmarks/results/multi_gpu-<shape>-<N>gpu-<device>-
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -44,7 +46,7 @@ def trial_specs(k: int, batch: int, seq_len: int, rows: list[dict[str, str]], ta
 
 
 def train(model: Any, tokenizer: Any, specs: list[TrialSpec], device: torch.device, warmup: int, steps: int,
-          lockstep: Lockstep | None, profiled: dict[str, Any] | None = None,
+          lockstep: Lockstep | None, profiled: dict[str, Any] | None = None, trace: Path | None = None,
           ) -> tuple[float, int, dict[str, float], int]:
     """(seconds of the measured steps, their real tokens, each trial's mean loss over them, peak bytes). With
     ``profiled`` (a dict), two more steps run under torch.profiler and their time split goes into it
@@ -69,7 +71,7 @@ def train(model: Any, tokenizer: Any, specs: list[TrialSpec], device: torch.devi
         wait(device, lockstep)
         seconds = time.perf_counter() - started
         if profiled is not None:
-            profiled.update(step_profile(engine, device, lockstep, 2))
+            profiled.update(step_profile(engine, device, lockstep, 2, trace))
     return seconds, tokens, losses, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
@@ -77,10 +79,13 @@ KERNEL_KINDS = (("nccl", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90
                 ("triton", ("triton",)))
 
 
-def step_profile(engine: PackEngine, device: torch.device, lockstep: Lockstep | None, steps: int) -> dict[str, Any]:
+def step_profile(engine: PackEngine, device: torch.device, lockstep: Lockstep | None, steps: int,
+                 trace: Path | None = None) -> dict[str, Any]:
     """Where ``steps`` more steps' wall time goes on this rank: the GPU's kernel time by kind (NCCL collectives,
-    GEMMs, Triton kernels, the rest) and the time no kernel ran (host work, waits on the other rank). What the
-    issue-37 question (why two GPUs are not twice one) needs. This loop calls ``engine.step`` alone, so the
+    GEMMs, Triton kernels, the rest), the time some compute kernel ran (``compute_busy_s``), the NCCL time no
+    compute kernel hid (``nccl_exposed_s``) and the time no kernel ran at all (host work, waits on the other rank).
+    What the issue-37 question (why two GPUs are not twice one) needs. With ``trace``, the profiler's Chrome trace
+    is written there (gzip) and its operator tables beside it. This loop calls ``engine.step`` alone, so the
     lockstep's host agreements (the trainer's loop, worker/engine/trainer.py) are not in it."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -93,7 +98,8 @@ def step_profile(engine: PackEngine, device: torch.device, lockstep: Lockstep | 
         wait(device, lockstep)
     wall = time.perf_counter() - started
     kinds = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
-    spans: list[tuple[float, float]] = []
+    compute: list[tuple[float, float]] = []
+    nccl: list[tuple[float, float]] = []
     for event in prof.events():
         if str(event.device_type).split(".")[-1] != "CUDA":
             continue
@@ -101,13 +107,39 @@ def step_profile(engine: PackEngine, device: torch.device, lockstep: Lockstep | 
         kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
         span = (event.time_range.start / 1e6, event.time_range.end / 1e6)
         kinds[kind] += span[1] - span[0]
-        spans.append(span)
-    busy, end = 0.0, float("-inf")
-    for start, stop in sorted(spans):  # the union of kernel spans: time some kernel ran
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
+        (nccl if kind == "nccl" else compute).append(span)
+    compute_union = union(compute)
+    busy = sum(stop - start for start, stop in union(compute + nccl))
+    compute_busy = sum(stop - start for start, stop in compute_union)
+    exposed = busy - compute_busy  # NCCL time during which no compute kernel ran
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        raw = trace.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as source, gzip.open(trace, "wb") as target:
+            shutil.copyfileobj(source, target)
+        raw.unlink()
+        tables = [prof.key_averages().table(sort_by=key, row_limit=25)
+                  for key in ("self_cpu_time_total", "self_device_time_total")]
+        trace.with_name(trace.name.replace(".json.gz", ".txt")).write_text("\n\n".join(tables))
     return {"steps": steps, "wall_s": round(wall, 4), "kernel_s": {k: round(v, 4) for k, v in kinds.items()},
-            "gpu_busy_s": round(busy, 4), "no_kernel_s": round(max(0.0, wall - busy), 4)}
+            "gpu_busy_s": round(busy, 4), "compute_busy_s": round(compute_busy, 4),
+            "nccl_exposed_s": round(exposed, 4), "no_kernel_s": round(max(0.0, wall - busy), 4)}
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The spans merged where they overlap: the time any of them ran."""
+    merged: list[tuple[float, float]] = []
+    for start, stop in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def trace_path(directory: Path | None, label: str) -> Path | None:
+    return directory / f"multi_gpu-trace-{label}.json.gz" if directory is not None else None
 
 
 def wait(device: torch.device, lockstep: Lockstep | None) -> None:
@@ -134,9 +166,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--layout", choices=("shard", "shard-keep", "replicate"), default="shard",
+                        help="the base over the ranks: sharded (each layer gathered per pass), sharded but kept "
+                             "whole from forward to backward, or whole on every rank (no collective in a pass)")
     parser.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline (it does not fit)")
     parser.add_argument("--profile", action="store_true",
                         help="after the measured steps, two more under torch.profiler: each rank's time split")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="with --profile: write each profile's Chrome trace (gzip) and operator tables here")
     parser.add_argument("--dir", type=Path, default=Path(os.environ.get("LORAPLANE_BENCH_DIR", tempfile.gettempdir())))
     args = parser.parse_args()
 
@@ -165,14 +202,16 @@ def main() -> None:
         sharded_profile: dict[str, Any] | None = {} if args.profile else None
         if not args.no_single and rank == 0:
             single = train(build(args.shape, device, layers=args.layers), tokenizer, specs, device, args.warmup,
-                           args.steps, None, single_profile)
+                           args.steps, None, single_profile, trace_path(args.trace, "one_gpu"))
             if cuda:
                 torch.cuda.empty_cache()
         dist.barrier()
-        # Built sharded in place (shard_base on the meta model): no GPU ever holds the whole model.
-        model = build(args.shape, device, layers=args.layers, shard=True)
+        # Built sharded in place (shard_base on the meta model): no GPU ever holds the whole model. Or, for the
+        # comparison, every rank holds it whole and the passes make no collective (`replicate`).
+        model = build(args.shape, device, layers=args.layers, shard=args.layout != "replicate",
+                      reshard_after_forward=args.layout == "shard")
         seconds, tokens, adapters, peak = train(model, tokenizer, mine, device, args.warmup, args.steps, Lockstep(),
-                                                sharded_profile)
+                                                sharded_profile, trace_path(args.trace, f"rank{rank}"))
         del model
         if cuda:
             torch.cuda.empty_cache()
@@ -200,13 +239,16 @@ def report(args: argparse.Namespace, world: int, single: tuple[float, int, dict[
         rows.append(["one GPU, one pack", 1, round(single[1] / single[0]), 1.0, round(single[3] / 2**30, 1), ""])
     ratio = round(sharded_tps / (single[1] / single[0]), 2) if single is not None else ""
     worst = max((d for d in diffs if d is not None), default=None)
-    rows.append([f"{world} GPUs, base sharded, trials dealt", world, round(sharded_tps), ratio,
+    layout = {"shard": "base sharded", "shard-keep": "base sharded, kept to backward", "replicate": "base whole"}
+    rows.append([f"{world} GPUs, {layout[args.layout]}, trials dealt", world, round(sharded_tps), ratio,
                  round(max(peaks) / 2**30, 1), "" if worst is None else f"{worst:.1e}"])
     layers = f"-{args.layers}layers" if args.layers is not None else ""
+    layers += f"-{args.layout}" if args.layout != "shard" else ""
     headers = ["run", "gpus", "tokens/s", "x one GPU", "peak GiB per GPU", "loss rel diff"]
     write_result(f"multi_gpu-{args.shape}{layers}-{world}gpu", headers, rows,
-                 {"shape": args.shape, "layers": args.layers, "trials": args.trials, "batch": args.batch,
-                  "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "step_profiles": profiles})
+                 {"shape": args.shape, "layers": args.layers, "layout": args.layout, "trials": args.trials,
+                  "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
+                  "step_profiles": profiles})
     if profiles is not None:
         for label, profile in [("one GPU", profiles["one_gpu"])] + [(f"rank {r}", p)
                                                                   for r, p in enumerate(profiles["ranks"])]:

@@ -60,16 +60,20 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def shard_base(model: nn.Module, *, device: torch.device | None = None,
-               group: dist.ProcessGroup | None = None) -> None:
+               group: dist.ProcessGroup | None = None, reshard_after_forward: bool = True) -> None:
     """Shard every decoder layer's frozen weights over the ranks of ``group`` (FSDP2, one unit per layer), on
     ``device`` (default: where the model is).
 
     Each layer is gathered for its forward and freed after it, and gathered again for the backward: a rank holds
-    its share of every layer plus one whole layer at a time. The embeddings, the final norm and the output
-    projection stay whole on every rank (they run outside the layers' forward, and a tied output projection is
-    the embedding's own weight); for a large model they are a few GB of its tens. A model too large for one GPU
-    is loaded in host memory and sharded from there: FSDP moves each layer to ``device`` as it shards it, so the
-    GPU never holds more than its shards and one whole layer; the rest follows. Call it before the pack's engine
+    its share of every layer plus one whole layer at a time. With ``reshard_after_forward=False`` a layer gathered
+    for the forward stays whole until its backward: half the gathers of a training pass, for a whole base's
+    memory at the turn of the pass (benchmarks/multi_gpu.py's ``--layout shard-keep`` measures the trade).
+
+    The embeddings, the final norm and the output projection stay whole on every rank (they run outside the
+    layers' forward, and a tied output projection is the embedding's own weight); for a large model they are a few
+    GB of its tens. A model too large for one GPU is loaded in host memory and sharded from there: FSDP moves each
+    layer to ``device`` as it shards it, so the GPU never holds more than its shards and one whole layer; the rest
+    follows. Call it before the pack's engine
     wraps the layers: the wrappers then use the gathered weights. A model made on the meta device (no weights
     yet) gets empty storage on ``device``, each rank's shards only, for its caller to fill (benchmarks/
     base_models.py's ``build`` draws a large shape's random weights in place that way).
@@ -82,7 +86,7 @@ def shard_base(model: nn.Module, *, device: torch.device | None = None,
     device = device or next(model.parameters()).device
     mesh = DeviceMesh.from_group(group, device.type)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     if any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     else:
