@@ -58,17 +58,26 @@ def triton_available() -> bool:
 # Llama-3.2-1B shape (d_in 2048), 32 slots: +5% at batch 1, +6% at batch 4 (-30% at batch 2); Llama-3.1-8B shape,
 # 8 slots: -6%; SmolLM2-135M shape (d_in 576/1536), 24 slots: -21 to -27% (there the step is host-bound, and each
 # Triton launch costs ~0.1 ms of Python: 840 a step). So Triton only for wide layers with many slots.
+# A rank of a pack over several GPUs is another case (``uncaptured``): its steps are never replayed from CUDA graphs
+# (worker/engine/capture.py: the layers' all-gathers are collectives), and the torch path then launches ~2.5x the
+# kernels Triton does. On two H200s, Llama-3.1-8B shape, 8 slots a rank, batch 1, the pack over both GPUs went from
+# 0.91x to 1.08x one GPU's tokens/s with Triton on the ranks, and from 1.02x to 1.29x with the base whole on each
+# (benchmarks/results/issue37/, docs/multi-gpu.md). So on such a rank Triton for every wide layer.
 AUTO_TRITON_MIN_D_IN = 2048
 AUTO_TRITON_MIN_SLOTS = 16
 
 
-def auto_backend(d_in: int, slots: int) -> Literal["torch", "triton"]:
-    """What ``"auto"`` picks on a GPU for a layer of input width ``d_in`` in a pack of ``slots`` slots."""
-    return "triton" if d_in >= AUTO_TRITON_MIN_D_IN and slots >= AUTO_TRITON_MIN_SLOTS else "torch"
+def auto_backend(d_in: int, slots: int, *, uncaptured: bool = False) -> Literal["torch", "triton"]:
+    """What ``"auto"`` picks on a GPU for a layer of input width ``d_in`` in a pack of ``slots`` slots
+    (``uncaptured``: the pack's steps never run from CUDA graphs, as on a rank of a pack over several GPUs)."""
+    wide = d_in >= AUTO_TRITON_MIN_D_IN
+    return "triton" if wide and (uncaptured or slots >= AUTO_TRITON_MIN_SLOTS) else "torch"
 
 
-def resolve_backend(x: torch.Tensor, slots: int | None = None) -> Literal["torch", "triton"]:
-    """The backend a call with activations ``x`` (``(tokens, d_in)``) in a pack of ``slots`` slots takes."""
+def resolve_backend(x: torch.Tensor, slots: int | None = None, *,
+                    uncaptured: bool = False) -> Literal["torch", "triton"]:
+    """The backend a call with activations ``x`` (``(tokens, d_in)``) in a pack of ``slots`` slots takes
+    (``uncaptured``: as in ``auto_backend``)."""
     chosen = _backend[0]
     if chosen == "torch":
         return "torch"
@@ -81,7 +90,7 @@ def resolve_backend(x: torch.Tensor, slots: int | None = None) -> Literal["torch
         return "triton"
     if not (usable and x.is_cuda):
         return "torch"
-    return "triton" if slots is None else auto_backend(int(x.shape[-1]), slots)
+    return "triton" if slots is None else auto_backend(int(x.shape[-1]), slots, uncaptured=uncaptured)
 
 
 def lora_linear(
@@ -95,6 +104,7 @@ def lora_linear(
     dropout: LayerDropout | None = None,
     grad_a: torch.Tensor | None = None,
     grad_b: torch.Tensor | None = None,
+    uncaptured: bool = False,
 ) -> torch.Tensor:
     """The frozen layer's output plus every token's own slot's LoRA output.
 
@@ -102,11 +112,12 @@ def lora_linear(
         x: ``(tokens, d_in)``.
         weight: ``(d_out, d_in)`` frozen (receives no gradient). bias: ``(d_out,)`` or ``None``.
         lora_a, lora_b, scale, meta, dropout, grad_a, grad_b: as in ``kernels.lora_delta``.
+        uncaptured: the pack's steps never run from CUDA graphs (``auto_backend``).
 
     Returns:
         ``(tokens, d_out)`` in x's dtype.
     """
-    if resolve_backend(x, slots=lora_a.shape[0]) == "triton":
+    if resolve_backend(x, slots=lora_a.shape[0], uncaptured=uncaptured) == "triton":
         from kernels.triton_lora import LoraLinearFunction
 
         if meta.num_segments == 0 or x.shape[0] == 0:

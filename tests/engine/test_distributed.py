@@ -71,13 +71,14 @@ def test_a_pack_over_two_ranks_trains_its_trials_exactly_as_one_process(tmp_path
     assert [p[:3] for p in two_points] == [p[:3] for p in one_points]
     assert {p[0] for p in one_points if p[2] == "metric"} == {"a", "d"}
     torch.testing.assert_close([p[3] for p in two_points], [p[3] for p in one_points], rtol=1e-5, atol=1e-6)
-    # The same adapters, to 1e-5.
+    # The same adapters, to 1e-5. (Not always bit-identical: a rank's GEMMs see half the rows, so fp32 sums may run
+    # in another order; with torch 2.13 (CPU) and transformers 5.24 one value in 128 came out 2.8e-6 apart.)
     assert set(two_adapters) == set(one_adapters) == {"a", "b", "c", "d", "e"}
     for trial_id, path in one_adapters.items():
         mine, theirs = load_file(str(path)), load_file(str(two_adapters[trial_id]))
         assert mine.keys() == theirs.keys()
         for key in mine:
-            torch.testing.assert_close(theirs[key], mine[key], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(theirs[key], mine[key], rtol=1e-5, atol=1e-5)
     # Every rank saw each pack step as the whole pack's (slots and tokens over both ranks), as one process saw it:
     # what rank 0 reports to the scheduler's cost model is one unit's step.
     alone_steps = json.loads((alone / "rank0.json").read_text())["steps"]

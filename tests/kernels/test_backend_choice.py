@@ -1,5 +1,6 @@
 """What `auto` picks (issue 15): Triton only for wide layers in packs of many slots, where it was measured
-faster on an H100; the torch path elsewhere (small, host-bound shapes) and wherever CUDA is absent."""
+faster on an H100, and for every wide layer on a rank of a pack over several GPUs, whose steps are never captured
+(issue 37); the torch path elsewhere (small, host-bound shapes) and wherever CUDA is absent."""
 
 from __future__ import annotations
 
@@ -21,9 +22,20 @@ def test_auto_takes_triton_only_where_it_was_measured_faster(d_in: int, slots: i
     assert auto_backend(d_in, slots) == want
 
 
+@pytest.mark.parametrize(("d_in", "slots", "want"), [
+    (4096, 8, "triton"),  # Llama-3.1-8B, 8 trials a rank: 0.91x -> 1.08x one GPU on two H200s
+    (4096, 1, "triton"),
+    (576, 24, "torch"),  # narrow layers stay on the torch path
+])
+def test_auto_takes_triton_for_wide_layers_on_a_rank_whose_steps_are_not_captured(d_in: int, slots: int,
+                                                                                  want: str) -> None:
+    assert auto_backend(d_in, slots, uncaptured=True) == want
+
+
 def test_auto_is_the_torch_path_off_cuda_and_an_explicit_choice_wins() -> None:
     x = torch.zeros(4, 4096)
     assert resolve_backend(x, slots=64) == "torch"
+    assert resolve_backend(x, slots=8, uncaptured=True) == "torch"
     set_backend("torch")
     try:
         assert resolve_backend(torch.zeros(4, 4096, device="cuda" if torch.cuda.is_available() else "cpu"),

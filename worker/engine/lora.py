@@ -52,9 +52,12 @@ class TokenRouting:
 
 @dataclass
 class LoraContext:
-    """Shared by all ``StackedLoraLinear`` of one model. ``routing is None``: layers run the bare base."""
+    """Shared by all ``StackedLoraLinear`` of one model. ``routing is None``: layers run the bare base.
+    ``uncaptured``: the pack's steps never run from CUDA graphs (a rank of a pack over several GPUs), which
+    changes the LoRA path ``auto`` takes (kernels/lora_linear.py's ``auto_backend``)."""
 
     routing: TokenRouting | None = None
+    uncaptured: bool = False
 
     @contextmanager
     def routed(self, routing: TokenRouting | None) -> Iterator[None]:
@@ -116,7 +119,7 @@ class StackedLoraLinear(nn.Module):
         base = self.base_layer
         out = lora_linear(
             flat, base.weight, base.bias, self.lora_a, self.lora_b, self.scale, routing.meta, dropout,
-            self.grad_a, self.grad_b,
+            self.grad_a, self.grad_b, uncaptured=self.context.uncaptured,
         )  # fmt: skip
         return out.view(*x.shape[:-1], self.out_features)
 

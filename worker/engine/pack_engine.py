@@ -93,7 +93,7 @@ class PackEngine:
         model.requires_grad_(False)
         model.eval()  # the base never drops out; LoRA dropout is the engine's own
         paths = resolve_target_modules(model, target_modules or [ALL_LINEAR])
-        self.context = LoraContext()
+        self.context = LoraContext(uncaptured=lockstep is not None)  # a rank's steps are never captured (below)
         layers = inject_lora(model, paths, self.context)
         self._base_attention = use_packed_attention(model.config)  # put back by close()
         fuse(model)  # CUDA: Liger's RMSNorm / SwiGLU / RoPE kernels; none on the CPU
