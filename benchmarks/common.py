@@ -65,6 +65,16 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> str:
     return table
 
 
+def settings_in_environment() -> dict[str, str]:
+    """The engine's and the service's settings (``LORAPLANE_*``) set in the environment: part of what was run, which
+    the command line alone does not say (``LORAPLANE_LORA_BACKEND=triton``). The benchmark's own plumbing (the
+    commit, where results and models go) is left out, and so is anything that may hold a credential."""
+    plumbing = ("LORAPLANE_COMMIT", "LORAPLANE_BENCH_DIR", "LORAPLANE_BENCH_RESULTS")
+    secret = ("URL", "TOKEN", "KEY", "SECRET", "PASSWORD")
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("LORAPLANE_") and k not in plumbing and not any(word in k for word in secret)}
+
+
 def write_result(name: str, headers: list[str], rows: list[list[Any]], notes: dict[str, Any]) -> Path:
     """Writes benchmarks/results/<name>-<device>-<date>.json with the device, date and command."""
     table = print_table(headers, rows)
@@ -75,6 +85,7 @@ def write_result(name: str, headers: list[str], rows: list[list[Any]], notes: di
         "date": now.isoformat(timespec="seconds"),
         "device": device,
         "command": command_line(),
+        "environment": settings_in_environment(),
         "commit": git_commit(),
         "headers": headers,
         "rows": rows,
