@@ -114,7 +114,7 @@ def main() -> None:
     auto = [r for r in results if r["group"] == "auto"]
     by_loss = min(auto, key=lambda r: r["best_val_loss"])
     by_metric = min(auto, key=lambda r: rank_key("exact_match", metric_score=r["val_exact_match"],
-                                                 best_val_loss=r["best_val_loss"], last_train_loss=None, index=0))
+                                                 val_loss=r["best_val_loss"], last_train_loss=None, index=0))
     rows = [[r["trial_id"], r["learning_rate"], r["lora_rank"], "+".join(r["target_modules"]), r["lr_schedule"],
              r["warmup_steps"], round(r["best_val_loss"], 4), r["val_exact_match"], r["test_accuracy"]]
             for r in results]

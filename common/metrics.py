@@ -22,7 +22,7 @@ The worker reports the score as a point of split "metric" at each early-exit run
 scheduler's `extra_eval_steps`; the trial trains on with its own weights) and when it ends; the newest is the
 trial's `metric_score`. Early exit itself still ranks by validation loss (docs/early-exit.md says why). The best
 trial of a task with a generative metric is the one with the highest score, ties broken by validation loss
-(`rank_key`, which the scheduler's final ranking and the API's best trial so far share).
+(smoothed: `selection_loss`; `rank_key`, which the scheduler's final ranking and the API's best trial so far share).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import regex
@@ -114,15 +115,44 @@ def pattern_error(pattern: str) -> str | None:
 
 RankKey = tuple[Any, ...]
 
+# The weight of the newest validation loss in a trial's smoothed curve (`selection_loss`).
+SELECTION_EMA_WEIGHT = 0.5
 
-def rank_key(metric: str, *, metric_score: float | None, best_val_loss: float | None,
+
+def selection_loss(val_losses: Sequence[float]) -> float | None:
+    """What a trial's validation curve scores when its task's trials are ranked (issue 33): the lowest point of
+    the curve smoothed by an exponential average (weight SELECTION_EMA_WEIGHT on the newest loss), in step order;
+    None for no points.
+
+    Why not the lowest point itself: on a small validation split each point is noisy, and of many trials the one
+    whose curve dipped lowest once is often the one whose noise dipped, not the best (the lowest of many noisy
+    minima is biased low). The smoothed curve asks a trial to stay low for more than one evaluation. The adapter a
+    trial exports is still its checkpoint of lowest validation loss (`best_step`): this only picks which trial.
+    With one point it is that point. benchmarks/quality/selection.py compares the rules on test scores."""
+    smoothed: float | None = None
+    best: float | None = None
+    for loss in val_losses:
+        smoothed = loss if smoothed is None else SELECTION_EMA_WEIGHT * loss + (1 - SELECTION_EMA_WEIGHT) * smoothed
+        best = smoothed if best is None else min(best, smoothed)
+    return best
+
+
+def ranked_val_loss(selection: float | None, best_val_loss: float | None) -> float | None:
+    """What a trial's validation ranks it by (``rank_key``'s ``val_loss``): its stored ``selection_loss``, or its
+    lowest validation point where it has none (a trial stored before there was one)."""
+    return selection if selection is not None else best_val_loss
+
+
+def rank_key(metric: str, *, metric_score: float | None, val_loss: float | None,
              last_train_loss: float | None, index: int) -> RankKey:
     """Sort key of a trial among its task's trials: the smallest is the best.
 
-    By loss (metric "loss"): the lowest best validation loss; a trial without one ranks after those with one,
-    by its last train loss. By a generative metric: the highest metric score first; ties, and trials without a
-    score (ranked after those with one), by loss as above. Then the lowest index."""
-    by_loss = ((0, best_val_loss, index) if best_val_loss is not None
+    ``val_loss`` is the trial's validation score (``ranked_val_loss``).
+
+    By loss (metric "loss"): the lowest ``val_loss``; a trial without one ranks after those with one, by its
+    last train loss. By a generative metric: the highest metric score first; ties, and trials without a score
+    (ranked after those with one), by loss as above. Then the lowest index."""
+    by_loss = ((0, val_loss, index) if val_loss is not None
                else (1, last_train_loss if last_train_loss is not None else math.inf, index))
     if metric not in GENERATIVE_METRICS:
         return by_loss

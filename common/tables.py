@@ -168,6 +168,9 @@ class Trial(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     best_val_loss: Mapped[float | None] = mapped_column(Float, default=None)
     best_step: Mapped[int | None] = mapped_column(Integer, default=None)
+    # Its validation curve's score when its task's trials are ranked (common.metrics.selection_loss: the smoothed
+    # curve's lowest point), kept with its points; None without validation points.
+    selection_loss: Mapped[float | None] = mapped_column(Float, default=None)
     last_train_loss: Mapped[float | None] = mapped_column(Float, default=None)
     # The score on the task's generative metric (common/metrics.py) of its best adapter, from the worker's newest
     # "metric" point; None for the loss metric, and until the trial has ended.

@@ -449,6 +449,11 @@ class BestTrial(BaseModel):
     best_step: int | None
     metric_score: float | None = Field(
         default=None, description="Its score on the task's generative metric (null for the loss metric).")
+    selection_loss: float | None = Field(
+        default=None, description="What its validation curve scored when the trials were ranked: the lowest point "
+        "of the curve smoothed by an exponential average (half weight on each newest loss), so one lucky "
+        "evaluation on a small validation split does not pick the winner. Its adapter is still the checkpoint of "
+        "best_val_loss, at best_step.")
 
 
 class Cost(BaseModel):

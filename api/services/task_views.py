@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import VALID_KEY
 from api.schemas.tasks import BestTrial, TaskEstimate, TaskOut, TaskWaiting, TrialCounts
-from common.metrics import RankKey, rank_key
+from common.metrics import RankKey, rank_key, ranked_val_loss
 from common.states import TASK_RUNNING, TRIAL_FINAL, TRIAL_PENDING, TRIAL_STATES
 from common.tables import ApiKey, Task, Trial, as_utc, utcnow
 from common.task_spec import LOSS, TaskSpec
@@ -97,7 +97,7 @@ _TASK_STATUS = (
 # so far is picked from them by the task's metric: common.metrics.rank_key).
 _BEST_TRIALS = (
     select(Trial.task_id, Trial.id, Trial.hyperparameters, Trial.best_val_loss, Trial.best_step, Trial.metric_score,
-           Trial.last_train_loss, Trial.index)
+           Trial.last_train_loss, Trial.index, Trial.selection_loss)
     .where(or_(
         Trial.id.in_(bindparam("best_ids", expanding=True)),
         and_(Trial.task_id.in_(bindparam("open_ids", expanding=True)), Trial.best_val_loss.is_not(None)),
@@ -134,7 +134,7 @@ def best_trials(
     conn: Connection, tasks: Sequence[TaskFields], summaries: dict[str, TrialSummary]
 ) -> dict[str, BestTrial]:
     """The final best trial once the task succeeded; until then, the best so far by the task's metric (the
-    lowest validation loss, or the highest metric score)."""
+    lowest smoothed validation loss, or the highest metric score: common.metrics.rank_key)."""
     best_ids = [t.best_trial_id for t in tasks if t.best_trial_id]
     open_ids = [t.id for t in tasks if not t.best_trial_id and summaries[t.id].with_val_loss]
     best: dict[str, BestTrial] = {}
@@ -142,16 +142,16 @@ def best_trials(
         return best
     metrics = {t.id: TaskSpec.from_stored(t.spec).metric for t in tasks}
     keys: dict[str, RankKey] = {}
-    for task_id, trial_id, hyperparameters, best_val_loss, best_step, metric_score, last_train_loss, index in (
-        conn.execute(_BEST_TRIALS, {"best_ids": best_ids, "open_ids": open_ids})
-    ):
-        key = rank_key(metrics[task_id], metric_score=metric_score, best_val_loss=best_val_loss,
-                       last_train_loss=last_train_loss, index=index)
+    for (task_id, trial_id, hyperparameters, best_val_loss, best_step, metric_score, last_train_loss, index,
+         selection) in conn.execute(_BEST_TRIALS, {"best_ids": best_ids, "open_ids": open_ids}):
+        key = rank_key(metrics[task_id], metric_score=metric_score,
+                       val_loss=ranked_val_loss(selection, best_val_loss), last_train_loss=last_train_loss,
+                       index=index)
         if task_id in keys and keys[task_id] <= key:
             continue
         keys[task_id] = key
         best[task_id] = BestTrial(id=trial_id, hyperparameters=hyperparameters, best_val_loss=best_val_loss,
-                                  best_step=best_step, metric_score=metric_score)
+                                  best_step=best_step, metric_score=metric_score, selection_loss=selection)
     return best
 
 

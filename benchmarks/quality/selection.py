@@ -8,10 +8,11 @@ its adapter's test score (the adapter is the trial's best-validation checkpoint,
 rule below picks one trial per cell from the curves alone; its test score, and its regret against the oracle (the
 trial best on the test rows), are compared per task with 95% intervals over the cells. Rules:
 
-- ``min``: the lowest validation loss at any point (the service's rule today, `common.metrics.rank_key`);
+- ``min``: the lowest validation loss at any point (the service's rule until 2026-11-26);
 - ``last``: the last validation loss;
 - ``mean_last3``: the mean of the last three validation losses;
-- ``ema``: the lowest point of the curve smoothed by an exponential average (weight ``EMA_WEIGHT`` on the newest).
+- ``ema``: the lowest point of the curve smoothed by an exponential average (half weight on the newest): the
+  service's rule (`common.metrics.selection_loss`, which this calls).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing import Any
 
 from benchmarks.common import print_table
 from benchmarks.quality.stats import mean_ci
+from common.metrics import selection_loss
 
 Curve = Sequence[Sequence[float]]  # [[step, loss], ...] in step order
-EMA_WEIGHT = 0.5
 
 
 def _losses(curve: Curve) -> list[float]:
@@ -47,11 +48,9 @@ def score_mean_last3(curve: Curve) -> float:
 
 
 def score_ema(curve: Curve) -> float:
-    smoothed, best = None, float("inf")
-    for loss in _losses(curve):
-        smoothed = loss if smoothed is None else EMA_WEIGHT * loss + (1 - EMA_WEIGHT) * smoothed
-        best = min(best, smoothed)
-    return best
+    score = selection_loss(_losses(curve))
+    assert score is not None, "a curve of no points"
+    return score
 
 
 RULES: dict[str, Callable[[Curve], float]] = {"min": score_min, "last": score_last, "mean_last3": score_mean_last3,

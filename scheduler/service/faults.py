@@ -36,7 +36,7 @@ from common.tables import MetricPoint, Pack, Trial, Worker
 from common.telemetry import scheduler_metrics
 from scheduler.planning.faults import FaultPolicy, quarantine_s_for, recent_losses, requeue_delay_s
 from scheduler.service.cluster_state import quarantine_left_s
-from scheduler.service.task_results import best_val, newest_metric_score
+from scheduler.service.task_results import best_val, newest_metric_score, trial_selection_loss
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ def _cut_back(session: Session, trial: Trial) -> int:
     trial.pack_id = None
     trial.steps_done = kept_step
     trial.best_val_loss, trial.best_step = best_val(session, trial.id)
+    trial.selection_loss = trial_selection_loss(session, trial.id)
     trial.metric_score = newest_metric_score(session, trial.id)
     trial.last_train_loss = session.scalar(
         select(MetricPoint.loss).where(MetricPoint.trial_id == trial.id, MetricPoint.split == "train",

@@ -61,7 +61,7 @@ from scheduler.service.faults import (
     requeue_trial,
     stalled_s,
 )
-from scheduler.service.task_results import newest_metric_score
+from scheduler.service.task_results import newest_metric_score, trial_selection_loss
 from scheduler.service.telemetry import message_dropped
 
 log = logging.getLogger(__name__)
@@ -348,6 +348,7 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
     rows: list[dict[str, Any]] = []
     trials: dict[str, Trial | None] = {}
     scored: dict[str, Trial] = {}
+    curved: dict[str, Trial] = {}  # trials with a new validation point: their selection_loss is scored again
     for trial_id, step, split, loss in m.points:
         if trial_id not in trials:
             trials[trial_id] = _reporting_trial(session, trial_id, pack_id)
@@ -363,6 +364,7 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
             trial.last_train_loss = loss
         elif split == "val":
             validated.add(trial.task_id)
+            curved[trial_id] = trial
             if trial.best_val_loss is None or loss < trial.best_val_loss:
                 trial.best_val_loss, trial.best_step = loss, step
         elif split == METRIC_SPLIT:
@@ -371,6 +373,8 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
         session.execute(_insert_ignoring_duplicates(session, rows))
     for trial in scored.values():
         trial.metric_score = newest_metric_score(session, trial.id)
+    for trial in curved.values():  # from the stored curve (a point sent twice counts once), after this insert
+        trial.selection_loss = trial_selection_loss(session, trial.id)
     return validated
 
 
@@ -414,7 +418,7 @@ def _trial_checkpoint_lost(session: Session, m: TrialCheckpointLost) -> None:
     session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id))
     trial.checkpoint_key, trial.checkpoint_step = None, None
     trial.steps_done, trial.best_val_loss, trial.best_step, trial.last_train_loss = 0, None, None, None
-    trial.metric_score = None
+    trial.metric_score, trial.selection_loss = None, None
     record_event(
         session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.restarted",
         level="warn", message=f"trial {trial.index} starts again from step 0: its checkpoint "

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, rank_key
+from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, rank_key, ranked_val_loss, selection_loss
 from common.tables import MetricPoint, Task, Trial, as_utc
 from common.usage import task_usage
 
@@ -28,6 +28,16 @@ def best_val(session: Session, trial_id: str) -> tuple[float | None, int | None]
         .limit(1)
     ).first()
     return (row[0], row[1]) if row else (None, None)
+
+
+def trial_selection_loss(session: Session, trial_id: str) -> float | None:
+    """The trial's stored validation curve scored as its task's trials are ranked (common.metrics.selection_loss)."""
+    losses = session.scalars(
+        select(MetricPoint.loss)
+        .where(MetricPoint.trial_id == trial_id, MetricPoint.split == "val")
+        .order_by(MetricPoint.step)
+    ).all()
+    return selection_loss(losses)
 
 
 def newest_metric_score(session: Session, trial_id: str) -> float | None:
@@ -71,7 +81,8 @@ def finalize_tasks(session: Session, now: datetime) -> None:
         best = best_trial(metric, done)
         task.state = states.TASK_SUCCEEDED
         task.best_trial_id = best.id
-        data: dict[str, Any] = {"best_trial_id": best.id, "best_val_loss": best.best_val_loss}
+        data: dict[str, Any] = {"best_trial_id": best.id, "best_val_loss": best.best_val_loss,
+                                "selection_loss": best.selection_loss}
         by = ""
         if metric in GENERATIVE_METRICS:
             data.update(metric=metric, metric_score=best.metric_score)
@@ -95,7 +106,9 @@ def record_actual(session: Session, task: Task, now: datetime) -> None:
 
 
 def best_trial(metric: str, trials: Sequence[Trial]) -> Trial:
-    """The task's best of its finished trials, by its metric (common.metrics.rank_key): the lowest validation
-    loss, or the highest metric score (ties and unscored trials by validation loss)."""
-    return min(trials, key=lambda t: rank_key(metric, metric_score=t.metric_score, best_val_loss=t.best_val_loss,
+    """The task's best of its finished trials, by its metric (common.metrics.rank_key): the lowest smoothed
+    validation loss (common.metrics.selection_loss), or the highest metric score (ties and unscored trials by that
+    loss)."""
+    return min(trials, key=lambda t: rank_key(metric, metric_score=t.metric_score,
+                                              val_loss=ranked_val_loss(t.selection_loss, t.best_val_loss),
                                               last_train_loss=t.last_train_loss, index=t.index))

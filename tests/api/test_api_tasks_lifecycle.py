@@ -15,7 +15,7 @@ from tests.factories import TenantKey, make_task, trial_ids, update_row, upload
 def test_task_reports_counts_progress_best_trial_and_eta(client: TestClient, tenant: TenantKey) -> None:
     task = make_task(client, tenant)  # 4 trials of 6 steps
     ids = trial_ids(task["id"])
-    update_row(Trial, ids[0], state="completed", steps_done=6, best_val_loss=0.42, best_step=5)
+    update_row(Trial, ids[0], state="completed", steps_done=6, best_val_loss=0.42, best_step=5, selection_loss=0.45)
     update_row(Trial, ids[1], state="running", steps_done=3)
     update_row(Task, task["id"], state="running", started_at=utcnow() - timedelta(seconds=100), best_trial_id=ids[0])
 
@@ -25,7 +25,7 @@ def test_task_reports_counts_progress_best_trial_and_eta(client: TestClient, ten
                                     "failed": 0, "cancelled": 0}
     assert body["progress"] == 0.375  # (1 + 3/6) / 4
     assert body["best_trial"] == {
-        "id": ids[0], "best_val_loss": 0.42, "best_step": 5, "metric_score": None,
+        "id": ids[0], "best_val_loss": 0.42, "best_step": 5, "metric_score": None, "selection_loss": 0.45,
         "hyperparameters": client.get(f"/v1/tasks/{task['id']}/trials/{ids[0]}",
                                       headers=tenant.headers).json()["hyperparameters"],
     }
@@ -43,8 +43,13 @@ def test_best_trial_so_far_is_the_lowest_validation_loss_while_running(client: T
     update_row(Task, task["id"], state="running", started_at=utcnow())
     body = client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()
     assert body["best_trial"]["id"] == ids[1] and body["best_trial"]["best_val_loss"] == 0.7
+    # The smoothed score ranks where a trial has one (issue 33): trial 1's low point was one lucky evaluation.
+    update_row(Trial, ids[1], selection_loss=0.95)
+    update_row(Trial, ids[2], selection_loss=0.85)
+    body = client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()
+    assert body["best_trial"]["id"] == ids[2] and body["best_trial"]["selection_loss"] == 0.85
     listed = client.get("/v1/tasks", headers=tenant.headers).json()["data"][0]
-    assert listed["best_trial"]["id"] == ids[1]
+    assert listed["best_trial"]["id"] == ids[2]
 
 
 def test_best_trial_so_far_is_the_highest_metric_score_for_a_generative_metric(

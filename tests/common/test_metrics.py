@@ -16,8 +16,10 @@ from common.metrics import (
     normalize_answer,
     pattern_error,
     rank_key,
+    ranked_val_loss,
     score_answer,
     score_answers,
+    selection_loss,
 )
 
 
@@ -111,9 +113,9 @@ def _best(metric: str, trials: list[dict[str, Any]]) -> int:
 
 def test_rank_key_by_loss_is_the_lowest_validation_loss() -> None:
     trials: list[dict[str, Any]] = [
-        {"metric_score": 0.9, "best_val_loss": 1.0, "last_train_loss": 0.1, "index": 0},
-        {"metric_score": 0.1, "best_val_loss": 0.5, "last_train_loss": 0.9, "index": 1},
-        {"metric_score": None, "best_val_loss": None, "last_train_loss": 0.01, "index": 2},
+        {"metric_score": 0.9, "val_loss": 1.0, "last_train_loss": 0.1, "index": 0},
+        {"metric_score": 0.1, "val_loss": 0.5, "last_train_loss": 0.9, "index": 1},
+        {"metric_score": None, "val_loss": None, "last_train_loss": 0.01, "index": 2},
     ]
     assert _best("loss", trials) == 1  # the scores do not count
     assert _best("loss", trials[::-1]) == 1
@@ -124,20 +126,36 @@ def test_rank_key_by_loss_is_the_lowest_validation_loss() -> None:
 
 def test_rank_key_by_a_generative_metric_is_the_highest_score_then_the_loss() -> None:
     trials: list[dict[str, Any]] = [
-        {"metric_score": 0.5, "best_val_loss": 1.0, "last_train_loss": 1.0, "index": 0},
-        {"metric_score": 0.25, "best_val_loss": 0.1, "last_train_loss": 0.1, "index": 1},
-        {"metric_score": 0.5, "best_val_loss": 0.9, "last_train_loss": 1.0, "index": 2},
-        {"metric_score": None, "best_val_loss": 0.01, "last_train_loss": 0.01, "index": 3},
+        {"metric_score": 0.5, "val_loss": 1.0, "last_train_loss": 1.0, "index": 0},
+        {"metric_score": 0.25, "val_loss": 0.1, "last_train_loss": 0.1, "index": 1},
+        {"metric_score": 0.5, "val_loss": 0.9, "last_train_loss": 1.0, "index": 2},
+        {"metric_score": None, "val_loss": 0.01, "last_train_loss": 0.01, "index": 3},
     ]
     for metric in GENERATIVE_METRICS:
         assert _best(metric, trials) == 2  # 0.5, and the lower validation loss of the two at 0.5
         assert _best(metric, trials[::-1]) == 2
         assert _best(metric, [trials[1], trials[3]]) == 1  # a score beats none, whatever the loss
-        assert _best(metric, [trials[3], {**trials[3], "best_val_loss": 0.001, "index": 4}]) == 4  # none: by loss
+        assert _best(metric, [trials[3], {**trials[3], "val_loss": 0.001, "index": 4}]) == 4  # none: by loss
         assert _best(metric, [trials[0], {**trials[0], "index": 6}]) == 0  # all equal: the lower index
-    assert rank_key("exact_match", metric_score=0.0, best_val_loss=None, last_train_loss=None, index=0) < rank_key(
-        "exact_match", metric_score=None, best_val_loss=0.0, last_train_loss=0.0, index=0)
-    assert rank_key("loss", metric_score=None, best_val_loss=None, last_train_loss=None, index=0)[1] == math.inf
+    assert rank_key("exact_match", metric_score=0.0, val_loss=None, last_train_loss=None, index=0) < rank_key(
+        "exact_match", metric_score=None, val_loss=0.0, last_train_loss=0.0, index=0)
+    assert rank_key("loss", metric_score=None, val_loss=None, last_train_loss=None, index=0)[1] == math.inf
+
+
+def test_a_trial_s_curve_is_scored_by_its_smoothed_lowest_point_not_its_one_lucky_evaluation() -> None:
+    # Trial "lucky" dipped once (noise on a small validation split) and came back; trial "steady" stayed low.
+    lucky = [2.0, 1.20, 0.80, 1.25, 1.30]
+    steady = [2.0, 1.00, 0.95, 0.90, 0.92]
+    assert min(lucky) < min(steady)  # by its lowest point, "lucky" would win
+    assert selection_loss(lucky) == pytest.approx(min(2.0, 1.6, 1.2, 1.225, 1.2625))
+    assert selection_loss(steady) == pytest.approx(min(2.0, 1.5, 1.225, 1.0625, 0.99125))
+    trials = [{"metric_score": None, "val_loss": selection_loss(curve), "last_train_loss": None, "index": i}
+              for i, curve in enumerate([lucky, steady])]
+    assert _best("loss", trials) == 1  # smoothed, "steady" wins
+    # One point is that point; no points, no score; a trial stored without a smoothed score ranks by its lowest.
+    assert selection_loss([0.7]) == 0.7
+    assert selection_loss([]) is None
+    assert ranked_val_loss(None, 0.5) == 0.5 and ranked_val_loss(0.6, 0.5) == 0.6
 
 
 @pytest.mark.timeout(60)  # Python's re would search one of these answers for hours

@@ -915,6 +915,40 @@ def test_a_metric_point_from_another_pack_or_out_of_range_is_dropped(daemon: Sch
         assert [(p.step, p.loss) for p in s.scalars(select(MetricPoint))] == [(1, 0.5)]
 
 
+def test_the_winner_is_the_trial_whose_smoothed_curve_is_lowest_not_the_one_lucky_dip(daemon: SchedulerDaemon) -> None:
+    """Issue 33: on a small validation split one evaluation is noisy. Trial 0 dipped once to 0.8 and came back;
+    trial 1 stayed near 0.9. By lowest point trial 0 would win; by the smoothed curve (common.metrics.
+    selection_loss), which the scheduler keeps from the stored points, trial 1 does."""
+    task_id, trial_ids = make_task(2)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    curves = {trial_ids[0]: [2.0, 1.2, 0.8, 1.25, 1.3], trial_ids[1]: [2.0, 1.0, 0.95, 0.9, 0.92]}
+    for trial_id, curve in curves.items():
+        points = [[trial_id, 2 * (i + 1), "val", loss] for i, loss in enumerate(curve)]
+        report("points", pack_id=pack.id, points=points[:3])
+        report("points", pack_id=pack.id, points=points)  # the first three again: stored, and counted, once
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        stored = {t.id: (t.best_val_loss, t.selection_loss) for t in s.scalars(select(Trial))}
+    assert stored[trial_ids[0]] == (0.8, pytest.approx(1.2))
+    assert stored[trial_ids[1]] == (0.9, pytest.approx(0.99125))
+    for trial_id, curve in curves.items():
+        best = min(curve)
+        report("trial.finished", pack_id=pack.id, trial_id=trial_id, status="completed", steps_done=10,
+               best_val_loss=best, best_step=2 * (curve.index(best) + 1), final_train_loss=1.0,
+               adapter_key=f"adapters/{trial_id}.tar.gz")
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        task = s.get_one(Task, task_id)
+        assert task.state == states.TASK_SUCCEEDED and task.best_trial_id == trial_ids[1]
+        succeeded = s.scalars(select(Event).where(Event.type == "task.succeeded")).one()
+        assert succeeded.data["selection_loss"] == pytest.approx(0.99125)
+
+
 def test_the_best_trial_is_ranked_by_the_tasks_metric() -> None:
     from scheduler.service.task_results import best_trial
 
