@@ -8,6 +8,7 @@ API derives each trial's step count from them).
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -225,6 +226,26 @@ def parse_jsonl(data: bytes) -> list[dict[str, Any]]:
     """The rows of a file that passed validation (lines split exactly as the validator splits them)."""
     rows = (_parse_line(line) for line in data.split(b"\n"))
     return [row for row in rows if row is not _BLANK]
+
+
+# The default validation split (issue 33): a tenth of the training file's rows, raised to hold out at least
+# DEFAULT_VALIDATION_ROWS where that still leaves three quarters to train on. Trials are ranked by their
+# validation loss (smoothed, common.metrics.selection_loss); a few dozen rows cannot tell close trials apart, and a
+# tenth of a few hundred rows is a few dozen. Below SMALL_VALIDATION_ROWS held-out rows, a task of several
+# trials is warned (`task.small_validation`).
+DEFAULT_VALIDATION_SPLIT = 0.1
+DEFAULT_VALIDATION_ROWS = 128
+MAX_DEFAULT_VALIDATION_SPLIT = 0.25
+SMALL_VALIDATION_ROWS = 64
+
+
+def default_validation_split(total: int) -> float:
+    """The validation split of a task that names neither a split nor a validation file, for a training file of
+    ``total`` rows: 0.1, or the fraction that holds out DEFAULT_VALIDATION_ROWS where 0.1 holds fewer, at most
+    0.25 (rounded up to four decimals, so ``validation_rows`` reaches the rows it is for)."""
+    if total * DEFAULT_VALIDATION_SPLIT >= DEFAULT_VALIDATION_ROWS:
+        return DEFAULT_VALIDATION_SPLIT
+    return min(MAX_DEFAULT_VALIDATION_SPLIT, math.ceil(DEFAULT_VALIDATION_ROWS / max(total, 1) * 1e4) / 1e4)
 
 
 def validation_rows(total: int, fraction: float) -> int:

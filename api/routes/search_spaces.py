@@ -47,10 +47,11 @@ def expand_search_space(
     budget, n_train = None, None
     if model is not None and body.training_file is not None:
         # The task's own checks and step counts (api/services/tasks.py).
-        budget = resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
-                                validation_split=body.validation_split)
         check_context(model, body.max_seq_len)
-        n_train = train_rows(owned_file(session, tenant, body.training_file, "training_file"), budget.validation_split)
+        train = owned_file(session, tenant, body.training_file, "training_file")
+        budget = resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
+                                validation_split=body.validation_split, training_rows=train.rows)
+        n_train = train_rows(train, budget.validation_split)
     space = _space(body.search_space, model, n_train)
     all_linear = None
     if model is not None:

@@ -28,14 +28,13 @@ from api.services.lengths import Shortened, check_row_lengths, record_shortened
 from common import search_space as ss
 from common.architectures import ALL_LINEAR, target_modules_for
 from common.bus import wake_scheduler
-from common.datasets import validation_rows
+from common.datasets import SMALL_VALIDATION_ROWS, default_validation_split, validation_rows
 from common.events import record_event
 from common.registry import may_use
 from common.states import TASK_CANCELLED, TASK_FINAL, TASK_QUEUED, TRIAL_ACTIVE, TRIAL_CANCELLED, TRIAL_PENDING
 from common.tables import BaseModelEntry, File, Task, Tenant, Trial, new_id, utcnow
 from common.task_spec import Evaluation, Scheduling, TaskSpec
 
-DEFAULT_VALIDATION_SPLIT = 0.1
 DEFAULT_EPOCHS = 1
 
 
@@ -48,7 +47,7 @@ class Budget:
     validation_split: float | None
 
 
-def _check_request(body: TaskCreate) -> Budget:
+def _check_request(body: TaskCreate) -> None:
     """Rules that involve more than one field (each error still names one field)."""
     if body.validation_file is not None and body.validation_split is not None:
         raise invalid("Give validation_file or validation_split, not both.", param="validation_split",
@@ -56,17 +55,19 @@ def _check_request(body: TaskCreate) -> Budget:
     if body.epochs is not None and body.max_steps is not None:
         raise invalid("Give epochs or max_steps, not both.", param="max_steps", code="conflicting_fields")
     require_max_trials(body.strategy, body.max_trials)
-    return resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
-                          validation_split=body.validation_split)
 
 
 def resolve_budget(
-    *, epochs: int | None, max_steps: int | None, validation_file: str | None, validation_split: float | None
+    *, epochs: int | None, max_steps: int | None, validation_file: str | None, validation_split: float | None,
+    training_rows: int,
 ) -> Budget:
-    """The request's budget with its defaults (also the search-space preview's, for its estimate)."""
-    split = None if validation_file is not None else validation_split or DEFAULT_VALIDATION_SPLIT
+    """The request's budget with its defaults, for a training file of ``training_rows`` rows (also the
+    search-space preview's, for its estimate)."""
+    split = (None if validation_file is not None
+             else validation_split or default_validation_split(training_rows))
     # A generative metric scores answers to validation rows, and every task has some: a validation_file, or a
-    # split > 0 (the schema refuses 0; default 0.1) that `train_rows` refuses when it would hold out no row.
+    # split > 0 (the schema refuses 0; the default is common.datasets.default_validation_split's rule) that
+    # `train_rows` refuses when it would hold out no row.
     return Budget(epochs=None if max_steps is not None else epochs or DEFAULT_EPOCHS, max_steps=max_steps,
                   validation_split=split)
 
@@ -245,6 +246,20 @@ def _insert(session: Session, task: Task, configs: list[dict[str, Any]], steps: 
                  message=f"Task created with {len(configs)} trial(s).", data={"trials": len(configs)})
 
 
+def record_small_validation(session: Session, task: Task, rows: int, trials: int) -> None:
+    """Warns a task of several trials whose validation set is too small to rank them (`task.small_validation`):
+    the winner it gets may be the one the noise favoured (common.datasets.SMALL_VALIDATION_ROWS)."""
+    if trials < 2 or rows >= SMALL_VALIDATION_ROWS:
+        return
+    record_event(
+        session, tenant_id=task.tenant_id, task_id=task.id, type="task.small_validation", level="warn",
+        message=f"{trials} trials will be ranked on {rows} validation row(s), fewer than {SMALL_VALIDATION_ROWS}: "
+                "close trials cannot be told apart on so few, and the winner may be the one the noise favoured. "
+                "Upload more training rows, or a validation_file of more rows.",
+        data={"validation_rows": rows, "trials": trials, "recommended_rows": SMALL_VALIDATION_ROWS},
+    )
+
+
 @dataclass(frozen=True)
 class Draft:
     """A task that passed every check, not written yet: its row (no id, not in the session) and its trials."""
@@ -253,6 +268,7 @@ class Draft:
     configs: list[dict[str, Any]]
     steps: list[int]
     shortened: list[Shortened] = field(default_factory=list)  # files whose rows max_seq_len shortens
+    validation_rows: int = 0  # the rows its trials are ranked on (its validation file's, or held out of training)
 
 
 def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None) -> Task | Draft:
@@ -260,17 +276,20 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
     of the same Idempotency-Key. Writes nothing; takes the locks a submission takes (released with the session)."""
     if existing := _by_idempotency_key(session, tenant, idempotency_key):
         return existing
-    budget = _check_request(body)
+    _check_request(body)
     model = usable_model(session, tenant, body.base_model, lock=True)
     check_context(model, body.max_seq_len)
     train = owned_file(session, tenant, body.training_file, "training_file")
     _check_chat_template(model, train, "training_file")
+    budget = resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
+                            validation_split=body.validation_split, training_rows=train.rows)
     files = [("training_file", train)]
     if body.validation_file is not None:
         files.append(("validation_file", owned_file(session, tenant, body.validation_file, "validation_file")))
         _check_chat_template(model, files[-1][1], "validation_file")
     shortened = check_row_lengths(session, model, files, body.max_seq_len)
     n_train = train_rows(train, budget.validation_split)
+    n_val = files[1][1].rows if len(files) > 1 else train.rows - n_train
     space = (space_of(body.search_space) if isinstance(body.search_space, SearchSpace)
              else ss.auto_space(model.parameters, n_train))
     check_target_modules(model, space)
@@ -295,7 +314,7 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
         validation_file_id=body.validation_file, state=TASK_QUEUED, spec=_spec(body, budget, space, steps),
         idempotency_key=idempotency_key, created_at=utcnow(), estimate=estimate,
     )
-    return Draft(task=task, configs=configs, steps=steps, shortened=shortened)
+    return Draft(task=task, configs=configs, steps=steps, shortened=shortened, validation_rows=n_val)
 
 
 def trial_steps(configs: list[dict[str, Any]], budget: Budget, n_train: int) -> list[int]:
@@ -316,6 +335,7 @@ def create_task(
     try:
         _insert(session, task, draft.configs, draft.steps, body.seed)
         record_shortened(session, task, draft.shortened)
+        record_small_validation(session, task, draft.validation_rows, len(draft.configs))
         session.commit()
     except IntegrityError:
         session.rollback()

@@ -50,10 +50,11 @@ def test_expand_has_an_estimate_only_with_a_model_and_a_training_file(client: Te
     # 4 trials x 50 steps x batch 4 x 128 tokens, on the priors (no profile), one free worker.
     assert r.json()["estimate"] == prior_estimate(4, 50, 4 * 128, [UsableWorker()])
     assert r.json()["estimate"]["tokens"] == 4 * 50 * 4 * 128
-    # Its steps from epochs: the file's 10 rows, 0.1 held out (1 row), 9 rows at batch 4: 3 steps an epoch.
+    # Its steps from epochs: the file's 10 rows, a quarter held out by the default rule (2 rows), 8 rows at batch 4:
+    # 2 steps an epoch.
     r = client.post("/v1/search-spaces/expand", headers=tenant.headers, json={
         "search_space": SPACE, "base_model": MODEL, "training_file": file_id, "epochs": 2, "max_seq_len": 128})
-    assert r.json()["estimate"]["tokens"] == 4 * 6 * 4 * 128
+    assert r.json()["estimate"]["tokens"] == 4 * 4 * 4 * 128
 
 
 def test_expand_refuses_a_budget_the_task_would_refuse(client: TestClient, tenant: TenantKey) -> None:

@@ -40,8 +40,12 @@ def _stream(
         return r.headers["content-type"], r.read().decode()
 
 
+# One trial: no `task.small_validation` warning among the events these tests count.
+ONE_TRIAL = {"search_space": {"learning_rate": [1e-4]}}
+
+
 def test_events_page_in_order_with_after(client: TestClient, tenant: TenantKey) -> None:
-    task = make_task(client, tenant)
+    task = make_task(client, tenant, **ONE_TRIAL)
     ids = add_events(tenant.id, task["id"], ["trial.started", "trial.metrics", "trial.completed", "task.succeeded"])
     url = f"/v1/tasks/{task['id']}/events"
     page = client.get(f"{url}?limit=2", headers=tenant.headers).json()
@@ -60,14 +64,14 @@ def test_events_page_in_order_with_after(client: TestClient, tenant: TenantKey) 
 
 
 def test_events_of_one_task_only(client: TestClient, tenant: TenantKey) -> None:
-    a, b = make_task(client, tenant), make_task(client, tenant)
+    a, b = make_task(client, tenant, **ONE_TRIAL), make_task(client, tenant)
     add_events(tenant.id, b["id"], ["trial.started"])
     data = client.get(f"/v1/tasks/{a['id']}/events", headers=tenant.headers).json()["data"]
     assert [e["type"] for e in data] == ["task.created"]
 
 
 def test_stream_sends_every_event_then_end_when_the_task_is_final(client: TestClient, tenant: TenantKey) -> None:
-    task = make_task(client, tenant)
+    task = make_task(client, tenant, **ONE_TRIAL)
     ids = add_events(tenant.id, task["id"], ["trial.started", "trial.completed", "task.succeeded"])
     update_row(Task, task["id"], state="succeeded")
 
@@ -98,7 +102,7 @@ def test_stream_follows_new_events_with_keepalives(
 ) -> None:
     monkeypatch.setattr("api.sse.POLL_S", 0.02)
     monkeypatch.setattr("api.sse.KEEPALIVE_S", 0.05)
-    task = make_task(client, tenant)
+    task = make_task(client, tenant, **ONE_TRIAL)
 
     def scheduler() -> None:
         time.sleep(0.3)

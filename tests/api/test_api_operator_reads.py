@@ -94,7 +94,7 @@ def test_operator_reads_show_what_the_tenant_sees(client: TestClient, world: Wor
     metrics = client.get(f"/v1/tasks/{world.task}/trials/{world.trial}/metrics", headers=ADMIN).json()
     assert metrics["train"] == [{"step": 1, "loss": 2.5}]
     events = client.get(f"/v1/tasks/{world.task}/events", headers=ADMIN).json()["data"]
-    assert [e["type"] for e in events] == ["task.created", "trial.started"]
+    assert [e["type"] for e in events] == ["task.created", "task.small_validation", "trial.started"]
     adapter = client.get(f"/v1/tasks/{world.task}/adapter", headers=ADMIN)
     assert adapter.content == b"\x1f\x8b the adapter"
     curves = [json.loads(line) for line in client.get(f"/v1/tasks/{world.task}/curves", headers=ADMIN).text.split("\n")
@@ -202,7 +202,8 @@ def test_operator_streams_a_tenants_events_with_one_audit_row_per_stream(
 
     text = _stream(client, world.task)
     events = [line.removeprefix("event: ") for line in text.split("\n") if line.startswith("event: ")]
-    assert events == ["task.created", "trial.started", "trial.completed", "task.succeeded", "end"]
+    assert events == ["task.created", "task.small_validation", "trial.started", "trial.completed", "task.succeeded",
+                      "end"]
     [entry] = _audit(client)
     assert (entry["route"], entry["tenant_id"], entry["resource_id"]) == (
         "/v1/tasks/{task_id}/events/stream", world.owner.id, world.task)

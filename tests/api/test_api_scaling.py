@@ -99,7 +99,7 @@ def test_two_workers_share_the_streams_and_one_that_dies_is_replaced(clean_db: N
         assert r.status_code == 200, r.text
         for follower in followers:
             follower.join(timeout=60)
-        assert events == [["task.created", "task.cancelled", "end"]] * streams
+        assert events == [["task.created", "task.small_validation", "task.cancelled", "end"]] * streams
 
         # A server process that dies is replaced; the port keeps answering meanwhile.
         os.kill(workers[0], signal.SIGKILL)

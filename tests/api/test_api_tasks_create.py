@@ -24,14 +24,15 @@ def test_grid_2x2_makes_4_trials_with_their_hyperparameters_and_steps(client: Te
     assert task["trial_counts"] == {"pending": 4, "running": 0, "waiting": 0, "completed": 0, "stopped_early": 0,
                                     "failed": 0, "cancelled": 0}
     assert (task["progress"], task["best_trial"], task["estimated_seconds_left"]) == (0.0, None, None)
-    assert (task["validation_split"], task["epochs"], task["max_steps"], task["max_seq_len"]) == (0.1, 2, None, 512)
+    # 10 rows: a tenth would hold out one; the default rule holds out a quarter (common.datasets).
+    assert (task["validation_split"], task["epochs"], task["max_steps"], task["max_seq_len"]) == (0.25, 2, None, 512)
     assert task["search_space"] == {
         "learning_rate": [1e-4, 3e-4], "lora_rank": [8, 16], "lora_alpha": None, "batch_size": [4],
         "lora_dropout": [0.0], "target_modules": ["all-linear"],
     }
     trials = _trials(client, tenant, task["id"])
-    # 10 rows - 1 held out = 9 train rows; ceil(9 / 4) = 3 steps per epoch; 2 epochs.
-    assert [t["total_steps"] for t in trials] == [6, 6, 6, 6]
+    # 10 rows - 2 held out = 8 train rows; ceil(8 / 4) = 2 steps per epoch; 2 epochs.
+    assert [t["total_steps"] for t in trials] == [4, 4, 4, 4]
     assert [(t["index"], t["state"]) for t in trials] == [(i, "pending") for i in range(4)]
     assert [t["hyperparameters"] for t in trials] == [
         {"learning_rate": lr, "lora_rank": r, "lora_alpha": 2.0 * r, "batch_size": 4, "lora_dropout": 0.0,
@@ -92,8 +93,8 @@ def test_evaluation_is_stored_with_its_defaults(client: TestClient, tenant: Tena
     with session_scope() as session:
         row = session.get(Task, task["id"])
         assert row is not None and row.spec["evaluation"] == stored  # what the worker reads, via the pack message
-    # Every task has validation rows to score (here the default split of 0.1).
-    assert task["validation_split"] == 0.1
+    # Every task has validation rows to score (here the default split of a 10-row file: 0.25).
+    assert task["validation_split"] == 0.25
 
 
 def test_a_task_stored_before_evaluation_shows_the_loss_metric(client: TestClient, tenant: TenantKey) -> None:
@@ -211,8 +212,27 @@ def test_created_task_records_an_event_and_wakes_the_scheduler(client: TestClien
     task = make_task(client, tenant)
     messages = [m for _id, m in bus.read_after(SCHEDULER_STREAM, tail, 100, 0.5)]
     assert Wake(reason="task.created", task_id=task["id"]).to_dict() in messages
-    [event] = client.get(f"/v1/tasks/{task['id']}/events", headers=tenant.headers).json()["data"]
-    assert (event["type"], event["data"]) == ("task.created", {"trials": 4})
+    created, small = client.get(f"/v1/tasks/{task['id']}/events", headers=tenant.headers).json()["data"]
+    assert (created["type"], created["data"]) == ("task.created", {"trials": 4})
+    # 4 trials ranked on 2 held-out rows (a quarter of 10, rounded): warned.
+    assert (small["type"], small["level"]) == ("task.small_validation", "warn")
+    assert small["data"] == {"validation_rows": 2, "trials": 4, "recommended_rows": 64}
+
+
+def test_no_small_validation_warning_with_enough_validation_rows_or_one_trial(client: TestClient,
+                                                                               tenant: TenantKey) -> None:
+    train = upload(client, tenant, chat_rows(10))["id"]
+    val = upload(client, tenant, chat_rows(64), filename="val.jsonl")["id"]
+    enough = make_task(client, tenant, train, validation_file=val)
+    alone = make_task(client, tenant, train, search_space={"learning_rate": [1e-4]})
+    for task in (enough, alone):
+        types = [e["type"] for e in client.get(f"/v1/tasks/{task['id']}/events", headers=tenant.headers).json()["data"]]
+        assert types == ["task.created"]
+    # 300 training rows and no split: a quarter held out, 75 rows: no warning either.
+    many = make_task(client, tenant, upload(client, tenant, chat_rows(300))["id"])
+    assert many["validation_split"] == 0.25
+    types = [e["type"] for e in client.get(f"/v1/tasks/{many['id']}/events", headers=tenant.headers).json()["data"]]
+    assert types == ["task.created"]
 
 
 def test_trials_per_task_quota_is_422(client: TestClient) -> None:

@@ -13,7 +13,7 @@ from tests.factories import TenantKey, make_task, trial_ids, update_row, upload
 
 
 def test_task_reports_counts_progress_best_trial_and_eta(client: TestClient, tenant: TenantKey) -> None:
-    task = make_task(client, tenant)  # 4 trials of 6 steps
+    task = make_task(client, tenant, validation_split=0.1)  # 4 trials of 6 steps (9 of 10 rows, batch 4, 2 epochs)
     ids = trial_ids(task["id"])
     update_row(Trial, ids[0], state="completed", steps_done=6, best_val_loss=0.42, best_step=5, selection_loss=0.45)
     update_row(Trial, ids[1], state="running", steps_done=3)
@@ -118,7 +118,7 @@ def test_cancel_task_cancels_unfinished_trials_and_wakes_the_scheduler(client: T
         ("completed", None)] + [("cancelled", "task cancelled")] * 3
     assert all(t["finished_at"] for t in trials[1:])
     events = client.get(f"/v1/tasks/{task['id']}/events", headers=tenant.headers).json()["data"]
-    assert [e["type"] for e in events] == ["task.created", "task.cancelled"]
+    assert [e["type"] for e in events] == ["task.created", "task.small_validation", "task.cancelled"]
     messages = [m for _id, m in bus.read_after(SCHEDULER_STREAM, tail, 100, 0.5)]
     assert Wake(reason="task.cancelled", task_id=task["id"]).to_dict() in messages
 

@@ -437,7 +437,7 @@ def test_watch_exits_4_when_the_task_fails_or_is_cancelled(cli: Cli, env: Tenant
     r = cli("tasks", "watch", cancelled_id, "--json")
     assert r.code == 4
     objects = r.json_lines()
-    assert [o["type"] for o in objects[:-1]] == ["task.created", "task.cancelled"]
+    assert [o["type"] for o in objects[:-1]] == ["task.created", "task.small_validation", "task.cancelled"]
     assert objects[-1]["object"] == "task" and objects[-1]["state"] == "cancelled"
 
 

@@ -58,7 +58,7 @@ def test_wait_and_watch_report_why_a_task_waits_behind_another_models_pack(api_u
         finally:
             stop.set()
             scheduler.join()
-        assert [e.type for e in seen] == ["task.created", "task.waiting"]
+        assert [e.type for e in seen] == ["task.created", "task.small_validation", "task.waiting"]
         told = seen[-1]
         assert told.message.startswith(f"4 trials waiting behind pack {pack.id} on worker {WORKER}")
         assert "1st in queue; starts in" in told.message

@@ -9,14 +9,18 @@ import time
 import pytest
 
 from common.datasets import (
+    DEFAULT_VALIDATION_ROWS,
+    MAX_DEFAULT_VALIDATION_SPLIT,
     MAX_LINE_BYTES,
     MAX_REPORTED_ERRORS,
     MAX_ROW_DEPTH,
     JsonlValidator,
     RowTooDeep,
+    default_validation_split,
     json_deeper_than,
     parse_jsonl,
     validate_jsonl,
+    validation_rows,
 )
 
 GOOD = json.dumps({"prompt": "p", "completion": "c"}).encode()
@@ -125,3 +129,18 @@ def test_the_scan_counts_the_levels_json_loads_builds(depth: int) -> None:
     text = _nested(depth)
     assert _depth(json.loads(text)) == depth
     assert json_deeper_than(text, MAX_ROW_DEPTH) is (depth > MAX_ROW_DEPTH)
+
+
+@pytest.mark.parametrize(("rows", "split", "held_out"), [
+    (40, 0.25, 10),  # a tenth would be 4 rows: a quarter, the most the rule takes
+    (300, 0.25, 75),
+    (600, 0.2134, 128),  # enough rows: the 128 the rule asks for
+    (1000, 0.128, 128),
+    (1280, 0.1, 128),  # from here a tenth holds 128 or more
+    (3000, 0.1, 300),
+])
+def test_the_default_validation_split_holds_out_128_rows_where_a_tenth_holds_fewer(rows: int, split: float,
+                                                                                   held_out: int) -> None:
+    assert default_validation_split(rows) == split
+    assert validation_rows(rows, default_validation_split(rows)) == held_out
+    assert held_out >= min(DEFAULT_VALIDATION_ROWS, round(rows * MAX_DEFAULT_VALIDATION_SPLIT))
