@@ -108,9 +108,8 @@ def step_profile(engine: PackEngine, device: torch.device, lockstep: Lockstep | 
         span = (event.time_range.start / 1e6, event.time_range.end / 1e6)
         kinds[kind] += span[1] - span[0]
         (nccl if kind == "nccl" else compute).append(span)
-    compute_union = union(compute)
     busy = sum(stop - start for start, stop in union(compute + nccl))
-    compute_busy = sum(stop - start for start, stop in compute_union)
+    compute_busy = sum(stop - start for start, stop in union(compute))
     exposed = busy - compute_busy  # NCCL time during which no compute kernel ran
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)

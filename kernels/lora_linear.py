@@ -59,7 +59,7 @@ def triton_available() -> bool:
 # 8 slots: -6%; SmolLM2-135M shape (d_in 576/1536), 24 slots: -21 to -27% (there the step is host-bound, and each
 # Triton launch costs ~0.1 ms of Python: 840 a step). So Triton only for wide layers with many slots.
 # A rank of a pack over several GPUs is another case (``uncaptured``): its steps are never replayed from CUDA graphs
-# (worker/engine/capture.py: the layers' all-gathers are collectives), and the torch path then launches ~2.5x the
+# (worker/engine/capture.py: the layers' all-gathers are collectives), and the torch path then launches ~2.3x the
 # kernels Triton does. On two H200s, Llama-3.1-8B shape, 8 slots a rank, batch 1, the pack over both GPUs went from
 # 0.91x to 1.08x one GPU's tokens/s with Triton on the ranks, and from 1.02x to 1.29x with the base whole on each
 # (benchmarks/results/issue37/, docs/multi-gpu.md). So on such a rank Triton for every wide layer.

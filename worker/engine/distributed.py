@@ -73,10 +73,9 @@ def shard_base(model: nn.Module, *, device: torch.device | None = None,
     layers' forward, and a tied output projection is the embedding's own weight); for a large model they are a few
     GB of its tens. A model too large for one GPU is loaded in host memory and sharded from there: FSDP moves each
     layer to ``device`` as it shards it, so the GPU never holds more than its shards and one whole layer; the rest
-    follows. Call it before the pack's engine
-    wraps the layers: the wrappers then use the gathered weights. A model made on the meta device (no weights
-    yet) gets empty storage on ``device``, each rank's shards only, for its caller to fill (benchmarks/
-    base_models.py's ``build`` draws a large shape's random weights in place that way).
+    follows. Call it before the pack's engine wraps the layers: the wrappers then use the gathered weights. A model
+    made on the meta device (no weights yet) gets empty storage on ``device``, each rank's shards only, for its
+    caller to fill (benchmarks/base_models.py's ``build`` draws a large shape's random weights in place that way).
     """
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
