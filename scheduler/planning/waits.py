@@ -35,7 +35,11 @@ WaitReason = Literal["no_worker", "model_not_loadable", "does_not_fit", "behind_
 WAIT_REASONS: tuple[WaitReason, ...] = ("no_worker", "model_not_loadable", "does_not_fit", "behind_pack",
                                         "planned_later", "retry_backoff")
 ETA_MOVE_FRACTION = 0.5  # a new event when the predicted start moves by more than this share of the wait...
-ETA_MOVE_MIN_S = 60.0  # ...and by more than this many seconds
+ETA_MOVE_MIN_S = 60.0  # ...and by more than this many seconds...
+# ...and at most once in this long: a start predicted behind an overrunning pack can flip between two estimates
+# each round (measured: 55,505 task.waiting events in 21 minutes of the quality benchmark on an H200, 2026-11-27,
+# one task flipping between "under a minute" and "about 2 min" twice a second).
+ETA_RETELL_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -162,20 +166,24 @@ def start_at(wait: TaskWait, now: datetime) -> datetime | None:
     return (now + timedelta(seconds=wait.starts_in_s)).replace(microsecond=0)
 
 
-def worth_telling(told: tuple[str, int | None, datetime | None] | None, wait: TaskWait, now: datetime) -> bool:
+def worth_telling(told: tuple[str, int | None, datetime | None, datetime | None] | None, wait: TaskWait,
+                  now: datetime) -> bool:
     """Whether ``wait`` is news against what the task was last told, ``told`` = (reason, position, predicted
-    start) or None: a new reason or position, a start newly known or no longer known, or a start that moved by
-    more than `ETA_MOVE_FRACTION` of the wait then announced and by more than `ETA_MOVE_MIN_S`."""
+    start, when it was told; None for a record from before that was kept) or None: a new reason or position, a
+    start newly known or no longer known, or a start that moved by more than `ETA_MOVE_FRACTION` of the wait then
+    announced and by more than `ETA_MOVE_MIN_S`, at most once every `ETA_RETELL_S`."""
     if told is None:
         return True
-    reason, position, at = told
+    reason, position, at, told_at = told
     new_at = start_at(wait, now)
     if (reason, position) != (wait.reason, wait.position) or (at is None) != (new_at is None):
         return True
     if at is None or new_at is None:
         return False
+    if told_at is not None and (now - told_at).total_seconds() < ETA_RETELL_S:
+        return False
     moved = abs((new_at - at).total_seconds())
-    announced_wait = max(0.0, (at - now).total_seconds())
+    announced_wait = max(0.0, (at - (told_at or now)).total_seconds())
     return moved > ETA_MOVE_MIN_S and moved > ETA_MOVE_FRACTION * announced_wait
 
 

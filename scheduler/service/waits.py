@@ -96,8 +96,8 @@ def _record(session: Session, task: Task, wait: TaskWait, now: datetime) -> None
     """Writes the task's field when it changed, and a `task.waiting` event when the change is news."""
     stored = task.waiting or {}
     told_before = stored.get("told")
-    told = (told_before["reason"], told_before["position"], _time(told_before["estimated_start_at"])) \
-        if told_before else None
+    told = (told_before["reason"], told_before["position"], _time(told_before["estimated_start_at"]),
+            _time(told_before.get("told_at"))) if told_before else None
     at = start_at(wait, now)
     value: dict[str, Any] = {
         "reason": wait.reason, "message": wait.message, "position": wait.position,
@@ -107,7 +107,7 @@ def _record(session: Session, task: Task, wait: TaskWait, now: datetime) -> None
     }
     if worth_telling(told, wait, now):
         value["told"] = {"reason": wait.reason, "position": wait.position, "estimated_start_at": value[
-            "estimated_start_at"]}
+            "estimated_start_at"], "told_at": iso(now)}
         record_event(session, tenant_id=task.tenant_id, task_id=task.id, type=WAITING, message=wait.message,
                      data={k: value[k] for k in ("reason", "position", "estimated_start_at", "waiting_trials",
                                                  "base_model", "pack_id", "worker_id")}

@@ -6,7 +6,15 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from scheduler.planning.types import LiveWorker, PendingTrial, PlanResult, ScheduledPack
-from scheduler.planning.waits import Backoff, BusyPack, TaskWait, start_at, task_waits, worth_telling
+from scheduler.planning.waits import (
+    ETA_RETELL_S,
+    Backoff,
+    BusyPack,
+    TaskWait,
+    start_at,
+    task_waits,
+    worth_telling,
+)
 
 X, Y = "model-x", "model-y"
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
@@ -107,7 +115,7 @@ def wait_of(reason: str = "behind_pack", position: int | None = 1, starts_in_s: 
 
 
 def test_worth_telling_a_new_reason_or_position_but_not_a_drifting_eta() -> None:
-    told = ("behind_pack", 1, NOW + timedelta(seconds=600))
+    told = ("behind_pack", 1, NOW + timedelta(seconds=600), None)  # a record kept from before told_at
     assert worth_telling(None, wait_of(), NOW)
     assert not worth_telling(told, wait_of(starts_in_s=630.0), NOW)  # moved 30 s: drift
     assert not worth_telling(told, wait_of(starts_in_s=880.0), NOW)  # moved 280 s, less than half of 600
@@ -116,8 +124,25 @@ def test_worth_telling_a_new_reason_or_position_but_not_a_drifting_eta() -> None
     assert worth_telling(told, wait_of(position=2), NOW)
     assert worth_telling(told, wait_of(starts_in_s=None), NOW)
     # Close to the start, a move of half the wait must still be more than a minute.
-    soon = ("behind_pack", 1, NOW + timedelta(seconds=40))
+    soon = ("behind_pack", 1, NOW + timedelta(seconds=40), None)
     assert not worth_telling(soon, wait_of(starts_in_s=90.0), NOW)
+
+
+def test_a_start_flipping_between_two_estimates_is_told_at_most_every_few_minutes() -> None:
+    """Measured on the H200 (2026-11-27): behind an overrunning pack one task's start flipped between "under a
+    minute" and "about 2 min" each round. Each flip moved it by more than a minute, and the wait announced was
+    already over, so every flip was news: 55,505 events in 21 minutes. Now a moved start is news once per
+    ETA_RETELL_S, measured against the wait announced when it was told."""
+    told_at = NOW - timedelta(seconds=120)
+    told = ("behind_pack", 1, NOW - timedelta(seconds=30), told_at)  # announced 90 s ahead; overdue now
+    assert not worth_telling(told, wait_of(starts_in_s=100.0), NOW)  # a flip, two minutes after the last word
+    later = told_at + timedelta(seconds=ETA_RETELL_S)
+    assert worth_telling(told, wait_of(starts_in_s=100.0), later)  # five minutes on, it moved: news again
+    # The share of the wait is of the wait announced then (90 s), not of what is left of it now.
+    announced = ("behind_pack", 1, later + timedelta(seconds=600), later - timedelta(seconds=ETA_RETELL_S))
+    assert not worth_telling(announced, wait_of(starts_in_s=1000.0), later)  # moved 400 s of a 900 s wait
+    assert worth_telling(told, wait_of(reason="planned_later"), NOW)  # a new reason is news at once
+    assert worth_telling(told, wait_of(position=2), NOW)
 
 
 def test_start_at_is_a_time_to_the_second() -> None:
