@@ -253,15 +253,22 @@ def main() -> None:
         with Client(url, key, timeout=120) as lp:
             cells = submit(lp, args, args.model)
             decoder = Decoder(SOURCES[args.model], home / "models")
-            # Each cell is scored as soon as its tasks end (submitted in order, they end roughly in order), while
-            # the service trains the later cells on the same GPU: the decoding hides under the training.
-            # The result is written again after each cell: a run cut short (the device's time ran out) keeps what
-            # it scored, marked incomplete.
-            for done, cell in enumerate(cells, start=1):
-                for task_id in cell.task_ids.values():
-                    lp.tasks.wait(task_id, timeout=max(1.0, args.timeout - (time.monotonic() - started)))
-                score(lp, [cell], args, decoder, home / "adapters")
-                report(args, cells[:done], time.monotonic() - started, complete=done == len(cells))
+            # Each cell is scored as soon as all its tasks have ended, in whatever order that happens (the planner
+            # runs short trials first, so a cell's refit may end after later cells), while the service trains the
+            # rest on the same GPU: the decoding hides under the training. The result is written again after each
+            # cell: a run cut short (the device's time ran out) keeps what it scored, marked incomplete.
+            scored: list[Cell] = []
+            while len(scored) < len(cells):
+                if time.monotonic() - started > args.timeout:
+                    raise TimeoutError(f"{len(cells) - len(scored)} cell(s) not done after {args.timeout:.0f} s")
+                ready = [c for c in cells if not any(c is s for s in scored)
+                         and all(lp.tasks.get(t).done for t in c.task_ids.values())]
+                if not ready:
+                    time.sleep(2.0)
+                for cell in ready:
+                    score(lp, [cell], args, decoder, home / "adapters")
+                    scored.append(cell)
+                    report(args, scored, time.monotonic() - started, complete=len(scored) == len(cells))
     finally:
         stop_service(procs)
 
