@@ -88,6 +88,9 @@ class TrialPayload(BaseModel):
     resume_key: str | None = None
     resume_step: int | None = None
     extra_eval_steps: list[int] = []  # where the task's early-exit policy must see a validation
+    # A refit (its task's `"refit": true`): it trains on the training and validation rows together and validates on
+    # none; its adapter is its last step's.
+    refit: bool = False
     placed_at: str | None = None  # tells one placement from the next (a trial paused and placed again)
 
 

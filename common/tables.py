@@ -127,6 +127,9 @@ class Task(Base):
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     idempotency_key: Mapped[str | None] = mapped_column(String(200), default=None)
     best_trial_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    # The trial that trains the best trial's configuration again on training + validation rows (`"refit": true`),
+    # once the search has ended; None without one.
+    refit_trial_id: Mapped[str | None] = mapped_column(String(40), default=None)
     # What the task was predicted to take at submission ({"tokens", "gpu_seconds", "wall_seconds"}) and, once it
     # ended, what it took (`"actual"`, the same keys): api/services/estimates.py.
     estimate: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
@@ -161,6 +164,9 @@ class Trial(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     index: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(20), index=True)
+    # A refit (its task's `"refit": true`): the trial whose configuration it trains again on the training and
+    # validation rows. It is not one of the search's trials: never ranked, never early-exited, never validated.
+    refit_of: Mapped[str | None] = mapped_column(String(40), default=None)
     hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON)
     total_steps: Mapped[int] = mapped_column(Integer)
     steps_done: Mapped[int] = mapped_column(Integer, default=0)

@@ -70,6 +70,12 @@ class TaskSpec:
     # The submitter's own label and string pairs (OpenAI's `suffix` and `metadata`): kept and returned, not read.
     suffix: str | None = None
     metadata: Mapping[str, str] | None = None
+    # Train the winning configuration again on the training and validation rows once the search ends, as an
+    # adapter of its own (`refit_steps`); the rows each split had at submission size it. None: a task stored
+    # before the counts were kept (it cannot have asked for a refit).
+    refit: bool = False
+    training_rows: int | None = None
+    validation_rows: int | None = None
 
     @property
     def metric(self) -> str:
@@ -104,11 +110,14 @@ class TaskSpec:
             ),
             suffix=stored.get("suffix"),
             metadata=stored.get("metadata"),
+            refit=bool(stored.get("refit", False)),
+            training_rows=stored.get("training_rows"),
+            validation_rows=stored.get("validation_rows"),
         )
 
     def to_stored(self) -> dict[str, Any]:
         """The JSON stored in `tasks.spec` (`from_stored(to_stored(s)) == s`; an older row's missing
-        `evaluation` comes back as null; `suffix` and `metadata` only when given)."""
+        `evaluation` comes back as null, its missing `refit` as false; `suffix` and `metadata` only when given)."""
         stored = {
             "base_model": self.base_model,
             "training_file": self.training_file,
@@ -126,9 +135,21 @@ class TaskSpec:
             "training": dict(self.training),
             "scheduling": {"max_trials_per_pack": self.scheduling.max_trials_per_pack},
             "evaluation": self.evaluation.as_dict() if self.evaluation else None,
+            "refit": self.refit,
+            "training_rows": self.training_rows,
+            "validation_rows": self.validation_rows,
         }
         if self.suffix is not None:
             stored["suffix"] = self.suffix
         if self.metadata is not None:
             stored["metadata"] = dict(self.metadata)
         return stored
+
+
+def refit_steps(winner_steps: int, training_rows: int, validation_rows: int) -> int:
+    """The steps of a refit: as many passes over the training and validation rows together as the winner's adapter
+    made over the training rows alone (``winner_steps``, the step its delivered adapter was taken at), so the rows
+    it gains lengthen it instead of shortening its epochs."""
+    if training_rows <= 0:
+        raise ValueError("a refit needs the winner's training rows")
+    return max(1, round(winner_steps * (training_rows + validation_rows) / training_rows))

@@ -194,6 +194,8 @@ class PackRunner:
             train, val = split_rows(rows, t.validation_split, t.split_seed)
         else:
             train, val = rows, []
+        if t.refit:  # the winner's configuration again, on every row it was tuned with: nothing is held out
+            train, val = train + val, []
         hp, training = t.hyperparameters, t.training
         targets = hp["target_modules"]  # a list of module names, or the string "all-linear"
         return TrialSpec(

@@ -26,12 +26,20 @@ from api.errors import PERMISSION, ApiError, invalid, not_found
 from api.queries import find_task, get_task, get_trial
 from api.schemas.common import NO_CONTROL_CHARS, ListPage, PathId, error_responses, id_query
 from api.schemas.tasks import TaskCreate, TaskOut
-from api.services.adapters import adapter_download, no_best_trial
+from api.services.adapters import adapter_download, no_best_trial, no_refit
 from api.services.audit import audit_read
 from api.services.task_views import draft_view, task_status, task_view, task_views
 from api.services.tasks import cancel_task, create_task, dry_run_task
 from common.db import get_autocommit_engine
-from common.states import TASK_CANCELLED, TASK_FAILED, TASK_QUEUED, TASK_RUNNING, TASK_SUCCEEDED, TASK_VALIDATING
+from common.states import (
+    TASK_CANCELLED,
+    TASK_FAILED,
+    TASK_QUEUED,
+    TASK_RUNNING,
+    TASK_SUCCEEDED,
+    TASK_VALIDATING,
+    TRIAL_FINAL,
+)
 from common.tables import Task, Tenant
 
 router = APIRouter(prefix="/tasks", tags=["tasks"], responses=error_responses(401, 403, 404, 422))
@@ -166,13 +174,23 @@ def cancel(task_id: PathId, tenant: TenantDep, session: SessionDep) -> TaskOut:
     responses={200: {"content": {"application/gzip": {}}}, **error_responses(409)},
 )
 def download_best_adapter(
-    task_id: PathId, reader: ReaderDep, session: SessionDep, request: Request
+    task_id: PathId, reader: ReaderDep, session: SessionDep, request: Request,
+    refit: Annotated[bool, Query(description="The refit's adapter (a task submitted with \"refit\": true): the "
+                                 "best configuration trained again on training + validation rows.")] = False,
 ) -> StreamingResponse:
-    """The best trial's adapter (PEFT directory as .tar.gz); 409 adapter_not_ready until there is one."""
+    """The best trial's adapter (PEFT directory as .tar.gz), or with ?refit=true its refit's; 409 adapter_not_ready
+    until there is one, no_best_trial or no_refit when there will be none."""
     task = get_task(session, tenant_id=reader.tenant_id, task_id=task_id)
-    if task.best_trial_id is None:
-        raise no_best_trial(task)
-    trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task.id, trial_id=task.best_trial_id)
+    if refit:
+        if task.refit_trial_id is None:
+            raise no_refit(task)
+        trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task.id, trial_id=task.refit_trial_id)
+        if trial.adapter_key is None and trial.state in TRIAL_FINAL:
+            raise no_refit(task)
+    else:
+        if task.best_trial_id is None:
+            raise no_best_trial(task)
+        trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task.id, trial_id=task.best_trial_id)
     download = adapter_download(trial)  # a 409 before the audit row: no adapter was read
     audit_read(session, reader, request, tenant_id=task.tenant_id, resource_id=task.id)
     return download

@@ -422,6 +422,11 @@ class TaskCreate(RequestModel):
         default_factory=Evaluation,
         description='{"metric": "loss" | "exact_match" | "contains" | "regex" | "json_valid", "max_new_tokens", '
         '"pattern"}: how the best trial is chosen; default the validation loss.')
+    refit: bool = Field(
+        default=False, description="Once the search ends, train the best trial's configuration again on the "
+        "training and validation rows together, for as many passes over them as the winner's adapter made over the "
+        "training rows (its own trial, `refit_trial_id`; download it with GET .../adapter?refit=true). The task "
+        "succeeds when the refit ends; if the refit fails, the best trial's adapter is still the result.")
     suffix: Text | None = Field(default=None, min_length=1, max_length=64,
                                 description="Your label for the task (as OpenAI's `suffix`): kept and returned.")
     metadata: dict[MetadataKey, MetadataValue] | None = Field(
@@ -537,6 +542,11 @@ class TaskOut(BaseModel):
     trial_counts: TrialCounts
     progress: float = Field(ge=0, le=1)
     best_trial: BestTrial | None
+    refit: bool = Field(default=False, description="Whether the best configuration is trained again on the "
+                        "training and validation rows once the search ends.")
+    refit_trial_id: str | None = Field(
+        default=None, description="That refit's trial, once the search has ended (it is not ranked: its adapter is "
+        "at GET .../adapter?refit=true).")
     estimated_seconds_left: float | None
     estimate: TaskEstimate | None = Field(
         default=None, description="Predicted tokens, GPU seconds and wall seconds at submission, with the `actual` "

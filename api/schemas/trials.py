@@ -30,6 +30,8 @@ class TrialOut(BaseModel):
     attempts: int
     checkpoint_step: int | None  # the newest checkpoint a requeued trial would resume from
     adapter_ready: bool = Field(description="Whether its adapter can be downloaded (GET .../adapter).")
+    refit_of: str | None = Field(default=None, description="A refit's: the trial whose configuration it trains "
+                                 "again on the training and validation rows (null for the search's trials).")
     created_at: UtcDateTime
     started_at: UtcDateTime | None
     finished_at: UtcDateTime | None
@@ -42,7 +44,7 @@ class TrialOut(BaseModel):
             best_step=t.best_step, last_train_loss=t.last_train_loss, metric_score=t.metric_score,
             stop_reason=t.stop_reason,
             error=t.error, attempts=t.attempts, checkpoint_step=t.checkpoint_step,
-            adapter_ready=t.adapter_key is not None, created_at=t.created_at,
+            adapter_ready=t.adapter_key is not None, refit_of=t.refit_of, created_at=t.created_at,
             started_at=t.started_at, finished_at=t.finished_at,
         )
 

@@ -55,3 +55,18 @@ def no_best_trial(task: Task) -> ApiError:
         return conflict("no_best_trial", f"Task '{task.id}' ended ({task.state}) with no completed trial, so there "
                                          "is no adapter to download.")
     return _not_ready(f"Task '{task.id}' has no best trial yet (state: {task.state}), so no adapter to download.")
+
+
+def no_refit(task: Task) -> ApiError:
+    """409 for ``?refit=true`` on a task without a refit adapter: `no_refit` when it did not ask for one, or ended
+    without its refit starting or completing; `adapter_not_ready` while one may still come."""
+    if not task.parsed_spec.refit:
+        return conflict("no_refit", f"Task '{task.id}' was not submitted with \"refit\": true, so it has no refit "
+                                    "adapter; GET .../adapter without ?refit gives its best trial's.")
+    if task.state in (TASK_FAILED, TASK_CANCELLED, TASK_SUCCEEDED):
+        return conflict("no_refit", f"Task '{task.id}' ended ({task.state}) without a completed refit, so there is "
+                                    "no refit adapter to download" + (
+                                        "; its best trial's adapter is at GET .../adapter." if task.best_trial_id
+                                        else "."))
+    return _not_ready(f"Task '{task.id}' has no refit adapter yet (state: {task.state}): its refit starts once its "
+                      "search ends.")

@@ -46,6 +46,8 @@ class TaskFields(Protocol):
     @property
     def best_trial_id(self) -> str | None: ...
     @property
+    def refit_trial_id(self) -> str | None: ...
+    @property
     def error(self) -> str | None: ...
     @property
     def created_at(self) -> datetime: ...
@@ -84,8 +86,8 @@ _TRIAL_SUMMARIES = (
 _TASK_STATUS = (
     select(
         Task.id, Task.tenant_id, Task.state, Task.base_model, Task.training_file_id, Task.validation_file_id, Task.spec,
-        Task.best_trial_id, Task.error, Task.created_at, Task.started_at, Task.finished_at, Task.estimate,
-        Task.waiting, *_BY_STATE,
+        Task.best_trial_id, Task.refit_trial_id, Task.error, Task.created_at, Task.started_at, Task.finished_at,
+        Task.estimate, Task.waiting, *_BY_STATE,
     )
     .select_from(Task)
     .join(ApiKey, ApiKey.tenant_id == Task.tenant_id)
@@ -190,6 +192,8 @@ def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, n
         trial_counts=counts,
         progress=round(summary.progress, 6),
         best_trial=best,
+        refit=spec.refit,
+        refit_trial_id=task.refit_trial_id,
         estimated_seconds_left=seconds_left(task, summary.progress, now),
         estimate=TaskEstimate.model_validate(task.estimate) if task.estimate else None,
         # Only while a trial is pending: the scheduler clears it a round after they start, this at once.

@@ -209,8 +209,10 @@ def _by_idempotency_key(session: Session, tenant: Tenant, key: str | None) -> Ta
     return session.scalar(select(Task).where(Task.tenant_id == tenant.id, Task.idempotency_key == key))
 
 
-def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], steps: list[int]) -> dict[str, Any]:
-    """The normalised request, stored with the task: every default filled in, eval_interval resolved."""
+def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], steps: list[int], *,
+          rows: tuple[int, int]) -> dict[str, Any]:
+    """The normalised request, stored with the task: every default filled in, eval_interval resolved, and the
+    (training, validation) rows a refit is sized by."""
     return TaskSpec(
         base_model=body.base_model,
         training_file=body.training_file,
@@ -231,6 +233,9 @@ def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], step
         evaluation=Evaluation(**body.evaluation.model_dump()),
         suffix=body.suffix,
         metadata=body.metadata,
+        refit=body.refit,
+        training_rows=rows[0],
+        validation_rows=rows[1],
     ).to_stored()
 
 
@@ -311,7 +316,8 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
 
     task = Task(
         tenant_id=tenant.id, base_model=body.base_model, training_file_id=body.training_file,
-        validation_file_id=body.validation_file, state=TASK_QUEUED, spec=_spec(body, budget, space, steps),
+        validation_file_id=body.validation_file, state=TASK_QUEUED,
+        spec=_spec(body, budget, space, steps, rows=(n_train, n_val)),
         idempotency_key=idempotency_key, created_at=utcnow(), estimate=estimate,
     )
     return Draft(task=task, configs=configs, steps=steps, shortened=shortened, validation_rows=n_val)

@@ -287,12 +287,16 @@ class Tasks:
         return self.get(task_id)
 
     def download_adapter(self, task_id: str, directory: str | os.PathLike[str] | None = None, *,
-                         trial_id: str | None = None) -> Path:
-        """The best trial's adapter (or `trial_id`'s), unpacked into `directory` (default
-        `./<task>-<trial>-adapter`): a PEFT directory. Returns the directory; 409 until there is an adapter."""
+                         trial_id: str | None = None, refit: bool = False) -> Path:
+        """The best trial's adapter (or `trial_id`'s, or with `refit` the refit's of a task submitted with
+        `"refit": true`), unpacked into `directory` (default `./<task>-<trial>-adapter`): a PEFT directory. Returns
+        the directory; 409 until there is an adapter."""
+        if trial_id is not None and refit:
+            raise ValueError("give trial_id or refit, not both")
         path = f"/v1/tasks/{task_id}/adapter" if trial_id is None else f"/v1/tasks/{task_id}/trials/{trial_id}/adapter"
+        params = {"refit": "true"} if refit else None
         with tempfile.TemporaryFile() as archive:
-            with self._c._stream(path) as response:
+            with self._c._stream(path, params=params) as response:
                 for chunk in response.iter_bytes():
                     archive.write(chunk)
                 target = _core.archive_dir(response, directory)

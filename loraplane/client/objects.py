@@ -261,6 +261,10 @@ class Task(ApiObject):
     estimate: TaskEstimate | None = None
     suffix: str | None = None  # the submitter's label and string pairs (OpenAI's names), kept as given
     metadata: dict[str, str] | None = None
+    # Whether the best configuration is trained again on training + validation rows once the search ends, and that
+    # refit's trial once it exists (its adapter: `download_adapter(..., refit=True)`).
+    refit: bool = False
+    refit_trial_id: str | None = None
 
     TIMES = frozenset({"created_at", "started_at", "finished_at"})
 
@@ -311,6 +315,7 @@ class Trial(ApiObject):
     # The share of validation rows its best adapter answered right by the task's generative metric (None: the loss
     # metric, or not scored yet).
     metric_score: float | None = None
+    refit_of: str | None = None  # a refit's: the trial whose configuration it trains again (None: a search trial)
 
     TIMES = frozenset({"created_at", "started_at", "finished_at"})
 

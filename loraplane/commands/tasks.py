@@ -213,6 +213,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         out(f"best trial: {no_best_trial_text(task)}")
     else:
         out("\n".join(line for line in outcome(task, trials) if not line.startswith(task.id)))
+    refit = next((t for t in trials if t.id == task.refit_trial_id), None)
+    if refit is not None:
+        out(f"refit: trial {refit.index} ({refit.id}), {refit.state}: the best configuration on training + validation "
+            f"rows{'; loraplane tasks download --refit ' + task.id if refit.adapter_ready else ''}")
     return 0
 
 
@@ -244,9 +248,13 @@ def cmd_download(args: argparse.Namespace) -> int:
     with make_client(args) as lp:
         trial_id = args.trial
         best = None
-        if trial_id is None:
+        if args.refit:
+            trial_id = None
+        elif trial_id is None:
             best = lp.tasks.get(args.task_id).best_trial
-        directory = lp.tasks.download_adapter(args.task_id, args.output, trial_id=trial_id)
+        directory = lp.tasks.download_adapter(args.task_id, args.output, trial_id=trial_id, refit=args.refit)
+        if args.refit:
+            trial_id = lp.tasks.get(args.task_id).refit_trial_id
     files = sorted(p.name for p in directory.iterdir())
     which = trial_id or (best.id if best else None)
     if args.json:
@@ -254,6 +262,8 @@ def cmd_download(args: argparse.Namespace) -> int:
         return 0
     if best is not None:
         what = f"the best trial, {which} (val loss {loss(best.best_val_loss)}, {hyperparameters(best.hyperparameters)})"
+    elif args.refit:
+        what = f"the refit, {which} (the best configuration on training + validation rows)"
     else:
         what = f"trial {which}"
     out(f"The adapter of {what} is in {directory}/: {', '.join(files)}")
@@ -313,7 +323,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     download = tsub.add_parser("download", parents=[common], help="unpack the best (or a trial's) adapter into a "
                                "directory")
     download.add_argument("task_id")
-    download.add_argument("--trial", metavar="TRIAL_ID", help="this trial's adapter instead of the best one")
+    which = download.add_mutually_exclusive_group()
+    which.add_argument("--trial", metavar="TRIAL_ID", help="this trial's adapter instead of the best one")
+    which.add_argument("--refit", action="store_true", help="the refit's adapter (a task submitted with refit: true)")
     download.add_argument("-o", "--output", metavar="DIR", help="where (default ./<task>-<trial>-adapter)")
     download.set_defaults(func=guarded(cmd_download), client=True)
 

@@ -38,12 +38,13 @@ def trial_payload(trial: Trial, task: Task) -> TrialPayload:
         split_seed=spec.seed,
         training=dict(spec.training),
         # A generative metric has the worker score the trial's best adapter when it ends. None: loss (a task stored
-        # before `evaluation` existed).
-        evaluation=spec.evaluation.as_dict() if spec.evaluation else None,
+        # before `evaluation` existed), and a refit's: it has no validation rows left to score.
+        evaluation=spec.evaluation.as_dict() if spec.evaluation and trial.refit_of is None else None,
         # A requeued trial resumes from its newest checkpoint instead of step 0.
         resume_key=trial.checkpoint_key,
         resume_step=trial.checkpoint_step,
         extra_eval_steps=eval_steps(task, trial),
+        refit=trial.refit_of is not None,
         # Tells one placement from the next (a trial paused and placed again in the same pack).
         placed_at=trial.started_at.isoformat() if trial.started_at else None,
     )
@@ -52,7 +53,9 @@ def trial_payload(trial: Trial, task: Task) -> TrialPayload:
 def eval_steps(task: Task, trial: Trial) -> list[int]:
     """Steps the task's early-exit policy must see a validation at besides the regular ones: alto ranks each
     trial at its warm-up rungs, ASHA at its token rungs, so the trial validates exactly there (not at the next
-    regular validation, which may be far past it)."""
+    regular validation, which may be far past it). A refit validates on nothing."""
+    if trial.refit_of is not None:
+        return []
     try:
         config = from_spec(task.parsed_spec.early_exit)
     except EarlyExitSpecError:

@@ -80,7 +80,8 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
     locked = session.scalars(
         select(Trial).where(Trial.task_id == task.id).order_by(Trial.id).with_for_update(key_share=True)
     ).all()
-    trials = sorted(locked, key=lambda t: t.index)
+    # A refit (trained after the search on every row, never validated) is no part of the policy's ranking.
+    trials = sorted((t for t in locked if t.refit_of is None), key=lambda t: t.index)
     points: dict[str, dict[str, list[tuple[int, float]]]] = {t.id: {"train": [], "val": []} for t in trials}
     for trial_id, step, split, loss in session.execute(
         select(MetricPoint.trial_id, MetricPoint.step, MetricPoint.split, MetricPoint.loss)

@@ -1,6 +1,7 @@
 """A task's end, inside the caller's transaction (scheduler/service/daemon.py sequences it): queued tasks with a
 running trial become running, and tasks whose trials all ended get their best trial, their state and their actual
-cost beside the estimate.
+cost beside the estimate; a task that asked for a refit (`"refit": true`) first gets its refit trial, and ends
+when that ends.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from sqlalchemy.orm import Session
 from common import states
 from common.events import record_event
 from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, rank_key, ranked_val_loss, selection_loss
-from common.tables import MetricPoint, Task, Trial, as_utc
+from common.tables import MetricPoint, Task, Trial, as_utc, new_id
+from common.task_spec import refit_steps
 from common.usage import task_usage
 
 
@@ -67,11 +69,12 @@ def finalize_tasks(session: Session, now: datetime) -> None:
                          message="training started")
         if not trials or any(t.state not in states.TRIAL_FINAL for t in trials):
             continue
-        task.finished_at = now
-        record_actual(session, task, now)
+        search = [t for t in trials if t.refit_of is None]
         # A trial stopped early for overfitting had its best adapter saved: it competes like a completed one.
-        done = [t for t in trials if t.state in (states.TRIAL_COMPLETED, states.TRIAL_STOPPED_EARLY) and t.adapter_key]
+        done = [t for t in search if t.state in (states.TRIAL_COMPLETED, states.TRIAL_STOPPED_EARLY) and t.adapter_key]
         if not done:
+            task.finished_at = now
+            record_actual(session, task, now)
             task.state = states.TASK_FAILED
             task.error = "no trial completed: " + "; ".join(sorted({t.error or t.state for t in trials}))
             record_event(session, tenant_id=task.tenant_id, task_id=task.id, type="task.failed",
@@ -79,18 +82,54 @@ def finalize_tasks(session: Session, now: datetime) -> None:
             continue
         metric = task.parsed_spec.metric
         best = best_trial(metric, done)
-        task.state = states.TASK_SUCCEEDED
         task.best_trial_id = best.id
+        if task.parsed_spec.refit and task.refit_trial_id is None:
+            start_refit(session, task, best, index=1 + max(t.index for t in trials))
+            continue  # the task ends with its refit
+        task.finished_at = now
+        record_actual(session, task, now)
+        task.state = states.TASK_SUCCEEDED
         data: dict[str, Any] = {"best_trial_id": best.id, "best_val_loss": best.best_val_loss,
                                 "selection_loss": best.selection_loss}
         by = ""
         if metric in GENERATIVE_METRICS:
             data.update(metric=metric, metric_score=best.metric_score)
             by = f" ({metric} {'n/a' if best.metric_score is None else f'{best.metric_score:.3f}'})"
+        refit = next((t for t in trials if t.id == task.refit_trial_id), None)
+        refitted = ""
+        if refit is not None:
+            data["refit_trial_id"] = refit.id
+            refitted = "; its refit on training + validation rows " + (
+                "is ready" if refit.adapter_key else f"did not complete ({refit.error or refit.state})")
+            if not refit.adapter_key:
+                record_event(session, tenant_id=task.tenant_id, task_id=task.id, trial_id=refit.id,
+                             type="task.refit_failed", level="warn",
+                             message=f"the refit of trial {best.index} did not complete ({refit.error or refit.state})"
+                                     "; the best trial's adapter is the task's result")
         record_event(
             session, tenant_id=task.tenant_id, task_id=task.id, trial_id=best.id, type="task.succeeded",
-            message=f"{len(done)} of {len(trials)} trials completed; best is trial {best.index}{by}", data=data,
+            message=f"{len(done)} of {len(search)} trials completed; best is trial {best.index}{by}{refitted}",
+            data=data,
         )
+
+
+def start_refit(session: Session, task: Task, best: Trial, *, index: int) -> Trial:
+    """The task's refit: a pending trial of ``best``'s configuration (its seed too) on the training and validation
+    rows, for as many passes over them as ``best``'s adapter made over the training rows (`refit_steps`)."""
+    spec = task.parsed_spec
+    assert spec.training_rows is not None and spec.validation_rows is not None, "refit without row counts"
+    winner_steps = best.best_step or best.steps_done or best.total_steps  # the step its adapter was taken at
+    refit = Trial(id=new_id("trial"), task_id=task.id, tenant_id=task.tenant_id, index=index,
+                  state=states.TRIAL_PENDING, hyperparameters=dict(best.hyperparameters), refit_of=best.id,
+                  total_steps=refit_steps(winner_steps, spec.training_rows, spec.validation_rows))
+    session.add(refit)
+    task.refit_trial_id = refit.id
+    record_event(session, tenant_id=task.tenant_id, task_id=task.id, trial_id=refit.id, type="task.refit_started",
+                 message=f"trial {best.index} won; its configuration trains again on the {spec.training_rows} "
+                         f"training and {spec.validation_rows} validation rows for {refit.total_steps} steps "
+                         f"(trial {index})",
+                 data={"best_trial_id": best.id, "refit_trial_id": refit.id, "total_steps": refit.total_steps})
+    return refit
 
 
 def record_actual(session: Session, task: Task, now: datetime) -> None:

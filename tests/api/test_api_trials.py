@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.tables import MetricPoint, Trial
+from common.states import TASK_SUCCEEDED, TRIAL_COMPLETED, TRIAL_FAILED
+from common.tables import MetricPoint, Task, Trial, new_id
 from tests.factories import TenantKey, make_task, store_adapter, trial_ids, update_row
 
 
@@ -17,7 +18,7 @@ def test_list_and_get_trials(client: TestClient, tenant: TenantKey) -> None:
     assert set(first) == {
         "id", "object", "task_id", "index", "state", "hyperparameters", "total_steps", "steps_done", "best_val_loss",
         "best_step", "last_train_loss", "metric_score", "stop_reason", "error", "attempts", "checkpoint_step",
-        "adapter_ready", "created_at", "started_at", "finished_at",
+        "adapter_ready", "refit_of", "created_at", "started_at", "finished_at",
     }
     assert first["metric_score"] is None
     one = client.get(f"/v1/tasks/{task['id']}/trials/{first['id']}", headers=tenant.headers)
@@ -83,3 +84,48 @@ def test_adapter_key_without_stored_archive_is_409(client: TestClient, tenant: T
     update_row(Trial, trial_id, adapter_key="adapters/nowhere/none.tar.gz")
     r = client.get(f"/v1/tasks/{task['id']}/trials/{trial_id}/adapter", headers=tenant.headers)
     assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready")
+
+
+def test_a_refit_task_keeps_its_row_counts_and_serves_its_refit_adapter_apart(client: TestClient,
+                                                                                tenant: TenantKey) -> None:
+    """Issue 33: `"refit": true` is stored with the rows each split has, the task names its refit trial once the
+    scheduler made it, and GET .../adapter?refit=true serves that trial's adapter: 409 adapter_not_ready until it
+    is there, no_refit for a task that did not ask for one or whose refit failed."""
+    plain = make_task(client, tenant)
+    task = make_task(client, tenant, refit=True)
+    assert (task["refit"], task["refit_trial_id"], plain["refit"]) == (True, None, False)
+    with session_scope() as session:
+        spec = session.get_one(Task, task["id"]).parsed_spec
+    assert spec.refit and spec.training_rows is not None and spec.validation_rows is not None
+    assert spec.training_rows + spec.validation_rows == 10  # the factory's file
+    refit_url = f"/v1/tasks/{task['id']}/adapter?refit=true"
+    r = client.get(f"/v1/tasks/{plain['id']}/adapter?refit=true", headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "no_refit")
+    r = client.get(refit_url, headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready")
+
+    winner = trial_ids(task["id"])[1]
+    best = store_adapter(task["id"], winner, b"\x1f\x8b best")
+    refit_id = new_id("trial")
+    with session_scope() as session:
+        row = session.get_one(Task, task["id"])
+        session.add(Trial(id=refit_id, task_id=row.id, tenant_id=row.tenant_id, index=4, state="pending",
+                          hyperparameters={}, total_steps=5, refit_of=winner))
+        row.refit_trial_id = refit_id
+    shown = client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()
+    assert shown["refit_trial_id"] == refit_id and shown["best_trial"]["id"] == winner
+    trial = client.get(f"/v1/tasks/{task['id']}/trials/{refit_id}", headers=tenant.headers).json()
+    assert trial["refit_of"] == winner
+    r = client.get(refit_url, headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready")
+    assert client.get(f"/v1/tasks/{task['id']}/adapter", headers=tenant.headers).content == best
+
+    refitted = store_adapter(task["id"], refit_id, b"\x1f\x8b refit")
+    update_row(Task, task["id"], best_trial_id=winner, state=TASK_SUCCEEDED)  # store_adapter pointed it at the refit
+    update_row(Trial, refit_id, state=TRIAL_COMPLETED)
+    assert client.get(refit_url, headers=tenant.headers).content == refitted
+    assert client.get(f"/v1/tasks/{task['id']}/adapter", headers=tenant.headers).content == best
+    update_row(Trial, refit_id, state=TRIAL_FAILED, adapter_key=None)
+    r = client.get(refit_url, headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "no_refit")
+    assert "best trial's adapter" in r.json()["error"]["message"]

@@ -26,7 +26,7 @@ def test_the_small_benchmark_scores_every_arm_through_the_service(tmp_path: Path
                TMPDIR=str(tmp_path))
     command = [sys.executable, "-m", "benchmarks.quality.run", "--model", "tiny-random-llama", "--tasks", "extract",
                "--sizes", "small", "--seeds", "0", "1", "--train-rows", "16", "--test-rows", "4", "--epochs", "1",
-               "--arms", "base", "default", "previous", "auto", "grid-none", "grid-alto", "oracle",
+               "--arms", "base", "default", "previous", "auto", "grid-none", "refit", "grid-alto", "oracle",
                "--grid-lr", *map(str, GRID_LRS), "--grid-rank", "4", "--grid-batch", "4",
                "--port", str(free_port()), "--timeout", "900"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -35,7 +35,8 @@ def test_the_small_benchmark_scores_every_arm_through_the_service(tmp_path: Path
     [path] = (tmp_path / "results").glob("quality-tiny-random-llama-cpu-*.json")
     result = json.loads(path.read_text())
     assert result["command"].startswith("python -m benchmarks.quality.run --model tiny-random-llama")
-    arms = ["base", "default", "previous", "auto", "grid-none", "grid-alto", "oracle"]
+    assert result["complete"] is True  # written after each cell: the last write has them all
+    arms = ["base", "default", "previous", "auto", "grid-none", "refit", "grid-alto", "oracle"]
     assert result["headers"] == ["task", "size", "seeds", *arms]
     assert [row[:3] for row in result["rows"]] == [["extract", "small", 2]]
     assert [(c["task"], c["seed"]) for c in result["cells"]] == [("extract", 0), ("extract", 1)]
@@ -47,7 +48,11 @@ def test_the_small_benchmark_scores_every_arm_through_the_service(tmp_path: Path
         assert winners["previous"]["hyperparameters"]["target_modules"] == BEFORE["target_modules"]
         assert winners["default"]["hyperparameters"]["target_modules"] == "all-linear"
         assert winners["grid-none"]["hyperparameters"]["learning_rate"] in GRID_LRS
-        # The oracle is the grid's trial best on the test rows: never below the grid's own winner.
+        # The refit is the grid's winner trained again on both splits, scored as an adapter of its own.
+        assert winners["refit"]["refit_of"] == winners["grid-none"]["trial_id"]
+        assert winners["refit"]["trial_id"] not in winners["oracle"]["all"]
+        # The oracle is the grid's trial best on the test rows (the refit is none of them): never below the grid's
+        # own winner.
         assert sorted(winners["oracle"]["all"]) and len(winners["oracle"]["all"]) == len(GRID_LRS)
         assert cell["scores"]["oracle"] == max(winners["oracle"]["all"].values()) >= cell["scores"]["grid-none"]
         assert winners["grid-none"]["trial_id"] in winners["oracle"]["all"]

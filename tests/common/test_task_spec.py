@@ -29,13 +29,15 @@ def test_an_older_row_takes_each_default_from_one_place() -> None:
     assert spec.evaluation is None and spec.metric == "loss"  # the worker is sent None, as before
     assert spec.early_exit == {"policy": "none"} and spec.training == {}
     assert spec.validation_file is None and spec.validation_split is None and spec.max_steps is None
+    assert not spec.refit and spec.training_rows is None and spec.validation_rows is None  # before refits
 
 
 def test_a_stored_spec_round_trips() -> None:
     full = {**OLDEST, "validation_file": None, "validation_split": 0.1, "max_trials": None, "epochs": 2,
             "max_steps": None, "training": {"lr_schedule": "cosine", "warmup_steps": None},
             "evaluation": {"metric": "regex", "max_new_tokens": 16, "pattern": "^a"},
-            "early_exit": {"policy": "alto", "warmup_ratio": 0.1}}
+            "early_exit": {"policy": "alto", "warmup_ratio": 0.1},
+            "refit": True, "training_rows": 900, "validation_rows": 100}
     spec = TaskSpec.from_stored(full)
     assert spec.to_stored() == full
     assert TaskSpec.from_stored(spec.to_stored()) == spec

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from common.datasets import validation_rows
+from common.task_spec import refit_steps
 from tests.conftest import MODEL_CACHE
 from tests.e2e.flow import (
     arithmetic_rows,
@@ -45,24 +47,39 @@ def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
                          START_CEILING_S, "the generated admin token, in the box `up` prints").group(1)
         with tenant_client(base_url, token, "team-embedded") as lp:
             file_id = upload(lp, arithmetic_rows())
-            task = submit(lp, grid_task(file_id))
+            # With a refit (issue 33): once the grid's winner is known, its configuration trains again on the
+            # training and validation rows together, as a fifth trial with an adapter of its own.
+            task = submit(lp, {**grid_task(file_id), "refit": True})
             events, ended = follow_events(lp, task.id)
             assert ended.state == "succeeded", [e.type for e in events]
-            assert [e.type for e in events].count("trial.completed") == 4
+            types = [e.type for e in events]
+            assert types.count("trial.completed") == 5 and types.index("task.refit_started") < types.index(
+                "task.succeeded")
             trials = lp.tasks.trials(task.id).data
             assert all(t.state == "completed" and t.adapter_ready for t in trials)
+            (refit,) = [t for t in trials if t.refit_of]
+            winner = next(t for t in trials if t.id == ended.best_trial.id)  # type: ignore[union-attr]
+            assert ended.refit_trial_id == refit.id and refit.refit_of == winner.id
+            assert refit.hyperparameters == winner.hyperparameters and refit.best_val_loss is None
+            # 32 rows, 0.2 held out (common.datasets.validation_rows): its steps cover all 32 as the winner's
+            # adapter covered the training rows.
+            held_out = validation_rows(32, 0.2)
+            assert refit.total_steps == refit.steps_done == refit_steps(winner.best_step, 32 - held_out, held_out)
             adapter = download_adapter(lp, task.id, tmp_path / "adapter", trial_id=trials[0].id)
+            refitted = lp.tasks.download_adapter(task.id, tmp_path / "refit", refit=True)
             usage = httpx.get(f"{base_url}/v1/usage", headers={"Authorization": f"Bearer {lp.api_key}"}).json()
         assert_adapter_changes_output(adapter, "tiny-random-llama", MODEL_CACHE)
+        assert_adapter_changes_output(refitted, "tiny-random-llama", MODEL_CACHE)
         # Usage (issue 18) is the packs' recorded time, all of it, and the tokens the worker reported training.
         with sqlite3.connect(home / "loraplane.db") as db:
             packs = db.execute("SELECT started_at, finished_at FROM packs WHERE started_at IS NOT NULL").fetchall()
             tokens, steps = db.execute("SELECT SUM(tokens), SUM(steps) FROM trial_usage").fetchone()
         pack_s = sum((datetime.fromisoformat(f) - datetime.fromisoformat(s)).total_seconds() for s, f in packs)
         assert packs and usage["gpu_seconds"] == pytest.approx(pack_s, abs=1e-3), (usage, packs)
-        # 4 trials x 6 steps of 4 rows of at most 64 tokens
-        assert usage["tokens"] == tokens and 0 < tokens <= 4 * 6 * 4 * 64 and steps == 4 * 6, usage
-        assert usage["trials"] == {"completed": 4}
+        # 4 trials x 6 steps and the refit's, of 4 rows of at most 64 tokens
+        all_steps = 4 * 6 + refit.total_steps
+        assert usage["tokens"] == tokens and 0 < tokens <= all_steps * 4 * 64 and steps == all_steps, usage
+        assert usage["trials"] == {"completed": 5}
 
         # `loraplane up` killed outright: its worker child must not live on as an orphan.
         children = [int(p) for p in subprocess.run(["ps", "-o", "pid=", "--ppid", str(up.proc.pid)],

@@ -50,7 +50,8 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
 
 def make_task(n_trials: int, cap: int = 8, early_exit: dict[str, object] | None = None, steps: int = 4, *,
               model: str = "tiny-random-llama", seq_len: int = 64, batch: int = 2,
-              evaluation: dict[str, object] | None = None) -> tuple[str, list[str]]:
+              evaluation: dict[str, object] | None = None, spec: dict[str, object] | None = None
+              ) -> tuple[str, list[str]]:
     with session_scope() as s:
         ensure_default_models(s)
         tenant = Tenant(id=new_id("ten"), name=new_id("n"), max_concurrent_trials=10, max_trials_per_task=10,
@@ -62,7 +63,7 @@ def make_task(n_trials: int, cap: int = 8, early_exit: dict[str, object] | None 
                     spec={"max_seq_len": seq_len, "eval_interval": 2, "validation_split": 0.2, "seed": 0,
                           "scheduling": {"max_trials_per_pack": cap},
                           "early_exit": early_exit or {"policy": "none"},
-                          **({"evaluation": evaluation} if evaluation is not None else {})})
+                          **({"evaluation": evaluation} if evaluation is not None else {}), **(spec or {})})
         s.add(tenant)
         s.flush()
         s.add(file)
@@ -1020,3 +1021,99 @@ def test_a_stopped_daemon_gives_its_leader_lock_back(daemon: SchedulerDaemon) ->
         thread.join(15)
     assert not thread.is_alive()
     assert lock_is_free()
+
+
+def finish(pack_id: str, trial_id: str, *, val: list[float], steps: int) -> None:
+    """The worker's reports of a trial that validated ``val`` at steps 2, 4, ... and completed after ``steps``."""
+    report("points", pack_id=pack_id, points=[[trial_id, 2 * (i + 1), "val", v] for i, v in enumerate(val)])
+    best = min(val) if val else None
+    report("trial.finished", pack_id=pack_id, trial_id=trial_id, status="completed", steps_done=steps,
+           best_val_loss=best, best_step=2 * (val.index(best) + 1) if val else steps, final_train_loss=1.0,
+           adapter_key=f"adapters/{trial_id}.tar.gz")
+
+
+REFIT = {"refit": True, "training_rows": 8, "validation_rows": 2}
+
+
+@pytest.mark.parametrize("policy", ["none", "alto"])
+def test_a_refit_trains_the_winners_configuration_on_both_splits_and_the_task_ends_with_it(
+        daemon: SchedulerDaemon, policy: str) -> None:
+    """Issue 33: with "refit": true the search's winner is chosen as before; then a trial of its configuration (and
+    seed) trains on the 8 training and 2 validation rows for the passes its adapter made (best at step 4 of 8 rows:
+    round(4 x 10 / 8) = 5 steps), is sent without validation, metric or early-exit rungs, is not ranked (it has no
+    validation loss), and the task succeeds once it ends, naming both."""
+    from scheduler.service.dispatch import pack_message
+
+    task_id, trial_ids = make_task(2, steps=8, spec=REFIT, evaluation={"metric": "exact_match", "max_new_tokens": 4},
+                                   early_exit={"policy": policy})
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    finish(pack.id, trial_ids[0], val=[1.2, 1.1, 1.15, 1.2], steps=8)
+    finish(pack.id, trial_ids[1], val=[1.0, 0.9, 0.95, 1.0], steps=8)  # best at step 4: the winner
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        task = s.get_one(Task, task_id)
+        winner = s.get_one(Trial, trial_ids[1])
+        assert task.state == states.TASK_RUNNING and task.best_trial_id == winner.id
+        refit = s.get_one(Trial, task.refit_trial_id)
+        assert (refit.refit_of, refit.index, refit.total_steps) == (winner.id, 2, 5)
+        assert refit.hyperparameters == winner.hyperparameters  # its seed too
+        started = s.scalars(select(Event).where(Event.type == "task.refit_started")).one()
+        assert started.data == {"best_trial_id": winner.id, "refit_trial_id": refit.id, "total_steps": 5}
+        refit_id = refit.id
+        live = s.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE))).one()
+        (payload,) = pack_message(s, live).trials
+    assert (payload.trial_id, payload.refit, payload.evaluation, payload.extra_eval_steps) == (refit_id, True, None, [])
+
+    report("pack.started", pack_id=live.id)
+    report("points", pack_id=live.id, points=[[refit_id, 5, "train", 0.7]])
+    finish(live.id, refit_id, val=[], steps=5)
+    report("pack.finished", pack_id=live.id)
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.05)
+    with session_scope() as s:
+        task = s.get_one(Task, task_id)
+        assert task.state == states.TASK_SUCCEEDED and task.best_trial_id == trial_ids[1]
+        assert s.get_one(Trial, refit_id).state == states.TRIAL_COMPLETED
+        succeeded = s.scalars(select(Event).where(Event.type == "task.succeeded")).one()
+        assert succeeded.data["refit_trial_id"] == refit_id and succeeded.data["best_trial_id"] == trial_ids[1]
+        assert "2 of 2 trials completed" in succeeded.message and "refit" in succeeded.message
+        assert not s.scalars(select(Event).where(Event.type == "trial.stopped_early")).all()
+
+
+def test_a_failed_refit_leaves_the_task_succeeded_with_its_best_trial_and_a_warning(daemon: SchedulerDaemon) -> None:
+    task_id, trial_ids = make_task(1, steps=4, spec=REFIT)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    finish(pack.id, trial_ids[0], val=[1.0, 0.9], steps=4)
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        task = s.get_one(Task, task_id)
+        refit = s.get_one(Trial, task.refit_trial_id)
+        refit.state, refit.error = states.TRIAL_FAILED, "OutOfMemoryError"  # as at its attempts' limit
+        refit_id = refit.id
+    daemon.tick()
+    with session_scope() as s:
+        task = s.get_one(Task, task_id)
+        assert (task.state, task.best_trial_id, task.refit_trial_id) == (
+            states.TASK_SUCCEEDED, trial_ids[0], refit_id)
+        warned = s.scalars(select(Event).where(Event.type == "task.refit_failed")).one()
+        assert warned.level == "warn" and "OutOfMemoryError" in warned.message
+        assert s.scalars(select(Event).where(Event.type == "task.refit_started")).one()
+
+
+def test_refit_steps_keep_the_winners_passes_over_more_rows() -> None:
+    from common.task_spec import refit_steps
+
+    assert refit_steps(100, 900, 100) == 111
+    assert refit_steps(4, 8, 2) == 5
+    assert refit_steps(1, 1000, 1) == 1
+    with pytest.raises(ValueError):
+        refit_steps(10, 0, 5)

@@ -110,6 +110,22 @@ def test_a_trials_warm_up_and_schedule_come_from_its_task_or_the_defaults(
     assert (spec.warmup_steps, spec.lr_schedule, spec.max_steps) == (warmup, schedule, 120)
 
 
+@pytest.mark.parametrize("validation", [{"validation_split": 0.25}, {"validation_file_key": "files/val.jsonl",
+                                                                       "validation_split": None}])
+def test_a_refit_trains_on_the_training_and_validation_rows_and_validates_on_none(
+    validation: dict[str, Any]
+) -> None:
+    """Issue 33's refit: the trial's rows are the training rows and the validation rows (split off or a file's)."""
+    files = {"files/data.jsonl": [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(8)],
+             "files/val.jsonl": [{"prompt": f"v{i}", "completion": f"b{i}"} for i in range(3)]}
+    searched = pack("p").trials[0].model_copy(update=validation)
+    refit = searched.model_copy(update={"refit": True})
+    before = PackRunner.trial_spec(searched, files.__getitem__)
+    after = PackRunner.trial_spec(refit, files.__getitem__)
+    assert before.val_rows and after.val_rows == []
+    assert sorted(map(str, after.train_rows)) == sorted(map(str, before.train_rows + before.val_rows))
+
+
 def _metric_points(messages: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Every "metric" point the pack reported, by trial (in its points reports)."""
     scores: dict[str, list[float]] = {}

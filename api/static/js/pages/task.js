@@ -173,6 +173,14 @@ export function mount(root, { params, session }) {
     const best = state.trials.find((tr) => tr.id === bestId());
     actions.append(h("button", { type: "button", id: "download-best", disabled: !(best && best.adapter_ready),
       onclick: () => save(`/v1/tasks/${taskId}/adapter`, `${taskId}-adapter.tar.gz`) }, "Download best adapter"));
+    if (t.refit) {
+      // The best configuration trained again on training + validation rows ("refit": true): an adapter of its own.
+      const refit = state.trials.find((tr) => tr.id === t.refit_trial_id);
+      actions.append(h("button", { type: "button", id: "download-refit", disabled: !(refit && refit.adapter_ready),
+        title: "The best configuration trained again on the training and validation rows",
+        onclick: () => save(`/v1/tasks/${taskId}/adapter?refit=true`, `${taskId}-refit-adapter.tar.gz`) },
+        "Download refit adapter"));
+    }
     if (!FINAL.has(t.state) && !operator) {
       actions.append(h("button", { type: "button", class: "secondary", onclick: async () => {
         if (!window.confirm(`Cancel ${taskId} and its unfinished trials?`)) return;
@@ -295,7 +303,9 @@ export function mount(root, { params, session }) {
       return h("tr", { class: [isBest ? "best" : "", off ? "off" : ""].join(" ").trim() || null, dataset: { trial: t.id },
         title: off ? "Hidden from the chart: click to show" : "Click to hide from the chart; Shift- or Alt-click to show it alone",
         onclick: (e) => { if (!e.target.closest("button")) toggleTrial(t.id, e); } },
-        h("td", {}, String(t.index), isBest ? h("span", { class: "tag" }, "best") : null),
+        h("td", {}, String(t.index), isBest ? h("span", { class: "tag" }, "best") : null,
+          t.refit_of ? h("span", { class: "tag", title: "The best configuration on training + validation rows" },
+            "refit") : null),
         h("td", {}, badge(t.state)),
         h("td", { class: "num" }, `${t.steps_done}/${t.total_steps}`),
         h("td", { class: "num" }, fmt.lr(hp.learning_rate)),
