@@ -27,7 +27,7 @@ case $stage in
       setsid nohup timeout "${QUALITY_LIMIT_S:-6000}" python -m benchmarks.quality.run --model smollm2-135m-instruct \
       ${QUALITY_ARGS:-} > "$RUN/quality.log" 2>&1 < /dev/null &)
     sleep 5
-    exec bash "$0" wait "${2:-540}" ;;
+    exec bash "$0" wait "${2:-300}" ;;  # joining the model and starting take ~2 min of the call
   wait)
     deadline=$(( $(date +%s) + ${2:-540} ))
     while pgrep -f "[b]enchmarks.quality.run" >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 15; done
