@@ -108,11 +108,14 @@ class TrialCurves:
     tokens_per_step: int  # sizes its token budget total_steps * tokens_per_step (asha)
     train: tuple[Point, ...] = ()
     val: tuple[Point, ...] = ()
+    # The task's generative metric as the worker scored it at validation steps (its rungs and its end): `loss` holds
+    # the score in [0, 1], higher is better. Empty for the loss metric.
+    metric: tuple[Point, ...] = ()
 
     def __post_init__(self) -> None:
         if self.state not in TRIAL_STATES:
             raise ValueError(f"trial {self.trial_id}: unknown state {self.state!r}")
-        for name in ("train", "val"):
+        for name in ("train", "val", "metric"):
             points = tuple(getattr(self, name))
             object.__setattr__(self, name, points)
             steps = [p.step for p in points]
@@ -121,14 +124,17 @@ class TrialCurves:
 
 
 def curves_from_losses(trial_id: str, state: str, total_steps: int, samples_per_step: int, tokens_per_step: int,
-                       train: Iterable[tuple[int, float]], val: Iterable[tuple[int, float]]) -> TrialCurves:
+                       train: Iterable[tuple[int, float]], val: Iterable[tuple[int, float]],
+                       metric: Iterable[tuple[int, float]] = ()) -> TrialCurves:
     """A trial from (step, loss) points as the service stores them (one train point per step, one val point
-    per evaluation, any order), samples and tokens seen counted as step x per-step — the rule
-    GET /v1/tasks/{id}/curves writes (there with tokens_per_step = batch size x max_seq_len)."""
+    per evaluation, metric scores where the worker scored them, any order), samples and tokens seen counted as
+    step x per-step — the rule GET /v1/tasks/{id}/curves writes (there with tokens_per_step = batch size x
+    max_seq_len)."""
     def points(xs: Iterable[tuple[int, float]]) -> tuple[Point, ...]:
         return tuple(Point(s, s * samples_per_step, s * tokens_per_step, loss) for s, loss in sorted(xs))
 
-    return TrialCurves(trial_id, state, total_steps, samples_per_step, tokens_per_step, points(train), points(val))
+    return TrialCurves(trial_id, state, total_steps, samples_per_step, tokens_per_step, points(train), points(val),
+                       points(metric))
 
 
 @dataclass(frozen=True)
@@ -271,7 +277,36 @@ def boundary_point(config: EarlyExitConfig, trial: TrialCurves) -> Point | None:
     return rung_point(config, trial, 0)
 
 
-def _decide_alto(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> dict[str, Decision]:
+def rung_scores(population: Sequence[tuple[Point, TrialCurves]]) -> dict[str, float] | None:
+    """Each trial's metric score at its rung point (the worker scores the task's metric at the validations the
+    policy asked for), when every trial of the population has one; None when one lacks it (the metric failed, or an
+    older worker): then the rung ranks by validation loss, as without a metric."""
+    scores: dict[str, float] = {}
+    for point, trial in population:
+        score = next((m.loss for m in trial.metric if m.step == point.step), None)
+        if score is None or not math.isfinite(score):
+            return None
+        scores[trial.trial_id] = score
+    return scores
+
+
+def _rank_key(point: Point, trial: TrialCurves, scores: dict[str, float] | None) -> tuple[float, ...]:
+    """Best first: the highest metric score (then the lowest val loss) when ``scores``, else the lowest val loss."""
+    if scores is None:
+        return (_key(point.loss),)
+    return (-scores[trial.trial_id], _key(point.loss))
+
+
+def _ranking_numbers(scores: dict[str, float] | None, trial: TrialCurves,
+                     cutoff: tuple[Point, TrialCurves] | None) -> dict[str, Number]:
+    """What a rung's decision says it was ranked by: the metric's score and cut-off, or the val loss's."""
+    if scores is None:
+        return {"ranked_by": "val_loss", "cutoff": cutoff[0].loss if cutoff else None}
+    return {"ranked_by": "metric", "metric_score": scores[trial.trial_id],
+            "cutoff": scores[cutoff[1].trial_id] if cutoff else None}
+
+
+def _decide_alto(config: EarlyExitConfig, trials: Sequence[TrialCurves], by_metric: bool) -> dict[str, Decision]:
     out: dict[str, Decision] = {}
     triggers = {t.trial_id: alto_trigger(config, t) for t in trials}
     for t in trials:
@@ -298,14 +333,15 @@ def _decide_alto(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> dict
                 if t.state == "waiting" and t.trial_id in kept_numbers:
                     out[t.trial_id] = _resume(t, kept_numbers[t.trial_id])
             return out
-        ranked = sorted(population, key=lambda pt: (_key(pt[0].loss), pt[1].trial_id))
+        scores = rung_scores(population) if by_metric else None
+        ranked = sorted(population, key=lambda pt: (*_rank_key(pt[0], pt[1], scores), pt[1].trial_id))
         keep = _ceil(config.keep_ratio * len(ranked))
-        cutoff = ranked[keep - 1][0].loss if ranked else None
+        cutoff = ranked[keep - 1] if ranked else None
         racing, kept_numbers = [], {}
         for rank, (point, t) in enumerate(ranked):
             numbers: dict[str, Number] = {
                 "rung": rung + 1, "rungs": config.rungs, "val_loss": point.loss, "rank": rank + 1,
-                "ranked": len(ranked), "keep": keep, "cutoff": cutoff,
+                "ranked": len(ranked), "keep": keep, **_ranking_numbers(scores, t, cutoff),
                 "warmup_step": rung_steps(config, t.total_steps)[rung], "step": point.step}
             if rank < keep:
                 racing.append(t)
@@ -364,10 +400,11 @@ def _rung_points(trial: TrialCurves, rungs: Sequence[int]) -> list[Point]:
     return out
 
 
-def _decide_asha(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> dict[str, Decision]:
+def _decide_asha(config: EarlyExitConfig, trials: Sequence[TrialCurves], by_metric: bool) -> dict[str, Decision]:
     out: dict[str, Decision] = {}
     rungs = asha_rungs(config, trials)
     records = {t.trial_id: _rung_points(t, rungs) for t in trials}
+    by_id = {t.trial_id: t for t in trials}
     for t in trials:
         if t.state not in LIVE_STATES:
             continue
@@ -378,35 +415,39 @@ def _decide_asha(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> dict
         if not mine:
             continue  # grace: below the first rung
         level = len(mine) - 1
-        ranked = sorted((_key(r[level].loss), tid) for tid, r in records.items() if len(r) > level)
+        at_level = [(r[level], by_id[tid]) for tid, r in records.items() if len(r) > level]
+        scores = rung_scores(at_level) if by_metric else None
+        ranked = sorted(at_level, key=lambda pt: (*_rank_key(pt[0], pt[1], scores), pt[1].trial_id))
         keep = _ceil(len(ranked) / config.reduction_factor)
-        rank = ranked.index((_key(mine[level].loss), t.trial_id))
+        rank = [other.trial_id for _, other in ranked].index(t.trial_id)
         if rank >= keep:
             out[t.trial_id] = Decision(t.trial_id, "stop", "asha", mine[level].step, numbers={
                 "rung": level + 1, "rungs": len(rungs), "rung_tokens": rungs[level], "tokens": mine[level].tokens,
                 "val_loss": mine[level].loss, "rank": rank + 1, "ranked": len(ranked), "keep": keep,
-                "cutoff": ranked[keep - 1][0]})
+                **_ranking_numbers(scores, t, ranked[keep - 1])})
     return out
 
 
 # ---- entry point --------------------------------------------------------------------------------------
 
 
-def decide(config: EarlyExitConfig, trials: Sequence[TrialCurves]) -> list[Decision]:
+def decide(config: EarlyExitConfig, trials: Sequence[TrialCurves], *, by_metric: bool = False) -> list[Decision]:
     """The decisions for the trials of ONE task, at most one per trial, in the order they are given.
 
     Call it with every trial of the task (pending, held and finished ones too: the warm-up ranking and the
     ASHA rungs count them) whenever a validation point arrives. "hold" repeats while it applies (the
     service acts on it once, by moving the trial to "waiting"); "stop" repeats until the trial's state is
-    no longer live.
+    no longer live. ``by_metric`` (a task judged by a generative metric): each rung ranks by the trials' metric
+    scores there, higher first, ties by val loss — what the user measures, not the loss — where every trial ranked
+    has a score at its rung point (`rung_scores`), by val loss where one lacks it.
     """
     ids = [t.trial_id for t in trials]
     if len(set(ids)) != len(ids):
         raise ValueError("decide() got the same trial twice")
     if config.policy == "alto":
-        out = _decide_alto(config, trials)
+        out = _decide_alto(config, trials, by_metric)
     elif config.policy == "asha":
-        out = _decide_asha(config, trials)
+        out = _decide_asha(config, trials, by_metric)
     else:
         out = {}
     return [out[i] for i in ids if i in out]
@@ -429,13 +470,15 @@ def describe(d: Decision) -> str:
         return (f"Stopped at step {d.step}: overfitting — val loss {_g(n['val_loss'])} exceeds the smoothed train "
                 f"loss {_g(n['train_ema'])} by {_g(n['gap'])} > {_g(n['tau_gap'])} for {n['count']} evaluations in a "
                 f"row; keeping its best adapter (val {_g(n['best_val_loss'])} at step {n['best_val_step']}).")
+    measured = (f"metric score {_g(n['metric_score'])}" if n.get("ranked_by") == "metric"
+                else f"val loss {_g(n.get('val_loss'))}")
     if d.reason == "underperforming":
-        return (f"Stopped at step {d.step}: underperforming — val loss {_g(n['val_loss'])} at warm-up rung "
+        return (f"Stopped at step {d.step}: underperforming — {measured} at warm-up rung "
                 f"{n['rung']} of {n['rungs']} ranks {n['rank']} of {n['ranked']}; the best {n['keep']} continue "
                 f"(cut-off {_g(n['cutoff'])}).")
     if d.reason == "asha":
-        return (f"Stopped at step {d.step}: ASHA rung {n['rung']} of {n['rungs']} ({n['rung_tokens']} tokens) — val "
-                f"loss {_g(n['val_loss'])} ranks {n['rank']} of {n['ranked']}; the best {n['keep']} continue "
+        return (f"Stopped at step {d.step}: ASHA rung {n['rung']} of {n['rungs']} ({n['rung_tokens']} tokens) — "
+                f"{measured} ranks {n['rank']} of {n['ranked']}; the best {n['keep']} continue "
                 f"(cut-off {_g(n['cutoff'])}).")
     if d.reason == "warmup_boundary":
         return (f"Held at step {d.step}: warm-up rung {n['rung']} of {n['rungs']} reached (val loss "

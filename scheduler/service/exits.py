@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
+from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT
 from common.tables import MetricPoint, Pack, Task, Trial
 from scheduler.early_exit.config import EarlyExitConfig, EarlyExitSpecError, from_spec
 from scheduler.early_exit.policy import curves_from_losses, decide, rung_steps
@@ -82,10 +83,14 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
     ).all()
     # A refit (trained after the search on every row, never validated) is no part of the policy's ranking.
     trials = sorted((t for t in locked if t.refit_of is None), key=lambda t: t.index)
-    points: dict[str, dict[str, list[tuple[int, float]]]] = {t.id: {"train": [], "val": []} for t in trials}
+    points: dict[str, dict[str, list[tuple[int, float]]]] = {t.id: {"train": [], "val": [], METRIC_SPLIT: []}
+                                                             for t in trials}
+    # A task judged by a generative metric ranks its rungs by the scores the worker reported there (by_metric).
+    by_metric = task.parsed_spec.metric in GENERATIVE_METRICS
+    splits = ("train", "val", METRIC_SPLIT) if by_metric else ("train", "val")
     for trial_id, step, split, loss in session.execute(
         select(MetricPoint.trial_id, MetricPoint.step, MetricPoint.split, MetricPoint.loss)
-        .where(MetricPoint.trial_id.in_(points), MetricPoint.split.in_(("train", "val")))  # not "metric" scores
+        .where(MetricPoint.trial_id.in_(points), MetricPoint.split.in_(splits))
     ):
         points[trial_id][split].append((step, loss))
     max_seq_len = task.parsed_spec.max_seq_len
@@ -93,14 +98,14 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
     for t in trials:
         curves.append(curves_from_losses(t.id, t.state, t.total_steps, batch_size(t.hyperparameters),
                                          tokens_per_step(t.hyperparameters, max_seq_len),
-                                         points[t.id]["train"], points[t.id]["val"]))
+                                         points[t.id]["train"], points[t.id]["val"], points[t.id][METRIC_SPLIT]))
     by_id = {t.id: t for t in trials}
     pending = any(t.state == states.TRIAL_PENDING for t in trials)
     to_boundary = [next_rung - t.steps_done for t in trials if t.state == states.TRIAL_RUNNING
                    for next_rung in [s for s in rung_steps(config, t.total_steps) if s > t.steps_done][:1]]
     pause = should_pause(pending, [n for n in to_boundary if n > 0])
     pauses = []
-    for decision in decide(config, curves):
+    for decision in decide(config, curves, by_metric=by_metric):
         trial = by_id[decision.trial_id]
         if (decision.action == "stop" and decision.export_best and trial.checkpoint_key
                 and trial.state in (states.TRIAL_WAITING, states.TRIAL_PENDING)):

@@ -1117,3 +1117,25 @@ def test_refit_steps_keep_the_winners_passes_over_more_rows() -> None:
     assert refit_steps(1, 1000, 1) == 1
     with pytest.raises(ValueError):
         refit_steps(10, 0, 5)
+
+
+def test_a_task_judged_by_its_metric_has_its_warm_up_rung_ranked_by_the_scores_there(daemon: SchedulerDaemon) -> None:
+    """Issue 33: early exit ranks by what the user measures. Trial 3 has the highest validation loss at the rung
+    but the best exact-match score the worker reported there: it is the one kept."""
+    task_id, trials = make_task(4, early_exit={"policy": "alto", "rungs": 1, "keep_ratio": 0.25}, steps=40,
+                                evaluation={"metric": "exact_match", "max_new_tokens": 4})
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    for i, trial_id in enumerate(trials):
+        curve(pack.id, trial_id, [3.0, 2.9 - i / 10], {2: 2.0 + i})
+        report("points", pack_id=pack.id, points=[[trial_id, 2, "metric", [0.1, 0.2, 0.3, 0.8][i]]])
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        got = {t.id: t.state for t in s.scalars(select(Trial))}
+        assert got[trials[3]] == states.TRIAL_RUNNING
+        assert all(got[t] == states.TRIAL_STOPPED_EARLY for t in trials[:3])
+        first = s.scalars(select(Event).where(Event.type == "trial.stopped_early", Event.trial_id == trials[0])).one()
+        assert first.data["ranked_by"] == "metric" and first.data["metric_score"] == 0.1
+        assert "metric score 0.1" in first.message and "ranks 4 of 4" in first.message

@@ -19,6 +19,7 @@ from scheduler.early_exit.policy import (
     asha_rungs,
     curves_from_losses,
     decide,
+    describe,
     evaluations,
     rung_steps,
     warmup_step,
@@ -368,3 +369,41 @@ def test_a_trial_kept_at_the_first_rung_resumes_to_reach_the_second_while_the_ot
     c_stopped = TrialCurves("c", "stopped_early", 100, 1, TOKENS, c.train, c.val)
     decisions = {d.trial_id: (d.action, d.reason, d.numbers["rung"]) for d in decide(RUNGS, [a_held, b, c_stopped])}
     assert decisions == {"b": ("stop", "underperforming", 2), "a": ("resume", "warmup_kept", 2)}
+
+
+# ---- ranking by the task's metric (issue 33) ------------------------------------------------------------------
+
+
+def scored(t: TrialCurves, scores: Sequence[tuple[int, float]]) -> TrialCurves:
+    """``t`` with the generative metric's scores the worker reported at these steps."""
+    return TrialCurves(t.trial_id, t.state, t.total_steps, t.samples_per_step, t.tokens_per_step, t.train, t.val,
+                       pts(scores, t.samples_per_step))
+
+
+def test_a_warm_up_rung_ranks_by_the_metric_when_the_task_has_one() -> None:
+    """The loss ranks t0 first and t3 last; the metric the user measures, the other way round. By metric the
+    rung keeps the best score (ties by val loss), and the stop says what it was ranked by."""
+    losses, metric = [1.0, 1.1, 1.2, 1.3, 1.4], [0.2, 0.3, 0.4, 0.9, 0.4]
+    trials = [scored(t, [(5, m)]) for t, m in zip(warm(5, losses), metric, strict=True)]  # keep 2
+    assert set(stops(decide(ALTO, trials))) == {"t2", "t3", "t4"}  # by loss, as before
+    by_metric = decide(ALTO, trials, by_metric=True)
+    assert set(stops(by_metric)) == {"t0", "t1", "t4"}  # kept: t3 (0.9), then t2 over t4 (both 0.4) by loss
+    t4 = next(d for d in by_metric if d.trial_id == "t4")
+    assert (t4.numbers["ranked_by"], t4.numbers["metric_score"], t4.numbers["cutoff"]) == ("metric", 0.4, 0.4)
+    assert "metric score 0.4" in describe(t4) and "rung 1 of 1" in describe(t4)
+
+
+def test_a_rung_without_every_trials_score_ranks_by_loss() -> None:
+    """A trial with no score at its rung point (its scoring failed, an older worker): the rung falls back to the
+    loss for every trial, never compares a score with a missing one."""
+    trials = [scored(t, [(5, m)]) for t, m in zip(warm(4), [0.1, 0.2, 0.3, 0.9], strict=True)]
+    trials[1] = warm(4)[1]  # no score
+    decisions = decide(ALTO, trials, by_metric=True)
+    assert set(stops(decisions)) == {"t1", "t2", "t3"}
+    assert all(d.numbers["ranked_by"] == "val_loss" for d in decisions if d.action == "stop")
+
+
+def test_asha_ranks_a_rung_by_the_metric_too() -> None:
+    at_rung = [scored(asha_trial(f"t{i}", [(10, 1.0 + i)]), [(10, i / 10)]) for i in range(5)]  # keep 2
+    assert set(stops(decide(ASHA, at_rung))) == {"t2", "t3", "t4"}
+    assert set(stops(decide(ASHA, at_rung, by_metric=True))) == {"t0", "t1", "t2"}
