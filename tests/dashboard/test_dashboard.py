@@ -8,6 +8,7 @@ import os
 import re
 import tarfile
 import time
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,13 @@ def shot(page: Any, name: str) -> Path:
 
 
 def phase_text(seconds: float | None) -> str:
-    """A phase's seconds as the cluster page writes them (cluster.js `seconds`)."""
-    return "—" if seconds is None else f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
+    """A phase's seconds as the cluster page writes them (cluster.js `seconds`). JavaScript's `toFixed` rounds the
+    float's exact value half up, Python's format half to even: 0.125 is "0.13" on the page and would be "0.12" here
+    (a run of 2026-11-27 failed on it), so the exact value is rounded as JavaScript does."""
+    if seconds is None:
+        return "—"
+    places = Decimal("0.01") if seconds < 10 else Decimal("0.1")
+    return f"{Decimal(seconds).quantize(places, rounding=ROUND_HALF_UP)} s"
 
 
 def sign_in(page: Any, key: str) -> None:
