@@ -214,7 +214,8 @@ def score(lp: Client, cells: list[Cell], args: argparse.Namespace, decoder: Deco
         if "refit" in args.arms and "grid-none" in cell.task_ids:
             task_id = cell.task_ids["grid-none"]
             final = lp.tasks.get(task_id)
-            if final.refit_trial_id is not None:
+            # A failed refit leaves the task succeeded without a refit adapter: that cell has no refit score.
+            if final.refit_trial_id is not None and lp.tasks.trial(task_id, final.refit_trial_id).adapter_ready:
                 refit = lp.tasks.download_adapter(task_id, work / f"{task_id}-refit", refit=True)
                 cell.scores["refit"] = test_score(decoder, cell, refit)
                 cell.winners["refit"] = {"trial_id": final.refit_trial_id,

@@ -99,13 +99,13 @@ def finalize_tasks(session: Session, now: datetime) -> None:
         refitted = ""
         if refit is not None:
             data["refit_trial_id"] = refit.id
-            refitted = "; its refit on training + validation rows " + (
-                "is ready" if refit.adapter_key else f"did not complete ({refit.error or refit.state})")
+            outcome = "is ready" if refit.adapter_key else f"did not complete ({refit.error or refit.state})"
+            refitted = f"; its refit on training + validation rows {outcome}"
             if not refit.adapter_key:
                 record_event(session, tenant_id=task.tenant_id, task_id=task.id, trial_id=refit.id,
                              type="task.refit_failed", level="warn",
-                             message=f"the refit of trial {best.index} did not complete ({refit.error or refit.state})"
-                                     "; the best trial's adapter is the task's result")
+                             message=f"the refit of trial {best.index} {outcome}; the best trial's adapter is the "
+                                     "task's result")
         record_event(
             session, tenant_id=task.tenant_id, task_id=task.id, trial_id=best.id, type="task.succeeded",
             message=f"{len(done)} of {len(search)} trials completed; best is trial {best.index}{by}{refitted}",
