@@ -43,7 +43,7 @@ from benchmarks.common import write_result
 from benchmarks.defaults import BEFORE
 from benchmarks.live_sweep import start_service, stop_service
 from benchmarks.quality.stats import mean_ci
-from benchmarks.quality.tasks import SIZES, TASKS, splits
+from benchmarks.quality.tasks import BENCHMARK, SIZES, TASKS, splits
 from benchmarks.sweep import MODELS
 from common.search_space import DEFAULTS
 from loraplane.client import Client
@@ -63,7 +63,7 @@ QUOTA = 100_000  # the benchmark's tenant's concurrent trials: 30 cells of 62 tr
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(SOURCES), default="smollm2-135m-instruct")
-    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=sorted(TASKS))
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=BENCHMARK)
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "large"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
@@ -195,46 +195,55 @@ def test_score(decoder: Decoder, cell: Cell, adapter: Path | None) -> float:
     return sum(task.score(a, r["reference"]) for a, r in zip(answers, test, strict=True)) / len(test)
 
 
-def score(lp: Client, cells: list[Cell], args: argparse.Namespace, decoder: Decoder, work: Path) -> None:
-    for cell in cells:
-        if "base" in args.arms:
-            cell.scores["base"] = test_score(decoder, cell, None)
-        for arm, task_id in cell.task_ids.items():
-            if arm not in args.arms:
-                continue
-            final = lp.tasks.get(task_id)
-            best = final.best_trial
-            if final.state != "succeeded" or best is None:
-                print(f"{cell.task}/{cell.size}/{cell.seed} {arm}: task {task_id} {final.state}", flush=True)
-                continue
-            adapter = lp.tasks.download_adapter(task_id, work / f"{task_id}-best")
-            cell.scores[arm] = test_score(decoder, cell, adapter)
-            cell.winners[arm] = {"trial_id": best.id, "hyperparameters": best.hyperparameters,
-                                 "best_val_loss": best.best_val_loss}
-        if "refit" in args.arms and "grid-none" in cell.task_ids:
-            task_id = cell.task_ids["grid-none"]
-            final = lp.tasks.get(task_id)
-            # A failed refit leaves the task succeeded without a refit adapter: that cell has no refit score.
-            if final.refit_trial_id is not None and lp.tasks.trial(task_id, final.refit_trial_id).adapter_ready:
-                refit = lp.tasks.download_adapter(task_id, work / f"{task_id}-refit", refit=True)
-                cell.scores["refit"] = test_score(decoder, cell, refit)
-                cell.winners["refit"] = {"trial_id": final.refit_trial_id,
-                                         "refit_of": final.best_trial.id if final.best_trial else None}
-        if "oracle" in args.arms and "grid-none" in cell.task_ids:
-            task_id = cell.task_ids["grid-none"]
-            trials = [t for t in lp.tasks.trials(task_id).data if t.state == "completed" and t.refit_of is None]
-            each = {t.id: test_score(decoder, cell, lp.tasks.download_adapter(task_id, work / t.id, trial_id=t.id))
-                    for t in trials}
-            if each:
-                best_id = max(each, key=lambda t: each[t])
-                cell.scores["oracle"] = each[best_id]
-                # Every trial's validation curve beside its test score: a rule that picks the winner another way
-                # (a smoothed score, the last points) can be judged on these without training again.
-                curves = {t.id: [[p.step, p.loss] for p in lp.tasks.metrics(task_id, t.id).val] for t in trials}
-                cell.winners["oracle"] = {"trial_id": best_id, "all": each, "val_curves": curves,
-                                          "hyperparameters": {t.id: t.hyperparameters for t in trials}}
-        print(f"{cell.task}/{cell.size}/seed {cell.seed}: " +
-              ", ".join(f"{arm} {value:.3f}" for arm, value in cell.scores.items()), flush=True)
+def scored_arms(args: argparse.Namespace) -> list[str]:
+    return [a for a in ARMS if a in args.arms]
+
+
+def task_of(arm: str) -> str | None:
+    """The submitted arm whose task ``arm`` is scored from (None: ``base``, no task)."""
+    if arm == "base":
+        return None
+    return "grid-none" if arm in SCORED_FROM_GRID else arm
+
+
+def score_arm(lp: Client, cell: Cell, arm: str, decoder: Decoder, work: Path) -> None:
+    """``arm``'s test score on ``cell`` (its task has ended); a failed task or refit leaves the arm without one."""
+    if arm == "base":
+        cell.scores["base"] = test_score(decoder, cell, None)
+        return
+    task_id = cell.task_ids[task_of(arm) or arm]
+    final = lp.tasks.get(task_id)
+    if final.state != "succeeded" or final.best_trial is None:
+        print(f"{cell.task}/{cell.size}/{cell.seed} {arm}: task {task_id} {final.state}", flush=True)
+        return
+    if arm == "refit":
+        # A failed refit leaves the task succeeded without a refit adapter: that cell has no refit score.
+        if final.refit_trial_id is not None and lp.tasks.trial(task_id, final.refit_trial_id).adapter_ready:
+            refit = lp.tasks.download_adapter(task_id, work / f"{task_id}-refit", refit=True)
+            cell.scores["refit"] = test_score(decoder, cell, refit)
+            cell.winners["refit"] = {"trial_id": final.refit_trial_id, "refit_of": final.best_trial.id}
+        return
+    if arm == "oracle":
+        trials = [t for t in lp.tasks.trials(task_id).data if t.state == "completed" and t.refit_of is None]
+        each = {t.id: test_score(decoder, cell, lp.tasks.download_adapter(task_id, work / t.id, trial_id=t.id))
+                for t in trials}
+        if each:
+            best_id = max(each, key=lambda t: each[t])
+            cell.scores["oracle"] = each[best_id]
+            # Every trial's validation curve beside its test score: a rule that picks the winner another way (a
+            # smoothed score, the last points) can be judged on these without training again.
+            curves = {t.id: [[p.step, p.loss] for p in lp.tasks.metrics(task_id, t.id).val] for t in trials}
+            cell.winners["oracle"] = {"trial_id": best_id, "all": each, "val_curves": curves,
+                                      "hyperparameters": {t.id: t.hyperparameters for t in trials}}
+        return
+    adapter = lp.tasks.download_adapter(task_id, work / f"{task_id}-best")
+    cell.scores[arm] = test_score(decoder, cell, adapter)
+    # The training rows the search spent (steps x batch over its trials, the refit not among them): what early exit
+    # saves against grid-none's, beside whether its winner is as good.
+    samples = sum(t.steps_done * int(t.hyperparameters["batch_size"]) for t in lp.tasks.trials(task_id).data
+                  if t.refit_of is None)
+    cell.winners[arm] = {"trial_id": final.best_trial.id, "hyperparameters": final.best_trial.hyperparameters,
+                         "best_val_loss": final.best_trial.best_val_loss, "samples": samples}
 
 
 def main() -> None:
@@ -254,28 +263,35 @@ def main() -> None:
         with Client(url, key, timeout=120) as lp:
             cells = submit(lp, args, args.model)
             decoder = Decoder(SOURCES[args.model], home / "models")
-            # Each cell is scored as soon as all its tasks have ended, in whatever order that happens (the planner
-            # runs short trials first, so a cell's refit may end after later cells), while the service trains the
-            # rest on the same GPU: the decoding hides under the training. The result is written again after each
-            # cell: a run cut short (the device's time ran out) keeps what it scored, marked incomplete.
-            scored: list[Cell] = []
-            while len(scored) < len(cells):
+            # Each arm of each cell is scored as soon as its task has ended, in whatever order that happens (the
+            # planner runs short trials first, so a grid with a refit ends after the single trials of later cells),
+            # while the service trains the rest on the same GPU: the decoding hides under the training. The result is
+            # written again after each arm: a run cut short (the device's time ran out) keeps what it scored, marked
+            # incomplete.
+            pending = [(i, arm) for i in range(len(cells)) for arm in scored_arms(args)]
+            while pending:
                 if time.monotonic() - started > args.timeout:
-                    raise TimeoutError(f"{len(cells) - len(scored)} cell(s) not done after {args.timeout:.0f} s")
-                ready = [c for c in cells if not any(c is s for s in scored)
-                         and all(lp.tasks.get(t).done for t in c.task_ids.values())]
+                    raise TimeoutError(f"{len(pending)} arm(s) not scored after {args.timeout:.0f} s")
+                waiting = {cells[i].task_ids[t] for i, arm in pending if (t := task_of(arm)) is not None}
+                done = {task_id for task_id in waiting if lp.tasks.get(task_id).done}
+                ready = [(i, arm) for i, arm in pending if (t := task_of(arm)) is None or cells[i].task_ids[t] in done]
                 if not ready:
                     time.sleep(2.0)
-                for cell in ready:
-                    score(lp, [cell], args, decoder, home / "adapters")
-                    scored.append(cell)
-                    report(args, scored, time.monotonic() - started, complete=len(scored) == len(cells))
+                for i, arm in ready:
+                    cell = cells[i]
+                    score_arm(lp, cell, arm, decoder, home / "adapters")
+                    pending.remove((i, arm))
+                    value = cell.scores.get(arm)
+                    print(f"{cell.task}/{cell.size}/seed {cell.seed} {arm}: "
+                          + ("no score" if value is None else f"{value:.3f}"), flush=True)
+                    report(args, [c for c in cells if c.scores or c.winners], time.monotonic() - started,
+                           complete=not pending)
     finally:
         stop_service(procs)
 
 
 def report(args: argparse.Namespace, cells: list[Cell], elapsed_s: float, *, complete: bool) -> None:
-    arms = [a for a in ARMS if a in args.arms]
+    arms = scored_arms(args)
     rows: list[list[Any]] = []
     for task in args.tasks:
         for size in args.sizes:

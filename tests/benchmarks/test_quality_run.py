@@ -48,6 +48,8 @@ def test_the_small_benchmark_scores_every_arm_through_the_service(tmp_path: Path
         assert winners["previous"]["hyperparameters"]["target_modules"] == BEFORE["target_modules"]
         assert winners["default"]["hyperparameters"]["target_modules"] == "all-linear"
         assert winners["grid-none"]["hyperparameters"]["learning_rate"] in GRID_LRS
+        # Early exit spends no more training rows than the full grid (here it may stop none: the tiny grid is short).
+        assert 0 < winners["grid-alto"]["samples"] <= winners["grid-none"]["samples"]
         # The refit is the grid's winner trained again on both splits, scored as an adapter of its own.
         assert winners["refit"]["refit_of"] == winners["grid-none"]["trial_id"]
         assert winners["refit"]["trial_id"] not in winners["oracle"]["all"]
