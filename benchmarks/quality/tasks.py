@@ -19,10 +19,10 @@ question the issue asks is whether the service's choice holds at both ends.
 
 Harder and easier variants (``CANDIDATES``): on the H200 (2026-11-27, benchmarks/results/issue33/SUMMARY.md)
 SmolLM2-135M solved ``reading``, ``topics`` and ``extract`` with every configuration of the grid at 300 rows, and
-``multistep`` with none (about 2%), so those four could not tell one way of choosing an adapter from another. Each
-kind has variants that ask more (more people to keep apart in a passage, a majority of mixed key words, one of
-several people to extract) or less (two small steps). ``calibrate.py`` picks one per kind by a stated rule from a calibration seed
-that no reported cell uses; ``BENCHMARK`` is what it picked.
+``multistep`` with none (about 2%), so those four could not tell one way of choosing an adapter from another. Each kind
+has variants that ask more (more people to keep apart in a passage, a majority of mixed key words, one of several people
+to extract) or less (two small steps). ``calibrate.py`` picks one per kind by a stated rule from a calibration seed that
+no reported cell uses; ``BENCHMARK`` is what it picked.
 - ``reading-3`` / ``reading-5``: a passage of three or five people (job, city, pets); the question is on one of them.
 - ``topics-2v1`` / ``topics-3v2``: key words of two categories among neutral ones; the label is the category with
   more of them (two against one, three against two).
