@@ -51,7 +51,7 @@ def tables(cells: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]], lis
     diffs: list[list[Any]] = []
     for task, size in groups:
         mine = [c for c in cells if (c["task"], c["size"]) == (task, size)]
-        row: list[Any] = [task, size, len(mine)]
+        row: list[Any] = [task, size, sum(bool(set(c["scores"]) - {"base"}) for c in mine)]  # seeds trained
         for arm in arms:
             values = [c["scores"][arm] for c in mine if arm in c["scores"]]
             mean, half = mean_ci(values) if values else (float("nan"), float("nan"))
@@ -70,6 +70,22 @@ def tables(cells: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]], lis
     return ["task", "size", "seeds", *arms], means, ["task", "size", "against", *arms], diffs
 
 
+def early_exit(cells: list[dict[str, Any]], policy: str) -> dict[str, Any]:
+    """How ``grid-<policy>`` did against the full grid (``grid-none``) of the same cells: whether it kept the grid's
+    winner (the same configuration, or one whose best validation loss is within 1% of it: the issue's bar), what its
+    winner scored on the test rows against the grid's, and the share of training rows it saved."""
+    arm = f"grid-{policy}"
+    pairs = [(c["winners"][arm], c["winners"]["grid-none"], c["scores"][arm] - c["scores"]["grid-none"]) for c in cells
+             if arm in c["winners"] and "grid-none" in c["winners"] and "samples" in c["winners"][arm]]
+    kept = sum(mine["hyperparameters"] == full["hyperparameters"]
+               or mine["best_val_loss"] <= full["best_val_loss"] * 1.01 for mine, full, _ in pairs)
+    saved = [1 - mine["samples"] / full["samples"] for mine, full, _ in pairs]
+    return {"policy": policy, "cells": len(pairs), "kept": kept,
+            "test_vs_grid": [round(d, 4) for _, _, d in pairs],
+            "saved_mean": round(sum(saved) / len(saved), 4) if saved else None,
+            "saved_min": round(min(saved), 4) if saved else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path)
@@ -80,10 +96,17 @@ def main() -> None:
     table = print_table(headers, means)
     print()
     diff_table = print_table(diff_headers, diffs)
+    stops = [early_exit(cells, policy) for policy in ("alto", "asha")]
+    for stop in (s for s in stops if s["cells"]):
+        kept, cells, vs = stop["kept"], stop["cells"], stop["test_vs_grid"]
+        print(f"\ngrid-{stop['policy']}: kept the grid's winner (or within 1% of its validation loss) on {kept} of "
+              f"{cells} cells; test score against the grid's winner {min(vs):+.3f} to {max(vs):+.3f}; training rows "
+              f"saved {stop['saved_mean']:.1%} on average (least {stop['saved_min']:.1%})")
     if args.out:
         args.out.write_text(json.dumps({"benchmark": "quality-combined", "sources": sources, "headers": headers,
                                         "rows": means, "table": table, "paired_headers": diff_headers,
-                                        "paired_rows": diffs, "paired_table": diff_table}, indent=2) + "\n")
+                                        "paired_rows": diffs, "paired_table": diff_table,
+                                        "early_exit": stops}, indent=2) + "\n")
         print(f"\nwritten to {args.out}")
 
 

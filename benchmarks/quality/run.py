@@ -85,7 +85,8 @@ def arm_spec(arm: str, args: argparse.Namespace, model: str, train_id: str, val_
                             "epochs": args.epochs, "max_seq_len": args.max_seq_len, "seed": seed,
                             "early_exit": {"policy": "none"}}
     if arm == "default":
-        spec["search_space"] = dict(DEFAULTS)
+        # The learning rate left out: the service sets it by the model's size, as it does for a user.
+        spec["search_space"] = {key: value for key, value in DEFAULTS.items() if key != "learning_rate"}
     elif arm == "previous":
         training = {key: BEFORE[key] for key in ("lr_schedule", "warmup_steps")}
         spec["search_space"] = {key: [value] for key, value in BEFORE.items() if key not in training}

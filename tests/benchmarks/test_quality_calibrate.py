@@ -30,7 +30,7 @@ def test_the_widest_spread_among_eligible_candidates_wins() -> None:
     picked = pick(found)
     assert picked["short-answer QA"] == ("reading-5", True)
     assert picked["classification (6 labels)"] == ("topics-3v2", True)
-    assert picked["multi-step arithmetic"] == ("add", False)
+    assert picked["arithmetic"] == ("add", False)
     assert picked["instruction following (chrF)"] == ("rewrite", True)  # its kind's only task
     assert "structured output (JSON)" not in picked  # not calibrated
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.quality.combine import merge, tables
+from benchmarks.quality.combine import early_exit, merge, tables
 
 
 def part(path: Path, cells: list[dict[str, Any]], commit: str) -> Path:
@@ -39,3 +39,21 @@ def test_the_same_cell_in_two_parts_is_refused(tmp_path: Path) -> None:
     b = part(tmp_path / "b.json", [cell(0, 0.7, 0.8)], "bbb")
     with pytest.raises(ValueError, match="in two files"):
         merge([a, b])
+
+
+def test_early_exit_is_judged_against_the_full_grid_of_the_same_cell() -> None:
+    def grid_cell(alto: dict[str, Any], alto_score: float) -> dict[str, Any]:
+        full = {"hyperparameters": {"learning_rate": 1e-3}, "best_val_loss": 1.00, "samples": 1000}
+        return {"task": "add", "size": "small", "seed": 0, "scores": {"grid-none": 0.9, "grid-alto": alto_score},
+                "winners": {"grid-none": full, "grid-alto": alto}}
+
+    same = {"hyperparameters": {"learning_rate": 1e-3}, "best_val_loss": 1.00, "samples": 300}
+    near = {"hyperparameters": {"learning_rate": 3e-4}, "best_val_loss": 1.005, "samples": 250}  # within 1%
+    worse = {"hyperparameters": {"learning_rate": 1e-4}, "best_val_loss": 1.05, "samples": 200}
+    cells = [grid_cell(same, 0.9), grid_cell(near, 0.88), grid_cell(worse, 0.8),
+             {"task": "add", "size": "small", "seed": 3, "scores": {"base": 0.0}, "winners": {}}]  # not trained
+    stop = early_exit(cells, "alto")
+    assert (stop["cells"], stop["kept"]) == (3, 2)
+    assert stop["test_vs_grid"] == [0.0, -0.02, -0.1]
+    assert stop["saved_mean"] == pytest.approx(0.75) and stop["saved_min"] == pytest.approx(0.7)
+    assert early_exit(cells, "asha")["cells"] == 0
