@@ -29,6 +29,8 @@ INTEGER_DIMENSIONS = frozenset({"lora_rank", "batch_size"})
 # lora_alpha has no list default: left out, it is 2 x each trial's rank (torchtune's and Predibase's rule).
 # Adapters on every linear layer (QLoRA's finding, PEFT's "all-linear"): docs/defaults.md measures them against
 # the q_proj/v_proj default this service had before.
+# The learning rate left out is the auto grid's centre for the model's size (`default_learning_rate`, applied by
+# `with_size_defaults` where the size is known); this 2e-4 is that rule's value for a model of unknown size.
 DEFAULTS: dict[str, list[Any]] = {
     "learning_rate": [2e-4],
     "lora_rank": [8],
@@ -84,6 +86,26 @@ def warmup_steps_for(total_steps: int, warmup_steps: int | None) -> int:
     return math.ceil(round(DEFAULT_WARMUP_RATIO * total_steps, 9)) if total_steps > 1 else 0
 
 
+def default_learning_rate(parameters: int | None) -> float:
+    """The learning rate for a model of ``parameters`` (None: unknown): the auto grid's centre. A single trial
+    whose space leaves the learning rate out gets it too: on SmolLM2-135M, 1e-3 against the 2e-4 every size got
+    before beat it on all 5 tasks of the quality benchmark, both seeds (docs/defaults.md).
+
+    >>> default_learning_rate(135_000_000), default_learning_rate(8_000_000_000), default_learning_rate(None)
+    (0.001, 0.0002, 0.0002)
+    """
+    if parameters is None:
+        return AUTO_LR_UNKNOWN_SIZE
+    return next(lr for size, lr in AUTO_LR_CENTRES if parameters < size)
+
+
+def with_size_defaults(space: Space, parameters: int | None) -> dict[str, Dimension]:
+    """``space`` with a learning rate left out set to the model's (`default_learning_rate`)."""
+    out = dict(space)
+    out.setdefault("learning_rate", [default_learning_rate(parameters)])
+    return out
+
+
 def auto_space(parameters: int | None, train_rows: int) -> dict[str, Dimension]:
     """The search space of a task that gives none (`search_space` omitted or "auto"): learning rates around a
     centre for the model's size (`parameters`, None when unknown) x two ranks for the number of training rows;
@@ -92,10 +114,7 @@ def auto_space(parameters: int | None, train_rows: int) -> dict[str, Dimension]:
     >>> auto_space(135_000_000, 2_000)
     {'learning_rate': [0.0003, 0.001, 0.003], 'lora_rank': [4, 16]}
     """
-    if parameters is None:
-        centre = AUTO_LR_UNKNOWN_SIZE
-    else:
-        centre = next(lr for size, lr in AUTO_LR_CENTRES if parameters < size)
+    centre = default_learning_rate(parameters)
     ranks = next(r for rows, r in AUTO_RANKS if train_rows < rows)
     return {"learning_rate": [_clean(centre * f) for f in AUTO_LR_FACTORS], "lora_rank": list(ranks)}
 

@@ -73,10 +73,11 @@ def expand_search_space(
 
 def _space(search_space: SearchSpace | str, model: BaseModelEntry | None,
            n_train: int | None) -> dict[str, ss.Dimension]:
-    """The space to expand: the one given, or "auto"'s, which a task picks from its model's size and its training
-    rows (common/search_space.py `auto_space`), so it needs both."""
+    """The space to expand: the one given (a learning rate left out set by the model's size, as a task's is; with no
+    model, the unknown size's), or "auto"'s, which a task picks from its model's size and its training rows
+    (common/search_space.py `auto_space`), so it needs both."""
     if isinstance(search_space, SearchSpace):
-        return space_of(search_space)
+        return ss.with_size_defaults(space_of(search_space), model.parameters if model is not None else None)
     if model is None or n_train is None:
         raise invalid('"auto" picks the space from the model\'s size and the number of training rows: give '
                       "base_model and training_file with it, as a task has them.", param="search_space",

@@ -150,7 +150,8 @@ class SearchSpace(RequestModel):
 
     learning_rate: Annotated[
         list[LearningRate] | LearningRateRange, _dimension(LearningRate, LearningRateRange)
-    ] | None = Field(default=None, description="Default [2e-4].")
+    ] | None = Field(default=None, description="Default: one value by the model's size, "
+                                   "1e-3 below 1B parameters, 2e-4 below 20B or unknown, 1e-4 above.")
     lora_rank: Annotated[list[Rank] | RankRange, _dimension(Rank, RankRange)] | None = Field(
         default=None, description="Default [8]."
     )

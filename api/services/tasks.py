@@ -295,8 +295,8 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
     shortened = check_row_lengths(session, model, files, body.max_seq_len)
     n_train = train_rows(train, budget.validation_split)
     n_val = files[1][1].rows if len(files) > 1 else train.rows - n_train
-    space = (space_of(body.search_space) if isinstance(body.search_space, SearchSpace)
-             else ss.auto_space(model.parameters, n_train))
+    space = (ss.with_size_defaults(space_of(body.search_space), model.parameters)
+             if isinstance(body.search_space, SearchSpace) else ss.auto_space(model.parameters, n_train))
     check_target_modules(model, space)
     configs = expand_trials(space, strategy=body.strategy, max_trials=body.max_trials, seed=body.seed, tenant=tenant)
     steps = trial_steps(configs, budget, n_train)

@@ -25,7 +25,9 @@ SPACES: list[dict[str, Any]] = [
 @pytest.mark.parametrize("space", SPACES)
 def test_the_preview_matches_the_trials_a_task_gets(client: TestClient, tenant: TenantKey,
                                                     space: dict[str, Any]) -> None:
-    r = client.post("/v1/search-spaces/expand", json=space, headers=tenant.headers)
+    # The model named as the task names it: a learning rate left out is set by the model's size.
+    r = client.post("/v1/search-spaces/expand", json=space | {"base_model": "tiny-random-llama"},
+                    headers=tenant.headers)
     assert r.status_code == 200, r.text
     preview = r.json()
     assert preview["object"] == "search_space.expansion" and preview["has_more"] is False
@@ -37,6 +39,18 @@ def test_the_preview_matches_the_trials_a_task_gets(client: TestClient, tenant: 
     trials = client.get(f"/v1/tasks/{task_id}/trials", headers=tenant.headers).json()["data"]
     assert preview["count"] == len(trials) == sum(r.json()["trial_counts"].values())
     assert preview["trials"] == [t["hyperparameters"] for t in trials]
+
+
+def test_a_learning_rate_left_out_is_set_by_the_models_size(client: TestClient, tenant: TenantKey) -> None:
+    def preview(**extra: Any) -> float:
+        r = client.post("/v1/search-spaces/expand", json={"search_space": {"lora_rank": [8]}, **extra},
+                        headers=tenant.headers)
+        assert r.status_code == 200, r.text
+        [trial] = r.json()["trials"]
+        return float(trial["learning_rate"])
+
+    assert preview(base_model="tiny-random-llama") == 1e-3  # a model below 1B parameters
+    assert preview() == 2e-4  # no model named: its size is unknown
 
 
 def test_the_preview_lists_at_most_limit_trials(client: TestClient, tenant: TenantKey) -> None:

@@ -146,7 +146,8 @@ def test_max_steps_and_validation_file(client: TestClient, tenant: TenantKey) ->
     [trial] = _trials(client, tenant, task["id"])
     assert trial["total_steps"] == 50
     assert trial["hyperparameters"] == {
-        "learning_rate": 2e-4, "lora_rank": 8, "lora_alpha": 16.0, "batch_size": 4, "lora_dropout": 0.0,
+        "learning_rate": 1e-3, "lora_rank": 8,  # below 1B parameters: common.search_space.default_learning_rate
+        "lora_alpha": 16.0, "batch_size": 4, "lora_dropout": 0.0,
         "target_modules": "all-linear", "seed": 0,
     }
 

@@ -8,11 +8,13 @@ from common.search_space import (
     Range,
     SearchSpaceError,
     auto_space,
+    default_learning_rate,
     expand_grid,
     grid_size,
     range_points,
     sample_random,
     warmup_steps_for,
+    with_size_defaults,
 )
 
 
@@ -102,3 +104,14 @@ def test_the_auto_space_follows_the_models_and_the_datasets_size(
 def test_warmup_is_three_percent_of_a_trials_own_steps_unless_given() -> None:
     assert [warmup_steps_for(n, None) for n in (1, 2, 33, 34, 100, 125, 500)] == [0, 1, 1, 2, 3, 4, 15]
     assert warmup_steps_for(500, 0) == 0 and warmup_steps_for(500, 40) == 40
+
+
+@pytest.mark.parametrize(("parameters", "rate"), [
+    (134_515_008, 1e-3), (999_999_999, 1e-3), (1_000_000_000, 2e-4), (70_553_706_496, 1e-4), (None, 2e-4)])
+def test_a_learning_rate_left_out_is_the_auto_centre_for_the_models_size(parameters: int | None, rate: float) -> None:
+    assert default_learning_rate(parameters) == rate
+    assert auto_space(parameters, 500)["learning_rate"][1] == rate  # one rule for both
+    [config] = expand_grid(with_size_defaults({"lora_rank": [8]}, parameters))
+    assert config["learning_rate"] == rate
+    # A learning rate the user gave is kept, whatever the size.
+    assert with_size_defaults({"learning_rate": [5e-5]}, parameters)["learning_rate"] == [5e-5]

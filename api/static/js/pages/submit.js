@@ -6,7 +6,7 @@ import { ApiError, api, request } from "../api.js";
 import { clear, fmt, h } from "../dom.js";
 
 const DIMENSIONS = [
-  { name: "learning_rate", label: "Learning rate", integer: false, placeholder: "2e-4", example: "1e-4, 3e-4, 1e-3" },
+  { name: "learning_rate", label: "Learning rate", integer: false, placeholder: "by model size", example: "1e-4, 3e-4, 1e-3" },
   { name: "lora_rank", label: "LoRA rank", integer: true, placeholder: "8", example: "4, 8, 16" },
   { name: "lora_alpha", label: "LoRA alpha", integer: false, placeholder: "2 × rank", example: "16, 32" },
   { name: "batch_size", label: "Batch size", integer: true, placeholder: "4", example: "2, 4" },
