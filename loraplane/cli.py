@@ -268,6 +268,7 @@ def cmd_worker(args: argparse.Namespace) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     # Only the pure planner modules: runs with the base dependencies (OR-Tools, numpy), no database or torch.
+    from scheduler.planning.fairness import FairnessPolicy
     from scheduler.sim.simulate import POLICIES, simulate
     from scheduler.sim.traces import make_trace
 
@@ -275,21 +276,23 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         raise SystemExit(f"unknown policy {unknown or args.policy!r}; choose from {','.join(POLICIES)}")
-    if args.load is not None and (args.trace != "tenant-stream" or args.load <= 0):
-        raise SystemExit("--load takes a positive number and applies to --trace tenant-stream only")
+    if args.load is not None and (args.trace == "alto-mix" or args.load <= 0):
+        raise SystemExit("--load takes a positive number and applies to the streams (tenant-stream, shared-gpu)")
     trace = make_trace(args.trace, args.seed, args.gpus, args.tasks, args.load)
+    fairness = FairnessPolicy() if args.preempt else None
     rows = [simulate(trace, args.gpus, p, time_limit_s=args.time_limit, seed=args.seed,
-                     makespan_weight=args.makespan_weight).summary() for p in policies]
+                     makespan_weight=args.makespan_weight, fairness=fairness).summary() for p in policies]
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return
     headers = ["policy", "makespan_s", "mean_jct_s", "p95_jct_s", "gpu_util", "replan_p95_ms", "replans",
-               "unschedulable"]
+               "unschedulable", "preempted"]
     cells = [headers] + [[f"{r[h]:.4g}" if isinstance(r[h], float) else str(r[h]) for h in headers] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
     lines = ["  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    load = f", load {0.9 if args.load is None else args.load:g}" if args.trace == "tenant-stream" else ""
+    load = f", load {0.9 if args.load is None else args.load:g}" if args.trace != "alto-mix" else ""
+    load += ", preemption (scheduler/planning/fairness.py)" if args.preempt else ""
     sys.stdout.write(f"trace {trace.name}, {args.gpus} GPUs{load}, seed {args.seed}\n" + "\n".join(lines) + "\n")
 
 
@@ -577,14 +580,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("rotate-secrets", help="re-encrypt stored secrets under the first key of LORAPLANE_SECRET_KEY "
                                           "(after putting a new key first)").set_defaults(func=cmd_rotate_secrets)
     sim = sub.add_parser("simulate", help="compare planner policies on a trace with a simulated clock")
-    sim.add_argument("--trace", choices=["alto-mix", "tenant-stream"], default="alto-mix")
+    sim.add_argument("--trace", choices=["alto-mix", "tenant-stream", "shared-gpu"], default="alto-mix")
     sim.add_argument("--gpus", type=int, default=8)
     sim.add_argument("--policy", default="fifo,greedy,cpsat", help="comma list of fifo, greedy, cpsat, cpsat-wc")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--time-limit", type=float, default=1.0, help="CP-SAT seconds per replan")
-    sim.add_argument("--tasks", type=int, default=None, help="tasks of the tenant stream (default 200)")
+    sim.add_argument("--tasks", type=int, default=None,
+                     help="tasks of a stream (default 200 for tenant-stream, 60 for shared-gpu)")
     sim.add_argument("--load", type=float, default=None,
-                     help="tenant stream: offered load, GPU-seconds of solo service per GPU-second (default 0.9)")
+                     help="a stream's offered load, GPU-seconds of solo service per GPU-second (default 0.9)")
+    sim.add_argument("--preempt", action="store_true",
+                     help="preempt packs for other tenants' waiting trials (scheduler/planning/fairness.py)")
     sim.add_argument("--makespan-weight", type=int, default=None,
                      help="weight of a replan's makespan in the planner objective (default 1 for a batch like "
                           "alto-mix, 0 for a stream like tenant-stream)")

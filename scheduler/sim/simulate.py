@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from scheduler.planning.coefficients import Prepared, finish_plan
 from scheduler.planning.cost import ModelCost
 from scheduler.planning.cpsat import plan_cpsat
+from scheduler.planning.fairness import FairnessPolicy, PackView, WaitingTrial, preemptions, usage_in_window
 from scheduler.planning.greedy import plan_greedy
 from scheduler.planning.rules import work_conserving
 from scheduler.planning.types import (
@@ -39,6 +40,9 @@ from scheduler.planning.types import (
 from scheduler.sim.traces import Trace, TraceTask
 
 POLICIES = ("fifo", "greedy", "cpsat", "cpsat-wc")
+# A preemption's cost in GPU time: the members' checkpoint, then the next pack's base model loaded (an 8B model's
+# bf16 weights read from local NVMe at ~2 GB/s: ~8 s; its first step's CUDA-graph captures: ~10 s), rounded up.
+PAUSE_COST_S = 30.0
 Planner = Callable[[PlanningInput], PlanResult]
 _REL_EPS = 1e-9  # relative tolerance of simulated times: events this close are one instant
 
@@ -115,6 +119,7 @@ class SimResult:
     steps_done: dict[str, float]  # trial id -> steps trained
     packs: tuple[PackRecord, ...]
     makespan_weight: int = 1  # the planner objective's weight of each replan's makespan
+    preempted: int = 0  # packs preempted by the fairness policy (scheduler/planning/fairness.py)
 
     def summary(self) -> dict[str, object]:
         """The JSON object of `loraplane simulate --json`."""
@@ -122,7 +127,8 @@ class SimResult:
                 "makespan_s": round(self.makespan_s, 3), "mean_jct_s": round(self.mean_jct_s, 3),
                 "p95_jct_s": round(self.p95_jct_s, 3), "gpu_util": round(self.gpu_util, 4),
                 "replan_p95_ms": round(self.replan_p95_ms, 3), "replans": self.replans,
-                "unschedulable": len(self.unschedulable), "makespan_weight": self.makespan_weight}
+                "unschedulable": len(self.unschedulable), "makespan_weight": self.makespan_weight,
+                "preempted": self.preempted}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -157,24 +163,32 @@ def _close(a: float, b: float) -> bool:
 
 
 def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0, seed: int = 0,
-             unit_s: float = 1.0, makespan_weight: int | None = None, planner: Planner | None = None) -> SimResult:
+             unit_s: float = 1.0, makespan_weight: int | None = None, planner: Planner | None = None,
+             fairness: FairnessPolicy | None = None, pause_cost_s: float = PAUSE_COST_S) -> SimResult:
     """Runs `trace` on `gpus` identical GPUs under `policy` and measures it (see the module docstring).
 
     `unit_s` is the planner's integer time unit; its durations are rounded up and never 0, so it only
     coarsens the plan, never the simulated clock. `makespan_weight` is the weight of each replan's makespan
     in the planner's objective (beside Σ weight·completion); by default `default_makespan_weight(trace)`.
-    `planner` overrides the policy's planner (tests).
+    `planner` overrides the policy's planner (tests). With `fairness`, a pack may be preempted for another
+    tenant's waiting trials (scheduler/planning/fairness.py): its members go back to pending with the steps they
+    have left, and its GPUs free up `pause_cost_s` later (a checkpoint, then the next base model loaded).
     """
     if gpus < 1:
         raise ValueError("gpus must be ≥ 1")
     if makespan_weight is None:
         makespan_weight = default_makespan_weight(trace)
     plan = planner or make_planner(policy, time_limit_s=time_limit_s, seed=seed)
-    sim = _Sim(trace, gpus, plan, unit_s, makespan_weight)
-    # Every loop turn but the last consumes an arrival, a completion or a planned start (≥ 1 unit later).
+    sim = _Sim(trace, gpus, plan, unit_s, makespan_weight, fairness, pause_cost_s)
+    # Every loop turn but the last consumes an arrival, a completion, a release or a planned start (≥ 1 unit later).
     for _ in range(100 * (len(sim.trials) + len(sim.tasks)) + 1000):
         sim.arrive()
-        wake = sim.replan() if sim.pending and _can_start(sim.pending, sim.trials, sim.free, sim.running) else None
+        sim.release()
+        wake = (sim.replan() if sim.plannable() and _can_start(sim.plannable(), sim.trials, sim.free, sim.running)
+                else None)
+        if fairness is not None:
+            due = sim.preempt(fairness)  # when a pack's slice ends while trials wait: decide again then
+            wake = due if wake is None else min(wake, due) if due is not None else wake
         if not sim.advance(wake):
             # Nothing runs, arrives or is planned, yet trials wait: the planner will never place them.
             sim.unschedulable.extend(sim.pending)
@@ -184,14 +198,21 @@ def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0,
         raise RuntimeError("simulation did not converge (planner starts nothing while time advances)")
     return replace(_result(trace, gpus, policy, sim.tasks, sim.task_of, sim.done, sim.started, sim.completed,
                            sim.steps_done, sim.unschedulable, sim.replan_ms, sim.statuses),
-                   makespan_weight=makespan_weight)
+                   makespan_weight=makespan_weight, preempted=sim.preempted)
 
 
 class _Sim:
     """The simulated cluster at time `now`: pending trials, free GPUs, running packs, and what was measured."""
 
-    def __init__(self, trace: Trace, gpus: int, plan: Planner, unit_s: float, makespan_weight: int) -> None:
+    def __init__(self, trace: Trace, gpus: int, plan: Planner, unit_s: float, makespan_weight: int,
+                 fairness: FairnessPolicy | None = None, pause_cost_s: float = 0.0) -> None:
         self.trace, self.plan, self.unit_s, self.makespan_weight = trace, plan, unit_s, makespan_weight
+        self.fairness, self.pause_cost_s = fairness, pause_cost_s
+        self.steps: dict[str, int] = {}  # trial id -> its steps in the trace (remaining_steps shrinks when paused)
+        self.pauses: dict[str, int] = {}  # trial id -> times preempted
+        self.held: dict[str, set[str]] = {}  # preempted trial -> the pending trials it made room for
+        self.releasing: list[tuple[float, tuple[str, ...]]] = []  # (when, GPUs) of preempted packs
+        self.preempted = 0
         self.worker_specs = tuple(WorkerSpec(f"gpu{i:04d}", trace.gpu_memory_bytes) for i in range(gpus))
         self.tasks = sorted(trace.tasks, key=lambda t: t.arrival_s)  # stable: trace order within an instant
         self.trials: dict[str, PendingTrial] = {}
@@ -204,6 +225,7 @@ class _Sim:
                     tokens_per_step=tr.tokens_per_step, remaining_steps=tr.steps, slot_bytes=tr.slot_bytes,
                     max_trials_per_pack=tr.max_trials_per_pack)
                 self.task_of[tr.trial_id] = task.task_id
+                self.steps[tr.trial_id] = tr.steps
         self.pending: list[str] = []
         self.free = {g.worker_id for g in self.worker_specs}
         self.running: dict[str, _Pack] = {}
@@ -225,10 +247,73 @@ class _Sim:
             self.pending.extend(tr.trial_id for tr in tasks[self.next_task].trials)
             self.next_task += 1
 
+    def plannable(self) -> list[str]:
+        """The pending trials the planner sees: all but preempted ones whose beneficiaries still wait."""
+        return [i for i in self.pending if i not in self.held]
+
+    def release(self) -> None:
+        """Frees the GPUs of preempted packs whose pause is over, and hands preempted trials back to the planner
+        once the trials they made room for have started (or left)."""
+        now = self.now
+        for when, worker_ids in [r for r in self.releasing if r[0] <= now or _close(r[0], now)]:
+            self.releasing.remove((when, worker_ids))
+            self.free |= set(worker_ids)
+        pending = set(self.pending)
+        for i in [i for i, waiting_for in self.held.items() if not waiting_for & pending]:
+            del self.held[i]
+
+    def preempt(self, policy: FairnessPolicy) -> float | None:
+        """Preempts the packs the fairness policy names, if trials wait with no GPU free (fairness.py); returns when
+        the next running pack's slice ends while trials still wait (None: none will)."""
+        now, trials = self.now, self.trials
+        waiting = self.plannable()
+        if not waiting or self.free:
+            return None
+        views = [PackView(p.pack_id, len(p.worker_ids), now - p.start_s,
+                          frozenset(trials[i].tenant_id for i in p.left),
+                          tuple(self.pauses.get(i, 0) for i in p.left)) for p in self.running.values()]
+        weights = {t.tenant_id: t.tenant_weight for t in self.trials.values()}
+        chosen = preemptions(views, [WaitingTrial(i, trials[i].tenant_id, trials[i].gpus_needed) for i in waiting],
+                             self.usage(policy.window_s), weights, policy)
+        for choice in chosen:
+            pack = self.running.pop(choice.pack_id)
+            _advance(pack, trials, now)
+            beneficiaries = {i for i in waiting if trials[i].tenant_id == choice.for_tenant}
+            for i, left in pack.left.items():
+                trials[i] = replace(trials[i], remaining_steps=max(1, math.ceil(left - _REL_EPS * max(1.0, left))),
+                                    resumed=True)
+                self.pauses[i] = self.pauses.get(i, 0) + 1
+                self.held[i] = beneficiaries
+                self.pending.append(i)
+            pack.left = {}
+            pack.history.append((now + self.pause_cost_s, ()))  # the GPUs stay busy for the pause
+            self.done.append(pack)
+            self.releasing.append((now + self.pause_cost_s, pack.worker_ids))
+            self.preempted += 1
+        slices = [p.start_s + policy.min_slice_s for p in self.running.values()
+                  if p.start_s + policy.min_slice_s > now and not _close(p.start_s + policy.min_slice_s, now)]
+        return min(slices, default=None)
+
+    def usage(self, window_s: float) -> dict[str, float]:
+        """Each tenant's GPU seconds in the trailing window, from every pack's membership history."""
+        segments = []
+        for pack in [*self.done, *self.running.values()]:
+            history = [*pack.history, (self.now, ())]
+            for (start, members), (end, _) in zip(history, history[1:], strict=False):
+                tenants: dict[str, int] = {}
+                for i in members:
+                    tenants[self.trials[i].tenant_id] = tenants.get(self.trials[i].tenant_id, 0) + 1
+                segments.append((start, end, float(len(pack.worker_ids)), tenants))
+        return usage_in_window(segments, self.now, window_s)
+
     def replan(self) -> float | None:
         """Calls the planner and starts what its plan starts now; returns when a start it holds back is due."""
         now, unit_s = self.now, self.unit_s
-        inp = _planning_input(self.pending, self.trials, self.worker_specs, self.free, self.running, self.trace, now,
+        # A preempted pack's GPUs are busy until its pause ends (its members' checkpoint, the next model's load).
+        releasing = {w: max(1, math.ceil((when - now) / unit_s - _REL_EPS)) for when, ws in self.releasing for w in ws}
+        workers = tuple(replace(w, busy_until=releasing[w.worker_id]) if w.worker_id in releasing else w
+                        for w in self.worker_specs)
+        inp = _planning_input(self.plannable(), self.trials, workers, self.free, self.running, self.trace, now,
                               unit_s, self.makespan_weight)
         t0 = time.perf_counter()
         res = self.plan(inp)
@@ -260,7 +345,7 @@ class _Sim:
             self.running[pack.pack_id] = pack
         for i in p.trial_ids:
             pack.left[i] = float(trials[i].remaining_steps)
-            self.started[i] = now
+            self.started.setdefault(i, now)  # a preempted trial's start is its first
         pack.history.append((now, tuple(pack.left)))
 
     def advance(self, wake: float | None) -> bool:
@@ -268,6 +353,7 @@ class _Sim:
         candidates = [t for t in (
             self.tasks[self.next_task].arrival_s if self.next_task < len(self.tasks) else None,
             min((p.next_completion(self.trials) for p in self.running.values()), default=None),
+            min((when for when, _ in self.releasing), default=None),
             wake,
         ) if t is not None]
         if not candidates:
@@ -285,7 +371,7 @@ class _Sim:
             for i in finished:
                 del pack.left[i]
                 self.completed[i] = now
-                self.steps_done[i] = float(trials[i].remaining_steps)
+                self.steps_done[i] = float(self.steps[i])
             pack.history.append((now, tuple(pack.left)))
             if not pack.left:
                 del self.running[pack.pack_id]

@@ -86,8 +86,11 @@ ARCHITECTURES = {
     "qwen2.5-32b": Architecture(32.76e9, 5120, 64, 27648, 8 * 128, 152064),
     "llama-3.1-8b": Architecture(8.03e9, 4096, 32, 14336, 8 * 128, 128256),
     "qwen2.5-7b": Architecture(7.62e9, 3584, 28, 18944, 4 * 128, 152064),
+    "llama-3.2-1b": Architecture(1.24e9, 2048, 16, 8192, 8 * 64, 128256),
+    "qwen2.5-0.5b": Architecture(0.49e9, 896, 24, 4864, 2 * 64, 151936),
 }
-GPUS_NEEDED = {"llama-3.1-70b": 4, "qwen2.5-32b": 2, "llama-3.1-8b": 1, "qwen2.5-7b": 1}  # ALTO §8.2
+GPUS_NEEDED = {"llama-3.1-70b": 4, "qwen2.5-32b": 2, "llama-3.1-8b": 1, "qwen2.5-7b": 1,  # ALTO §8.2
+               "llama-3.2-1b": 1, "qwen2.5-0.5b": 1}
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,45 @@ def tenant_stream(seed: int = 0, gpus: int = 16, *, tasks: int = 200, load: floa
     return Trace("tenant-stream", tuple(out), costs)
 
 
-TRACES = {"alto-mix", "tenant-stream"}
+SHARED_LONG_MODEL = "llama-3.1-8b"
+SHARED_SHORT_MODELS = ["qwen2.5-0.5b", "llama-3.2-1b"]
+SHARED_WEIGHTS = {"tenant0": 1, "tenant1": 1, "tenant2": 2}
+
+
+def shared_gpu(seed: int = 0, gpus: int = 2, *, tasks: int = 60, load: float = 0.9) -> Trace:
+    """Issue 34's case: a few GPUs shared by tenants of several base models, long tasks beside short ones.
+
+    tenant0 (weight 1) submits long searches on Llama-3.1-8B: 4 trials of 2,000-8,000 steps (log-uniform), one in
+    four tasks; tenant1 (weight 1) and tenant2 (weight 2) submit short ones on Qwen2.5-0.5B or Llama-3.2-1B: 1-3
+    trials of 100-600 steps. Batch {1, 2, 4, 8} and rank {4, 8, 16} drawn per task; Poisson arrivals offering
+    `load` of `gpus` when every trial runs alone (as `tenant_stream`). No pack mixes models, so a short task of a
+    small model can only start on a GPU that no 8B pack holds."""
+    if tasks < 1 or gpus < 1 or load <= 0:
+        raise ValueError("shared_gpu needs tasks ≥ 1, gpus ≥ 1 and load > 0")
+    rng = random.Random(seed)
+    costs = _costs([SHARED_LONG_MODEL, *SHARED_SHORT_MODELS])
+    drawn: list[tuple[str, str, tuple[TraceTrial, ...]]] = []
+    for i in range(tasks):
+        long = rng.random() < 0.25
+        model = SHARED_LONG_MODEL if long else rng.choice(SHARED_SHORT_MODELS)
+        tenant = "tenant0" if long else rng.choice(["tenant1", "tenant2"])
+        bs, rank = rng.choice((1, 2, 4, 8)), rng.choice((4, 8, 16))
+        lo, hi, count = (2000, 8000, 4) if long else (100, 600, rng.randint(1, 3))
+        trials = tuple(TraceTrial(f"task{i:04d}-t{k}", bs * TOKENS_PER_SAMPLE,
+                                  round(math.exp(rng.uniform(math.log(lo), math.log(hi)))), slot_bytes(model, rank),
+                                  MAX_TRIALS_PER_PACK) for k in range(count))
+        drawn.append((model, tenant, trials))
+    solo_s = [sum(t.steps * costs[m].step.predict(t.tokens_per_step, 1) for t in trials) for m, _, trials in drawn]
+    rate = load * gpus / (sum(solo_s) / len(solo_s))
+    now, out = 0.0, []
+    for i, (model, tenant, trials) in enumerate(drawn):
+        if i:
+            now += rng.expovariate(rate)
+        out.append(TraceTask(f"task{i:04d}", tenant, SHARED_WEIGHTS[tenant], model, 1, now, trials))
+    return Trace("shared-gpu", tuple(out), costs)
+
+
+TRACES = {"alto-mix", "tenant-stream", "shared-gpu"}
 
 
 def make_trace(name: str, seed: int, gpus: int, tasks: int | None = None, load: float | None = None) -> Trace:
@@ -205,4 +246,6 @@ def make_trace(name: str, seed: int, gpus: int, tasks: int | None = None, load: 
         return alto_mix(seed)
     if name == "tenant-stream":
         return tenant_stream(seed, gpus, tasks=tasks or 200, load=0.9 if load is None else load)
+    if name == "shared-gpu":
+        return shared_gpu(seed, gpus, tasks=tasks or 60, load=0.9 if load is None else load)
     raise ValueError(f"unknown trace {name!r}; expected one of {sorted(TRACES)}")

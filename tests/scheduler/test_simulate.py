@@ -10,8 +10,9 @@ import pytest
 
 from loraplane.cli import main
 from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
+from scheduler.planning.fairness import FairnessPolicy
 from scheduler.sim.simulate import POLICIES, SimResult, mean_jct_lower_bound, percentile, simulate
-from scheduler.sim.traces import Trace, TraceTask, TraceTrial, alto_mix, tenant_stream
+from scheduler.sim.traces import Trace, TraceTask, TraceTrial, alto_mix, shared_gpu, tenant_stream
 
 GB = 10**9
 COSTS = {
@@ -35,14 +36,17 @@ def random_trace(seed: int) -> Trace:
     return Trace("random", tuple(sorted(tasks, key=lambda t: t.arrival_s)), COSTS, gpu_memory_bytes=80 * GB)
 
 
-def check_invariants(trace: Trace, gpus: int, r: SimResult) -> None:
+def check_invariants(trace: Trace, gpus: int, r: SimResult, max_pauses: int = 0) -> None:
     trials = {tr.trial_id: (t, tr) for t in trace.tasks for tr in t.trials}
     assert r.unschedulable == ("huge-0",)
     placeable = set(trials) - set(r.unschedulable)
     assert set(r.completed_s) == placeable
-    # Each trial ran in exactly one pack, entering once.
+    # Each trial ran in exactly one pack, entering once; preempted, in one more pack per pause.
     entries = [i for p in r.packs for i in set().union(*(set(m) for _, m in p.members))]
-    assert sorted(entries) == sorted(placeable)
+    if not max_pauses:
+        assert sorted(entries) == sorted(placeable)
+    assert set(entries) == placeable and all(1 <= entries.count(i) <= 1 + max_pauses for i in placeable)
+    assert sum(entries.count(i) - 1 for i in placeable) >= r.preempted  # a preempted pack had ≥ 1 member
     for i in placeable:
         task, tr = trials[i]
         assert r.steps_done[i] == tr.steps
@@ -79,6 +83,25 @@ def test_invariants_on_random_traces(policy: str, seed: int) -> None:
     trace = random_trace(seed)
     gpus = 2 + seed % 3
     check_invariants(trace, gpus, simulate(trace, gpus, policy, time_limit_s=0.2))
+
+
+@pytest.mark.parametrize("policy", ["greedy", "cpsat"])
+@pytest.mark.parametrize("seed", range(4))
+def test_invariants_hold_with_preemption(policy: str, seed: int) -> None:
+    # A short slice, so that the small random traces preempt at all; a trial still trains every step, once.
+    fairness = FairnessPolicy(min_slice_s=20.0, window_s=600.0, max_pauses=2)
+    trace = random_trace(seed)
+    gpus = 2 + seed % 3
+    r = simulate(trace, gpus, policy, time_limit_s=0.2, fairness=fairness, pause_cost_s=5.0)
+    check_invariants(trace, gpus, r, max_pauses=fairness.max_pauses)
+
+
+def test_preemption_happens_on_the_shared_gpu_trace() -> None:
+    trace = shared_gpu(0, 2, tasks=30)
+    assert {t.tenant_weight for t in trace.tasks if t.tenant_id == "tenant2"} == {2}
+    today, fair = simulate(trace, 2, "greedy"), simulate(trace, 2, "greedy", fairness=FairnessPolicy())
+    assert today.preempted == 0 < fair.preempted
+    assert fair.steps_done == today.steps_done  # every trial trains all its steps either way
 
 
 def test_fifo_hand_computed() -> None:
@@ -210,6 +233,13 @@ def test_cli_load_scales_arrivals_only(capsys: pytest.CaptureFixture[str]) -> No
         tenant_stream(0, 2, tasks=10, load=0.9).tasks[-1].arrival_s * 0.3)
     with pytest.raises(SystemExit):
         main(["simulate", "--trace", "alto-mix", "--load", "2"])
+
+
+def test_cli_preempt_on_the_shared_gpu_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["simulate", "--trace", "shared-gpu", "--gpus", "2", "--tasks", "30", "--policy", "greedy", "--preempt",
+          "--json"])
+    [out] = json.loads(capsys.readouterr().out)
+    assert out["trace"] == "shared-gpu" and out["preempted"] > 0
 
 
 def test_cli_rejects_unknown_policy() -> None:
