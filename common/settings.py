@@ -71,6 +71,14 @@ class Settings(BaseSettings):
     worker_quarantine_window_s: float = Field(default=600.0, gt=0, alias="LORAPLANE_WORKER_QUARANTINE_WINDOW_S")
     worker_quarantine_s: float = Field(default=60.0, ge=0, alias="LORAPLANE_WORKER_QUARANTINE_S")
     worker_quarantine_max_s: float = Field(default=1800.0, ge=0, alias="LORAPLANE_WORKER_QUARANTINE_MAX_S")
+    # Preemption with a time slice (issue 34): a pack that has run its slice may be paused at its members' next
+    # checkpoint for another tenant whose trials cannot start and who has had less GPU time per weight over the
+    # window; a trial at most max_pauses times. Unset: the defaults of scheduler/planning/fairness.py
+    # `FairnessPolicy`, where they are explained. LORAPLANE_PREEMPT=false: a pack runs to its end.
+    preempt: bool = Field(default=True, alias="LORAPLANE_PREEMPT")
+    preempt_min_slice_s: float | None = Field(default=None, ge=0, alias="LORAPLANE_PREEMPT_MIN_SLICE_S")
+    fair_window_s: float | None = Field(default=None, gt=0, alias="LORAPLANE_FAIR_WINDOW_S")
+    preempt_max_pauses: int | None = Field(default=None, ge=0, alias="LORAPLANE_PREEMPT_MAX_PAUSES")
     # The most trials one pack of this worker holds per GPU (a worker over n GPUs announces n times it): one name
     # for it, as the variable, the heartbeat's `max_slots` and the workers table's column say.
     worker_max_slots: int = Field(default=DEFAULT_MAX_TRIALS_PER_PACK, ge=1, alias="LORAPLANE_WORKER_MAX_SLOTS")

@@ -193,6 +193,10 @@ class Trial(Base):
     # Times its worker was lost under it (a loss spends no attempt; scheduler/planning/faults.py), and when it may
     # be placed again after the latest (the requeue backoff; None: at once).
     worker_losses: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Preemption (scheduler/service/fairness.py): times this trial's pack was paused for another tenant, and while
+    # it is held back for that tenant's waiting trials (until they start or its slice passes), that tenant's id.
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    preempted_for: Mapped[str | None] = mapped_column(String(40), default=None)
     not_before: Mapped[datetime | None] = mapped_column(default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)

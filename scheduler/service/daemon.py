@@ -41,6 +41,7 @@ from scheduler.planning.placement import place
 from scheduler.planning.types import Plan, PlanResult, Snapshot
 from scheduler.service.dispatch import send_pack, trial_payload
 from scheduler.service.exits import PauseRequest, apply_early_exit, placement
+from scheduler.service.fairness import fairness_policy, pause_requests, preempt_for_waiting, release_held
 from scheduler.service.faults import fault_policy, reap_lost_workers
 from scheduler.service.ingest import ingest
 from scheduler.service.planner_io import (
@@ -76,6 +77,7 @@ class SchedulerDaemon:
         self._stops_sent: set[tuple[str, str, str]] = set()  # (pack, trial, placement)
         self._admits_sent: set[tuple[str, str]] = set()
         self._pauses: list[PauseRequest] = []  # decided, committed, not yet sent
+        self.fairness = fairness_policy(settings)  # preemption (None: off)
         self._aborts: set[tuple[str, str]] = set()  # (worker, pack): packs a worker runs that are over here
         self._aborts_sent: set[tuple[str, str]] = set()
         self._bus_resets = bus.resets
@@ -135,6 +137,7 @@ class SchedulerDaemon:
                 log.warning("worker %s lost (no heartbeat for %.0fs)", worker_id, timeout)
             finalize_tasks(session, now)
             self._publish_registry(session)
+            release_held(session, now)
             snapshot = build_snapshot(session, now, timeout)
             note_model_waits(session, snapshot.pending, now, timeout)
             waiting_models = {t.base_model for t in snapshot.pending}
@@ -151,6 +154,10 @@ class SchedulerDaemon:
             else:
                 new_packs, replanned = [], False
                 costs, plan, result = None, Plan(), None
+            if self.fairness is not None and snapshot.pending:
+                # What the plan could not place may take a running pack's worker (its members pause and resume).
+                for pack_id in preempt_for_waiting(session, snapshot, plan, now, self.fairness):
+                    log.info("preempting pack %s for waiting trials of another tenant", pack_id)
             self._note_waits(session, snapshot, plan, result, now, costs)
             if replanned:
                 self.telemetry.replanned(time.perf_counter() - plan_started)
@@ -241,6 +248,7 @@ class SchedulerDaemon:
     def _send_stops(self) -> None:
         with session_scope() as session:
             requests = stop_requests(session)
+            self._pauses += pause_requests(session)
         for (pack_id, mode), (worker_id, trials) in requests.items():
             fresh = [(t.id, placement(t)) for t in trials if (pack_id, t.id, placement(t)) not in self._stops_sent]
             if not fresh:
@@ -248,8 +256,9 @@ class SchedulerDaemon:
             stop = StopTrials(pack_id=pack_id, trial_ids=[t for t, _ in fresh], mode=mode)
             self.bus.publish(commands_stream(worker_id), stop.to_dict())
             self._stops_sent.update((pack_id, t, placed) for t, placed in fresh)
-        # Holds at the warm-up boundary: checkpoint and free the slot (once per scheduler process; a pause
-        # lost to a restart is decided again at the trial's next validation point).
+        # Holds at the warm-up boundary and preemptions: checkpoint and free the slot (once per scheduler process; a
+        # warm-up pause lost to a restart is decided again at the trial's next validation point, a preemption at
+        # the next round, once its `preempted_for` is cleared).
         while self._pauses:
             pause = self._pauses[0]
             key = (pause.pack_id, pause.trial_id, pause.placed_at)

@@ -538,12 +538,24 @@ def _record_usage(session: Session, m: TrialFinished, now: datetime) -> None:
 
 def _trial_paused(session: Session, trial: Trial, m: TrialFinished) -> None:
     """Out of its pack at its warm-up boundary, checkpointed (the `trial.checkpoint` came first): it waits,
-    holding no slot, for its task's warm-up ranking. Pausing is not a failure: the attempt is not counted."""
-    trial.state = states.TRIAL_WAITING
+    holding no slot, for its task's warm-up ranking. Preempted for another tenant (scheduler/service/fairness.py),
+    it is pending again instead, held back until that tenant's trials start. Pausing is not a failure: the
+    attempt is not counted."""
     trial.pack_id = None
     trial.attempts = max(0, trial.attempts - 1)
     trial.steps_done = m.steps_done or trial.steps_done
     at = f"checkpointed at step {trial.checkpoint_step}" if trial.checkpoint_step else "no checkpoint yet"
+    if trial.preempted_for is not None:
+        trial.state = states.TRIAL_PENDING
+        record_event(
+            session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.paused",
+            message=f"trial {trial.index} paused at step {trial.steps_done} for tenant {trial.preempted_for}'s "
+                    f"waiting trials ({at}); it is pending again and resumes from its checkpoint",
+            data={"steps": trial.steps_done, "checkpoint_step": trial.checkpoint_step,
+                  "for_tenant": trial.preempted_for},
+        )
+        return
+    trial.state = states.TRIAL_WAITING
     record_event(
         session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.waiting",
         message=f"trial {trial.index} reached its warm-up boundary at step {trial.steps_done}; its slot is free "

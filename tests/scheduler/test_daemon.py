@@ -20,8 +20,10 @@ from common.registry import DEFAULT_MODELS, ensure_default_models
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from common.tables import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from scheduler.planning.cost import PRIOR_COST, prior_cost
+from scheduler.planning.fairness import FairnessPolicy
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.exits import PAUSE_MIN_STEPS, should_pause
+from scheduler.service.fairness import fairness_policy
 from scheduler.service.faults import fault_policy
 from tests.conftest import REDIS_URL
 
@@ -1139,3 +1141,98 @@ def test_a_task_judged_by_its_metric_has_its_warm_up_rung_ranked_by_the_scores_t
         first = s.scalars(select(Event).where(Event.type == "trial.stopped_early", Event.trial_id == trials[0])).one()
         assert first.data["ranked_by"] == "metric" and first.data["metric_score"] == 0.1
         assert "metric score 0.1" in first.message and "ranks 4 of 4" in first.message
+
+
+def make_tenant_task(steps: int) -> tuple[str, str, str]:
+    """A one-trial task of a tenant of its own that trains alone (a pack of one: no room for another tenant)."""
+    task_id, (trial_id,) = make_task(1, cap=1, steps=steps)
+    with session_scope() as s:
+        return task_id, trial_id, s.get_one(Task, task_id).tenant_id
+
+
+def started_ago(pack_id: str, seconds: float) -> None:
+    with session_scope() as s:
+        s.get_one(Pack, pack_id).started_at = utcnow() - timedelta(seconds=seconds)
+
+
+def test_a_pack_past_its_slice_is_preempted_for_another_tenants_waiting_trial_which_takes_the_worker(
+        daemon: SchedulerDaemon) -> None:
+    """One worker: tenant A's long trial runs alone; tenant B's trial arrives and cannot start. Once A's pack has
+    run its slice, A's trial is paused at a checkpoint, B's trial takes the worker, and A's trial, held back until
+    then, is pending again to resume from its checkpoint."""
+    assert daemon.fairness is not None  # on by default
+    start = commands_tail()
+    _, long_trial, tenant_a = make_tenant_task(steps=100_000)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    _, short_trial, tenant_b = make_tenant_task(steps=10)
+    daemon.step(block_s=0.2)
+    assert commands("stop_trials", start) == []  # the pack has not run its slice: nothing is preempted
+
+    started_ago(pack.id, daemon.fairness.min_slice_s + 1)
+    daemon.step(block_s=0.2)
+    daemon.step(block_s=0.2)  # the mark is sent once, however many rounds see it
+    (pause,) = commands("stop_trials", start)
+    assert (pause["mode"], pause["trial_ids"]) == ("pause", [long_trial])
+    with session_scope() as s:
+        trial = s.get_one(Trial, long_trial)
+        assert (trial.state, trial.preemptions, trial.preempted_for) == (states.TRIAL_RUNNING, 1, tenant_b)
+        [event] = s.scalars(select(Event).where(Event.trial_id == long_trial, Event.type == "trial.preempted")).all()
+        assert f"for tenant {tenant_b}" in event.message and event.data["for_tenant"] == tenant_b
+        assert s.get_one(Trial, short_trial).state == states.TRIAL_PENDING
+
+    report("trial.checkpoint", pack_id=pack.id, trial_id=long_trial, step=40, checkpoint_key="ckpt/long-40")
+    report("trial.finished", pack_id=pack.id, trial_id=long_trial, status="paused", steps_done=40,
+           best_val_loss=1.5, best_step=40, final_train_loss=1.8, adapter_key=None)
+    report("pack.finished", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    second = live_pack()
+    assert second.trial_ids == [short_trial]  # the freed worker went to the tenant it was freed for
+    with session_scope() as s:
+        paused = s.get_one(Trial, long_trial)
+        assert (paused.state, paused.checkpoint_step, paused.attempts) == (states.TRIAL_PENDING, 40, 0)
+        assert "trial.paused" in [e.type for e in s.scalars(select(Event).where(Event.trial_id == long_trial))]
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        # Tenant B has nothing left pending: A's trial is no longer held back (it waits for the worker as usual),
+        # and B's pack, not past its slice, is not preempted back.
+        released = s.get_one(Trial, long_trial)
+        assert (released.state, released.preempted_for, released.not_before) == (states.TRIAL_PENDING, None, None)
+    assert len(commands("stop_trials", start)) == 1
+    assert tenant_a != tenant_b
+
+
+def test_a_trial_is_preempted_at_most_max_pauses_times_and_never_for_its_own_tenant(daemon: SchedulerDaemon) -> None:
+    assert daemon.fairness is not None
+    start = commands_tail()
+    task_id, long_trial, tenant_a = make_tenant_task(steps=100_000)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    started_ago(pack.id, daemon.fairness.min_slice_s + 1)
+    # Another trial of the same tenant waits: the tenant is not preempted for itself.
+    with session_scope() as s:
+        s.add(Trial(id=new_id("trial"), task_id=task_id, tenant_id=tenant_a, index=1, state=states.TRIAL_PENDING,
+                    total_steps=10, hyperparameters=s.get_one(Trial, long_trial).hyperparameters))
+    daemon.step(block_s=0.2)
+    assert commands("stop_trials", start) == []
+    # Another tenant waits, but the running trial has been preempted max_pauses times already.
+    with session_scope() as s:
+        s.get_one(Trial, long_trial).preemptions = daemon.fairness.max_pauses
+    make_tenant_task(steps=10)
+    daemon.step(block_s=0.2)
+    assert commands("stop_trials", start) == []
+
+
+def test_preemption_can_be_turned_off() -> None:
+    settings = get_settings().model_copy(update={"preempt": False})
+    assert fairness_policy(settings) is None
+    tuned = get_settings().model_copy(update={"preempt_min_slice_s": 60.0, "preempt_max_pauses": 1})
+    policy = fairness_policy(tuned)
+    assert policy is not None and (policy.min_slice_s, policy.max_pauses) == (60.0, 1)
+    assert policy.window_s == FairnessPolicy().window_s  # unset: the policy's own default

@@ -1,0 +1,134 @@
+"""Preemption in the running service (issue 34): the rule of scheduler/planning/fairness.py applied after each
+round's plan, its decisions made into trial state, events and pause commands.
+
+- After the plan, the pending trials it placed nowhere, with no idle worker left, are the waiting ones. The running
+  packs, each tenant's GPU time over the window (packs' lives, split among the tenants of the trials placed in
+  them) and the tenants' weights go to `preemptions`.
+- A chosen pack's running members are paused at their next checkpoint (the pause command early exit sends; the
+  worker checkpoints them and the pack ends with its last member). Each gets `preemptions` + 1 and
+  `preempted_for` (the tenant it makes room for), a `trial.preempted` event with the reason, and back in pending
+  (ingest `_trial_paused`) it is held out of the plans (`not_before`) for at most one slice, and no longer than
+  that tenant has pending trials (`release_held`), so the freed worker goes to the tenant it was freed for.
+- A pack whose pause is already asked is not chosen again; the pause is sent from the mark (`pause_requests`),
+  again after a scheduler restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from common import states
+from common.events import record_event
+from common.settings import Settings
+from common.tables import Pack, Tenant, Trial, as_utc
+from scheduler.planning.fairness import FairnessPolicy, PackView, WaitingTrial, preemptions, usage_in_window
+from scheduler.planning.types import Plan, Snapshot
+from scheduler.service.exits import PauseRequest, placement
+
+
+def fairness_policy(settings: Settings) -> FairnessPolicy | None:
+    """The settings' policy; None where preemption is off."""
+    if not settings.preempt:
+        return None
+    given = {"min_slice_s": settings.preempt_min_slice_s, "window_s": settings.fair_window_s,
+             "max_pauses": settings.preempt_max_pauses}
+    return FairnessPolicy(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+
+
+def preempt_for_waiting(session: Session, snapshot: Snapshot, plan: Plan, now: datetime,
+                        policy: FairnessPolicy) -> list[str]:
+    """Marks the running trials to pause to make room for pending trials this round's plan could not place (see
+    the module); returns the packs preempted. `pause_requests` reads the marks and the daemon sends them."""
+    placed = {i for p in plan.packs for i in p.trial_ids} | {i for b in plan.backfills for i in b.trial_ids}
+    used = {p.worker_id for p in plan.packs}
+    if any(w.worker_id not in used for w in snapshot.idle_workers):
+        return []  # a worker is free: the planner chose to wait for something else, not for room
+    waiting = [WaitingTrial(t.trial_id, t.tenant_id, t.gpus_needed) for t in snapshot.pending
+               if t.trial_id not in placed]
+    if not waiting:
+        return []
+    packs = session.scalars(select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.started_at.is_not(None))).all()
+    members: dict[str, list[Trial]] = {p.id: [] for p in packs}
+    for trial in session.scalars(select(Trial).where(Trial.pack_id.in_(members),
+                                                     Trial.state == states.TRIAL_RUNNING)):
+        members[trial.pack_id or ""].append(trial)
+    # SQLite (the embedded default) gives times back without their zone: as_utc, as everywhere times are compared.
+    views = [PackView(p.id, p.gpus, (now - as_utc(p.started_at)).total_seconds() if p.started_at else 0.0,
+                      frozenset(t.tenant_id for t in members[p.id]), tuple(t.preemptions for t in members[p.id]))
+             for p in packs if members[p.id] and not any(t.preempted_for for t in members[p.id])]
+    if not views:
+        return []
+    weights = {tenant_id: max(1, round(weight or 1.0)) for tenant_id, weight in session.execute(
+        select(Tenant.id, Tenant.weight).where(Tenant.id.in_({w.tenant_id for w in waiting}
+                                                             | {t for v in views for t in v.tenants})))}
+    usage = tenant_usage(session, now, policy.window_s)
+    preempted = []
+    by_id = {p.id: p for p in packs}
+    for choice in preemptions(views, waiting, usage, weights, policy):
+        preempted.append(choice.pack_id)
+        pack = by_id[choice.pack_id]
+        for trial in members[pack.id]:
+            trial.preemptions += 1
+            trial.preempted_for = choice.for_tenant
+            trial.not_before = now + timedelta(seconds=policy.min_slice_s)
+            record_event(session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id,
+                         type="trial.preempted",
+                         message=f"trial {trial.index}: {choice.reason}; it pauses at its next checkpoint and "
+                                 f"resumes from it (preemption {trial.preemptions} of at most {policy.max_pauses})",
+                         data={"pack_id": pack.id, "for_tenant": choice.for_tenant,
+                               "preemptions": trial.preemptions})
+    return preempted
+
+
+def pause_requests(session: Session) -> list[PauseRequest]:
+    """The running trials marked for preemption, to pause: read from the database each round, so that a pause a
+    restarted scheduler never sent is sent then (the worker takes each once)."""
+    rows = session.execute(select(Trial, Pack.worker_id).join(Pack, Pack.id == Trial.pack_id).where(
+        Trial.state == states.TRIAL_RUNNING, Trial.preempted_for.is_not(None), Pack.state.in_(states.PACK_LIVE)))
+    return [PauseRequest(trial.pack_id or "", worker_id, trial.id, placement(trial)) for trial, worker_id in rows]
+
+
+def tenant_usage(session: Session, now: datetime, window_s: float) -> dict[str, float]:
+    """Each tenant's GPU seconds within the window: every pack that lived in it, its time × GPUs split among the
+    tenants of the trials placed in it (a pack's `trial_ids`, back-fills included, each counted once)."""
+    since = now - timedelta(seconds=window_s)
+    packs = session.scalars(select(Pack).where(Pack.started_at.is_not(None),
+                                               (Pack.finished_at.is_(None)) | (Pack.finished_at > since))).all()
+    trial_ids = {i for p in packs for i in p.trial_ids}
+    tenant_of = dict(session.execute(select(Trial.id, Trial.tenant_id).where(Trial.id.in_(trial_ids))).all())
+    segments: list[tuple[float, float, float, dict[str, int]]] = []
+    for p in packs:
+        assert p.started_at is not None
+        tenants: dict[str, int] = {}
+        for i in p.trial_ids:
+            if i in tenant_of:
+                tenants[tenant_of[i]] = tenants.get(tenant_of[i], 0) + 1
+        end = as_utc(p.finished_at) if p.finished_at else now
+        segments.append(((as_utc(p.started_at) - now).total_seconds(), (end - now).total_seconds(), float(p.gpus),
+                         tenants))
+    return usage_in_window(segments, 0.0, window_s)
+
+
+def release_held(session: Session, now: datetime) -> None:
+    """Gives held trials back to the planner once the tenant they made room for has no trial left pending."""
+    held = session.scalars(select(Trial).where(Trial.state == states.TRIAL_PENDING,
+                                               Trial.preempted_for.is_not(None))).all()
+    if not held:
+        return
+    waiting_tenants = _tenants_with_pending(session, {t.preempted_for for t in held if t.preempted_for})
+    for trial in held:
+        not_before = as_utc(trial.not_before) if trial.not_before is not None else None
+        if trial.preempted_for not in waiting_tenants or (not_before is not None and not_before <= now):
+            trial.preempted_for = None
+            if not_before is not None and not_before > now:
+                trial.not_before = None
+
+
+def _tenants_with_pending(session: Session, tenants: Iterable[str]) -> set[str]:
+    return set(session.scalars(select(Trial.tenant_id).where(
+        Trial.tenant_id.in_(set(tenants)), Trial.state == states.TRIAL_PENDING,
+        Trial.preempted_for.is_(None)).distinct()).all())
