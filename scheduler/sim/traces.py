@@ -235,7 +235,39 @@ def shared_gpu(seed: int = 0, gpus: int = 2, *, tasks: int = 60, load: float = 0
     return Trace("shared-gpu", tuple(out), costs)
 
 
-TRACES = {"alto-mix", "tenant-stream", "shared-gpu"}
+CONTENDED_MODELS = {"tenant0": "llama-3.1-8b", "tenant1": "llama-3.2-1b", "tenant2": "qwen2.5-0.5b"}
+
+
+def contended(seed: int = 0, gpus: int = 2, *, tasks: int = 45, load: float = 2.0) -> Trace:
+    """Issue 34's share test: three tenants, each with a model of its own (`CONTENDED_MODELS`) and weights 1, 1, 2
+    (`SHARED_WEIGHTS`), each submitting one-trial tasks whose solo time is 600-2,400 s (steps from the model's step
+    time, so every tenant asks for about the same GPU time), in turn, with Poisson arrivals offering `load` (over
+    1: every tenant stays backlogged, so the GPU time each gets is its share, not its demand)."""
+    if tasks < 1 or gpus < 1 or load <= 0:
+        raise ValueError("contended needs tasks ≥ 1, gpus ≥ 1 and load > 0")
+    rng = random.Random(seed)
+    costs = _costs(sorted(set(CONTENDED_MODELS.values())))
+    tenants = sorted(CONTENDED_MODELS)
+    drawn = []
+    for i in range(tasks):
+        tenant = tenants[i % len(tenants)]
+        model = CONTENDED_MODELS[tenant]
+        bs, rank = rng.choice((2, 4, 8)), rng.choice((4, 8, 16))
+        solo = math.exp(rng.uniform(math.log(600), math.log(2400)))
+        steps = max(1, round(solo / costs[model].step.predict(bs * TOKENS_PER_SAMPLE, 1)))
+        drawn.append((model, tenant, TraceTrial(f"task{i:04d}-t0", bs * TOKENS_PER_SAMPLE, steps,
+                                                slot_bytes(model, rank), MAX_TRIALS_PER_PACK)))
+    solo_s = [t.steps * costs[m].step.predict(t.tokens_per_step, 1) for m, _, t in drawn]
+    rate = load * gpus / (sum(solo_s) / len(solo_s))
+    now, out = 0.0, []
+    for i, (model, tenant, trial) in enumerate(drawn):
+        if i:
+            now += rng.expovariate(rate)
+        out.append(TraceTask(f"task{i:04d}", tenant, SHARED_WEIGHTS[tenant], model, 1, now, (trial,)))
+    return Trace("contended", tuple(out), costs)
+
+
+TRACES = {"alto-mix", "tenant-stream", "shared-gpu", "contended"}
 
 
 def make_trace(name: str, seed: int, gpus: int, tasks: int | None = None, load: float | None = None) -> Trace:
@@ -248,4 +280,6 @@ def make_trace(name: str, seed: int, gpus: int, tasks: int | None = None, load: 
         return tenant_stream(seed, gpus, tasks=tasks or 200, load=0.9 if load is None else load)
     if name == "shared-gpu":
         return shared_gpu(seed, gpus, tasks=tasks or 60, load=0.9 if load is None else load)
+    if name == "contended":
+        return contended(seed, gpus, tasks=tasks or 45, load=2.0 if load is None else load)
     raise ValueError(f"unknown trace {name!r}; expected one of {sorted(TRACES)}")

@@ -12,7 +12,7 @@ from loraplane.cli import main
 from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
 from scheduler.planning.fairness import FairnessPolicy
 from scheduler.sim.simulate import POLICIES, SimResult, mean_jct_lower_bound, percentile, simulate
-from scheduler.sim.traces import Trace, TraceTask, TraceTrial, alto_mix, shared_gpu, tenant_stream
+from scheduler.sim.traces import Trace, TraceTask, TraceTrial, alto_mix, contended, shared_gpu, tenant_stream
 
 GB = 10**9
 COSTS = {
@@ -102,6 +102,17 @@ def test_preemption_happens_on_the_shared_gpu_trace() -> None:
     today, fair = simulate(trace, 2, "greedy"), simulate(trace, 2, "greedy", fairness=FairnessPolicy())
     assert today.preempted == 0 < fair.preempted
     assert fair.steps_done == today.steps_done  # every trial trains all its steps either way
+
+
+def test_the_contended_trace_asks_each_tenant_for_about_the_same_gpu_time() -> None:
+    trace = contended(0, 2, tasks=300)
+    demand: dict[str, float] = {}
+    for t in trace.tasks:
+        step = trace.costs[t.base_model].step
+        demand[t.tenant_id] = demand.get(t.tenant_id, 0.0) + sum(
+            tr.steps * step.predict(tr.tokens_per_step, 1) for tr in t.trials)
+    assert len({t.base_model for t in trace.tasks}) == 3 and sorted(demand) == ["tenant0", "tenant1", "tenant2"]
+    assert max(demand.values()) / min(demand.values()) < 1.25
 
 
 def test_fifo_hand_computed() -> None:
