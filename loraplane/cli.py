@@ -580,13 +580,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("rotate-secrets", help="re-encrypt stored secrets under the first key of LORAPLANE_SECRET_KEY "
                                           "(after putting a new key first)").set_defaults(func=cmd_rotate_secrets)
     sim = sub.add_parser("simulate", help="compare planner policies on a trace with a simulated clock")
-    sim.add_argument("--trace", choices=["alto-mix", "tenant-stream", "shared-gpu"], default="alto-mix")
+    sim.add_argument("--trace", choices=["alto-mix", "tenant-stream", "shared-gpu", "contended"], default="alto-mix")
     sim.add_argument("--gpus", type=int, default=8)
     sim.add_argument("--policy", default="fifo,greedy,cpsat", help="comma list of fifo, greedy, cpsat, cpsat-wc")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--time-limit", type=float, default=1.0, help="CP-SAT seconds per replan")
     sim.add_argument("--tasks", type=int, default=None,
-                     help="tasks of a stream (default 200 for tenant-stream, 60 for shared-gpu)")
+                     help="tasks of a stream (default 200 for tenant-stream, 60 for shared-gpu, 45 for contended)")
     sim.add_argument("--load", type=float, default=None,
                      help="a stream's offered load, GPU-seconds of solo service per GPU-second (default 0.9)")
     sim.add_argument("--preempt", action="store_true",
