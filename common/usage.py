@@ -102,6 +102,19 @@ def gpu_seconds_by_trial(
     return dict(out)
 
 
+def gpu_seconds_by_tenant(session: Session, window: tuple[datetime | None, datetime | None],
+                          now: datetime | None = None) -> dict[str, float]:
+    """Each tenant's GPU seconds inside the window (its trials' shares, `gpu_seconds_by_trial`): what it is billed,
+    and what the scheduler's fairness rule and the cluster view weigh it by."""
+    seconds = gpu_seconds_by_trial(session, window, now)
+    owner = dict(session.execute(select(Trial.id, Trial.tenant_id).where(Trial.id.in_(list(seconds)))).all())
+    out: dict[str, float] = defaultdict(float)
+    for trial_id, share in seconds.items():
+        if trial_id in owner:  # a pack's trial deleted since (its tenant gone) bills no one
+            out[owner[trial_id]] += share
+    return dict(out)
+
+
 def task_usage(session: Session, task_id: str) -> tuple[int, float]:
     """(tokens trained, GPU seconds) of one task's trials over its whole life."""
     trial_ids = set(session.scalars(select(Trial.id).where(Trial.task_id == task_id)))
@@ -118,11 +131,8 @@ def tenant_usage(
     reports that arrived inside it), trials by final state (those of tasks that ended inside it) and the bytes of
     live uploaded files now. `tenant_ids` None: every tenant with any of it."""
     usage: dict[str, Usage] = defaultdict(Usage)
-    seconds = gpu_seconds_by_trial(session, window, now)
-    owner = dict(session.execute(select(Trial.id, Trial.tenant_id).where(Trial.id.in_(list(seconds)))).all())
-    for trial_id, share in seconds.items():
-        if trial_id in owner:  # a pack's trial deleted since (its tenant gone) bills no one
-            usage[owner[trial_id]].gpu_seconds += share
+    for tenant_id, seconds in gpu_seconds_by_tenant(session, window, now).items():
+        usage[tenant_id].gpu_seconds += seconds
     tokens = select(TrialUsage.tenant_id, func.sum(TrialUsage.tokens)).group_by(TrialUsage.tenant_id)
     ended = (select(Trial.tenant_id, Trial.state, func.count()).join(Task, Task.id == Trial.task_id)
              .where(Task.finished_at.is_not(None)).group_by(Trial.tenant_id, Trial.state))

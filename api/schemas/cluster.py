@@ -111,6 +111,13 @@ class TenantLoad(BaseModel):
     name: str
     pending_trials: int
     running_trials: int
+    weight: float = Field(description="Its share of the GPUs against other tenants' (the admin sets it).")
+    gpu_seconds_window: float = Field(
+        description="GPU seconds its trials used over the scheduler's fairness window (the last hour by default): "
+                    "what preemption weighs, per unit of weight.")
+    held_trials: int = Field(
+        description="Of its pending trials, those paused for another tenant's waiting trials and held back until "
+                    "those start (preemption).")
 
 
 class ClusterOut(BaseModel):

@@ -2,8 +2,8 @@
 round's plan, its decisions made into trial state, events and pause commands.
 
 - After the plan, the pending trials it placed nowhere, with no idle worker left, are the waiting ones. The running
-  packs, each tenant's GPU time over the window (packs' lives, split among the tenants of the trials placed in
-  them) and the tenants' weights go to `preemptions`.
+  packs, each tenant's GPU time over the window (the GPU seconds its usage bills, common/usage.py) and the
+  tenants' weights go to `preemptions`.
 - A chosen pack's running members are paused at their next checkpoint (the pause command early exit sends; the
   worker checkpoints them and the pack ends with its last member). Each gets `preemptions` + 1 and
   `preempted_for` (the tenant it makes room for), a `trial.preempted` event with the reason, and back in pending
@@ -25,7 +25,8 @@ from common import states
 from common.events import record_event
 from common.settings import Settings
 from common.tables import Pack, Tenant, Trial, as_utc
-from scheduler.planning.fairness import FairnessPolicy, PackView, WaitingTrial, preemptions, usage_in_window
+from common.usage import gpu_seconds_by_tenant
+from scheduler.planning.fairness import FairnessPolicy, PackView, WaitingTrial, preemptions
 from scheduler.planning.types import Plan, Snapshot
 from scheduler.service.exits import PauseRequest, placement
 
@@ -93,24 +94,8 @@ def pause_requests(session: Session) -> list[PauseRequest]:
 
 
 def tenant_usage(session: Session, now: datetime, window_s: float) -> dict[str, float]:
-    """Each tenant's GPU seconds within the window: every pack that lived in it, its time × GPUs split among the
-    tenants of the trials placed in it (a pack's `trial_ids`, back-fills included, each counted once)."""
-    since = now - timedelta(seconds=window_s)
-    packs = session.scalars(select(Pack).where(Pack.started_at.is_not(None),
-                                               (Pack.finished_at.is_(None)) | (Pack.finished_at > since))).all()
-    trial_ids = {i for p in packs for i in p.trial_ids}
-    tenant_of = dict(session.execute(select(Trial.id, Trial.tenant_id).where(Trial.id.in_(trial_ids))).all())
-    segments: list[tuple[float, float, float, dict[str, int]]] = []
-    for p in packs:
-        assert p.started_at is not None
-        tenants: dict[str, int] = {}
-        for i in p.trial_ids:
-            if i in tenant_of:
-                tenants[tenant_of[i]] = tenants.get(tenant_of[i], 0) + 1
-        end = as_utc(p.finished_at) if p.finished_at else now
-        segments.append(((as_utc(p.started_at) - now).total_seconds(), (end - now).total_seconds(), float(p.gpus),
-                         tenants))
-    return usage_in_window(segments, 0.0, window_s)
+    """Each tenant's GPU seconds within the trailing window: the same seconds its usage bills (common/usage.py)."""
+    return gpu_seconds_by_tenant(session, (now - timedelta(seconds=window_s), now), now)
 
 
 def release_held(session: Session, now: datetime) -> None:

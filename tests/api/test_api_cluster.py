@@ -197,3 +197,24 @@ def test_packs_and_cluster_are_for_the_operator_only(client: TestClient, tenant:
     for path in ("/v1/admin/packs", "/v1/admin/cluster"):
         assert client.get(path).status_code == 401
         assert client.get(path, headers=tenant.headers).status_code == 403
+
+
+def test_each_tenants_row_shows_what_preemption_weighs(client: TestClient, tenant: TenantKey,
+                                                       other_tenant: TenantKey) -> None:
+    """Its weight, its GPU time over the fairness window (what its usage bills: a running pack's time so far), and
+    its trials held back for another tenant."""
+    ids = trial_ids(make_task(client, tenant)["id"])
+    waiting = trial_ids(make_task(client, other_tenant)["id"])
+    add_worker("gpu-0", max_slots=4)
+    add_pack("pack-a", "gpu-0", ids[:2])
+    with session_scope() as session:
+        session.get_one(Pack, "pack-a").started_at = utcnow() - timedelta(seconds=600)
+    update_row(Trial, waiting[0], preempted_for=tenant.id)
+    r = client.patch(f"/v1/admin/tenants/{tenant.id}", json={"weight": 2}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+
+    rows = {t["name"]: t for t in client.get("/v1/admin/cluster", headers=ADMIN).json()["tenants"]}
+    acme, globex = rows["acme"], rows["globex"]
+    assert acme["weight"] == 2.0 and globex["weight"] == 1.0
+    assert 600 <= acme["gpu_seconds_window"] < 660 and globex["gpu_seconds_window"] == 0.0
+    assert (acme["held_trials"], globex["held_trials"]) == (0, 1)

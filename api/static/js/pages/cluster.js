@@ -144,11 +144,17 @@ export function mount(root) {
     clear(finished).append(h("h2", { id: "finished-title" }, "Where finished packs' time went"),
       ended.data.length ? h("div", { class: "packs" }, ended.data.map(finishedCard))
         : h("p", { class: "muted" }, "No pack has finished yet."));
+    // GPU time over the fairness window per unit of weight is what preemption compares: a tenant with waiting
+    // trials and less of it than a running pack's tenants takes that pack's worker after its slice.
     clear(tenants).append(h("h2", {}, "Demand by tenant"), cluster.tenants.length
-      ? h("table", { class: "data" }, h("thead", {}, h("tr", {}, ["Tenant", "Running trials", "Waiting trials"]
+      ? h("table", { class: "data" }, h("thead", {}, h("tr", {}, ["Tenant", "Running trials", "Waiting trials",
+        "Held for another tenant", "Weight", "GPU time, last window", "Per unit of weight"]
         .map((c) => h("th", { scope: "col" }, c)))),
-      h("tbody", {}, cluster.tenants.map((t) => h("tr", {}, h("td", {}, t.name),
-        h("td", { class: "num" }, String(t.running_trials)), h("td", { class: "num" }, String(t.pending_trials))))))
+      h("tbody", {}, cluster.tenants.map((t) => h("tr", { dataset: { tenant: t.tenant_id } }, h("td", {}, t.name),
+        h("td", { class: "num" }, String(t.running_trials)), h("td", { class: "num" }, String(t.pending_trials)),
+        h("td", { class: "num" }, String(t.held_trials)), h("td", { class: "num" }, String(t.weight)),
+        h("td", { class: "num" }, seconds(t.gpu_seconds_window)),
+        h("td", { class: "num" }, seconds(t.gpu_seconds_window / t.weight))))))
       : h("p", { class: "muted" }, "No tenant has trials waiting or running."));
   }, { intervalMs: 5000 }).start();
   return { dispose: () => poller.stop() };
