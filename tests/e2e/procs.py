@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -161,6 +162,19 @@ def cluster(env: dict[str, str], log_dir: Path) -> Iterator[Cluster]:
         raise
     finally:
         c.stop_all()
+
+
+def start_embedded(c: Cluster, port: int, worker_id: str = "embedded") -> tuple[Proc, str]:
+    """`loraplane up` (the embedded default) as a process of ``c``: the process and the admin token it generated
+    (read from the box it prints), once its API answers."""
+    up = c.start("up", "up", "--port", str(port), "--worker-id", worker_id)
+    wait_ready(f"http://127.0.0.1:{port}", [up])
+    deadline = time.monotonic() + START_CEILING_S
+    while time.monotonic() < deadline:
+        if found := re.search(r"^\|\s+(lpadmin_\S+)\s+\|$", up.log_path.read_text(), re.MULTILINE):
+            return up, found.group(1)
+        time.sleep(0.5)
+    raise TimeoutError("no admin token in the box `up` prints")
 
 
 def start_control_plane(c: Cluster) -> str:

@@ -4,7 +4,6 @@ local artifacts, a supervised CPU worker), with no DATABASE_URL, REDIS_URL or ad
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sqlite3
 import subprocess
@@ -28,7 +27,7 @@ from tests.e2e.flow import (
     upload,
     wait_for,
 )
-from tests.e2e.procs import ROOT, START_CEILING_S, cluster, free_port, wait_ready
+from tests.e2e.procs import ROOT, cluster, free_port, start_embedded
 
 EMBEDDED_UNSET = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ADMIN_TOKEN",
                   "LORAPLANE_ARTIFACT_DIR", "LORAPLANE_NAMESPACE")
@@ -41,10 +40,7 @@ def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     with cluster(env, tmp_path) as c:
-        up = c.start("up", "up", "--port", str(port), "--worker-id", "embedded")
-        wait_ready(base_url, [up])
-        token = wait_for(lambda: re.search(r"^\|\s+(lpadmin_\S+)\s+\|$", up.log_path.read_text(), re.MULTILINE),
-                         START_CEILING_S, "the generated admin token, in the box `up` prints").group(1)
+        up, token = start_embedded(c, port)
         with tenant_client(base_url, token, "team-embedded") as lp:
             file_id = upload(lp, arithmetic_rows())
             # With a refit (issue 33): once the grid's winner is known, its configuration trains again on the

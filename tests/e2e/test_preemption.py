@@ -5,7 +5,6 @@ A's trial resumes from the checkpoint it took as it paused: every training step'
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from loraplane.client import Client
@@ -17,10 +16,9 @@ from tests.e2e.flow import (
     task_progress,
     tenant_client,
     upload,
-    wait_for,
     wait_progressing,
 )
-from tests.e2e.procs import START_CEILING_S, cluster, free_port, wait_ready
+from tests.e2e.procs import cluster, free_port, start_embedded
 from tests.e2e.test_embedded import EMBEDDED_UNSET
 
 SLICE_S = 3
@@ -52,10 +50,7 @@ def test_a_long_pack_is_preempted_for_another_tenants_short_task_and_resumes_los
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     with cluster(env, tmp_path) as c:
-        up = c.start("up", "up", "--port", str(port), "--worker-id", "embedded")
-        wait_ready(base_url, [up])
-        token = wait_for(lambda: re.search(r"^\|\s+(lpadmin_\S+)\s+\|$", up.log_path.read_text(), re.MULTILINE),
-                         START_CEILING_S, "the generated admin token, in the box `up` prints").group(1)
+        _, token = start_embedded(c, port)
         with tenant_client(base_url, token, "team-long") as a, tenant_client(base_url, token, "team-short") as b:
             long_task = submit(a, one_trial(upload(a, arithmetic_rows()), max_steps=20_000))
             (long_trial,) = a.tasks.trials(long_task.id).data

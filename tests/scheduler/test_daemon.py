@@ -1150,6 +1150,17 @@ def make_tenant_task(steps: int) -> tuple[str, str, str]:
         return task_id, trial_id, s.get_one(Task, task_id).tenant_id
 
 
+def long_pack_running(daemon: SchedulerDaemon) -> tuple[str, str, str, Pack]:
+    """A tenant's long one-trial task placed on the one worker and started: (task, trial, tenant, its pack)."""
+    task_id, trial_id, tenant_id = make_tenant_task(steps=100_000)
+    heartbeat()
+    daemon.step(block_s=0.2)
+    pack = live_pack()
+    report("pack.started", pack_id=pack.id)
+    daemon.step(block_s=0.2)
+    return task_id, trial_id, tenant_id, pack
+
+
 def started_ago(pack_id: str, seconds: float) -> None:
     with session_scope() as s:
         s.get_one(Pack, pack_id).started_at = utcnow() - timedelta(seconds=seconds)
@@ -1162,12 +1173,7 @@ def test_a_pack_past_its_slice_is_preempted_for_another_tenants_waiting_trial_wh
     then, is pending again to resume from its checkpoint."""
     assert daemon.fairness is not None  # on by default
     start = commands_tail()
-    _, long_trial, tenant_a = make_tenant_task(steps=100_000)
-    heartbeat()
-    daemon.step(block_s=0.2)
-    pack = live_pack()
-    report("pack.started", pack_id=pack.id)
-    daemon.step(block_s=0.2)
+    _, long_trial, tenant_a, pack = long_pack_running(daemon)
     _, short_trial, tenant_b = make_tenant_task(steps=10)
     daemon.step(block_s=0.2)
     assert commands("stop_trials", start) == []  # the pack has not run its slice: nothing is preempted
@@ -1208,12 +1214,7 @@ def test_a_pack_past_its_slice_is_preempted_for_another_tenants_waiting_trial_wh
 def test_a_trial_is_preempted_at_most_max_pauses_times_and_never_for_its_own_tenant(daemon: SchedulerDaemon) -> None:
     assert daemon.fairness is not None
     start = commands_tail()
-    task_id, long_trial, tenant_a = make_tenant_task(steps=100_000)
-    heartbeat()
-    daemon.step(block_s=0.2)
-    pack = live_pack()
-    report("pack.started", pack_id=pack.id)
-    daemon.step(block_s=0.2)
+    task_id, long_trial, tenant_a, pack = long_pack_running(daemon)
     started_ago(pack.id, daemon.fairness.min_slice_s + 1)
     # Another trial of the same tenant waits: the tenant is not preempted for itself.
     with session_scope() as s:
