@@ -52,6 +52,7 @@ API_SCHEDULER_MODULES = {
     "scheduler.planning.cost", "scheduler.planning.types", "scheduler.planning.coefficients",
     "scheduler.planning.rules", "scheduler.planning.greedy", "scheduler.planning.estimate",
     "scheduler.planning.waits",  # the reasons a task waits (pure): the task's `waiting` field names them
+    "scheduler.planning.fairness",  # preemption's window (pure): the cluster view's GPU time per tenant
 }
 
 

@@ -242,6 +242,15 @@ def test_a_task_judged_by_its_own_metric_shows_each_trials_score(
     shot(page, "04b-task-metric")
 
 
+def expect_tenant_row(page: Any, tenant_id: str) -> None:
+    """The tenant's demand on the cluster page, with what preemption weighs: its weight, its GPU time over the
+    fairness window."""
+    expect(page.get_by_role("columnheader", name="GPU time, last window")).to_be_visible()
+    row = page.locator(f"tr[data-tenant='{tenant_id}']")
+    expect(row.locator("td").nth(4)).to_have_text("1")  # its weight
+    expect(row.locator("td").nth(5)).to_contain_text(" s")  # its GPU seconds so far
+
+
 def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Service) -> None:
     # A long task keeps a pack of two trials training while the operator looks (cancelled at the end).
     tenant = {"Authorization": f"Bearer {service.tenant_key}"}
@@ -279,11 +288,7 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
         expect(worker.locator("td.warm")).to_contain_text("tiny-random-llama", timeout=15_000)
         expect(worker.locator("td.warm")).to_contain_text("KiB")
         expect(page.get_by_text("slot utilisation")).to_be_visible()
-        # The tenant's demand, with what preemption weighs: its weight and its GPU time over the fairness window.
-        expect(page.get_by_role("columnheader", name="GPU time, last window")).to_be_visible()
-        tenant_row = page.locator(f"tr[data-tenant='{task['tenant_id']}']")
-        expect(tenant_row.locator("td").nth(4)).to_have_text("1")  # its weight
-        expect(tenant_row.locator("td").nth(5)).to_contain_text(" s")  # its GPU seconds so far
+        expect_tenant_row(page, task["tenant_id"])
         shot(page, "05-cluster")
         # The pack has trained before it is cancelled (on a loaded machine the worker may still be starting it):
         # its profile below then has steps and a first step to show.
