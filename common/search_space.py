@@ -29,21 +29,21 @@ INTEGER_DIMENSIONS = frozenset({"lora_rank", "batch_size"})
 # lora_alpha has no list default: left out, it is 2 x each trial's rank (torchtune's and Predibase's rule).
 # Adapters on every linear layer (QLoRA's finding, PEFT's "all-linear"): docs/defaults.md measures them against
 # the q_proj/v_proj default this service had before.
-# The learning rate left out is the auto grid's centre for the model's size (`default_learning_rate`, applied by
-# `with_size_defaults` where the size is known); this 2e-4 is that rule's value for a model of unknown size.
-DEFAULTS: dict[str, list[Any]] = {
-    "learning_rate": [2e-4],
-    "lora_rank": [8],
-    "batch_size": [4],
-    "lora_dropout": [0.0],
-    "target_modules": ["all-linear"],
-}
 # The auto grid: three learning rates around a centre set by the model's size, two ranks set by the dataset's.
 # Centres: 1e-3 measured best on SmolLM2-135M (benchmarks/results/sweeps), 2e-4 and 1e-4 QLoRA's for 7-13B and
 # 33-65B models (Dettmers et al. 2023, table 9); a model of unknown size gets the middle one.
 AUTO_LR_CENTRES: tuple[tuple[float, float], ...] = ((1e9, 1e-3), (2e10, 2e-4), (math.inf, 1e-4))
 AUTO_LR_UNKNOWN_SIZE = 2e-4
 AUTO_LR_FACTORS = (0.3, 1.0, 3.0)
+# The learning rate left out is the auto grid's centre for the model's size (`default_learning_rate`, applied by
+# `with_size_defaults` where the size is known); here, that rule's value for a model of unknown size.
+DEFAULTS: dict[str, list[Any]] = {
+    "learning_rate": [AUTO_LR_UNKNOWN_SIZE],
+    "lora_rank": [8],
+    "batch_size": [4],
+    "lora_dropout": [0.0],
+    "target_modules": ["all-linear"],
+}
 # How every trial trains unless the task's `training` says otherwise: a linear warm-up over 3% of its steps
 # (QLoRA's and the Hugging Face recipes' ratio), then a cosine decay to zero.
 DEFAULT_LR_SCHEDULE: Final = "cosine"

@@ -30,7 +30,7 @@ from common.settings import get_settings
 from common.states import PACK_LIVE, TRIAL_PENDING, TRIAL_RUNNING, TRIAL_WAITING, WORKER_ALIVE
 from common.tables import Pack, Tenant, Trial, Worker, utcnow
 from common.usage import gpu_seconds_by_tenant
-from scheduler.planning.fairness import FairnessPolicy
+from scheduler.planning.fairness import policy_from
 
 
 def _slots(session: Session, pack_ids: Sequence[str]) -> dict[str, list[PackSlot]]:
@@ -136,17 +136,18 @@ def cluster_view(session: Session) -> ClusterOut:
     # Preemption's view of each tenant (scheduler/service/fairness.py): its weight, its GPU time over the window,
     # and its trials held back for another tenant.
     now = utcnow()
-    window_s = get_settings().fair_window_s or FairnessPolicy().window_s
+    window_s = policy_from(get_settings()).window_s
     used = gpu_seconds_by_tenant(session, (now - timedelta(seconds=window_s), now), now)
     held_by = dict(session.execute(select(Trial.tenant_id, func.count()).where(
         Trial.state == TRIAL_PENDING, Trial.preempted_for.is_not(None)).group_by(Trial.tenant_id)).all())
     rows: dict[str, tuple[str, float]] = {tenant_id: (name, weight) for tenant_id, name, weight in session.execute(
         select(Tenant.id, Tenant.name, Tenant.weight).where(Tenant.id.in_(list(by_tenant))))} if by_tenant else {}
     tenants = sorted(
-        (TenantLoad(tenant_id=t, name=rows.get(t, (t, 1.0))[0], pending_trials=c["pending"],
-                    running_trials=c["running"], weight=rows.get(t, (t, 1.0))[1] or 1.0,
-                    gpu_seconds_window=round(used.get(t, 0.0), 1), held_trials=int(held_by.get(t, 0)))
-         for t, c in by_tenant.items()), key=lambda t: (-t.running_trials, -t.pending_trials, t.name))
+        (TenantLoad(tenant_id=t, name=name, pending_trials=c["pending"], running_trials=c["running"],
+                    weight=weight or 1.0, gpu_seconds_window=round(used.get(t, 0.0), 1),
+                    held_trials=int(held_by.get(t, 0)))
+         for t, c in by_tenant.items() for name, weight in [rows.get(t, (t, 1.0))]),
+        key=lambda t: (-t.running_trials, -t.pending_trials, t.name))
 
     return ClusterOut(
         workers_alive=len(alive), workers_lost=len(loads) - len(alive),

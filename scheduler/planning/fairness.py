@@ -15,13 +15,15 @@ it back, at a checkpoint (the pause path that early exit uses), under four bound
 - the waiting tenant must have no trial in the pack (it is not preempted for itself).
 
 The daemon and the simulator hold the preempted trials back from the next plans until the trials they made room for
-have started (or left), so the freed GPU goes to the tenant it was freed for.
+have started (or left; the daemon for one slice at most), so the freed GPU goes to the tenant it was freed for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from common.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,15 @@ class FairnessPolicy:
     min_slice_s: float = 300.0  # a pack's least run before it may be preempted
     window_s: float = 3600.0  # GPU time per tenant counted over this trailing window
     max_pauses: int = 3  # a trial is preempted at most this many times
+
+
+def policy_from(settings: Settings) -> FairnessPolicy:
+    """The settings' policy: each of LORAPLANE_PREEMPT_MIN_SLICE_S, _FAIR_WINDOW_S, _PREEMPT_MAX_PAUSES where set,
+    else the default above (whether preemption is on at all is `settings.preempt`)."""
+    given = {"min_slice_s": settings.preempt_min_slice_s, "window_s": settings.fair_window_s,
+             "max_pauses": settings.preempt_max_pauses}
+    assert set(given) == {f.name for f in fields(FairnessPolicy)}
+    return FairnessPolicy(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,13 @@ class Preemption:
     reason: str  # in words, for the trial's event
 
 
+def past_slice(packs: Sequence[PackView], policy: FairnessPolicy) -> list[PackView]:
+    """The packs that may be preempted at all, whoever waits: they have run their slice and no member has been
+    paused `max_pauses` times. None: the tenants' GPU time need not be read."""
+    return [p for p in packs if p.running_s >= policy.min_slice_s
+            and all(n < policy.max_pauses for n in p.member_pauses)]
+
+
 def normalised_usage(usage_gpu_s: Mapping[str, float], weights: Mapping[str, int], tenant: str) -> float:
     """A tenant's GPU seconds in the window per unit of its weight (weights ≥ 1; unknown tenants weigh 1)."""
     return usage_gpu_s.get(tenant, 0.0) / max(1, weights.get(tenant, 1))
@@ -74,8 +92,8 @@ def preemptions(packs: Sequence[PackView], waiting: Iterable[WaitingTrial], usag
     one. Of those, the pack whose least-served tenant is most ahead goes first (ties: the longest running, then
     the pack id).
     """
-    waiting = list(waiting)
-    if not waiting:
+    waiting, packs = list(waiting), past_slice(packs, policy)
+    if not waiting or not packs:
         return []
     share = {t: normalised_usage(usage_gpu_s, weights, t)
              for t in {w.tenant_id for w in waiting} | {t for p in packs for t in p.tenants}}
@@ -83,9 +101,7 @@ def preemptions(packs: Sequence[PackView], waiting: Iterable[WaitingTrial], usag
     taken: set[str] = set()
     for tenant in sorted({w.tenant_id for w in waiting}, key=lambda t: (share[t], t)):
         need = min(w.gpus_needed for w in waiting if w.tenant_id == tenant)
-        candidates = [p for p in packs if p.pack_id not in taken and p.running_s >= policy.min_slice_s
-                      and tenant not in p.tenants and p.gpus >= need
-                      and all(n < policy.max_pauses for n in p.member_pauses)
+        candidates = [p for p in packs if p.pack_id not in taken and tenant not in p.tenants and p.gpus >= need
                       and min(share[t] for t in p.tenants) > share[tenant]]
         if not candidates:
             continue

@@ -37,11 +37,12 @@ from common.registry import published_registry
 from common.settings import Settings
 from common.tables import Pack, Task, utcnow
 from scheduler.planning.cost import ModelCost
+from scheduler.planning.fairness import policy_from
 from scheduler.planning.placement import place
 from scheduler.planning.types import Plan, PlanResult, Snapshot
 from scheduler.service.dispatch import send_pack, trial_payload
 from scheduler.service.exits import PauseRequest, apply_early_exit, placement
-from scheduler.service.fairness import fairness_policy, pause_requests, preempt_for_waiting, release_held
+from scheduler.service.fairness import pause_requests, preempt_for_waiting, release_held
 from scheduler.service.faults import fault_policy, reap_lost_workers
 from scheduler.service.ingest import ingest
 from scheduler.service.planner_io import (
@@ -77,7 +78,7 @@ class SchedulerDaemon:
         self._stops_sent: set[tuple[str, str, str]] = set()  # (pack, trial, placement)
         self._admits_sent: set[tuple[str, str]] = set()
         self._pauses: list[PauseRequest] = []  # decided, committed, not yet sent
-        self.fairness = fairness_policy(settings)  # preemption (None: off)
+        self.fairness = policy_from(settings) if settings.preempt else None  # preemption (None: off)
         self._aborts: set[tuple[str, str]] = set()  # (worker, pack): packs a worker runs that are over here
         self._aborts_sent: set[tuple[str, str]] = set()
         self._bus_resets = bus.resets

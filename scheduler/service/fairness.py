@@ -23,21 +23,11 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.settings import Settings
 from common.tables import Pack, Tenant, Trial, as_utc
 from common.usage import gpu_seconds_by_tenant
-from scheduler.planning.fairness import FairnessPolicy, PackView, WaitingTrial, preemptions
+from scheduler.planning.fairness import FairnessPolicy, PackView, WaitingTrial, past_slice, preemptions
 from scheduler.planning.types import Plan, Snapshot
 from scheduler.service.exits import PauseRequest, placement
-
-
-def fairness_policy(settings: Settings) -> FairnessPolicy | None:
-    """The settings' policy; None where preemption is off."""
-    if not settings.preempt:
-        return None
-    given = {"min_slice_s": settings.preempt_min_slice_s, "window_s": settings.fair_window_s,
-             "max_pauses": settings.preempt_max_pauses}
-    return FairnessPolicy(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
 
 
 def preempt_for_waiting(session: Session, snapshot: Snapshot, plan: Plan, now: datetime,
@@ -61,12 +51,13 @@ def preempt_for_waiting(session: Session, snapshot: Snapshot, plan: Plan, now: d
     views = [PackView(p.id, p.gpus, (now - as_utc(p.started_at)).total_seconds() if p.started_at else 0.0,
                       frozenset(t.tenant_id for t in members[p.id]), tuple(t.preemptions for t in members[p.id]))
              for p in packs if members[p.id] and not any(t.preempted_for for t in members[p.id])]
-    if not views:
-        return []
+    if not past_slice(views, policy):
+        return []  # most rounds: no pack may be preempted yet, so the GPU time over the window is not read
     weights = {tenant_id: max(1, round(weight or 1.0)) for tenant_id, weight in session.execute(
         select(Tenant.id, Tenant.weight).where(Tenant.id.in_({w.tenant_id for w in waiting}
                                                              | {t for v in views for t in v.tenants})))}
-    usage = tenant_usage(session, now, policy.window_s)
+    # The same GPU seconds the tenants are billed (common/usage.py).
+    usage = gpu_seconds_by_tenant(session, (now - timedelta(seconds=policy.window_s), now), now)
     preempted = []
     by_id = {p.id: p for p in packs}
     for choice in preemptions(views, waiting, usage, weights, policy):
@@ -91,11 +82,6 @@ def pause_requests(session: Session) -> list[PauseRequest]:
     rows = session.execute(select(Trial, Pack.worker_id).join(Pack, Pack.id == Trial.pack_id).where(
         Trial.state == states.TRIAL_RUNNING, Trial.preempted_for.is_not(None), Pack.state.in_(states.PACK_LIVE)))
     return [PauseRequest(trial.pack_id or "", worker_id, trial.id, placement(trial)) for trial, worker_id in rows]
-
-
-def tenant_usage(session: Session, now: datetime, window_s: float) -> dict[str, float]:
-    """Each tenant's GPU seconds within the trailing window: the same seconds its usage bills (common/usage.py)."""
-    return gpu_seconds_by_tenant(session, (now - timedelta(seconds=window_s), now), now)
 
 
 def release_held(session: Session, now: datetime) -> None:

@@ -25,7 +25,15 @@ from dataclasses import dataclass, field, replace
 from scheduler.planning.coefficients import Prepared, finish_plan
 from scheduler.planning.cost import ModelCost
 from scheduler.planning.cpsat import plan_cpsat
-from scheduler.planning.fairness import FairnessPolicy, PackView, WaitingTrial, preemptions, usage_in_window
+from scheduler.planning.fairness import (
+    FairnessPolicy,
+    PackView,
+    Preemption,
+    WaitingTrial,
+    past_slice,
+    preemptions,
+    usage_in_window,
+)
 from scheduler.planning.greedy import plan_greedy
 from scheduler.planning.rules import work_conserving
 from scheduler.planning.types import (
@@ -179,7 +187,7 @@ def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0,
     if makespan_weight is None:
         makespan_weight = default_makespan_weight(trace)
     plan = planner or make_planner(policy, time_limit_s=time_limit_s, seed=seed)
-    sim = _Sim(trace, gpus, plan, unit_s, makespan_weight, fairness, pause_cost_s)
+    sim = _Sim(trace, gpus, plan, unit_s, makespan_weight, pause_cost_s)
     # Every loop turn but the last consumes an arrival, a completion, a release or a planned start (≥ 1 unit later).
     for _ in range(100 * (len(sim.trials) + len(sim.tasks)) + 1000):
         sim.arrive()
@@ -188,7 +196,7 @@ def simulate(trace: Trace, gpus: int, policy: str, *, time_limit_s: float = 1.0,
                 else None)
         if fairness is not None:
             due = sim.preempt(fairness)  # when a pack's slice ends while trials wait: decide again then
-            wake = due if wake is None else min(wake, due) if due is not None else wake
+            wake = min((t for t in (wake, due) if t is not None), default=None)
         if not sim.advance(wake):
             # Nothing runs, arrives or is planned, yet trials wait: the planner will never place them.
             sim.unschedulable.extend(sim.pending)
@@ -205,9 +213,9 @@ class _Sim:
     """The simulated cluster at time `now`: pending trials, free GPUs, running packs, and what was measured."""
 
     def __init__(self, trace: Trace, gpus: int, plan: Planner, unit_s: float, makespan_weight: int,
-                 fairness: FairnessPolicy | None = None, pause_cost_s: float = 0.0) -> None:
+                 pause_cost_s: float = 0.0) -> None:
         self.trace, self.plan, self.unit_s, self.makespan_weight = trace, plan, unit_s, makespan_weight
-        self.fairness, self.pause_cost_s = fairness, pause_cost_s
+        self.pause_cost_s = pause_cost_s
         self.steps: dict[str, int] = {}  # trial id -> its steps in the trace (remaining_steps shrinks when paused)
         self.pauses: dict[str, int] = {}  # trial id -> times preempted
         self.held: dict[str, set[str]] = {}  # preempted trial -> the pending trials it made room for
@@ -272,9 +280,11 @@ class _Sim:
         views = [PackView(p.pack_id, len(p.worker_ids), now - p.start_s,
                           frozenset(trials[i].tenant_id for i in p.left),
                           tuple(self.pauses.get(i, 0) for i in p.left)) for p in self.running.values()]
-        weights = {t.tenant_id: t.tenant_weight for t in self.trials.values()}
-        chosen = preemptions(views, [WaitingTrial(i, trials[i].tenant_id, trials[i].gpus_needed) for i in waiting],
-                             self.usage(policy.window_s), weights, policy)
+        chosen: list[Preemption] = []
+        if past_slice(views, policy):  # else the tenants' GPU time (every pack's history) need not be summed
+            weights = {t.tenant_id: t.tenant_weight for t in self.trials.values()}
+            chosen = preemptions(views, [WaitingTrial(i, trials[i].tenant_id, trials[i].gpus_needed)
+                                         for i in waiting], self.usage(policy.window_s), weights, policy)
         for choice in chosen:
             pack = self.running.pop(choice.pack_id)
             _advance(pack, trials, now)

@@ -20,10 +20,9 @@ from common.registry import DEFAULT_MODELS, ensure_default_models
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK, get_settings
 from common.tables import Event, File, MetricPoint, Pack, Task, Tenant, Trial, Worker, as_utc, new_id, utcnow
 from scheduler.planning.cost import PRIOR_COST, prior_cost
-from scheduler.planning.fairness import FairnessPolicy
+from scheduler.planning.fairness import FairnessPolicy, policy_from
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.exits import PAUSE_MIN_STEPS, should_pause
-from scheduler.service.fairness import fairness_policy
 from scheduler.service.faults import fault_policy
 from tests.conftest import REDIS_URL
 
@@ -1232,8 +1231,9 @@ def test_a_trial_is_preempted_at_most_max_pauses_times_and_never_for_its_own_ten
 
 def test_preemption_can_be_turned_off() -> None:
     settings = get_settings().model_copy(update={"preempt": False})
-    assert fairness_policy(settings) is None
+    assert SchedulerDaemon(settings, get_bus(), get_celery(), consumer="test").fairness is None
     tuned = get_settings().model_copy(update={"preempt_min_slice_s": 60.0, "preempt_max_pauses": 1})
-    policy = fairness_policy(tuned)
+    policy = SchedulerDaemon(tuned, get_bus(), get_celery(), consumer="test").fairness
+    assert policy == policy_from(tuned)
     assert policy is not None and (policy.min_slice_s, policy.max_pauses) == (60.0, 1)
     assert policy.window_s == FairnessPolicy().window_s  # unset: the policy's own default
