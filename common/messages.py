@@ -107,6 +107,8 @@ class ModelSourceFields(BaseModel):
 
 
 class PackMessage(Message):
+    omit_when_none: ClassVar[frozenset[str]] = frozenset({"memory_bytes"})
+
     type: Literal["run_pack"] = "run_pack"
     pack_id: str
     worker_id: str
@@ -115,6 +117,9 @@ class PackMessage(Message):
     capacity: int | None = None  # the pack's slots (None: it takes no back-fill)
     max_rank: int | None = None
     target_modules: list[str] | None = None
+    # The planner's predicted peak bytes of the pack (its base model and members): what the worker reserves for it
+    # beside the other packs it runs, and refuses the pack by when they would not fit (None: not said, reserved as 0).
+    memory_bytes: int | None = None
 
 
 # Commands, on a worker's stream.
@@ -164,7 +169,8 @@ class WorkerHeartbeat(Message):
     value is logged and taken as not said), as a beat must prove its worker alive whatever else it says."""
 
     omit_when_none: ClassVar[frozenset[str]] = frozenset({"gpus", "models", "warm_models", "progress",
-                                                          "progressed_at"})
+                                                          "progressed_at", "packs", "max_packs",
+                                                          "free_memory_bytes"})
 
     type: Literal["heartbeat"] = "heartbeat"
     worker_id: str
@@ -183,11 +189,17 @@ class WorkerHeartbeat(Message):
     # last seen to change; the scheduler ends a pack stalled for LORAPLANE_WORKER_STALL_S (None: not said).
     progress: int | None = None
     progressed_at: float | None = None
+    # Every pack the process runs (a worker runs up to `max_packs` at once), each ``{"pack_id", "progress",
+    # "progressed_at"}``; `pack_id` and its progress above are the first of them, for a scheduler from before.
+    packs: Any = None
+    max_packs: Any = None  # how many packs it runs at once (None: one)
+    # Its memory less what its running packs reserved (their planned bytes): what another pack may use.
+    free_memory_bytes: Any = None
 
     @property
     def names_pack(self) -> bool:
         """Whether the beat says which pack its process runs (a beat from before the field cannot be judged)."""
-        return "pack_id" in self.model_fields_set
+        return "pack_id" in self.model_fields_set or self.packs is not None
 
 
 class Wake(Message):
@@ -290,8 +302,16 @@ class PackFailed(PackReport):
     error: str | None = None
 
 
+class PackRefused(PackReport):
+    """The worker would not start the pack (it did not fit beside the packs it runs): nothing of it ran, and its
+    trials wait again without an attempt spent."""
+
+    type: Literal["pack.refused"] = "pack.refused"
+    reason: str
+
+
 Report = (WorkerHeartbeat | Wake | PackStarted | Points | TrialCheckpoint | TrialCheckpointLost | TrialAdmitted
-          | TrialRejected | TrialFinished | PackProgress | PackProfile | PackFinished | PackFailed)
+          | TrialRejected | TrialFinished | PackProgress | PackProfile | PackFinished | PackFailed | PackRefused)
 TrialReport = TrialCheckpoint | TrialCheckpointLost | TrialAdmitted | TrialRejected | TrialFinished  # of one trial
 WITH_POINTS = (Points, TrialCheckpoint, TrialFinished)  # the reports that carry loss points
 
@@ -303,7 +323,8 @@ def _by_type(*classes: type[Message]) -> dict[str, type[Any]]:
 PACK_TYPES = _by_type(PackMessage)
 COMMAND_TYPES = _by_type(AdmitTrials, StopTrials, AbortPack)
 REPORT_TYPES = _by_type(WorkerHeartbeat, Wake, PackStarted, Points, TrialCheckpoint, TrialCheckpointLost, TrialAdmitted,
-                        TrialRejected, TrialFinished, PackProgress, PackProfile, PackFinished, PackFailed)
+                        TrialRejected, TrialFinished, PackProgress, PackProfile, PackFinished, PackFailed,
+                        PackRefused)
 
 M = TypeVar("M", bound=Message)
 

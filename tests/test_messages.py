@@ -28,6 +28,7 @@ from common.messages import (
     PackMessage,
     PackProfile,
     PackProgress,
+    PackRefused,
     PackStarted,
     Point,
     Points,
@@ -59,13 +60,15 @@ POINTS = [Point("trial-1", 1, "train", 2.5), Point("trial-1", 2, "val", 2.25)]
 
 EVERY_MESSAGE: list[Message] = [
     PackMessage(pack_id="pack-1", worker_id="w-1", trials=[TRIAL], capacity=4, max_rank=16, target_modules=["q_proj"],
-                base_model=ModelSourceFields(name="m", kind="gguf", path="/models/m", gguf_file="m.gguf")),
+                base_model=ModelSourceFields(name="m", kind="gguf", path="/models/m", gguf_file="m.gguf"),
+                memory_bytes=3 << 30),
     AdmitTrials(pack_id="pack-1", trials=[TRIAL]),
     StopTrials(pack_id="pack-1", trial_ids=["trial-1", "trial-2"], mode="export"),
     AbortPack(pack_id="pack-1"),
     WorkerHeartbeat(worker_id="w-1", queue="q.w-1", device="cuda:0,cuda:1", memory_bytes=80 << 30, gpus=2,
                     max_slots=16, models=["m"], pack_id="pack-1", incarnation="inc-1", started_at=1.5, sent_at=2.5,
-                    warm_models=[{"name": "m", "revision": "r", "bytes": 10, "last_used_at": 2.0}]),
+                    warm_models=[{"name": "m", "revision": "r", "bytes": 10, "last_used_at": 2.0}], max_packs=2,
+                    packs=[{"pack_id": "pack-1", "progress": 3, "progressed_at": 2.0}], free_memory_bytes=70 << 30),
     Wake(reason="task.created", task_id="task-1"),
     PackStarted(**PACK),
     Points(**PACK, points=POINTS),
@@ -80,6 +83,7 @@ EVERY_MESSAGE: list[Message] = [
     PackProfile(**PACK, profile={"device": "cpu", "steps": 20, "phases": {"wall_s": 3.0}}),
     PackFinished(**PACK),
     PackFailed(**PACK, error="OSError: the store is away"),
+    PackRefused(**PACK, reason="its planned 3.00 GB do not fit"),
 ]
 
 
@@ -115,7 +119,7 @@ def test_the_wire_keeps_the_keys_sent_before_the_classes() -> None:
     assert over_the_wire(AbortPack(pack_id="p")) == {"type": "abort_pack", "pack_id": "p", "version": 1}
     assert over_the_wire(Wake(reason="task.cancelled", task_id="t")) == {
         "type": "wake", "reason": "task.cancelled", "task_id": "t", "version": 1}
-    pack = over_the_wire(EVERY_MESSAGE[0])
+    pack = over_the_wire(EVERY_MESSAGE[0].model_copy(update={"memory_bytes": None}))
     assert set(pack) == {"type", "version", "pack_id", "worker_id", "base_model", "trials", "capacity", "max_rank",
                          "target_modules"}
     assert pack["trials"][0] == json.loads(json.dumps(TRIAL.model_dump()))

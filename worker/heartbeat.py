@@ -3,13 +3,13 @@
 A beat sent from a thread of the training process waited for that process's GIL and CPU: on a busy machine the
 only worker was declared lost while it trained (issue 32). So the beats come from a child process (`Heartbeat.start`:
 spawned, it imports no torch), which reads what they say from memory it shares with the worker process
-(`BeatState`): the pack this process runs, the base models it holds warm, and a progress count the pack bumps on
-every step and phase. The child ends with its worker: it watches its parent and stops beating once the parent is gone
-(killed included), so the scheduler notices a dead worker as before.
+(`BeatState`): the packs this process runs, the base models it holds warm, the memory its packs left free, and a
+progress count each pack bumps on every step and phase. The child ends with its worker: it watches its parent and
+stops beating once the parent is gone (killed included), so the scheduler notices a dead worker as before.
 
-Liveness is also judged by progress: each beat that names a pack says when the pack last progressed (`ProgressClock`,
-by the child's clock), and the scheduler ends a pack that has not for `LORAPLANE_WORKER_STALL_S` (a hung training
-process beats on; scheduler/service/ingest.py).
+Liveness is also judged by progress: each beat says of each pack it names when the pack last progressed
+(`ProgressClock`, by the child's clock), and the scheduler ends a pack that has not for `LORAPLANE_WORKER_STALL_S`
+(a hung training process beats on; scheduler/service/ingest.py).
 """
 
 from __future__ import annotations
@@ -49,20 +49,23 @@ class Incarnation:
 
 
 class BeatState:
-    """What the worker process tells its heartbeat process, in shared memory: the pack it runs, the warm base models
-    (as JSON) and the pack's progress count. The pack and the models are written under a lock (rarely: a pack's start
-    and end, a model loaded or evicted); the count without one, on every step (one writer; a lost increment between
-    two threads is harmless, only a change is read)."""
+    """What the worker process tells its heartbeat process, in shared memory: the packs it runs (up to `MAX_PACKS`,
+    one slot each with its progress count), the warm base models (as JSON) and the memory its packs left free. The
+    packs and the models are written under a lock (rarely: a pack's start and end, a model loaded or evicted); each
+    progress count without one, on every step (one writer per pack; a lost increment between two threads is
+    harmless, only a change is read)."""
 
     PACK_BYTES = 64  # a pack id is at most 40 characters (packs.id)
+    MAX_PACKS = 8  # the most a worker runs at once (LORAPLANE_WORKER_MAX_PACKS's bound)
     WARM_BYTES = 64 * 1024  # the warm models' JSON: ~150 bytes a model
 
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._lock = ctx.Lock()
-        self._pack = ctx.RawArray(ctypes.c_char, self.PACK_BYTES)
+        self._packs = [ctx.RawArray(ctypes.c_char, self.PACK_BYTES) for _ in range(self.MAX_PACKS)]
+        self._progress = ctx.RawArray(ctypes.c_int64, self.MAX_PACKS)
         self._warm = ctx.RawArray(ctypes.c_char, self.WARM_BYTES)
-        self._progress = ctx.RawValue(ctypes.c_int64, 0)
+        self._free = ctx.RawValue(ctypes.c_int64, -1)  # -1: not said
 
     def _locked(self) -> bool:
         got = self._lock.acquire(timeout=LOCK_WAIT_S)
@@ -70,15 +73,28 @@ class BeatState:
             log.warning("the heartbeat's shared state stayed locked for %.0fs; writing without the lock", LOCK_WAIT_S)
         return got
 
-    def set_pack(self, pack_id: str | None) -> None:
-        """The pack this process runs from now on (None: none); its progress count starts again from 0."""
-        raw = (pack_id or "").encode()
-        if len(raw) >= self.PACK_BYTES:
-            raise ValueError(f"pack id {pack_id!r} is longer than {self.PACK_BYTES - 1} bytes")
+    def add_pack(self, pack_id: str) -> int:
+        """Names ``pack_id`` from now on, its progress count from 0; its slot (for `progressed`)."""
+        raw = pack_id.encode()
+        if not raw or len(raw) >= self.PACK_BYTES:
+            raise ValueError(f"pack id {pack_id!r} is empty or longer than {self.PACK_BYTES - 1} bytes")
         got = self._locked()
         try:
-            self._pack.value = raw
-            self._progress.value = 0
+            free = [i for i, held in enumerate(self._packs) if not held.value]
+            if not free:
+                raise RuntimeError(f"this worker already runs {self.MAX_PACKS} packs")
+            self._packs[free[0]].value = raw
+            self._progress[free[0]] = 0
+            return free[0]
+        finally:
+            if got:
+                self._lock.release()
+
+    def remove_pack(self, slot: int) -> None:
+        """The pack of ``slot`` is no longer named."""
+        got = self._locked()
+        try:
+            self._packs[slot].value = b""
         finally:
             if got:
                 self._lock.release()
@@ -98,36 +114,41 @@ class BeatState:
             if got:
                 self._lock.release()
 
-    def progressed(self) -> None:
-        self._progress.value += 1
+    def set_free_memory(self, free_bytes: int | None) -> None:
+        self._free.value = -1 if free_bytes is None else max(0, free_bytes)
 
-    def read(self) -> tuple[str | None, list[dict[str, Any]] | None, int]:
-        """(pack, warm models or None when never told, progress count), as one consistent reading."""
+    def progressed(self, slot: int) -> None:
+        self._progress[slot] += 1
+
+    def read(self) -> tuple[list[tuple[str, int]], list[dict[str, Any]] | None, int | None]:
+        """(each named pack with its progress count, in slot order; warm models or None when never told; free
+        memory or None when never told), as one consistent reading."""
         got = self._locked()
         try:
-            pack, warm, progress = self._pack.value, self._warm.value, self._progress.value
+            packs = [(held.value.decode(), int(self._progress[i])) for i, held in enumerate(self._packs) if held.value]
+            warm, free = self._warm.value, int(self._free.value)
         finally:
             if got:
                 self._lock.release()
-        return pack.decode() or None, json.loads(warm) if warm else None, int(progress)
+        return packs, json.loads(warm) if warm else None, None if free < 0 else free
 
 
 @dataclass
 class ProgressClock:
-    """When the pack a heartbeat names last progressed, as its beats see it: the time a beat first saw its current
-    (pack, progress count); None without a pack. Measured where the beats are sent, so the scheduler compares it with
-    the beat's own `sent_at` (one clock)."""
+    """When each pack the beats name last progressed, as the beats see it: the time a beat first saw the pack's
+    current progress count. Measured where the beats are sent, so the scheduler compares it with the beat's own
+    `sent_at` (one clock)."""
 
-    seen: tuple[str, int] | None = None
-    at: float | None = None
+    seen: dict[str, tuple[int, float]] = field(default_factory=dict)  # pack id -> (progress count, first seen)
 
-    def observe(self, pack_id: str | None, progress: int, now: float) -> float | None:
-        if pack_id is None:
-            self.seen, self.at = None, None
-            return None
-        if self.seen != (pack_id, progress):
-            self.seen, self.at = (pack_id, progress), now
-        return self.at
+    def observe(self, packs: list[tuple[str, int]], now: float) -> dict[str, float]:
+        """Each named pack's last progress; packs no longer named are forgotten (one named again starts afresh)."""
+        seen: dict[str, tuple[int, float]] = {}
+        for pack_id, progress in packs:
+            before = self.seen.get(pack_id)
+            seen[pack_id] = before if before is not None and before[0] == progress else (progress, now)
+        self.seen = seen
+        return {pack_id: at for pack_id, (_, at) in seen.items()}
 
 
 def publish_beat(bus: Bus, identity: dict[str, Any], incarnation: Incarnation, state: BeatState, clock: ProgressClock,
@@ -147,12 +168,14 @@ def publish_beat(bus: Bus, identity: dict[str, Any], incarnation: Incarnation, s
     # The time is taken before the state is read: a beat that names no pack was sent before the worker set one, so
     # before its `pack.started` (the scheduler ends a running pack that a beat sent after its start does not name).
     sent_at = time.time()
-    pack_id, warm, progress = state.read()
-    progressed_at = clock.observe(pack_id, progress, sent_at)
-    if pack_id is not None:
-        extra.update(progress=progress, progressed_at=progressed_at)
-    beat = WorkerHeartbeat(**identity, pack_id=pack_id, incarnation=incarnation.id, started_at=incarnation.started_at,
-                           sent_at=sent_at, warm_models=warm, **extra)
+    packs, warm, free = state.read()
+    progressed_at = clock.observe(packs, sent_at)
+    named = [{"pack_id": p, "progress": n, "progressed_at": progressed_at[p]} for p, n in packs]
+    if packs:  # the first, as a scheduler from before `packs` reads it
+        extra.update(progress=packs[0][1], progressed_at=progressed_at[packs[0][0]])
+    beat = WorkerHeartbeat(**identity, pack_id=packs[0][0] if packs else None, packs=named,
+                           incarnation=incarnation.id, started_at=incarnation.started_at, sent_at=sent_at,
+                           warm_models=warm, free_memory_bytes=free, **extra)
     bus.publish(SCHEDULER_STREAM, beat.to_dict())
 
 
@@ -192,14 +215,16 @@ class Heartbeat:
     """The worker's presence on the bus, every `interval_s`, from a process of its own (`start`); the scheduler
     declares the worker lost when the beats stop.
 
-    Each beat names the pack this process is running (or none; `set_pack`). The scheduler ends any running pack of
-    this worker that a beat does not name: the worker names a pack before its `pack.started` and clears it after its
-    last report went out, and a beat is timed before it reads the pack (`publish_beat`).
+    Each beat names the packs this process is running (none, one, or up to its `max_packs`; `add_pack`,
+    `remove_pack`). The scheduler ends any running pack of this worker that a beat does not name: the worker names a
+    pack before its `pack.started` and clears it after its last report went out, and a beat is timed before it reads
+    the packs (`publish_beat`).
 
     Each beat also names the registered models this machine can load (when `models` is given: the heartbeat process
-    reads the registry itself), the base models it holds loaded (`warm_models`, `worker.model_cache.ModelCache.warm`,
-    copied into the shared state every `interval_s` by a thread of the worker: a starved one only delays a change)
-    and, with a pack, its progress count and when it last changed (`progressed`).
+    reads the registry itself), the base models it holds loaded (`warm_models`, `worker.model_cache.ModelCache.warm`)
+    and the memory its packs left free (`free_memory`), both copied into the shared state every `interval_s` by a
+    thread of the worker (a starved one only delays a change), and, with each pack, its progress count and when it
+    last changed (`progressed`).
 
     `beat()` sends one beat from the calling process (tests, benchmarks).
     """
@@ -212,26 +237,36 @@ class Heartbeat:
         self.incarnation = incarnation
         self._models = models
         self.warm_models: Callable[[], list[dict[str, Any]]] | None = None  # set once the worker's runner exists
+        self.free_memory: Callable[[], int | None] | None = None  # likewise
+        self._slots: dict[str, int] = {}  # pack id -> its slot in the shared state
         self.state = BeatState()
         self._clock = ProgressClock()  # for `beat()`; the heartbeat process keeps its own
         self._ctx = multiprocessing.get_context("spawn")
         self._stop = self._ctx.Event()
         self.process: multiprocessing.process.BaseProcess | None = None
 
-    def set_pack(self, pack_id: str | None) -> None:
-        self.state.set_pack(pack_id)
+    def add_pack(self, pack_id: str) -> None:
+        self._slots[pack_id] = self.state.add_pack(pack_id)
 
-    def progressed(self) -> None:
+    def remove_pack(self, pack_id: str) -> None:
+        slot = self._slots.pop(pack_id, None)
+        if slot is not None:
+            self.state.remove_pack(slot)
+
+    def progressed(self, pack_id: str) -> None:
         """The pack made progress (a step, a validation, a phase of its set-up or end): cheap, call it freely."""
-        self.state.progressed()
+        slot = self._slots.get(pack_id)
+        if slot is not None:
+            self.state.progressed(slot)
 
     def _copy_warm(self) -> None:
-        if self.warm_models is None:
-            return
         try:
-            self.state.set_warm(self.warm_models())
+            if self.warm_models is not None:
+                self.state.set_warm(self.warm_models())
+            if self.free_memory is not None:
+                self.state.set_free_memory(self.free_memory())
         except Exception:  # noqa: BLE001 - the beats go out without them
-            log.exception("could not tell which models this worker holds warm")
+            log.exception("could not tell which models this worker holds warm, or its free memory")
 
     def beat(self) -> None:
         self._copy_warm()

@@ -72,19 +72,24 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
         ranks = pool.start()
     # Every beat names the registered models this machine can load (the registry the scheduler published).
     availability = ModelAvailability(bus)
+    # Several packs at once on one device only (worker/colocation.py); a worker over several GPUs runs one.
+    max_packs = settings.worker_max_packs if len(devices) == 1 else 1
+    memory_bytes = settings.worker_memory_bytes or device_memory(device)
     heartbeat = Heartbeat(bus, settings.heartbeat_interval_s, {
         "worker_id": worker_id, "queue": queue, "device": ",".join(str(d) for d in devices),
         # One GPU's memory, and how many: a pack on this worker holds its base sharded over all of them.
-        "memory_bytes": device_memory(device), "gpus": len(devices),
+        "memory_bytes": memory_bytes, "gpus": len(devices), "max_packs": max_packs,
         "max_slots": settings.worker_max_slots * len(devices),
     }, incarnation, models=availability.models)
     runner = PackRunner(worker_id=worker_id, device=device, bus=bus, store=get_artifact_store(),
                         model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat, ranks=ranks,
-                        pool=pool, report_timeout_s=settings.worker_timeout_s)
+                        pool=pool, report_timeout_s=settings.worker_timeout_s, max_packs=max_packs,
+                        memory_bytes=memory_bytes)
     from worker.celery_app import celery_app, install_runner
 
     install_runner(runner)
     heartbeat.warm_models = runner.models.warm  # every beat names the base models this worker holds warm
+    heartbeat.free_memory = runner.packs.free_bytes  # and the memory its running packs left
     # Progress bars of model loading end up as WARNING lines in Celery's redirected stderr.
     hf_logging.disable_progress_bar()
     telemetry.start(settings, device)  # LORAPLANE_WORKER_METRICS_PORT (0: off)
@@ -94,12 +99,14 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     preload_models(runner.model, settings.worker_preload_models,
                    availability.registry() if settings.worker_preload_models else None)
     log.info("worker %s (incarnation %s) on %s consuming %s", worker_id, incarnation.id[:8], device, queue)
-    # The solo pool runs the pack in this process, where the model stays loaded between packs; the heartbeat
-    # process ends with it: a killed worker stops beating and the scheduler requeues its trials.
+    # The solo pool runs the pack in this process, where the model stays loaded between packs (the thread pool, for
+    # several packs at once: each on a thread of this process); the heartbeat process ends with it: a killed worker
+    # stops beating and the scheduler requeues its trials.
     try:
         celery_app.worker_main([
             *(["--quiet"] if quiet else []),
-            "worker", "-Q", queue, "--pool", "solo", "--concurrency", "1", "-n", f"{worker_id}@%h",
+            "worker", "-Q", queue, "--pool", "solo" if max_packs == 1 else "threads", "--concurrency", str(max_packs),
+            "-n", f"{worker_id}@%h",
             "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
         ])
     finally:

@@ -20,7 +20,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -68,16 +69,16 @@ class Resident:
 
 
 def evictions(resident: Sequence[Resident], *, incoming_bytes: int, budget_bytes: int,
-              keep: str | None = None) -> list[str]:
+              keep: Collection[str] = ()) -> list[str]:
     """The names to evict, least recently used first, so that ``resident`` and ``incoming_bytes`` more fit in
-    ``budget_bytes``. ``keep`` (the model being returned) never goes: a model larger than the budget alone is
-    kept, the only one (a pack needs it)."""
+    ``budget_bytes``. ``keep`` (the model being returned, and those a running pack uses) never goes: a model larger
+    than the budget alone is kept, the only one (a pack needs it)."""
     total = incoming_bytes + sum(r.bytes for r in resident)
     out: list[str] = []
     for r in sorted(resident, key=lambda r: (r.last_used_at, r.name)):
         if total <= budget_bytes:
             break
-        if r.name != keep:
+        if r.name not in keep:
             out.append(r.name)
             total -= r.bytes
     return out
@@ -107,7 +108,10 @@ class ModelCache:
     """The warm copies of one worker process (see the module docstring). ``load`` loads a model onto the device
     (``PackRunner``'s: onto its device, or on the host and sharded on a rank); ``on_evict`` lets go of what else
     holds a copy that goes (the engine kept around its layers). ``get`` runs on the pack's thread; ``warm`` on
-    the heartbeat's."""
+    the heartbeat's.
+
+    A worker running several packs at once (worker/colocation.py) calls ``get`` from each pack's thread; a copy a
+    pack uses is held (``get(..., hold=True)`` until ``release``) and never evicted to make room for another's."""
 
     def __init__(self, load: Callable[[ModelSource], tuple[Any, Any]], *, budget_bytes: int,
                  device: torch.device, on_evict: Callable[[Any], None] | None = None) -> None:
@@ -118,11 +122,13 @@ class ModelCache:
         self._copies: dict[str, _Copy] = {}  # by registry name
         self._known_bytes: dict[str, int] = {}  # name -> its copy's bytes when last loaded (to make room first)
         self._lock = threading.Lock()
+        self._held: Counter[str] = Counter()  # name -> the running packs that use its copy
         self.loads = 0  # every load it made (the tests count them)
 
-    def get(self, source: ModelSource) -> Loaded:
+    def get(self, source: ModelSource, *, hold: bool = False) -> Loaded:
         """``source``'s model and tokenizer: the warm copy, or loaded now (other copies evicted first as far as
-        its size is known from an earlier load, then as far as its measured size needs).
+        its size is known from an earlier load, then as far as its measured size needs; never one held). ``hold``:
+        the copy stays until ``release(source.name)`` (a pack's life), whatever else is loaded meanwhile.
 
         Raises whatever loading raises (a missing file, a model the device cannot hold beside nothing else)."""
         revision = model_revision(source)
@@ -130,6 +136,7 @@ class ModelCache:
             copy = self._copies.get(source.name)
             if copy is not None and copy.source == source and copy.revision == revision:
                 copy.last_used_at = time.time()
+                self._held[source.name] += hold
                 return Loaded(copy.model, copy.tokenizer, warm=True, load_s=0.0)
         if copy is not None:
             log.info("base model %s changed (its registry entry or its files); loading it again", source.name)
@@ -143,6 +150,7 @@ class ModelCache:
         with self._lock:
             self._copies[source.name] = _Copy(source, revision, model, tokenizer, size, time.time())
             self._known_bytes[source.name] = size
+            self._held[source.name] += hold
             self.loads += 1
         self._evict(self._to_evict(0, keep=source.name))
         log.info("base model %s loaded on %s in %.1fs (%.0f MB; %d warm)", source.name, self.device, load_s,
@@ -150,20 +158,32 @@ class ModelCache:
         return Loaded(model, tokenizer, warm=False, load_s=load_s)
 
     def _load_making_room(self, source: ModelSource) -> tuple[Any, Any]:
-        """Load ``source``; a device out of memory evicts every other copy and loads once more."""
+        """Load ``source``; a device out of memory evicts every other copy no pack holds and loads once more."""
         try:
             return self._load(source)
         except torch.OutOfMemoryError:
-            if not self._copies:
+            with self._lock:
+                idle = [name for name in self._copies if not self._held[name]]
+            if not idle:
                 raise
-            log.warning("the device ran out of memory loading %s: evicting every other warm model", source.name)
-        self._evict(list(self._copies))
+            log.warning("the device ran out of memory loading %s: evicting every other warm model no pack uses",
+                        source.name)
+        self._evict(idle)
         return self._load(source)
+
+    def release(self, name: str) -> None:
+        """A pack that held ``name``'s copy (``get(..., hold=True)``) is done with it."""
+        with self._lock:
+            if self._held[name] > 1:
+                self._held[name] -= 1
+            else:
+                self._held.pop(name, None)
 
     def _to_evict(self, incoming_bytes: int, keep: str | None) -> list[str]:
         with self._lock:
             resident = [Resident(name, c.bytes, c.last_used_at) for name, c in self._copies.items()]
-        return evictions(resident, incoming_bytes=incoming_bytes, budget_bytes=self.budget_bytes, keep=keep)
+            held = {name for name, n in self._held.items() if n > 0} | ({keep} if keep else set())
+        return evictions(resident, incoming_bytes=incoming_bytes, budget_bytes=self.budget_bytes, keep=held)
 
     def _evict(self, names: list[str]) -> None:
         """Drop the copies named: no reference of this cache is left, the garbage is collected (a model's modules

@@ -33,6 +33,7 @@ from common.messages import (
     PackMessage,
     PackProfile,
     PackProgress,
+    PackRefused,
     PackStarted,
     TrialAdmitted,
     TrialCheckpoint,
@@ -47,6 +48,7 @@ from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
 from common.settings import get_settings
 from worker import telemetry
 from worker.bus_client import CommandInbox, Reporter, ReportsLost
+from worker.colocation import Reservation, RunningPacks
 from worker.engine import (
     Evaluation,
     ModelSource,
@@ -64,7 +66,7 @@ from worker.engine.distributed import shard_base
 from worker.engine.keeper import EngineKeeper
 from worker.engine.trainer import PackTimings, StopMode
 from worker.heartbeat import Heartbeat, Incarnation
-from worker.model_cache import Loaded, ModelCache, cache_budget, model_source
+from worker.model_cache import Loaded, ModelCache, cache_budget, device_memory, model_source
 from worker.profile import PackProfiler
 from worker.rank_pool import RankPool, Ranks
 
@@ -132,13 +134,14 @@ class PackRunner:
 
     On a worker over several GPUs (worker/rank_pool.py) each rank has one: rank 0's, in the worker process, has the
     heartbeat and the ``pool`` of the other ranks and runs each pack (``run``); the others run their share of it
-    (``run_share``).
+    (``run_share``). A worker on one device runs up to ``max_packs`` packs at once, each ``run`` on its own thread
+    (worker/colocation.py), within ``memory_bytes`` (None: the device's).
     """
 
     def __init__(self, *, worker_id: str, device: torch.device, bus: Bus, store: LocalArtifactStore,
                  model_cache_dir: Path, heartbeat: Heartbeat | None = None, incarnation: Incarnation | None = None,
                  ranks: Ranks | None = None, pool: RankPool | None = None, report_timeout_s: float = 30.0,
-                 model_cache_bytes: int | None = None) -> None:
+                 model_cache_bytes: int | None = None, max_packs: int = 1, memory_bytes: int | None = None) -> None:
         self.worker_id = worker_id
         self.device = device
         self.bus = bus
@@ -161,6 +164,7 @@ class PackRunner:
         budget = get_settings().worker_model_cache_bytes if model_cache_bytes is None else model_cache_bytes
         self.models = ModelCache(self._load_model, budget_bytes=cache_budget(budget, device), device=device,
                                  on_evict=self._model_evicted)
+        self.packs = RunningPacks(max_packs=max_packs, memory_bytes=memory_bytes or device_memory(device))
 
     def model(self, source: ModelSource) -> Loaded:
         """The base model and tokenizer of ``source``: warm from an earlier pack (or the preload) of the same
@@ -228,8 +232,12 @@ class PackRunner:
             return
         assert self.heartbeat is not None, "only the worker process (rank 0) runs packs"
         reporter = Reporter(self.bus, pack_id, self.worker_id, self.incarnation)
+        refused = self.packs.reserve(Reservation(pack_id, pack.base_model.name, pack.memory_bytes or 0))
+        if refused is not None:
+            self._refuse(pack_id, refused, reporter)
+            return
         # From here until its last report went out, every heartbeat names this pack (see Heartbeat).
-        self.heartbeat.set_pack(pack_id)
+        self.heartbeat.add_pack(pack_id)
         try:
             reporter.send(PackStarted)
             self._train_on_every_rank(pack, reporter)
@@ -246,14 +254,27 @@ class PackRunner:
                 pass
         finally:
             reporter.close(self.report_timeout_s)
-            self.heartbeat.set_pack(None)
-            telemetry.pack_ended()
+            self.heartbeat.remove_pack(pack_id)
+            self.packs.release(pack_id)
+            if not self.packs.count():
+                telemetry.pack_ended()
+
+    def _refuse(self, pack_id: str, reason: str, reporter: Reporter) -> None:
+        """Nothing of the pack ran: the scheduler takes its trials back (worker/colocation.py)."""
+        log.warning("pack %s refused: %s", pack_id, reason)
+        try:
+            reporter.send(PackRefused, reason=reason)
+        except ReportsLost:
+            log.exception("pack %s: its refusal could not be sent", pack_id)
+        finally:
+            reporter.close(self.report_timeout_s)
 
     def _train_on_every_rank(self, pack: PackMessage, reporter: Reporter) -> None:
         """``_train`` here and, on a worker over several GPUs, on the other ranks too: they get the pack first, and
         it ends once each has ended its share (its reports went out, before the pack's end is reported)."""
         if self.pool is None:
-            self._train(pack, reporter)
+            with self._own_stream():
+                self._train(pack, reporter)
             return
         self.pool.hand_over(pack)
         try:
@@ -283,11 +304,27 @@ class PackRunner:
             logging.shutdown()
             os._exit(1)
 
-    def progressed(self) -> None:
+    @contextmanager
+    def _own_stream(self) -> Iterator[None]:
+        """A pack on a CUDA device where several may run runs on a stream of its own: its kernels interleave with
+        the other pack's rather than queueing behind them on one stream. Its work is done on the way out (the next
+        pack to take its kept engine may run on another stream)."""
+        if self.device.type != "cuda" or self.packs.max_packs < 2:
+            yield
+            return
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            stream.synchronize()
+
+    def progressed(self, pack_id: str) -> None:
         """The pack moved on (a step, a validation, a trial's end, a phase): its heartbeat says so, and the scheduler
         ends a pack that stops moving for LORAPLANE_WORKER_STALL_S (worker/heartbeat.py)."""
         if self.heartbeat is not None:
-            self.heartbeat.progressed()
+            self.heartbeat.progressed(pack_id)
 
     def should_stop(self, pack_id: str, trial_ids: Iterable[str]) -> dict[str, StopMode]:
         """The trials to take out now: those the scheduler stopped, or all of them once it aborted the pack."""
@@ -305,12 +342,12 @@ class PackRunner:
         leads = ranks is None or ranks.rank == 0  # reports the pack's steps, profile and refused back-fills
         profiler = PackProfiler(device=str(self.device))
         timings = PackTimings()
-        with tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
+        with self._holding_model(source), tempfile.TemporaryDirectory(prefix=f"{pack_id}-") as tmp_name:
             tmp = Path(tmp_name)
             set_up_started = time.perf_counter()
             (model, tokenizer), specs, resume = self._set_up(source, trials, read_rows, tmp / "resume", reporter,
                                                              timings)
-            self.progressed()  # the model loaded, the trials set up: a phase done
+            self.progressed(pack_id)  # the model loaded, the trials set up: a phase done
             # The pack's wall time runs from its start here: the load (load_s) and the rest of the set-up (in
             # other_s) are part of what its trials wait for; train_pack adds its own.
             timings.wall_s += time.perf_counter() - set_up_started
@@ -324,8 +361,18 @@ class PackRunner:
             ranks.training = False
         if leads:
             gpus = {} if ranks is None else {"gpus": ranks.world}
-            reporter.send(PackProfile, profile={**profiler.summary(), **gpus, "phases": timings.summary()})
+            # A pack that shared the GPU with another measured the pair: the cost model leaves it out.
+            shared = {"shared_device": True} if self.packs.shared(pack_id) else {}
+            reporter.send(PackProfile, profile={**profiler.summary(), **gpus, **shared, "phases": timings.summary()})
             telemetry.pack_profiled(timings.summary())  # the phase counters of the worker's metrics
+
+    @contextmanager
+    def _holding_model(self, source: ModelSource) -> Iterator[None]:
+        """The pack's base model (taken in ``_set_up``) stays warm while it runs, whatever another pack loads."""
+        try:
+            yield
+        finally:
+            self.models.release(source.name)
 
     def _train_pack(self, pack: PackMessage, model: Any, tokenizer: Any, specs: list[TrialSpec],
                     resume: dict[str, Path], source: ModelSource, tmp: Path, calls: _PackCallbacks,
@@ -353,7 +400,7 @@ class PackRunner:
         checkpoints they resume from. On a worker over several GPUs the ranks then agree that each has its own
         before the first pass (a rank that has not fails the pack on every rank)."""
         try:
-            loaded = self.model(source)
+            loaded = self.models.get(source, hold=True)  # released by `_holding_model`
             timings.load_s = loaded.load_s
             specs, trials = self._trial_specs(trials, read_rows, reporter)
             resume = self._fetch_checkpoints(trials, resume_into, reporter)
@@ -492,7 +539,7 @@ class _PackCallbacks:
 
     def finished(self, outcome: TrialOutcome) -> None:
         """The trial's adapter stored and its end reported, on an upload thread (its slot frees now)."""
-        self.runner.progressed()
+        self.runner.progressed(self.pack_id)
         self._pending.append(self._uploads.submit(self._store_and_report, outcome))
 
     def _store_and_report(self, outcome: TrialOutcome) -> None:
@@ -514,10 +561,10 @@ class _PackCallbacks:
     def point(self, trial_id: str, step: int, split: str, loss: float) -> None:
         """A trial's train step, validation or metric: reported, and progress for the heartbeat."""
         self.reporter.point(trial_id, step, split, loss)
-        self.runner.progressed()
+        self.runner.progressed(self.pack_id)
 
     def stepped(self, stats: StepStats) -> None:
-        self.runner.progressed()
+        self.runner.progressed(self.pack_id)
         self.profiler.record(stats)
         telemetry.observe_step(stats)
         progress = self.profiler.take_progress()

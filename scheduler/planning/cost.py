@@ -209,9 +209,12 @@ class ProfileSample:
 
 
 def samples_from_profiles(profiles: Sequence[dict[str, object]]) -> list[ProfileSample]:
-    """All samples of the given pack profiles (worker/profile.py's summary dicts)."""
+    """All samples of the given pack profiles (worker/profile.py's summary dicts), but those of a pack that shared
+    its GPU with another pack (`shared_device`): its step times and its peak memory measured the pair."""
     out: list[ProfileSample] = []
     for profile in profiles:
+        if profile.get("shared_device"):
+            continue
         rows = profile.get("samples") or []
         assert isinstance(rows, list)
         out.extend(ProfileSample.from_row(row) for row in rows)

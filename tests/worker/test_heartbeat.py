@@ -137,19 +137,34 @@ def test_the_heartbeat_process_ends_with_its_killed_worker(
     step_until(daemon, worker_id, states.WORKER_LOST)  # no beat comes any more: past the timeout it is lost
 
 
-def test_a_beat_says_when_its_pack_last_progressed() -> None:
+def test_a_beat_says_when_each_pack_last_progressed() -> None:
     state, clock = BeatState(), ProgressClock()
-    assert state.read() == (None, None, 0)
-    state.set_pack("pack-1")
+    assert state.read() == ([], None, None)
+    one = state.add_pack("pack-1")
     state.set_warm([{"name": "m", "revision": "r", "bytes": 1, "last_used_at": 2.0}])
-    pack, warm, progress = state.read()
-    assert (pack, progress) == ("pack-1", 0) and warm == [{"name": "m", "revision": "r", "bytes": 1,
-                                                           "last_used_at": 2.0}]
-    assert clock.observe(pack, progress, 10.0) == 10.0
-    assert clock.observe(*state.read()[::2], 20.0) == 10.0  # no step, no phase since: it has not progressed
-    state.progressed()
-    assert clock.observe(*state.read()[::2], 30.0) == 30.0
-    state.set_pack("pack-2")  # a new pack starts its count and its clock again
-    assert clock.observe(*state.read()[::2], 40.0) == 40.0
-    state.set_pack(None)
-    assert clock.observe(*state.read()[::2], 50.0) is None
+    state.set_free_memory(123)
+    packs, warm, free = state.read()
+    assert packs == [("pack-1", 0)] and free == 123
+    assert warm == [{"name": "m", "revision": "r", "bytes": 1, "last_used_at": 2.0}]
+    assert clock.observe(packs, 10.0) == {"pack-1": 10.0}
+    assert clock.observe(state.read()[0], 20.0) == {"pack-1": 10.0}  # no step, no phase since: it has not progressed
+    state.progressed(one)
+    assert clock.observe(state.read()[0], 30.0) == {"pack-1": 30.0}
+    # A second pack beside it (a worker running several, worker/colocation.py): each has its own count and clock.
+    two = state.add_pack("pack-2")
+    assert clock.observe(state.read()[0], 40.0) == {"pack-1": 30.0, "pack-2": 40.0}
+    state.progressed(two)
+    state.progressed(two)
+    assert state.read()[0] == [("pack-1", 1), ("pack-2", 2)]
+    assert clock.observe(state.read()[0], 50.0) == {"pack-1": 30.0, "pack-2": 50.0}
+    state.remove_pack(one)
+    assert clock.observe(state.read()[0], 60.0) == {"pack-2": 50.0}
+    three = state.add_pack("pack-3")  # takes the freed slot, its count from 0 again
+    assert three == one and state.read()[0] == [("pack-3", 0), ("pack-2", 2)]
+    state.remove_pack(two)
+    state.remove_pack(three)
+    assert clock.observe(state.read()[0], 70.0) == {}
+    for i in range(BeatState.MAX_PACKS):
+        state.add_pack(f"p{i}")
+    with pytest.raises(RuntimeError, match="already runs"):
+        state.add_pack("one-too-many")

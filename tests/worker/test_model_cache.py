@@ -53,10 +53,10 @@ def test_the_eviction_policy_frees_the_least_recently_used_first_and_never_the_o
     assert evictions(resident, incoming_bytes=0, budget_bytes=30) == []
     assert evictions(resident, incoming_bytes=10, budget_bytes=30) == ["a"]
     assert evictions(resident, incoming_bytes=15, budget_bytes=30) == ["a", "b"]
-    assert evictions(resident, incoming_bytes=0, budget_bytes=15, keep="a") == ["b", "c"]
+    assert evictions(resident, incoming_bytes=0, budget_bytes=15, keep={"a"}) == ["b", "c"]
     # A model larger than the budget alone stays, the only one: the pack needs it.
     assert evictions([Resident("big", 100, 2.0), Resident("x", 1, 1.0)], incoming_bytes=0, budget_bytes=50,
-                     keep="big") == ["x"]
+                     keep={"big"}) == ["x"]
     assert evictions([], incoming_bytes=100, budget_bytes=50) == []
 
 

@@ -14,6 +14,7 @@ of the same model over layers the kept engine does not wrap or at a higher rank,
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,10 +50,13 @@ class _Kept:
 
 
 class EngineKeeper:
-    """Hands out the kept engine where it fits a pack (``take``), takes it back after the pack (``keep``)."""
+    """Hands out the kept engine where it fits a pack (``take``), takes it back after the pack (``keep``). Safe to
+    call from several threads (a worker running packs of several models at once: a pack that finds the engine
+    handed out builds its own)."""
 
     def __init__(self) -> None:
         self._kept: _Kept | None = None
+        self._lock = threading.Lock()
         self.reuses = 0  # packs that took the kept engine (the tests and the pack profile read it)
 
     def take(self, model: PreTrainedModel, shape: EngineShape, needed: int,
@@ -60,10 +64,13 @@ class EngineKeeper:
         """The kept engine if it is over ``model``, its shape fits ``shape`` and it has at least ``needed`` slots
         (it is handed out, no longer kept); else the kept one is dropped and ``build()`` makes a new one of
         ``shape``. Also the engine's own shape (to ``keep`` it by)."""
-        kept, self._kept = self._kept, None
-        if kept is not None and kept.model is model and kept.shape.fits(shape) and len(kept.engine.slots) >= needed:
+        with self._lock:
+            kept, self._kept = self._kept, None
+            fits = (kept is not None and kept.model is model and kept.shape.fits(shape)
+                    and len(kept.engine.slots) >= needed)
+            self.reuses += fits
+        if kept is not None and fits:
             kept.engine.reset()
-            self.reuses += 1
             logger.info("pack reuses the kept engine (%d slots, %d captured graphs)", len(kept.engine.slots),
                         kept.engine.graphs.count if kept.engine.graphs is not None else 0)
             return kept.engine, kept.shape
@@ -73,15 +80,19 @@ class EngineKeeper:
 
     def keep(self, model: PreTrainedModel, shape: EngineShape, engine: PackEngine) -> None:
         """Keep ``engine`` (every slot free: its pack ended well) for the next pack; an older one is dropped."""
-        self.drop()
-        self._kept = _Kept(model, shape, engine)
+        with self._lock:
+            older, self._kept = self._kept, _Kept(model, shape, engine)
+        if older is not None:
+            older.engine.close()
 
     def holds(self, model: PreTrainedModel) -> bool:
         """Whether the kept engine wraps ``model`` (whose layers are then not bare)."""
-        return self._kept is not None and self._kept.model is model
+        with self._lock:
+            return self._kept is not None and self._kept.model is model
 
     def drop(self) -> None:
         """Close the kept engine, if any: its model is bare again, its device memory can go."""
-        kept, self._kept = self._kept, None
+        with self._lock:
+            kept, self._kept = self._kept, None
         if kept is not None:
             kept.engine.close()

@@ -1,0 +1,170 @@
+"""Several packs on one worker (issue 34, worker/colocation.py): the rule of which pack may start beside the running
+ones, and real packs of two tiny models of two architectures training at once in one `PackRunner` on the CPU, each
+exactly as it trains alone; a pack that does not fit beside a running one is refused, nothing of it run."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+import worker.pack_runner
+from common.artifacts import LocalArtifactStore, adapter_key
+from common.bus import SCHEDULER_STREAM, FileBus
+from common.messages import ModelSourceFields, PackMessage, TrialPayload
+from tests.model_dirs import tiny_model_dir
+from worker.colocation import Reservation, RunningPacks, refusal
+from worker.engine import ModelSource
+from worker.heartbeat import Heartbeat, Incarnation
+from worker.pack_runner import PackRunner
+
+TINY = {"name": "tiny-random-llama", "kind": "tiny-random-llama", "path": None, "package": None, "gguf_file": None}
+GB = 10**9
+
+
+def test_a_pack_starts_beside_others_only_within_the_packs_the_models_and_the_memory() -> None:
+    a = Reservation("a", "llama", 3 * GB)
+    assert refusal(Reservation("big", "x", 99 * GB), [], max_packs=1, memory_bytes=GB) is None  # alone: always
+    assert refusal(Reservation("b", "qwen", 5 * GB), [a], max_packs=2, memory_bytes=8 * GB) is None
+    too_big = refusal(Reservation("b", "qwen", 6 * GB), [a], max_packs=2, memory_bytes=8 * GB)
+    assert too_big is not None and "6.00 GB" in too_big and "3.00 GB reserved" in too_big
+    same = refusal(Reservation("b", "llama", GB), [a], max_packs=2, memory_bytes=80 * GB)
+    assert same is not None and "a pack of llama already runs" in same
+    full = refusal(Reservation("c", "gemma", GB), [a, Reservation("b", "qwen", GB)], max_packs=2,
+                   memory_bytes=80 * GB)
+    assert full is not None and "its most" in full
+
+
+def test_the_ledger_reserves_releases_and_remembers_which_packs_shared_the_device() -> None:
+    packs = RunningPacks(max_packs=2, memory_bytes=10 * GB)
+    assert packs.reserve(Reservation("a", "llama", 4 * GB)) is None
+    assert packs.free_bytes() == 6 * GB and not packs.shared("a")
+    assert packs.reserve(Reservation("b", "qwen", 7 * GB)) is not None  # nothing reserved for a refused pack
+    assert packs.free_bytes() == 6 * GB and packs.count() == 1
+    assert packs.reserve(Reservation("b", "qwen", 5 * GB)) is None
+    assert packs.shared("a") and packs.shared("b") and packs.free_bytes() == GB
+    assert packs.release("a") is True
+    assert packs.reserve(Reservation("c", "gemma", 8 * GB)) is not None  # b still holds 5 of the 10
+    assert packs.release("b") is True and packs.free_bytes() == 10 * GB
+    assert packs.reserve(Reservation("d", "gemma", 8 * GB)) is None
+    assert packs.release("d") is False  # it ran alone
+
+
+@pytest.fixture
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model_dir("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+def make_runner(tmp_path: Path, *, max_packs: int, memory_bytes: int | None = None) -> PackRunner:
+    from tests.conftest import MODEL_CACHE
+
+    bus = FileBus(tmp_path / "bus.db")
+    store = LocalArtifactStore(tmp_path / "artifacts")
+    rows = [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(16)]
+    store.put_bytes("files/data.jsonl", "\n".join(json.dumps(r) for r in rows).encode())
+    heartbeat = Heartbeat(bus, 1.0, {"worker_id": "w", "queue": "q"}, Incarnation())
+    return PackRunner(worker_id="w", device=torch.device("cpu"), bus=bus, store=store, model_cache_dir=MODEL_CACHE,
+                      heartbeat=heartbeat, report_timeout_s=5.0, max_packs=max_packs, memory_bytes=memory_bytes)
+
+
+def pack(pack_id: str, task_id: str, source: dict[str, Any], *, memory_bytes: int | None = None,
+         steps: int = 12) -> PackMessage:
+    trials = [TrialPayload(
+        trial_id=f"trial-{i}", task_id=task_id, total_steps=steps, max_seq_len=32, eval_interval=4,
+        hyperparameters={"learning_rate": lr, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1,
+                         "batch_size": 2, "target_modules": ["q_proj", "v_proj"], "seed": i},
+        training_file_key="files/data.jsonl", validation_file_key=None, validation_split=0.25,
+        split_seed=0, training={},
+    ) for i, lr in enumerate((1e-3, 5e-3))]
+    return PackMessage(pack_id=pack_id, worker_id="w", base_model=ModelSourceFields(**source), trials=trials,
+                       memory_bytes=memory_bytes)
+
+
+def reports(runner: PackRunner) -> list[dict[str, Any]]:
+    return [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
+
+
+def adapters(runner: PackRunner, task_id: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Each trial's stored adapter weights (the PEFT safetensors in its archive)."""
+    out = {}
+    for trial_id in ("trial-0", "trial-1"):
+        with tarfile.open(fileobj=io.BytesIO(runner.store.get_bytes(adapter_key(task_id, trial_id)))) as tar:
+            member = tar.extractfile("adapter_model.safetensors")
+            assert member is not None
+            out[trial_id] = load_safetensors(member.read())
+    return out
+
+
+def loading_gate(monkeypatch: pytest.MonkeyPatch, gate: Callable[[str], None]) -> None:
+    """Calls ``gate(model name)`` after each real load of a base model (before its pack trains)."""
+    real = worker.pack_runner.load_base_model
+
+    def gated(source: ModelSource, **kwargs: Any) -> Any:
+        loaded = real(source, **kwargs)
+        gate(source.name)
+        return loaded
+
+    monkeypatch.setattr(worker.pack_runner, "load_base_model", gated)
+
+
+def test_two_packs_of_two_models_train_at_once_each_as_it_would_alone(
+    tmp_path: Path, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    qwen = {**TINY, "name": "tiny-qwen2", "kind": "hf", "path": str(qwen_dir)}
+    alone = make_runner(tmp_path / "alone", max_packs=1)
+    alone.run(pack("p-llama", "llama-alone", TINY))
+    alone.run(pack("p-qwen", "qwen-alone", qwen))
+    assert [m["type"] for m in reports(alone) if m["type"].startswith("pack.")].count("pack.finished") == 2
+
+    together = make_runner(tmp_path / "together", max_packs=2)
+    both_loaded = threading.Barrier(2, timeout=120)  # neither trains before the other has its model: they overlap
+    loading_gate(monkeypatch, lambda _name: both_loaded.wait())
+    threads = [threading.Thread(target=together.run, args=(pack(pack_id, task, source),))
+               for pack_id, task, source in (("p-llama", "llama-together", TINY), ("p-qwen", "qwen-together", qwen))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    sent = reports(together)
+    assert {(m["pack_id"], m["type"]) for m in sent if m["type"] in ("pack.finished", "pack.failed")} == {
+        ("p-llama", "pack.finished"), ("p-qwen", "pack.finished")}
+    profiles = {m["pack_id"]: m["profile"] for m in sent if m["type"] == "pack.profile"}
+    assert all(p.get("shared_device") is True for p in profiles.values()), profiles  # the cost fit leaves them out
+    assert together.packs.count() == 0 and together.models.warm()  # both released, both still warm
+
+    for model in ("llama", "qwen"):
+        got, want = adapters(together, f"{model}-together"), adapters(alone, f"{model}-alone")
+        for trial_id, weights in want.items():
+            assert weights.keys() == got[trial_id].keys()
+            for name, tensor in weights.items():
+                torch.testing.assert_close(got[trial_id][name], tensor, rtol=0, atol=1e-5)
+
+
+def test_a_pack_that_does_not_fit_beside_a_running_one_is_refused_and_nothing_of_it_runs(
+    tmp_path: Path, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = make_runner(tmp_path, max_packs=2, memory_bytes=10 * GB)
+    refused = threading.Event()
+    loading_gate(monkeypatch, lambda _name: refused.wait(timeout=120))  # the first pack holds until the refusal
+    first = threading.Thread(target=runner.run, args=(pack("p-1", "t-1", TINY, memory_bytes=6 * GB),))
+    first.start()
+    qwen = {**TINY, "name": "tiny-qwen2", "kind": "hf", "path": str(qwen_dir)}
+    while runner.packs.count() == 0:  # the first pack reserved its 6 GB
+        threading.Event().wait(0.01)
+    runner.run(pack("p-2", "t-2", qwen, memory_bytes=5 * GB))
+    refused.set()
+    first.join(timeout=300)
+    sent = reports(runner)
+    second = [m for m in sent if m["pack_id"] == "p-2"]
+    assert [m["type"] for m in second] == ["pack.refused"], second  # no start, no point, no trial report
+    assert "5.00 GB do not fit beside the 6.00 GB reserved" in second[0]["reason"]
+    assert ("p-1", "pack.finished") in {(m["pack_id"], m["type"]) for m in sent}
+    assert runner.packs.free_bytes() == 10 * GB
