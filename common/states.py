@@ -30,6 +30,7 @@ PACK_DISPATCHED = "dispatched"
 PACK_RUNNING = "running"
 PACK_FINISHED = "finished"
 PACK_LOST = "lost"
+PACK_REFUSED = "refused"  # its worker would not start it (no room beside its other packs): nothing of it ran
 PACK_LIVE = frozenset({PACK_PLANNED, PACK_DISPATCHED, PACK_RUNNING})
 
 WORKER_ALIVE = "alive"

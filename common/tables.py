@@ -239,8 +239,12 @@ class Worker(Base):
     # gives a pack on it all of their memory. 1 for a worker whose heartbeat does not say (older workers).
     gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     max_slots: Mapped[int] = mapped_column(Integer, default=DEFAULT_MAX_TRIALS_PER_PACK)
+    # How many packs it runs at once (LORAPLANE_WORKER_MAX_PACKS; 1 for a worker whose heartbeat does not say), and
+    # its memory less what its running packs reserved (None: not said): worker/colocation.py.
+    max_packs: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    free_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     state: Mapped[str] = mapped_column(String(20))  # "alive" | "lost"
-    current_pack_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    current_pack_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the newest it started
     # The worker process now behind this id (new on every start) and when it started: a heartbeat from a
     # newer one ends the older one's packs at once; one from an older one is a stale message.
     incarnation: Mapped[str | None] = mapped_column(String(64), default=None)
@@ -265,7 +269,7 @@ class Pack(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     worker_id: Mapped[str] = mapped_column(String(200), index=True)
     base_model: Mapped[str] = mapped_column(String(100))
-    # planned -> dispatched -> running -> finished | lost | cancelled
+    # planned -> dispatched -> running -> finished | lost | cancelled; dispatched -> refused (its worker had no room)
     state: Mapped[str] = mapped_column(String(20), index=True)
     trial_ids: Mapped[list[Any]] = mapped_column(JSON)  # every trial placed in it, back-fills included
     # The engine's shape, fixed at the start: back-fills must fit it (None: a pack that takes no back-fills).
@@ -275,6 +279,9 @@ class Pack(Base):
     # The GPUs it runs over: its worker's when it was planned (`loraplane worker --gpus`). It holds all of them from
     # its start to its end, so its GPU time is its wall time times these (common/usage.py).
     gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # The planner's predicted peak bytes (its base model and members, cost model): what its worker reserves for it
+    # beside its other packs (worker/colocation.py); None: planned before this column.
+    memory_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     # The worker process that started it (its `pack.started`): reports from any other are dropped.
     incarnation: Mapped[str | None] = mapped_column(String(64), default=None)
     # The worker's newest `pack.progress` (mean step seconds, tokens, slots of its last stretch of steps):

@@ -12,14 +12,22 @@ from api.errors import invalid, not_found
 from api.schemas.cluster import PackOut
 from api.schemas.common import ListPage, PathId, error_responses
 from api.services.cluster import pack_views
-from common.states import PACK_DISPATCHED, PACK_FINISHED, PACK_LIVE, PACK_LOST, PACK_PLANNED, PACK_RUNNING
+from common.states import (
+    PACK_DISPATCHED,
+    PACK_FINISHED,
+    PACK_LIVE,
+    PACK_LOST,
+    PACK_PLANNED,
+    PACK_REFUSED,
+    PACK_RUNNING,
+)
 from common.tables import Pack
 
 router = APIRouter(
     prefix="/admin/packs", tags=["admin"], dependencies=[AdminDep], responses=error_responses(401, 403, 404, 422)
 )
 
-PACK_STATES = (PACK_PLANNED, PACK_DISPATCHED, PACK_RUNNING, PACK_FINISHED, PACK_LOST)
+PACK_STATES = (PACK_PLANNED, PACK_DISPATCHED, PACK_RUNNING, PACK_FINISHED, PACK_LOST, PACK_REFUSED)
 STATE_FILTERS = ("live", "all", *PACK_STATES)
 
 

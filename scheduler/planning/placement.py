@@ -53,6 +53,7 @@ from scheduler.planning.types import (
     Snapshot,
     lower_to_slots,
     planning_input,
+    unit_id,
 )
 
 UNIT_S = 1.0  # one integer time unit of the plan
@@ -91,12 +92,17 @@ def place(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, solver: Solver 
     # in a live run on the H100 a worker stood idle for minutes with trials pending: none idles while a pack waits.
     # On the priors alone, no trial waits for a later pack while a pack of its model starting now has room.
     result = after_solver(inp, solved, on_priors={model for model, cost in inp.costs.items() if cost.prior})
-    return Placement(Plan(_new_packs(snapshot, result), rejoins + _backfills(live, snapshot, result)), result)
+    packs = _new_packs(snapshot, result)
+    # A worker that takes a pack beside its running one this round gives that one no back-fill in it: the room beside
+    # was what the running pack left, and its back-fills would take some of it.
+    beside = {w.worker_id for w in snapshot.idle_workers if w.beside_packs} & {p.worker_id for p in packs}
+    backfills = tuple(b for b in _backfills(live, snapshot, result) if b.worker_id not in beside)
+    return Placement(Plan(packs, rejoins + backfills), result)
 
 
 def _new_packs(snapshot: Snapshot, result: PlanResult) -> tuple[PlannedPack, ...]:
-    """The plan's new packs that start now on idle workers."""
-    idle = {w.worker_id: w for w in snapshot.idle_workers}
+    """The plan's new packs that start now on idle workers (the room beside a worker's packs: on that worker)."""
+    idle = {unit_id(w): w for w in snapshot.idle_workers}
     pending = {t.trial_id: t for t in snapshot.pending}
     return tuple(
         _new_pack(idle[p.worker_ids[0]], p.base_model, [pending[i] for i in p.trial_ids], snapshot.pending)

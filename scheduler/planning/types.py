@@ -110,8 +110,9 @@ def loads(models: frozenset[str] | None, model: str) -> bool:
 
 @dataclass(frozen=True)
 class LiveWorker:
-    """A live worker, one planning unit whatever its GPUs (it runs one pack at a time over all of them): idle, or
-    busy with a pack predicted to end in ``busy_for_s``."""
+    """A live worker, one planning unit whatever its GPUs (a worker over several runs one pack at a time over all of
+    them): idle, busy with a pack predicted to end in ``busy_for_s``, or running packs with room for one more beside
+    them (``beside_packs``: planned as idle, with the memory they left)."""
 
     worker_id: str
     max_slots: int
@@ -121,6 +122,9 @@ class LiveWorker:
     busy_for_s: float = 0.0  # predicted seconds until its pack ends; 0 while idle
     gpus: int = 1  # the GPUs of one host it runs each pack over (`loraplane worker --gpus 0,1`)
     warm: frozenset[str] = frozenset()  # the base models it holds loaded (its heartbeat's warm_models)
+    # It runs packs already and is planned as idle with the memory they left, for a pack of another model
+    # (scheduler/service/planner_io.py `room_beside_packs`; worker/colocation.py).
+    beside_packs: bool = False
 
     def can_load(self, model: str) -> bool:
         return loads(self.models, model)
@@ -227,6 +231,15 @@ class PlanResult:
     running_completion: Mapping[str, int] = field(default_factory=dict)
 
 
+BESIDE = "+beside"  # the planning unit of the room beside a worker's running packs
+
+
+def unit_id(worker: LiveWorker) -> str:
+    """The planning unit of ``worker`` in the solvers: its id, or for the room beside its running packs a unit of its
+    own (the solvers hold a running pack's worker until the pack ends; the room beside it is free now)."""
+    return worker.worker_id + BESIDE if worker.beside_packs else worker.worker_id
+
+
 def unit_memory_bytes(worker: LiveWorker) -> int:
     """The memory a pack on ``worker`` may use: all of its GPUs' together. A pack there shards the frozen base over
     them (FSDP2) and deals its trials (adapter, optimizer state, activations) to them, so its peak summed over them
@@ -246,13 +259,14 @@ def lower_to_slots(max_trials_per_pack: int, worker_slots: Iterable[int]) -> int
 
 def planning_input(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, unit_s: float) -> PlanningInput:
     """The snapshot in the solvers' terms: one `WorkerSpec` per worker (holding all of its GPUs' memory; free now, or
-    busy until its pack's predicted end, in whole units), its pending trials' `max_trials_per_pack` lowered to the
+    busy until its pack's predicted end, in whole units; the room beside a worker's running packs a unit of its own,
+    `unit_id`), its pending trials' `max_trials_per_pack` lowered to the
     workers' slots (`lower_to_slots`), its running packs member by member, and a cost model for every pending
     trial's base model: the one in ``costs`` (the daemon's hold a fitted one or the priors for the model's size, for
     every registered model: cluster_state.load_costs), else `PRIOR_COST`."""
     slots = [w.max_slots for w in (*snapshot.idle_workers, *snapshot.busy_workers)]
     workers = tuple(
-        WorkerSpec(worker_id=w.worker_id, memory_bytes=unit_memory_bytes(w), models=w.models, warm=w.warm)
+        WorkerSpec(worker_id=unit_id(w), memory_bytes=unit_memory_bytes(w), models=w.models, warm=w.warm)
         for w in snapshot.idle_workers
     ) + tuple(
         WorkerSpec(worker_id=w.worker_id, memory_bytes=unit_memory_bytes(w),

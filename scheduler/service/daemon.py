@@ -150,7 +150,7 @@ class SchedulerDaemon:
                                    live_packs=live_packs(session, costs, now))
                 placement = place(snapshot, costs, solver=self.settings.planner,
                                   time_limit_s=self.settings.planner_time_limit_s)
-                new_packs = record_plan(session, placement.plan, now, placement.result)
+                new_packs = record_plan(session, placement.plan, now, placement.result, costs)
                 plan, result = placement.plan, placement.result
             else:
                 new_packs, replanned = [], False

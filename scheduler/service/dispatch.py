@@ -85,7 +85,8 @@ def pack_message(session: Session, pack: Pack) -> PackMessage:
         specs.append(trial_payload(trial, task))
     return PackMessage(pack_id=pack.id, worker_id=pack.worker_id,
                        base_model=ModelSourceFields.model_validate(model_source_fields(entry)), trials=specs,
-                       capacity=pack.capacity, max_rank=pack.max_rank, target_modules=pack.target_modules)
+                       capacity=pack.capacity, max_rank=pack.max_rank, target_modules=pack.target_modules,
+                       memory_bytes=pack.memory_bytes)
 
 
 def send_pack(celery: Celery, session: Session, pack: Pack) -> None:

@@ -1,7 +1,8 @@
 """Preemption in the running service (issue 34): the rule of scheduler/planning/fairness.py applied after each
 round's plan, its decisions made into trial state, events and pause commands.
 
-- After the plan, the pending trials it placed nowhere, with no idle worker left, are the waiting ones. The running
+- After the plan, the pending trials it placed nowhere, with no idle worker left (room beside running packs that
+  the plan left unused does not count: what waits did not fit there), are the waiting ones. The running
   packs, each tenant's GPU time over the window (the GPU seconds its usage bills, common/usage.py) and the
   tenants' weights go to `preemptions`.
 - A chosen pack's running members are paused at their next checkpoint (the pause command early exit sends; the
@@ -36,7 +37,7 @@ def preempt_for_waiting(session: Session, snapshot: Snapshot, plan: Plan, now: d
     the module); returns the packs preempted. `pause_requests` reads the marks and the daemon sends them."""
     placed = {i for p in plan.packs for i in p.trial_ids} | {i for b in plan.backfills for i in b.trial_ids}
     used = {p.worker_id for p in plan.packs}
-    if any(w.worker_id not in used for w in snapshot.idle_workers):
+    if any(w.worker_id not in used and not w.beside_packs for w in snapshot.idle_workers):
         return []  # a worker is free: the planner chose to wait for something else, not for room
     waiting = [WaitingTrial(t.trial_id, t.tenant_id, t.gpus_needed) for t in snapshot.pending
                if t.trial_id not in placed]

@@ -34,6 +34,7 @@ from common.messages import (
     PackFinished,
     PackProfile,
     PackProgress,
+    PackRefused,
     PackReport,
     PackStarted,
     Points,
@@ -69,6 +70,8 @@ log = logging.getLogger(__name__)
 # The most GPUs a heartbeat may claim for its worker: more than one host holds (8 to 16 today). Its per-GPU memory
 # times its GPUs is the planner's memory for it, which must stay far inside CP-SAT's 64-bit integers.
 MAX_WORKER_GPUS = 64
+MAX_WORKER_PACKS = 8  # LORAPLANE_WORKER_MAX_PACKS's bound
+INT64_MAX = 2**63 - 1  # the BIGINT columns
 
 
 def ingest(
@@ -134,6 +137,8 @@ def _pack_report(session: Session, m: PackReport, now: datetime, touched: set[st
     elif isinstance(m, PackFinished | PackFailed):
         _pack_ended(session, m, now, policy)
         return True
+    elif isinstance(m, PackRefused):
+        return _pack_refused(session, m, now, policy)
     return False
 
 
@@ -193,23 +198,27 @@ def _heartbeat(session: Session, m: WorkerHeartbeat, now: datetime, limits_s: tu
     worker.device = m.device
     worker.memory_bytes = m.memory_bytes
     worker.max_slots = m.max_slots
+    worker.free_memory_bytes = _count(m.free_memory_bytes, "free_memory_bytes", 0, INT64_MAX)
     models, gpus = _models(m.models), _gpus(m.gpus)
-    # It can load other models now, or has more or less memory for a pack (its GPUs): worth a replan.
-    models_changed, gpus_changed = models != worker.models, gpus != worker.gpus
+    max_packs = _count(m.max_packs, "max_packs", 1, MAX_WORKER_PACKS) or 1
+    # It can load other models now, or has more or less memory for a pack (its GPUs, its packs): worth a replan.
+    models_changed, gpus_changed = models != worker.models, (gpus, max_packs) != (worker.gpus, worker.max_packs)
     if models_changed:
         worker.models = models
     if gpus_changed:
-        worker.gpus = gpus
+        worker.gpus, worker.max_packs = gpus, max_packs
     warm = _warm_models(m.warm_models)
     if warm != worker.warm_models:  # no replan: a tie-breaker of the planners, read at their next round
         worker.warm_models = warm
     worker.last_heartbeat = sent_at if is_new else max(as_utc(worker.last_heartbeat), sent_at)
-    stall_s = stalled_s(m.pack_id, m.progressed_at, sent_at.timestamp(), stall_after_s)
-    if stall_s is not None and m.pack_id is not None:
-        return _stalled(session, worker, m.pack_id, stall_s, now, aborts, policy)
+    named = _named_packs(m)
+    for pack_id, progressed_at in named:
+        stall_s = stalled_s(pack_id, progressed_at, sent_at.timestamp(), stall_after_s)
+        if stall_s is not None:
+            return _stalled(session, worker, pack_id, stall_s, now, aborts, policy)
     worker.state = states.WORKER_ALIVE
     if m.names_pack:  # what the process runs now (a report from before this field cannot be judged)
-        is_new |= _check_named_pack(session, worker, m.pack_id, sent_at, now, aborts, policy)
+        is_new |= _check_named_packs(session, worker, {p for p, _ in named}, sent_at, now, aborts, policy)
     return is_new or models_changed or gpus_changed
 
 
@@ -226,6 +235,33 @@ def _stalled(session: Session, worker: Worker, pack_id: str, stall_s: float, now
     lose_worker(session, worker, now, f"pack {pack_id} made no progress for {stall_s:.0f}s on worker {worker.id} "
                                       "(its process beats, its training hangs)", policy)
     return was_alive
+
+
+def _named_packs(m: WorkerHeartbeat) -> list[tuple[str, float | None]]:
+    """The packs a beat names, each with when it last progressed (None: not said): its `packs` where it sends them
+    (a worker running several), else its one `pack_id`. A malformed entry is logged and left out."""
+    if m.packs is None:
+        return [] if m.pack_id is None else [(m.pack_id, m.progressed_at)]
+    named: list[tuple[str, float | None]] = []
+    for entry in m.packs if isinstance(m.packs, list) else [m.packs]:
+        pack_id = entry.get("pack_id") if isinstance(entry, dict) else None
+        at = entry.get("progressed_at") if isinstance(entry, dict) else None
+        if not isinstance(pack_id, str) or isinstance(at, bool) or not (at is None or isinstance(at, int | float)):
+            log.warning("ignoring a heartbeat's pack entry that is not {pack_id, progressed_at}: %r", entry)
+            continue
+        named.append((pack_id, None if at is None else float(at)))
+    return named
+
+
+def _count(raw: Any, name: str, low: int, high: int) -> int | None:
+    """A heartbeat's integer field within [low, high]; None when it does not say or says something else (logged:
+    the beat still proves the worker alive)."""
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, int) or not low <= raw <= high:
+        log.warning("ignoring a heartbeat's %s that is not a count from %d to %d: %r", name, low, high, raw)
+        return None
+    return raw
 
 
 def _gpus(raw: Any) -> int:
@@ -285,20 +321,21 @@ def _running_packs(session: Session, worker_id: str) -> list[Pack]:
     ).all())
 
 
-def _check_named_pack(session: Session, worker: Worker, named: str | None, sent_at: datetime, now: datetime,
-                      aborts: set[tuple[str, str]], policy: FaultPolicy) -> bool:
+def _check_named_packs(session: Session, worker: Worker, named: set[str], sent_at: datetime, now: datetime,
+                       aborts: set[tuple[str, str]], policy: FaultPolicy) -> bool:
     """A running pack the worker no longer names (it crashed out of it, or its reports were lost) is lost;
     a pack it names that is over here is one it should stop. True when a pack was lost."""
     lost = False
     for pack in _running_packs(session, worker.id):
         # A beat sent before the pack started does not name it yet (the worker names a pack from before its
         # `pack.started` until after its last report).
-        if pack.id != named and (pack.started_at is None or sent_at > as_utc(pack.started_at)):
+        if pack.id not in named and (pack.started_at is None or sent_at > as_utc(pack.started_at)):
             lose_pack(session, pack, now, f"worker {worker.id} is no longer running pack {pack.id}", policy)
             lost = True
-    over = session.get(Pack, named) if named is not None else None
-    if over is not None and over.state not in states.PACK_LIVE:
-        aborts.add((worker.id, over.id))
+    for pack_id in sorted(named):
+        over = session.get(Pack, pack_id)
+        if over is not None and over.state not in states.PACK_LIVE:
+            aborts.add((worker.id, over.id))
     return lost
 
 
@@ -606,3 +643,19 @@ def _pack_ended(session: Session, m: PackFinished | PackFailed, now: datetime, p
         requeue_trial(session, trial, f"pack {pack.id} ended before it could join", blame="none", now=now,
                       policy=policy)
     credit_worker(session, pack.worker_id)
+
+
+def _pack_refused(session: Session, m: PackRefused, now: datetime, policy: FaultPolicy) -> bool:
+    """The worker did not start the pack (worker/colocation.py): nothing of it ran, so its trials wait again with no
+    attempt spent and no blame; the worker's next beats say how much memory it has left. True: replan."""
+    pack = _live_pack(session, m.pack_id)
+    if pack is None:
+        return False
+    log.warning("worker %s refused pack %s: %s", pack.worker_id, pack.id, m.reason)
+    pack.state, pack.finished_at = states.PACK_REFUSED, now
+    for trial in session.scalars(
+        select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING).order_by(Trial.id)
+    ).all():
+        requeue_trial(session, trial, f"worker {pack.worker_id} had no room for pack {pack.id}: {m.reason}",
+                      blame="none", now=now, policy=policy)
+    return True

@@ -7,18 +7,19 @@ the cluster's workers and costs is in scheduler/service/cluster_state.py; a task
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
 from common.tables import BaseModelEntry, Event, Pack, Task, Tenant, Trial, Worker, as_utc, new_id
-from scheduler.planning.cost import ModelCost
+from scheduler.planning.cost import PRIOR_COST, ModelCost
 from scheduler.planning.faults import max_trials_per_pack_after_losses
 from scheduler.planning.types import (
+    DEFAULT_GPU_BYTES,
     LivePack,
     LiveWorker,
     PendingTrial,
@@ -86,7 +87,29 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
     )
     idle = tuple(LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w), gpus=w.gpus, warm=worker_warm(w))
                  for w in workers if w.id not in busy_ids)
-    return Snapshot(pending=pending, idle_workers=idle)
+    sharing = tuple(room for w in workers if w.id in busy_ids
+                    if (room := room_beside_packs(session, w, {t.base_model for t in pending})) is not None)
+    return Snapshot(pending=pending, idle_workers=idle + sharing)
+
+
+def room_beside_packs(session: Session, worker: Worker, models: set[str]) -> LiveWorker | None:
+    """A worker that runs packs but may run one more (worker/colocation.py), as the planners see it besides the busy
+    worker it also is (`busy_workers`): an idle planning unit of its own (`types.unit_id`) whose memory is what its
+    packs left (its memory less their planned bytes, and no more than its beats say is
+    free), that loads only the models ``models`` of the pending trials that none of its packs runs (a second pack of
+    one model would wrap the layers the first one's engine holds: such trials join that pack as back-fills). None
+    where it runs its most packs already, a pack of unknown size, or nothing could go beside them."""
+    live = session.scalars(select(Pack).where(Pack.worker_id == worker.id, Pack.state.in_(states.PACK_LIVE))).all()
+    if worker.gpus > 1 or len(live) >= worker.max_packs or any(p.memory_bytes is None for p in live):
+        return None
+    spare = (worker.memory_bytes or DEFAULT_GPU_BYTES) - sum(p.memory_bytes or 0 for p in live)
+    if worker.free_memory_bytes is not None:
+        spare = min(spare, worker.free_memory_bytes)
+    loadable = {m for m in models if loads(worker_models(worker), m)} - {p.base_model for p in live}
+    if spare <= 0 or not loadable:
+        return None
+    return LiveWorker(worker.id, worker.max_slots, spare, frozenset(loadable), warm=worker_warm(worker),
+                      beside_packs=True)
 
 
 WAITING_FOR_MODEL = "task.waiting_for_model"
@@ -171,8 +194,12 @@ def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: dateti
                            Pack.worker_id.not_in(quarantined_worker_ids(session, now)))
     ).all()
     weights = {t.id: max(1, round(t.weight or 1.0)) for t in session.scalars(select(Tenant))} if packs else {}
+    # A pack that shares its worker with another takes no back-fill: the worker reserved its planned bytes beside
+    # the other's (worker/colocation.py), and more members would pass them.
+    shared = set(session.scalars(select(Pack.worker_id).where(Pack.state.in_(states.PACK_LIVE))
+                                 .group_by(Pack.worker_id).having(func.count() > 1)))
     out = []
-    for pack in packs:
+    for pack in (p for p in packs if p.worker_id not in shared):
         rows = session.execute(
             select(Trial, Task).join(Task, Task.id == Trial.task_id).where(
                 Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
@@ -196,8 +223,10 @@ def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: dateti
     return tuple(out)
 
 
-def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult | None = None) -> list[str]:
-    """Writes the planned packs and back-fills and moves their trials to running; returns the new pack ids.
+def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult | None = None,
+                costs: Mapping[str, ModelCost] | None = None) -> list[str]:
+    """Writes the planned packs and back-fills and moves their trials to running; returns the new pack ids. With
+    ``costs``, each pack's predicted peak bytes (`planned_bytes`), kept up to date as back-fills join it.
 
     A back-filled trial is `awaiting_admission` until its worker confirms it joined (`trial.admitted`).
     With the solver's `result`, each task that got trials placed also gets a `task.planned` event with the
@@ -233,6 +262,7 @@ def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult 
         session.add(pack)
         for trial_id in planned.trial_ids:
             start(trial_id, pack, backfill=False)
+        pack.memory_bytes = planned_bytes(session, pack, costs)
         pack_ids.append(pack.id)
     for backfill in plan.backfills:
         live = session.get(Pack, backfill.pack_id, with_for_update={"key_share": True})
@@ -241,6 +271,7 @@ def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult 
         live.trial_ids = [*live.trial_ids, *backfill.trial_ids]
         for trial_id in backfill.trial_ids:
             start(trial_id, live, backfill=True)
+        live.memory_bytes = planned_bytes(session, live, costs)
     if result is not None:
         for task_id, (tenant_id, n) in placed.items():
             record_event(
@@ -251,6 +282,18 @@ def record_plan(session: Session, plan: Plan, now: datetime, result: PlanResult 
                       "backfills": sum(len(b.trial_ids) for b in plan.backfills)},
             )
     return pack_ids
+
+
+def planned_bytes(session: Session, pack: Pack, costs: Mapping[str, ModelCost] | None) -> int | None:
+    """The pack's predicted peak bytes with its running trials: its base model's memory model (fitted on pack
+    profiles, else the priors of its size) at their pooled tokens per step. None without ``costs``."""
+    if costs is None:
+        return None
+    session.flush()
+    rows = session.execute(select(Trial, Task).join(Task, Task.id == Trial.task_id)
+                           .where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)).all()
+    memory = costs.get(pack.base_model, PRIOR_COST).memory
+    return memory.predict(sum(trial_tokens_per_step(trial, task) for trial, task in rows), 0)
 
 
 def admission_requests(session: Session) -> dict[str, tuple[str, list[Trial]]]:
