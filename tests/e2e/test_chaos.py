@@ -3,7 +3,8 @@
 Each scenario runs a long task of tenant A (two trials) and one of tenant B (one trial) on `tiny-random-llama`,
 checkpointing every 0.2 s (LORAPLANE_CHECKPOINT_INTERVAL_S) and validating every 20 steps. Once every trial has
 reported a checkpoint, the fault: the worker killed and back at once under the same id, `up`
-killed and restarted, Redis restarted empty, the database stopped for 20 s. Then both tasks must succeed,
+killed and restarted, Redis restarted empty, the database stopped for 20 s (and the worker killed while it runs two
+packs, B's on a second model beside A's). Then both tasks must succeed,
 every trial that was interrupted must resume from its checkpoint (not from step 0), and every trial's train
 curve must hold each step exactly once. A worker's crash is never the trials' fault: every trial ends at attempt 1
 however often its worker died (issue 29), and a worker that keeps dying is quarantined, then recovers. The
@@ -60,6 +61,7 @@ from tests.e2e.procs import (
     wait_ready,
     workers_of_home,
 )
+from tests.model_dirs import tiny_model_dir
 from tests.services import PostgresServer, redis_server_argv
 
 EVAL_EVERY = 20  # both tasks' eval_interval
@@ -97,19 +99,21 @@ class Tasks:
         self.b.close()
 
 
-def long_task(file_id: str, learning_rates: list[float], max_steps: int) -> dict[str, Any]:
-    body = grid_task(file_id, max_steps=max_steps)
+def long_task(file_id: str, learning_rates: list[float], max_steps: int,
+              base_model: str = "tiny-random-llama") -> dict[str, Any]:
+    body = grid_task(file_id, base_model, max_steps=max_steps)
     body["search_space"] = {"learning_rate": learning_rates, "lora_rank": [4], "batch_size": [4],
                             "target_modules": [["q_proj", "v_proj"]]}
     body["eval_interval"] = EVAL_EVERY
     return body
 
 
-def submit_both(base_url: str, admin_token: str) -> Tasks:
+def submit_both(base_url: str, admin_token: str, b_model: str = "tiny-random-llama") -> Tasks:
+    """A's task and B's, on `tiny-random-llama` (one pack holds both), or B's on ``b_model`` (a pack of its own)."""
     a = tenant_client(base_url, admin_token, "chaos-a")
     b = tenant_client(base_url, admin_token, "chaos-b")
     a_task = submit(a, long_task(upload(a, arithmetic_rows()), [1e-3, 5e-3], A_STEPS)).id
-    b_task = submit(b, long_task(upload(b, arithmetic_rows(24)), [2e-3], B_STEPS)).id
+    b_task = submit(b, long_task(upload(b, arithmetic_rows(24)), [2e-3], B_STEPS, b_model)).id
     return Tasks(a, a_task, b, b_task)
 
 
@@ -225,6 +229,32 @@ def test_embedded_worker_killed_comes_back_under_its_id(embedded_env: dict[str, 
         assert_ended_by_new_process(assert_recovered(tasks, checkpoints, requeues=1), killed_at)
         workers = {w.id: w for w in tasks.a.admin.list_workers()}
         assert set(workers) == {"local"} and workers["local"].state == "alive", workers
+        tasks.close()
+
+
+def test_embedded_worker_killed_while_it_runs_two_packs_of_two_models(embedded_env: dict[str, str],
+                                                                      tmp_path: Path) -> None:
+    """E1 with B's task on a second registered model: the worker runs A's pack and B's at once (issue 34,
+    worker/colocation.py) when it is killed -9; the new process's first heartbeat ends both, and both tasks resume
+    from their checkpoints on it, each step once."""
+    embedded_env.update({"LORAPLANE_WORKER_TIMEOUT_S": str(RESTART_TIMEOUT_S), "LORAPLANE_WORKER_MAX_PACKS": "2"})
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    with cluster(embedded_env, tmp_path) as c:
+        up = start_up(c, "up", port)
+        with Client(base_url, admin_token=ADMIN_TOKEN, timeout=30) as operator:
+            operator.admin.register_model("tiny-qwen2", str(tiny_model_dir("qwen2", tmp_path / "tiny-qwen2")))
+        tasks = submit_both(base_url, ADMIN_TOKEN, b_model="tiny-qwen2")
+        checkpoints = checkpoints_before_fault(tasks)
+        live = httpx.get(f"{base_url}/v1/admin/packs", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
+        assert sorted((p["worker_id"], p["base_model"], p["state"]) for p in live["data"]) == [
+            ("local", "tiny-qwen2", "running"), ("local", "tiny-random-llama", "running")], live
+        old = worker_child(up)
+        killed_at = datetime.now(UTC)
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: next((p for p in child_pids(up.proc.pid) if is_worker(p) and p != old), None),
+                 START_CEILING_S, "the supervisor to restart the worker")
+        assert_ended_by_new_process(assert_recovered(tasks, checkpoints, requeues=1), killed_at)
         tasks.close()
 
 
