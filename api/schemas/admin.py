@@ -102,6 +102,11 @@ class WorkerOut(BaseModel):
     gpus: int = Field(default=1, description="GPUs of one host it owns: each of its packs runs over all of them, "
                                              "the base model sharded.")
     max_slots: int
+    max_packs: int = Field(default=1, description="How many packs it runs at once (LORAPLANE_WORKER_MAX_PACKS), each "
+                                                  "of another base model, within its memory.")
+    free_memory_bytes: int | None = Field(
+        default=None, description="Its memory less what its live packs reserved, as its newest heartbeat says: room "
+                                  "for another pack beside them. Null: it does not say.")
     state: str
     current_pack_id: str | None
     models: list[str] | None = Field(
@@ -130,7 +135,8 @@ class WorkerOut(BaseModel):
         recent = sum(1 for t in w.lost_packs or () if now.timestamp() - window_s < float(t))
         return cls(
             id=w.id, queue=w.queue, device=w.device, memory_bytes=w.memory_bytes, gpus=w.gpus, max_slots=w.max_slots,
-            state=w.state, current_pack_id=w.current_pack_id, models=w.models, warm_models=_warm_models(w),
+            max_packs=w.max_packs, free_memory_bytes=w.free_memory_bytes, state=w.state,
+            current_pack_id=w.current_pack_id, models=w.models, warm_models=_warm_models(w),
             last_heartbeat=w.last_heartbeat,
             registered_at=w.registered_at, quarantined_until=until if until is not None and until > now else None,
             recent_lost_packs=recent,

@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 from api.schemas.admin import WorkerOut
 from api.schemas.common import UtcDateTime
+from api.schemas.tasks import TaskWaiting
 
 
 class PackSlot(BaseModel):
@@ -66,6 +67,9 @@ class PackProfileOut(BaseModel):
     tokens_per_s: float | None = Field(description="Real (non-padding) tokens per second of step time.")
     padded_fraction: float | None = Field(description="Padding's share of the batch tokens.")
     peak_memory_bytes: int | None
+    shared_device: bool = Field(default=False, description="It ran beside another pack on its worker's GPU for at "
+                                                           "least part of its time: its speed and peak memory "
+                                                           "measured both (the planner's cost model leaves it out).")
     captured_steps: int | None = Field(description="Steps replayed from a captured CUDA graph.")
     step_breakdown_s: StepBreakdown | None
     phases: PackPhases | None
@@ -89,6 +93,9 @@ class PackOut(BaseModel):
     trials_placed: int = Field(description="Every trial the pack ever held, back-fills included.")
     max_rank: int | None
     target_modules: list[Any] | None
+    memory_bytes: int | None = Field(default=None, description="Its predicted peak bytes (its base model and its "
+                                                               "members, by the planner's cost model): what its "
+                                                               "worker reserves for it beside its other packs.")
     step_s: float | None = Field(description="Mean seconds per step of the worker's latest progress report.")
     tokens_per_s: float | None = Field(description="Batch tokens (padding included) per second, from that report.")
     profile: PackProfileOut | None = Field(description="The profile its worker reported at the pack's end; null "
@@ -98,12 +105,24 @@ class PackOut(BaseModel):
     finished_at: UtcDateTime | None
 
 
+class WorkerPack(BaseModel):
+    """One of a worker's live packs."""
+
+    id: str
+    base_model: str
+    state: str
+    used_slots: int
+    memory_bytes: int | None = Field(description="What the worker reserved for it (its predicted peak bytes).")
+
+
 class WorkerLoad(WorkerOut):
     """A worker (one GPU, several GPUs of one host, or the CPU) with what it runs now."""
 
-    pack_id: str | None = Field(description="Its live pack, if any.")
+    pack_id: str | None = Field(description="Its oldest live pack, if any (`packs` lists them all).")
+    packs: list[WorkerPack] = Field(default_factory=list, description="Its live packs, oldest first: up to its "
+                                                                      "max_packs, each of another base model.")
     used_slots: int
-    utilisation: float = Field(ge=0, le=1, description="Occupied slots of its live pack / its max_slots.")
+    utilisation: float = Field(ge=0, le=1, description="Occupied slots of its live packs / its max_slots.")
 
 
 class TenantLoad(BaseModel):
@@ -118,6 +137,13 @@ class TenantLoad(BaseModel):
     held_trials: int = Field(
         description="Of its pending trials, those paused for another tenant's waiting trials and held back until "
                     "those start (preemption).")
+    waiting: list[WaitingTask] = Field(default_factory=list, description="Its tasks with trials pending, each with "
+                                                                         "why they wait (the task's own `waiting`).")
+
+
+class WaitingTask(BaseModel):
+    task_id: str
+    waiting: TaskWaiting
 
 
 class ClusterOut(BaseModel):

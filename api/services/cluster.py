@@ -23,12 +23,21 @@ from api.schemas.cluster import (
     PackSlot,
     StepBreakdown,
     TenantLoad,
+    WaitingTask,
     WorkerLoad,
+    WorkerPack,
 )
+from api.schemas.tasks import TaskWaiting
 from common.pack_phases import number, phase_seconds
 from common.settings import get_settings
-from common.states import PACK_LIVE, TRIAL_PENDING, TRIAL_RUNNING, TRIAL_WAITING, WORKER_ALIVE
-from common.tables import Pack, Tenant, Trial, Worker, utcnow
+from common.states import (
+    PACK_LIVE,
+    TRIAL_PENDING,
+    TRIAL_RUNNING,
+    TRIAL_WAITING,
+    WORKER_ALIVE,
+)
+from common.tables import Pack, Task, Tenant, Trial, Worker, utcnow
 from common.usage import gpu_seconds_by_tenant
 from scheduler.planning.fairness import policy_from
 
@@ -77,6 +86,7 @@ def profile_view(raw: dict[str, Any], *, samples: bool) -> PackProfileOut:
         seconds=number(raw.get("seconds")),
         tokens_per_s=number(raw.get("tokens_per_s")), padded_fraction=number(raw.get("padded_fraction")),
         peak_memory_bytes=_integer(raw.get("peak_memory_bytes")), captured_steps=_integer(raw.get("captured_steps")),
+        shared_device=raw.get("shared_device") is True,
         step_breakdown_s=StepBreakdown(**{k: number(breakdown.get(k)) for k in StepBreakdown.model_fields})
         if isinstance(breakdown, dict) else None,
         phases=profile_phases(phases) if isinstance(phases, dict) else None,
@@ -103,7 +113,8 @@ def pack_views(session: Session, packs: Sequence[Pack], *, samples: bool = False
             free_slots=max(0, capacity - len(held)),
             utilisation=round(min(1.0, len(held) / capacity), 4) if capacity else 0.0,
             trials_placed=len(p.trial_ids), max_rank=p.max_rank, target_modules=p.target_modules,
-            step_s=step_s, tokens_per_s=round(tokens / step_s, 1) if step_s and tokens is not None else None,
+            memory_bytes=p.memory_bytes, step_s=step_s,
+            tokens_per_s=round(tokens / step_s, 1) if step_s and tokens is not None else None,
             profile=profile_view(p.profile, samples=samples) if isinstance(p.profile, dict) else None,
             created_at=p.created_at, started_at=p.started_at, finished_at=p.finished_at,
         ))
@@ -114,14 +125,17 @@ def cluster_view(session: Session) -> ClusterOut:
     workers = session.scalars(select(Worker).order_by(Worker.registered_at, Worker.id)).all()
     live = session.scalars(select(Pack).where(Pack.state.in_(PACK_LIVE)).order_by(Pack.created_at)).all()
     held = _slots(session, [p.id for p in live])
-    pack_of = {p.worker_id: p.id for p in live}  # one live pack per worker (one worker is one GPU)
+    packs_of: dict[str, list[WorkerPack]] = defaultdict(list)  # a worker runs up to its max_packs at once
+    for p in live:
+        packs_of[p.worker_id].append(WorkerPack(id=p.id, base_model=p.base_model, state=p.state,
+                                                used_slots=len(held.get(p.id, [])), memory_bytes=p.memory_bytes))
 
     loads = []
     for w in workers:
-        pack_id = pack_of.get(w.id)
-        n = len(held.get(pack_id, [])) if pack_id else 0
+        packs = packs_of.get(w.id, [])
+        n = sum(p.used_slots for p in packs)
         loads.append(WorkerLoad(
-            **WorkerOut.of(w).model_dump(), pack_id=pack_id, used_slots=n,
+            **WorkerOut.of(w).model_dump(), pack_id=packs[0].id if packs else None, packs=packs, used_slots=n,
             utilisation=round(min(1.0, n / w.max_slots), 4) if w.max_slots else 0.0,
         ))
     alive = [w for w in loads if w.state == WORKER_ALIVE]
@@ -142,10 +156,11 @@ def cluster_view(session: Session) -> ClusterOut:
         Trial.state == TRIAL_PENDING, Trial.preempted_for.is_not(None)).group_by(Trial.tenant_id)).all())
     rows: dict[str, tuple[str, float]] = {tenant_id: (name, weight) for tenant_id, name, weight in session.execute(
         select(Tenant.id, Tenant.name, Tenant.weight).where(Tenant.id.in_(list(by_tenant))))} if by_tenant else {}
+    waiting = _waiting_tasks(session)
     tenants = sorted(
         (TenantLoad(tenant_id=t, name=name, pending_trials=c["pending"], running_trials=c["running"],
                     weight=weight or 1.0, gpu_seconds_window=round(used.get(t, 0.0), 1),
-                    held_trials=int(held_by.get(t, 0)))
+                    held_trials=int(held_by.get(t, 0)), waiting=waiting.get(t, []))
          for t, c in by_tenant.items() for name, weight in [rows.get(t, (t, 1.0))]),
         key=lambda t: (-t.running_trials, -t.pending_trials, t.name))
 
@@ -158,3 +173,14 @@ def cluster_view(session: Session) -> ClusterOut:
         trials_running=sum(c["running"] for c in by_tenant.values()),
         workers=loads, tenants=tenants,
     )
+
+
+def _waiting_tasks(session: Session) -> dict[str, list[WaitingTask]]:
+    """Each tenant's tasks with pending trials, with why they wait (the scheduler's `Task.waiting`,
+    scheduler/service/waits.py; as a task's own view shows it: only while a trial is pending)."""
+    out: dict[str, list[WaitingTask]] = defaultdict(list)
+    pending = select(Trial.task_id).where(Trial.state == TRIAL_PENDING).distinct()
+    for task in session.scalars(select(Task).where(Task.waiting.is_not(None), Task.id.in_(pending))
+                                .order_by(Task.created_at, Task.id)):
+        out[task.tenant_id].append(WaitingTask(task_id=task.id, waiting=TaskWaiting.model_validate(task.waiting)))
+    return out

@@ -7,7 +7,7 @@ from datetime import timedelta
 from fastapi.testclient import TestClient
 
 from common.db import session_scope
-from common.tables import Pack, Trial, Worker, utcnow
+from common.tables import Pack, Task, Trial, Worker, utcnow
 from tests.factories import ADMIN, TenantKey, make_task, trial_ids, update_row
 
 
@@ -97,7 +97,7 @@ def test_a_finished_pack_shows_where_its_wall_time_went(client: TestClient, tena
         # The wall time no training-thread phase accounts for (persist runs beside them on the writer thread).
         "other_s": 10.5}
     rest = {k: v for k, v in profile.items() if k != "phases"}
-    assert rest == {**{k: v for k, v in PROFILE.items() if k != "phases"}, "gpus": None}
+    assert rest == {**{k: v for k, v in PROFILE.items() if k != "phases"}, "gpus": None, "shared_device": False}
     # The list has every pack's profile but not its samples; a pack still running has none yet.
     listed = {p["id"]: p for p in client.get("/v1/admin/packs?state=all", headers=ADMIN).json()["data"]}
     assert listed["pack-done"]["profile"] == {**profile, "samples": None}
@@ -218,3 +218,43 @@ def test_each_tenants_row_shows_what_preemption_weighs(client: TestClient, tenan
     assert acme["weight"] == 2.0 and globex["weight"] == 1.0
     assert 600 <= acme["gpu_seconds_window"] < 660 and globex["gpu_seconds_window"] == 0.0
     assert (acme["held_trials"], globex["held_trials"]) == (0, 1)
+
+
+def test_a_worker_running_two_packs_shows_both_their_memory_and_who_waits_why(
+    client: TestClient, tenant: TenantKey, other_tenant: TenantKey
+) -> None:
+    """Issue 34: a worker runs packs of two models at once (worker/colocation.py): the cluster lists both, each
+    with the memory reserved for it, and what they left free; a tenant's waiting task says why it waits."""
+    ids = trial_ids(make_task(client, tenant)["id"])
+    waiting_task = make_task(client, other_tenant)
+    add_worker("gpu-0", max_slots=8)
+    add_pack("pack-a", "gpu-0", ids[:2])
+    add_pack("pack-b", "gpu-0", ids[2:3], age_s=-1)
+    with session_scope() as session:
+        worker = session.get_one(Worker, "gpu-0")
+        worker.max_packs, worker.free_memory_bytes = 2, 50 << 30
+        session.get_one(Pack, "pack-a").memory_bytes = 20 << 30
+        session.get_one(Pack, "pack-b").memory_bytes = 10 << 30
+        task = session.get_one(Task, waiting_task["id"])
+        task.waiting = {"reason": "does_not_fit", "message": "4 trials waiting: no worker has the memory for them",
+                        "position": 1, "estimated_start_at": None, "waiting_trials": 4,
+                        "updated_at": "2026-11-27T09:00:00Z"}
+
+    c = client.get("/v1/admin/cluster", headers=ADMIN).json()
+    [w] = c["workers"]
+    assert (w["max_packs"], w["free_memory_bytes"], w["pack_id"], w["used_slots"]) == (2, 50 << 30, "pack-a", 3)
+    assert w["packs"] == [
+        {"id": "pack-a", "base_model": "tiny-random-llama", "state": "running", "used_slots": 2,
+         "memory_bytes": 20 << 30},
+        {"id": "pack-b", "base_model": "tiny-random-llama", "state": "running", "used_slots": 1,
+         "memory_bytes": 10 << 30}]
+    assert c["workers_busy"] == 1 and c["slots_used"] == 3
+    rows = {t["name"]: t for t in c["tenants"]}
+    assert rows["acme"]["waiting"] == []
+    [told] = rows["globex"]["waiting"]
+    assert told["task_id"] == waiting_task["id"] and told["waiting"]["reason"] == "does_not_fit"
+    assert "memory" in told["waiting"]["message"]
+    packs = {p["id"]: p for p in client.get("/v1/admin/packs", headers=ADMIN).json()["data"]}
+    assert packs["pack-b"]["memory_bytes"] == 10 << 30
+    listed = {x["id"]: x for x in client.get("/v1/admin/workers", headers=ADMIN).json()["data"]}
+    assert (listed["gpu-0"]["max_packs"], listed["gpu-0"]["free_memory_bytes"]) == (2, 50 << 30)

@@ -249,6 +249,18 @@ def expect_tenant_row(page: Any, tenant_id: str) -> None:
     row = page.locator(f"tr[data-tenant='{tenant_id}']")
     expect(row.locator("td").nth(4)).to_have_text("1")  # its weight
     expect(row.locator("td").nth(5)).to_contain_text(" s")  # its GPU seconds so far
+    expect(page.get_by_role("columnheader", name="Why waiting")).to_be_visible()  # nothing waits here: "—"
+    expect(row.locator("td.waiting")).to_have_text("—")
+
+
+def expect_worker_packs(worker: Any, pack: dict[str, Any], used: int) -> None:
+    """The worker's used slots, its live packs (it may run several, each of another model), each with the memory
+    reserved for it, and what they left free."""
+    expect(worker).to_contain_text(f"{used}/")
+    cell = worker.locator(f"td.packs-cell li[data-pack='{pack['id']}']")
+    expect(cell).to_contain_text(pack["base_model"])
+    expect(cell).to_contain_text("reserved")
+    expect(worker.locator("td.memory")).to_contain_text("free", timeout=15_000)  # from its next heartbeat
 
 
 def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Service) -> None:
@@ -283,7 +295,7 @@ def test_the_operator_sees_the_worker_packs_and_tenants(page: Any, service: Serv
         expect(pack.locator(".slot")).to_have_count(used)
         expect(pack.locator(".slot.used")).to_have_count(used)
         expect(pack).to_contain_text(task["id"][:13])
-        expect(worker).to_contain_text(f"{used}/")
+        expect_worker_packs(worker, live, used)
         # The model its pack runs on is warm on it now (its heartbeats' warm_models), with its size.
         expect(worker.locator("td.warm")).to_contain_text("tiny-random-llama", timeout=15_000)
         expect(worker.locator("td.warm")).to_contain_text("KiB")

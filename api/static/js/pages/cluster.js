@@ -1,6 +1,7 @@
-// The operator's view of the fleet: utilisation, workers (one GPU, or several of one host) with their live pack,
-// every live pack (its used and free slots, the trials in the used ones), and where the newest finished packs' wall time went. Re-read every 5 seconds while
-// the tab is visible.
+// The operator's view of the fleet: utilisation, workers (one GPU, or several of one host) with their live packs (a
+// worker on one GPU runs up to its max_packs at once, each of another base model) and the memory they left free,
+// every live pack (its used and free slots, the trials in the used ones), where the newest finished packs' wall time
+// went, and each tenant's demand with why its tasks wait. Re-read every 5 seconds while the tab is visible.
 
 import { api } from "../api.js";
 import { badge, clear, fmt, h, progressBar } from "../dom.js";
@@ -27,19 +28,35 @@ function workerState(w) {
 function workersTable(workers) {
   return h("table", { class: "data", id: "workers" },
     h("caption", {}, "Workers"),
-    h("thead", {}, h("tr", {}, ["Worker", "State", "Device", "Memory", "Slots in use", "Pack", "Models", "Warm",
+    h("thead", {}, h("tr", {}, ["Worker", "State", "Device", "Memory", "Slots in use", "Packs", "Models", "Warm",
       "Last heartbeat"].map((c) => h("th", { scope: "col" }, c)))),
     h("tbody", {}, workers.map((w) => h("tr", { dataset: { worker: w.id } },
       h("td", { class: "mono" }, w.id), h("td", {}, workerState(w)), h("td", {}, w.device),
-      // A worker over several GPUs: its GPU count times one GPU's memory.
-      h("td", { class: "num" }, (w.gpus > 1 ? `${w.gpus} × ` : "") + fmt.bytes(w.memory_bytes)),
+      memoryCell(w),
       h("td", { class: "progress-cell" }, progressBar(w.utilisation, `Slots in use on ${w.id}`),
         `${w.used_slots}/${w.max_slots}`),
-      h("td", { class: "mono small" }, w.pack_id || "idle"),
+      packsCell(w),
       // The registered models it can load (null: it does not say, taken as every one).
       h("td", { class: "small" }, w.models == null ? "any" : (w.models.join(", ") || "none")),
       warmCell(w),
       h("td", { class: "small" }, fmt.time(w.last_heartbeat))))));
+}
+
+// A worker over several GPUs: its GPU count times one GPU's memory; below, what its live packs left free for another.
+function memoryCell(w) {
+  const total = (w.gpus > 1 ? `${w.gpus} × ` : "") + fmt.bytes(w.memory_bytes);
+  if (w.free_memory_bytes == null) return h("td", { class: "num" }, total);
+  return h("td", { class: "num memory" }, total, h("div", { class: "small muted" }, `${fmt.bytes(w.free_memory_bytes)} free`));
+}
+
+// Its live packs (up to max_packs, each of another base model), each with the memory the worker reserved for it.
+function packsCell(w) {
+  const most = w.max_packs > 1 ? ` (at most ${w.max_packs})` : "";
+  if (!w.packs || !w.packs.length) return h("td", { class: "small packs-cell" }, `idle${most}`);
+  return h("td", { class: "small packs-cell" }, h("ul", { class: "plain" }, w.packs.map((p) =>
+    h("li", { dataset: { pack: p.id } }, h("span", { class: "mono" }, p.id), ` ${p.base_model} `,
+      h("span", { class: "muted" }, p.memory_bytes == null ? "" : `${fmt.bytes(p.memory_bytes)} reserved`)))),
+  h("div", { class: "muted" }, `${w.packs.length} running${most}`));
 }
 
 // The base models it holds loaded between packs, most recently used first: a pack of one starts without loading it.
@@ -116,6 +133,14 @@ function finishedCard(pack) {
       : h("p", { class: "muted small" }, profile ? "Its worker reported no phases." : "No profile reported."));
 }
 
+// Why each of the tenant's tasks waits (the scheduler's own explanation of the task, as its page shows it).
+function waitingCell(t) {
+  if (!t.waiting || !t.waiting.length) return h("td", { class: "small muted waiting" }, "—");
+  return h("td", { class: "small waiting" }, h("ul", { class: "plain" }, t.waiting.map((w) =>
+    h("li", { dataset: { task: w.task_id, reason: w.waiting.reason } },
+      h("span", { class: "mono" }, `${w.task_id.slice(0, 13)}… `), w.waiting.message))));
+}
+
 export function mount(root) {
   const alert = h("p", { class: "error", role: "alert" });
   const stats = h("section", { class: "stats", "aria-label": "Utilisation" });
@@ -148,13 +173,13 @@ export function mount(root) {
     // trials and less of it than a running pack's tenants takes that pack's worker after its slice.
     clear(tenants).append(h("h2", {}, "Demand by tenant"), cluster.tenants.length
       ? h("table", { class: "data" }, h("thead", {}, h("tr", {}, ["Tenant", "Running trials", "Waiting trials",
-        "Held for another tenant", "Weight", "GPU time, last window", "Per unit of weight"]
+        "Held for another tenant", "Weight", "GPU time, last window", "Per unit of weight", "Why waiting"]
         .map((c) => h("th", { scope: "col" }, c)))),
       h("tbody", {}, cluster.tenants.map((t) => h("tr", { dataset: { tenant: t.tenant_id } }, h("td", {}, t.name),
         h("td", { class: "num" }, String(t.running_trials)), h("td", { class: "num" }, String(t.pending_trials)),
         h("td", { class: "num" }, String(t.held_trials)), h("td", { class: "num" }, String(t.weight)),
         h("td", { class: "num" }, seconds(t.gpu_seconds_window)),
-        h("td", { class: "num" }, seconds(t.gpu_seconds_window / t.weight))))))
+        h("td", { class: "num" }, seconds(t.gpu_seconds_window / t.weight)), waitingCell(t)))))
       : h("p", { class: "muted" }, "No tenant has trials waiting or running."));
   }, { intervalMs: 5000 }).start();
   return { dispose: () => poller.stop() };
