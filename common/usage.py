@@ -5,7 +5,9 @@ while it runs): its GPU seconds are its seconds times its GPUs. They are shared 
 trials it trained by the real tokens each trained there, as their workers reported when the trial left the pack
 (`trial_usage`, one row per trial per stay); a pack with no such report (still running) shares its time equally
 among the trials placed in it. So the trials' GPU seconds add up exactly to the packs' time.
-Over a window [start, end) a pack counts only the part of its time inside the window.
+Over a window [start, end) a pack counts only the part of its time inside the window. Packs side by side on one
+worker (issue 34: a worker on one GPU runs packs of several base models at once) share its GPU: while k of them run,
+each counts 1/k of the time (`split_overlaps`), so a GPU second is billed once however many packs it served.
 
 Each step is counted once, whatever happens to the pack: a lost pack's time ends when it was declared lost (its
 process may train on, unheard, until it learns so: that time is no one's bill), it records no tokens (its trials
@@ -46,11 +48,41 @@ def share_pack(seconds: float, trial_ids: Sequence[str], tokens: Mapping[str, in
     return {t: seconds * tokens.get(t, 0) / total for t in trial_ids}
 
 
-def overlap_s(start: datetime, end: datetime, window: tuple[datetime | None, datetime | None]) -> float:
-    """Seconds of [start, end) inside the window (an open end: unbounded)."""
+def split_overlaps(spans: Sequence[tuple[str, float, float]]) -> dict[str, float]:
+    """Each span's (key, start, end) seconds, the time it overlapped others split equally among them: while k spans
+    are live each counts 1/k. The result adds up to the union of the spans.
+
+    >>> split_overlaps([("a", 0.0, 10.0), ("b", 5.0, 15.0), ("c", 20.0, 21.0)])
+    {'a': 7.5, 'b': 7.5, 'c': 1.0}
+    """
+    out = {key: 0.0 for key, _, _ in spans}
+    edges = sorted((t, is_start, key) for key, start, end in spans if end > start
+                   for t, is_start in ((start, True), (end, False)))
+    live: set[str] = set()
+    last = None
+    for t, is_start, key in edges:
+        if live and last is not None and t > last:
+            for k in live:
+                out[k] += (t - last) / len(live)
+        last = t
+        if is_start:
+            live.add(key)
+        else:
+            live.discard(key)
+    return out
+
+
+def clip(start: datetime, end: datetime, window: tuple[datetime | None, datetime | None]) -> tuple[datetime, datetime]:
+    """[start, end) cut to the window (an open end: unbounded); empty ones as (lo, lo)."""
     lo = max(start, window[0]) if window[0] is not None else start
     hi = min(end, window[1]) if window[1] is not None else end
-    return max(0.0, (hi - lo).total_seconds())
+    return lo, max(lo, hi)
+
+
+def overlap_s(start: datetime, end: datetime, window: tuple[datetime | None, datetime | None]) -> float:
+    """Seconds of [start, end) inside the window (an open end: unbounded)."""
+    lo, hi = clip(start, end, window)
+    return (hi - lo).total_seconds()
 
 
 @dataclass
@@ -89,17 +121,29 @@ def gpu_seconds_by_trial(
         query = query.where(Pack.started_at < window[1])
     if window[0] is not None:
         query = query.where((Pack.finished_at.is_(None)) | (Pack.finished_at > window[0]))
-    packs = [p for p in session.scalars(query) if trial_ids is None or not trial_ids.isdisjoint(p.trial_ids)]
+    every = list(session.scalars(query))
+    held = _held_seconds(every, window, now)
+    packs = [p for p in every if trial_ids is None or not trial_ids.isdisjoint(p.trial_ids)]
     tokens = _tokens_by_pack(session, (p.id for p in packs))
     out: dict[str, float] = defaultdict(float)
     for pack in packs:
-        assert pack.started_at is not None
-        end = as_utc(pack.finished_at) if pack.finished_at is not None else now
-        seconds = overlap_s(as_utc(pack.started_at), end, window) * pack.gpus
+        seconds = held[pack.id] * pack.gpus
         reported = tokens[pack.id] if pack.state != states.PACK_LOST else {}  # a lost pack's: equally (module doc)
         for trial_id, share in share_pack(seconds, [str(t) for t in pack.trial_ids], reported).items():
             out[trial_id] += share
     return dict(out)
+
+
+def _held_seconds(packs: Sequence[Pack], window: tuple[datetime | None, datetime | None],
+                  now: datetime) -> dict[str, float]:
+    """Each pack's seconds inside the window on its worker, shared with the packs beside it (`split_overlaps`)."""
+    by_worker: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
+    for pack in packs:
+        assert pack.started_at is not None
+        end = as_utc(pack.finished_at) if pack.finished_at is not None else now
+        lo, hi = clip(as_utc(pack.started_at), end, window)
+        by_worker[pack.worker_id].append((pack.id, lo.timestamp(), hi.timestamp()))
+    return {pack_id: seconds for spans in by_worker.values() for pack_id, seconds in split_overlaps(spans).items()}
 
 
 def gpu_seconds_by_tenant(session: Session, window: tuple[datetime | None, datetime | None],

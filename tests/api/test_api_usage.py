@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from common.db import session_scope
 from common.tables import Pack, Task, TrialUsage
-from common.usage import overlap_s, share_pack
+from common.usage import gpu_seconds_by_trial, overlap_s, share_pack, split_overlaps
 from tests.factories import ADMIN, TenantKey, make_task, make_tenant, trial_ids, update_row, upload
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
@@ -113,3 +113,31 @@ def test_usage_refuses_a_bad_window_and_the_admin_view_needs_the_admin_token(cli
     fresh = client.get("/v1/usage", headers=tenant.headers).json()
     assert (fresh["gpu_seconds"], fresh["tokens"], fresh["trials"]) == (0.0, 0, {})
     assert fresh["storage_bytes"] > 0
+
+
+def test_packs_side_by_side_on_one_gpu_share_its_seconds(client: TestClient) -> None:
+    """Issue 34: while two packs of two models run at once on one worker, each counts half of that time: a GPU
+    second is billed once. A's pack 0-100 s, B's 50-150 s on the same worker: 75 s each; a pack on another worker
+    over the same time is billed whole."""
+    assert split_overlaps([("a", 0.0, 100.0), ("b", 50.0, 150.0)]) == {"a": 75.0, "b": 75.0}
+    assert split_overlaps([("a", 0.0, 10.0), ("b", 0.0, 10.0), ("c", 0.0, 10.0)]) == {"a": 10 / 3, "b": 10 / 3,
+                                                                                      "c": 10 / 3}
+    assert split_overlaps([("a", 5.0, 5.0), ("b", 0.0, 1.0)]) == {"a": 0.0, "b": 1.0}
+    a, b = make_tenant(client), make_tenant(client)
+    ta, tb = trial_ids(make_task(client, a)["id"]), trial_ids(make_task(client, b)["id"])
+    with session_scope() as s:
+        for pack_id, worker, trial, start in (("pack-beside-a", "gpu-0", ta[0], 0),
+                                              ("pack-beside-b", "gpu-0", tb[0], 50),
+                                              ("pack-elsewhere", "gpu-1", tb[1], 50)):
+            s.add(Pack(id=pack_id, worker_id=worker, base_model="tiny-random-llama", state="finished",
+                       trial_ids=[trial], started_at=T0 + timedelta(seconds=start),
+                       finished_at=T0 + timedelta(seconds=start + 100)))
+    window = f"from={_iso(T0)}&to={_iso(T0 + timedelta(seconds=1000))}"
+    seconds = {}
+    for tenant in (a, b):
+        r = client.get(f"/v1/usage?{window}", headers=tenant.headers)
+        assert r.status_code == 200, r.text
+        seconds[tenant.id] = r.json()["gpu_seconds"]
+    assert seconds == {a.id: 75.0, b.id: 75.0 + 100.0}
+    with session_scope() as s:
+        assert gpu_seconds_by_trial(s, (T0, T0 + timedelta(seconds=75))) == {ta[0]: 62.5, tb[0]: 12.5, tb[1]: 25.0}
