@@ -106,12 +106,18 @@ def test_a_refused_pack_gives_its_trials_back_with_no_attempt_spent(daemon: Sche
     assert set(live_packs()) == {"tiny-random-llama"}  # not placed there again while it has no room
 
 
-def test_a_beat_names_every_pack_and_a_running_one_it_stops_naming_is_lost(daemon: SchedulerDaemon) -> None:
+def start_both_packs(daemon: SchedulerDaemon) -> tuple[Pack, Pack]:
+    """The first pack running, and a second one of another model started beside it."""
     first = start_first_pack(daemon)
     make_task(1, model=SECOND)
     daemon.step(block_s=0.2)
     second = live_packs()[SECOND]
     report("pack.started", pack_id=second.id)
+    return first, second
+
+
+def test_a_beat_names_every_pack_and_a_running_one_it_stops_naming_is_lost(daemon: SchedulerDaemon) -> None:
+    first, second = start_both_packs(daemon)
     beat(packs=named(first.id, second.id))
     daemon.step(block_s=0.2)
     assert {p.id for p in live_packs().values()} == {first.id, second.id}
@@ -129,11 +135,7 @@ def test_a_beat_names_every_pack_and_a_running_one_it_stops_naming_is_lost(daemo
 
 
 def test_a_stalled_second_pack_loses_the_worker(daemon: SchedulerDaemon) -> None:
-    first = start_first_pack(daemon)
-    make_task(1, model=SECOND)
-    daemon.step(block_s=0.2)
-    second = live_packs()[SECOND]
-    report("pack.started", pack_id=second.id)
+    first, second = start_both_packs(daemon)
     stalled = time.time() - daemon.settings.worker_stall_s - 60
     beat(packs=named(first.id) + named(second.id, progressed_at=stalled))
     daemon.step(block_s=0.2)
