@@ -9,7 +9,7 @@ import pytest
 
 from common.settings import DEFAULT_MAX_TRIALS_PER_PACK
 from scheduler.planning.cost import PRIOR_COST, ModelCost, StepTimeModel, prior_cost
-from scheduler.planning.placement import place, rejoin
+from scheduler.planning.placement import Solver, place, rejoin
 from scheduler.planning.types import LivePack, LiveWorker, PendingTrial, RunningMember, Snapshot
 
 
@@ -183,3 +183,23 @@ def test_on_the_priors_no_trial_waits_for_a_later_pack_while_the_pack_starting_n
     placement = place(Snapshot(pending=pending, idle_workers=idle), {"m": gpu_bound})
     (pack,) = placement.plan.packs
     assert len(pack.trial_ids) < 18 and placement.result is not None and len(placement.result.packs) > 1
+
+
+@pytest.mark.parametrize("solver", ["cpsat", "greedy"])
+def test_the_room_beside_a_running_pack_takes_a_pack_of_another_model_now_on_that_worker(solver: Solver) -> None:
+    """Issue 34: a worker running a pack of model "a" with room beside it (`beside_packs`, planned as a unit of its
+    own) takes a pack of model "b" now, recorded on the worker itself; the running pack gets no back-fill in that
+    round (the room beside it was what it left), and the trial of "a" waits."""
+    member = RunningMember("r0", "ten", 1, 1000, 512)
+    live = LivePack(pack_id="p-a", worker_id="w0", base_model="a", free_slots=4, members=1, max_rank=8,
+                    target_modules=("all-linear",), tokens_per_step=512, busy_for_s=1000.0, member_list=(member,))
+    busy = LiveWorker("w0", 8, 80 * 2**30, busy_for_s=1000.0)
+    beside = LiveWorker("w0", 8, 40 * 2**30, frozenset({"b"}), beside_packs=True)
+    snap = Snapshot(pending=(trial(0, model="b"), trial(1, model="a")), idle_workers=(beside,),
+                    busy_workers=(busy,), live_packs=(live,))
+    plan = place(snap, {}, solver=solver).plan
+    assert [(p.worker_id, p.base_model, p.trial_ids) for p in plan.packs] == [("w0", "b", ("tr0",))]
+    assert plan.backfills == ()
+    # Without a pack of another model to start, the running pack takes its back-fill as before.
+    alone = place(replace(snap, pending=(trial(1, model="a"),)), {}, solver=solver).plan
+    assert alone.packs == () and [b.trial_ids for b in alone.backfills] == [("tr1",)]
