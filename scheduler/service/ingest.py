@@ -16,6 +16,7 @@ trials train again from their checkpoints (common/usage.py).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -395,6 +396,11 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
         if split == METRIC_SPLIT and not 0.0 <= loss <= 1.0:  # a share of rows (NaN fails too): it would mis-rank
             log.warning("dropping trial %s's metric score %r at step %s: not in [0, 1]", trial_id, loss, step)
             continue
+        if not math.isfinite(loss):
+            # A diverged trial's NaN or infinite loss: no curve may hold it (SQLite stores NaN as NULL, which the
+            # column refuses: the batch would fail for ever), and it ranks as nothing.
+            log.warning("dropping trial %s's %s loss %r at step %s: not finite", trial_id, split, loss, step)
+            continue
         rows.append({"trial_id": trial_id, "step": step, "split": split, "loss": loss})
         if split == "train" and step >= trial.steps_done:
             trial.steps_done = step
@@ -524,11 +530,12 @@ def _trial_finished(session: Session, m: TrialFinished, now: datetime, touched: 
         return True
     trial.finished_at = now
     trial.steps_done = m.steps_done or trial.steps_done
-    if m.final_train_loss is not None:
+    if m.final_train_loss is not None and math.isfinite(m.final_train_loss):
         trial.last_train_loss = m.final_train_loss
     if status == "completed":
         trial.state = states.TRIAL_COMPLETED
-        trial.best_val_loss = m.best_val_loss
+        # A diverged trial's NaN is no best: it ranks after every trial with a loss.
+        trial.best_val_loss = m.best_val_loss if m.best_val_loss is None or math.isfinite(m.best_val_loss) else None
         trial.best_step = m.best_step
         trial.adapter_key = m.adapter_key
         loss = "n/a" if trial.best_val_loss is None else f"{trial.best_val_loss:.4f}"
