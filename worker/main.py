@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -23,6 +24,7 @@ from common.celery import worker_queue
 from common.settings import get_settings
 from worker import telemetry
 from worker.availability import ModelAvailability
+from worker.colocation import GIL_SWITCH_S
 from worker.heartbeat import Heartbeat, Incarnation
 from worker.model_cache import device_memory, preload_models
 from worker.pack_runner import PackRunner
@@ -74,6 +76,8 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     availability = ModelAvailability(bus)
     # Several packs at once on one device only (worker/colocation.py); a worker over several GPUs runs one.
     max_packs = settings.worker_max_packs if len(devices) == 1 else 1
+    if max_packs > 1:
+        sys.setswitchinterval(GIL_SWITCH_S)  # worker/colocation.py says why
     memory_bytes = settings.worker_memory_bytes or device_memory(device)
     heartbeat = Heartbeat(bus, settings.heartbeat_interval_s, {
         "worker_id": worker_id, "queue": queue, "device": ",".join(str(d) for d in devices),

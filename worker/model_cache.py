@@ -33,6 +33,7 @@ from common.registry import DEFAULT_MODELS
 from common.tiny_tokenizer import TINY_TOKENIZER
 from worker.engine import ModelSource
 from worker.engine.base_model import model_revision
+from worker.engine.capture import DEVICE_WIDE
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ class ModelCache:
             del copy
         gc.collect()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            with DEVICE_WIDE:  # not while another pack captures its step (worker/engine/capture.py)
+                torch.cuda.empty_cache()
 
     def warm(self) -> list[dict[str, Any]]:
         """The warm copies, most recently used first, as the heartbeat's ``warm_models`` carries them."""

@@ -387,6 +387,7 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
     trials: dict[str, Trial | None] = {}
     scored: dict[str, Trial] = {}
     curved: dict[str, Trial] = {}  # trials with a new validation point: their selection_loss is scored again
+    diverged: dict[str, int] = {}  # trial -> its points left out of this message for a non-finite loss
     for trial_id, step, split, loss in m.points:
         if trial_id not in trials:
             trials[trial_id] = _reporting_trial(session, trial_id, pack_id)
@@ -399,7 +400,7 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
         if not math.isfinite(loss):
             # A diverged trial's NaN or infinite loss: no curve may hold it (SQLite stores NaN as NULL, which the
             # column refuses: the batch would fail for ever), and it ranks as nothing.
-            log.warning("dropping trial %s's %s loss %r at step %s: not finite", trial_id, split, loss, step)
+            diverged[trial_id] = diverged.get(trial_id, 0) + 1
             continue
         rows.append({"trial_id": trial_id, "step": step, "split": split, "loss": loss})
         if split == "train" and step >= trial.steps_done:
@@ -412,6 +413,8 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
                 trial.best_val_loss, trial.best_step = loss, step
         elif split == METRIC_SPLIT:
             scored[trial_id] = trial
+    for trial_id, n in diverged.items():  # one line per trial and message, not one per point
+        log.warning("dropping %d point(s) of trial %s: their loss is not finite (diverged)", n, trial_id)
     if rows:
         session.execute(_insert_ignoring_duplicates(session, rows))
     for trial in scored.values():
