@@ -8,6 +8,7 @@ import io
 import json
 import tarfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -157,8 +158,10 @@ def test_a_pack_that_does_not_fit_beside_a_running_one_is_refused_and_nothing_of
     first = threading.Thread(target=runner.run, args=(pack("p-1", "t-1", TINY, memory_bytes=6 * GB),))
     first.start()
     qwen = {**TINY, "name": "tiny-qwen2", "kind": "hf", "path": str(qwen_dir)}
+    deadline = time.monotonic() + 120
     while runner.packs.count() == 0:  # the first pack reserved its 6 GB
-        threading.Event().wait(0.01)
+        assert first.is_alive() and time.monotonic() < deadline, "the first pack never started"
+        time.sleep(0.01)
     runner.run(pack("p-2", "t-2", qwen, memory_bytes=5 * GB))
     refused.set()
     first.join(timeout=300)
