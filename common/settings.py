@@ -85,7 +85,8 @@ class Settings(BaseSettings):
     # How many packs a worker on one device runs at once, each of another base model on a thread and a CUDA stream of
     # its own, as far as their planned memory fits beside each other (docs/operator-guide.md, "Several packs on one
     # GPU"). A worker over several GPUs runs one. 1 (the default): one pack at a time. Experimental above 1: on an
-    # H200 two packs on threads crashed the worker once (benchmarks/results/issue34/SUMMARY.md).
+    # H200 two packs on threads did less work than one after the other, and crashed the worker once
+    # (benchmarks/results/issue34/SUMMARY.md).
     worker_max_packs: int = Field(default=1, ge=1, le=8, alias="LORAPLANE_WORKER_MAX_PACKS")
     # The memory a worker plans its packs in and reports (0: its device's: one GPU's, or the host's).
     worker_memory_bytes: int = Field(default=0, ge=0, alias="LORAPLANE_WORKER_MEMORY_BYTES")
