@@ -1,7 +1,8 @@
 """Preemption with a time slice (issue 34): which running packs give up their GPUs so that other tenants' waiting
 trials can start. Pure: the simulator (scheduler/sim/simulate.py) and the scheduler's daemon call the same rule.
 
-Why: a worker runs one pack, and a pack holds one base model, so a tenant's short task on another model waits for
+Why: a worker runs one pack (unless it may run several, worker/colocation.py, and one more fits), and a pack holds
+one base model, so a tenant's short task on another model waits for
 the whole of a long pack on the only GPU that could take it (measured: 18.6 min for a 13 s task, issue 34). The
 planner's tenant weights order what *starts*; once a pack runs nothing it holds can be taken back. This rule takes
 it back, at a checkpoint (the pause path that early exit uses), under four bounds:

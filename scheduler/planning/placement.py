@@ -3,7 +3,8 @@
 Pure, no I/O. One worker is one planning unit (one `WorkerSpec`), whether it owns one GPU (`loraplane worker --gpu N`)
 or several of one host (`--gpus 0,1`: it runs one pack at a time over all of them, with all of their memory); a
 busy worker is a unit whose pack is predicted to end at `busy_for_s`, so the solver may choose to wait for it
-rather than open a worse pack now.
+rather than open a worse pack now. A worker that may run another pack beside its running ones (worker/colocation.py,
+`LORAPLANE_WORKER_MAX_PACKS` above 1) is also a unit of its own, idle, with the memory they left (`types.unit_id`).
 A worker that names the models it can load (`LiveWorker.models`) gets packs of those models only; a trial
 whose model no worker can load is left out of the plan (`PlanResult.unschedulable`) and stays pending.
 What a snapshot cannot know yet is estimated and said so: a trial's pooled tokens per step are its batch
