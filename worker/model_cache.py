@@ -123,6 +123,10 @@ class ModelCache:
         self._copies: dict[str, _Copy] = {}  # by registry name
         self._known_bytes: dict[str, int] = {}  # name -> its copy's bytes when last loaded (to make room first)
         self._lock = threading.Lock()
+        # One load at a time: loading a model sets process-wide state (transformers builds it on the meta device
+        # under context managers that are not per thread), and two packs' loads at once failed both ("Cannot copy
+        # out of meta tensor").
+        self._loading = threading.Lock()
         self._held: Counter[str] = Counter()  # name -> the running packs that use its copy
         self.loads = 0  # every load it made (the tests count them)
 
@@ -143,9 +147,10 @@ class ModelCache:
             log.info("base model %s changed (its registry entry or its files); loading it again", source.name)
             self._evict([source.name])
             del copy  # the old copy's memory can go before the new one comes
-        self._evict(self._to_evict(self._known_bytes.get(source.name, 0), keep=None))
         started = time.perf_counter()
-        model, tokenizer = self._load_making_room(source)
+        with self._loading:
+            self._evict(self._to_evict(self._known_bytes.get(source.name, 0), keep=None))
+            model, tokenizer = self._load_making_room(source)
         load_s = time.perf_counter() - started
         size = resident_bytes(model)
         with self._lock:

@@ -126,8 +126,14 @@ def test_two_packs_of_two_models_train_at_once_each_as_it_would_alone(
     assert [m["type"] for m in reports(alone) if m["type"].startswith("pack.")].count("pack.finished") == 2
 
     together = make_runner(tmp_path / "together", max_packs=2)
-    both_loaded = threading.Barrier(2, timeout=120)  # neither trains before the other has its model: they overlap
-    loading_gate(monkeypatch, lambda _name: both_loaded.wait())
+    both_set_up = threading.Barrier(2, timeout=120)  # neither trains before the other is set up: they overlap
+    real_train = worker.pack_runner.train_pack
+
+    def train_together(*args: Any, **kwargs: Any) -> Any:
+        both_set_up.wait()
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(worker.pack_runner, "train_pack", train_together)
     threads = [threading.Thread(target=together.run, args=(pack(pack_id, task, source),))
                for pack_id, task, source in (("p-llama", "llama-together", TINY), ("p-qwen", "qwen-together", qwen))]
     for thread in threads:
