@@ -88,7 +88,9 @@ def test_a_short_task_of_another_model_trains_beside_a_long_pack_on_one_worker(t
             steps = [p.step for p in a.tasks.metrics(long_task.id, long_trial.id).train]
             assert steps == list(range(1, len(steps) + 1)), "a step recorded twice or missing"
 
-            # B again, alone on the worker now: the same adapter to 1e-5.
+            # B again, alone on the worker once A's pack has ended: the same adapter to 1e-5.
+            wait_progressing(lambda: all(p["state"] != "running" for p in packs(base_url, token)),
+                             lambda: tuple(p["state"] for p in packs(base_url, token)), "the long pack to end")
             alone = submit(b, one_trial(short_file, SECOND_MODEL, 30))
             _, ended_alone = follow_events(b, alone.id)
             assert ended_alone.state == "succeeded"
