@@ -87,8 +87,9 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
     )
     idle = tuple(LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w), gpus=w.gpus, warm=worker_warm(w))
                  for w in workers if w.id not in busy_ids)
-    sharing = tuple(room for w in workers if w.id in busy_ids
-                    if (room := room_beside_packs(session, w, {t.base_model for t in pending})) is not None)
+    models = {t.base_model for t in pending}
+    sharing = tuple(room for w in workers if w.id in busy_ids and w.max_packs > 1 and w.gpus == 1
+                    if (room := room_beside_packs(session, w, models)) is not None)
     return Snapshot(pending=pending, idle_workers=idle + sharing)
 
 
