@@ -1,19 +1,20 @@
-"""Several packs on one worker (issue 34): which pack may start beside the ones running, and what they reserved.
+"""Several packs on one worker (issue 34): which pack may start beside the ones running, what they reserved, and
+which idle warm models must go to make room.
 
-A worker on one device runs up to `LORAPLANE_WORKER_MAX_PACKS` packs at once, each on a thread of its own (Celery's
-thread pool) and, on CUDA, its own stream, so that a short task of one base model need not wait behind a long pack of
-another. The scheduler places a pack beside others only where its planned memory fits what they left
-(scheduler/service/planner_io.py); the worker checks again when the pack arrives (`refusal`) and refuses one that
-does not fit, which the scheduler takes back without spending an attempt of its trials (`pack.refused`).
+A worker on one device runs up to `LORAPLANE_WORKER_MAX_PACKS` packs at once, each in a pack process of its own
+(worker/pack_processes.py says why processes and not threads), so that a short task of one base model need not wait
+behind a long pack of another. The scheduler places a pack beside others only where its planned memory fits what
+they left (scheduler/service/planner_io.py); the worker checks again when the pack arrives (`refusal`) and refuses
+one that does not fit, which the scheduler takes back without spending an attempt of its trials (`pack.refused`).
 
 Each pack reserves the bytes its plan predicted (`PackMessage.memory_bytes`: its base model, its members'
 activations, adapters and optimizer state, from the cost model fitted on pack profiles). The device's measured free
-memory is not the test: the caching allocator holds freed blocks, and warm models that no pack uses are evicted
-on demand (worker/model_cache.py), so it says little about what a pack can still get.
+memory is not the test: each process's caching allocator holds freed blocks, so it says little about what a pack
+can still get. What an idle pack process keeps warm is counted beside the reservations, and goes when a pack needs
+its room (`idle_models_to_drop`).
 
-Two packs of one base model never run together: a pack's engine wraps its model's layers in place
-(worker/engine/lora.py), so a second pack of that model joins the first as a back-fill instead (the scheduler sends
-it so).
+Two packs of one base model never run together: a second pack of a running model joins the first as back-fills
+(the scheduler sends it so), rather than holding a second copy of its weights.
 """
 
 from __future__ import annotations
@@ -22,11 +23,6 @@ import threading
 from dataclasses import dataclass, field
 
 GB = 1e9
-# The interpreter's thread switch interval on a worker running several packs (Python's default: 5 ms). Each pack's
-# thread gives up the GIL at every blocking CUDA call and waits for it back; behind another pack's busy thread it
-# waited up to a whole interval each time (the convoy effect): on the H200 with the default, SmolLM2's pack beside a
-# 0.4B one stepped at 0.74 s instead of 0.035 s.
-GIL_SWITCH_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -44,7 +40,7 @@ def refusal(incoming: Reservation, running: list[Reservation], *, max_packs: int
     if len(running) >= max_packs:
         return f"the worker already runs {len(running)} packs, its most (LORAPLANE_WORKER_MAX_PACKS)"
     if any(r.base_model == incoming.base_model for r in running):
-        return f"a pack of {incoming.base_model} already runs on this worker (its engine holds the model's layers)"
+        return f"a pack of {incoming.base_model} already runs on this worker (its trials join it as back-fills)"
     reserved = sum(r.bytes for r in running)
     if incoming.bytes + reserved > memory_bytes:
         return (f"its planned {incoming.bytes / GB:.2f} GB do not fit beside the {reserved / GB:.2f} GB reserved by "
@@ -52,9 +48,33 @@ def refusal(incoming: Reservation, running: list[Reservation], *, max_packs: int
     return None
 
 
+@dataclass(frozen=True)
+class IdleModel:
+    """A base model an idle pack process keeps warm."""
+
+    process: int
+    name: str
+    bytes: int
+    last_used_at: float
+
+
+def idle_models_to_drop(reserved_bytes: int, idle: list[IdleModel], *, memory_bytes: int) -> list[IdleModel]:
+    """The idle warm models to drop, least recently used first, so that the running packs' reservations
+    (``reserved_bytes``, the starting pack's included) and the idle models left fit in ``memory_bytes``."""
+    total = reserved_bytes + sum(m.bytes for m in idle)
+    out: list[IdleModel] = []
+    for model in sorted(idle, key=lambda m: (m.last_used_at, m.process, m.name)):
+        if total <= memory_bytes:
+            break
+        out.append(model)
+        total -= model.bytes
+    return out
+
+
 @dataclass
 class RunningPacks:
-    """The packs this worker runs and what each reserved (thread-safe: each pack runs on its own thread)."""
+    """The packs this worker runs and what each reserved (thread-safe: each pack's Celery thread reserves and
+    releases its own)."""
 
     max_packs: int
     memory_bytes: int
@@ -84,6 +104,10 @@ class RunningPacks:
     def shared(self, pack_id: str) -> bool:
         with self._lock:
             return pack_id in self._shared
+
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return sum(r.bytes for r in self._running.values())
 
     def count(self) -> int:
         with self._lock:

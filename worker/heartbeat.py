@@ -133,6 +133,27 @@ class BeatState:
         return packs, json.loads(warm) if warm else None, None if free < 0 else free
 
 
+class BeatProgress:
+    """A pack process's side of the heartbeat (worker/pack_processes.py): it bumps the progress count of the slot
+    the worker process gave its pack in the shared state, and names nothing itself (the worker process does)."""
+
+    def __init__(self, state: BeatState) -> None:
+        self.state = state
+        self._slots: dict[str, int] = {}
+
+    def bind(self, pack_id: str, slot: int | None) -> None:
+        if slot is not None:
+            self._slots[pack_id] = slot
+
+    def unbind(self, pack_id: str) -> None:
+        self._slots.pop(pack_id, None)
+
+    def progressed(self, pack_id: str) -> None:
+        slot = self._slots.get(pack_id)
+        if slot is not None:
+            self.state.progressed(slot)
+
+
 @dataclass
 class ProgressClock:
     """When each pack the beats name last progressed, as the beats see it: the time a beat first saw the pack's
@@ -252,6 +273,10 @@ class Heartbeat:
         slot = self._slots.pop(pack_id, None)
         if slot is not None:
             self.state.remove_pack(slot)
+
+    def slot_of(self, pack_id: str) -> int | None:
+        """``pack_id``'s slot in the shared state (a pack process bumps its progress there: `BeatProgress`)."""
+        return self._slots.get(pack_id)
 
     def progressed(self, pack_id: str) -> None:
         """The pack made progress (a step, a validation, a phase of its set-up or end): cheap, call it freely."""

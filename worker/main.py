@@ -1,7 +1,8 @@
 """The worker's process entry points. `loraplane worker` (`run_worker`): one Celery worker process bound to one device,
-or to several GPUs of its host, consuming its own queue; and `rank_main`: the process of each GPU after the first,
-which the worker's `RankPool` starts (worker/rank_pool.py says what the ranks share and how). The rank protocol is
-apart from this module, so that the pack runner, which uses it, imports no entry point."""
+or to several GPUs of its host, consuming its own queue; `rank_main`: the process of each GPU after the first,
+which the worker's `RankPool` starts (worker/rank_pool.py says what the ranks share and how); and
+`pack_process_main`: each pack process of a worker that runs several packs at once (worker/pack_processes.py). The
+protocols are apart from this module, so that the pack runner, which uses them, imports no entry point."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from typing import Any
@@ -24,9 +24,9 @@ from common.celery import worker_queue
 from common.settings import get_settings
 from worker import telemetry
 from worker.availability import ModelAvailability
-from worker.colocation import GIL_SWITCH_S
-from worker.heartbeat import Heartbeat, Incarnation
+from worker.heartbeat import BeatProgress, BeatState, Heartbeat, Incarnation
 from worker.model_cache import device_memory, preload_models
+from worker.pack_processes import PackChannel, PackProcessConfig, PackProcesses, serve
 from worker.pack_runner import PackRunner
 from worker.rank_pool import RankConfig, RankPool, free_port, join
 
@@ -74,10 +74,9 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
         ranks = pool.start()
     # Every beat names the registered models this machine can load (the registry the scheduler published).
     availability = ModelAvailability(bus)
-    # Several packs at once on one device only (worker/colocation.py); a worker over several GPUs runs one.
+    # Several packs at once on one device only, each in a pack process (worker/pack_processes.py); a worker over
+    # several GPUs runs one.
     max_packs = settings.worker_max_packs if len(devices) == 1 else 1
-    if max_packs > 1:
-        sys.setswitchinterval(GIL_SWITCH_S)  # worker/colocation.py says why
     memory_bytes = settings.worker_memory_bytes or device_memory(device)
     heartbeat = Heartbeat(bus, settings.heartbeat_interval_s, {
         "worker_id": worker_id, "queue": queue, "device": ",".join(str(d) for d in devices),
@@ -85,14 +84,24 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
         "memory_bytes": memory_bytes, "gpus": len(devices), "max_packs": max_packs,
         "max_slots": settings.worker_max_slots * len(devices),
     }, incarnation, models=availability.models)
+    processes = None
+    if max_packs > 1:
+        processes = PackProcesses(PackProcessConfig(
+            worker_id=worker_id, device=str(device), incarnation=incarnation, make_bus=get_bus,
+            make_store=get_artifact_store, model_cache_dir=settings.resolved_model_cache_dir,
+            report_timeout_s=settings.worker_timeout_s, processes=max_packs, cpu_threads=settings.worker_cpu_threads,
+            preload=settings.worker_preload_models, loglevel=loglevel,
+        ), heartbeat.state, memory_bytes, entry=pack_process_main)
+        processes.start()
     runner = PackRunner(worker_id=worker_id, device=device, bus=bus, store=get_artifact_store(),
                         model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat, ranks=ranks,
                         pool=pool, report_timeout_s=settings.worker_timeout_s, max_packs=max_packs,
-                        memory_bytes=memory_bytes)
+                        memory_bytes=memory_bytes, processes=processes)
     from worker.celery_app import celery_app, install_runner
 
     install_runner(runner)
-    heartbeat.warm_models = runner.models.warm  # every beat names the base models this worker holds warm
+    # Every beat names the base models this worker holds warm (in its pack processes, where it has them).
+    heartbeat.warm_models = runner.models.warm if processes is None else processes.warm
     heartbeat.free_memory = runner.packs.free_bytes  # and the memory its running packs left
     # Progress bars of model loading end up as WARNING lines in Celery's redirected stderr.
     hf_logging.disable_progress_bar()
@@ -100,12 +109,13 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     # Beating from a process of its own (worker/heartbeat.py), which training cannot starve, from now on: while
     # models load the scheduler sees the worker, busy with no pack.
     heartbeat.start()
-    preload_models(runner.model, settings.worker_preload_models,
-                   availability.registry() if settings.worker_preload_models else None)
+    if processes is None:  # pack processes preload their own share
+        preload_models(runner.model, settings.worker_preload_models,
+                       availability.registry() if settings.worker_preload_models else None)
     log.info("worker %s (incarnation %s) on %s consuming %s", worker_id, incarnation.id[:8], device, queue)
     # The solo pool runs the pack in this process, where the model stays loaded between packs (the thread pool, for
-    # several packs at once: each on a thread of this process); the heartbeat process ends with it: a killed worker
-    # stops beating and the scheduler requeues its trials.
+    # several packs at once: a thread per pack, waiting for its pack process); the heartbeat process ends with it: a
+    # killed worker stops beating and the scheduler requeues its trials.
     try:
         celery_app.worker_main([
             *(["--quiet"] if quiet else []),
@@ -117,6 +127,8 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
         heartbeat.stop()
         if pool is not None:
             pool.close()
+        if processes is not None:
+            processes.close()
 
 
 def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:
@@ -143,6 +155,33 @@ def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:
         runner.run_share(pack)
         ended.put((rank, pack.pack_id))
     dist.destroy_process_group()
+
+
+def pack_process_main(index: int, config: PackProcessConfig, beats: BeatState, channel: PackChannel) -> None:
+    """A pack process of a worker that runs several packs at once: runs each pack the worker process hands it, until
+    it is handed None (worker/pack_processes.py)."""
+    logging.basicConfig(level=config.loglevel, format=f"%(asctime)s pack{index} %(levelname)s %(name)s %(message)s")
+    # It ends when its worker says so (`PackProcesses.close`) or is gone: not on the signals a terminal or a process
+    # manager sends the worker's whole process group, which the worker shuts down on (its packs finishing first).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent()
+    if config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
+    hf_logging.disable_progress_bar()
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    bus, progress = config.make_bus(), BeatProgress(beats)
+    runner = PackRunner(worker_id=config.worker_id, device=device, bus=bus, store=config.make_store(),
+                        model_cache_dir=config.model_cache_dir, incarnation=config.incarnation,
+                        report_timeout_s=config.report_timeout_s, model_cache_bytes=0, progress=progress,
+                        shared_device=lambda: bool(channel.shared.value))
+    log.info("pack process %d of worker %s on %s", index, config.worker_id, device)
+    preload = config.preload_of(index)
+    if preload:
+        preload_models(runner.model, preload, ModelAvailability(bus).registry())
+    serve(runner, channel, progress)
 
 
 def _exit_with_parent(poll_s: float = 1.0) -> None:

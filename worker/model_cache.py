@@ -33,7 +33,6 @@ from common.registry import DEFAULT_MODELS
 from common.tiny_tokenizer import TINY_TOKENIZER
 from worker.engine import ModelSource
 from worker.engine.base_model import model_revision
-from worker.engine.capture import DEVICE_WIDE
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +105,14 @@ class _Copy:
 
 
 class ModelCache:
-    """The warm copies of one worker process (see the module docstring). ``load`` loads a model onto the device
+    """The warm copies of one worker process, or of one pack process (see the module docstring; a pack process
+    keeps its last pack's model alone: worker/pack_processes.py). ``load`` loads a model onto the device
     (``PackRunner``'s: onto its device, or on the host and sharded on a rank); ``on_evict`` lets go of what else
     holds a copy that goes (the engine kept around its layers). ``get`` runs on the pack's thread; ``warm`` on
     the heartbeat's.
 
-    A worker running several packs at once (worker/colocation.py) calls ``get`` from each pack's thread; a copy a
-    pack uses is held (``get(..., hold=True)`` until ``release``) and never evicted to make room for another's."""
+    ``get`` is safe from several threads: a copy a pack uses is held (``get(..., hold=True)`` until ``release``)
+    and never evicted to make room for another's."""
 
     def __init__(self, load: Callable[[ModelSource], tuple[Any, Any]], *, budget_bytes: int,
                  device: torch.device, on_evict: Callable[[Any], None] | None = None) -> None:
@@ -124,8 +124,8 @@ class ModelCache:
         self._known_bytes: dict[str, int] = {}  # name -> its copy's bytes when last loaded (to make room first)
         self._lock = threading.Lock()
         # One load at a time: loading a model sets process-wide state (transformers builds it on the meta device
-        # under context managers that are not per thread), and two packs' loads at once failed both ("Cannot copy
-        # out of meta tensor").
+        # under context managers that are not per thread), and two loads at once on threads of one process failed
+        # both ("Cannot copy out of meta tensor").
         self._loading = threading.Lock()
         self._held: Counter[str] = Counter()  # name -> the running packs that use its copy
         self.loads = 0  # every load it made (the tests count them)
@@ -206,8 +206,13 @@ class ModelCache:
             del copy
         gc.collect()
         if self.device.type == "cuda":
-            with DEVICE_WIDE:  # not while another pack captures its step (worker/engine/capture.py)
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
+
+    def drop_idle(self) -> None:
+        """Evicts every copy no pack holds."""
+        with self._lock:
+            idle = [name for name in self._copies if not self._held[name]]
+        self._evict(idle)
 
     def warm(self) -> list[dict[str, Any]]:
         """The warm copies, most recently used first, as the heartbeat's ``warm_models`` carries them."""

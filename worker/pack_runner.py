@@ -65,8 +65,9 @@ from worker.engine.base_model import base_dtype
 from worker.engine.distributed import shard_base
 from worker.engine.keeper import EngineKeeper
 from worker.engine.trainer import PackTimings, StopMode
-from worker.heartbeat import Heartbeat, Incarnation
+from worker.heartbeat import BeatProgress, Heartbeat, Incarnation
 from worker.model_cache import Loaded, ModelCache, cache_budget, device_memory, model_source
+from worker.pack_processes import PackProcesses
 from worker.profile import PackProfiler
 from worker.rank_pool import RankPool, Ranks
 
@@ -134,25 +135,32 @@ class PackRunner:
 
     On a worker over several GPUs (worker/rank_pool.py) each rank has one: rank 0's, in the worker process, has the
     heartbeat and the ``pool`` of the other ranks and runs each pack (``run``); the others run their share of it
-    (``run_share``). A worker on one device runs up to ``max_packs`` packs at once, each ``run`` on its own thread
-    (worker/colocation.py), within ``memory_bytes`` (None: the device's).
+    (``run_share``). A worker on one device that runs up to ``max_packs`` packs at once, within ``memory_bytes``
+    (None: the device's), runs each in one of its pack ``processes`` (worker/pack_processes.py): each of those has
+    a runner of its own, which runs the pack there (``run_here``) and bumps its ``progress`` in the heartbeat's
+    shared state; ``shared_device`` tells it whether its pack ran beside another.
     """
 
     def __init__(self, *, worker_id: str, device: torch.device, bus: Bus, store: LocalArtifactStore,
                  model_cache_dir: Path, heartbeat: Heartbeat | None = None, incarnation: Incarnation | None = None,
                  ranks: Ranks | None = None, pool: RankPool | None = None, report_timeout_s: float = 30.0,
-                 model_cache_bytes: int | None = None, max_packs: int = 1, memory_bytes: int | None = None) -> None:
+                 model_cache_bytes: int | None = None, max_packs: int = 1, memory_bytes: int | None = None,
+                 processes: PackProcesses | None = None, progress: BeatProgress | None = None,
+                 shared_device: Callable[[], bool] | None = None) -> None:
         self.worker_id = worker_id
         self.device = device
         self.bus = bus
         self.store = store
         self.model_cache_dir = model_cache_dir
         self.heartbeat = heartbeat
+        self.progress: Heartbeat | BeatProgress | None = progress or heartbeat
         incarnation = incarnation or (heartbeat.incarnation if heartbeat is not None else None)
         assert incarnation is not None, "a runner reports under its worker process's incarnation"
         self.incarnation = incarnation
         self.ranks = ranks  # None: a worker on one device
         self.pool = pool  # rank 0 of a worker over several GPUs: the other ranks
+        self.processes = processes  # a worker running several packs at once: its pack processes
+        self.shared_device = shared_device or (lambda: False)
         # How long a pack's end waits for its reports to reach a bus that is away (then they are dropped,
         # and the scheduler, past its heartbeat timeout, requeues the pack's trials from their checkpoints).
         self.report_timeout_s = report_timeout_s
@@ -160,10 +168,11 @@ class PackRunner:
         # The last pack's engine and its captured graphs, for the next pack of the same model and shape (one
         # device only: a rank's engine is over sharded layers).
         self.engines = EngineKeeper()
-        # The warm base models (worker/model_cache.py), LORAPLANE_WORKER_MODEL_CACHE_BYTES of them (None: the setting).
-        budget = get_settings().worker_model_cache_bytes if model_cache_bytes is None else model_cache_bytes
-        self.models = ModelCache(self._load_model, budget_bytes=cache_budget(budget, device), device=device,
-                                 on_evict=self._model_evicted)
+        # The warm base models (worker/model_cache.py): LORAPLANE_WORKER_MODEL_CACHE_BYTES of them, or as many bytes
+        # as ``model_cache_bytes`` says (0: the last pack's model alone, as a pack process keeps).
+        budget = cache_budget(get_settings().worker_model_cache_bytes, device) if model_cache_bytes is None \
+            else model_cache_bytes
+        self.models = ModelCache(self._load_model, budget_bytes=budget, device=device, on_evict=self._model_evicted)
         self.packs = RunningPacks(max_packs=max_packs, memory_bytes=memory_bytes or device_memory(device))
 
     def model(self, source: ModelSource) -> Loaded:
@@ -226,18 +235,33 @@ class PackRunner:
         )
 
     def run(self, pack: PackMessage) -> None:
+        """Runs ``pack`` on this worker: here, or in one of its pack processes when it has them."""
         pack_id = pack.pack_id
         if not self.bus.claim(f"pack:{pack_id}"):
             log.warning("pack %s was already claimed; skipping the duplicate delivery", pack_id)
             return
         assert self.heartbeat is not None, "only the worker process (rank 0) runs packs"
-        reporter = Reporter(self.bus, pack_id, self.worker_id, self.incarnation)
         refused = self.packs.reserve(Reservation(pack_id, pack.base_model.name, pack.memory_bytes or 0))
         if refused is not None:
-            self._refuse(pack_id, refused, reporter)
+            self._refuse(pack_id, refused)
             return
         # From here until its last report went out, every heartbeat names this pack (see Heartbeat).
         self.heartbeat.add_pack(pack_id)
+        try:
+            if self.processes is None:
+                self.run_here(pack)
+            else:
+                self.processes.run(pack, self.heartbeat.slot_of(pack_id), self.packs.reserved_bytes())
+        finally:
+            self.heartbeat.remove_pack(pack_id)
+            self.packs.release(pack_id)
+            if not self.packs.count():
+                telemetry.pack_ended()
+
+    def run_here(self, pack: PackMessage) -> None:
+        """Runs ``pack`` in this process and reports it, from `pack.started` to `pack.finished` (or `pack.failed`)."""
+        pack_id = pack.pack_id
+        reporter = Reporter(self.bus, pack_id, self.worker_id, self.incarnation)
         try:
             reporter.send(PackStarted)
             self._train_on_every_rank(pack, reporter)
@@ -254,14 +278,19 @@ class PackRunner:
                 pass
         finally:
             reporter.close(self.report_timeout_s)
-            self.heartbeat.remove_pack(pack_id)
-            self.packs.release(pack_id)
-            if not self.packs.count():
-                telemetry.pack_ended()
 
-    def _refuse(self, pack_id: str, reason: str, reporter: Reporter) -> None:
+    def warm_models(self) -> list[dict[str, Any]]:
+        """The warm base models of this process (what a pack process publishes to its worker process)."""
+        return self.models.warm()
+
+    def drop_warm_models(self) -> None:
+        """Lets go of every warm model no pack holds (an idle pack process whose room a starting pack needs)."""
+        self.models.drop_idle()
+
+    def _refuse(self, pack_id: str, reason: str) -> None:
         """Nothing of the pack ran: the scheduler takes its trials back (worker/colocation.py)."""
         log.warning("pack %s refused: %s", pack_id, reason)
+        reporter = Reporter(self.bus, pack_id, self.worker_id, self.incarnation)
         try:
             reporter.send(PackRefused, reason=reason)
         except ReportsLost:
@@ -273,8 +302,7 @@ class PackRunner:
         """``_train`` here and, on a worker over several GPUs, on the other ranks too: they get the pack first, and
         it ends once each has ended its share (its reports went out, before the pack's end is reported)."""
         if self.pool is None:
-            with self._own_stream():
-                self._train(pack, reporter)
+            self._train(pack, reporter)
             return
         self.pool.hand_over(pack)
         try:
@@ -304,27 +332,11 @@ class PackRunner:
             logging.shutdown()
             os._exit(1)
 
-    @contextmanager
-    def _own_stream(self) -> Iterator[None]:
-        """A pack on a CUDA device where several may run runs on a stream of its own: its kernels interleave with
-        the other pack's rather than queueing behind them on one stream. Its work is done on the way out (the next
-        pack to take its kept engine may run on another stream)."""
-        if self.device.type != "cuda" or self.packs.max_packs < 2:
-            yield
-            return
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            with torch.cuda.stream(stream):
-                yield
-        finally:
-            stream.synchronize()
-
     def progressed(self, pack_id: str) -> None:
         """The pack moved on (a step, a validation, a trial's end, a phase): its heartbeat says so, and the scheduler
         ends a pack that stops moving for LORAPLANE_WORKER_STALL_S (worker/heartbeat.py)."""
-        if self.heartbeat is not None:
-            self.heartbeat.progressed(pack_id)
+        if self.progress is not None:
+            self.progress.progressed(pack_id)
 
     def should_stop(self, pack_id: str, trial_ids: Iterable[str]) -> dict[str, StopMode]:
         """The trials to take out now: those the scheduler stopped, or all of them once it aborted the pack."""
@@ -362,7 +374,7 @@ class PackRunner:
         if leads:
             gpus = {} if ranks is None else {"gpus": ranks.world}
             # A pack that shared the GPU with another measured the pair: the cost model leaves it out.
-            shared = {"shared_device": True} if self.packs.shared(pack_id) else {}
+            shared = {"shared_device": True} if self.shared_device() or self.packs.shared(pack_id) else {}
             reporter.send(PackProfile, profile={**profiler.summary(), **gpus, **shared, "phases": timings.summary()})
             telemetry.pack_profiled(timings.summary())  # the phase counters of the worker's metrics
 

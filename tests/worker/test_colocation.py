@@ -1,11 +1,15 @@
-"""Several packs on one worker (issue 34, worker/colocation.py): the rule of which pack may start beside the running
-ones, and real packs of two tiny models of two architectures training at once in one `PackRunner` on the CPU, each
-exactly as it trains alone; a pack that does not fit beside a running one is refused, nothing of it run."""
+"""Several packs on one worker (issue 34, worker/colocation.py, worker/pack_processes.py): the rule of which pack may
+start beside the running ones and which idle warm models go to make room; real packs of two tiny models of two
+architectures training at once in two pack processes on the CPU, each exactly as it trains alone; a pack process
+killed mid-pack takes only its pack; a pack that does not fit beside a running one is refused, nothing of it run."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import os
+import signal
 import tarfile
 import threading
 import time
@@ -22,9 +26,11 @@ from common.artifacts import LocalArtifactStore, adapter_key
 from common.bus import SCHEDULER_STREAM, FileBus
 from common.messages import ModelSourceFields, PackMessage, TrialPayload
 from tests.model_dirs import tiny_model_dir
-from worker.colocation import Reservation, RunningPacks, refusal
+from worker.colocation import IdleModel, Reservation, RunningPacks, idle_models_to_drop, refusal
 from worker.engine import ModelSource
 from worker.heartbeat import Heartbeat, Incarnation
+from worker.main import pack_process_main
+from worker.pack_processes import PackProcessConfig, PackProcesses
 from worker.pack_runner import PackRunner
 
 TINY = {"name": "tiny-random-llama", "kind": "tiny-random-llama", "path": None, "package": None, "gguf_file": None}
@@ -64,7 +70,10 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model_dir("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 
 
-def make_runner(tmp_path: Path, *, max_packs: int, memory_bytes: int | None = None) -> PackRunner:
+def make_runner(tmp_path: Path, *, max_packs: int, memory_bytes: int | None = None,
+                in_processes: bool = False) -> PackRunner:
+    """A worker's runner on the CPU; ``in_processes``: running each pack in one of ``max_packs`` pack processes, as
+    `loraplane worker` does with LORAPLANE_WORKER_MAX_PACKS > 1 (the caller closes ``runner.processes``)."""
     from tests.conftest import MODEL_CACHE
 
     bus = FileBus(tmp_path / "bus.db")
@@ -72,8 +81,18 @@ def make_runner(tmp_path: Path, *, max_packs: int, memory_bytes: int | None = No
     rows = [{"prompt": f"{i} + {i} =", "completion": f" {2 * i}"} for i in range(16)]
     store.put_bytes("files/data.jsonl", "\n".join(json.dumps(r) for r in rows).encode())
     heartbeat = Heartbeat(bus, 1.0, {"worker_id": "w", "queue": "q"}, Incarnation())
+    processes = None
+    if in_processes:
+        processes = PackProcesses(PackProcessConfig(
+            worker_id="w", device="cpu", incarnation=heartbeat.incarnation,
+            make_bus=functools.partial(FileBus, tmp_path / "bus.db"),
+            make_store=functools.partial(LocalArtifactStore, tmp_path / "artifacts"), model_cache_dir=MODEL_CACHE,
+            report_timeout_s=5.0, processes=max_packs, cpu_threads=1,
+        ), heartbeat.state, memory_bytes or 100 * GB, entry=pack_process_main)
+        processes.start()
     return PackRunner(worker_id="w", device=torch.device("cpu"), bus=bus, store=store, model_cache_dir=MODEL_CACHE,
-                      heartbeat=heartbeat, report_timeout_s=5.0, max_packs=max_packs, memory_bytes=memory_bytes)
+                      heartbeat=heartbeat, report_timeout_s=5.0, max_packs=max_packs, memory_bytes=memory_bytes,
+                      processes=processes)
 
 
 def pack(pack_id: str, task_id: str, source: dict[str, Any], *, memory_bytes: int | None = None,
@@ -90,7 +109,8 @@ def pack(pack_id: str, task_id: str, source: dict[str, Any], *, memory_bytes: in
 
 
 def reports(runner: PackRunner) -> list[dict[str, Any]]:
-    return [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
+    """Every report sent so far (read again on each call)."""
+    return [m for _, m in runner.bus.read_after(SCHEDULER_STREAM, "0", count=100_000, block_s=0)]
 
 
 def adapters(runner: PackRunner, task_id: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -116,8 +136,25 @@ def loading_gate(monkeypatch: pytest.MonkeyPatch, gate: Callable[[str], None]) -
     monkeypatch.setattr(worker.pack_runner, "load_base_model", gated)
 
 
-def test_two_packs_of_two_models_train_at_once_each_as_it_would_alone(
-    tmp_path: Path, qwen_dir: Path, monkeypatch: pytest.MonkeyPatch
+def test_idle_warm_models_go_least_recently_used_first_only_as_far_as_the_packs_need_their_room() -> None:
+    a, b = IdleModel(0, "llama", 3 * GB, last_used_at=10.0), IdleModel(1, "qwen", 2 * GB, last_used_at=5.0)
+    assert idle_models_to_drop(5 * GB, [a, b], memory_bytes=10 * GB) == []  # 5 + 3 + 2 fit in 10
+    assert idle_models_to_drop(6 * GB, [a, b], memory_bytes=10 * GB) == [b]  # the older goes first, and enough
+    assert idle_models_to_drop(9 * GB, [a, b], memory_bytes=10 * GB) == [b, a]
+    assert idle_models_to_drop(11 * GB, [], memory_bytes=10 * GB) == []  # nothing to drop: the pack's own risk
+
+
+def run_side_by_side(runner: PackRunner, packs: list[PackMessage]) -> None:
+    threads = [threading.Thread(target=runner.run, args=(p,)) for p in packs]  # as Celery's threads pool does
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+        assert not thread.is_alive(), "a pack never ended"
+
+
+def test_two_packs_of_two_models_train_at_once_in_two_processes_each_as_it_would_alone(
+    tmp_path: Path, qwen_dir: Path
 ) -> None:
     qwen = {**TINY, "name": "tiny-qwen2", "kind": "hf", "path": str(qwen_dir)}
     alone = make_runner(tmp_path / "alone", max_packs=1)
@@ -125,28 +162,28 @@ def test_two_packs_of_two_models_train_at_once_each_as_it_would_alone(
     alone.run(pack("p-qwen", "qwen-alone", qwen))
     assert [m["type"] for m in reports(alone) if m["type"].startswith("pack.")].count("pack.finished") == 2
 
-    together = make_runner(tmp_path / "together", max_packs=2)
-    both_set_up = threading.Barrier(2, timeout=120)  # neither trains before the other is set up: they overlap
-    real_train = worker.pack_runner.train_pack
-
-    def train_together(*args: Any, **kwargs: Any) -> Any:
-        both_set_up.wait()
-        return real_train(*args, **kwargs)
-
-    monkeypatch.setattr(worker.pack_runner, "train_pack", train_together)
-    threads = [threading.Thread(target=together.run, args=(pack(pack_id, task, source),))
-               for pack_id, task, source in (("p-llama", "llama-together", TINY), ("p-qwen", "qwen-together", qwen))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
-    sent = reports(together)
-    assert {(m["pack_id"], m["type"]) for m in sent if m["type"] in ("pack.finished", "pack.failed")} == {
-        ("p-llama", "pack.finished"), ("p-qwen", "pack.finished")}
-    profiles = {m["pack_id"]: m["profile"] for m in sent if m["type"] == "pack.profile"}
-    assert all(p.get("shared_device") is True for p in profiles.values()), profiles  # the cost fit leaves them out
-    assert together.packs.count() == 0 and together.models.warm()  # both released, both still warm
-
+    together = make_runner(tmp_path / "together", max_packs=2, in_processes=True)
+    assert together.processes is not None
+    try:
+        deadline = time.monotonic() + 300
+        while not together.processes.ready():  # both processes up: neither pack can end before the other starts
+            assert time.monotonic() < deadline, "the pack processes never started"
+            time.sleep(0.1)
+        run_side_by_side(together, [pack("p-llama", "llama-together", TINY), pack("p-qwen", "qwen-together", qwen)])
+        sent = reports(together)
+        kinds = [(m["pack_id"], m["type"]) for m in sent if m["type"].startswith("pack.")]
+        assert {k for k in kinds if k[1] in ("pack.finished", "pack.failed")} == {
+            ("p-llama", "pack.finished"), ("p-qwen", "pack.finished")}
+        first_end = min(kinds.index(("p-llama", "pack.finished")), kinds.index(("p-qwen", "pack.finished")))
+        assert {k for k in kinds[:first_end] if k[1] == "pack.started"} == {
+            ("p-llama", "pack.started"), ("p-qwen", "pack.started")}, kinds  # they overlapped
+        profiles = {m["pack_id"]: m["profile"] for m in sent if m["type"] == "pack.profile"}
+        assert all(p.get("shared_device") is True for p in profiles.values()), profiles  # the cost fit leaves them out
+        assert together.packs.count() == 0 and not together.heartbeat.state.read()[0]  # released, named no more
+        warm = together.processes.warm()  # each process keeps its pack's model warm, and the beats name both
+        assert sorted(w["name"] for w in warm) == ["tiny-qwen2", "tiny-random-llama"], warm
+    finally:
+        together.processes.close()
     for model in ("llama", "qwen"):
         got, want = adapters(together, f"{model}-together"), adapters(alone, f"{model}-alone")
         for trial_id, weights in want.items():
@@ -177,3 +214,53 @@ def test_a_pack_that_does_not_fit_beside_a_running_one_is_refused_and_nothing_of
     assert "5.00 GB do not fit beside the 6.00 GB reserved" in second[0]["reason"]
     assert ("p-1", "pack.finished") in {(m["pack_id"], m["type"]) for m in sent}
     assert runner.packs.free_bytes() == 10 * GB
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_pack_process_killed_mid_pack_takes_only_its_pack_and_another_takes_its_place(
+    tmp_path: Path, qwen_dir: Path
+) -> None:
+    qwen = {**TINY, "name": "tiny-qwen2", "kind": "hf", "path": str(qwen_dir)}
+    runner = make_runner(tmp_path, max_packs=2, in_processes=True)
+    assert runner.processes is not None and runner.heartbeat is not None
+    try:
+        wait_until(runner.processes.ready, "the pack processes never started")
+        doomed = threading.Thread(target=runner.run, args=(pack("p-doomed", "t-doomed", TINY, steps=100_000),))
+        doomed.start()
+        wait_until(lambda: any(m["type"] == "points" and m["pack_id"] == "p-doomed" for m in reports(runner)),
+                   "the doomed pack never trained")
+        run_side_by_side(runner, [pack("p-qwen", "t-qwen", qwen)])  # beside it, to its end
+        os.kill(runner.processes.running()["p-doomed"], signal.SIGKILL)
+        doomed.join(timeout=120)
+        assert not doomed.is_alive(), "the worker process still waits for the killed pack process"
+        assert runner.packs.count() == 0 and not runner.heartbeat.state.read()[0]  # the scheduler requeues it
+        runner.run(pack("p-after", "t-after", TINY))  # its replacement (or the other process) serves on
+        ends = {(m["pack_id"], m["type"]) for m in reports(runner) if m["type"] in ("pack.finished", "pack.failed")}
+        assert ends == {("p-qwen", "pack.finished"), ("p-after", "pack.finished")}, ends
+    finally:
+        runner.processes.close()
+
+
+def test_an_idle_process_drops_its_warm_model_when_a_starting_pack_needs_the_room(
+    tmp_path: Path, qwen_dir: Path
+) -> None:
+    qwen = {**TINY, "name": "tiny-qwen2", "kind": "hf", "path": str(qwen_dir)}
+    runner = make_runner(tmp_path, max_packs=2, memory_bytes=GB, in_processes=True)
+    assert runner.processes is not None
+    try:
+        runner.run(pack("p-llama", "t-llama", TINY, memory_bytes=GB // 2))
+        assert [w["name"] for w in runner.processes.warm()] == ["tiny-random-llama"]  # kept warm while it fits
+        runner.run(pack("p-qwen", "t-qwen", qwen, memory_bytes=GB))  # all of the memory: llama's copy must go
+        assert [w["name"] for w in runner.processes.warm()] == ["tiny-qwen2"]
+        runner.run(pack("p-llama-2", "t-llama-2", TINY, memory_bytes=GB // 2))  # qwen's copy fits beside it
+        assert sorted(w["name"] for w in runner.processes.warm()) == ["tiny-qwen2", "tiny-random-llama"]
+    finally:
+        runner.processes.close()
+    ends = [(m["pack_id"], m["type"]) for m in reports(runner) if m["type"] in ("pack.finished", "pack.failed")]
+    assert ends == [("p-llama", "pack.finished"), ("p-qwen", "pack.finished"), ("p-llama-2", "pack.finished")]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -51,11 +50,6 @@ STEP_CAPTURE_MODES = ("auto", "off")
 # rungs meets new shapes as its slots empty (16 were full within one early-exit task on an H200, 2026-11-26, and
 # every later shape stepped eagerly until the eviction).
 MAX_GRAPHS = 16  # the default of ``LORAPLANE_STEP_GRAPHS`` (max_graphs)
-# One capture at a time in this process, and no device-wide call (a `torch.cuda.synchronize`, an `empty_cache`) while
-# one runs: a worker running several packs at once (worker/colocation.py) runs each on a thread, and another pack's
-# device-wide call during a capture fails it ("operation not permitted when stream is capturing": on the H200, the
-# second pack of two then stepped eagerly, ~20x slower). Whoever makes such a call outside a capture takes it too.
-DEVICE_WIDE = threading.Lock()
 # Eager runs before a capture: kernels autotuned, libraries' lazy state built (the first capture of an engine),
 # the new shape's autotuning (later ones).
 FIRST_WARMUP_RUNS, WARMUP_RUNS = 2, 1
@@ -170,12 +164,11 @@ class StepGraphs:
 
     def _capture(self, batch: PackedBatch) -> _Graph:
         started = time.perf_counter()
-        with DEVICE_WIDE:
-            try:
-                return self._capture_graph(batch)
-            finally:
-                torch.cuda.synchronize()  # the warm-up runs and the capture are queued: count them done
-                self.capture_s += time.perf_counter() - started
+        try:
+            return self._capture_graph(batch)
+        finally:
+            torch.cuda.synchronize()  # the warm-up runs and the capture are queued: count them done
+            self.capture_s += time.perf_counter() - started
 
     def _capture_graph(self, batch: PackedBatch) -> _Graph:
         def body() -> torch.Tensor:
