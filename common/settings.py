@@ -82,12 +82,12 @@ class Settings(BaseSettings):
     # The most trials one pack of this worker holds per GPU (a worker over n GPUs announces n times it): one name
     # for it, as the variable, the heartbeat's `max_slots` and the workers table's column say.
     worker_max_slots: int = Field(default=DEFAULT_MAX_TRIALS_PER_PACK, ge=1, alias="LORAPLANE_WORKER_MAX_SLOTS")
-    # How many packs a worker on one device runs at once, each of another base model on a thread and a CUDA stream of
-    # its own, as far as their planned memory fits beside each other (docs/operator-guide.md, "Several packs on one
-    # GPU"). A worker over several GPUs runs one. 1 (the default): one pack at a time. Experimental above 1: on an
-    # H200 two packs on threads did less work than one after the other, and crashed the worker once
-    # (benchmarks/results/issue34/SUMMARY.md).
-    worker_max_packs: int = Field(default=1, ge=1, le=8, alias="LORAPLANE_WORKER_MAX_PACKS")
+    # How many packs a worker on one device runs at once, each of another base model in a pack process of its own, as
+    # far as their planned memory fits beside each other (docs/operator-guide.md, "Several packs on one GPU").
+    # 0 (the default): 2 on a GPU, 1 on the CPU (where packs would only share its cores); a worker over several GPUs
+    # runs one. On an H200 two packs side by side had the short task done 1.77x sooner than waiting its turn, at
+    # 1.04x the throughput of one after the other (benchmarks/results/issue34/SUMMARY.md).
+    worker_max_packs: int = Field(default=0, ge=0, le=8, alias="LORAPLANE_WORKER_MAX_PACKS")
     # The memory a worker plans its packs in and reports (0: its device's: one GPU's, or the host's).
     worker_memory_bytes: int = Field(default=0, ge=0, alias="LORAPLANE_WORKER_MEMORY_BYTES")
     # A worker over several GPUs (`--gpus`): how long one of its ranks waits for the others in an agreement or a

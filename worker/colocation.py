@@ -25,6 +25,20 @@ from dataclasses import dataclass, field
 GB = 1e9
 
 
+DEFAULT_GPU_PACKS = 2  # LORAPLANE_WORKER_MAX_PACKS=0 on one GPU (measured: benchmarks/results/issue34/SUMMARY.md)
+
+
+def max_packs_for(configured: int, *, device_type: str, gpus: int) -> int:
+    """How many packs a worker runs at once: ``configured`` (LORAPLANE_WORKER_MAX_PACKS; 0: `DEFAULT_GPU_PACKS` on
+    one GPU, 1 on the CPU, where packs would only share its cores). A worker over several GPUs runs one (each pack
+    spans all of them)."""
+    if gpus > 1:
+        return 1
+    if configured:
+        return configured
+    return DEFAULT_GPU_PACKS if device_type == "cuda" else 1
+
+
 @dataclass(frozen=True)
 class Reservation:
     pack_id: str

@@ -24,6 +24,7 @@ from common.celery import worker_queue
 from common.settings import get_settings
 from worker import telemetry
 from worker.availability import ModelAvailability
+from worker.colocation import max_packs_for
 from worker.heartbeat import BeatProgress, BeatState, Heartbeat, Incarnation
 from worker.model_cache import device_memory, preload_models
 from worker.pack_processes import PackChannel, PackProcessConfig, PackProcesses, serve
@@ -74,9 +75,8 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
         ranks = pool.start()
     # Every beat names the registered models this machine can load (the registry the scheduler published).
     availability = ModelAvailability(bus)
-    # Several packs at once on one device only, each in a pack process (worker/pack_processes.py); a worker over
-    # several GPUs runs one.
-    max_packs = settings.worker_max_packs if len(devices) == 1 else 1
+    # Several packs at once on one device only, each in a pack process (worker/pack_processes.py).
+    max_packs = max_packs_for(settings.worker_max_packs, device_type=device.type, gpus=len(devices))
     memory_bytes = settings.worker_memory_bytes or device_memory(device)
     heartbeat = Heartbeat(bus, settings.heartbeat_interval_s, {
         "worker_id": worker_id, "queue": queue, "device": ",".join(str(d) for d in devices),
@@ -117,18 +117,26 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     # several packs at once: a thread per pack, waiting for its pack process); the heartbeat process ends with it: a
     # killed worker stops beating and the scheduler requeues its trials.
     try:
-        celery_app.worker_main([
-            *(["--quiet"] if quiet else []),
-            "worker", "-Q", queue, "--pool", "solo" if max_packs == 1 else "threads", "--concurrency", str(max_packs),
-            "-n", f"{worker_id}@%h",
-            "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ])
+        celery_app.worker_main(celery_argv(queue, worker_id=worker_id, max_packs=max_packs, loglevel=loglevel,
+                                           quiet=quiet))
     finally:
         heartbeat.stop()
         if pool is not None:
             pool.close()
         if processes is not None:
             processes.close()
+
+
+def celery_argv(queue: str, *, worker_id: str, max_packs: int, loglevel: str, quiet: bool) -> list[str]:
+    """The worker's Celery arguments: its own queue, with the solo pool or, for several packs at once, a thread per
+    pack."""
+    return [
+        *(["--quiet"] if quiet else []),
+        "worker", "-Q", queue,
+        "--pool", "solo" if max_packs == 1 else "threads", "--concurrency", str(max_packs),
+        "-n", f"{worker_id}@%h",
+        "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
+    ]
 
 
 def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:

@@ -26,7 +26,7 @@ from common.artifacts import LocalArtifactStore, adapter_key
 from common.bus import SCHEDULER_STREAM, FileBus
 from common.messages import ModelSourceFields, PackMessage, TrialPayload
 from tests.model_dirs import tiny_model_dir
-from worker.colocation import IdleModel, Reservation, RunningPacks, idle_models_to_drop, refusal
+from worker.colocation import IdleModel, Reservation, RunningPacks, idle_models_to_drop, max_packs_for, refusal
 from worker.engine import ModelSource
 from worker.heartbeat import Heartbeat, Incarnation
 from worker.main import pack_process_main
@@ -134,6 +134,13 @@ def loading_gate(monkeypatch: pytest.MonkeyPatch, gate: Callable[[str], None]) -
         return loaded
 
     monkeypatch.setattr(worker.pack_runner, "load_base_model", gated)
+
+
+def test_a_worker_runs_two_packs_on_one_gpu_by_default_and_one_on_the_cpu_or_over_several_gpus() -> None:
+    assert max_packs_for(0, device_type="cuda", gpus=1) == 2
+    assert max_packs_for(0, device_type="cpu", gpus=1) == 1
+    assert max_packs_for(3, device_type="cpu", gpus=1) == 3  # an operator's number is kept
+    assert max_packs_for(4, device_type="cuda", gpus=2) == 1
 
 
 def test_idle_warm_models_go_least_recently_used_first_only_as_far_as_the_packs_need_their_room() -> None:
