@@ -113,6 +113,16 @@ def adapter_key(task_id: str, trial_id: str) -> str:
     return f"adapters/{task_id}/{trial_id}.tar.gz"
 
 
+def merged_key(task_id: str, trial_id: str) -> str:
+    """The trial's merged model (its base with the adapter merged in), built once on request (worker/exports.py)."""
+    return f"exports/{task_id}/{trial_id}/merged.tar.gz"
+
+
+def merged_failure_key(task_id: str, trial_id: str) -> str:
+    """Why the merged model could not be built (JSON ``{"error": ...}``), until it is asked for again."""
+    return f"exports/{task_id}/{trial_id}/merged.failed.json"
+
+
 def checkpoint_key(task_id: str, trial_id: str, step: int) -> str:
     # One key per step: the database's (key, step) pointer must never find a newer checkpoint at its key
     # (a worker killed between writing one and reporting it would otherwise leave exactly that).

@@ -11,10 +11,16 @@ from common.private_files import private_dir
 from common.settings import Settings, get_settings
 
 RUN_PACK_TASK = "loraplane.run_pack"
+BUILD_EXPORT_TASK = "loraplane.build_export"
 
 
 def worker_queue(settings: Settings, worker_id: str) -> str:
     return f"{settings.namespace}.worker.{worker_id}"
+
+
+def exports_queue(settings: Settings) -> str:
+    """The queue of export builds (a merged model), which every worker consumes beside its own."""
+    return f"{settings.namespace}.exports"
 
 
 def make_celery(settings: Settings) -> Celery:

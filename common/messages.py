@@ -122,6 +122,19 @@ class PackMessage(Message):
     memory_bytes: int | None = None
 
 
+class ExportRequest(Message):
+    """Build a trial's merged model (its base with its adapter merged in) and store it at ``out_key`` (the Celery
+    task's argument, sent by the API on the first `GET .../adapter?format=merged`; worker/exports.py)."""
+
+    type: Literal["build_export"] = "build_export"
+    task_id: str
+    trial_id: str
+    adapter_key: str
+    base_model: ModelSourceFields
+    out_key: str
+    failure_key: str
+
+
 # Commands, on a worker's stream.
 
 
@@ -321,6 +334,7 @@ def _by_type(*classes: type[Message]) -> dict[str, type[Any]]:
 
 
 PACK_TYPES = _by_type(PackMessage)
+EXPORT_TYPES = _by_type(ExportRequest)
 COMMAND_TYPES = _by_type(AdmitTrials, StopTrials, AbortPack)
 REPORT_TYPES = _by_type(WorkerHeartbeat, Wake, PackStarted, Points, TrialCheckpoint, TrialCheckpointLost, TrialAdmitted,
                         TrialRejected, TrialFinished, PackProgress, PackProfile, PackFinished, PackFailed,
@@ -334,6 +348,11 @@ def parse_pack(raw: object, *, on_drop: OnDrop) -> PackMessage | None:
     if isinstance(raw, dict) and "type" not in raw:
         raw = {**raw, "type": "run_pack"}
     return _parse(raw, PACK_TYPES, "pack", on_drop)
+
+
+def parse_export(raw: object, *, on_drop: OnDrop) -> ExportRequest | None:
+    parsed: ExportRequest | None = _parse(raw, EXPORT_TYPES, "export request", on_drop)
+    return parsed
 
 
 def parse_command(raw: object, *, on_drop: OnDrop) -> Command | None:

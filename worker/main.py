@@ -20,7 +20,7 @@ from transformers.utils import logging as hf_logging
 
 from common.artifacts import get_artifact_store
 from common.bus import get_bus
-from common.celery import worker_queue
+from common.celery import exports_queue, worker_queue
 from common.settings import get_settings
 from worker import telemetry
 from worker.availability import ModelAvailability
@@ -117,8 +117,8 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     # several packs at once: a thread per pack, waiting for its pack process); the heartbeat process ends with it: a
     # killed worker stops beating and the scheduler requeues its trials.
     try:
-        celery_app.worker_main(celery_argv(queue, worker_id=worker_id, max_packs=max_packs, loglevel=loglevel,
-                                           quiet=quiet))
+        celery_app.worker_main(celery_argv(queue, exports_queue(settings), worker_id=worker_id, max_packs=max_packs,
+                                           loglevel=loglevel, quiet=quiet))
     finally:
         heartbeat.stop()
         if pool is not None:
@@ -127,13 +127,14 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
             processes.close()
 
 
-def celery_argv(queue: str, *, worker_id: str, max_packs: int, loglevel: str, quiet: bool) -> list[str]:
-    """The worker's Celery arguments: its own queue, with the solo pool or, for several packs at once, a thread per
-    pack."""
+def celery_argv(queue: str, exports: str, *, worker_id: str, max_packs: int, loglevel: str, quiet: bool) -> list[str]:
+    """The worker's Celery arguments: its own queue, and the exports queue every worker shares (worker/exports.py).
+    With the solo pool a merged model is built between packs; the threads pool keeps one thread for it beside the
+    packs'."""
     return [
         *(["--quiet"] if quiet else []),
-        "worker", "-Q", queue,
-        "--pool", "solo" if max_packs == 1 else "threads", "--concurrency", str(max_packs),
+        "worker", "-Q", f"{queue},{exports}",
+        "--pool", "solo" if max_packs == 1 else "threads", "--concurrency", str(max_packs + (max_packs > 1)),
         "-n", f"{worker_id}@%h",
         "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
     ]

@@ -7,16 +7,28 @@ the event stream, which is open-ended, re-checks its key while open (api/sse.py)
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
+from typing import Literal
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from sqlalchemy.orm import Session
 
 from api.errors import ApiError, conflict
-from common.artifacts import get_artifact_store
+from common.artifacts import get_artifact_store, merged_failure_key, merged_key
+from common.celery import BUILD_EXPORT_TASK, exports_queue, get_celery
+from common.messages import ExportRequest, ModelSourceFields
+from common.registry import model_source_fields
+from common.settings import get_settings
 from common.states import TASK_CANCELLED, TASK_FAILED, TASK_SUCCEEDED
-from common.tables import Task, Trial
+from common.tables import BaseModelEntry, Task, Trial
 
 CHUNK_BYTES = 1 << 20
+AdapterFormat = Literal["peft", "merged"]
+ADAPTER_FORMATS = ("peft", "merged")  # `?format=`: the adapter as trained, or merged into its base
+EXPORT_RETRY_AFTER_S = 5  # what a 202 tells the client to wait before asking again
+EXPORT_RESEND_S = 900.0  # a build asked for this long ago and neither stored nor failed is asked for again
 
 
 def _not_ready(message: str) -> ApiError:
@@ -29,14 +41,53 @@ def adapter_download(trial: Trial) -> StreamingResponse:
     key = trial.adapter_key
     if not key or not store.exists(key):
         raise _not_ready(f"Trial '{trial.id}' has no adapter yet (state: {trial.state}).")
-    handle = store.open(key)  # opened now, so a missing object is a 409 above, not a broken stream
+    return _stream(key, f"{trial.task_id}-{trial.id}-adapter.tar.gz")
+
+
+def merged_download(session: Session, trial: Trial, task: Task) -> Response:
+    """The trial's merged model (worker/exports.py) as a .tar.gz once built; until then 202 with how long to wait,
+    the build asked of the workers on the first request (and again if it went missing); 409 export_failed once with
+    the reason when a build failed (the next request tries again)."""
+    store = get_artifact_store()
+    if not trial.adapter_key or not store.exists(trial.adapter_key):
+        raise _not_ready(f"Trial '{trial.id}' has no adapter yet (state: {trial.state}), so nothing to merge.")
+    key, failure_key = merged_key(task.id, trial.id), merged_failure_key(task.id, trial.id)
+    if store.exists(key):
+        return _stream(key, f"{trial.task_id}-{trial.id}-merged.tar.gz")
+    requested_key = f"{key}.requested.json"
+    if store.exists(failure_key):
+        error = json.loads(store.get_bytes(failure_key)).get("error", "unknown")
+        store.delete(failure_key)
+        store.delete(requested_key)
+        raise conflict("export_failed", f"The merged model of trial '{trial.id}' could not be built ({error}). "
+                                        "Ask again to try once more.")
+    asked_at = json.loads(store.get_bytes(requested_key))["at"] if store.exists(requested_key) else None
+    if asked_at is None or time.time() - float(asked_at) > EXPORT_RESEND_S:
+        entry = session.get(BaseModelEntry, task.base_model)
+        if entry is None:
+            raise conflict("export_failed", f"Task '{task.id}''s base model '{task.base_model}' is no longer "
+                                            "registered, so its adapters cannot be merged.")
+        request = ExportRequest(task_id=task.id, trial_id=trial.id, adapter_key=trial.adapter_key,
+                                base_model=ModelSourceFields.model_validate(model_source_fields(entry)),
+                                out_key=key, failure_key=failure_key)
+        store.put_bytes(requested_key, json.dumps({"at": time.time()}).encode())
+        get_celery().send_task(BUILD_EXPORT_TASK, kwargs={"request": request.to_dict()},
+                               queue=exports_queue(get_settings()))
+    return JSONResponse(
+        status_code=202, headers={"Retry-After": str(EXPORT_RETRY_AFTER_S)},
+        content={"status": "building", "retry_after_s": EXPORT_RETRY_AFTER_S,
+                 "message": f"The merged model of trial '{trial.id}' is being built by a worker; ask again in "
+                            f"{EXPORT_RETRY_AFTER_S} s."})
+
+
+def _stream(key: str, filename: str) -> StreamingResponse:
+    handle = get_artifact_store().open(key)  # opened now, so a missing object is a 409 above, not a broken stream
 
     def chunks() -> Iterator[bytes]:
         with handle:
             while chunk := handle.read(CHUNK_BYTES):
                 yield chunk
 
-    filename = f"{trial.task_id}-{trial.id}-adapter.tar.gz"
     return StreamingResponse(
         chunks(),
         media_type="application/gzip",

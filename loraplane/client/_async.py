@@ -323,20 +323,31 @@ class AsyncTasks:
         return await self.get(task_id)
 
     async def download_adapter(self, task_id: str, directory: str | os.PathLike[str] | None = None, *,
-                               trial_id: str | None = None, refit: bool = False) -> Path:
+                               trial_id: str | None = None, refit: bool = False, merged: bool = False,
+                               timeout: float = 1800.0) -> Path:
         """The best trial's adapter (or `trial_id`'s, or with `refit` the refit's of a task submitted with
-        `"refit": true`), unpacked into `directory` (default `./<task>-<trial>-adapter`): a PEFT directory. Returns
-        the directory; 409 until there is an adapter."""
+        `"refit": true`), unpacked into `directory` (default `./<task>-<trial>-adapter`): a PEFT directory. With
+        `merged`, its base model with the adapter merged in (a Hugging Face safetensors directory, default
+        `./<task>-<trial>-merged`), which a worker builds on the first request: this waits for it, asking again as
+        the service says (`Retry-After`), up to `timeout` seconds (then WaitTimeout). Returns the directory; 409
+        until there is an adapter."""
         if trial_id is not None and refit:
             raise ValueError("give trial_id or refit, not both")
         path = f"/v1/tasks/{task_id}/adapter" if trial_id is None else f"/v1/tasks/{task_id}/trials/{trial_id}/adapter"
-        params = {"refit": "true"} if refit else None
-        with tempfile.TemporaryFile() as archive:
-            async with self._c._stream(path, params=params) as response:
-                async for chunk in response.aiter_bytes():
-                    archive.write(chunk)
-                target = _core.archive_dir(response, directory)
-            return await _core.aextract_archive(archive, target)
+        params = {**({"refit": "true"} if refit else {}), **({"format": "merged"} if merged else {})} or None
+        deadline = time.monotonic() + timeout
+        while True:
+            with tempfile.TemporaryFile() as archive:
+                async with self._c._stream(path, params=params) as response:
+                    if response.status_code != 202:  # 202: a merged model still being built
+                        async for chunk in response.aiter_bytes():
+                            archive.write(chunk)
+                        target = _core.archive_dir(response, directory)
+                        return await _core.aextract_archive(archive, target)
+                    wait = _core.retry_after(response)
+            if time.monotonic() + wait > deadline:
+                raise WaitTimeout(f"the merged model of {task_id} is not built after {timeout:.0f} s")
+            await _core.asleep(wait)
 
     async def _sse(self, task_id: str, after: int, deadline: float | None) -> AsyncIterator[Event]:
         left = None if deadline is None else deadline - time.monotonic()

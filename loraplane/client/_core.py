@@ -141,6 +141,14 @@ def stream_timeout(timeout: httpx.Timeout, deadline_left: float | None) -> httpx
 FILENAME = re.compile(r'filename="?([^";]+)"?')
 
 
+def retry_after(response: httpx.Response, default_s: float = 5.0) -> float:
+    """The seconds a 202 asks the client to wait before asking again (`Retry-After`, within 1-60 s)."""
+    try:
+        return min(60.0, max(1.0, float(response.headers.get("retry-after", default_s))))
+    except ValueError:
+        return default_s
+
+
 def archive_dir(response: httpx.Response, directory: str | os.PathLike[str] | None) -> Path:
     """Where an adapter goes: `directory`, else `./<task>-<trial>-adapter` from the answer's file name."""
     if directory is not None:

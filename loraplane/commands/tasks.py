@@ -252,7 +252,8 @@ def cmd_download(args: argparse.Namespace) -> int:
             trial_id = None
         elif trial_id is None:
             best = lp.tasks.get(args.task_id).best_trial
-        directory = lp.tasks.download_adapter(args.task_id, args.output, trial_id=trial_id, refit=args.refit)
+        directory = lp.tasks.download_adapter(args.task_id, args.output, trial_id=trial_id, refit=args.refit,
+                                              merged=args.merged)
         if args.refit:
             trial_id = lp.tasks.get(args.task_id).refit_trial_id
     files = sorted(p.name for p in directory.iterdir())
@@ -326,7 +327,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     which = download.add_mutually_exclusive_group()
     which.add_argument("--trial", metavar="TRIAL_ID", help="this trial's adapter instead of the best one")
     which.add_argument("--refit", action="store_true", help="the refit's adapter (a task submitted with refit: true)")
-    download.add_argument("-o", "--output", metavar="DIR", help="where (default ./<task>-<trial>-adapter)")
+    download.add_argument("--merged", action="store_true", help="the base model with the adapter merged in (a Hugging "
+                          "Face safetensors directory), built by a worker on the first request: waits for it")
+    download.add_argument("-o", "--output", metavar="DIR", help="where (default ./<task>-<trial>-adapter, or "
+                          "-merged)")
     download.set_defaults(func=guarded(cmd_download), client=True)
 
     curves = tsub.add_parser("curves", parents=[common], help="every trial's loss curves as JSONL (what "

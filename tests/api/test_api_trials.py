@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi.testclient import TestClient
 
+from common.artifacts import get_artifact_store, merged_failure_key, merged_key
 from common.db import session_scope
 from common.states import TASK_SUCCEEDED, TRIAL_COMPLETED, TRIAL_FAILED
 from common.tables import MetricPoint, Task, Trial, new_id
@@ -129,3 +132,36 @@ def test_a_refit_task_keeps_its_row_counts_and_serves_its_refit_adapter_apart(cl
     r = client.get(refit_url, headers=tenant.headers)
     assert (r.status_code, r.json()["error"]["code"]) == (409, "no_refit")
     assert "best trial's adapter" in r.json()["error"]["message"]
+
+
+def test_a_merged_model_is_asked_of_the_workers_once_reports_its_failure_once_then_downloads(
+    client: TestClient, tenant: TenantKey
+) -> None:
+    """Issue 35: ?format=merged is 409 adapter_not_ready without an adapter; then 202 while a worker builds it,
+    asked of the workers on the first request only; a failed build is one 409 export_failed with its reason, and the
+    next request asks again; once stored, the archive downloads."""
+    task = make_task(client, tenant)
+    trial_id = trial_ids(task["id"])[1]
+    url = f"/v1/tasks/{task['id']}/trials/{trial_id}/adapter?format=merged"
+    r = client.get(url, headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready")
+    store_adapter(task["id"], trial_id, b"\x1f\x8b" + bytes(16))
+    store = get_artifact_store()
+    asked = f"{merged_key(task['id'], trial_id)}.requested.json"
+
+    r = client.get(url, headers=tenant.headers)
+    assert r.status_code == 202 and r.json()["status"] == "building" and r.headers["retry-after"] == "5"
+    first_ask = store.get_bytes(asked)
+    assert client.get(url, headers=tenant.headers).status_code == 202 and store.get_bytes(asked) == first_ask
+
+    store.put_bytes(merged_failure_key(task["id"], trial_id), json.dumps({"error": "OSError: disk full"}).encode())
+    r = client.get(url, headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "export_failed") and "disk full" in r.text
+    assert client.get(url, headers=tenant.headers).status_code == 202 and store.get_bytes(asked) != first_ask
+
+    store.put_bytes(merged_key(task["id"], trial_id), b"\x1f\x8b merged")
+    r = client.get(url, headers=tenant.headers)
+    assert r.status_code == 200 and r.content == b"\x1f\x8b merged"
+    assert r.headers["content-disposition"] == f'attachment; filename="{task["id"]}-{trial_id}-merged.tar.gz"'
+    bad = client.get(f"/v1/tasks/{task['id']}/adapter?format=onnx", headers=tenant.headers)
+    assert bad.status_code == 422 and "'peft' or 'merged'" in bad.json()["error"]["message"], bad.text

@@ -1,0 +1,70 @@
+"""A trial's merged model (issue 35): its base with its adapter merged in, as a Hugging Face safetensors directory
+that `transformers` loads, and vLLM, llama.cpp's converters and Ollama users start from.
+
+Built once, on request: the API sends an `ExportRequest` (Celery, the exports queue that every worker consumes
+beside its own) on the first `GET .../adapter?format=merged`, and answers 202 until the archive is in the store.
+Built on the CPU in the worker process, between its packs or beside them: merging is one matrix product per adapted
+layer, and the CPU leaves the GPU's memory to the packs.
+
+The merge is PEFT's own (`merge_and_unload`), on the base as the worker loads it for training (a GGUF base
+de-quantised), in float32, then saved in the base's declared dtype: the merged model's logits equal base + adapter to
+that dtype's tolerance (tests/e2e/test_export.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tarfile
+import tempfile
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+
+from common.artifacts import LocalArtifactStore
+from common.messages import ExportRequest
+from worker.engine.base_model import load_base_model
+from worker.model_cache import model_source
+
+log = logging.getLogger(__name__)
+
+
+def merge_adapter(request: ExportRequest, *, adapter_dir: Path, out_dir: Path, cache_dir: Path) -> Path:
+    """Writes the merged model of ``adapter_dir`` (a PEFT adapter) on ``request.base_model`` to ``out_dir``."""
+    source = model_source(request.base_model.model_dump())
+    model, tokenizer = load_base_model(source, cache_dir=cache_dir, device=torch.device("cpu"), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    declared = getattr(merged.config, "dtype", None) or getattr(merged.config, "torch_dtype", None)
+    if isinstance(declared, torch.dtype) and declared != torch.float32:
+        merged = merged.to(declared)
+    merged.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_merged(request: ExportRequest, *, store: LocalArtifactStore, cache_dir: Path) -> None:
+    """Builds the merged model of ``request`` and stores it as a .tar.gz at ``request.out_key``; a build that fails
+    stores why at ``request.failure_key`` (the API reports it once, and the next request tries again)."""
+    if store.exists(request.out_key):
+        return  # built already (a request sent twice)
+    log.info("building the merged model of trial %s (base %s)", request.trial_id, request.base_model.name)
+    try:
+        with tempfile.TemporaryDirectory(prefix="merged-") as tmp_name:
+            tmp = Path(tmp_name)
+            adapter_dir = tmp / "adapter"
+            adapter_dir.mkdir()
+            with store.open(request.adapter_key) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
+                tar.extractall(adapter_dir, filter="data")
+            out_dir = merge_adapter(request, adapter_dir=adapter_dir, out_dir=tmp / "merged", cache_dir=cache_dir)
+            archive = tmp / "merged.tar.gz"
+            # Level 1: weights are noise to gzip; higher levels cost minutes on a large model and save ~nothing.
+            with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
+                for item in sorted(out_dir.iterdir()):
+                    tar.add(item, arcname=item.name)
+            store.put_file(request.out_key, archive)
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the user is told, not left polling for ever
+        log.exception("the merged model of trial %s could not be built", request.trial_id)
+        store.put_bytes(request.failure_key, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+        return
+    log.info("merged model of trial %s stored at %s", request.trial_id, request.out_key)
