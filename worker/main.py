@@ -143,15 +143,7 @@ def celery_argv(queue: str, exports: str, *, worker_id: str, max_packs: int, log
 def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:
     """A rank process of a worker over several GPUs: joins the worker's process group, then runs its share of each
     pack rank 0 hands it until it is handed None."""
-    logging.basicConfig(level=config.loglevel, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s %(message)s")
-    # A rank ends when its worker says so (`RankPool.close`), or when the worker is gone: not on the signals a
-    # terminal or a process manager sends the worker's whole process group, which the worker shuts down on.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_parent()
-    if config.cpu_threads:
-        torch.set_num_threads(config.cpu_threads)
-    hf_logging.disable_progress_bar()
+    _start_child(f"rank{rank}", config.loglevel, config.cpu_threads)
     ranks = join(rank, config)
     bus = get_bus()
     runner = PackRunner(worker_id=config.worker_id, device=torch.device(config.devices[rank]), bus=bus,
@@ -169,15 +161,7 @@ def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:
 def pack_process_main(index: int, config: PackProcessConfig, beats: BeatState, channel: PackChannel) -> None:
     """A pack process of a worker that runs several packs at once: runs each pack the worker process hands it, until
     it is handed None (worker/pack_processes.py)."""
-    logging.basicConfig(level=config.loglevel, format=f"%(asctime)s pack{index} %(levelname)s %(name)s %(message)s")
-    # It ends when its worker says so (`PackProcesses.close`) or is gone: not on the signals a terminal or a process
-    # manager sends the worker's whole process group, which the worker shuts down on (its packs finishing first).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_parent()
-    if config.cpu_threads:
-        torch.set_num_threads(config.cpu_threads)
-    hf_logging.disable_progress_bar()
+    _start_child(f"pack{index}", config.loglevel, config.cpu_threads)
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -191,6 +175,19 @@ def pack_process_main(index: int, config: PackProcessConfig, beats: BeatState, c
     if preload:
         preload_models(runner.model, preload, ModelAvailability(bus).registry())
     serve(runner, channel, progress)
+
+
+def _start_child(name: str, loglevel: str, cpu_threads: int) -> None:
+    """What a child process of the worker (a rank, a pack process) sets up first. It ends when its worker says so
+    (`RankPool.close`, `PackProcesses.close`) or is gone: not on the signals a terminal or a process manager sends the
+    worker's whole process group, which the worker shuts down on (its packs finishing first)."""
+    logging.basicConfig(level=loglevel, format=f"%(asctime)s {name} %(levelname)s %(name)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent()
+    if cpu_threads:
+        torch.set_num_threads(cpu_threads)
+    hf_logging.disable_progress_bar()
 
 
 def _exit_with_parent(poll_s: float = 1.0) -> None:

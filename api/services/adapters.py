@@ -15,7 +15,7 @@ from typing import Literal
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy.orm import Session
 
-from api.errors import ApiError, conflict
+from api.errors import UNAVAILABLE, ApiError, conflict
 from common.artifacts import get_artifact_store, merged_failure_key, merged_key
 from common.celery import BUILD_EXPORT_TASK, exports_queue, get_celery
 from common.messages import ExportRequest, ModelSourceFields
@@ -70,9 +70,13 @@ def merged_download(session: Session, trial: Trial, task: Task) -> Response:
         request = ExportRequest(task_id=task.id, trial_id=trial.id, adapter_key=trial.adapter_key,
                                 base_model=ModelSourceFields.model_validate(model_source_fields(entry)),
                                 out_key=key, failure_key=failure_key)
+        try:
+            get_celery().send_task(BUILD_EXPORT_TASK, kwargs={"request": request.to_dict()},
+                                   queue=exports_queue(get_settings()))
+        except Exception as exc:  # the broker is away: no build asked, none recorded; the client asks again
+            raise ApiError(503, UNAVAILABLE, "broker_unavailable", "The workers' queue cannot be reached to build "
+                           "the merged model; try again shortly.", headers={"Retry-After": "30"}) from exc
         store.put_bytes(requested_key, json.dumps({"at": time.time()}).encode())
-        get_celery().send_task(BUILD_EXPORT_TASK, kwargs={"request": request.to_dict()},
-                               queue=exports_queue(get_settings()))
     return JSONResponse(
         status_code=202, headers={"Retry-After": str(EXPORT_RETRY_AFTER_S)},
         content={"status": "building", "retry_after_s": EXPORT_RETRY_AFTER_S,
