@@ -123,6 +123,11 @@ def merged_failure_key(task_id: str, trial_id: str) -> str:
     return f"exports/{task_id}/{trial_id}/merged.failed.json"
 
 
+def merged_requested_key(task_id: str, trial_id: str) -> str:
+    """When the API last asked the workers to build the merged model (JSON ``{"at": epoch seconds}``)."""
+    return f"exports/{task_id}/{trial_id}/merged.requested.json"
+
+
 def checkpoint_key(task_id: str, trial_id: str, step: int) -> str:
     # One key per step: the database's (key, step) pointer must never find a newer checkpoint at its key
     # (a worker killed between writing one and reporting it would otherwise leave exactly that).

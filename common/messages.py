@@ -123,16 +123,15 @@ class PackMessage(Message):
 
 
 class ExportRequest(Message):
-    """Build a trial's merged model (its base with its adapter merged in) and store it at ``out_key`` (the Celery
-    task's argument, sent by the API on the first `GET .../adapter?format=merged`; worker/exports.py)."""
+    """Build a trial's merged model (its base with its adapter merged in) and store it at its key
+    (`common.artifacts.merged_key`; the Celery task's argument, sent by the API on the first
+    `GET .../adapter?format=merged`; worker/exports.py)."""
 
     type: Literal["build_export"] = "build_export"
     task_id: str
     trial_id: str
     adapter_key: str
     base_model: ModelSourceFields
-    out_key: str
-    failure_key: str
 
 
 # Commands, on a worker's stream.

@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from common.artifacts import LocalArtifactStore
+from common.artifacts import LocalArtifactStore, merged_failure_key, merged_key
 from common.messages import ExportRequest
 from worker.engine.base_model import load_base_model
 from worker.model_cache import model_source
+from worker.pack_runner import tar_dir
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,10 @@ def merge_adapter(request: ExportRequest, *, adapter_dir: Path, out_dir: Path, c
 
 
 def build_merged(request: ExportRequest, *, store: LocalArtifactStore, cache_dir: Path) -> None:
-    """Builds the merged model of ``request`` and stores it as a .tar.gz at ``request.out_key``; a build that fails
-    stores why at ``request.failure_key`` (the API reports it once, and the next request tries again)."""
-    if store.exists(request.out_key):
+    """Builds the merged model of ``request`` and stores it as a .tar.gz at its `merged_key`; a build that fails
+    stores why at its `merged_failure_key` (the API reports it once, and the next request tries again)."""
+    out_key = merged_key(request.task_id, request.trial_id)
+    if store.exists(out_key):
         return  # built already (a request sent twice)
     log.info("building the merged model of trial %s (base %s)", request.trial_id, request.base_model.name)
     try:
@@ -57,14 +59,10 @@ def build_merged(request: ExportRequest, *, store: LocalArtifactStore, cache_dir
             with store.open(request.adapter_key) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
                 tar.extractall(adapter_dir, filter="data")
             out_dir = merge_adapter(request, adapter_dir=adapter_dir, out_dir=tmp / "merged", cache_dir=cache_dir)
-            archive = tmp / "merged.tar.gz"
-            # Level 1: weights are noise to gzip; higher levels cost minutes on a large model and save ~nothing.
-            with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
-                for item in sorted(out_dir.iterdir()):
-                    tar.add(item, arcname=item.name)
-            store.put_file(request.out_key, archive)
+            store.put_file(out_key, tar_dir(out_dir, tmp / "merged.tar.gz", gzip=True))
     except Exception as exc:  # noqa: BLE001 - whatever failed, the user is told, not left polling for ever
         log.exception("the merged model of trial %s could not be built", request.trial_id)
-        store.put_bytes(request.failure_key, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+        error = {"error": f"{type(exc).__name__}: {exc}"}
+        store.put_bytes(merged_failure_key(request.task_id, request.trial_id), json.dumps(error).encode())
         return
-    log.info("merged model of trial %s stored at %s", request.trial_id, request.out_key)
+    log.info("merged model of trial %s stored at %s", request.trial_id, out_key)

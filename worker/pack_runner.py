@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 ADAPTER_UPLOADS = 4  # threads compressing and storing a pack's finished adapters side by side
 
 
-def _tar(source_dir: Path, archive: Path, *, gzip: bool) -> Path:
+def tar_dir(source_dir: Path, archive: Path, *, gzip: bool) -> Path:
     # Level 1: adapter weights are fp32 noise to gzip; higher levels cost seconds per adapter and save ~nothing.
     with tarfile.open(archive, "w:gz", compresslevel=1) if gzip else tarfile.open(archive, "w") as tar:
         for item in sorted(source_dir.iterdir()):
@@ -495,7 +495,7 @@ class _PackCallbacks:
         """On the pack's writer thread (worker/engine/writer.py), for each snapshot it persists: only the newest
         snapshot of a trial waits for it, so a slow store costs checkpoints, never training steps."""
         key = checkpoint_key(self.task_of[trial_id], trial_id, step)
-        self.runner.store.put_file(key, _tar(path, self.tmp / f"{trial_id}.ckpt.tar", gzip=False))
+        self.runner.store.put_file(key, tar_dir(path, self.tmp / f"{trial_id}.ckpt.tar", gzip=False))
         self.reporter.send(TrialCheckpoint, trial_id=trial_id, step=step, checkpoint_key=key)
         # Keep the newest two: the scheduler may not have ingested the newest report yet, and the
         # one before it is what the database points at meanwhile.
@@ -559,7 +559,7 @@ class _PackCallbacks:
         key = None
         if outcome.adapter_dir is not None:  # completed, or stopped early with its best adapter saved
             key = adapter_key(self.task_of[outcome.trial_id], outcome.trial_id)
-            archive = _tar(outcome.adapter_dir, self.tmp / f"{outcome.trial_id}.tar.gz", gzip=True)
+            archive = tar_dir(outcome.adapter_dir, self.tmp / f"{outcome.trial_id}.tar.gz", gzip=True)
             self.runner.store.put_file(key, archive)
             telemetry.adapter_uploaded()
         self.reporter.send(

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy.orm import Session
 
 from api.errors import UNAVAILABLE, ApiError, conflict
-from common.artifacts import get_artifact_store, merged_failure_key, merged_key
+from common.artifacts import get_artifact_store, merged_failure_key, merged_key, merged_requested_key
 from common.celery import BUILD_EXPORT_TASK, exports_queue, get_celery
 from common.messages import ExportRequest, ModelSourceFields
 from common.registry import model_source_fields
@@ -25,8 +25,7 @@ from common.states import TASK_CANCELLED, TASK_FAILED, TASK_SUCCEEDED
 from common.tables import BaseModelEntry, Task, Trial
 
 CHUNK_BYTES = 1 << 20
-AdapterFormat = Literal["peft", "merged"]
-ADAPTER_FORMATS = ("peft", "merged")  # `?format=`: the adapter as trained, or merged into its base
+AdapterFormat = Literal["peft", "merged"]  # `?format=`: the adapter as trained, or merged into its base
 EXPORT_RETRY_AFTER_S = 5  # what a 202 tells the client to wait before asking again
 EXPORT_RESEND_S = 900.0  # a build asked for this long ago and neither stored nor failed is asked for again
 
@@ -54,7 +53,7 @@ def merged_download(session: Session, trial: Trial, task: Task) -> Response:
     key, failure_key = merged_key(task.id, trial.id), merged_failure_key(task.id, trial.id)
     if store.exists(key):
         return _stream(key, f"{trial.task_id}-{trial.id}-merged.tar.gz")
-    requested_key = f"{key}.requested.json"
+    requested_key = merged_requested_key(task.id, trial.id)
     if store.exists(failure_key):
         error = json.loads(store.get_bytes(failure_key)).get("error", "unknown")
         store.delete(failure_key)
@@ -68,8 +67,7 @@ def merged_download(session: Session, trial: Trial, task: Task) -> Response:
             raise conflict("export_failed", f"Task '{task.id}''s base model '{task.base_model}' is no longer "
                                             "registered, so its adapters cannot be merged.")
         request = ExportRequest(task_id=task.id, trial_id=trial.id, adapter_key=trial.adapter_key,
-                                base_model=ModelSourceFields.model_validate(model_source_fields(entry)),
-                                out_key=key, failure_key=failure_key)
+                                base_model=ModelSourceFields.model_validate(model_source_fields(entry)))
         try:
             get_celery().send_task(BUILD_EXPORT_TASK, kwargs={"request": request.to_dict()},
                                    queue=exports_queue(get_settings()))

@@ -6,7 +6,7 @@ import json
 
 from fastapi.testclient import TestClient
 
-from common.artifacts import get_artifact_store, merged_failure_key, merged_key
+from common.artifacts import get_artifact_store, merged_failure_key, merged_key, merged_requested_key
 from common.db import session_scope
 from common.states import TASK_SUCCEEDED, TRIAL_COMPLETED, TRIAL_FAILED
 from common.tables import MetricPoint, Task, Trial, new_id
@@ -147,7 +147,7 @@ def test_a_merged_model_is_asked_of_the_workers_once_reports_its_failure_once_th
     assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready")
     store_adapter(task["id"], trial_id, b"\x1f\x8b" + bytes(16))
     store = get_artifact_store()
-    asked = f"{merged_key(task['id'], trial_id)}.requested.json"
+    asked = merged_requested_key(task["id"], trial_id)
 
     r = client.get(url, headers=tenant.headers)
     assert r.status_code == 202 and r.json()["status"] == "building" and r.headers["retry-after"] == "5"

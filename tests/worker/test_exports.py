@@ -14,8 +14,7 @@ TINY = ModelSourceFields(name="tiny-random-llama", kind="tiny-random-llama")
 
 
 def request(adapter_key: str) -> ExportRequest:
-    return ExportRequest(task_id="task-1", trial_id="trial-1", adapter_key=adapter_key, base_model=TINY,
-                         out_key=merged_key("task-1", "trial-1"), failure_key=merged_failure_key("task-1", "trial-1"))
+    return ExportRequest(task_id="task-1", trial_id="trial-1", adapter_key=adapter_key, base_model=TINY)
 
 
 def test_a_build_without_its_adapter_stores_why_and_no_archive(tmp_path: Path) -> None:
