@@ -225,19 +225,19 @@ class PackProcesses:
         warm = [w for p in list(self._processes) for w in p.warm()]
         return sorted(warm, key=lambda w: -float(w.get("last_used_at") or 0))
 
-    def run(self, pack: PackMessage, beat_slot: int | None, reserved_bytes: int) -> None:
+    def run(self, pack: PackMessage, beat_slot: int | None, reserved_bytes: int, shared: Callable[[str], bool]) -> None:
         """Runs ``pack`` in an idle pack process and returns once it ended there (its reports went out), or once
         that process died (the pack is lost; another process takes its place). ``reserved_bytes``: every running
-        pack's reservation, this one's included."""
+        pack's reservation, this one's included; ``shared``: whether a pack has shared the device (the worker's
+        ledger, `colocation.RunningPacks.shared`), told to each running pack's process for its profile."""
         model = pack.base_model.name
         with self._lock:
             chosen = self._pick(model)
             idle = [p for p in self._processes if p.running is None and p is not chosen]
-            for p in self._processes:
-                if p.running is not None:
-                    p.channel.shared.value = True
-            chosen.channel.shared.value = any(p.running is not None for p in self._processes)
             chosen.running, chosen.pack_id = model, pack.pack_id
+            for p in self._processes:
+                if p.pack_id is not None:
+                    p.channel.shared.value = shared(p.pack_id)
             self._make_room(chosen, idle, model, reserved_bytes)
         chosen.channel.commands.put(("run", pack, beat_slot))
         try:

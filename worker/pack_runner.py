@@ -251,7 +251,8 @@ class PackRunner:
             if self.processes is None:
                 self.run_here(pack)
             else:
-                self.processes.run(pack, self.heartbeat.slot_of(pack_id), self.packs.reserved_bytes())
+                slot = self.heartbeat.slot_of(pack_id)
+                self.processes.run(pack, slot, self.packs.reserved_bytes(), self.packs.shared)
         finally:
             self.heartbeat.remove_pack(pack_id)
             self.packs.release(pack_id)
