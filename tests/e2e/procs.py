@@ -164,6 +164,12 @@ def cluster(env: dict[str, str], log_dir: Path) -> Iterator[Cluster]:
         c.stop_all()
 
 
+# What `loraplane up` must not inherit from the suite's environment to run on its embedded default (SQLite, a file
+# bus and broker, local artifacts, a generated admin token).
+EMBEDDED_UNSET = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ADMIN_TOKEN",
+                  "LORAPLANE_ARTIFACT_DIR", "LORAPLANE_NAMESPACE")
+
+
 def start_embedded(c: Cluster, port: int, worker_id: str = "embedded") -> tuple[Proc, str]:
     """`loraplane up` (the embedded default) as a process of ``c``: the process and the admin token it generated
     (read from the box it prints), once its API answers."""

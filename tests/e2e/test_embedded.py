@@ -27,10 +27,7 @@ from tests.e2e.flow import (
     upload,
     wait_for,
 )
-from tests.e2e.procs import ROOT, cluster, free_port, start_embedded
-
-EMBEDDED_UNSET = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ADMIN_TOKEN",
-                  "LORAPLANE_ARTIFACT_DIR", "LORAPLANE_NAMESPACE")
+from tests.e2e.procs import EMBEDDED_UNSET, ROOT, cluster, free_port, start_embedded
 
 
 def test_loraplane_up_runs_a_grid_task_end_to_end(tmp_path: Path) -> None:

@@ -27,12 +27,10 @@ from tests.e2e.flow import (
     upload,
     wait_for,
 )
-from tests.e2e.procs import cluster, free_port, start_embedded
+from tests.e2e.procs import EMBEDDED_UNSET, cluster, free_port, start_embedded
 from worker.engine import load_base_model
 from worker.model_cache import model_source
 
-EMBEDDED_UNSET = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LORAPLANE_ADMIN_TOKEN",
-                  "LORAPLANE_ARTIFACT_DIR", "LORAPLANE_NAMESPACE")
 BUILD_CEILING_S = 600  # a merge of the tiny model takes seconds; a loaded 2-core machine may queue it a while
 
 
