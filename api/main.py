@@ -22,6 +22,7 @@ from api.routes import (
     admin_models,
     base_models,
     cluster,
+    completions,
     curves,
     dashboard,
     events,
@@ -73,7 +74,7 @@ def create_app() -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     for module in (admin, admin_models, cluster, packs, files, base_models, search_spaces, tasks, trials, curves,
-                   events):
+                   events, completions):
         app.include_router(module.router, prefix="/v1")
     app.include_router(usage.router, prefix="/v1")
     app.include_router(usage.admin_router, prefix="/v1")

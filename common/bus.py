@@ -44,6 +44,19 @@ def commands_stream(worker_id: str) -> str:
     return f"commands:{worker_id}"
 
 
+SAMPLERS_GROUP = "samplers"  # the workers' samplers share each model's sampling stream (worker/sampler.py)
+
+
+def sampling_stream(model_name: str) -> str:
+    """Sampling requests for one base model: any worker that loads it takes each once."""
+    return f"sampling:{model_name}"
+
+
+def sampling_reply_stream(request_id: str) -> str:
+    """One sampling request's answer, in pieces; the API discards it once read."""
+    return f"sampling-reply:{request_id}"
+
+
 Message = tuple[str, dict[str, Any]]
 
 
@@ -75,6 +88,10 @@ class Bus(Protocol):
 
     def get(self, key: str) -> dict[str, Any] | None:
         """The value last `put` under `key`; None if none was (or an emptied Redis forgot it)."""
+        ...
+
+    def discard(self, stream: str) -> None:
+        """Deletes ``stream`` and its messages (a sampling answer, once read)."""
         ...
 
     def ping(self) -> bool: ...
@@ -181,6 +198,9 @@ class RedisBus:
     def get(self, key: str) -> dict[str, Any] | None:
         raw = self._redis.get(self._key(f"kv:{key}"))
         return None if raw is None else dict(json.loads(raw))
+
+    def discard(self, stream: str) -> None:
+        self._redis.delete(self._key(stream))
 
     def ping(self) -> bool:
         return bool(self._redis.ping())
@@ -301,6 +321,10 @@ class FileBus:
         with self._lock:
             row = self._conn.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
         return None if row is None else dict(json.loads(row[0]))
+
+    def discard(self, stream: str) -> None:
+        with self._lock:
+            self._conn.execute("DELETE FROM messages WHERE stream=?", (stream,))
 
     def ping(self) -> bool:
         with self._lock:

@@ -5,6 +5,9 @@ Three channels carry them:
   `RUN_PACK_TASK` on the worker's queue. scheduler/service/dispatch.py builds it, worker/celery_app.py parses it;
 - commands on a worker's stream, `commands:{worker_id}` (`AdmitTrials`, `StopTrials`, `AbortPack`): the scheduler
   daemon sends them, the worker's `CommandInbox` (worker/bus_client.py) reads them;
+- sampling (issue 35, worker/sampler.py): a `SampleRequest` on its base model's stream, `sampling:{model}`, from the
+  API to whichever worker's sampler takes it; the answer as `SampleReply` messages on the request's own stream,
+  `sampling-reply:{request_id}`, which the API reads and then discards;
 - reports on the scheduler stream: a worker's `WorkerHeartbeat`, its packs' reports (`PackStarted`, `Points`,
   `TrialCheckpoint`, ..., `PackFinished`) and the API's `Wake`. scheduler/service/ingest.py applies them.
 
@@ -132,6 +135,53 @@ class ExportRequest(Message):
     trial_id: str
     adapter_key: str
     base_model: ModelSourceFields
+
+
+# Sampling: a request on its base model's stream, the answer in pieces on the request's own (common/bus.py names them).
+
+
+class SampleRequest(Message):
+    """Sample an answer from a trial's adapter (or, with no ``adapter_key``, from the base model): the prompt as chat
+    ``messages`` or as a ``prompt``, as the API checked them. A sampler takes it only before ``deadline`` (Unix time):
+    after it the API has stopped waiting."""
+
+    type: Literal["sample"] = "sample"
+    request_id: str
+    tenant_id: str
+    task_id: str | None = None
+    trial_id: str | None = None
+    adapter_key: str | None = None
+    base_model: ModelSourceFields
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: list[str] = []
+    stream: bool = False
+    sent_at: float  # Unix time, when the API sent it
+    deadline: float
+
+
+class SampleReply(Message):
+    """A piece of an answer: ``text`` added since the last piece; the last piece (``done``) says why it ended and
+    what it cost, or ``error_code`` / ``error_message`` (a request the sampler refused or failed: ``status`` is the
+    HTTP status the API answers with)."""
+
+    type: Literal["sample_reply"] = "sample_reply"
+    request_id: str
+    text: str = ""
+    done: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queued_s: float = 0.0  # from the request's arrival on the stream to its batch's start
+    load_s: float = 0.0  # loading the base model (and adapters) for its batch; 0 when warm
+    batch_requests: int = 1  # the requests decoded together with it, itself included
+    error_code: str | None = None
+    error_message: str | None = None
+    status: int = 200
 
 
 # Commands, on a worker's stream.
@@ -334,6 +384,8 @@ def _by_type(*classes: type[Message]) -> dict[str, type[Any]]:
 
 PACK_TYPES = _by_type(PackMessage)
 EXPORT_TYPES = _by_type(ExportRequest)
+SAMPLE_TYPES = _by_type(SampleRequest)
+SAMPLE_REPLY_TYPES = _by_type(SampleReply)
 COMMAND_TYPES = _by_type(AdmitTrials, StopTrials, AbortPack)
 REPORT_TYPES = _by_type(WorkerHeartbeat, Wake, PackStarted, Points, TrialCheckpoint, TrialCheckpointLost, TrialAdmitted,
                         TrialRejected, TrialFinished, PackProgress, PackProfile, PackFinished, PackFailed,
@@ -351,6 +403,16 @@ def parse_pack(raw: object, *, on_drop: OnDrop) -> PackMessage | None:
 
 def parse_export(raw: object, *, on_drop: OnDrop) -> ExportRequest | None:
     parsed: ExportRequest | None = _parse(raw, EXPORT_TYPES, "export request", on_drop)
+    return parsed
+
+
+def parse_sample_request(raw: object, *, on_drop: OnDrop) -> SampleRequest | None:
+    parsed: SampleRequest | None = _parse(raw, SAMPLE_TYPES, "sample request", on_drop)
+    return parsed
+
+
+def parse_sample_reply(raw: object, *, on_drop: OnDrop) -> SampleReply | None:
+    parsed: SampleReply | None = _parse(raw, SAMPLE_REPLY_TYPES, "sample reply", on_drop)
     return parsed
 
 

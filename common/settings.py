@@ -88,6 +88,15 @@ class Settings(BaseSettings):
     # runs one. On an H200 two packs side by side had the short task done 1.77x sooner than waiting its turn, at
     # 1.04x the throughput of one after the other (benchmarks/results/issue34/SUMMARY.md).
     worker_max_packs: int = Field(default=0, ge=0, le=8, alias="LORAPLANE_WORKER_MAX_PACKS")
+    # Sampling from trained adapters (worker/sampler.py): whether a worker starts its sampler process, how many
+    # requests it decodes together at most, and how long it keeps a base model loaded with no request for it.
+    worker_sampler: bool = Field(default=True, alias="LORAPLANE_WORKER_SAMPLER")
+    sampler_max_batch: int = Field(default=32, ge=1, le=256, alias="LORAPLANE_SAMPLER_MAX_BATCH")
+    sampler_idle_s: float = Field(default=300.0, gt=0, alias="LORAPLANE_SAMPLER_IDLE_S")
+    # How long the API waits for a sampling request's answer (a cold base model's load included), and how many of a
+    # tenant's sampling requests one API process holds open at once (more: 429).
+    sampling_timeout_s: float = Field(default=300.0, gt=0, alias="LORAPLANE_SAMPLING_TIMEOUT_S")
+    sampling_max_inflight: int = Field(default=16, ge=1, alias="LORAPLANE_SAMPLING_MAX_INFLIGHT")
     # The memory a worker plans its packs in and reports (0: its device's: one GPU's, or the host's).
     worker_memory_bytes: int = Field(default=0, ge=0, alias="LORAPLANE_WORKER_MEMORY_BYTES")
     # A worker over several GPUs (`--gpus`): how long one of its ranks waits for the others in an agreement or a

@@ -14,13 +14,17 @@ import pytest
 from common.bus import FileBus, commands_stream
 from common.messages import (
     COMMAND_TYPES,
+    EXPORT_TYPES,
     MALFORMED,
     PACK_TYPES,
     REPORT_TYPES,
+    SAMPLE_REPLY_TYPES,
+    SAMPLE_TYPES,
     UNKNOWN_TYPE,
     UNKNOWN_VERSION,
     AbortPack,
     AdmitTrials,
+    ExportRequest,
     Message,
     ModelSourceFields,
     PackFailed,
@@ -32,6 +36,8 @@ from common.messages import (
     PackStarted,
     Point,
     Points,
+    SampleReply,
+    SampleRequest,
     StopTrials,
     TrialAdmitted,
     TrialCheckpoint,
@@ -42,8 +48,11 @@ from common.messages import (
     Wake,
     WorkerHeartbeat,
     parse_command,
+    parse_export,
     parse_pack,
     parse_report,
+    parse_sample_reply,
+    parse_sample_request,
 )
 from common.telemetry import worker_metrics
 
@@ -84,6 +93,16 @@ EVERY_MESSAGE: list[Message] = [
     PackFinished(**PACK),
     PackFailed(**PACK, error="OSError: the store is away"),
     PackRefused(**PACK, reason="its planned 3.00 GB do not fit"),
+    ExportRequest(task_id="task-1", trial_id="trial-1", adapter_key="adapters/t.tar.gz",
+                  base_model=ModelSourceFields(name="m", kind="hf", path="/models/m")),
+    SampleRequest(request_id="cmpl-1", tenant_id="tenant-1", task_id="task-1", trial_id="trial-1",
+                  adapter_key="adapters/t.tar.gz", base_model=ModelSourceFields(name="m", kind="hf", path="/models/m"),
+                  messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0.7, top_p=0.9, seed=3,
+                  stop=["\n"], stream=True, sent_at=1.5, deadline=301.5),
+    SampleReply(request_id="cmpl-1", text="hello", done=True, finish_reason="stop", prompt_tokens=4,
+                completion_tokens=2, queued_s=0.5, load_s=1.25, batch_requests=3),
+    SampleReply(request_id="cmpl-2", done=True, status=422, error_code="context_length_exceeded",
+                error_message="too long"),
 ]
 
 
@@ -94,6 +113,12 @@ def parse(raw: object, drops: list[str]) -> Message | None:
         return parse_pack(raw, on_drop=drops.append)
     if kind in COMMAND_TYPES:
         return parse_command(raw, on_drop=drops.append)
+    if kind in EXPORT_TYPES:
+        return parse_export(raw, on_drop=drops.append)
+    if kind in SAMPLE_TYPES:
+        return parse_sample_request(raw, on_drop=drops.append)
+    if kind in SAMPLE_REPLY_TYPES:
+        return parse_sample_reply(raw, on_drop=drops.append)
     return parse_report(raw, on_drop=drops.append)
 
 
@@ -109,7 +134,8 @@ def test_every_message_reads_back_as_it_was_built(message: Message) -> None:
 
 def test_every_message_type_is_tested() -> None:
     tested = {m.to_dict()["type"] for m in EVERY_MESSAGE}
-    assert tested == set(PACK_TYPES) | set(COMMAND_TYPES) | set(REPORT_TYPES)
+    assert tested == (set(PACK_TYPES) | set(COMMAND_TYPES) | set(REPORT_TYPES) | set(EXPORT_TYPES) | set(SAMPLE_TYPES)
+                      | set(SAMPLE_REPLY_TYPES))
 
 
 def test_the_wire_keeps_the_keys_sent_before_the_classes() -> None:

@@ -30,6 +30,7 @@ from worker.model_cache import device_memory, preload_models
 from worker.pack_processes import PackChannel, PackProcessConfig, PackProcesses, serve
 from worker.pack_runner import PackRunner
 from worker.rank_pool import RankConfig, RankPool, free_port, join
+from worker.sampler import Sampler, SamplerConfig, SamplerProcess
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     # Beating from a process of its own (worker/heartbeat.py), which training cannot starve, from now on: while
     # models load the scheduler sees the worker, busy with no pack.
     heartbeat.start()
+    sampler = _start_sampler(worker_id, device, loglevel)
     if processes is None:  # pack processes preload their own share
         preload_models(runner.model, settings.worker_preload_models,
                        availability.registry() if settings.worker_preload_models else None)
@@ -125,6 +127,23 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
             pool.close()
         if processes is not None:
             processes.close()
+        if sampler is not None:
+            sampler.close()
+
+
+def _start_sampler(worker_id: str, device: torch.device, loglevel: str) -> SamplerProcess | None:
+    """The sampler process that answers sampling requests beside the packs (worker/sampler.py), unless
+    `LORAPLANE_WORKER_SAMPLER` is off."""
+    settings = get_settings()
+    if not settings.worker_sampler:
+        return None
+    sampler = SamplerProcess(SamplerConfig(
+        worker_id=worker_id, device=str(device), make_bus=get_bus, make_store=get_artifact_store,
+        model_cache_dir=settings.resolved_model_cache_dir, max_batch=settings.sampler_max_batch,
+        idle_s=settings.sampler_idle_s, cpu_threads=settings.worker_cpu_threads, loglevel=loglevel,
+    ), entry=sampler_main)
+    sampler.start()
+    return sampler
 
 
 def celery_argv(queue: str, exports: str, *, worker_id: str, max_packs: int, loglevel: str, quiet: bool) -> list[str]:
@@ -175,6 +194,16 @@ def pack_process_main(index: int, config: PackProcessConfig, beats: BeatState, c
     if preload:
         preload_models(runner.model, preload, ModelAvailability(bus).registry())
     serve(runner, channel, progress)
+
+
+def sampler_main(config: SamplerConfig) -> None:
+    """The worker's sampler process: answers sampling requests until the worker ends (worker/sampler.py)."""
+    _start_child("sampler", config.loglevel, config.cpu_threads)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    log.info("sampler of worker %s on %s", config.worker_id, device)
+    Sampler(config, config.make_bus(), config.make_store()).serve(threading.Event())
 
 
 def _start_child(name: str, loglevel: str, cpu_threads: int) -> None:

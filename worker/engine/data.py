@@ -84,14 +84,23 @@ def eval_prompt(row: Mapping[str, Any], tokenizer: PreTrainedTokenizerBase) -> t
         last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
         if last is None:
             raise ValueError("a chat row without an assistant turn has no reference answer")
-        prompt = _render(tokenizer, messages[:last], add_generation_prompt=True)
-        return _tokenize(tokenizer, prompt, add_special_tokens=False), str(messages[last].get("content", ""))
+        return encode_prompt(tokenizer, messages=messages[:last]), str(messages[last].get("content", ""))
     if "prompt" in row and "completion" in row:
-        ids = _tokenize(tokenizer, str(row["prompt"]), add_special_tokens=True)
-        if ids and ids[-1] == tokenizer.eos_token_id:  # as _encode_prompt_completion
-            ids = ids[:-1]
-        return ids, str(row["completion"])
+        return encode_prompt(tokenizer, prompt=str(row["prompt"])), str(row["completion"])
     raise ValueError(f"row has neither 'messages' nor 'prompt'/'completion': keys {sorted(row)}")
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, *, messages: Sequence[Mapping[str, Any]] | None = None,
+                  prompt: str | None = None) -> list[int]:
+    """The tokens an answer follows, as training encodes them: a conversation rendered with the generation prompt,
+    or a prompt with the tokenizer's own leading specials (a trailing eos left off, as ``_encode_prompt_completion``
+    does). Used for a metric's validation rows and for sampling (worker/sampler.py)."""
+    if messages is not None:
+        return _tokenize(tokenizer, _render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)
+    ids = _tokenize(tokenizer, prompt or "", add_special_tokens=True)
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return ids
 
 
 def _encode_chat(

@@ -81,10 +81,15 @@ def greedy_matches(engine: PackEngine, slot: int, examples: list[Example], batch
 
 
 def answer_stop_ids(engine: PackEngine) -> frozenset[int]:
+    """The tokens that end a generated answer under the engine's model (``stop_token_ids``)."""
+    return stop_token_ids(engine.model, engine.tokenizer)
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     """The tokens that end a generated answer: the tokenizer's eos and the model's generation eos (the chat
     template's end of turn, where the model says)."""
-    ids = {engine.tokenizer.eos_token_id}
-    configured = getattr(getattr(engine.model, "generation_config", None), "eos_token_id", None)
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids |= set(configured) if isinstance(configured, list | tuple) else {configured}
     return frozenset(int(i) for i in ids if i is not None)
 

@@ -1,0 +1,254 @@
+"""Sampling (issue 35): what a completion request runs under, the request sent to the workers' samplers, and their
+answer read back, whole or as server-sent events in OpenAI's chunk shapes.
+
+The API sends a `SampleRequest` on its base model's stream (common/bus.py `sampling_stream`); the sampler of a worker
+that loads the model takes it (worker/sampler.py), decodes it batched with the other requests waiting for that model,
+and writes the answer on the request's own stream, which this module reads and then discards. Nothing is written to
+the database: an answer is the client's alone.
+
+The waits are bounded: with no live worker able to load the model the answer is a 503 at once; a request no sampler
+answers within `LORAPLANE_SAMPLING_TIMEOUT_S` (a cold model's load included) is a 503 `sampling_timeout`, and the
+sampler drops it unanswered once its deadline passed. Each API process holds at most
+`LORAPLANE_SAMPLING_MAX_INFLIGHT` open requests per tenant (more: 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.errors import API_ERROR, INVALID_REQUEST, RATE_LIMIT, UNAVAILABLE, ApiError, conflict, not_found
+from api.queries import get_task, get_trial
+from api.schemas.completions import ChatCompletionRequest, CompletionRequest, SamplingParameters
+from api.services.adapters import no_best_trial
+from common.bus import get_bus, sampling_reply_stream, sampling_stream
+from common.messages import ModelSourceFields, SampleReply, SampleRequest, parse_sample_reply
+from common.registry import model_source_fields
+from common.settings import get_settings
+from common.states import WORKER_ALIVE
+from common.tables import BaseModelEntry, Task, Trial, Worker, utcnow
+
+POLL_S = 0.05  # how often a waiting request reads its answer's stream
+_inflight: Counter[str] = Counter()  # open sampling requests per tenant, in this process
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request samples from: a trial's adapter (``trial`` None: the base model alone)."""
+
+    name: str  # what the answer's `model` says
+    base: BaseModelEntry
+    task: Task | None = None
+    trial: Trial | None = None
+
+
+def task_target(session: Session, *, tenant_id: str, task_id: str, trial_id: str | None) -> Target:
+    """The trial (by default the task's best so far) of one of the tenant's tasks; 404 for another tenant's, 409
+    while it has no adapter."""
+    task = get_task(session, tenant_id=tenant_id, task_id=task_id)
+    if trial_id is None:
+        if task.best_trial_id is None:
+            raise no_best_trial(task)
+        trial_id = task.best_trial_id
+    trial = get_trial(session, tenant_id=tenant_id, task_id=task.id, trial_id=trial_id)
+    if not trial.adapter_key:
+        raise conflict("adapter_not_ready", f"Trial '{trial.id}' has no adapter yet (state: {trial.state}), so "
+                                            "nothing to sample from.")
+    base = session.get(BaseModelEntry, task.base_model)
+    if base is None:
+        raise conflict("model_unavailable", f"Task '{task.id}''s base model '{task.base_model}' is no longer "
+                                            "registered.")
+    return Target(f"{task.id}:{trial.id}", base, task, trial)
+
+
+def model_target(session: Session, *, tenant_id: str, model: str) -> Target:
+    """`model` of a chat completion: ``<task id>`` (its best trial), ``<task id>:<trial id>``, or a registered base
+    model's name (the base alone)."""
+    task_id, _, trial_id = model.partition(":")
+    base = session.get(BaseModelEntry, model) if not trial_id else None
+    if base is not None and base.deleted_at is None:
+        return Target(base.name, base)
+    try:
+        return task_target(session, tenant_id=tenant_id, task_id=task_id, trial_id=trial_id or None)
+    except ApiError as exc:
+        if exc.status_code == 404:
+            raise not_found("model", model) from None
+        raise
+
+
+def require_live_sampler(session: Session, target: Target) -> None:
+    """503 at once when no live worker with a sampler can load the target's base model."""
+    settings = get_settings()
+    if not settings.worker_sampler:
+        raise _unavailable("sampling_disabled", "Sampling is turned off on this deployment (LORAPLANE_WORKER_SAMPLER).")
+    cutoff = utcnow() - timedelta(seconds=settings.worker_timeout_s)
+    workers = session.scalars(select(Worker).where(Worker.state == WORKER_ALIVE, Worker.last_heartbeat >= cutoff))
+    if not any(w.models is None or target.base.name in w.models for w in workers):
+        raise _unavailable("no_worker", f"No live worker can load base model '{target.base.name}' to sample from it; "
+                                        "try again once one is up.")
+
+
+async def complete(target: Target, body: CompletionRequest | ChatCompletionRequest, *, tenant_id: str) -> Response:
+    """Sends the request to the samplers and answers with what they write: JSON, or server-sent events."""
+    settings = get_settings()
+    if _inflight[tenant_id] >= settings.sampling_max_inflight:
+        raise ApiError(429, RATE_LIMIT, "too_many_requests", f"At most {settings.sampling_max_inflight} sampling "
+                       "requests of a tenant at once; wait for one to end.", headers={"Retry-After": "1"})
+    _inflight[tenant_id] += 1
+    try:
+        request = _sample_request(target, body, tenant_id=tenant_id)
+        await run_in_threadpool(get_bus().publish, sampling_stream(target.base.name), request.to_dict())
+        replies = _replies(request)
+        first = await anext(replies)  # a refusal is an HTTP error, not a stream that starts and fails
+        _raise_refusal(first)
+    except BaseException:
+        _inflight[tenant_id] -= 1
+        raise
+    chat = isinstance(body, ChatCompletionRequest) or body.messages is not None
+    if body.stream:
+        return StreamingResponse(_events(first, replies, target, request, chat=chat, tenant_id=tenant_id),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        text, last = first.text, first
+        async for reply in _rest(first, replies):
+            _raise_refusal(reply)
+            text, last = text + reply.text, reply
+    finally:
+        _inflight[tenant_id] -= 1
+    return JSONResponse(_whole(text, last, target, request, chat=chat))
+
+
+def _sample_request(target: Target, body: SamplingParameters, *, tenant_id: str) -> SampleRequest:
+    now = time.time()
+    messages = getattr(body, "messages", None)
+    return SampleRequest(
+        request_id=f"cmpl-{uuid.uuid4().hex}", tenant_id=tenant_id,
+        task_id=target.task.id if target.task else None, trial_id=target.trial.id if target.trial else None,
+        adapter_key=target.trial.adapter_key if target.trial else None,
+        base_model=ModelSourceFields.model_validate(model_source_fields(target.base)),
+        messages=[m.model_dump() for m in messages] if messages is not None else None,
+        prompt=getattr(body, "prompt", None), max_tokens=body.max_tokens, temperature=body.temperature,
+        top_p=body.top_p, seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
+        stop=body.stops, stream=body.stream, sent_at=now, deadline=now + get_settings().sampling_timeout_s)
+
+
+async def _replies(request: SampleRequest) -> AsyncIterator[SampleReply]:
+    """The answer's pieces as the sampler writes them, to the one that is ``done``; its stream discarded after."""
+    bus, stream, after = get_bus(), sampling_reply_stream(request.request_id), "0"
+    try:
+        while True:
+            messages = await run_in_threadpool(bus.read_after, stream, after, 256, 0)
+            for message_id, body in messages:
+                after = message_id
+                reply = parse_sample_reply(body, on_drop=lambda reason: None)
+                if reply is not None:
+                    yield reply
+                    if reply.done:
+                        return
+            if time.time() > request.deadline:
+                raise _unavailable("sampling_timeout", f"No worker answered within "
+                                   f"{get_settings().sampling_timeout_s:.0f} s (its base model may still be loading, "
+                                   "or every sampler is busy); try again.")
+            if not messages:
+                await asyncio.sleep(POLL_S)
+    finally:
+        await run_in_threadpool(bus.discard, stream)
+
+
+async def _rest(first: SampleReply, replies: AsyncIterator[SampleReply]) -> AsyncIterator[SampleReply]:
+    if first.done:
+        return
+    async for reply in replies:
+        yield reply
+
+
+def _raise_refusal(reply: SampleReply) -> None:
+    if reply.error_code is None:
+        return
+    kind = INVALID_REQUEST if reply.status < 500 else (UNAVAILABLE if reply.status == 503 else API_ERROR)
+    headers = {"Retry-After": "5"} if reply.status == 503 else None
+    raise ApiError(reply.status, kind, reply.error_code, reply.error_message or reply.error_code, headers=headers)
+
+
+async def _events(first: SampleReply, replies: AsyncIterator[SampleReply], target: Target, request: SampleRequest,
+                  *, chat: bool, tenant_id: str) -> AsyncIterator[bytes]:
+    """OpenAI's stream: a chunk per piece of text, the last with its finish reason and usage, then ``[DONE]``; a
+    failure after the start ends it with an error object in the API's error shape."""
+    try:
+        created, opened = int(time.time()), False
+        async for reply in _with_first(first, replies):
+            _raise_refusal(reply)
+            if reply.text or not opened or reply.done:
+                chunk = _chunk(reply, target, request, created, chat=chat, opening=not opened)
+                opened = True
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    except ApiError as exc:
+        yield f"data: {json.dumps(exc.body())}\n\n".encode()
+    finally:
+        _inflight[tenant_id] -= 1
+
+
+async def _with_first(first: SampleReply, replies: AsyncIterator[SampleReply]) -> AsyncIterator[SampleReply]:
+    yield first
+    async for reply in _rest(first, replies):
+        yield reply
+
+
+def _chunk(reply: SampleReply, target: Target, request: SampleRequest, created: int, *, chat: bool,
+           opening: bool) -> dict[str, Any]:
+    finish = reply.finish_reason if reply.done else None
+    if chat:
+        delta: dict[str, str] = {"role": "assistant"} if opening else {}
+        if reply.text:
+            delta["content"] = reply.text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": reply.text, "finish_reason": finish}
+    chunk: dict[str, Any] = {"id": request.request_id, "object": "chat.completion.chunk" if chat else
+                             "text_completion", "created": created, "model": target.name, "choices": [choice]}
+    if reply.done:
+        chunk["usage"] = _usage(reply)
+        chunk["loraplane"] = _extension(reply, target)
+    return chunk
+
+
+def _whole(text: str, last: SampleReply, target: Target, request: SampleRequest, *, chat: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": request.request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": target.name, "choices": [choice], "usage": _usage(last),
+            "loraplane": _extension(last, target)}
+
+
+def _usage(reply: SampleReply) -> dict[str, int]:
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+
+
+def _extension(reply: SampleReply, target: Target) -> dict[str, Any]:
+    """What OpenAI's answer lacks: which trial answered, and the wait (queued behind other batches; loading the
+    base model and adapters, 0 when warm)."""
+    return {"task_id": target.task.id if target.task else None, "trial_id": target.trial.id if target.trial else None,
+            "base_model": target.base.name, "queued_s": reply.queued_s, "load_s": reply.load_s,
+            "batch_requests": reply.batch_requests}
+
+
+def _unavailable(code: str, message: str) -> ApiError:
+    return ApiError(503, UNAVAILABLE, code, message, headers={"Retry-After": "5"})
