@@ -113,9 +113,12 @@ def measure(shape: str, device: torch.device, requests: list[int], prompt_tokens
         def base_alone() -> None:
             generate(bare, prompts)
 
+        seconds = {}
         with torch.no_grad():
-            seconds = {name: timed(run, repeats) for name, run in
-                       [("engine", engine), ("peft", peft_per_adapter), ("mixed", peft_mixed), ("base", base_alone)]}
+            for name, run in [("engine", engine), ("peft", peft_per_adapter), ("mixed", peft_mixed),
+                              ("base", base_alone)]:
+                seconds[name] = timed(run, repeats)
+                print(f"{shape}: {n} requests, {name}: {seconds[name]:.3f} s", flush=True)
         tokens = n * new_tokens
         rate = {k: tokens / v for k, v in seconds.items()}
         rows.append([n, len(set(owners)), round(rate["engine"]), round(rate["peft"]), round(rate["mixed"]),
