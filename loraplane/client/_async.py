@@ -12,7 +12,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +27,7 @@ from loraplane.client.errors import APIConnectionError, APIError, WaitTimeout
 from loraplane.client.objects import (
     TASK_FINAL_STATES,
     ApiKey,
+    Completion,
     Event,
     File,
     FileDeleted,
@@ -156,9 +157,9 @@ class AsyncClient:
         return _core.json_body(await self.request(method, path, **kwargs))
 
     @asynccontextmanager
-    async def _stream(self, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
+    async def _stream(self, path: str, method: str = "GET", **kwargs: Any) -> AsyncIterator[httpx.Response]:
         with self._guard():
-            async with self._http.stream("GET", path, headers=self._auth(False), **kwargs) as response:
+            async with self._http.stream(method, path, headers=self._auth(False), **kwargs) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     raise APIError.from_response(response)
@@ -349,6 +350,24 @@ class AsyncTasks:
                 raise WaitTimeout(f"the merged model of {task_id} is not built after {timeout:.0f} s")
             await _core.asleep(wait)
 
+    async def complete(self, task_id: str, *, prompt: str | None = None,
+                       messages: Sequence[Mapping[str, str]] | None = None, trial_id: str | None = None,
+                       timeout: float = 300.0, **sampling: Any) -> Completion:
+        """An answer from the task's best trial (or `trial_id`'s) to a `prompt` or chat `messages`, sampled by a
+        worker (`max_tokens`, `temperature`, `top_p`, `seed`, `stop` as the API names them)."""
+        path, body = _completion_request(task_id, trial_id, prompt, messages, sampling)
+        return Completion.of(await self._c._json("POST", path, json=body, timeout=timeout))
+
+    async def complete_stream(self, task_id: str, *, prompt: str | None = None,
+                              messages: Sequence[Mapping[str, str]] | None = None, trial_id: str | None = None,
+                              timeout: float = 300.0, **sampling: Any) -> AsyncIterator[str]:
+        """As `complete`, the answer's text in pieces as the worker samples it."""
+        path, body = _completion_request(task_id, trial_id, prompt, messages, {**sampling, "stream": True})
+        async with self._c._stream(path, method="POST", json=body, timeout=timeout) as response:
+            async for line in response.aiter_lines():
+                if text := _core.completion_piece(line):
+                    yield text
+
     async def _sse(self, task_id: str, after: int, deadline: float | None) -> AsyncIterator[Event]:
         left = None if deadline is None else deadline - time.monotonic()
         timeout = _core.stream_timeout(self._c.timeout, left)
@@ -481,3 +500,11 @@ class AsyncAdmin:
         """Bring a retired model back (a built-in one too), its files checked again as registration checks them.
         404 `model_not_found` for a name never registered; 409 `model_exists` while a live model holds the name."""
         return RegisteredModel.of(await self._c._json("POST", f"/v1/admin/models/{name}/restore", admin=True))
+
+
+def _completion_request(task_id: str, trial_id: str | None, prompt: str | None,
+                        messages: Sequence[Mapping[str, str]] | None, sampling: Mapping[str, Any]) -> tuple[str, Any]:
+    path = f"/v1/tasks/{task_id}" + (f"/trials/{trial_id}" if trial_id else "") + "/completions"
+    body = {**({"prompt": prompt} if prompt is not None else {}),
+            **({"messages": [dict(m) for m in messages]} if messages is not None else {}), **sampling}
+    return path, body

@@ -133,6 +133,18 @@ def check_stream(response: httpx.Response) -> None:
         raise StreamBroken(f"the event stream answered {response.headers.get('content-type')!r}, not SSE")
 
 
+def completion_piece(line: str) -> str | None:
+    """The text of one line of a completion's event stream (OpenAI's chunks), None for the rest; an error object
+    sent after the stream began raises it as an APIError (its status: 503, the sampler failed mid-answer)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    chunk = json.loads(line[len("data: "):])
+    if "error" in chunk:
+        raise APIError(503, chunk)
+    choice = chunk["choices"][0]
+    return str(choice["delta"].get("content", "")) if "delta" in choice else str(choice.get("text", ""))
+
+
 def stream_timeout(timeout: httpx.Timeout, deadline_left: float | None) -> httpx.Timeout:
     read = STREAM_READ_TIMEOUT_S if deadline_left is None else max(0.1, min(STREAM_READ_TIMEOUT_S, deadline_left))
     return httpx.Timeout(timeout.connect, read=read, write=timeout.write, pool=timeout.pool)

@@ -9,7 +9,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +24,7 @@ from loraplane.client.errors import APIConnectionError, APIError, WaitTimeout
 from loraplane.client.objects import (
     TASK_FINAL_STATES,
     ApiKey,
+    Completion,
     Event,
     File,
     FileDeleted,
@@ -128,9 +129,9 @@ class Client:
         return _core.json_body(self.request(method, path, **kwargs))
 
     @contextmanager
-    def _stream(self, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
+    def _stream(self, path: str, method: str = "GET", **kwargs: Any) -> Iterator[httpx.Response]:
         with self._guard():
-            with self._http.stream("GET", path, headers=self._auth(False), **kwargs) as response:
+            with self._http.stream(method, path, headers=self._auth(False), **kwargs) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise APIError.from_response(response)
@@ -313,6 +314,24 @@ class Tasks:
                 raise WaitTimeout(f"the merged model of {task_id} is not built after {timeout:.0f} s")
             time.sleep(wait)
 
+    def complete(self, task_id: str, *, prompt: str | None = None,
+                 messages: Sequence[Mapping[str, str]] | None = None, trial_id: str | None = None,
+                 timeout: float = 300.0, **sampling: Any) -> Completion:
+        """An answer from the task's best trial (or `trial_id`'s) to a `prompt` or chat `messages`, sampled by a
+        worker (`max_tokens`, `temperature`, `top_p`, `seed`, `stop` as the API names them)."""
+        path, body = _completion_request(task_id, trial_id, prompt, messages, sampling)
+        return Completion.of(self._c._json("POST", path, json=body, timeout=timeout))
+
+    def complete_stream(self, task_id: str, *, prompt: str | None = None,
+                        messages: Sequence[Mapping[str, str]] | None = None, trial_id: str | None = None,
+                        timeout: float = 300.0, **sampling: Any) -> Iterator[str]:
+        """As `complete`, the answer's text in pieces as the worker samples it."""
+        path, body = _completion_request(task_id, trial_id, prompt, messages, {**sampling, "stream": True})
+        with self._c._stream(path, method="POST", json=body, timeout=timeout) as response:
+            for line in response.iter_lines():
+                if text := _core.completion_piece(line):
+                    yield text
+
     def _sse(self, task_id: str, after: int, deadline: float | None) -> Iterator[Event]:
         left = None if deadline is None else deadline - time.monotonic()
         timeout = _core.stream_timeout(self._c.timeout, left)
@@ -444,3 +463,11 @@ class Admin:
         """Bring a retired model back (a built-in one too), its files checked again as registration checks them.
         404 `model_not_found` for a name never registered; 409 `model_exists` while a live model holds the name."""
         return RegisteredModel.of(self._c._json("POST", f"/v1/admin/models/{name}/restore", admin=True))
+
+
+def _completion_request(task_id: str, trial_id: str | None, prompt: str | None,
+                        messages: Sequence[Mapping[str, str]] | None, sampling: Mapping[str, Any]) -> tuple[str, Any]:
+    path = f"/v1/tasks/{task_id}" + (f"/trials/{trial_id}" if trial_id else "") + "/completions"
+    body = {**({"prompt": prompt} if prompt is not None else {}),
+            **({"messages": [dict(m) for m in messages]} if messages is not None else {}), **sampling}
+    return path, body

@@ -354,6 +354,31 @@ class TrialMetrics(ApiObject):
 
 
 @dataclass(frozen=True)
+class Completion(ApiObject):
+    """An answer sampled from a trial's adapter (`tasks.complete`): its text, why it ended (`stop`, `length`), the
+    trial that answered, and its tokens."""
+
+    id: str
+    model: str
+    text: str
+    finish_reason: str | None
+    trial_id: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    load_s: float
+
+    @classmethod
+    def of(cls, raw: dict[str, Any]) -> Completion:
+        choice = raw["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        extension, usage = raw.get("loraplane") or {}, raw.get("usage") or {}
+        return cls(id=raw["id"], model=raw["model"], text=text, finish_reason=choice.get("finish_reason"),
+                   trial_id=extension.get("trial_id"), prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                   completion_tokens=int(usage.get("completion_tokens", 0)),
+                   load_s=float(extension.get("load_s", 0.0)), raw=raw)
+
+
+@dataclass(frozen=True)
 class Event(ApiObject):
     id: int
     created_at: datetime

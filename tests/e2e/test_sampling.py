@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import torch
 from peft import PeftModel
 
 from common.registry import DEFAULT_MODELS
+from loraplane.client import Client
 from tests.conftest import MODEL_CACHE
 from tests.e2e.flow import arithmetic_rows, download_adapter, follow_events, grid_task, submit, tenant_client, upload
 from tests.e2e.procs import EMBEDDED_UNSET, cluster, free_port, start_embedded
@@ -87,6 +90,7 @@ def test_completions_from_trials_through_the_service(tmp_path: Path) -> None:
 
             check_batched_trials(base_url, key, task.id, adapters)
             check_streaming_and_chat(base_url, key, task.id)
+            check_client_and_cli(lp, base_url, key, task.id, answer["choices"][0]["text"])
             check_refusals(base_url, key, other.api_key, task.id, trials[0])
 
 
@@ -130,6 +134,17 @@ def check_streaming_and_chat(base_url: str, key: str, task_id: str) -> None:
                           {"model": task_id, "messages": [{"role": "user", "content": "1 plus 2?"}], "max_tokens": 4})
     assert streamed[0]["object"] == "chat.completion.chunk"
     assert streamed[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def check_client_and_cli(lp: Client, base_url: str, key: str, task_id: str, best_text: str) -> None:
+    """The Python client (whole and streamed) and `loraplane sample` give the best trial's greedy answer."""
+    got = lp.tasks.complete(task_id, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert got.text == best_text and got.finish_reason in ("stop", "length") and got.completion_tokens >= 1
+    assert "".join(lp.tasks.complete_stream(task_id, prompt=PROMPTS[0], max_tokens=8, temperature=0)) == best_text
+    cli = subprocess.run([sys.executable, "-m", "loraplane.cli", "sample", task_id, PROMPTS[0], "--max-tokens", "8",
+                          "--temperature", "0", "--api-url", base_url, "--api-key", key],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0 and cli.stdout == best_text + "\n", (cli.stdout, cli.stderr)
 
 
 def check_refusals(base_url: str, key: str, other_key: str, task_id: str, trial_id: str) -> None:
