@@ -89,6 +89,7 @@ def test_submit_a_task_watch_it_train_live_and_download_the_best_adapter(
     best_trial = check_the_curves_and_the_trials_table(page)
     sort_the_table_from_the_keyboard(page, best_trial)
     download_the_adapters(page, task_id, best_trial)
+    try_the_playground(page, service, task_id, best_trial)
     leave_the_page(page, task_id)
 
 
@@ -194,6 +195,40 @@ def download_the_adapters(page: Any, task_id: str, best_trial: str | None) -> No
     with page.expect_download() as download_info:
         page.get_by_role("button", name="Download the adapter of trial 0").click()
     assert download_info.value.suggested_filename.endswith("-adapter.tar.gz")
+
+
+def try_the_playground(page: Any, service: Service, task_id: str, best_trial: str | None) -> None:
+    """One prompt to the best trial, another trial and (as a chat) the base model: three answers side by side, each
+    sampled by the worker; the best trial's equals what the API answers for the same greedy request."""
+    playground = page.get_by_role("region", name="Playground")
+    playground.get_by_label("Prompt").fill("3 plus 4 is")
+    playground.get_by_label("Max tokens").fill("6")
+    playground.get_by_label("Temperature").fill("0")
+    best_box = playground.locator(f"input[data-choice='{best_trial}']")
+    expect(best_box).to_be_checked()  # the best trial is ticked at first
+    other = playground.locator("input[data-choice^='trial-']:not(:checked)").first
+    other_id = other.get_attribute("data-choice")
+    other.check()
+    expect(playground.locator("input[data-choice='base']")).to_be_disabled()  # the base answers chats only
+    playground.get_by_role("button", name="Sample").click()
+    cards = playground.locator("article.answer")
+    expect(cards).to_have_count(2)
+    for choice in (best_trial, other_id):
+        expect(playground.locator(f"article.answer[data-choice='{choice}']")).to_have_attribute(
+            "data-done", re.compile("^(stop|length)$"), timeout=120_000)
+    api = httpx.post(f"{service.base_url}/v1/tasks/{task_id}/trials/{best_trial}/completions", timeout=120,
+                     headers={"Authorization": f"Bearer {service.tenant_key}"},
+                     json={"prompt": "3 plus 4 is", "max_tokens": 6, "temperature": 0})
+    assert api.status_code == 200, api.text
+    shown = playground.locator(f"article.answer[data-choice='{best_trial}'] .answer-text").text_content()
+    assert shown == api.json()["choices"][0]["text"]
+    playground.get_by_label("As a chat").check()
+    playground.locator("input[data-choice='base']").check()
+    playground.get_by_role("button", name="Sample").click()
+    expect(cards).to_have_count(3)
+    expect(playground.locator("article.answer[data-choice='base']")).to_have_attribute(
+        "data-done", re.compile("^(stop|length)$"), timeout=120_000)
+    shot(page, "03b-playground")
 
 
 def leave_the_page(page: Any, task_id: str) -> None:

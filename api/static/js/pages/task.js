@@ -1,6 +1,7 @@
 // One task, live: summary (its progress coloured by state), its settings and estimate, every trial's loss curves on
 // one chart (log scale, trials hidden or isolated from the legend or the table), each trial's hyperparameter against
-// its result, the sortable trials table with the best trial highlighted, adapter downloads, and the event log. Events arrive on the SSE stream (polling when it
+// its result, the sortable trials table with the best trial highlighted, adapter downloads, a playground (answers of
+// chosen trials side by side: playground.js), and the event log. Events arrive on the SSE stream (polling when it
 // cannot be used); loss points are not events, so while the task runs the page also re-reads the task, its
 // trials and the curves' new points every few seconds, and at once (at most once a second) after an event.
 
@@ -8,6 +9,7 @@ import { api, download, ndjson } from "../api.js";
 import { colourOf, lossChart, scatterChart } from "../chart.js";
 import { badge, clear, fmt, h, progressBar } from "../dom.js";
 import { Poller, TaskStream } from "../live.js";
+import { playground } from "./playground.js";
 import { renderSettings } from "./task_settings.js";
 import { trialSummary } from "./tasks.js";
 
@@ -119,6 +121,7 @@ export function mount(root, { params, session }) {
   const scatterBox = h("figure", { class: "chart-box", id: "hp-scatter" });
   const tableBox = h("div", { class: "table-box" });
   const log = h("ol", { class: "log", "aria-label": "Event log, newest first" });
+  const playgroundBox = h("div");
   root.append(
     h("div", { class: "page-head" }, heading, liveNote),
     alert, summary, actions,
@@ -134,7 +137,9 @@ export function mount(root, { params, session }) {
         hpNote),
       scatterBox),
     h("section", { "aria-labelledby": "trials-title" }, h("h2", { id: "trials-title" }, "Trials"), tableBox),
+    playgroundBox,
     h("section", { "aria-labelledby": "events-title" }, h("h2", { id: "events-title" }, "Events"), log));
+  let tryOut = null; // the playground, once the task is read (a tenant's only: the admin token does not sample)
 
   async function save(path, name) {
     alert.textContent = "";
@@ -380,6 +385,11 @@ export function mount(root, { params, session }) {
     renderChart();
     renderScatter();
     renderTable();
+    if (!operator && !tryOut) {
+      tryOut = playground(task, { trials: () => state.trials, bestId });
+      playgroundBox.append(tryOut.section);
+    }
+    tryOut?.update();
     if (FINAL.has(task.state)) {
       curvesComplete = true; // read after the task was final: nothing more will come
       poller.stop();
