@@ -19,7 +19,6 @@ import json
 import secrets
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,7 +41,29 @@ from common.states import WORKER_ALIVE
 from common.tables import BaseModelEntry, Task, Trial, Worker, utcnow
 
 POLL_S = 0.05  # how often a waiting request reads its answer's stream
-_inflight: Counter[str] = Counter()  # open sampling requests per tenant, in this process
+
+
+class OpenRequests:
+    """Each tenant's open sampling requests in this process, by id, with their deadlines. One that is never closed (a
+    stream whose client left before it began, so its generator never ran its ``finally``) stops counting at its
+    deadline, so the cap cannot lock a tenant out."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, dict[str, float]] = {}
+
+    def count(self, tenant_id: str, now: float) -> int:
+        mine = {rid: deadline for rid, deadline in self._open.get(tenant_id, {}).items() if deadline > now}
+        self._open[tenant_id] = mine
+        return len(mine)
+
+    def open(self, tenant_id: str, request_id: str, deadline: float) -> None:
+        self._open.setdefault(tenant_id, {})[request_id] = deadline
+
+    def close(self, tenant_id: str, request_id: str) -> None:
+        self._open.get(tenant_id, {}).pop(request_id, None)
+
+
+open_requests = OpenRequests()
 
 
 @dataclass(frozen=True)
@@ -104,18 +125,18 @@ def require_live_sampler(session: Session, target: Target) -> None:
 async def complete(target: Target, body: CompletionRequest | ChatCompletionRequest, *, tenant_id: str) -> Response:
     """Sends the request to the samplers and answers with what they write: JSON, or server-sent events."""
     settings = get_settings()
-    if _inflight[tenant_id] >= settings.sampling_max_inflight:
+    if open_requests.count(tenant_id, time.time()) >= settings.sampling_max_inflight:
         raise ApiError(429, RATE_LIMIT, "too_many_requests", f"At most {settings.sampling_max_inflight} sampling "
                        "requests of a tenant at once; wait for one to end.", headers={"Retry-After": "1"})
-    _inflight[tenant_id] += 1
+    request = _sample_request(target, body, tenant_id=tenant_id)
+    open_requests.open(tenant_id, request.request_id, request.deadline)
     try:
-        request = _sample_request(target, body, tenant_id=tenant_id)
         await run_in_threadpool(get_bus().publish, sampling_stream(target.base.name), request.to_dict())
         replies = _replies(request)
         first = await anext(replies)  # a refusal is an HTTP error, not a stream that starts and fails
         _raise_refusal(first)
     except BaseException:
-        _inflight[tenant_id] -= 1
+        open_requests.close(tenant_id, request.request_id)
         raise
     chat = isinstance(body, ChatCompletionRequest) or body.messages is not None
     if body.stream:
@@ -127,7 +148,7 @@ async def complete(target: Target, body: CompletionRequest | ChatCompletionReque
             _raise_refusal(reply)
             text, last = text + reply.text, reply
     finally:
-        _inflight[tenant_id] -= 1
+        open_requests.close(tenant_id, request.request_id)
     return JSONResponse(_whole(text, last, target, request, chat=chat))
 
 
@@ -199,7 +220,7 @@ async def _events(first: SampleReply, replies: AsyncIterator[SampleReply], targe
     except ApiError as exc:
         yield f"data: {json.dumps(exc.body())}\n\n".encode()
     finally:
-        _inflight[tenant_id] -= 1
+        open_requests.close(tenant_id, request.request_id)
 
 
 async def _with_first(first: SampleReply, replies: AsyncIterator[SampleReply]) -> AsyncIterator[SampleReply]:

@@ -3,9 +3,12 @@ sampler is asked, in the one error shape. The whole path through a real worker's
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from fastapi.testclient import TestClient
 
+from api.services.completions import open_requests
 from common.bus import get_bus, sampling_reply_stream, sampling_stream
 from common.db import session_scope
 from common.messages import parse_sample_request
@@ -73,3 +76,23 @@ def test_a_request_no_sampler_answers_times_out_and_its_request_says_what_to_sam
     assert (request.temperature, request.stop, request.seed, request.max_tokens) == (0.0, ["\n"], 11, 256)
     assert request.deadline - request.sent_at == pytest.approx(1.0)
     assert bus.read_after(sampling_reply_stream(request.request_id), "0", 10, 0) == []
+
+
+def test_a_tenants_open_requests_are_capped_and_one_never_closed_stops_counting_at_its_deadline(
+    client: TestClient, tenant: TenantKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task = make_task(client, tenant)
+    store_adapter(task["id"], trial_ids(task["id"])[0])
+    _live_worker(models=None)
+    monkeypatch.setattr(get_settings(), "sampling_max_inflight", 1)
+    monkeypatch.setattr(get_settings(), "sampling_timeout_s", 0.5)
+    url = f"/v1/tasks/{task['id']}/completions"
+    open_requests.open(tenant.id, "cmpl-open", time.time() + 60)  # a stream still open
+    try:
+        r = client.post(url, headers=tenant.headers, json=PROMPT)
+        assert _code(r) == (429, "too_many_requests") and r.headers["Retry-After"] == "1", r.text
+        open_requests.open(tenant.id, "cmpl-open", time.time() - 1)  # never closed, its deadline passed
+        assert _code(client.post(url, headers=tenant.headers, json=PROMPT)) == (503, "sampling_timeout")
+    finally:
+        open_requests.close(tenant.id, "cmpl-open")
+    assert open_requests.count(tenant.id, time.time()) == 0  # the timed-out request closed itself
