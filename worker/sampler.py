@@ -1,12 +1,13 @@
 """A worker's sampler (issue 35): answers sampling requests for trained adapters, batched on a warm base model.
 
 The API puts each request (`SampleRequest`) on its base model's stream (`common.bus.sampling_stream`). Every worker
-runs one sampler process beside its packs (`SamplerProcess`, spawned; `LORAPLANE_WORKER_SAMPLER`), which reads the
-streams of the models its worker can load, as one consumer group: each request is taken once, by one worker. It takes
-up to `LORAPLANE_SAMPLER_MAX_BATCH` waiting requests of one model at a time and decodes them together under their
-adapters (worker/engine/sampling.py: the grouped LoRA path, one forward per new token for all of them, with a KV
-cache), and writes each answer in pieces on the request's own stream (`SampleReply`): a streaming request's text as
-it comes, every request's end with why it ended and what it cost (tokens, time queued, time spent loading).
+runs one sampler process beside its packs (`SamplerProcess`, spawned once sampling is first asked of it;
+`LORAPLANE_WORKER_SAMPLER`), which reads the streams of the models its worker can load, as one consumer group: each
+request is taken once, by one worker. It takes up to `LORAPLANE_SAMPLER_MAX_BATCH` waiting requests of one model at a
+time and decodes them together under their adapters (worker/engine/sampling.py: one forward per new token for all of
+them, each row under its own adapter, with a KV cache), and writes each answer in pieces on the request's own stream
+(`SampleReply`): a streaming request's text as it comes, every request's end with why it ended and what it cost
+(tokens, time queued, time spent loading).
 
 Why a process of its own: a pack runs for minutes and a sampling request should not wait for it, nor a pack's step
 for a request. The sampler holds its own copy of the base model (loaded on the first request for it, the wait stated
@@ -47,10 +48,10 @@ from worker.model_cache import model_source
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how often an idle sampler looks for requests
+POLL_S = 0.1  # how often an idle sampler looks for requests
 GATHER_S = 0.02  # after a first request, how long it waits for more to decode with it
 ADAPTERS_KEPT = 32  # adapters kept on the device between batches
-WATCH_S = 2.0  # how often the worker checks that its sampler process lives
+WATCH_S = 1.0  # how often the worker looks for a first request, and checks that its sampler process lives
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,10 @@ class _Answer:
 
 
 class SamplerProcess:
-    """The worker's sampler, a spawned process of its own, started again if it dies."""
+    """The worker's sampler, a spawned process of its own, started once sampling is asked of a model the worker loads
+    (a request on its stream, now or before: `sampling_used`) and started again if it dies. Until then a worker that
+    is never asked to sample pays nothing for it: no process, no second torch, no polling of the bus beyond a look
+    at each model stream's newest id every `WATCH_S`. The first request waits for the start (in its `queued_s`)."""
 
     def __init__(self, config: SamplerConfig, entry: Callable[[SamplerConfig], None]) -> None:
         self.config, self._entry = config, entry
@@ -263,7 +267,6 @@ class SamplerProcess:
         self._closed = threading.Event()
 
     def start(self) -> None:
-        self._spawn()
         threading.Thread(target=self._watch, name="sampler-watch", daemon=True).start()
 
     def _spawn(self) -> None:
@@ -272,8 +275,19 @@ class SamplerProcess:
         self._process.start()
 
     def _watch(self) -> None:
+        bus = self.config.make_bus()
+        availability = ModelAvailability(bus)
         while not self._closed.wait(WATCH_S):
-            if not self._process.is_alive():
+            if self._process is None:
+                try:
+                    used = sampling_used(bus, availability.models() or [])
+                except Exception:  # noqa: BLE001 - the bus blinked: look again at the next tick
+                    log.warning("could not look at the sampling streams", exc_info=True)
+                    continue
+                if used:
+                    log.info("sampling asked of this worker: starting its sampler process")
+                    self._spawn()
+            elif not self._process.is_alive():
                 log.warning("the sampler process ended (exit code %s); starting another", self._process.exitcode)
                 self._spawn()
 
@@ -282,3 +296,8 @@ class SamplerProcess:
         if self._process is not None and self._process.is_alive():
             self._process.terminate()
             self._process.join(10)
+
+
+def sampling_used(bus: Bus, models: list[str]) -> bool:
+    """Whether a sampling request was ever sent for one of ``models`` (its stream has a message)."""
+    return any(bus.tail_id(sampling_stream(name)) not in ("0", "0-0") for name in models)

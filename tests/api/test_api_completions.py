@@ -96,3 +96,4 @@ def test_a_tenants_open_requests_are_capped_and_one_never_closed_stops_counting_
     finally:
         open_requests.close(tenant.id, "cmpl-open")
     assert open_requests.count(tenant.id, time.time()) == 0  # the timed-out request closed itself
+
