@@ -8,7 +8,7 @@ layer, and the CPU leaves the GPU's memory to the packs.
 
 The merge is PEFT's own (`merge_and_unload`), on the base as the worker loads it for training (a GGUF base
 de-quantised), in float32, then saved in the base's declared dtype: the merged model's logits equal base + adapter to
-that dtype's tolerance (tests/e2e/test_export.py).
+that dtype's tolerance (tests/e2e/test_trained_adapters.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The worker's sampler process (worker/sampler.py): started only once sampling was asked of one of the worker's
-models. Its answers through a real `loraplane up`: tests/e2e/test_sampling.py."""
+models. Its answers through a real `loraplane up`: tests/e2e/test_trained_adapters.py."""
 
 from __future__ import annotations
 
