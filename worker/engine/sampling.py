@@ -23,6 +23,7 @@ Pure engine: the caller (worker/sampler.py) owns the model, the adapters, the pr
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,9 +91,10 @@ def sample(model: PreTrainedModel, jobs: Sequence[SampleJob], *, stop_ids: froze
         ids, mask = _left_padded([jobs[i].prompt_ids for i in open_rows], pad_token_id, device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
+        cache_arg = _cache_argument(model)
         while open_rows:
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        **{cache_arg: cache})
             chosen = _choose(out.logits[:, -1, :].float(), [jobs[i] for i in open_rows], [rngs[i] for i in open_rows])
             kept = [row for row, (i, token) in enumerate(zip(open_rows, chosen, strict=True))
                     if _take(jobs[i], i, token, stop_ids, on_token)]
@@ -111,6 +113,12 @@ def sample(model: PreTrainedModel, jobs: Sequence[SampleJob], *, stop_ids: froze
     finally:
         if rows is not None:
             _remove_adapters(model)
+
+
+def _cache_argument(model: PreTrainedModel) -> str:
+    """The forward's name for the KV cache: ``cache`` from transformers 5.2x (``past_key_values`` deprecated there,
+    to go in 5.40), ``past_key_values`` before (5.17, the GPU image's)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _key(job: SampleJob) -> str | None:
