@@ -89,9 +89,13 @@ class Settings(BaseSettings):
     # 1.04x the throughput of one after the other (benchmarks/results/issue34/SUMMARY.md).
     worker_max_packs: int = Field(default=0, ge=0, le=8, alias="LORAPLANE_WORKER_MAX_PACKS")
     # Sampling from trained adapters (worker/sampler.py): whether a worker starts its sampler process, how many
-    # requests it decodes together at most, and how long it keeps a base model loaded with no request for it.
+    # requests it decodes together at most (and the KV cache they may hold), and how long it keeps a base model
+    # loaded with no request for it.
     worker_sampler: bool = Field(default=True, alias="LORAPLANE_WORKER_SAMPLER")
     sampler_max_batch: int = Field(default=32, ge=1, le=256, alias="LORAPLANE_SAMPLER_MAX_BATCH")
+    # The KV cache one batch may hold, in positions (rows x (longest prompt + most new tokens)): more waits for the
+    # next batch. 65536 positions are 8.6 GB for Llama-3.1-8B in bf16, 2 GB for 1B.
+    sampler_max_batch_tokens: int = Field(default=65536, ge=1, alias="LORAPLANE_SAMPLER_MAX_BATCH_TOKENS")
     sampler_idle_s: float = Field(default=300.0, gt=0, alias="LORAPLANE_SAMPLER_IDLE_S")
     # How long the API waits for a sampling request's answer (a cold base model's load included), and how many of a
     # tenant's sampling requests one API process holds open at once (more: 429).

@@ -140,7 +140,8 @@ def _start_sampler(worker_id: str, device: torch.device, loglevel: str) -> Sampl
     sampler = SamplerProcess(SamplerConfig(
         worker_id=worker_id, device=str(device), make_bus=get_bus, make_store=get_artifact_store,
         model_cache_dir=settings.resolved_model_cache_dir, max_batch=settings.sampler_max_batch,
-        idle_s=settings.sampler_idle_s, cpu_threads=settings.worker_cpu_threads, loglevel=loglevel,
+        max_batch_tokens=settings.sampler_max_batch_tokens, idle_s=settings.sampler_idle_s,
+        cpu_threads=settings.worker_cpu_threads, loglevel=loglevel,
     ), entry=sampler_main)
     sampler.start()
     return sampler

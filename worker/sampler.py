@@ -64,6 +64,7 @@ class SamplerConfig:
     make_store: Callable[[], LocalArtifactStore]
     model_cache_dir: Path
     max_batch: int = 32  # LORAPLANE_SAMPLER_MAX_BATCH
+    max_batch_tokens: int = 65536  # LORAPLANE_SAMPLER_MAX_BATCH_TOKENS: a batch's KV cache positions at most
     idle_s: float = 300.0  # LORAPLANE_SAMPLER_IDLE_S
     cpu_threads: int = 0
     loglevel: str = "INFO"
@@ -88,6 +89,7 @@ class Sampler:
         self.availability = ModelAvailability(bus)
         self.loaded: _Loaded | None = None
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()
+        self.held: list[SampleRequest] = []  # taken, but left to the next batch by the batch's token budget
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -99,7 +101,11 @@ class Sampler:
                 stop.wait(POLL_S)
 
     def take(self) -> list[SampleRequest]:
-        """Up to `max_batch` waiting requests of one model (the warm model's first), expired ones dropped."""
+        """The requests a batch left over, else up to `max_batch` waiting requests of one model (the warm model's
+        first); expired ones dropped."""
+        if self.held:
+            held, self.held = self.held, []
+            return [r for r in held if r.deadline > time.time()]
         names = self.availability.models() or []
         if self.loaded is not None and self.loaded.fields["name"] in names:
             names = [self.loaded.fields["name"], *(n for n in names if n != self.loaded.fields["name"])]
@@ -135,7 +141,10 @@ class Sampler:
         loaded = self.loaded
         assert loaded is not None
         preparing = time.monotonic()
-        answers = [a for a in (self._prepare(r, loaded) for r in requests) if a is not None]
+        prepared = [a for a in (self._prepare(r, loaded) for r in requests) if a is not None]
+        fits = batch_fits([(len(a.job.prompt_ids), a.job.max_tokens) for a in prepared], self.config.max_batch_tokens)
+        answers = prepared[:fits]
+        self.held += [a.request for a in prepared[fits:]]  # the next batch's, first
         load_s += time.monotonic() - preparing  # the adapters' fetch from the store, on a first use
         jobs = [a.job for a in answers]
         try:
@@ -211,6 +220,18 @@ class Sampler:
         self.adapters.clear()  # they are on the base's device, in its dtype
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def batch_fits(requests: list[tuple[int, int]], budget_tokens: int) -> int:
+    """How many of ``requests`` ((prompt tokens, max_tokens) each, in order) one batch decodes: as many as keep its
+    KV cache, ``rows x (longest prompt + most new tokens)`` positions (prompts are left-padded to the longest), within
+    ``budget_tokens``; always the first."""
+    longest_prompt = most_new = 0
+    for count, (prompt, new) in enumerate(requests):
+        longest_prompt, most_new = max(longest_prompt, prompt), max(most_new, new)
+        if count and (count + 1) * (longest_prompt + most_new) > budget_tokens:
+            return count
+    return len(requests)
 
 
 class _Answer:
