@@ -65,6 +65,11 @@ os.environ.update(
         # The distributed mode's processes share one key for the secrets the database keeps (the API and the
         # scheduler refuse to start without it): one for the run, inherited by every process a test starts.
         "LORAPLANE_SECRET_KEY": Fernet.generate_key().decode(),
+        # One torch thread in each worker (and pack and rank) process the suite starts, not the default 2: beside the
+        # API, the scheduler and the test itself on a two-core machine, the tiny model trained ~5x slower with two
+        # threads waiting for each other (85 steps/s with one thread, 16 with two, measured under load). Nothing
+        # here tests the thread count; the multi-rank tests already ran with one thread a rank.
+        "LORAPLANE_WORKER_CPU_THREADS": "1",
     }
 )
 
