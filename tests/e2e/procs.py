@@ -51,8 +51,8 @@ def app_in_thread() -> Iterator[int]:
 
 def distributed_env(tmp_path: Path) -> dict[str, str]:
     """This process's environment (DATABASE_URL, REDIS_URL, ...) plus what a short distributed e2e run wants: a
-    namespace of its own on the shared Redis, files under `tmp_path`, fast ticks, heartbeats, timeouts and
-    checkpoints."""
+    namespace of its own on the shared Redis, files under `tmp_path`, fast ticks, heartbeats, timeouts, requeue
+    backoffs and checkpoints."""
     env = dict(os.environ)
     env.update({
         "LORAPLANE_NAMESPACE": f"lp-e2e-{uuid.uuid4().hex[:8]}",
@@ -64,6 +64,9 @@ def distributed_env(tmp_path: Path) -> dict[str, str]:
         # Checkpoints every 0.2 s, not every minute: the tests that kill a worker find a checkpoint to resume from
         # within a few steps of training, as they did when checkpoints came at each validation.
         "LORAPLANE_CHECKPOINT_INTERVAL_S": "0.2",
+        # A trial requeued by a worker's loss may be placed again after 1 s, not the default 5 s (the tests that kill
+        # a worker wait for that before training resumes; none tests the backoff's length).
+        "LORAPLANE_REQUEUE_BACKOFF_S": "1",
     })
     return env
 

@@ -71,9 +71,15 @@ CHAOS_ENV = {
     "LORAPLANE_SCHEDULER_TICK_S": "0.5", "LORAPLANE_HEARTBEAT_S": "1", "LORAPLANE_WORKER_TIMEOUT_S": "8",
     # A checkpoint within a fraction of a second of training, not a minute: the faults come once every trial has one.
     "LORAPLANE_CHECKPOINT_INTERVAL_S": "0.2",
+    # A requeued trial may be placed again after 1 s, not the default 5 s: every scenario requeues (a worker's loss)
+    # and waits that long before the trials train again; nothing here tests the backoff's length.
+    "LORAPLANE_REQUEUE_BACKOFF_S": "1",
     # On 2 busy cores torch's second thread makes the tiny model train ~10x slower (threads wait for each other
-    # while the API and the scheduler hold the other core): one thread per process.
+    # while the API and the scheduler hold the other core): one thread per process. A worker sets its torch threads
+    # from LORAPLANE_WORKER_CPU_THREADS (default 2, which overrides OMP_NUM_THREADS): that one too (tests/conftest.py
+    # sets it for every process the suite starts).
     "OMP_NUM_THREADS": "1",
+    "LORAPLANE_WORKER_CPU_THREADS": "1",
 }
 # A worker killed and started again at once: a timeout far longer than its restart (a new worker process takes a
 # minute or more to send its first heartbeat on two loaded cores), so only the new process's first heartbeat can end
@@ -314,10 +320,11 @@ def test_distributed_worker_killed_and_back_at_once(clean_db: None, distributed_
 FLAPPING = "chaos-d4"
 FLAPPING_ENV = {
     "LORAPLANE_WORKER_TIMEOUT_S": str(RESTART_TIMEOUT_S),  # only the new processes end the dead ones' packs
-    # The test's clock, not the defaults (tests/scheduler/test_faults.py checks those): a first quarantine of 20 s
-    # (the second 40 s) and a backoff of 1 s doubling per loss keep the run short. The count, 3 lost packs within
-    # 10 minutes, is the default.
-    "LORAPLANE_WORKER_QUARANTINE_S": "20",
+    # The test's clock, not the defaults (tests/scheduler/test_faults.py checks those): a first quarantine of 10 s
+    # (the second 20 s; the test waits through both) and a backoff of 1 s doubling per loss keep the run short. 10 s
+    # is still far longer than the test's look at the views (polled every 0.2 s from before the quarantine begins).
+    # The count, 3 lost packs within 10 minutes, is the default.
+    "LORAPLANE_WORKER_QUARANTINE_S": "10",
     "LORAPLANE_REQUEUE_BACKOFF_S": "1",
 }
 
