@@ -50,7 +50,10 @@ class Service:
     cluster: Cluster
 
 
-@pytest.fixture(scope="session")
+# The service and the browser live for tests/dashboard only (package scope), not the whole session: `up` with a 0.5 s
+# tick and a 1 s heartbeat, and Chromium, took CPU from every later test of the suite (tests/e2e, tests/engine, ...)
+# for nothing.
+@pytest.fixture(scope="package")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     if (missing := missing_requirement()) is not None:
         pytest.skip(missing)
@@ -72,11 +75,12 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         yield Service(base_url, ADMIN_TOKEN, tenant["name"], key, c)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def service_db(service: Service) -> Iterator[Engine]:
     """The service's SQLite database, with its own engine settings (WAL, a busy timeout). Kept open until the
-    session ends: closing this process's connection to the WAL database while the service runs upset the service's
-    processes (seen as `disk I/O error` 503s, and as writes made afterwards that the service did not see)."""
+    service stops (the end of tests/dashboard): closing this process's connection to the WAL database while the
+    service runs upset the service's processes (seen as `disk I/O error` 503s, and as writes made afterwards that
+    the service did not see)."""
     engine = make_engine(f"sqlite:///{service.cluster.env['LORAPLANE_HOME']}/loraplane.db")
     yield engine
     engine.dispose()
@@ -104,7 +108,7 @@ class Console:
         self.errors.append(f"page error: {error}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(service: Service) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
