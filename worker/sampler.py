@@ -163,8 +163,13 @@ class Sampler:
         """The request's job (its prompt's tokens and adapter), or None when refused (told why)."""
         try:
             adapter = self._adapter(request.adapter_key, loaded) if request.adapter_key else None
+        except Exception as exc:  # noqa: BLE001 - an adapter that cannot be read fails this request only
+            log.exception("sampling: the adapter of request %s could not be read", request.request_id)
+            self._refuse(request, 503, "adapter_unavailable", f"The trial's adapter could not be read: {exc}")
+            return None
+        try:
             prompt_ids = encode_prompt(loaded.tokenizer, messages=request.messages, prompt=request.prompt)
-        except Exception as exc:  # noqa: BLE001 - a bad template or an unreadable adapter fails this request only
+        except Exception as exc:  # noqa: BLE001 - a conversation the chat template refuses fails this request only
             log.warning("sampling: request %s refused: %s", request.request_id, exc)
             self._refuse(request, 422, "invalid_prompt", f"The prompt could not be encoded for the model: {exc}")
             return None
