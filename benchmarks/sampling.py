@@ -20,6 +20,7 @@ import argparse
 import gc
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -78,53 +79,65 @@ def engine_adapters(peft: Any) -> list[Adapter]:
     return adapters
 
 
+@dataclass(frozen=True)
+class Models:
+    """The bare model (the engine's and the base's), the PeftModel of the same shape, and its adapters as the
+    engine holds them."""
+
+    bare: Any
+    peft: Any
+    adapters: list[Adapter]
+
+
+def runs(models: Models, prompts: torch.Tensor, new_tokens: int) -> dict[str, Callable[[], None]]:
+    """Each method decoding every prompt (request i under adapter i mod ADAPTERS) to exactly `new_tokens`."""
+    n, prompt_tokens = prompts.shape
+    owners = [i % ADAPTERS for i in range(n)]
+    device = prompts.device
+
+    def engine() -> None:
+        jobs = [SampleJob(p.tolist(), models.adapters[a], max_tokens=new_tokens)
+                for p, a in zip(prompts, owners, strict=True)]
+        sample(models.bare, jobs, stop_ids=frozenset(), pad_token_id=0)
+        assert all(len(j.tokens) == new_tokens for j in jobs)
+
+    def generate(model: Any, ids: torch.Tensor, **kwargs: Any) -> None:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+        assert out.shape[1] == prompt_tokens + new_tokens
+
+    def peft_per_adapter() -> None:
+        for a in sorted(set(owners)):
+            models.peft.set_adapter(f"a{a}")
+            generate(models.peft, prompts[torch.tensor([i for i, o in enumerate(owners) if o == a], device=device)])
+
+    def peft_mixed() -> None:
+        generate(models.peft, prompts, adapter_names=[f"a{o}" for o in owners])
+
+    def base_alone() -> None:
+        generate(models.bare, prompts)
+
+    return {"engine": engine, "peft": peft_per_adapter, "mixed": peft_mixed, "base": base_alone}
+
+
 def measure(shape: str, device: torch.device, requests: list[int], prompt_tokens: int, new_tokens: int,
             repeats: int) -> list[list[Any]]:
-    bare = build(shape, device)
     peft = peft_model(shape, device)
-    adapters = engine_adapters(peft)
+    models = Models(build(shape, device), peft, engine_adapters(peft))
     vocab = int(SHAPES[shape]["vocab_size"])
     generator = torch.Generator().manual_seed(0)
     rows = []
     for n in requests:
-        prompts = torch.randint(1, vocab, (n, prompt_tokens), generator=generator)
-        owners = [i % ADAPTERS for i in range(n)]
-
-        def engine() -> None:
-            jobs = [SampleJob(p.tolist(), adapters[a], max_tokens=new_tokens) for p, a in zip(prompts, owners,
-                                                                                          strict=True)]
-            sample(bare, jobs, stop_ids=frozenset(), pad_token_id=0)
-            assert all(len(j.tokens) == new_tokens for j in jobs)
-
-        def generate(model: Any, ids: torch.Tensor, **kwargs: Any) -> None:
-            ids = ids.to(device)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
-            assert out.shape[1] == prompt_tokens + new_tokens
-
-        def peft_per_adapter() -> None:
-            for a in sorted(set(owners)):
-                peft.set_adapter(f"a{a}")
-                generate(peft, prompts[[i for i, o in enumerate(owners) if o == a]])
-
-        def peft_mixed() -> None:
-            generate(peft, prompts, adapter_names=[f"a{o}" for o in owners])
-
-        def base_alone() -> None:
-            generate(bare, prompts)
-
+        prompts = torch.randint(1, vocab, (n, prompt_tokens), generator=generator).to(device)
         seconds = {}
         with torch.no_grad():
-            for name, run in [("engine", engine), ("peft", peft_per_adapter), ("mixed", peft_mixed),
-                              ("base", base_alone)]:
+            for name, run in runs(models, prompts, new_tokens).items():
                 seconds[name] = timed(run, repeats)
                 print(f"{shape}: {n} requests, {name}: {seconds[name]:.3f} s", flush=True)
-        tokens = n * new_tokens
-        rate = {k: tokens / v for k, v in seconds.items()}
-        rows.append([n, len(set(owners)), round(rate["engine"]), round(rate["peft"]), round(rate["mixed"]),
+        rate = {k: n * new_tokens / v for k, v in seconds.items()}
+        rows.append([n, min(n, ADAPTERS), round(rate["engine"]), round(rate["peft"]), round(rate["mixed"]),
                      round(rate["base"]), round(rate["engine"] / rate["peft"], 2),
                      round(rate["engine"] / rate["mixed"], 2), round(rate["engine"] / rate["base"], 2)])
-    del bare, peft, adapters
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -197,14 +197,14 @@ def pack_process_main(index: int, config: PackProcessConfig, beats: BeatState, c
     serve(runner, channel, progress)
 
 
-def sampler_main(config: SamplerConfig) -> None:
-    """The worker's sampler process: answers sampling requests until the worker ends (worker/sampler.py)."""
+def sampler_main(config: SamplerConfig, stop: Any) -> None:
+    """The worker's sampler process: answers sampling requests until the worker sets ``stop`` (worker/sampler.py)."""
     _start_child("sampler", config.loglevel, config.cpu_threads)
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log.info("sampler of worker %s on %s", config.worker_id, device)
-    Sampler(config, config.make_bus(), config.make_store()).serve(threading.Event())
+    Sampler(config, config.make_bus(), config.make_store()).serve(stop)
 
 
 def _start_child(name: str, loglevel: str, cpu_threads: int) -> None:

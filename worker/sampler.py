@@ -91,7 +91,8 @@ class Sampler:
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()
         self.held: list[SampleRequest] = []  # taken, but left to the next batch by the batch's token budget
 
-    def serve(self, stop: threading.Event) -> None:
+    def serve(self, stop: Any) -> None:
+        """Answers requests until ``stop`` (a ``threading.Event`` or ``multiprocessing.Event``) is set."""
         while not stop.is_set():
             requests = self.take()
             if requests:
@@ -286,18 +287,20 @@ class SamplerProcess:
     is never asked to sample pays nothing for it: no process, no second torch, no polling of the bus beyond a look
     at each model stream's newest id every `WATCH_S`. The first request waits for the start (in its `queued_s`)."""
 
-    def __init__(self, config: SamplerConfig, entry: Callable[[SamplerConfig], None]) -> None:
+    def __init__(self, config: SamplerConfig, entry: Callable[[SamplerConfig, Any], None]) -> None:
         self.config, self._entry = config, entry
         self._ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._process: Any = None
         self._closed = threading.Event()
+        # Set by `close`: the process ends its loop (it ignores SIGTERM, as every child of the worker does).
+        self._stop = self._ctx.Event()
 
     def start(self) -> None:
         threading.Thread(target=self._watch, name="sampler-watch", daemon=True).start()
 
     def _spawn(self) -> None:
-        self._process = self._ctx.Process(target=self._entry, args=(self.config,), name="loraplane-sampler",
-                                          daemon=True)
+        self._process = self._ctx.Process(target=self._entry, args=(self.config, self._stop),
+                                          name="loraplane-sampler", daemon=True)
         self._process.start()
 
     def _watch(self) -> None:
@@ -317,11 +320,16 @@ class SamplerProcess:
                 log.warning("the sampler process ended (exit code %s); starting another", self._process.exitcode)
                 self._spawn()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Ends the sampler: at its next look for requests, or killed after ``timeout_s`` (mid-batch: its requests
+        time out on the API's side; nothing else is lost)."""
         self._closed.set()
+        self._stop.set()
         if self._process is not None and self._process.is_alive():
-            self._process.terminate()
-            self._process.join(10)
+            self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
 
 
 def sampling_used(bus: Bus, models: list[str]) -> bool:

@@ -1,5 +1,6 @@
 """Sampling's API side (issue 35), without a worker: what a completion request runs under and every refusal before a
-sampler is asked, in the one error shape. The whole path through a real worker's sampler: tests/e2e/test_trained_adapters.py."""
+sampler is asked, in the one error shape. The whole path through a real worker's sampler:
+tests/e2e/test_trained_adapters.py."""
 
 from __future__ import annotations
 

@@ -5,12 +5,13 @@ models; a batch's KV cache kept within its budget, the rest left to the next bat
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 from common.artifacts import LocalArtifactStore
 from common.bus import FileBus, sampling_stream
 from common.messages import ModelSourceFields, SampleRequest
-from worker.sampler import Sampler, SamplerConfig, batch_fits, sampling_used
+from worker.sampler import Sampler, SamplerConfig, SamplerProcess, batch_fits, sampling_used
 
 
 def test_a_worker_starts_its_sampler_once_sampling_was_asked_of_one_of_its_models(tmp_path: Path) -> None:
@@ -44,3 +45,19 @@ def test_requests_a_batch_left_over_are_the_next_batch_unless_expired(tmp_path: 
 
     sampler.held = [request("late", time.time() - 1), request("kept", time.time() + 60)]
     assert [r.request_id for r in sampler.take()] == ["kept"] and sampler.held == []
+
+
+def test_the_sampler_process_ends_when_its_worker_closes_it_not_killed(tmp_path: Path) -> None:
+    """It ignores SIGTERM (as every child of the worker does, so that a terminal's Ctrl-C reaches only the worker):
+    `close` asks it to end, and it does, by itself."""
+    from worker.main import sampler_main
+
+    process = SamplerProcess(SamplerConfig(worker_id="w", device="cpu", make_bus=partial(FileBus, tmp_path / "bus"),
+                                           make_store=partial(LocalArtifactStore, tmp_path / "store"),
+                                           model_cache_dir=tmp_path), entry=sampler_main)
+    process._spawn()  # as the worker does on the first request
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "bus").exists() and time.monotonic() < deadline:  # it opened its bus: serving
+        time.sleep(0.2)
+    process.close(timeout_s=30)
+    assert process._process.exitcode == 0
