@@ -33,8 +33,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from worker.engine.lora import LoraConfig
-
-ModuleTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]  # {path: (A (r, d_in), B (d_out, r))}, PEFT layout
+from worker.engine.store import ModuleTensors
 
 FINISH_STOP = "stop"  # a stop token or stop string ended the answer
 FINISH_LENGTH = "length"  # max_tokens reached
@@ -78,8 +77,7 @@ def sample(model: PreTrainedModel, jobs: Sequence[SampleJob], *, stop_ids: froze
     or after ``max_tokens`` tokens (``length``). ``model`` must have no LoRA layers: the batch's adapters are wrapped
     around its layers for the call and taken off after.
     """
-    open_rows = sorted(range(len(jobs)), key=lambda i: _adapter_order(jobs[i]))
-    open_rows = [i for i in open_rows if jobs[i].max_tokens > 0 and jobs[i].prompt_ids]
+    open_rows = [i for i, job in enumerate(jobs) if job.max_tokens > 0 and job.prompt_ids]
     for job in jobs:
         job.tokens, job.finish_reason = [], None if job.max_tokens > 0 and job.prompt_ids else FINISH_LENGTH
     if not open_rows:
@@ -119,14 +117,6 @@ def _cache_argument(model: PreTrainedModel) -> str:
     """The forward's name for the KV cache: ``cache`` from transformers 5.2x (``past_key_values`` deprecated there,
     to go in 5.40), ``past_key_values`` before (5.17, the GPU image's)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _key(job: SampleJob) -> str | None:
-    return None if job.adapter is None else job.adapter.key
-
-
-def _adapter_order(job: SampleJob) -> tuple[int, str]:
-    return (0, "") if job.adapter is None else (1, job.adapter.key)
 
 
 def _take(job: SampleJob, index: int, token: int, stop_ids: frozenset[int], on_token: OnToken | None) -> bool:
@@ -188,7 +178,7 @@ def _install_adapters(model: PreTrainedModel, jobs: list[SampleJob], device: tor
         return None
     slots: dict[str | None, int] = {a.key: z for z, a in enumerate(adapters)}
     slots[None] = len(adapters)
-    rows = BatchRows(torch.tensor([slots[_key(j)] for j in jobs], device=device))
+    rows = BatchRows(torch.tensor([slots[j.adapter.key if j.adapter else None] for j in jobs], device=device))
     dtype = next(model.parameters()).dtype
     r_max = max(a.config.rank for a in adapters)
     for path in sorted({p for a in adapters for p in a.tensors}):
