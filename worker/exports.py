@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from common.artifacts import LocalArtifactStore, merged_failure_key, merged_key
 from common.messages import ExportRequest
 from worker.engine.base_model import load_base_model
 from worker.model_cache import model_source
-from worker.pack_runner import tar_dir
+from worker.pack_runner import tar_dir, untar
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +53,7 @@ def build_merged(request: ExportRequest, *, store: LocalArtifactStore, cache_dir
     try:
         with tempfile.TemporaryDirectory(prefix="merged-") as tmp_name:
             tmp = Path(tmp_name)
-            adapter_dir = tmp / "adapter"
-            adapter_dir.mkdir()
-            with store.open(request.adapter_key) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
-                tar.extractall(adapter_dir, filter="data")
+            adapter_dir = untar(store, request.adapter_key, tmp / "adapter")
             out_dir = merge_adapter(request, adapter_dir=adapter_dir, out_dir=tmp / "merged", cache_dir=cache_dir)
             store.put_file(out_key, tar_dir(out_dir, tmp / "merged.tar.gz", gzip=True))
     except Exception as exc:  # noqa: BLE001 - whatever failed, the user is told, not left polling for ever

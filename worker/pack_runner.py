@@ -84,6 +84,13 @@ def tar_dir(source_dir: Path, archive: Path, *, gzip: bool) -> Path:
     return archive
 
 
+def untar(store: LocalArtifactStore, key: str, target: Path) -> Path:
+    """The archive stored at ``key`` (``tar_dir``'s, compressed or not) unpacked into ``target``; returns it."""
+    with store.open(key) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
+        tar.extractall(target, filter="data")
+    return target
+
+
 def stop_modes(requested: dict[str, str]) -> dict[str, StopMode]:
     """The inbox's stop commands as ``train_pack`` takes them (an unknown mode from a newer scheduler drops)."""
     return {trial_id: cast(StopMode, mode if mode in ("drop", "export", "pause") else "drop")
@@ -462,8 +469,7 @@ class PackRunner:
             target = into / t.trial_id
             target.mkdir(parents=True)
             try:
-                with self.store.open(key) as f, tarfile.open(fileobj=f, mode="r:") as tar:
-                    tar.extractall(target, filter="data")
+                untar(self.store, key, target)
             except tarfile.TarError as exc:  # a torn or corrupt archive: as good as gone (and no one pack's fault)
                 log.warning("trial %s: its checkpoint %s cannot be unpacked (%s); it starts again from step 0",
                             t.trial_id, key, exc)

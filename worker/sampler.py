@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import tarfile
 import tempfile
 import threading
 import time
@@ -45,6 +44,7 @@ from worker.engine.export import read_peft_adapter
 from worker.engine.generation import stop_token_ids
 from worker.engine.sampling import Adapter, SampleJob, sample
 from worker.model_cache import model_source
+from worker.pack_runner import untar
 
 log = logging.getLogger(__name__)
 
@@ -193,16 +193,15 @@ class Sampler:
                                            device=self.device)
         context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
         self.loaded = _Loaded(fields, model, tokenizer, stop_token_ids(model, tokenizer), context, time.time())
-        log.info("sampler loaded %s in %.1f s", fields["name"], time.monotonic() - started)
-        return time.monotonic() - started
+        load_s = time.monotonic() - started
+        log.info("sampler loaded %s in %.1f s", fields["name"], load_s)
+        return load_s
 
     def _adapter(self, key: str, loaded: _Loaded) -> Adapter:
         adapter = self.adapters.get(key)
         if adapter is None:
             with tempfile.TemporaryDirectory(prefix="sample-adapter-") as tmp:
-                with self.store.open(key) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
-                    tar.extractall(tmp, filter="data")
-                config, tensors = read_peft_adapter(Path(tmp))
+                config, tensors = read_peft_adapter(untar(self.store, key, Path(tmp)))
             dtype = next(loaded.model.parameters()).dtype
             moved = {p: (a.to(self.device, dtype), b.to(self.device, dtype)) for p, (a, b) in tensors.items()}
             adapter = Adapter(key, config, moved)
@@ -241,25 +240,29 @@ def batch_fits(requests: list[tuple[int, int]], budget_tokens: int) -> int:
 
 
 class _Answer:
-    """One request's answer as it is decoded: its text (cut at a stop string) and, streaming, its pieces sent."""
+    """One request's answer as it is decoded: its text (cut at a stop string) and, streaming, its pieces sent. Without
+    stop strings and streaming, the text is decoded once at the end, not at every token."""
 
     def __init__(self, request: SampleRequest, job: SampleJob, tokenizer: Any, bus: Bus) -> None:
         self.request, self.job, self.tokenizer, self.bus = request, job, tokenizer, bus
         self.text = ""
         self.sent = 0  # characters of text already sent
         # Streaming, the last characters that might begin a stop string wait until the answer goes past them.
-        self.held = max((len(s) for s in request.stop), default=1) - 1
+        self.holdback = max((len(s) for s in request.stop), default=1) - 1
+        self.per_token = bool(request.stop) or request.stream
 
     def on_token(self) -> bool:
         """Takes the job's newest token; False when a stop string ended the answer."""
-        text = self.tokenizer.decode(self.job.tokens, skip_special_tokens=True)
+        if not self.per_token:
+            return True
+        text = self._decoded()
         cuts = [text.find(s) for s in self.request.stop if s and s in text]
         if cuts:
             self.text = text[: min(cuts)]
             return False
         self.text = text
         if self.request.stream:
-            ready = len(text) - self.held
+            ready = len(text) - self.holdback
             while ready > self.sent and text[ready - 1] == "\ufffd":  # half of a character: wait for the rest
                 ready -= 1
             if ready > self.sent:
@@ -268,13 +271,16 @@ class _Answer:
         return True
 
     def finish(self, *, queued_s: float, load_s: float, batch_requests: int) -> None:
-        if not self.job.tokens:
-            self.text = ""
+        if not self.per_token:
+            self.text = self._decoded()
         self.bus.publish(sampling_reply_stream(self.request.request_id), SampleReply(
             request_id=self.request.request_id, text=self.text[self.sent:], done=True,
             finish_reason=self.job.finish_reason, prompt_tokens=len(self.job.prompt_ids),
             completion_tokens=len(self.job.tokens), queued_s=round(queued_s, 4), load_s=round(load_s, 4),
             batch_requests=batch_requests).to_dict())
+
+    def _decoded(self) -> str:
+        return str(self.tokenizer.decode(self.job.tokens, skip_special_tokens=True))
 
     def _send(self, text: str) -> None:
         self.bus.publish(sampling_reply_stream(self.request.request_id),

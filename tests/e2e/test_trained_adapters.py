@@ -233,10 +233,19 @@ def check_streaming_and_chat(base_url: str, key: str, task_id: str) -> None:
 
 
 def check_client_and_cli(lp: Client, base_url: str, key: str, task_id: str, best_text: str) -> None:
-    """The Python client (whole and streamed) and `loraplane sample` give the best trial's greedy answer."""
+    """The Python client (whole and streamed) and `loraplane sample` give the best trial's greedy answer; a stop
+    string cuts it."""
     got = lp.tasks.complete(task_id, prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert got.text == best_text and got.finish_reason in ("stop", "length") and got.completion_tokens >= 1
     assert "".join(lp.tasks.complete_stream(task_id, prompt=PROMPTS[0], max_tokens=8, temperature=0)) == best_text
+    # A stop string ends the answer before it, whole and streamed alike.
+    assert best_text, "an empty answer proves nothing about stop strings"
+    stop = best_text[-1]
+    cut = best_text[: best_text.index(stop)]
+    got = lp.tasks.complete(task_id, prompt=PROMPTS[0], max_tokens=8, temperature=0, stop=[stop])
+    assert got.text == cut and got.finish_reason == "stop"
+    assert "".join(lp.tasks.complete_stream(task_id, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                            stop=[stop])) == cut
     cli = subprocess.run([sys.executable, "-m", "loraplane.cli", "sample", task_id, PROMPTS[0], "--max-tokens", "8",
                           "--temperature", "0", "--api-url", base_url, "--api-key", key],
                          capture_output=True, text=True, timeout=300)
