@@ -21,12 +21,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import API_ERROR, INVALID_REQUEST, RATE_LIMIT, UNAVAILABLE, ApiError, conflict, not_found
@@ -37,8 +35,9 @@ from common.bus import get_bus, sampling_reply_stream, sampling_stream
 from common.messages import ModelSourceFields, SampleReply, SampleRequest, parse_sample_reply
 from common.registry import model_source_fields
 from common.settings import get_settings
-from common.states import WORKER_ALIVE
-from common.tables import BaseModelEntry, Task, Trial, Worker, utcnow
+from common.tables import BaseModelEntry, Task, Trial, utcnow
+from scheduler.planning.types import loads
+from scheduler.service.cluster_state import alive_workers, worker_models
 
 POLL_S = 0.05  # how often a waiting request reads its answer's stream
 
@@ -115,9 +114,8 @@ def require_live_sampler(session: Session, target: Target) -> None:
     settings = get_settings()
     if not settings.worker_sampler:
         raise _unavailable("sampling_disabled", "Sampling is turned off on this deployment (LORAPLANE_WORKER_SAMPLER).")
-    cutoff = utcnow() - timedelta(seconds=settings.worker_timeout_s)
-    workers = session.scalars(select(Worker).where(Worker.state == WORKER_ALIVE, Worker.last_heartbeat >= cutoff))
-    if not any(w.models is None or target.base.name in w.models for w in workers):
+    workers = alive_workers(session, utcnow(), settings.worker_timeout_s)
+    if not any(loads(worker_models(w), target.base.name) for w in workers):
         raise _unavailable("no_worker", f"No live worker can load base model '{target.base.name}' to sample from it; "
                                         "try again once one is up.")
 
@@ -144,7 +142,7 @@ async def complete(target: Target, body: CompletionRequest | ChatCompletionReque
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         text, last = first.text, first
-        async for reply in _rest(first, replies):
+        async for reply in replies:  # nothing more after a `done` first: the stream is discarded
             _raise_refusal(reply)
             text, last = text + reply.text, reply
     finally:
@@ -189,13 +187,6 @@ async def _replies(request: SampleRequest) -> AsyncIterator[SampleReply]:
         await run_in_threadpool(bus.discard, stream)
 
 
-async def _rest(first: SampleReply, replies: AsyncIterator[SampleReply]) -> AsyncIterator[SampleReply]:
-    if first.done:
-        return
-    async for reply in replies:
-        yield reply
-
-
 def _raise_refusal(reply: SampleReply) -> None:
     if reply.error_code is None:
         return
@@ -210,7 +201,7 @@ async def _events(first: SampleReply, replies: AsyncIterator[SampleReply], targe
     failure after the start ends it with an error object in the API's error shape."""
     try:
         created, opened = int(time.time()), False
-        async for reply in _with_first(first, replies):
+        async for reply in _after(first, replies):
             _raise_refusal(reply)
             if reply.text or not opened or reply.done:
                 chunk = _chunk(reply, target, request, created, chat=chat, opening=not opened)
@@ -223,9 +214,11 @@ async def _events(first: SampleReply, replies: AsyncIterator[SampleReply], targe
         open_requests.close(tenant_id, request.request_id)
 
 
-async def _with_first(first: SampleReply, replies: AsyncIterator[SampleReply]) -> AsyncIterator[SampleReply]:
+async def _after(first: SampleReply, replies: AsyncIterator[SampleReply]) -> AsyncIterator[SampleReply]:
+    """``first``, then the rest of ``replies`` (none after a ``done`` first; read all the same, so that the answer's
+    stream is discarded)."""
     yield first
-    async for reply in _rest(first, replies):
+    async for reply in replies:
         yield reply
 
 
