@@ -86,6 +86,22 @@ export function parseSse(block) {
   return out;
 }
 
+/** The SSE blocks of a streamed answer's body, parsed, as they arrive (with keep-alive comments as empty blocks). */
+export async function* sseBlocks(reader) {
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true }).replace(/\r\n?/g, "\n");
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      yield parseSse(buffer.slice(0, cut));
+      buffer = buffer.slice(cut + 2);
+    }
+  }
+}
+
 const STALL_MS = 45_000; // the server writes a keep-alive every 15 s: silence this long is a dead connection
 const POLL_MS = 3000;
 const POLL_SPELL_MS = 30_000; // after the stream failed, poll this long before trying it again
@@ -160,31 +176,22 @@ export class TaskStream {
     if (this.lastId) headers["Last-Event-ID"] = String(this.lastId);
     const response = await request(`/v1/tasks/${this.taskId}/events/stream`, { signal, headers, raw: true });
     const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
     let stall = null;
     const resetStall = () => { clearTimeout(stall); stall = setTimeout(() => reader.cancel(), STALL_MS); };
     try {
       resetStall();
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) return false;
+      for await (const block of sseBlocks(reader)) {
         resetStall();
-        buffer += decoder.decode(value, { stream: true }).replace(/\r\n?/g, "\n");
-        let cut;
-        while ((cut = buffer.indexOf("\n\n")) >= 0) {
-          const block = parseSse(buffer.slice(0, cut));
-          buffer = buffer.slice(cut + 2);
-          if (!block.data) continue;
-          if (block.event === "end") {
-            this.finish(JSON.parse(block.data));
-            return true;
-          }
-          // The key was revoked (or its tenant deleted) while the stream was open: like a 401, final.
-          if (block.event === "error") throw new ApiError(401, JSON.parse(block.data));
-          this.deliver(JSON.parse(block.data));
+        if (!block.data) continue;
+        if (block.event === "end") {
+          this.finish(JSON.parse(block.data));
+          return true;
         }
+        // The key was revoked (or its tenant deleted) while the stream was open: like a 401, final.
+        if (block.event === "error") throw new ApiError(401, JSON.parse(block.data));
+        this.deliver(JSON.parse(block.data));
       }
+      return false;
     } finally {
       clearTimeout(stall);
       reader.cancel().catch(() => {});

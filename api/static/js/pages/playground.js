@@ -2,8 +2,9 @@
 // model alone), their answers side by side. Each answer is sampled by a worker (POST .../completions; the base through
 // /v1/chat/completions with the base model as `model`), streamed in as it comes.
 
-import { authHeaders, ApiError } from "../api.js";
+import { ApiError, request } from "../api.js";
 import { clear, fmt, h } from "../dom.js";
+import { sseBlocks } from "../live.js";
 
 const BASE = "base";
 
@@ -39,7 +40,7 @@ export function playground(task, { trials, bestId }) {
     run.disabled = !ready.length && !chat.checked;
   }
 
-  function request(id) {
+  function requestOf(id) {
     const text = prompt.value;
     const sampling = { max_tokens: Number(maxTokens.value) || 64, temperature: Number(temperature.value) || 0,
       stream: true };
@@ -49,34 +50,22 @@ export function playground(task, { trials, bestId }) {
   }
 
   async function answer(id, card) {
-    const [path, body] = request(id);
+    const [path, body] = requestOf(id);
     const text = card.querySelector(".answer-text");
     const meta = card.querySelector(".answer-meta");
     try {
-      const response = await fetch(path, { method: "POST", body: JSON.stringify(body),
-        headers: { ...authHeaders(), "Content-Type": "application/json" } });
-      if (!response.ok) throw new ApiError(response.status, await response.json().catch(() => null));
-      const reader = response.body.getReader();
-      const decoder = new TextDecoder();
-      let buffer = "";
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        buffer += decoder.decode(value, { stream: true });
-        const lines = buffer.split("\n");
-        buffer = lines.pop();
-        for (const line of lines) {
-          if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
-          const chunk = JSON.parse(line.slice(6));
-          if (chunk.error) throw new ApiError(503, chunk);
-          const choice = chunk.choices[0];
-          text.textContent += choice.delta ? (choice.delta.content || "") : (choice.text || "");
-          if (choice.finish_reason) {
-            const ext = chunk.loraplane || {};
-            meta.textContent = `${chunk.usage.completion_tokens} tokens, ${choice.finish_reason}` +
-              (ext.load_s >= 0.5 ? `, waited ${fmt.duration(ext.load_s)} for the model to load` : "");
-            card.dataset.done = choice.finish_reason;
-          }
+      const response = await request(path, { method: "POST", json: body, raw: true });
+      for await (const block of sseBlocks(response.body.getReader())) {
+        if (!block.data || block.data === "[DONE]") continue;
+        const chunk = JSON.parse(block.data);
+        if (chunk.error) throw new ApiError(503, chunk);
+        const choice = chunk.choices[0];
+        text.textContent += choice.delta ? (choice.delta.content || "") : (choice.text || "");
+        if (choice.finish_reason) {
+          const ext = chunk.loraplane || {};
+          meta.textContent = `${chunk.usage.completion_tokens} tokens, ${choice.finish_reason}` +
+            (ext.load_s >= 0.5 ? `, waited ${fmt.duration(ext.load_s)} for the model to load` : "");
+          card.dataset.done = choice.finish_reason;
         }
       }
     } catch (e) {
