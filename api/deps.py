@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from api.db import get_session
 from api.errors import AUTHENTICATION, PERMISSION, ApiError
+from common.egress import Egress, Resolver, system_resolver
 from common.settings import get_settings
 from common.tables import ApiKey, Tenant
 
@@ -176,3 +177,18 @@ def get_reader(session: SessionDep, key: ApiKeyDep) -> Reader:
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
 ReaderDep = Annotated[Reader, Depends(get_reader)]
 AdminDep = Depends(require_admin)
+
+
+def name_resolver() -> Resolver:
+    """How a tenant-given URL's host is resolved (a webhook's, a tracker's): the system's resolver. The seam for tests
+    on a machine without DNS (`app.dependency_overrides[name_resolver]`, tests/egress.py); nothing else about the
+    check changes."""
+    return system_resolver
+
+
+def outbound_egress(resolver: Annotated[Resolver, Depends(name_resolver)]) -> Egress:
+    """The check a tenant-given URL passes before the service will connect to it (common/egress.py)."""
+    return Egress(policy=get_settings().webhook_egress_policy, resolver=resolver)
+
+
+EgressDep = Annotated[Egress, Depends(outbound_egress)]

@@ -21,6 +21,7 @@ from api.routes import (
     admin,
     admin_models,
     base_models,
+    checkpoints,
     cluster,
     completions,
     curves,
@@ -28,6 +29,7 @@ from api.routes import (
     events,
     files,
     health,
+    integrations,
     packs,
     search_spaces,
     tasks,
@@ -73,8 +75,8 @@ def create_app() -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(health.router)
-    for module in (admin, admin_models, cluster, packs, files, base_models, search_spaces, tasks, trials, curves,
-                   events, completions):
+    for module in (admin, admin_models, cluster, packs, files, base_models, search_spaces, tasks, trials, checkpoints,
+                   curves, events, completions, integrations):
         app.include_router(module.router, prefix="/v1")
     app.include_router(usage.router, prefix="/v1")
     app.include_router(usage.admin_router, prefix="/v1")

@@ -99,6 +99,13 @@ class LocalArtifactStore:
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
 
+    def keys(self, prefix: str) -> list[str]:
+        """The keys of the objects directly under the folder ``prefix``, sorted (none while it does not exist)."""
+        folder = self.path(prefix)
+        if not folder.is_dir():
+            return []
+        return sorted(f"{prefix}/{p.name}" for p in folder.iterdir() if p.is_file() and not p.name.startswith(".tmp-"))
+
 
 @lru_cache
 def get_artifact_store() -> LocalArtifactStore:
@@ -126,6 +133,20 @@ def merged_failure_key(task_id: str, trial_id: str) -> str:
 def merged_requested_key(task_id: str, trial_id: str) -> str:
     """When the API last asked the workers to build the merged model (JSON ``{"at": epoch seconds}``)."""
     return f"exports/{task_id}/{trial_id}/merged.requested.json"
+
+
+def saved_checkpoint_key(task_id: str, trial_id: str, step: int) -> str:
+    """A trial's adapter at ``step``, kept for users (common/checkpoints.py), packed like its adapter."""
+    return f"{saved_checkpoints_prefix(task_id, trial_id)}/step-{step:09d}.tar.gz"
+
+
+def saved_checkpoints_prefix(task_id: str, trial_id: str) -> str:
+    return f"adapter-checkpoints/{task_id}/{trial_id}"
+
+
+def saved_checkpoint_step(key: str) -> int:
+    """The step of a ``saved_checkpoint_key``."""
+    return int(key.rsplit("/step-", 1)[1].split(".", 1)[0])
 
 
 def checkpoint_key(task_id: str, trial_id: str, step: int) -> str:

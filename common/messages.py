@@ -303,6 +303,22 @@ class TrialCheckpoint(PackReport):
     points: list[Point] = []
 
 
+class CheckpointSaved(PackReport):
+    """A trial's adapter checkpoint (its adapter at ``step`` in PEFT format, for users: common/checkpoints.py) is
+    in the store at ``adapter_key``; the trial's stored checkpoints at ``dropped_steps`` are no longer kept. Not to be
+    confused with `TrialCheckpoint`, the snapshot a trial resumes from."""
+
+    type: Literal["trial.checkpoint_saved"] = "trial.checkpoint_saved"
+    trial_id: str
+    step: int
+    epoch: float
+    epoch_end: bool
+    val_loss: float | None = None
+    adapter_key: str
+    size_bytes: int
+    dropped_steps: list[int] = []
+
+
 class TrialCheckpointLost(PackReport):
     """The checkpoint a trial was to resume from is gone: it starts again from step 0."""
 
@@ -374,7 +390,8 @@ class PackRefused(PackReport):
 
 Report = (WorkerHeartbeat | Wake | PackStarted | Points | TrialCheckpoint | TrialCheckpointLost | TrialAdmitted
           | TrialRejected | TrialFinished | PackProgress | PackProfile | PackFinished | PackFailed | PackRefused)
-TrialReport = TrialCheckpoint | TrialCheckpointLost | TrialAdmitted | TrialRejected | TrialFinished  # of one trial
+# Of one trial.
+TrialReport = TrialCheckpoint | CheckpointSaved | TrialCheckpointLost | TrialAdmitted | TrialRejected | TrialFinished
 WITH_POINTS = (Points, TrialCheckpoint, TrialFinished)  # the reports that carry loss points
 
 
@@ -387,9 +404,9 @@ EXPORT_TYPES = _by_type(ExportRequest)
 SAMPLE_TYPES = _by_type(SampleRequest)
 SAMPLE_REPLY_TYPES = _by_type(SampleReply)
 COMMAND_TYPES = _by_type(AdmitTrials, StopTrials, AbortPack)
-REPORT_TYPES = _by_type(WorkerHeartbeat, Wake, PackStarted, Points, TrialCheckpoint, TrialCheckpointLost, TrialAdmitted,
-                        TrialRejected, TrialFinished, PackProgress, PackProfile, PackFinished, PackFailed,
-                        PackRefused)
+REPORT_TYPES = _by_type(WorkerHeartbeat, Wake, PackStarted, Points, TrialCheckpoint, CheckpointSaved,
+                        TrialCheckpointLost, TrialAdmitted, TrialRejected, TrialFinished, PackProgress, PackProfile,
+                        PackFinished, PackFailed, PackRefused)
 
 M = TypeVar("M", bound=Message)
 

@@ -43,9 +43,15 @@ class Settings(BaseSettings):
     # `loraplane rotate-secrets`, then drop the old one). The API and the scheduler must have the same keys: unset
     # in the distributed mode, they refuse to start; in the embedded mode, one is generated into LORAPLANE_HOME.
     secret_key: SecretStr | None = Field(default=None, alias="LORAPLANE_SECRET_KEY")
-    # Webhooks reach only public addresses (common/egress.py). Comma-separated networks (CIDR), addresses and host
-    # names that may be reached although they are not public, e.g. an in-cluster receiver. Empty: none.
+    # Webhooks and experiment trackers reach only public addresses (common/egress.py). Comma-separated networks
+    # (CIDR), addresses and host names that may be reached although they are not public, e.g. an in-cluster
+    # receiver or MLflow server. Empty: none.
     webhook_allowed_networks: str = Field(default="", alias="LORAPLANE_WEBHOOK_ALLOWED_NETWORKS")
+    # Experiment trackers (scheduler/service/trackers.py): how often a run in step with its trial is looked at again,
+    # and the longest wait between attempts while a tracker is down (the waits double from 5 s up to it; the
+    # attempts go on until it answers: nothing is dropped).
+    tracker_sync_s: float = Field(default=2.0, gt=0, alias="LORAPLANE_TRACKER_SYNC_S")
+    tracker_retry_max_s: float = Field(default=600.0, gt=0, alias="LORAPLANE_TRACKER_RETRY_MAX_S")
     # Prefixes every Redis key and Celery queue, so several deployments (or test runs) share one Redis.
     namespace: str = Field(default="loraplane", alias="LORAPLANE_NAMESPACE")
 

@@ -215,6 +215,26 @@ class MetricPoint(Base):
     __table_args__ = (UniqueConstraint("trial_id", "step", "split", name="uq_metric_points_trial_step_split"),)
 
 
+class Checkpoint(Base):
+    """A trial's adapter at one step, kept for download and sampling (common/checkpoints.py says which are kept); its
+    worker's `trial.checkpoint_saved` report adds it and drops the ones no longer kept. Its bytes count in its
+    tenant's stored bytes."""
+
+    __tablename__ = "checkpoints"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    trial_id: Mapped[str] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[float] = mapped_column(Float)
+    epoch_end: Mapped[bool] = mapped_column(Boolean)
+    val_loss: Mapped[float | None] = mapped_column(Float, default=None)
+    adapter_key: Mapped[str] = mapped_column(String(300))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (UniqueConstraint("trial_id", "step", name="uq_checkpoints_trial_step"),)
+
+
 class Event(Base):
     __tablename__ = "events"
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -326,6 +346,45 @@ class WebhookEndpoint(Base):
     # compared); not plaintext, so a copy of the database cannot forge a tenant's deliveries.
     secret_encrypted: Mapped[str] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Tracker(Base):
+    """An experiment tracker a task logs its trials to (its `integrations`; scheduler/service/trackers.py syncs
+    them): each trial a run with its hyperparameters, curves, end and adapter."""
+
+    __tablename__ = "trackers"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
+    type: Mapped[str] = mapped_column(String(20))  # "mlflow"
+    tracking_uri: Mapped[str] = mapped_column(String(2000))
+    experiment: Mapped[str] = mapped_column(String(250))
+    # The tracker's token (sent as a bearer token), encrypted like a webhook's secret; None: none.
+    token_encrypted: Mapped[str | None] = mapped_column(String(2000), default=None)
+    # Every trial's run finished there (its task ended): nothing left to sync.
+    done_at: Mapped[datetime | None] = mapped_column(default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TrackerRun(Base):
+    """One trial's run in one tracker and how far it is synced: the outbox's cursor. The trial's points, state and
+    adapter are the committed record; this says what of it the tracker has acknowledged, so an outage only delays
+    what it has not."""
+
+    __tablename__ = "tracker_runs"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tracker_id: Mapped[str] = mapped_column(ForeignKey("trackers.id", ondelete="CASCADE"))
+    trial_id: Mapped[str] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
+    run_id: Mapped[str | None] = mapped_column(String(100), default=None)  # the tracker's
+    artifact_uri: Mapped[str | None] = mapped_column(String(2000), default=None)
+    params_synced: Mapped[bool] = mapped_column(Boolean, default=False)
+    point_cursor: Mapped[int] = mapped_column(BigInteger, default=0)  # the last metric point (its id) logged
+    finished: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # failed in a row
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (UniqueConstraint("tracker_id", "trial_id", name="uq_tracker_runs_tracker_trial"),)
 
 
 class WebhookDelivery(Base):

@@ -76,6 +76,9 @@ class TaskSpec:
     refit: bool = False
     training_rows: int | None = None
     validation_rows: int | None = None
+    # The experiment trackers its trials are logged to, as shown (`type`, `tracking_uri`, `experiment`, `token_set`);
+    # their tokens are kept encrypted in the `trackers` table only.
+    integrations: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def metric(self) -> str:
@@ -113,12 +116,14 @@ class TaskSpec:
             refit=bool(stored.get("refit", False)),
             training_rows=stored.get("training_rows"),
             validation_rows=stored.get("validation_rows"),
+            integrations=tuple(dict(i) for i in stored.get("integrations") or ()),
         )
 
     def to_stored(self) -> dict[str, Any]:
         """The JSON stored in `tasks.spec` (`from_stored(to_stored(s)) == s`; an older row's missing
-        `evaluation` comes back as null, its missing `refit` as false; `suffix` and `metadata` only when given)."""
-        stored = {
+        `evaluation` comes back as null, its missing `refit` as false; `suffix`, `metadata` and `integrations` only when
+        given)."""
+        stored: dict[str, Any] = {
             "base_model": self.base_model,
             "training_file": self.training_file,
             "validation_file": self.validation_file,
@@ -139,6 +144,8 @@ class TaskSpec:
             "training_rows": self.training_rows,
             "validation_rows": self.validation_rows,
         }
+        if self.integrations:
+            stored["integrations"] = [dict(i) for i in self.integrations]
         if self.suffix is not None:
             stored["suffix"] = self.suffix
         if self.metadata is not None:

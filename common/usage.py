@@ -28,7 +28,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from common import states
-from common.tables import File, Pack, Task, Trial, TrialUsage, as_utc, utcnow
+from common.tables import Checkpoint, File, Pack, Task, Trial, TrialUsage, as_utc, utcnow
 
 
 def share_pack(seconds: float, trial_ids: Sequence[str], tokens: Mapping[str, int]) -> dict[str, float]:
@@ -92,10 +92,12 @@ class Usage:
     gpu_seconds: float = 0.0
     tokens: int = 0
     trials: dict[str, int] = field(default_factory=dict)  # ended trials by final state
-    storage_bytes: int = 0  # live uploaded files, now
+    storage_bytes: int = 0  # live uploaded files and kept checkpoints, now
+    checkpoint_bytes: int = 0  # of which the kept checkpoints
 
     def rounded(self) -> Usage:
-        return Usage(round(self.gpu_seconds, 3), self.tokens, dict(self.trials), self.storage_bytes)
+        return Usage(round(self.gpu_seconds, 3), self.tokens, dict(self.trials), self.storage_bytes,
+                     self.checkpoint_bytes)
 
 
 def _tokens_by_pack(session: Session, pack_ids: Iterable[str]) -> dict[str, dict[str, int]]:
@@ -173,7 +175,7 @@ def tenant_usage(
 ) -> dict[str, Usage]:
     """Usage per tenant inside the window: GPU seconds (pack time inside it, shared by tokens), tokens trained (the
     reports that arrived inside it), trials by final state (those of tasks that ended inside it) and the bytes of
-    live uploaded files now. `tenant_ids` None: every tenant with any of it."""
+    live uploaded files and kept checkpoints now. `tenant_ids` None: every tenant with any of it."""
     usage: dict[str, Usage] = defaultdict(Usage)
     for tenant_id, seconds in gpu_seconds_by_tenant(session, window, now).items():
         usage[tenant_id].gpu_seconds += seconds
@@ -192,6 +194,10 @@ def tenant_usage(
         usage[tenant_id].trials[state] = int(n)
     storage = select(File.tenant_id, func.sum(File.bytes)).where(File.deleted_at.is_(None)).group_by(File.tenant_id)
     for tenant_id, n in session.execute(storage):
-        usage[tenant_id].storage_bytes = int(n or 0)
+        usage[tenant_id].storage_bytes += int(n or 0)
+    checkpoints = select(Checkpoint.tenant_id, func.sum(Checkpoint.size_bytes)).group_by(Checkpoint.tenant_id)
+    for tenant_id, n in session.execute(checkpoints):
+        usage[tenant_id].storage_bytes += int(n or 0)
+        usage[tenant_id].checkpoint_bytes = int(n or 0)
     wanted = list(usage) if tenant_ids is None else list(tenant_ids)
     return {t: usage[t].rounded() if t in usage else Usage() for t in wanted}

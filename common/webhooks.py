@@ -16,7 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from common.secret_box import SecretBox, SecretUnreadable
-from common.tables import Event, Task, WebhookDelivery, WebhookEndpoint, as_utc, new_id, utcnow
+from common.tables import Event, Task, Tracker, WebhookDelivery, WebhookEndpoint, as_utc, new_id, utcnow
 
 WEBHOOK_EVENTS = ("task.succeeded", "task.failed", "task.cancelled", "trial.completed")
 
@@ -64,8 +64,8 @@ def enqueue_deliveries(session: Session, event: Event) -> list[WebhookDelivery]:
 
 @dataclass
 class Rotation:
-    """What `rotate_secrets` did: secrets re-encrypted under the first key, those already under it, and the
-    endpoints whose secret no configured key decrypts (left as they are)."""
+    """What `rotate_secrets` did: secrets re-encrypted under the first key, those already under it, and the rows
+    (webhook endpoints `wh-...`, trackers `trk-...`) whose secret no configured key decrypts (left as they are)."""
 
     rotated: int = 0
     current: int = 0
@@ -73,19 +73,31 @@ class Rotation:
 
 
 def rotate_secrets(session: Session, box: SecretBox) -> Rotation:
-    """Re-encrypts every webhook secret that is not under the box's first key (`loraplane rotate-secrets`). Once
-    it reports nothing unreadable, every secret is under the first key and the older keys may be dropped. Safe to
-    run again, and beside a running service: a row is rewritten whole, with the same secret."""
+    """Re-encrypts every secret the database keeps (webhook signing secrets, experiment trackers' tokens) that is
+    not under the box's first key (`loraplane rotate-secrets`). Once it reports nothing unreadable, every secret is
+    under the first key and the older keys may be dropped. Safe to run again, and beside a running service: a row is
+    rewritten whole, with the same secret."""
     result = Rotation()
     endpoints = select(WebhookEndpoint).order_by(WebhookEndpoint.id).with_for_update(key_share=True)
     for endpoint in session.scalars(endpoints):
-        if box.is_current(endpoint.secret_encrypted):
-            result.current += 1
-            continue
-        try:
-            endpoint.secret_encrypted = box.rotate(endpoint.secret_encrypted)
-        except SecretUnreadable:
-            result.unreadable.append(endpoint.id)
-            continue
-        result.rotated += 1
+        endpoint.secret_encrypted = _rotated(box, endpoint.secret_encrypted, endpoint.id, result)
+    trackers = (select(Tracker).where(Tracker.token_encrypted.is_not(None)).order_by(Tracker.id)
+                .with_for_update(key_share=True))
+    for tracker in session.scalars(trackers):
+        assert tracker.token_encrypted is not None
+        tracker.token_encrypted = _rotated(box, tracker.token_encrypted, tracker.id, result)
     return result
+
+
+def _rotated(box: SecretBox, token: str, row_id: str, result: Rotation) -> str:
+    """``token`` under the box's first key (as it is if it already is, or if no key reads it), counted."""
+    if box.is_current(token):
+        result.current += 1
+        return token
+    try:
+        rotated = box.rotate(token)
+    except SecretUnreadable:
+        result.unreadable.append(row_id)
+        return token
+    result.rotated += 1
+    return rotated

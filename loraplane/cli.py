@@ -97,11 +97,11 @@ def cmd_rotate_secrets(_args: argparse.Namespace) -> None:
     _migrate()
     with session_scope() as session:
         result = rotate_secrets(session, get_secret_box())
-    sys.stdout.write(f"webhook secrets: {result.rotated} re-encrypted under the first key, {result.current} already "
-                     f"under it\n")
+    sys.stdout.write(f"secrets (webhooks, trackers): {result.rotated} re-encrypted under the first key, "
+                     f"{result.current} already under it\n")
     if result.unreadable:
         raise SystemExit(f"loraplane rotate-secrets: {len(result.unreadable)} secrets decrypt under no key of "
-                         f"LORAPLANE_SECRET_KEY (webhooks {', '.join(result.unreadable)}); keep the key they were "
+                         f"LORAPLANE_SECRET_KEY ({', '.join(result.unreadable)}); keep the key they were "
                          "encrypted with in the list, or have their tenants register them again")
 
 

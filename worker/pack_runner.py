@@ -24,10 +24,19 @@ from typing import Any, cast
 
 import torch
 
-from common.artifacts import LocalArtifactStore, adapter_key, checkpoint_key
+from common.artifacts import (
+    LocalArtifactStore,
+    adapter_key,
+    checkpoint_key,
+    saved_checkpoint_key,
+    saved_checkpoint_step,
+    saved_checkpoints_prefix,
+)
 from common.bus import BACKFILL_NOT_JOINED, Bus
+from common.checkpoints import Saved, kept
 from common.datasets import parse_jsonl, split_rows
 from common.messages import (
+    CheckpointSaved,
     PackFailed,
     PackFinished,
     PackMessage,
@@ -50,6 +59,7 @@ from worker import telemetry
 from worker.bus_client import CommandInbox, Reporter, ReportsLost
 from worker.colocation import Reservation, RunningPacks
 from worker.engine import (
+    AdapterCheckpoint,
     Evaluation,
     ModelSource,
     NoScore,
@@ -89,6 +99,13 @@ def untar(store: LocalArtifactStore, key: str, target: Path) -> Path:
     with store.open(key) as f, tarfile.open(fileobj=f, mode="r:*") as tar:
         tar.extractall(target, filter="data")
     return target
+
+
+def epochs_kept(t: TrialPayload) -> int | None:
+    """The epoch checkpoints the trial keeps besides its best and last (its task's ``training.epoch_checkpoints``;
+    None: every one)."""
+    value = t.training.get("epoch_checkpoints")
+    return None if value is None else int(value)
 
 
 def stop_modes(requested: dict[str, str]) -> dict[str, StopMode]:
@@ -239,6 +256,7 @@ class PackRunner:
             use_rslora=bool(training.get("use_rslora", False)),
             extra_eval_steps=tuple(t.extra_eval_steps),
             evaluation=evaluation_of(t.evaluation, t.trial_id),
+            adapter_checkpoints=True,
         )
 
     def run(self, pack: PackMessage) -> None:
@@ -372,6 +390,7 @@ class PackRunner:
             # other_s) are part of what its trials wait for; train_pack adds its own.
             timings.wall_s += time.perf_counter() - set_up_started
             calls = _PackCallbacks(self, pack_id, reporter, tmp, task_of, read_rows, profiler)
+            calls.epochs_kept.update({t.trial_id: epochs_kept(t) for t in trials})
             with calls.storing_adapters(timings):
                 self._train_pack(pack, model, tokenizer, specs, resume, source, tmp, calls, timings, leads)
             refused = self.inbox.drain_admissions(pack_id)  # each rank's inbox saw them; rank 0 answers
@@ -408,6 +427,7 @@ class PackRunner:
         callbacks = PackCallbacks(
             on_point=calls.point, should_stop=lambda: self.should_stop(pack_id, task_of),
             on_step=calls.stepped if leads else None, on_checkpoint=calls.upload_checkpoint,
+            on_adapter_checkpoint=calls.save_checkpoint,
             admissions=calls.admissions, on_admitted=calls.admitted, on_outcome=calls.finished, score=score_metric,
         )
         train_pack(model, tokenizer, specs, config, callbacks, resume=resume, timings=timings,
@@ -495,6 +515,7 @@ class _PackCallbacks:
         self.read_rows = read_rows
         self.profiler = profiler
         self.written: dict[str, list[str]] = {}  # trial id -> its checkpoints' keys in the store, oldest first
+        self.epochs_kept: dict[str, int | None] = {}  # trial id -> the epoch checkpoints it keeps (None: all)
         self._uploads = ThreadPoolExecutor(max_workers=ADAPTER_UPLOADS, thread_name_prefix="adapter-upload")
         self._pending: list[Future[None]] = []
 
@@ -513,6 +534,27 @@ class _PackCallbacks:
         while len(keys) > 2:
             self.runner.store.delete(keys.pop(0))
 
+    def save_checkpoint(self, saved: AdapterCheckpoint) -> None:
+        """On the pack's writer thread, for each adapter checkpoint the trainer exports: stored (as its adapter is),
+        reported, and the trial's stored checkpoints it no longer keeps deleted (common/checkpoints.py). Those of a
+        run lost after this step (a trial resumed from an older snapshot) are dropped: its steps come again."""
+        trial_id, step, store = saved.trial_id, saved.step, self.runner.store
+        task_id = self.task_of[trial_id]
+        key = saved_checkpoint_key(task_id, trial_id, step)
+        archive = tar_dir(saved.path, self.tmp / f"{trial_id}.saved.tar.gz", gzip=True)
+        size = archive.stat().st_size
+        store.put_file(key, archive)
+        shutil.rmtree(saved.path, ignore_errors=True)
+        steps = [saved_checkpoint_step(k) for k in store.keys(saved_checkpoints_prefix(task_id, trial_id))]
+        keep = kept([Saved(s, saved.ends_epoch(s), None) for s in steps if s <= step],
+                    epochs_kept=self.epochs_kept.get(trial_id), best=saved.best_step)
+        dropped = sorted(s for s in steps if s not in keep)
+        self.reporter.send(CheckpointSaved, trial_id=trial_id, step=step, epoch=saved.epoch,
+                           epoch_end=saved.ends_epoch(step), val_loss=saved.val_loss, adapter_key=key,
+                           size_bytes=size, dropped_steps=dropped)
+        for s in dropped:  # after the report: a listing may name one for a moment, never lose a kept one
+            store.delete(saved_checkpoint_key(task_id, trial_id, s))
+
     def admissions(self, free: int) -> list[tuple[TrialSpec, Path | None]]:
         """Back-fills the scheduler sent for this pack, as many as there are free slots (on a worker over several
         GPUs: this rank's share of them, `Ranks.share_admissions`)."""
@@ -530,6 +572,7 @@ class _PackCallbacks:
                 reporter.send(TrialRejected, trial_id=t.trial_id, reason=f"{type(exc).__name__}: {exc}")
                 continue
             self.task_of[t.trial_id] = t.task_id
+            self.epochs_kept[t.trial_id] = epochs_kept(t)
             taken.append((spec, path))
         return taken
 

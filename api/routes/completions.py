@@ -29,25 +29,26 @@ _ANSWERS: dict[int | str, dict[str, Any]] = {200: {
 @router.post("/tasks/{task_id}/completions", responses=_ANSWERS)
 async def complete_best_trial(task_id: PathId, body: CompletionRequest, tenant: TenantDep,
                               session: SessionDep) -> Response:
-    """An answer from the task's best trial so far: 409 until it has one."""
+    """An answer from the task's best trial so far (or its kept checkpoint at `checkpoint`): 409 until it has one."""
     target = await _resolved(session, lambda: task_target(session, tenant_id=tenant.id, task_id=task_id,
-                                                          trial_id=None))
+                                                          trial_id=None, checkpoint=body.checkpoint))
     return await complete(target, body, tenant_id=tenant.id)
 
 
 @router.post("/tasks/{task_id}/trials/{trial_id}/completions", responses=_ANSWERS)
 async def complete_trial(task_id: PathId, trial_id: PathId, body: CompletionRequest, tenant: TenantDep,
                          session: SessionDep) -> Response:
-    """An answer from this trial's adapter (its best-validation adapter, once the trial ended)."""
+    """An answer from this trial's adapter (its best-validation adapter, once the trial ended), or from its kept
+    checkpoint at step `checkpoint`."""
     target = await _resolved(session, lambda: task_target(session, tenant_id=tenant.id, task_id=task_id,
-                                                          trial_id=trial_id))
+                                                          trial_id=trial_id, checkpoint=body.checkpoint))
     return await complete(target, body, tenant_id=tenant.id)
 
 
 @router.post("/chat/completions", responses=_ANSWERS)
 async def chat_completions(body: ChatCompletionRequest, tenant: TenantDep, session: SessionDep) -> Response:
-    """OpenAI's chat completions: `model` is a task id (its best trial), `<task id>:<trial id>`, or a registered
-    base model's name (the base alone)."""
+    """OpenAI's chat completions: `model` is a task id (its best trial), `<task id>:<trial id>`,
+    `<task id>:<trial id>:<step>` (a kept checkpoint), or a registered base model's name (the base alone)."""
     target = await _resolved(session, lambda: model_target(session, tenant_id=tenant.id, model=body.model))
     return await complete(target, body, tenant_id=tenant.id)
 

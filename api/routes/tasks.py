@@ -13,6 +13,7 @@ from sqlalchemy import select
 from api.db import bad_cursor, newest_first, session_factory
 from api.deps import (
     ApiKeyDep,
+    EgressDep,
     Reader,
     ReaderDep,
     SessionDep,
@@ -58,6 +59,7 @@ def submit_task(
     tenant: TenantDep,
     session: SessionDep,
     response: Response,
+    egress: EgressDep,
     idempotency_key: Annotated[
         str | None, Header(alias="Idempotency-Key", min_length=1, max_length=200, pattern=NO_CONTROL_CHARS)
     ] = None,
@@ -69,9 +71,9 @@ def submit_task(
     seconds) from the planner's cost model and the cluster now."""
     if dry_run:
         response.status_code = status.HTTP_200_OK
-        draft = dry_run_task(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
+        draft = dry_run_task(session, tenant=tenant, body=body, idempotency_key=idempotency_key, egress=egress)
         return task_view(session, draft) if isinstance(draft, Task) else draft_view(draft.task, len(draft.configs))
-    task, created = create_task(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
+    task, created = create_task(session, tenant=tenant, body=body, idempotency_key=idempotency_key, egress=egress)
     if not created:
         response.status_code = status.HTTP_200_OK
     return task_view(session, task)

@@ -4,31 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, status
+from fastapi import APIRouter, Query, status
 from sqlalchemy import select
 
 from api.db import bad_cursor, newest_first
-from api.deps import SessionDep, TenantDep
+from api.deps import EgressDep, SessionDep, TenantDep
 from api.queries import get_webhook
 from api.schemas.common import ListPage, PathId, error_responses, id_query
 from api.schemas.webhooks import DeliveryOut, WebhookCreate, WebhookCreated, WebhookDeleted, WebhookOut
 from api.services.webhooks import MAX_WEBHOOKS_PER_TENANT, create_webhook, delete_webhook
-from common.egress import Egress, Resolver, system_resolver
-from common.settings import get_settings
 from common.tables import WebhookDelivery, WebhookEndpoint
-
-
-def name_resolver() -> Resolver:
-    """How registration resolves a webhook's host: the system's resolver. The seam for tests on a machine without
-    DNS (`app.dependency_overrides[name_resolver]`, tests/egress.py); nothing else about the check changes."""
-    return system_resolver
-
-
-def webhook_egress(resolver: Annotated[Resolver, Depends(name_resolver)]) -> Egress:
-    return Egress(policy=get_settings().webhook_egress_policy, resolver=resolver)
-
-
-EgressDep = Annotated[Egress, Depends(webhook_egress)]
 
 router = APIRouter(prefix="/webhooks", tags=["webhooks"], responses=error_responses(401, 404, 422))
 

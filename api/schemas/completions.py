@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import Field, StrictInt, StringConstraints, model_validator
 
 from api.schemas.common import ID_MAX_LENGTH, INT32_MAX, FiniteFloat, RequestModel
 
@@ -54,6 +54,9 @@ class CompletionRequest(SamplingParameters):
 
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=256)
     prompt: PromptText | None = None
+    checkpoint: Annotated[StrictInt, Field(ge=0, le=INT32_MAX)] | None = Field(
+        default=None, description="Sample the trial's kept checkpoint at this step (GET .../checkpoints) rather than "
+                                  "its adapter; it may still be training.")
 
     @model_validator(mode="after")
     def _one_input(self) -> CompletionRequest:
@@ -63,8 +66,9 @@ class CompletionRequest(SamplingParameters):
 
 
 class ChatCompletionRequest(SamplingParameters):
-    """`POST /v1/chat/completions`, OpenAI's: ``model`` is a task id (its best trial), ``<task id>:<trial id>``, or a
-    registered base model's name (the base alone, to compare with)."""
+    """`POST /v1/chat/completions`, OpenAI's: ``model`` is a task id (its best trial), ``<task id>:<trial id>``,
+    ``<task id>:<trial id>:<step>`` (a kept checkpoint), or a registered base model's name (the base alone, to compare
+    with)."""
 
-    model: Annotated[str, StringConstraints(min_length=1, max_length=2 * ID_MAX_LENGTH + 1, pattern=NO_NUL)]
+    model: Annotated[str, StringConstraints(min_length=1, max_length=2 * ID_MAX_LENGTH + 12, pattern=NO_NUL)]
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)

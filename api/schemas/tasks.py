@@ -268,6 +268,9 @@ class Training(RequestModel):
         default=None, description="Clip each trial's gradient to this global norm (its own parameters only)."
     )
     use_rslora: StrictBool = Field(default=False, description="Scale adapters by alpha/sqrt(r) instead of alpha/r.")
+    epoch_checkpoints: Annotated[StrictInt, Field(ge=0, le=100)] | None = Field(
+        default=None, description="The epoch-end checkpoints each trial keeps besides its best and its last (the "
+        "newest epochs); default: every epoch's; 0: the best and the last only (GET .../trials/{id}/checkpoints).")
 
 
 def _not_for_metric(name: str, metric: str, reason: str) -> ValidationError:
@@ -388,6 +391,20 @@ def openai_names(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+class MlflowIntegration(RequestModel):
+    """Log every trial to an MLflow tracking server: a run each (in `experiment`, created if missing) with its
+    hyperparameters as params, its train and validation loss and metric by step, its end as the run's status with
+    its stop reason as a tag, and its adapter as artifacts under `adapter/` (where the server serves artifacts).
+    Synced by the scheduler as the trial trains; a server that is down is caught up with later, and delays nothing."""
+
+    type: Literal["mlflow"]
+    tracking_uri: Text = Field(min_length=1, max_length=2000, description="The server's http(s) URL; it must be a "
+                               "public address (or one the operator allows), as a webhook's.")
+    experiment: Text = Field(default="loraplane", min_length=1, max_length=250)
+    token: Text | None = Field(default=None, min_length=1, max_length=1000, description="Sent as a bearer token; "
+                               "kept encrypted like a webhook's secret and never shown again.")
+
+
 class TaskCreate(RequestModel):
     """A tuning task. OpenAI's and Together's names are taken too: `model` for `base_model`, `hyperparameters` (one
     trial of fixed values: search-space names with one value each, and `n_epochs` for `epochs`) for `search_space`;
@@ -423,6 +440,8 @@ class TaskCreate(RequestModel):
         default_factory=Evaluation,
         description='{"metric": "loss" | "exact_match" | "contains" | "regex" | "json_valid", "max_new_tokens", '
         '"pattern"}: how the best trial is chosen; default the validation loss.')
+    integrations: list[MlflowIntegration] = Field(default_factory=list, max_length=4, description="Experiment "
+                                                  "trackers every trial is logged to (MLflow).")
     refit: bool = Field(
         default=False, description="Once the search ends, train the best trial's configuration again on the "
         "training and validation rows together, for as many passes over them as the winner's adapter made over the "
@@ -557,6 +576,9 @@ class TaskOut(BaseModel):
         "start; null while no trial of it waits (each change of reason is also a `task.waiting` event).")
     suffix: str | None = Field(default=None, description="The label given at submission, if any.")
     metadata: dict[str, str] | None = Field(default=None, description="The pairs given at submission, if any.")
+    integrations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Its experiment trackers as given, without their tokens (`token_set`); how "
+        "far each trial's run is synced: GET .../integrations.")
     error: str | None
     created_at: UtcDateTime
     started_at: UtcDateTime | None

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from api.schemas.common import UtcDateTime
-from common.tables import Trial
+from common.tables import Checkpoint, Trial
 
 
 class TrialOut(BaseModel):
@@ -66,3 +66,28 @@ class TrialMetrics(BaseModel):
     val: list[LossPoint]
     metric: list[MetricScore] = Field(
         default_factory=list, description="Scores on the task's generative metric (one when the trial ended).")
+
+
+class CheckpointOut(BaseModel):
+    object: Literal["checkpoint"] = "checkpoint"
+    task_id: str
+    trial_id: str
+    step: int
+    epoch: float = Field(description="Its step over the steps of one epoch (2.0: the end of the second).")
+    kinds: list[Literal["best", "last", "epoch"]] = Field(
+        description="best: the lowest validation loss of the kept ones; last: the newest (the trial's last step once "
+                    "it has ended); epoch: it ends an epoch.")
+    val_loss: float | None = Field(description="Its validation loss (null where it was not validated).")
+    metric_score: float | None = Field(
+        description="The task's generative metric of the best checkpoint, once its trial has ended (null otherwise: "
+                    "only the best adapter is scored).")
+    size_bytes: int = Field(description="Its archive's bytes, counted in the tenant's stored bytes.")
+    model: str = Field(description='What to name it as `model` in POST /v1/chat/completions ("task:trial:step").')
+    created_at: UtcDateTime
+
+    @classmethod
+    def of(cls, c: Checkpoint, kinds: list[str], metric_score: float | None) -> CheckpointOut:
+        return cls(task_id=c.task_id, trial_id=c.trial_id, step=c.step, epoch=c.epoch,
+                   kinds=kinds,  # type: ignore[arg-type]  # common.checkpoints' kinds are these three
+                   val_loss=c.val_loss, metric_score=metric_score, size_bytes=c.size_bytes,
+                   model=f"{c.task_id}:{c.trial_id}:{c.step}", created_at=c.created_at)

@@ -18,7 +18,9 @@ class UsageOut(BaseModel):
                                "window, a pack's time shared among its trials by the tokens each trained there.")
     tokens: int = Field(description="Real (non-padding) tokens the tenant's trials trained, reported in the window.")
     trials: dict[str, int] = Field(description="Trials of the tasks that ended in the window, by final state.")
-    storage_bytes: int = Field(description="Bytes of the tenant's uploaded files now (not windowed).")
+    storage_bytes: int = Field(description="Bytes the tenant stores now (not windowed): its uploaded files and its "
+                               "trials' kept checkpoints, what its storage quota bounds.")
+    checkpoint_bytes: int = Field(default=0, description="Of `storage_bytes`, its trials' kept checkpoints'.")
 
 
 class UsageList(BaseModel):

@@ -22,7 +22,7 @@ from common.messages import ExportRequest, ModelSourceFields
 from common.registry import model_source_fields
 from common.settings import get_settings
 from common.states import TASK_CANCELLED, TASK_FAILED, TASK_SUCCEEDED
-from common.tables import BaseModelEntry, Task, Trial
+from common.tables import BaseModelEntry, Checkpoint, Task, Trial
 
 CHUNK_BYTES = 1 << 20
 AdapterFormat = Literal["peft", "merged"]  # `?format=`: the adapter as trained, or merged into its base
@@ -80,6 +80,15 @@ def merged_download(session: Session, trial: Trial, task: Task) -> Response:
         content={"status": "building", "retry_after_s": EXPORT_RETRY_AFTER_S,
                  "message": f"The merged model of trial '{trial.id}' is being built by a worker; ask again in "
                             f"{EXPORT_RETRY_AFTER_S} s."})
+
+
+def checkpoint_download(checkpoint: Checkpoint) -> StreamingResponse:
+    """A kept checkpoint's adapter (PEFT directory as .tar.gz); 409 checkpoint_gone when its trial dropped it between
+    the listing and the download (a newer one replaced it)."""
+    if not get_artifact_store().exists(checkpoint.adapter_key):
+        raise conflict("checkpoint_gone", f"The checkpoint at step {checkpoint.step} of trial "
+                                          f"'{checkpoint.trial_id}' is no longer kept; list the checkpoints again.")
+    return _stream(checkpoint.adapter_key, f"{checkpoint.task_id}-{checkpoint.trial_id}-step-{checkpoint.step}.tar.gz")
 
 
 def _stream(key: str, filename: str) -> StreamingResponse:

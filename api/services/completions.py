@@ -31,11 +31,12 @@ from api.errors import API_ERROR, INVALID_REQUEST, RATE_LIMIT, UNAVAILABLE, ApiE
 from api.queries import get_task, get_trial
 from api.schemas.completions import ChatCompletionRequest, CompletionRequest, SamplingParameters
 from api.services.adapters import no_best_trial
+from api.services.checkpoints import get_checkpoint
 from common.bus import get_bus, sampling_reply_stream, sampling_stream
 from common.messages import ModelSourceFields, SampleReply, SampleRequest, parse_sample_reply
 from common.registry import model_source_fields
 from common.settings import get_settings
-from common.tables import BaseModelEntry, Task, Trial, utcnow
+from common.tables import BaseModelEntry, Checkpoint, Task, Trial, utcnow
 from scheduler.planning.types import loads
 from scheduler.service.cluster_state import alive_workers, worker_models
 
@@ -67,42 +68,60 @@ open_requests = OpenRequests()
 
 @dataclass(frozen=True)
 class Target:
-    """What a request samples from: a trial's adapter (``trial`` None: the base model alone)."""
+    """What a request samples from: a trial's adapter, or one of its kept checkpoints (``trial`` None: the base
+    model alone)."""
 
     name: str  # what the answer's `model` says
     base: BaseModelEntry
     task: Task | None = None
     trial: Trial | None = None
+    checkpoint: Checkpoint | None = None
+
+    @property
+    def adapter_key(self) -> str | None:
+        if self.checkpoint is not None:
+            return self.checkpoint.adapter_key
+        return self.trial.adapter_key if self.trial else None
 
 
-def task_target(session: Session, *, tenant_id: str, task_id: str, trial_id: str | None) -> Target:
-    """The trial (by default the task's best so far) of one of the tenant's tasks; 404 for another tenant's, 409
-    while it has no adapter."""
+def task_target(session: Session, *, tenant_id: str, task_id: str, trial_id: str | None,
+                checkpoint: int | None = None) -> Target:
+    """The trial (by default the task's best so far) of one of the tenant's tasks, or its kept checkpoint at step
+    ``checkpoint`` (the trial may still train); 404 for another tenant's or an unknown checkpoint, 409 while the trial
+    has no adapter."""
     task = get_task(session, tenant_id=tenant_id, task_id=task_id)
     if trial_id is None:
         if task.best_trial_id is None:
             raise no_best_trial(task)
         trial_id = task.best_trial_id
     trial = get_trial(session, tenant_id=tenant_id, task_id=task.id, trial_id=trial_id)
-    if not trial.adapter_key:
+    kept = get_checkpoint(session, trial, checkpoint) if checkpoint is not None else None
+    if kept is None and not trial.adapter_key:
         raise conflict("adapter_not_ready", f"Trial '{trial.id}' has no adapter yet (state: {trial.state}), so "
-                                            "nothing to sample from.")
+                                            "nothing to sample from; its kept checkpoints can be sampled with "
+                                            "`checkpoint`.")
     base = session.get(BaseModelEntry, task.base_model)
     if base is None:
         raise conflict("model_unavailable", f"Task '{task.id}''s base model '{task.base_model}' is no longer "
                                             "registered.")
-    return Target(f"{task.id}:{trial.id}", base, task, trial)
+    name = f"{task.id}:{trial.id}" if kept is None else f"{task.id}:{trial.id}:{kept.step}"
+    return Target(name, base, task, trial, kept)
 
 
 def model_target(session: Session, *, tenant_id: str, model: str) -> Target:
-    """`model` of a chat completion: ``<task id>`` (its best trial), ``<task id>:<trial id>``, or a registered base
-    model's name (the base alone)."""
-    task_id, _, trial_id = model.partition(":")
-    base = session.get(BaseModelEntry, model) if not trial_id else None
+    """`model` of a chat completion: ``<task id>`` (its best trial), ``<task id>:<trial id>``,
+    ``<task id>:<trial id>:<step>`` (one of its kept checkpoints), or a registered base model's name (the base
+    alone)."""
+    task_id, _, rest = model.partition(":")
+    trial_id, _, step = rest.partition(":")
+    base = session.get(BaseModelEntry, model) if not rest else None
     if base is not None and base.deleted_at is None:
         return Target(base.name, base)
+    if step and not (step.isdigit() and len(step) <= 9):
+        raise not_found("model", model)
     try:
-        return task_target(session, tenant_id=tenant_id, task_id=task_id, trial_id=trial_id or None)
+        return task_target(session, tenant_id=tenant_id, task_id=task_id, trial_id=trial_id or None,
+                           checkpoint=int(step) if step else None)
     except ApiError as exc:
         if exc.status_code == 404:
             raise not_found("model", model) from None
@@ -156,7 +175,7 @@ def _sample_request(target: Target, body: SamplingParameters, *, tenant_id: str)
     return SampleRequest(
         request_id=f"cmpl-{uuid.uuid4().hex}", tenant_id=tenant_id,
         task_id=target.task.id if target.task else None, trial_id=target.trial.id if target.trial else None,
-        adapter_key=target.trial.adapter_key if target.trial else None,
+        adapter_key=target.adapter_key,
         base_model=ModelSourceFields.model_validate(model_source_fields(target.base)),
         messages=[m.model_dump() for m in messages] if messages is not None else None,
         prompt=getattr(body, "prompt", None), max_tokens=body.max_tokens, temperature=body.temperature,
@@ -260,7 +279,8 @@ def _extension(reply: SampleReply, target: Target) -> dict[str, Any]:
     """What OpenAI's answer lacks: which trial answered, and the wait (queued behind other batches; loading the
     base model and adapters, 0 when warm)."""
     return {"task_id": target.task.id if target.task else None, "trial_id": target.trial.id if target.trial else None,
-            "base_model": target.base.name, "queued_s": reply.queued_s, "load_s": reply.load_s,
+            "checkpoint_step": target.checkpoint.step if target.checkpoint else None, "base_model": target.base.name,
+            "queued_s": reply.queued_s, "load_s": reply.load_s,
             "batch_requests": reply.batch_requests}
 
 

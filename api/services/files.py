@@ -27,7 +27,7 @@ from api.uploads import FormEvent, PartStart, form_events, multipart_boundary
 from common.artifacts import StagedObject, file_key, get_artifact_store
 from common.datasets import DatasetReport, JsonlValidator
 from common.states import TASK_FINAL
-from common.tables import File, Task, Tenant, new_id, utcnow
+from common.tables import Checkpoint, File, Task, Tenant, new_id, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +49,26 @@ def clean_filename(name: str | None) -> str:
 @dataclass(frozen=True)
 class StorageUsage:
     files: int
-    bytes: int
+    bytes: int  # the live files' and the kept checkpoints' together: what the storage quota bounds
 
 
 def storage_usage(session: Session, tenant_id: str) -> StorageUsage:
-    """What the tenant's live (not deleted) files take."""
+    """What the tenant's live (not deleted) files and its trials' kept checkpoints take."""
     files, used = session.execute(
         select(func.count(), func.coalesce(func.sum(File.bytes), 0))
         .where(File.tenant_id == tenant_id, File.deleted_at.is_(None))
     ).one()
-    return StorageUsage(files=int(files), bytes=int(used))
+    checkpoints = session.scalar(select(func.coalesce(func.sum(Checkpoint.size_bytes), 0))
+                                 .where(Checkpoint.tenant_id == tenant_id))
+    return StorageUsage(files=int(files), bytes=int(used) + int(checkpoints or 0))
 
 
 def _storage_quota_exceeded(limit: int, usage: StorageUsage) -> ApiError:
     return ApiError(
         413, INVALID_REQUEST, "storage_quota_exceeded",
-        f"The upload would take this tenant's stored files past its storage quota of {limit} bytes "
-        f"({usage.bytes} bytes in {usage.files} file(s) stored); delete files to make room.",
+        f"The upload would take this tenant's stored bytes past its storage quota of {limit} bytes "
+        f"({usage.bytes} bytes stored: {usage.files} file(s) and the trials' checkpoints); delete files to make "
+        "room.",
         param="file", limit=limit, usage=usage.bytes,
     )
 

@@ -200,6 +200,7 @@ def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, n
         waiting=TaskWaiting.model_validate(task.waiting) if task.waiting and summary.counts[TRIAL_PENDING] else None,
         suffix=spec.suffix,
         metadata=dict(spec.metadata) if spec.metadata is not None else None,
+        integrations=[dict(i) for i in spec.integrations],
         error=task.error,
         created_at=task.created_at,
         started_at=task.started_at,

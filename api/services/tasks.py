@@ -25,12 +25,15 @@ from api.queries import find_file, get_task
 from api.schemas.tasks import RangeSpec, SearchSpace, TaskCreate
 from api.services.estimates import estimate_task
 from api.services.lengths import Shortened, check_row_lengths, record_shortened
+from api.services.trackers import add_trackers, check_integrations, shown_integration
 from common import search_space as ss
 from common.architectures import ALL_LINEAR, target_modules_for
 from common.bus import wake_scheduler
 from common.datasets import SMALL_VALIDATION_ROWS, default_validation_split, validation_rows
+from common.egress import Egress
 from common.events import record_event
 from common.registry import may_use
+from common.settings import get_settings
 from common.states import TASK_CANCELLED, TASK_FINAL, TASK_QUEUED, TRIAL_ACTIVE, TRIAL_CANCELLED, TRIAL_PENDING
 from common.tables import BaseModelEntry, File, Task, Tenant, Trial, new_id, utcnow
 from common.task_spec import Evaluation, Scheduling, TaskSpec
@@ -236,6 +239,7 @@ def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], step
         refit=body.refit,
         training_rows=rows[0],
         validation_rows=rows[1],
+        integrations=tuple(shown_integration(i) for i in body.integrations),
     ).to_stored()
 
 
@@ -276,12 +280,14 @@ class Draft:
     validation_rows: int = 0  # the rows its trials are ranked on (its validation file's, or held out of training)
 
 
-def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None) -> Task | Draft:
+def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None,
+             egress: Egress | None) -> Task | Draft:
     """Every check of a submission, in order, and the task it would create with its estimate; or the earlier task
     of the same Idempotency-Key. Writes nothing; takes the locks a submission takes (released with the session)."""
     if existing := _by_idempotency_key(session, tenant, idempotency_key):
         return existing
     _check_request(body)
+    check_integrations(body.integrations, egress or Egress(policy=get_settings().webhook_egress_policy))
     model = usable_model(session, tenant, body.base_model, lock=True)
     check_context(model, body.max_seq_len)
     train = owned_file(session, tenant, body.training_file, "training_file")
@@ -330,16 +336,19 @@ def trial_steps(configs: list[dict[str, Any]], budget: Budget, n_train: int) -> 
 
 
 def create_task(
-    session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None = None
+    session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None = None,
+    egress: Egress | None = None,
 ) -> tuple[Task, bool]:
-    """Returns (task, created); a repeated Idempotency-Key returns the first task and False."""
-    draft = _prepare(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
+    """Returns (task, created); a repeated Idempotency-Key returns the first task and False. ``egress``: the check
+    of its trackers' URLs (the settings' by default)."""
+    draft = _prepare(session, tenant=tenant, body=body, idempotency_key=idempotency_key, egress=egress)
     if isinstance(draft, Task):
         return draft, False
     task = draft.task
     task.id = new_id("task")
     try:
         _insert(session, task, draft.configs, draft.steps, body.seed)
+        add_trackers(session, task, body.integrations)
         record_shortened(session, task, draft.shortened)
         record_small_validation(session, task, draft.validation_rows, len(draft.configs))
         session.commit()
@@ -353,12 +362,13 @@ def create_task(
 
 
 def dry_run_task(
-    session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None = None
+    session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_key: str | None = None,
+    egress: Egress | None = None,
 ) -> Task | Draft:
     """What `create_task` would answer, written nowhere: the earlier task of the same Idempotency-Key, or the
     task it would create (with its estimate). Refused exactly as a submission; the session is rolled back."""
     try:
-        return _prepare(session, tenant=tenant, body=body, idempotency_key=idempotency_key)
+        return _prepare(session, tenant=tenant, body=body, idempotency_key=idempotency_key, egress=egress)
     finally:
         session.rollback()  # nothing was written; this releases the locks a submission would hold to its commit
 

@@ -27,10 +27,10 @@ log = logging.getLogger(__name__)
 MAX_WEBHOOKS_PER_TENANT = 20  # every matching event is sent to each: a bound on what one event costs the sender
 
 
-def check_url(url: str) -> str:
-    """An absolute http(s) URL with a host, that httpx will send to; anything else is a 422 on `url`."""
+def check_url(url: str, param: str = "url") -> str:
+    """An absolute http(s) URL with a host, that httpx will send to; anything else is a 422 on `param`."""
     def refuse(why: str) -> Exception:
-        return invalid(f"url: {why}", param="url", code="invalid_url")
+        return invalid(f"{param}: {why}", param=param, code="invalid_url")
 
     if not re.match(NO_CONTROL_CHARS, url) or any(c.isspace() for c in url):
         raise refuse("must not contain spaces or control characters.")
@@ -47,19 +47,19 @@ def check_url(url: str) -> str:
     return url
 
 
-def check_reachable(url: str, egress: Egress) -> None:
+def check_reachable(url: str, egress: Egress, param: str = "url", what: str = "webhooks are sent") -> None:
     """The URL's host resolves, and to public addresses only (or ones the operator allows): every address is
     checked (common/egress.py); nothing is connected to. The tenant hears which rule, never the addresses its
     name resolved to (those are the operator's, in the log)."""
     try:
         egress.target(url)
     except EgressRefused as exc:
-        log.info("webhook URL %s refused: %s", url, exc)
+        log.info("outbound URL %s refused: %s", url, exc)
         if exc.code == NOT_ALLOWED:
-            raise invalid("url: the host is not a public address; webhooks are sent to public addresses only.",
-                          param="url", code=exc.code) from None
-        raise invalid("url: the host name does not resolve (checked when the webhook is registered and at each "
-                      "delivery).", param="url", code=exc.code) from None
+            raise invalid(f"{param}: the host is not a public address; {what} to public addresses only.",
+                          param=param, code=exc.code) from None
+        raise invalid(f"{param}: the host name does not resolve (checked now and at each connection).",
+                      param=param, code=exc.code) from None
 
 
 def create_webhook(session: Session, *, tenant: Tenant, body: WebhookCreate,

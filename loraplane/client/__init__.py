@@ -17,6 +17,8 @@ from loraplane.client.objects import (
     TRIAL_FINAL_STATES,
     ApiKey,
     BestTrial,
+    Checkpoint,
+    Completion,
     Cost,
     EstimateBasis,
     Event,
@@ -43,8 +45,8 @@ from loraplane.client.objects import (
 
 __all__ = [
     "TASK_FINAL_STATES", "TRIAL_FINAL_STATES", "APIConnectionError", "APIError", "ApiKey", "AsyncClient", "BestTrial",
-    "Client", "ConfigurationError", "Cost", "EstimateBasis", "Event", "File", "FileDeleted", "LoraplaneError",
-    "LossPoint", "MetricScore", "Model", "Page", "RegisteredModel", "Settings", "Task", "TaskEstimate", "TaskWaiting",
-    "Tenant", "Trial", "TrialCounts", "TrialMetrics", "Usage", "WaitTimeout", "Webhook", "WebhookDeleted",
-    "WebhookDelivery", "Worker", "config_path", "read_config", "resolve", "write_config",
+    "Checkpoint", "Client", "Completion", "ConfigurationError", "Cost", "EstimateBasis", "Event", "File", "FileDeleted",
+    "LoraplaneError", "LossPoint", "MetricScore", "Model", "Page", "RegisteredModel", "Settings", "Task",
+    "TaskEstimate", "TaskWaiting", "Tenant", "Trial", "TrialCounts", "TrialMetrics", "Usage", "WaitTimeout", "Webhook",
+    "WebhookDeleted", "WebhookDelivery", "Worker", "config_path", "read_config", "resolve", "write_config",
 ]

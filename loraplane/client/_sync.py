@@ -24,6 +24,7 @@ from loraplane.client.errors import APIConnectionError, APIError, WaitTimeout
 from loraplane.client.objects import (
     TASK_FINAL_STATES,
     ApiKey,
+    Checkpoint,
     Completion,
     Event,
     File,
@@ -287,18 +288,26 @@ class Tasks:
                 _core.notify(on_event, event)
         return self.get(task_id)
 
+    def checkpoints(self, task_id: str, trial_id: str) -> Page[Checkpoint]:
+        """The trial's kept checkpoints by step: its best, its last and its epochs' ends."""
+        return page(self._c._json("GET", f"/v1/tasks/{task_id}/trials/{trial_id}/checkpoints"), Checkpoint)
+
     def download_adapter(self, task_id: str, directory: str | os.PathLike[str] | None = None, *,
                          trial_id: str | None = None, refit: bool = False, merged: bool = False,
-                         timeout: float = 1800.0) -> Path:
+                         checkpoint: int | None = None, timeout: float = 1800.0) -> Path:
         """The best trial's adapter (or `trial_id`'s, or with `refit` the refit's of a task submitted with
-        `"refit": true`), unpacked into `directory` (default `./<task>-<trial>-adapter`): a PEFT directory. With
-        `merged`, its base model with the adapter merged in (a Hugging Face safetensors directory, default
-        `./<task>-<trial>-merged`), which a worker builds on the first request: this waits for it, asking again as
-        the service says (`Retry-After`), up to `timeout` seconds (then WaitTimeout). Returns the directory; 409
-        until there is an adapter."""
+        `"refit": true`, or with `checkpoint` the step of one of `trial_id`'s kept checkpoints), unpacked into
+        `directory` (default `./<task>-<trial>-adapter`): a PEFT directory. With `merged`, its base model with the
+        adapter merged in (a Hugging Face safetensors directory, default `./<task>-<trial>-merged`), which a worker
+        builds on the first request: this waits for it, asking again as the service says (`Retry-After`), up to
+        `timeout` seconds (then WaitTimeout). Returns the directory; 409 until there is an adapter."""
         if trial_id is not None and refit:
             raise ValueError("give trial_id or refit, not both")
+        if checkpoint is not None and (trial_id is None or merged):
+            raise ValueError("a checkpoint is a trial's (give trial_id) and downloads as a PEFT adapter")
         path = f"/v1/tasks/{task_id}/adapter" if trial_id is None else f"/v1/tasks/{task_id}/trials/{trial_id}/adapter"
+        if checkpoint is not None:
+            path = f"/v1/tasks/{task_id}/trials/{trial_id}/checkpoints/{checkpoint}/adapter"
         params = {**({"refit": "true"} if refit else {}), **({"format": "merged"} if merged else {})} or None
         deadline = time.monotonic() + timeout
         while True:
@@ -318,7 +327,8 @@ class Tasks:
                  messages: Sequence[Mapping[str, str]] | None = None, trial_id: str | None = None,
                  timeout: float = 300.0, **sampling: Any) -> Completion:
         """An answer from the task's best trial (or `trial_id`'s) to a `prompt` or chat `messages`, sampled by a
-        worker (`max_tokens`, `temperature`, `top_p`, `seed`, `stop` as the API names them)."""
+        worker (`max_tokens`, `temperature`, `top_p`, `seed`, `stop` as the API names them; `checkpoint`: the step
+        of one of the trial's kept checkpoints to sample instead of its adapter)."""
         path, body = _completion_request(task_id, trial_id, prompt, messages, sampling)
         return Completion.of(self._c._json("POST", path, json=body, timeout=timeout))
 

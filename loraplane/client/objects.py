@@ -109,7 +109,8 @@ class Usage(ApiObject):
     gpu_seconds: float
     tokens: int
     trials: dict[str, int]
-    storage_bytes: int
+    storage_bytes: int  # uploaded files and kept checkpoints, what the storage quota bounds
+    checkpoint_bytes: int | None = None  # of which the kept checkpoints (None: a server that does not say)
 
     TIMES = frozenset({"start", "end"})
 
@@ -322,6 +323,25 @@ class Trial(ApiObject):
     @property
     def done(self) -> bool:
         return self.state in TRIAL_FINAL_STATES
+
+
+@dataclass(frozen=True)
+class Checkpoint(ApiObject):
+    """A trial's adapter kept at one step (`GET .../trials/{id}/checkpoints`): `kinds` says whether it is the best,
+    the last and an epoch's end; `model` names it in chat completions."""
+
+    task_id: str
+    trial_id: str
+    step: int
+    epoch: float
+    kinds: list[str]
+    val_loss: float | None
+    metric_score: float | None
+    size_bytes: int
+    model: str
+    created_at: datetime
+
+    TIMES = frozenset({"created_at"})
 
 
 @dataclass(frozen=True)

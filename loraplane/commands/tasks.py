@@ -24,6 +24,7 @@ from loraplane.commands.base import (
     note,
     out,
     percent,
+    size,
     table,
     when,
 )
@@ -253,7 +254,7 @@ def cmd_download(args: argparse.Namespace) -> int:
         elif trial_id is None:
             best = lp.tasks.get(args.task_id).best_trial
         directory = lp.tasks.download_adapter(args.task_id, args.output, trial_id=trial_id, refit=args.refit,
-                                              merged=args.merged)
+                                              merged=args.merged, checkpoint=args.checkpoint)
         if args.refit:
             trial_id = lp.tasks.get(args.task_id).refit_trial_id
     files = sorted(p.name for p in directory.iterdir())
@@ -265,9 +266,26 @@ def cmd_download(args: argparse.Namespace) -> int:
         what = f"the best trial, {which} (val loss {loss(best.best_val_loss)}, {hyperparameters(best.hyperparameters)})"
     elif args.refit:
         what = f"the refit, {which} (the best configuration on training + validation rows)"
+    elif args.checkpoint is not None:
+        what = f"trial {which} at step {args.checkpoint}"
     else:
         what = f"trial {which}"
     out(f"The adapter of {what} is in {directory}/: {', '.join(files)}")
+    return 0
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    with make_client(args) as lp:
+        kept = lp.tasks.checkpoints(args.task_id, args.trial_id).data
+    if args.json:
+        emit([c.raw for c in kept])
+        return 0
+    if not kept:
+        out(f"Trial {args.trial_id} keeps no checkpoint yet (one comes at its first epoch's end or improvement).")
+        return 0
+    out(table(["STEP", "EPOCH", "KINDS", "VAL LOSS", "SIZE", "MODEL"],
+              [[str(c.step), f"{c.epoch:g}", ",".join(c.kinds) or "-", loss(c.val_loss), size(c.size_bytes), c.model]
+               for c in kept]))
     return 0
 
 
@@ -329,9 +347,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     which.add_argument("--refit", action="store_true", help="the refit's adapter (a task submitted with refit: true)")
     download.add_argument("--merged", action="store_true", help="the base model with the adapter merged in (a Hugging "
                           "Face safetensors directory), built by a worker on the first request: waits for it")
+    download.add_argument("--checkpoint", type=int, metavar="STEP", help="the trial's kept checkpoint at this step "
+                          "(with --trial; `loraplane tasks checkpoints` lists them)")
     download.add_argument("-o", "--output", metavar="DIR", help="where (default ./<task>-<trial>-adapter, or "
                           "-merged)")
     download.set_defaults(func=guarded(cmd_download), client=True)
+
+    checkpoints = tsub.add_parser("checkpoints", parents=[common], help="a trial's kept checkpoints (its best, its "
+                                  "last and its epochs' ends)")
+    checkpoints.add_argument("task_id")
+    checkpoints.add_argument("trial_id")
+    checkpoints.set_defaults(func=guarded(cmd_checkpoints), client=True)
 
     curves = tsub.add_parser("curves", parents=[common], help="every trial's loss curves as JSONL (what "
                              "`loraplane replay` reads)")

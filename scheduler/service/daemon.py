@@ -58,6 +58,7 @@ from scheduler.service.planner_io import (
 )
 from scheduler.service.task_results import finalize_tasks
 from scheduler.service.telemetry import SchedulerTelemetry, message_dropped
+from scheduler.service.trackers import TrackerSync
 from scheduler.service.waits import note_task_waits
 from scheduler.service.webhooks import WebhookSender
 
@@ -287,6 +288,9 @@ class SchedulerDaemon:
         # Webhooks go out from the active scheduler (`up` and `loraplane scheduler` alike), on their own thread: a
         # slow receiver never holds up a round (scheduler/service/webhooks.py).
         threading.Thread(target=WebhookSender().run, args=(stop,), name="webhooks", daemon=True).start()
+        # Experiment trackers likewise: a tracker that is down falls behind, scheduling does not wait for it
+        # (scheduler/service/trackers.py).
+        threading.Thread(target=TrackerSync().run, args=(stop,), name="trackers", daemon=True).start()
         # A scheduler that starts (or takes over) reads the backlog first, oldest first: it judges no worker
         # before the heartbeats sent while no scheduler was reading could arrive.
         self._hold_reaping()

@@ -31,6 +31,7 @@ from common.events import record_event
 from common.messages import (
     MALFORMED,
     WITH_POINTS,
+    CheckpointSaved,
     PackFailed,
     PackFinished,
     PackProfile,
@@ -51,7 +52,7 @@ from common.messages import (
 )
 from common.metrics import METRIC_SPLIT
 from common.settings import get_settings
-from common.tables import MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
+from common.tables import Checkpoint, MetricPoint, Pack, Trial, TrialUsage, Worker, as_utc, utcnow
 from scheduler.planning.cost import Progress
 from scheduler.planning.faults import FaultPolicy
 from scheduler.service.faults import (
@@ -122,6 +123,8 @@ def _pack_report(session: Session, m: PackReport, now: datetime, touched: set[st
     elif isinstance(m, TrialCheckpoint):
         touched |= _points(session, m)
         _trial_checkpoint(session, m)
+    elif isinstance(m, CheckpointSaved):
+        _checkpoint_saved(session, m)
     elif isinstance(m, TrialCheckpointLost):
         _trial_checkpoint_lost(session, m)
     elif isinstance(m, TrialAdmitted):
@@ -453,6 +456,26 @@ def _trial_checkpoint(session: Session, m: TrialCheckpoint) -> None:
     trial = _live_trial(session, m.trial_id, m.pack_id)
     if trial is not None and m.step >= (trial.checkpoint_step or 0):
         trial.checkpoint_key, trial.checkpoint_step = m.checkpoint_key, m.step
+
+
+def _checkpoint_saved(session: Session, m: CheckpointSaved) -> None:
+    """A trial's adapter checkpoint is stored (a report replayed after a crash finds its row and leaves it), and
+    the ones its worker no longer keeps are gone. Recorded for a trial in any state: the file is there."""
+    trial = session.get(Trial, m.trial_id)
+    if trial is None:
+        return
+    if m.dropped_steps:
+        session.execute(delete(Checkpoint).where(Checkpoint.trial_id == trial.id,
+                                                 Checkpoint.step.in_(m.dropped_steps)))
+    values = {"trial_id": trial.id, "task_id": trial.task_id, "tenant_id": trial.tenant_id, "step": m.step,
+              "epoch": m.epoch, "epoch_end": m.epoch_end, "adapter_key": m.adapter_key, "size_bytes": m.size_bytes,
+              "val_loss": m.val_loss if m.val_loss is None or math.isfinite(m.val_loss) else None}
+    existing = session.scalar(select(Checkpoint).where(Checkpoint.trial_id == trial.id, Checkpoint.step == m.step))
+    if existing is None:
+        session.add(Checkpoint(**values))
+    else:  # the step written again (a trial resumed from before it): the newer file is the one at its key
+        for name, value in values.items():
+            setattr(existing, name, value)
 
 
 def _trial_checkpoint_lost(session: Session, m: TrialCheckpointLost) -> None:

@@ -102,15 +102,16 @@ def request_headers(*, secret: str, delivery_id: str, event_type: str, body: byt
 
 
 def pinned_request(client: httpx.Client, target: Target, address: IPAddress, *, content: bytes,
-                   headers: dict[str, str]) -> httpx.Request:
-    """A POST to `target.url` that connects to `address`, one of the checked addresses of its host, while the
-    server still sees the URL's own host: the URL's host is swapped for the address (so httpx connects there and
-    resolves nothing), `Host` keeps the original name, and for https the `sni_hostname` extension makes httpcore
-    send the original name in the TLS handshake and verify the certificate against it (ssl's `server_hostname`),
-    not against the address. All of it is httpx's public API; no second resolution happens anywhere."""
+                   headers: dict[str, str], method: str = "POST") -> httpx.Request:
+    """A request (a POST by default) to `target.url` that connects to `address`, one of the checked addresses of its
+    host, while the server still sees the URL's own host: the URL's host is swapped for the address (so httpx
+    connects there and resolves nothing), `Host` keeps the original name, and for https the `sni_hostname` extension
+    makes httpcore send the original name in the TLS handshake and verify the certificate against it (ssl's
+    `server_hostname`), not against the address. All of it is httpx's public API; no second resolution happens
+    anywhere."""
     url = target.url.copy_with(host=str(address))
     extensions = {"sni_hostname": target.host} if target.url.scheme == "https" else {}
-    return client.build_request("POST", url, content=content, extensions=extensions,
+    return client.build_request(method, url, content=content, extensions=extensions,
                                 headers={**headers, "Host": target.url.netloc.decode("ascii")})
 
 

@@ -19,8 +19,8 @@ def resolver() -> TableResolver:
 
 @pytest.fixture
 def client(clean_db: None, resolver: TableResolver) -> Iterator[TestClient]:
+    from api.deps import name_resolver
     from api.main import create_app
-    from api.routes.webhooks import name_resolver
 
     app = create_app()
     app.dependency_overrides[name_resolver] = lambda: resolver

@@ -83,7 +83,7 @@ def test_registration_refuses_a_name_that_does_not_resolve(client: TestClient, t
 
 def test_a_name_whose_dns_never_answers_is_refused_in_bounded_time(client: TestClient, tenant: TenantKey) -> None:
     """The lookup runs in a thread with a limit (getaddrinfo has none): the request is answered, not held."""
-    from api.routes.webhooks import name_resolver
+    from api.deps import name_resolver
 
     release = threading.Event()
 

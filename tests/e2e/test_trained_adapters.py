@@ -8,7 +8,10 @@
   answer; streaming gives the same text in OpenAI's chunks; `/v1/chat/completions` takes the task as `model`; the
   client and `loraplane sample` give the same answer;
 - another tenant's task is a 404, bad formats and parameters are 422s, a prompt past the model's context a 422 from
-  the worker, all in the one error shape.
+  the worker, all in the one error shape;
+- checkpoints: each trial keeps its best and its last (and its epochs' ends); the best checkpoint is the trial's
+  adapter, a checkpoint downloads in PEFT format and samples as PEFT answers with it, the CLI lists them, and the
+  tenant's usage counts their bytes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import httpx
 import pytest
 import torch
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common.registry import DEFAULT_MODELS
@@ -71,14 +75,17 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
     tmp = tmp_path_factory.mktemp("trained")
     env = {k: v for k, v in os.environ.items() if k not in EMBEDDED_UNSET}
     env.update({"LORAPLANE_HOME": str(tmp / "home"), "LORAPLANE_SCHEDULER_TICK_S": "0.5",
-                "LORAPLANE_HEARTBEAT_S": "1"})
+                "LORAPLANE_HEARTBEAT_S": "1", "LORAPLANE_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.1"})
     port = free_port()
+    dead_tracker = free_port()  # an MLflow server that is down the whole time
     base_url = f"http://127.0.0.1:{port}"
     with cluster(env, tmp) as c:
         _, token = start_embedded(c, port)
         with tenant_client(base_url, token, "team-trained") as lp, \
                 tenant_client(base_url, token, "team-other") as other:
-            task = submit(lp, grid_task(upload(lp, arithmetic_rows())))
+            spec = {**grid_task(upload(lp, arithmetic_rows())),
+                    "integrations": [{"type": "mlflow", "tracking_uri": f"http://127.0.0.1:{dead_tracker}"}]}
+            task = submit(lp, spec)
             _, ended = follow_events(lp, task.id)
             assert ended.state == "succeeded" and ended.best_trial is not None
             yield Trained(base_url, lp, other, task, ended, tmp)
@@ -266,3 +273,54 @@ def check_refusals(base_url: str, key: str, other_key: str, task_id: str, trial_
         assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text)
     too_long = post(url, key, {"prompt": "1 plus 2 is " * 200, "max_tokens": 4096})
     assert too_long.status_code == 422 and too_long.json()["error"]["code"] == "context_length_exceeded", too_long.text
+
+
+def test_checkpoints_are_listed_downloaded_sampled_and_counted(trained: Trained) -> None:
+    base_url, lp, other, task, ended, tmp_path = (trained.base_url, trained.lp, trained.other, trained.task,
+                                                  trained.ended, trained.tmp)
+    assert ended.best_trial is not None and lp.api_key is not None
+    trial = lp.tasks.trial(task.id, ended.best_trial.id)
+    kept = lp.tasks.checkpoints(task.id, trial.id).data
+    assert kept[-1].step == trial.steps_done and "last" in kept[-1].kinds
+    best = next(c for c in kept if "best" in c.kinds)
+    assert best.step == trial.best_step and best.val_loss == pytest.approx(trial.best_val_loss)
+    # The best checkpoint is the trial's adapter, tensor for tensor.
+    adapter = download_adapter(lp, task.id, tmp_path / "ckpt-trial", trial_id=trial.id)
+    at_best = lp.tasks.download_adapter(task.id, tmp_path / "ckpt-best", trial_id=trial.id, checkpoint=best.step)
+    want, have = load_file(adapter / "adapter_model.safetensors"), load_file(at_best / "adapter_model.safetensors")
+    assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want)
+    # The last one samples as PEFT answers with it, through the completions endpoint and chat's `model`.
+    last = lp.tasks.download_adapter(task.id, tmp_path / "ckpt-last", trial_id=trial.id, checkpoint=kept[-1].step)
+    got = lp.tasks.complete(task.id, trial_id=trial.id, checkpoint=kept[-1].step, prompt=PROMPTS[1], max_tokens=6,
+                            temperature=0)
+    assert got.text == peft_answer(last, PROMPTS[1], 6)
+    chat = post(f"{base_url}/v1/chat/completions", lp.api_key,
+                {"model": kept[-1].model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["loraplane"]["checkpoint_step"] == kept[-1].step, chat.text
+    # Another tenant sees none of them; the tenant's usage counts every trial's.
+    leak = httpx.get(f"{base_url}/v1/tasks/{task.id}/trials/{trial.id}/checkpoints",
+                     headers={"Authorization": f"Bearer {other.api_key}"}, timeout=30)
+    assert leak.status_code == 404, leak.text
+    every = sum(c.size_bytes for t in lp.tasks.trials(task.id).data for c in lp.tasks.checkpoints(task.id, t.id).data)
+    assert lp.usage().checkpoint_bytes == every > 0
+    cli = subprocess.run([sys.executable, "-m", "loraplane.cli", "tasks", "checkpoints", task.id, trial.id, "--json",
+                          "--api-url", base_url, "--api-key", lp.api_key], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and [c["step"] for c in json.loads(cli.stdout)] == [c.step for c in kept], cli.stderr
+
+
+def test_a_tracker_that_is_down_delays_nothing(trained: Trained) -> None:
+    """The task trained to its end beside a tracker that never answered; the tracker is behind, each trial's run
+    waiting with why (tests/scheduler/test_trackers.py: it catches up once the server answers)."""
+    assert trained.ended.state == "succeeded"
+    started = {t.id for t in trained.lp.tasks.trials(trained.task.id).data if t.started_at is not None}
+
+    def behind() -> dict[str, Any] | None:
+        (tracker,) = httpx.get(f"{trained.base_url}/v1/tasks/{trained.task.id}/integrations",
+                               headers={"Authorization": f"Bearer {trained.lp.api_key}"}, timeout=30).json()["data"]
+        tried = {r["trial_id"] for r in tracker["runs"] if r["attempts"] >= 1}
+        return tracker if tried == started else None
+
+    tracker = wait_for(behind, 120, "an attempt at each trial's run")
+    assert not tracker["done"] and started
+    assert all(not r["finished"] and r["run_id"] is None and r["last_error"] == "could not connect"
+               for r in tracker["runs"]), tracker

@@ -192,3 +192,31 @@ def test_trials_that_end_together_store_their_adapters_side_by_side(runner: Pack
     finished = {m["trial_id"]: m["adapter_key"] for m in messages if m["type"] == "trial.finished"}
     assert set(finished) == {"pack-1-t0", "pack-1-t1"}
     assert all(key and runner.store.exists(key) for key in finished.values())
+
+
+@pytest.mark.parametrize("epochs_kept", [None, 0])
+def test_a_trial_stores_its_checkpoints_and_drops_those_it_no_longer_keeps(runner: PackRunner,
+                                                                           epochs_kept: int | None) -> None:
+    """6 training rows at 2 a step: epochs end at steps 3 and 6; validated at 2, 3, 4 and 6. What the store holds at
+    the end is what the reports leave kept: the best, the last, and the epoch ends unless ``epoch_checkpoints`` is 0."""
+    first = pack("pack-1").trials[0]
+    trial = first.model_copy(update={"total_steps": 6, "training": {"epoch_checkpoints": epochs_kept},
+                                     "hyperparameters": {**first.hyperparameters, "learning_rate": 0.5}})
+    runner.run(pack("pack-1").model_copy(update={"trials": [trial]}))
+    messages = [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
+    saved = [m for m in messages if m["type"] == "trial.checkpoint_saved"]
+    types = [m["type"] for m in messages if m["type"] in ("trial.checkpoint_saved", "trial.finished")]
+    assert types[-1] == "trial.finished" and len(saved) == len(types) - 1
+    assert {3, 6} <= {m["step"] for m in saved} <= {2, 3, 4, 6}
+    kept: dict[int, dict[str, Any]] = {}
+    for m in saved:
+        assert m["epoch"] == round(m["step"] / 3, 4) and m["epoch_end"] == (m["step"] % 3 == 0) and m["size_bytes"] > 0
+        kept[m["step"]] = m
+        for step in m["dropped_steps"]:
+            kept.pop(step)
+    stored = runner.store.keys(f"adapter-checkpoints/task/{trial.trial_id}")
+    assert stored == sorted(m["adapter_key"] for m in kept.values())
+    losses = {step: m["val_loss"] for step, m in kept.items()}
+    best = min(losses, key=lambda s: losses[s])
+    want = {best, 6} | ({3, 6} if epochs_kept is None else set())
+    assert set(kept) == want

@@ -10,7 +10,8 @@ A whole pack, as a worker runs it::
                         checkpoint_dir=ckpt, checkpoint_interval_s=60.0)      # snapshot every minute
     callbacks = PackCallbacks(on_point=publish, should_stop=poll_evictions,
                               on_step=record_stats,                           # StepStats per pack step
-                              on_checkpoint=upload, score=score_metric)       # the shell's metric scorer
+                              on_checkpoint=upload, score=score_metric,       # the shell's metric scorer
+                              on_adapter_checkpoint=keep_adapter)             # spec.adapter_checkpoints
     outcomes = train_pack(model, tokenizer, trials, config, callbacks,
                           resume={"trial-7": ckpt / "trial-7"})                # continue a trial exactly
 
@@ -41,10 +42,11 @@ from worker.engine.lora import restore_base_model
 from worker.engine.pack_engine import PackEngine
 from worker.engine.schedule import lr_at
 from worker.engine.slots import SlotState, StepStats
-from worker.engine.spec import Evaluation, PackConfig, TrialOutcome, TrialSpec
+from worker.engine.spec import AdapterCheckpoint, Evaluation, PackConfig, TrialOutcome, TrialSpec
 from worker.engine.trainer import NoScore, PackCallbacks, train_pack
 
 __all__ = [
+    "AdapterCheckpoint",
     "Evaluation",
     "ModelSource",
     "NoScore",

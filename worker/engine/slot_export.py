@@ -31,10 +31,12 @@ def export(engine: PackEngine, slot: int, directory: Path, *, base_model_name: s
     return prepare_export(engine, slot, directory, base_model_name=base_model_name)()
 
 
-def prepare_export(engine: PackEngine, slot: int, directory: Path, *, base_model_name: str) -> Callable[[], Path]:
-    """``export`` in two halves, as ``prepare_checkpoint``: what to write is fixed now, the files later."""
+def prepare_export(engine: PackEngine, slot: int, directory: Path, *, base_model_name: str,
+                   current: bool = False) -> Callable[[], Path]:
+    """``export`` in two halves, as ``prepare_checkpoint``: what to write is fixed now, the files later. With
+    ``current``: the adapter as it is now (an adapter checkpoint), not the best."""
     state = engine.state(slot)
-    tensors = state.best if state.best is not None else engine.adapter(slot)
+    tensors = state.best if state.best is not None and not current else engine.adapter(slot)
     config, targets = state.config, peft_target_modules(engine.model, state.paths)
     return lambda: export_peft_adapter(
         directory, tensors, config=config, target_modules=targets, base_model_name=base_model_name

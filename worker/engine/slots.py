@@ -51,10 +51,29 @@ class SlotState:
         return not self.failed and self.steps_done < self.spec.max_steps
 
     @property
+    def steps_per_epoch(self) -> int:
+        """Steps of one pass over the training rows (as the service sizes a trial's steps by its epochs)."""
+        return max(1, -(-len(self.train) // self.spec.batch_size))
+
+    @property
+    def epoch_end(self) -> bool:
+        return self.steps_done > 0 and self.steps_done % self.steps_per_epoch == 0
+
+    @property
     def eval_due(self) -> bool:
-        """Validation is due after the step just taken (every ``eval_interval`` steps and at the last)."""
+        """Validation is due after the step just taken (every ``eval_interval`` steps and at the last; with adapter
+        checkpoints, at each epoch's end too)."""
         every = self.steps_done % self.spec.eval_interval == 0 or self.steps_done in self.spec.extra_eval_steps
+        every = every or (self.spec.adapter_checkpoints and self.epoch_end)
         return bool(self.val) and self.steps_done > 0 and (every or self.steps_done == self.spec.max_steps)
+
+    def adapter_checkpoint_due(self, validated: bool) -> bool:
+        """An adapter checkpoint is due after the step just taken (``validated``: it was validated at it): at an
+        epoch's end, at a new best validation, at the last step."""
+        steps = self.steps_done
+        new_best = validated and self.best_step == steps
+        return (self.spec.adapter_checkpoints and steps > 0
+                and (self.epoch_end or new_best or steps == self.spec.max_steps))
 
     def lr(self) -> float:
         """Learning rate of the trial's next step (its schedule at its own step)."""

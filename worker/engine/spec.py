@@ -48,6 +48,9 @@ class TrialSpec:
     # Also validate after these steps (the scheduler's early-exit warm-up boundary, which a ranking needs).
     extra_eval_steps: tuple[int, ...] = ()
     evaluation: Evaluation | None = None  # a generative metric, scored on the validation rows at the end
+    # Export the adapter as it is at each epoch's end (validated there too), at each validation that beats the best
+    # so far and at the last step (``PackCallbacks.on_adapter_checkpoint``): the checkpoints a user downloads.
+    adapter_checkpoints: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,25 @@ class TrialOutcome:
     error: str | None = None
     pack_steps: int = 0  # optimizer steps it took in this pack
     pack_tokens: int = 0  # real training tokens of those steps
+
+
+@dataclass(frozen=True)
+class AdapterCheckpoint:
+    """A trial's adapter exported in PEFT format at ``step`` (``TrialSpec.adapter_checkpoints``), in ``path``."""
+
+    trial_id: str
+    step: int
+    steps_per_epoch: int
+    val_loss: float | None  # None: not validated at this step
+    best_step: int | None  # the trial's best validation so far (this step when it just beat it)
+    path: Path
+
+    @property
+    def epoch(self) -> float:
+        return round(self.step / self.steps_per_epoch, 4)
+
+    def ends_epoch(self, step: int) -> bool:
+        return step % self.steps_per_epoch == 0
 
 
 def validate_spec(spec: TrialSpec) -> None:

@@ -22,7 +22,7 @@ from worker.engine.lora import ALL_LINEAR, resolve_target_modules
 from worker.engine.pack_engine import PackEngine
 from worker.engine.slot_export import prepare_export
 from worker.engine.slots import StepStats
-from worker.engine.spec import Evaluation, PackConfig, TrialOutcome, TrialSpec, validate_spec
+from worker.engine.spec import AdapterCheckpoint, Evaluation, PackConfig, TrialOutcome, TrialSpec, validate_spec
 from worker.engine.store import slot_bytes
 from worker.engine.validation import evaluate, evaluate_slots, evaluation_passes
 from worker.engine.writer import PackWriter, WriterCounts
@@ -73,6 +73,8 @@ class PackCallbacks:
     admissions: Admissions | None = None  # back-fills, asked before each step (see ``train_pack``)
     on_admitted: Callable[[str, str | None], None] | None = None  # (trial_id, None) admitted, or why it was refused
     on_outcome: Callable[[TrialOutcome], None] | None = None  # each trial's outcome once its adapter is written
+    # Each adapter checkpoint once written (``TrialSpec.adapter_checkpoints``), before its trial's outcome.
+    on_adapter_checkpoint: Callable[[AdapterCheckpoint], None] | None = None
     score: Scorer | None = None  # scores the trials with an ``evaluation`` (None: none is scored by generation)
 
 
@@ -332,6 +334,7 @@ def _run(
             calls.on_step(stats)
         with hooks.clock.measure("validation_s"):
             validation = _validate(engine, losses)
+        _save_adapters(engine, validation, hooks)  # before a finishing trial's best adapter is installed to score
         finishing = [s for s in _live(engine) if not engine.state(s).training
                      and not isinstance(validation.get(s), BaseException)
                      and engine.state(s).spec.trial_id not in engine.failures]
@@ -345,6 +348,17 @@ def _run(
             if outcome is not None:
                 report(outcome)
         _snapshot_round(engine, losses, hooks)
+
+
+def _save_adapters(engine: PackEngine, validation: dict[int, float | BaseException | None], hooks: _Hooks) -> None:
+    """The adapter checkpoints due after this step (``SlotState.adapter_checkpoint_due``), of trials that did not
+    fail in it."""
+    for slot in _live(engine):
+        state, validated = engine.state(slot), validation.get(slot)
+        if isinstance(validated, BaseException) or state.spec.trial_id in engine.failures:
+            continue
+        if state.adapter_checkpoint_due(validated is not None):
+            hooks.save_adapter(engine, slot, validated)
 
 
 def _snapshot_round(engine: PackEngine, losses: dict[str, float], hooks: _Hooks) -> None:
@@ -496,6 +510,28 @@ class _Hooks:
             self.writer.submit(persist)
         else:
             self.writer.offer(snapshot.trial_id, persist)
+
+
+    def save_adapter(self, engine: PackEngine, slot: int, val_loss: float | None) -> None:
+        """Export the slot's adapter as it is now to ``export_dir/<trial_id>.step-<step>/`` (device clones now, the
+        files on the writer thread, in order before the trial's outcome), then ``on_adapter_checkpoint``."""
+        on_saved = self.calls.on_adapter_checkpoint
+        if on_saved is None:
+            return
+        state = engine.state(slot)
+        trial_id, step = state.spec.trial_id, state.steps_done
+        directory = self.export_dir / f"{trial_id}.step-{step}"
+        with self.clock.measure("export_s"):
+            write = prepare_export(engine, slot, directory, base_model_name=self.config.base_model_name, current=True)
+        saved = AdapterCheckpoint(trial_id, step, state.steps_per_epoch, val_loss, state.best_step, directory)
+        clock = self.clock
+
+        def persist() -> None:
+            with clock.measure("persist_s"):
+                write()
+                on_saved(saved)
+
+        self.writer.submit(persist)
 
 
 def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: bool = False) -> None:

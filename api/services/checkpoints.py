@@ -1,0 +1,31 @@
+"""A trial's kept adapter checkpoints (common/checkpoints.py says which and what each is): listed, found by step."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.errors import not_found
+from common.checkpoints import BEST, Saved, kinds
+from common.tables import Checkpoint, Trial
+
+
+def trial_checkpoints(session: Session, trial: Trial) -> list[tuple[Checkpoint, list[str]]]:
+    """The trial's kept checkpoints by step, each with its kinds."""
+    rows = list(session.scalars(select(Checkpoint).where(Checkpoint.trial_id == trial.id).order_by(Checkpoint.step)))
+    by_step = kinds([Saved(c.step, c.epoch_end, c.val_loss) for c in rows])
+    return [(c, by_step[c.step]) for c in rows]
+
+
+def checkpoint_metric(trial: Trial, checkpoint_kinds: list[str]) -> float | None:
+    """The task's generative metric where it was measured: the best checkpoint's, once its trial ended and scored
+    its best adapter (the worker scores that adapter only)."""
+    return trial.metric_score if BEST in checkpoint_kinds and trial.finished_at is not None else None
+
+
+def get_checkpoint(session: Session, trial: Trial, step: int) -> Checkpoint:
+    """The trial's kept checkpoint at ``step``; 404 checkpoint_not_found."""
+    found = session.scalar(select(Checkpoint).where(Checkpoint.trial_id == trial.id, Checkpoint.step == step))
+    if found is None:
+        raise not_found("checkpoint", f"{trial.id}:{step}")
+    return found

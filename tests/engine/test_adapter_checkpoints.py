@@ -1,0 +1,89 @@
+"""Adapter checkpoints (``TrialSpec.adapter_checkpoints``): exported at each epoch's end, each new best validation
+and the last step, each the adapter as it was at its step, handed over before the trial's outcome."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tests.engine.factories import make_spec, score
+from worker.engine import AdapterCheckpoint, Evaluation, PackCallbacks, PackConfig, read_peft_adapter, train_pack
+
+Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+
+
+def _train(tiny: Tiny, out: Path, **overrides: object) -> tuple[list[AdapterCheckpoint], list[tuple[int, str]],
+                                                                 list[str]]:
+    """Trains one trial (8 rows at 4 a step: 2 steps an epoch) for 7 steps; its checkpoints (each kept in
+    ``out/kept/``), its validation and metric points, and the order of checkpoint and outcome callbacks."""
+    saved: list[AdapterCheckpoint] = []
+    points: list[tuple[int, str]] = []
+    order: list[str] = []
+
+    def keep(checkpoint: AdapterCheckpoint) -> None:
+        saved.append(checkpoint)
+        order.append(f"checkpoint {checkpoint.step}")
+        shutil.copytree(checkpoint.path, out / "kept" / str(checkpoint.step))
+
+    spec = make_spec("t1", max_steps=7, eval_interval=3, adapter_checkpoints=True, **overrides)
+    train_pack(*tiny, [spec], PackConfig(base_model_name="tiny-random-llama", export_dir=out / "export"),
+               PackCallbacks(on_point=lambda trial_id, step, split, loss: points.append((step, split)),
+                             on_adapter_checkpoint=keep, on_outcome=lambda o: order.append("outcome"),
+                             score=score))
+    return saved, points, order
+
+
+def _tensors(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return read_peft_adapter(directory)[1]
+
+
+def _assert_same(a: Path, b: Path) -> None:
+    left, right = _tensors(a), _tensors(b)
+    assert left.keys() == right.keys()
+    for path in left:
+        torch.testing.assert_close(left[path], right[path], rtol=0, atol=0)
+
+
+def test_checkpoints_at_epoch_ends_new_bests_and_the_last_step(tiny: Tiny, tmp_path: Path) -> None:
+    saved, points, order = _train(tiny, tmp_path, learning_rate=3.0,
+                                  evaluation=Evaluation(metric="contains", max_new_tokens=4))
+    steps = [c.step for c in saved]
+    assert steps == sorted(set(steps))
+    validated = {step: None for step, split in points if split == "val"}
+    assert list(validated) == [2, 3, 4, 6, 7]  # every 3 steps, the last, and each epoch's end (2, 4, 6)
+    assert {2, 4, 6, 7} <= set(steps) <= set(validated)
+    best = None
+    for c in saved:  # each one an epoch's end, the last step, or a validation that beat every one before it
+        assert c.epoch == c.step / 2 and c.ends_epoch(c.step) == (c.step % 2 == 0)
+        assert c.val_loss is not None
+        new_best = best is None or c.val_loss < best
+        assert c.ends_epoch(c.step) or c.step == 7 or new_best
+        assert (c.best_step == c.step) == new_best
+        best = c.val_loss if new_best else best
+    assert order[-1] == "outcome" and len(order) == len(saved) + 1  # every checkpoint before the outcome
+    assert (7, "metric") in points  # the best adapter was installed to score: the last checkpoint is still step 7's
+
+    # The last checkpoint holds the weights of step 7, not the best ones the outcome exports: the same trial without
+    # validation (which changes nothing in its training) ends with exactly them.
+    bare_saved, _, _ = _train(tiny, tmp_path / "bare", val_rows=[], learning_rate=3.0)
+    assert [c.step for c in bare_saved] == [2, 4, 6, 7] and all(c.val_loss is None for c in bare_saved)
+    _assert_same(tmp_path / "kept" / "7", tmp_path / "bare" / "export" / "t1")
+    best_step = saved[-1].best_step
+    assert best_step is not None and best_step < 7  # a learning rate this high peaks early (step 3)
+    _assert_same(tmp_path / "kept" / str(best_step), tmp_path / "export" / "t1")
+    assert not torch.equal(_tensors(tmp_path / "kept" / "7")["model.layers.0.self_attn.q_proj"][1],
+                           _tensors(tmp_path / "export" / "t1")["model.layers.0.self_attn.q_proj"][1])
+
+
+def test_without_checkpoints_nothing_is_exported_and_epochs_are_not_validated(tiny: Tiny, tmp_path: Path) -> None:
+    saved: list[AdapterCheckpoint] = []
+    points: list[tuple[int, str]] = []
+    spec = make_spec("t1", max_steps=7, eval_interval=3)
+    train_pack(*tiny, [spec], PackConfig(base_model_name="tiny-random-llama", export_dir=tmp_path),
+               PackCallbacks(on_point=lambda trial_id, step, split, loss: points.append((step, split)),
+                             on_adapter_checkpoint=saved.append))
+    assert saved == []
+    assert [step for step, split in points if split == "val"] == [3, 6, 7]
