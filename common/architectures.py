@@ -27,6 +27,16 @@ TARGET_MODULES: dict[str, tuple[str, ...]] = {
     "phi3": _FUSED_PROJECTIONS,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(TARGET_MODULES))
+# The architectures whose adapters export as a llama.cpp LoRA GGUF (worker/gguf_export.py): llama.cpp's names for
+# their layers are known to the `gguf` package, and their adapters sit on split projections (Phi-3's fused ones and
+# Gemma's are not written yet).
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def export_formats(architecture: str | None) -> tuple[str, ...]:
+    """The download formats of an adapter on a base of ``architecture`` (None: not inspected, as the built-ins' older
+    rows: taken as llama, which every built-in is)."""
+    return ("peft", "merged", "gguf") if (architecture or "llama") in GGUF_ARCHITECTURES else ("peft", "merged")
 # Every target name of some architecture, in the canonical order a choice of modules is stored in.
 ALL_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj",
                       "down_proj")

@@ -120,19 +120,23 @@ def adapter_key(task_id: str, trial_id: str) -> str:
     return f"adapters/{task_id}/{trial_id}.tar.gz"
 
 
-def merged_key(task_id: str, trial_id: str) -> str:
-    """The trial's merged model (its base with the adapter merged in), built once on request (worker/exports.py)."""
-    return f"exports/{task_id}/{trial_id}/merged.tar.gz"
+# What a trial's exports are stored as (built once on request by a worker: worker/exports.py): the base with the
+# adapter merged in, a directory as .tar.gz; the adapter as a llama.cpp LoRA GGUF.
+EXPORT_FILES = {"merged": "merged.tar.gz", "gguf": "adapter.gguf"}
 
 
-def merged_failure_key(task_id: str, trial_id: str) -> str:
-    """Why the merged model could not be built (JSON ``{"error": ...}``), until it is asked for again."""
-    return f"exports/{task_id}/{trial_id}/merged.failed.json"
+def export_key(task_id: str, trial_id: str, export_format: str) -> str:
+    return f"exports/{task_id}/{trial_id}/{EXPORT_FILES[export_format]}"
 
 
-def merged_requested_key(task_id: str, trial_id: str) -> str:
-    """When the API last asked the workers to build the merged model (JSON ``{"at": epoch seconds}``)."""
-    return f"exports/{task_id}/{trial_id}/merged.requested.json"
+def export_failure_key(task_id: str, trial_id: str, export_format: str) -> str:
+    """Why the export could not be built (JSON ``{"error": ...}``), until it is asked for again."""
+    return f"exports/{task_id}/{trial_id}/{export_format}.failed.json"
+
+
+def export_requested_key(task_id: str, trial_id: str, export_format: str) -> str:
+    """When the API last asked the workers to build the export (JSON ``{"at": epoch seconds}``)."""
+    return f"exports/{task_id}/{trial_id}/{export_format}.requested.json"
 
 
 def saved_checkpoint_key(task_id: str, trial_id: str, step: int) -> str:

@@ -126,15 +126,16 @@ class PackMessage(Message):
 
 
 class ExportRequest(Message):
-    """Build a trial's merged model (its base with its adapter merged in) and store it at its key
-    (`common.artifacts.merged_key`; the Celery task's argument, sent by the API on the first
-    `GET .../adapter?format=merged`; worker/exports.py)."""
+    """Build a trial's export and store it at its key (`common.artifacts.export_key`; the Celery task's argument, sent
+    by the API on the first `GET .../adapter?format=merged` or `format=gguf`; worker/exports.py): "merged", its base
+    with its adapter merged in; "gguf", its adapter as a llama.cpp LoRA GGUF."""
 
     type: Literal["build_export"] = "build_export"
     task_id: str
     trial_id: str
     adapter_key: str
     base_model: ModelSourceFields
+    format: Literal["merged", "gguf"] = "merged"
 
 
 # Sampling: a request on its base model's stream, the answer in pieces on the request's own (common/bus.py names them).

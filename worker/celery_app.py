@@ -8,8 +8,7 @@ from common.artifacts import get_artifact_store
 from common.celery import BUILD_EXPORT_TASK, RUN_PACK_TASK, get_celery
 from common.messages import parse_export, parse_pack
 from common.settings import get_settings
-from worker import telemetry
-from worker.exports import build_merged
+from worker import exports, telemetry
 from worker.pack_runner import PackRunner
 
 celery_app = get_celery()
@@ -35,8 +34,8 @@ def run_pack(*, pack: dict[str, Any]) -> None:
 
 @celery_app.task(name=BUILD_EXPORT_TASK, acks_late=False)
 def build_export(*, request: dict[str, Any]) -> None:
-    """Builds a trial's merged model (worker/exports.py); an unreadable request is logged, counted and dropped (the
+    """Builds a trial's export (worker/exports.py); an unreadable request is logged, counted and dropped (the
     API sends it again once its request has waited `api/services/adapters.py`'s `EXPORT_RESEND_S`)."""
     message = parse_export(request, on_drop=telemetry.message_dropped)
     if message is not None:
-        build_merged(message, store=get_artifact_store(), cache_dir=get_settings().resolved_model_cache_dir)
+        exports.build_export(message, store=get_artifact_store(), cache_dir=get_settings().resolved_model_cache_dir)

@@ -1,8 +1,9 @@
-"""A trial's merged model (issue 35): its base with its adapter merged in, as a Hugging Face safetensors directory
-that `transformers` loads, and vLLM, llama.cpp's converters and Ollama users start from.
+"""A trial's exports (issue 35): its merged model, its base with its adapter merged in, as a Hugging Face safetensors
+directory that `transformers` loads, and vLLM, llama.cpp's converters and Ollama users start from; and its adapter as
+a llama.cpp LoRA GGUF (worker/gguf_export.py).
 
 Built once, on request: the API sends an `ExportRequest` (Celery, the exports queue that every worker consumes
-beside its own) on the first `GET .../adapter?format=merged`, and answers 202 until the archive is in the store.
+beside its own) on the first `GET .../adapter?format=merged` (or `gguf`), and answers 202 until it is in the store.
 Built on the CPU in the worker process, between its packs or beside them: merging is one matrix product per adapted
 layer, and the CPU leaves the GPU's memory to the packs.
 
@@ -21,9 +22,10 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from common.artifacts import LocalArtifactStore, merged_failure_key, merged_key
+from common.artifacts import LocalArtifactStore, export_failure_key, export_key
 from common.messages import ExportRequest
 from worker.engine.base_model import load_base_model
+from worker.gguf_export import write_adapter_gguf
 from worker.model_cache import model_source
 from worker.pack_runner import tar_dir, untar
 
@@ -43,22 +45,36 @@ def merge_adapter(request: ExportRequest, *, adapter_dir: Path, out_dir: Path, c
     return out_dir
 
 
-def build_merged(request: ExportRequest, *, store: LocalArtifactStore, cache_dir: Path) -> None:
-    """Builds the merged model of ``request`` and stores it as a .tar.gz at its `merged_key`; a build that fails
-    stores why at its `merged_failure_key` (the API reports it once, and the next request tries again)."""
-    out_key = merged_key(request.task_id, request.trial_id)
+def adapter_gguf(request: ExportRequest, *, adapter_dir: Path, out: Path, cache_dir: Path) -> Path:
+    """Writes ``adapter_dir`` as a LoRA GGUF for ``request.base_model`` (loaded on the CPU for its config: a GGUF or
+    in-memory base has no config file to read alone)."""
+    source = model_source(request.base_model.model_dump())
+    model, _ = load_base_model(source, cache_dir=cache_dir, device=torch.device("cpu"))
+    return write_adapter_gguf(adapter_dir, model.config, out)
+
+
+def build_export(request: ExportRequest, *, store: LocalArtifactStore, cache_dir: Path) -> None:
+    """Builds the export of ``request`` and stores it at its `export_key`; a build that fails stores why at its
+    `export_failure_key` (the API reports it once, and the next request tries again)."""
+    out_key = export_key(request.task_id, request.trial_id, request.format)
     if store.exists(out_key):
         return  # built already (a request sent twice)
-    log.info("building the merged model of trial %s (base %s)", request.trial_id, request.base_model.name)
+    log.info("building the %s export of trial %s (base %s)", request.format, request.trial_id,
+             request.base_model.name)
     try:
-        with tempfile.TemporaryDirectory(prefix="merged-") as tmp_name:
+        with tempfile.TemporaryDirectory(prefix="export-") as tmp_name:
             tmp = Path(tmp_name)
             adapter_dir = untar(store, request.adapter_key, tmp / "adapter")
-            out_dir = merge_adapter(request, adapter_dir=adapter_dir, out_dir=tmp / "merged", cache_dir=cache_dir)
-            store.put_file(out_key, tar_dir(out_dir, tmp / "merged.tar.gz", gzip=True))
+            if request.format == "gguf":
+                built = adapter_gguf(request, adapter_dir=adapter_dir, out=tmp / "adapter.gguf", cache_dir=cache_dir)
+            else:
+                out_dir = merge_adapter(request, adapter_dir=adapter_dir, out_dir=tmp / "merged", cache_dir=cache_dir)
+                built = tar_dir(out_dir, tmp / "merged.tar.gz", gzip=True)
+            store.put_file(out_key, built)
     except Exception as exc:  # noqa: BLE001 - whatever failed, the user is told, not left polling for ever
-        log.exception("the merged model of trial %s could not be built", request.trial_id)
+        log.exception("the %s export of trial %s could not be built", request.format, request.trial_id)
         error = {"error": f"{type(exc).__name__}: {exc}"}
-        store.put_bytes(merged_failure_key(request.task_id, request.trial_id), json.dumps(error).encode())
+        store.put_bytes(export_failure_key(request.task_id, request.trial_id, request.format),
+                        json.dumps(error).encode())
         return
-    log.info("merged model of trial %s stored at %s", request.trial_id, out_key)
+    log.info("%s export of trial %s stored at %s", request.format, request.trial_id, out_key)

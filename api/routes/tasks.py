@@ -27,7 +27,7 @@ from api.errors import PERMISSION, ApiError, invalid, not_found
 from api.queries import find_task, get_task, get_trial
 from api.schemas.common import NO_CONTROL_CHARS, ListPage, PathId, error_responses, id_query
 from api.schemas.tasks import TaskCreate, TaskOut
-from api.services.adapters import AdapterFormat, adapter_download, merged_download, no_best_trial, no_refit
+from api.services.adapters import FORMAT_HELP, AdapterFormat, adapter_download, export_download, no_best_trial, no_refit
 from api.services.audit import audit_read
 from api.services.task_views import draft_view, task_status, task_view, task_views
 from api.services.tasks import cancel_task, create_task, dry_run_task
@@ -173,19 +173,19 @@ def cancel(task_id: PathId, tenant: TenantDep, session: SessionDep) -> TaskOut:
 @router.get(
     "/{task_id}/adapter",
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/gzip": {}}}, 202: {"description": "a merged model being built"},
+    responses={200: {"content": {"application/gzip": {}, "application/octet-stream": {}}},
+               202: {"description": "a merged model or GGUF adapter being built"},
                **error_responses(409)},
 )
 def download_best_adapter(
     task_id: PathId, reader: ReaderDep, session: SessionDep, request: Request,
     refit: Annotated[bool, Query(description="The refit's adapter (a task submitted with \"refit\": true): the "
                                  "best configuration trained again on training + validation rows.")] = False,
-    format: Annotated[AdapterFormat, Query(description="peft: the adapter as trained (PEFT directory); merged: the "
-                                           "base model with the adapter merged in (a Hugging Face safetensors "
-                                           "directory), built once on a worker: 202 until it is ready.")] = "peft",
+    format: Annotated[AdapterFormat, Query(description=FORMAT_HELP)] = "peft",
 ) -> Response:
     """The best trial's adapter (PEFT directory as .tar.gz), or with ?refit=true its refit's; with ?format=merged the
-    base with it merged in (202 while a worker builds it); 409 adapter_not_ready until there is one, no_best_trial or
+    base with it merged in, with ?format=gguf a llama.cpp LoRA GGUF (202 while a worker builds them); 409
+    adapter_not_ready until there is one, no_best_trial or
     no_refit when there will be none."""
     task = get_task(session, tenant_id=reader.tenant_id, task_id=task_id)
     if refit:
@@ -199,6 +199,6 @@ def download_best_adapter(
             raise no_best_trial(task)
         trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task.id, trial_id=task.best_trial_id)
     # A 409 before the audit row: no adapter was read.
-    download = merged_download(session, trial, task) if format == "merged" else adapter_download(trial)
+    download = adapter_download(trial) if format == "peft" else export_download(session, trial, task, format)
     audit_read(session, reader, request, tenant_id=task.tenant_id, resource_id=task.id)
     return download

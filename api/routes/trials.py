@@ -13,7 +13,7 @@ from api.deps import ReaderDep, SessionDep
 from api.queries import get_task, get_trial, list_trials
 from api.schemas.common import INT32_MAX, ListPage, PathId, error_responses
 from api.schemas.trials import LossPoint, MetricScore, TrialMetrics, TrialOut
-from api.services.adapters import AdapterFormat, adapter_download, merged_download
+from api.services.adapters import FORMAT_HELP, AdapterFormat, adapter_download, export_download
 from api.services.audit import audit_read
 from common.metrics import METRIC_SPLIT
 from common.tables import MetricPoint
@@ -73,20 +73,21 @@ def read_trial_metrics(
 @router.get(
     "/{trial_id}/adapter",
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/gzip": {}}}, 202: {"description": "a merged model being built"},
+    responses={200: {"content": {"application/gzip": {}, "application/octet-stream": {}}},
+               202: {"description": "a merged model or GGUF adapter being built"},
                **error_responses(409)},
 )
 def download_trial_adapter(
     task_id: PathId, trial_id: PathId, reader: ReaderDep, session: SessionDep, request: Request,
-    format: Annotated[AdapterFormat, Query(description="peft: the adapter as trained (PEFT directory); merged: the "
-                                           "base model with the adapter merged in (a Hugging Face safetensors "
-                                           "directory), built once on a worker: 202 until it is ready.")] = "peft",
+    format: Annotated[AdapterFormat, Query(description=FORMAT_HELP)] = "peft",
 ) -> Response:
-    """This trial's adapter (PEFT directory as .tar.gz), or with ?format=merged its base with the adapter merged in
-    (202 while a worker builds it); 409 adapter_not_ready until there is an adapter."""
+    """This trial's adapter (PEFT directory as .tar.gz), or with ?format=merged its base with the adapter merged in,
+    with ?format=gguf the adapter as a llama.cpp LoRA GGUF (202 while a worker builds them); 409 adapter_not_ready
+    until there is an adapter; 422 unsupported_format for gguf on an architecture without it."""
     trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task_id, trial_id=trial_id)
-    if format == "merged":
-        download = merged_download(session, trial, get_task(session, tenant_id=reader.tenant_id, task_id=task_id))
+    if format != "peft":
+        download = export_download(session, trial, get_task(session, tenant_id=reader.tenant_id, task_id=task_id),
+                                   format)
     else:
         download = adapter_download(trial)  # a 409 before the audit row: no adapter was read
     audit_read(session, reader, request, tenant_id=trial.tenant_id, resource_id=trial.id)

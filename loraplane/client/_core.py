@@ -170,6 +170,14 @@ def archive_dir(response: httpx.Response, directory: str | os.PathLike[str] | No
     return Path(name.removesuffix(".tar.gz").removesuffix(".tgz") or "adapter")
 
 
+def download_target(response: httpx.Response, path: str | os.PathLike[str] | None, default: str) -> Path:
+    """Where a downloaded file goes: `path`, else the answer's file name (its last part only) in `.`."""
+    if path is not None:
+        return Path(path)
+    match = FILENAME.search(response.headers.get("content-disposition", ""))
+    return Path(Path(match.group(1)).name if match else default)
+
+
 def extract_archive(archive: IO[bytes], directory: Path) -> Path:
     """Unpacks a downloaded .tar.gz into `directory` (created), refusing members that would land outside it."""
     archive.seek(0)

@@ -323,6 +323,29 @@ class Tasks:
                 raise WaitTimeout(f"the merged model of {task_id} is not built after {timeout:.0f} s")
             time.sleep(wait)
 
+    def download_gguf(self, task_id: str, path: str | os.PathLike[str] | None = None, *,
+                      trial_id: str | None = None, timeout: float = 1800.0) -> Path:
+        """The best trial's adapter (or `trial_id`'s) as a llama.cpp LoRA GGUF (`llama-cli -m base.gguf --lora
+        FILE`), written to `path` (default `./<task>-<trial>-adapter.gguf`). A worker builds it on the first
+        request: this waits for it as `download_adapter(merged=True)` does. 422 `unsupported_format` for a base
+        whose architecture has no GGUF export."""
+        url = f"/v1/tasks/{task_id}/adapter" if trial_id is None else f"/v1/tasks/{task_id}/trials/{trial_id}/adapter"
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._c._stream(url, params={"format": "gguf"}) as response:
+                if response.status_code != 202:
+                    target = _core.download_target(response, path, "adapter.gguf")
+                    partial = target.with_name(f".{target.name}.part")
+                    with partial.open("wb") as out:
+                        for chunk in response.iter_bytes():
+                            out.write(chunk)
+                    partial.replace(target)
+                    return target
+                wait = _core.retry_after(response)
+            if time.monotonic() + wait > deadline:
+                raise WaitTimeout(f"the GGUF adapter of {task_id} is not built after {timeout:.0f} s")
+            time.sleep(wait)
+
     def complete(self, task_id: str, *, prompt: str | None = None,
                  messages: Sequence[Mapping[str, str]] | None = None, trial_id: str | None = None,
                  timeout: float = 300.0, **sampling: Any) -> Completion:

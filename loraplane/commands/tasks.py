@@ -253,6 +253,16 @@ def cmd_download(args: argparse.Namespace) -> int:
             trial_id = None
         elif trial_id is None:
             best = lp.tasks.get(args.task_id).best_trial
+        if args.gguf and (args.refit or args.checkpoint is not None):
+            raise UsageError("--gguf gives a trial's own adapter: not with --refit or --checkpoint")
+        if args.gguf:
+            written = lp.tasks.download_gguf(args.task_id, args.output, trial_id=trial_id)
+            if args.json:
+                emit({"task_id": args.task_id, "trial_id": trial_id or (best.id if best else None),
+                      "file": str(written)})
+            else:
+                out(f"The adapter as a llama.cpp LoRA GGUF is in {written} (llama-cli -m base.gguf --lora {written})")
+            return 0
         directory = lp.tasks.download_adapter(args.task_id, args.output, trial_id=trial_id, refit=args.refit,
                                               merged=args.merged, checkpoint=args.checkpoint)
         if args.refit:
@@ -345,8 +355,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     which = download.add_mutually_exclusive_group()
     which.add_argument("--trial", metavar="TRIAL_ID", help="this trial's adapter instead of the best one")
     which.add_argument("--refit", action="store_true", help="the refit's adapter (a task submitted with refit: true)")
-    download.add_argument("--merged", action="store_true", help="the base model with the adapter merged in (a Hugging "
-                          "Face safetensors directory), built by a worker on the first request: waits for it")
+    form = download.add_mutually_exclusive_group()
+    form.add_argument("--merged", action="store_true", help="the base model with the adapter merged in (a Hugging "
+                      "Face safetensors directory), built by a worker on the first request: waits for it")
+    form.add_argument("--gguf", action="store_true", help="the adapter as a llama.cpp LoRA GGUF file (llama, mistral, "
+                      "qwen2 and qwen3 bases), built by a worker on the first request: waits for it")
     download.add_argument("--checkpoint", type=int, metavar="STEP", help="the trial's kept checkpoint at this step "
                           "(with --trial; `loraplane tasks checkpoints` lists them)")
     download.add_argument("-o", "--output", metavar="DIR", help="where (default ./<task>-<trial>-adapter, or "

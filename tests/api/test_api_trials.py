@@ -6,10 +6,10 @@ import json
 
 from fastapi.testclient import TestClient
 
-from common.artifacts import get_artifact_store, merged_failure_key, merged_key, merged_requested_key
+from common.artifacts import export_failure_key, export_key, export_requested_key, get_artifact_store
 from common.db import session_scope
 from common.states import TASK_SUCCEEDED, TRIAL_COMPLETED, TRIAL_FAILED
-from common.tables import MetricPoint, Task, Trial, new_id
+from common.tables import BaseModelEntry, MetricPoint, Task, Trial, new_id
 from tests.factories import TenantKey, make_task, store_adapter, trial_ids, update_row
 
 
@@ -147,21 +147,44 @@ def test_a_merged_model_is_asked_of_the_workers_once_reports_its_failure_once_th
     assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready")
     store_adapter(task["id"], trial_id, b"\x1f\x8b" + bytes(16))
     store = get_artifact_store()
-    asked = merged_requested_key(task["id"], trial_id)
+    asked = export_requested_key(task["id"], trial_id, "merged")
 
     r = client.get(url, headers=tenant.headers)
     assert r.status_code == 202 and r.json()["status"] == "building" and r.headers["retry-after"] == "5"
     first_ask = store.get_bytes(asked)
     assert client.get(url, headers=tenant.headers).status_code == 202 and store.get_bytes(asked) == first_ask
 
-    store.put_bytes(merged_failure_key(task["id"], trial_id), json.dumps({"error": "OSError: disk full"}).encode())
+    failure = json.dumps({"error": "OSError: disk full"}).encode()
+    store.put_bytes(export_failure_key(task["id"], trial_id, "merged"), failure)
     r = client.get(url, headers=tenant.headers)
     assert (r.status_code, r.json()["error"]["code"]) == (409, "export_failed") and "disk full" in r.text
     assert client.get(url, headers=tenant.headers).status_code == 202 and store.get_bytes(asked) != first_ask
 
-    store.put_bytes(merged_key(task["id"], trial_id), b"\x1f\x8b merged")
+    store.put_bytes(export_key(task["id"], trial_id, "merged"), b"\x1f\x8b merged")
     r = client.get(url, headers=tenant.headers)
     assert r.status_code == 200 and r.content == b"\x1f\x8b merged"
     assert r.headers["content-disposition"] == f'attachment; filename="{task["id"]}-{trial_id}-merged.tar.gz"'
     bad = client.get(f"/v1/tasks/{task['id']}/adapter?format=onnx", headers=tenant.headers)
-    assert bad.status_code == 422 and "'peft' or 'merged'" in bad.json()["error"]["message"], bad.text
+    assert bad.status_code == 422 and "'merged' or 'gguf'" in bad.json()["error"]["message"], bad.text
+
+
+def test_a_gguf_adapter_is_built_on_request_for_architectures_that_have_one(client: TestClient,
+                                                                            tenant: TenantKey) -> None:
+    """?format=gguf goes the merged model's way (202, then the file); a base whose architecture llama.cpp's LoRA
+    names do not cover is a 422 naming the formats it has."""
+    task = make_task(client, tenant)
+    trial_id = trial_ids(task["id"])[0]
+    store_adapter(task["id"], trial_id, b"\x1f\x8b" + bytes(16))
+    url = f"/v1/tasks/{task['id']}/trials/{trial_id}/adapter?format=gguf"
+    r = client.get(url, headers=tenant.headers)
+    assert r.status_code == 202 and "GGUF" in r.json()["message"], r.text
+    assert get_artifact_store().exists(export_requested_key(task["id"], trial_id, "gguf"))
+    get_artifact_store().put_bytes(export_key(task["id"], trial_id, "gguf"), b"GGUF...")
+    r = client.get(f"/v1/tasks/{task['id']}/adapter?format=gguf", headers=tenant.headers)
+    assert r.status_code == 200 and r.content == b"GGUF..." and r.headers["content-type"] == "application/octet-stream"
+    assert r.headers["content-disposition"] == f'attachment; filename="{task["id"]}-{trial_id}-adapter.gguf"'
+    update_row(BaseModelEntry, task["base_model"], architecture="phi3")
+    r = client.get(url, headers=tenant.headers)
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (422, "unsupported_format",
+                                                                                      "format"), r.text
+    assert r.json()["error"]["formats"] == ["peft", "merged"] and "phi3" in r.json()["error"]["message"]

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import httpx
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
@@ -51,6 +53,7 @@ from tests.e2e.flow import (
 from tests.e2e.procs import EMBEDDED_UNSET, cluster, free_port, start_embedded
 from worker.engine import load_base_model
 from worker.engine.data import encode_prompt
+from worker.gguf_export import permute_rows
 from worker.model_cache import model_source
 
 BUILD_CEILING_S = 600  # a merge of the tiny model takes seconds; a loaded 2-core machine may queue it a while
@@ -324,3 +327,22 @@ def test_a_tracker_that_is_down_delays_nothing(trained: Trained) -> None:
     assert not tracker["done"] and started
     assert all(not r["finished"] and r["run_id"] is None and r["last_error"] == "could not connect"
                for r in tracker["runs"]), tracker
+
+
+def test_the_gguf_adapter_has_the_trained_adapter_under_llama_cpps_names(trained: Trained) -> None:
+    """`download_gguf` waits for a worker's build; the file, read by the `gguf` package, holds the downloaded PEFT
+    adapter's tensors under llama.cpp's names, the query's rows permuted as llama.cpp's converter permutes its base."""
+    lp, task, tmp_path = trained.lp, trained.task, trained.tmp
+    written = lp.tasks.download_gguf(task.id, tmp_path / "adapter.gguf", timeout=BUILD_CEILING_S)
+    adapter = load_file(download_adapter(lp, task.id, tmp_path / "gguf-peft") / "adapter_model.safetensors")
+    reader = gguf.GGUFReader(written)
+    assert reader.fields["general.type"].contents() == "adapter"
+    read = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
+    config = base_model_and_tokenizer()[0].config
+    for layer in range(config.num_hidden_layers):
+        for proj, name in (("q_proj", "attn_q"), ("v_proj", "attn_v")):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            a, b = adapter[f"{prefix}.lora_A.weight"], adapter[f"{prefix}.lora_B.weight"]
+            torch.testing.assert_close(read[f"blk.{layer}.{name}.weight.lora_a"], a.float())
+            want = permute_rows(b.float(), config.num_attention_heads) if proj == "q_proj" else b.float()
+            torch.testing.assert_close(read[f"blk.{layer}.{name}.weight.lora_b"], want)
