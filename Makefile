@@ -58,8 +58,12 @@ $(MLFLOW_VENV)/.installed:
 
 mlflow: $(MLFLOW_VENV)/.installed
 
+# Two test processes (pytest-xdist), a test file each at a time: most of the suite waits on processes it started
+# (the API, the scheduler, workers) or on the database, so two keep two cores busier than one. Each has its own
+# database, data folder and Redis namespace (tests/conftest.py).
+TEST_PROCESSES ?= 2
 test: lint chromium mlflow
-	$(OFFLINE) $(VENV)/bin/pytest
+	$(OFFLINE) $(VENV)/bin/pytest -n $(TEST_PROCESSES) --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(MLFLOW_VENV) .loraplane .test-services

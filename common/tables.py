@@ -356,10 +356,12 @@ class Tracker(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     task_id: Mapped[str] = mapped_column(ForeignKey("tasks.id", ondelete="CASCADE"), index=True)
-    type: Mapped[str] = mapped_column(String(20))  # "mlflow"
-    tracking_uri: Mapped[str] = mapped_column(String(2000))
-    experiment: Mapped[str] = mapped_column(String(250))
-    # The tracker's token (sent as a bearer token), encrypted like a webhook's secret; None: none.
+    type: Mapped[str] = mapped_column(String(20))  # "mlflow" | "wandb"
+    tracking_uri: Mapped[str] = mapped_column(String(2000))  # W&B's: its own service (the tenant names none)
+    experiment: Mapped[str] = mapped_column(String(250))  # W&B's project
+    entity: Mapped[str | None] = mapped_column(String(250), default=None)  # W&B's
+    mode: Mapped[str | None] = mapped_column(String(20), default=None)  # W&B's: "online" | "offline"
+    # The tracker's token (MLflow's bearer token, W&B's API key), encrypted like a webhook's secret; None: none.
     token_encrypted: Mapped[str | None] = mapped_column(String(2000), default=None)
     # Every trial's run finished there (its task ended): nothing left to sync.
     done_at: Mapped[datetime | None] = mapped_column(default=None)

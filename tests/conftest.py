@@ -26,11 +26,17 @@ if shutil.which("nvidia-smi") is None:
 
 RUN_ID = uuid.uuid4().hex[:8]
 
-try:
-    _SERVER_URL = find_postgres()
-    REDIS_URL = find_redis()
-except MissingService as exc:
-    raise pytest.UsageError(f"loraplane tests need PostgreSQL and Redis: {exc}") from exc
+# The servers are found once per run: the processes pytest-xdist starts (`make test` runs the suite in two) inherit
+# them from the one that started them, whose DATABASE_URL below already names its own (never created) database.
+if "LORAPLANE_TEST_SERVER_URL" in os.environ:
+    _SERVER_URL, REDIS_URL = os.environ["LORAPLANE_TEST_SERVER_URL"], os.environ["LORAPLANE_TEST_REDIS_URL"]
+else:
+    try:
+        _SERVER_URL = find_postgres()
+        REDIS_URL = find_redis()
+    except MissingService as exc:
+        raise pytest.UsageError(f"loraplane tests need PostgreSQL and Redis: {exc}") from exc
+    os.environ.update({"LORAPLANE_TEST_SERVER_URL": _SERVER_URL, "LORAPLANE_TEST_REDIS_URL": REDIS_URL})
 
 
 def _with_database(url: str, name: str) -> str:

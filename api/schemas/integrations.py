@@ -19,9 +19,11 @@ class TrackerRunOut(BaseModel):
 class TrackerOut(BaseModel):
     object: Literal["integration"] = "integration"
     id: str
-    type: Literal["mlflow"]
-    tracking_uri: str
-    experiment: str
+    type: Literal["mlflow", "wandb"]
+    tracking_uri: str = Field(description="MLflow's server; for W&B, W&B's service.")
+    experiment: str = Field(description="MLflow's experiment, or W&B's project.")
+    entity: str | None = Field(default=None, description="W&B's entity (null: the API key's default).")
+    mode: Literal["online", "offline"] | None = Field(default=None, description="W&B's mode.")
     token_set: bool
     done: bool = Field(description="Every trial's run is finished there.")
     runs: list[TrackerRunOut]

@@ -405,6 +405,28 @@ class MlflowIntegration(RequestModel):
                                "kept encrypted like a webhook's secret and never shown again.")
 
 
+class WandbIntegration(RequestModel):
+    """Log every trial to Weights & Biases once it ends: a run each (id the trial's, in `project`) with its
+    hyperparameters as config, its curves by step, its end in the summary and its adapter as a `model` artifact.
+    `offline` writes the run's files on the service's side (under the artifact store's `wandb/`, for `wandb sync`)."""
+
+    type: Literal["wandb"]
+    project: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    entity: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    mode: Literal["online", "offline"] = "online"
+    api_key: Text | None = Field(default=None, min_length=1, max_length=200, description="Needed online; kept "
+                                 "encrypted like a webhook's secret and never shown again.")
+
+    @model_validator(mode="after")
+    def _key_online(self) -> WandbIntegration:
+        if self.mode == "online" and self.api_key is None:
+            raise ValueError("api_key: W&B's online mode needs the API key its runs are logged under")
+        return self
+
+
+Integration = Annotated[MlflowIntegration | WandbIntegration, Field(discriminator="type")]
+
+
 class TaskCreate(RequestModel):
     """A tuning task. OpenAI's and Together's names are taken too: `model` for `base_model`, `hyperparameters` (one
     trial of fixed values: search-space names with one value each, and `n_epochs` for `epochs`) for `search_space`;
@@ -440,8 +462,8 @@ class TaskCreate(RequestModel):
         default_factory=Evaluation,
         description='{"metric": "loss" | "exact_match" | "contains" | "regex" | "json_valid", "max_new_tokens", '
         '"pattern"}: how the best trial is chosen; default the validation loss.')
-    integrations: list[MlflowIntegration] = Field(default_factory=list, max_length=4, description="Experiment "
-                                                  "trackers every trial is logged to (MLflow).")
+    integrations: list[Integration] = Field(default_factory=list, max_length=4, description="Experiment trackers "
+                                            "every trial is logged to (MLflow, Weights & Biases).")
     refit: bool = Field(
         default=False, description="Once the search ends, train the best trial's configuration again on the "
         "training and validation rows together, for as many passes over them as the winner's adapter made over the "

@@ -25,6 +25,8 @@ def upgrade() -> None:
         sa.Column('type', sa.String(20), nullable=False),
         sa.Column('tracking_uri', sa.String(2000), nullable=False),
         sa.Column('experiment', sa.String(250), nullable=False),
+        sa.Column('entity', sa.String(250), nullable=True),
+        sa.Column('mode', sa.String(20), nullable=True),
         sa.Column('token_encrypted', sa.String(2000), nullable=True),
         sa.Column('done_at', sa.DateTime(timezone=True), nullable=True),
         sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),

@@ -1,5 +1,6 @@
 """Experiment trackers: each trial of a task with `integrations` logged to its MLflow server as a run (hyperparameters
-as params, loss and metric curves, its end as the run's status and stop reason, its adapter as artifacts).
+as params, loss and metric curves, its end as the run's status and stop reason, its adapter as artifacts), or to
+Weights & Biases once it has ended (W&B's client, in a process of its own: scheduler/service/wandb_run.py).
 
 The outbox is the record itself: a trial's points, state and adapter are committed by the scheduler as they come,
 and `tracker_runs` keeps, per (tracker, trial), what the tracker has acknowledged (the run's id, the last point
@@ -11,15 +12,20 @@ sent, and each step's progress is committed as soon as the tracker acknowledged 
 sends at most that step again (a point logged twice with its own step and time is one point to MLflow's store; a
 run created before the record of it was lost is found by its `loraplane.trial_id` tag, not created again).
 
-The pure parts come first: what a run is given (`run_tags`, `run_params`, `point_metrics`, `end_status`,
-`end_tags`) and the retry schedule (`retry_delay`).
+The pure parts come first: what a run is given (`run_tags`, `run_params`, `point_metrics`, `end_tags`,
+`wandb_history`) and the retry schedule (`retry_delay`).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
+import os
+import subprocess
+import sys
 import tarfile
+import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -88,6 +94,14 @@ def end_tags(trial: Trial) -> dict[str, str]:
     return tags
 
 
+def wandb_history(points: Sequence[MetricPoint], metric: str) -> list[tuple[int, dict[str, float]]]:
+    """Points as W&B's history: one row per step, in step order (W&B takes each step's values together)."""
+    rows: dict[int, dict[str, float]] = {}
+    for p in points:
+        rows.setdefault(p.step, {})[metric_key(p.split, metric)] = p.loss
+    return sorted(rows.items())
+
+
 def adapter_files(archive: bytes) -> list[tuple[str, bytes]]:
     """The files of a stored adapter archive (a flat PEFT directory, worker/pack_runner.py's ``tar_dir``), read in
     memory; anything but a plain file at the top is skipped."""
@@ -106,9 +120,12 @@ class Claimed:
     """A trial's run in a tracker, held by this sync until ``CLAIM_S`` after it took it."""
 
     run_row: int
+    type: str  # "mlflow" | "wandb"
     tracking_uri: str
     token_encrypted: str | None
     experiment: str
+    entity: str | None
+    mode: str | None
     trial_id: str
     run_id: str | None
     artifact_uri: str | None
@@ -184,9 +201,9 @@ class TrackerSync:
             claimed = []
             for run, tracker in rows:
                 run.next_attempt_at = now + timedelta(seconds=CLAIM_S)
-                claimed.append(Claimed(run.id, tracker.tracking_uri, tracker.token_encrypted, tracker.experiment,
-                                       run.trial_id, run.run_id, run.artifact_uri, run.params_synced,
-                                       run.point_cursor))
+                claimed.append(Claimed(run.id, tracker.type, tracker.tracking_uri, tracker.token_encrypted,
+                                       tracker.experiment, tracker.entity, tracker.mode, run.trial_id, run.run_id,
+                                       run.artifact_uri, run.params_synced, run.point_cursor))
             return claimed
 
     @staticmethod
@@ -209,18 +226,26 @@ class TrackerSync:
             log.exception("tracker token of run %s cannot be decrypted", job.run_row)
             self._failed(job, "token unreadable (the operator's secret key changed)")
             return
-        client = MlflowRest(job.tracking_uri, token, self.egress)
-        try:
-            more = self._catch_up(job, client)
-        except TrackerError as exc:
-            self._failed(job, str(exc))
-            return
-        except (KeyError, TypeError, ValueError) as exc:  # an answer that is not MLflow's
-            log.info("tracker %s answered unexpectedly: %r", job.tracking_uri, exc)
-            self._failed(job, "unexpected answer from the tracker")
-            return
-        finally:
-            client.close()
+        if job.type == "wandb":
+            try:
+                self._wandb(job, token)
+            except TrackerError as exc:
+                self._failed(job, str(exc))
+                return
+            more = False
+        else:
+            client = MlflowRest(job.tracking_uri, token, self.egress)
+            try:
+                more = self._catch_up(job, client)
+            except TrackerError as exc:
+                self._failed(job, str(exc))
+                return
+            except (KeyError, TypeError, ValueError) as exc:  # an answer that is not MLflow's
+                log.info("tracker %s answered unexpectedly: %r", job.tracking_uri, exc)
+                self._failed(job, "unexpected answer from the tracker")
+                return
+            finally:
+                client.close()
         wait = 0.0 if more else self.sync_s
         self._save(job.run_row, attempts=0, last_error=None, next_attempt_at=utcnow() + timedelta(seconds=wait))
 
@@ -291,3 +316,59 @@ class TrackerSync:
         client.log_batch(run_id, tags=tags)
         ended = as_utc(trial.finished_at or utcnow())
         client.finish_run(run_id, END_STATUS.get(trial.state, "FINISHED"), int(ended.timestamp() * 1000))
+
+    # -- Weights & Biases -------------------------------------------------------------------------------------------
+
+    def _wandb(self, job: Claimed, api_key: str | None) -> None:
+        """A trial that has ended, written to W&B whole by W&B's client in a process of its own (its key alone in
+        its environment, `WANDB_RUN_TIMEOUT_S` at most); a trial still training waits (W&B's offline runs cannot be
+        written in parts)."""
+        with session_scope() as session:
+            trial = session.get(Trial, job.trial_id)
+            task = session.get(Task, trial.task_id) if trial is not None else None
+            if trial is None or task is None or trial.state not in states.TRIAL_FINAL or not self._may_end(trial):
+                return
+            points = list(session.scalars(select(MetricPoint).where(MetricPoint.trial_id == trial.id)
+                                          .order_by(MetricPoint.id)))
+            session.expunge_all()
+        store = get_artifact_store()
+        with tempfile.TemporaryDirectory(prefix="wandb-") as tmp_name:
+            adapter_dir = None
+            if trial.adapter_key and store.exists(trial.adapter_key):
+                adapter_dir = os.path.join(tmp_name, "adapter")
+                os.mkdir(adapter_dir)
+                for name, data in adapter_files(store.get_bytes(trial.adapter_key)):
+                    with open(os.path.join(adapter_dir, name), "wb") as f:
+                        f.write(data)
+            run_dir = get_settings().resolved_artifact_dir / "wandb" / task.id
+            run_dir.mkdir(parents=True, exist_ok=True)
+            spec = {"project": job.experiment, "entity": job.entity, "mode": job.mode or "online",
+                    "run_id": trial.id, "name": f"{task.id}/trial-{trial.index}", "dir": str(run_dir),
+                    "config": {**trial.hyperparameters, "total_steps": trial.total_steps, "task_id": task.id,
+                               "base_model": task.base_model},
+                    "tags": [trial.state], "history": wandb_history(points, task.parsed_spec.metric),
+                    "summary": {k.removeprefix("loraplane."): v for k, v in end_tags(trial).items()},
+                    "adapter_dir": adapter_dir, "ok": trial.state in (states.TRIAL_COMPLETED,
+                                                                       states.TRIAL_STOPPED_EARLY)}
+            _run_wandb(spec, api_key, tmp_name)
+        self._save(job.run_row, run_id=trial.id, point_cursor=points[-1].id if points else 0, finished=True)
+
+
+WANDB_RUN_TIMEOUT_S = 600.0
+
+
+def _run_wandb(spec: dict[str, Any], api_key: str | None, home: str) -> None:
+    """Runs scheduler/service/wandb_run.py on ``spec``; TrackerError with a generic reason when it fails."""
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": home, "TMPDIR": home, "WANDB_SILENT": "true",
+           "WANDB_CONFIG_DIR": home, "WANDB_CACHE_DIR": home, "WANDB_DATA_DIR": home}
+    if api_key:
+        env["WANDB_API_KEY"] = api_key
+    try:
+        done = subprocess.run([sys.executable, "-m", "scheduler.service.wandb_run"], input=json.dumps(spec),
+                              capture_output=True, text=True, timeout=WANDB_RUN_TIMEOUT_S, env=env,
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    except subprocess.TimeoutExpired:
+        raise TrackerError("timeout") from None
+    if done.returncode != 0:
+        log.info("W&B run %s failed: %s", spec["run_id"], done.stderr[-2000:])
+        raise TrackerError("W&B's client failed (the key, the project or the connection)")

@@ -55,9 +55,24 @@ def test_a_trackers_url_is_refused_like_a_webhooks(client: TestClient, tenant: T
     assert refused({**MLFLOW, "tracking_uri": "http://metadata.google.internal/"})[1] == "url_not_allowed"
     assert refused({**MLFLOW, "tracking_uri": "http://no-such-host.invalid/"})[1] == "url_unresolvable"
     assert refused({**MLFLOW, "tracking_uri": "file:///etc/passwd"})[1] == "invalid_url"
-    assert refused({"type": "wandb", "project": "p"})[0] == 422  # not one this service speaks
+    assert refused({"type": "wandb", "project": "p"})[:2] == (422, "invalid_value")  # online needs its key
+    assert refused({"type": "wandb", "project": "no spaces", "mode": "offline"})[0] == 422
+    assert refused({"type": "comet", "project": "p"})[0] == 422  # not one this service speaks
     assert refused({**MLFLOW, "surprise": 1})[0] == 422
     r = client.post("/v1/tasks", headers=tenant.headers, json=task_body(file_id, integrations=[MLFLOW] * 5))
     assert r.status_code == 422
     with session_scope() as s:
         assert s.scalar(select(Tracker.id)) is None  # nothing refused was kept
+
+
+def test_a_wandb_tracker_is_kept_with_its_key_encrypted(client: TestClient, tenant: TenantKey) -> None:
+    task = make_task(client, tenant, integrations=[{"type": "wandb", "project": "sweeps", "entity": "team-a",
+                                                    "api_key": "wandb-key-123"}])
+    assert task["integrations"] == [{"type": "wandb", "project": "sweeps", "entity": "team-a", "mode": "online",
+                                     "token_set": True}]
+    listed = client.get(f"/v1/tasks/{task['id']}/integrations", headers=tenant.headers).json()["data"]
+    assert [(i["type"], i["experiment"], i["entity"], i["mode"], i["tracking_uri"]) for i in listed] == [
+        ("wandb", "sweeps", "team-a", "online", "https://api.wandb.ai")]
+    with session_scope() as s:
+        token = s.scalar(select(Tracker.token_encrypted).where(Tracker.task_id == task["id"]))
+        assert token and "wandb-key-123" not in token and get_secret_box().decrypt(token) == "wandb-key-123"

@@ -1,6 +1,7 @@
 """Experiment trackers (scheduler/service/trackers.py): what a trial's run is given, and the sync against a real MLflow
 server started here (its own virtualenv, `make mlflow`), read back through MLflow's own client. The server is down
-first: the sync falls behind, loses nothing, and catches up once it answers."""
+first: the sync falls behind, loses nothing, and catches up once it answers. W&B in offline mode: the run file its
+client writes, read back record by record."""
 
 from __future__ import annotations
 
@@ -137,9 +138,9 @@ print(json.dumps(out))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _trained_task(port: int) -> tuple[str, list[str]]:
+def _trained_task(port: int, tracker: dict[str, Any] | None = None) -> tuple[str, list[str]]:
     """A task of two trials that trained (one completed with its adapter stored, one failed) and ended, with an
-    MLflow tracker at ``port``."""
+    MLflow tracker at ``port`` (or the ``tracker`` given)."""
     task_id, trials = make_task(2, evaluation={"metric": "exact_match", "max_new_tokens": 8})
     key = adapter_key(task_id, trials[0])
     get_artifact_store().put_bytes(key, _archive({"adapter_config.json": b'{"r": 4}',
@@ -149,8 +150,8 @@ def _trained_task(port: int) -> tuple[str, list[str]]:
         task = s.get(Task, task_id)
         assert task is not None
         task.state, task.finished_at = states.TASK_SUCCEEDED, now
-        s.add(Tracker(id=new_id("trk"), tenant_id=task.tenant_id, task_id=task_id, type="mlflow",
-                      tracking_uri=f"http://127.0.0.1:{port}", experiment="team-a/sweep"))
+        s.add(Tracker(id=new_id("trk"), tenant_id=task.tenant_id, task_id=task_id, **(tracker or {
+            "type": "mlflow", "tracking_uri": f"http://127.0.0.1:{port}", "experiment": "team-a/sweep"})))
         for i, trial_id in enumerate(trials):
             trial = s.get(Trial, trial_id)
             assert trial is not None
@@ -215,3 +216,57 @@ def test_every_trial_is_a_run_and_an_outage_only_delays_it(clean_db: None, mlflo
     assert ok["tags"]["loraplane.best_step"] == "4" and ok["tags"]["loraplane.state"] == "completed"
     assert ok["files"] == {"adapter_config.json": '{"r": 4}', "adapter_model.safetensors": "weights"}
     assert bad["tags"]["loraplane.error"].startswith("OutOfMemoryError") and bad["files"] == {}
+
+
+def wandb_records(path: Path) -> list[Any]:
+    """The records of a W&B run file: a 7-byte header (":W&B", magic, version), then LevelDB's log format (32 KiB
+    blocks of records, each with a 7-byte header: CRC, length, type FULL/FIRST/MIDDLE/LAST), each record a
+    protobuf `Record` of W&B's."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B"
+    pos, part, records = 7, b"", []
+    while pos + 7 <= len(raw):
+        if (left := 32768 - pos % 32768) < 7:
+            pos += left
+            continue
+        length, kind = int.from_bytes(raw[pos + 4:pos + 6], "little"), raw[pos + 6]
+        part += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(part)
+            records.append(record)
+            part = b""
+    return records
+
+
+def test_wandb_offline_writes_each_ended_trial_as_a_run(clean_db: None) -> None:
+    task_id, (done, failed) = _trained_task(0, {"type": "wandb", "tracking_uri": "https://api.wandb.ai",
+                                                "experiment": "sweeps", "mode": "offline"})
+    with session_scope() as s:  # the failed trial still trains: its run waits for its end
+        trial = s.get(Trial, failed)
+        assert trial is not None
+        trial.state, trial.finished_at = "running", None
+    sync = TrackerSync(egress=LOOPBACK, sync_s=0.1)
+    assert sync.run_once() == 2
+    assert [(r.trial_id, r.finished, r.last_error) for r in _runs()] == [(done, True, None), (failed, False, None)]
+    runs = sorted((get_artifact_store().root / "wandb" / task_id / "wandb").glob("offline-run-*"))
+    assert [p.name.endswith(done) for p in runs] == [True]
+    records = wandb_records(runs[0] / f"run-{done}.wandb")
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert (run.run_id, run.project, run.display_name, list(run.tags)) == (done, "sweeps", f"{task_id}/trial-0",
+                                                                           ["completed"])
+    config = {u.key: json.loads(u.value_json) for u in run.config.update if u.key != "_wandb"}
+    assert config["lora_rank"] == 4 and config["task_id"] == task_id and config["target_modules"] == ["q_proj"]
+    history = [{(i.key or ".".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item
+                if not (i.key or ".".join(i.nested_key)).startswith("_")}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert history == [{"train_loss": 1.9}, {"train_loss": 1.8}, {"train_loss": 1.7},
+                       {"train_loss": 1.6, "val_loss": 1.25, "exact_match": 0.5}]
+    summary = {i.key: json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "summary"
+               for i in r.summary.update}
+    assert summary["state"] == "completed" and summary["best_step"] == "4"
+    assert any(r.WhichOneof("record_type") == "artifact" and r.artifact.type == "model" for r in records)
+    assert next(r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit") == 0
