@@ -140,8 +140,9 @@ def export_requested_key(task_id: str, trial_id: str, export_format: str) -> str
 
 
 def saved_checkpoint_key(task_id: str, trial_id: str, step: int) -> str:
-    """A trial's adapter at ``step``, kept for users (common/checkpoints.py), packed like its adapter."""
-    return f"{saved_checkpoints_prefix(task_id, trial_id)}/step-{step:09d}.tar.gz"
+    """A trial's adapter at ``step``, kept for users (common/checkpoints.py): its PEFT directory as a plain .tar
+    (fp32 weights do not compress; gzip only cost the pack's writer time)."""
+    return f"{saved_checkpoints_prefix(task_id, trial_id)}/step-{step:09d}.tar"
 
 
 def saved_checkpoints_prefix(task_id: str, trial_id: str) -> str:

@@ -1,7 +1,7 @@
 """Which of a trial's adapter checkpoints it keeps, and what each one is (pure: no I/O).
 
-A trial training with checkpoints (its task's `training.epoch_checkpoints`, worker/engine/trainer.py) exports its
-adapter at each epoch's end, at each validation that beats its best so far, and at its last step. Of those it keeps
+A trial training with checkpoints (worker/engine/trainer.py) exports its adapter at each epoch's end and at its last
+step, and with them its best adapter (at the best's own step) when that is older and not exported yet. Of those it keeps
 the best (the lowest validation loss), the last, and the newest ``epochs_kept`` epoch ends (None: every one); the
 worker that writes a new one drops the rest (worker/pack_runner.py), and the API lists what is kept with these
 kinds (api/services/checkpoints.py).

@@ -84,7 +84,7 @@ EVERY_MESSAGE: list[Message] = [
     Points(**PACK, points=POINTS),
     TrialCheckpoint(**PACK, trial_id="trial-1", step=2, checkpoint_key="checkpoints/t/2.tar", points=POINTS),
     CheckpointSaved(**PACK, trial_id="trial-1", step=4, epoch=2.0, epoch_end=True, val_loss=1.25,
-                    adapter_key="adapter-checkpoints/t/trial-1/step-000000004.tar.gz", size_bytes=2048,
+                    adapter_key="adapter-checkpoints/t/trial-1/step-000000004.tar", size_bytes=2048,
                     dropped_steps=[2]),
     TrialCheckpointLost(**PACK, trial_id="trial-1", checkpoint_key="checkpoints/t/2.tar"),
     TrialAdmitted(**PACK, trial_id="trial-1"),

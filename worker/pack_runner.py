@@ -256,7 +256,7 @@ class PackRunner:
             use_rslora=bool(training.get("use_rslora", False)),
             extra_eval_steps=tuple(t.extra_eval_steps),
             evaluation=evaluation_of(t.evaluation, t.trial_id),
-            adapter_checkpoints=True,
+            adapter_checkpoints=bool(training.get("checkpoints", True)),
         )
 
     def run(self, pack: PackMessage) -> None:
@@ -541,7 +541,7 @@ class _PackCallbacks:
         trial_id, step, store = saved.trial_id, saved.step, self.runner.store
         task_id = self.task_of[trial_id]
         key = saved_checkpoint_key(task_id, trial_id, step)
-        archive = tar_dir(saved.path, self.tmp / f"{trial_id}.saved.tar.gz", gzip=True)
+        archive = tar_dir(saved.path, self.tmp / f"{trial_id}.saved.tar", gzip=False)
         size = archive.stat().st_size
         store.put_file(key, archive)
         shutil.rmtree(saved.path, ignore_errors=True)

@@ -46,10 +46,10 @@ def read_checkpoint(task_id: PathId, trial_id: PathId, step: Step, reader: Reade
 
 
 @router.get("/{step}/adapter", response_class=StreamingResponse,
-            responses={200: {"content": {"application/gzip": {}}}, **error_responses(409)})
+            responses={200: {"content": {"application/x-tar": {}}}, **error_responses(409)})
 def download_checkpoint(task_id: PathId, trial_id: PathId, step: Step, reader: ReaderDep, session: SessionDep,
                         request: Request) -> StreamingResponse:
-    """The checkpoint's adapter (PEFT directory as .tar.gz); 409 checkpoint_gone if its trial dropped it since."""
+    """The checkpoint's adapter (PEFT directory as .tar); 409 checkpoint_gone if its trial dropped it since."""
     trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task_id, trial_id=trial_id)
     download = checkpoint_download(get_checkpoint(session, trial, step))
     audit_read(session, reader, request, tenant_id=trial.tenant_id, resource_id=trial.id)

@@ -105,12 +105,13 @@ def export_download(session: Session, trial: Trial, task: Task, export_format: E
 
 
 def checkpoint_download(checkpoint: Checkpoint) -> StreamingResponse:
-    """A kept checkpoint's adapter (PEFT directory as .tar.gz); 409 checkpoint_gone when its trial dropped it between
+    """A kept checkpoint's adapter (PEFT directory as .tar); 409 checkpoint_gone when its trial dropped it between
     the listing and the download (a newer one replaced it)."""
     if not get_artifact_store().exists(checkpoint.adapter_key):
         raise conflict("checkpoint_gone", f"The checkpoint at step {checkpoint.step} of trial "
                                           f"'{checkpoint.trial_id}' is no longer kept; list the checkpoints again.")
-    return _stream(checkpoint.adapter_key, f"{checkpoint.task_id}-{checkpoint.trial_id}-step-{checkpoint.step}.tar.gz")
+    return _stream(checkpoint.adapter_key, f"{checkpoint.task_id}-{checkpoint.trial_id}-step-{checkpoint.step}.tar",
+                   "application/x-tar")
 
 
 def _stream(key: str, filename: str, media_type: str = "application/gzip") -> StreamingResponse:

@@ -167,7 +167,7 @@ def archive_dir(response: httpx.Response, directory: str | os.PathLike[str] | No
         return Path(directory)
     match = FILENAME.search(response.headers.get("content-disposition", ""))
     name = Path(match.group(1)).name if match else "adapter.tar.gz"
-    return Path(name.removesuffix(".tar.gz").removesuffix(".tgz") or "adapter")
+    return Path(name.removesuffix(".tar.gz").removesuffix(".tgz").removesuffix(".tar") or "adapter")
 
 
 def download_target(response: httpx.Response, path: str | os.PathLike[str] | None, default: str) -> Path:

@@ -43,7 +43,8 @@ def test_a_trials_checkpoints_are_listed_downloaded_and_its_own(client: TestClie
     assert one.status_code == 200 and one.json() == listed[1]
     r = client.get(f"{url}/6/adapter", headers=tenant.headers)
     assert r.status_code == 200 and r.content == b"archive at 6"
-    assert f'filename="{task["id"]}-{trial_id}-step-6.tar.gz"' in r.headers["content-disposition"]
+    assert f'filename="{task["id"]}-{trial_id}-step-6.tar"' in r.headers["content-disposition"]
+    assert r.headers["content-type"] == "application/x-tar"
     assert client.get(f"{url}/6/adapter", headers=ADMIN).status_code == 200  # the operator reads any tenant's
 
     def code(path: str, headers: dict[str, str]) -> tuple[int, str]:

@@ -474,9 +474,13 @@ class Terminal(io.StringIO):
         return True
 
 
-def test_watch_on_a_terminal_redraws_a_progress_bar_and_the_trials(env: TenantKey, lp: Client) -> None:
+def test_watch_on_a_terminal_redraws_a_progress_bar_and_the_trials(env: TenantKey, lp: Client,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from loraplane.commands.watch import watch
 
+    # The screen's size as a terminal of 100 x 30 says it (else whatever the process running the tests inherited).
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setenv("LINES", "30")
     task_id = submit(lp)
     # The task runs for more than the view's redraw period (REFRESH_S), so a frame always catches it running.
     sim.later(1.2, lambda: sim.start(task_id, steps_done=2), lambda: sim.finish(task_id, [3.0, 2.0, 2.5, 2.8]))

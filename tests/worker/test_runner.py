@@ -197,8 +197,8 @@ def test_trials_that_end_together_store_their_adapters_side_by_side(runner: Pack
 @pytest.mark.parametrize("epochs_kept", [None, 0])
 def test_a_trial_stores_its_checkpoints_and_drops_those_it_no_longer_keeps(runner: PackRunner,
                                                                            epochs_kept: int | None) -> None:
-    """6 training rows at 2 a step: epochs end at steps 3 and 6; validated at 2, 3, 4 and 6. What the store holds at
-    the end is what the reports leave kept: the best, the last, and the epoch ends unless ``epoch_checkpoints`` is 0."""
+    """6 training rows at 2 a step: epochs end at steps 3 and 6; validated at 2, 4 and 6. What the store holds at the
+    end is what the reports leave kept: the best, the last, and the epoch ends unless ``epoch_checkpoints`` is 0."""
     first = pack("pack-1").trials[0]
     trial = first.model_copy(update={"total_steps": 6, "training": {"epoch_checkpoints": epochs_kept},
                                      "hyperparameters": {**first.hyperparameters, "learning_rate": 0.5}})
@@ -216,7 +216,18 @@ def test_a_trial_stores_its_checkpoints_and_drops_those_it_no_longer_keeps(runne
             kept.pop(step)
     stored = runner.store.keys(f"adapter-checkpoints/task/{trial.trial_id}")
     assert stored == sorted(m["adapter_key"] for m in kept.values())
-    losses = {step: m["val_loss"] for step, m in kept.items()}
+    assert all((m["val_loss"] is None) == (m["step"] % 2 == 1) for m in saved)  # only step 3 is not validated
+    losses = {step: m["val_loss"] for step, m in kept.items() if m["val_loss"] is not None}
     best = min(losses, key=lambda s: losses[s])
     want = {best, 6} | ({3, 6} if epochs_kept is None else set())
     assert set(kept) == want
+
+
+def test_a_trial_without_checkpoints_stores_none(runner: PackRunner) -> None:
+    first = pack("pack-1").trials[0]
+    trial = first.model_copy(update={"total_steps": 6, "training": {"checkpoints": False}})
+    runner.run(pack("pack-1").model_copy(update={"trials": [trial]}))
+    messages = [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
+    assert "trial.finished" in {m["type"] for m in messages}
+    assert not [m for m in messages if m["type"] == "trial.checkpoint_saved"]
+    assert runner.store.keys(f"adapter-checkpoints/task/{trial.trial_id}") == []

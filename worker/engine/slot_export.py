@@ -11,6 +11,7 @@ from worker.engine import checkpoint as checkpoints
 from worker.engine.export import export_peft_adapter
 from worker.engine.lora import peft_target_modules
 from worker.engine.pack_engine import PackEngine
+from worker.engine.trial_files import copy_to_host
 
 
 def checkpoint(engine: PackEngine, slot: int, directory: Path) -> Path:
@@ -33,11 +34,19 @@ def export(engine: PackEngine, slot: int, directory: Path, *, base_model_name: s
 
 def prepare_export(engine: PackEngine, slot: int, directory: Path, *, base_model_name: str,
                    current: bool = False) -> Callable[[], Path]:
-    """``export`` in two halves, as ``prepare_checkpoint``: what to write is fixed now, the files later. With
-    ``current``: the adapter as it is now (an adapter checkpoint), not the best."""
+    """``export`` in two halves, as ``prepare_checkpoint``: what to write is fixed now (its copy to host memory
+    started without waiting for the device: the writer thread then waits for that copy alone, not for every step
+    queued since), the files later. With ``current``: the adapter as it is now (an adapter checkpoint), not the
+    best."""
     state = engine.state(slot)
     tensors = state.best if state.best is not None and not current else engine.adapter(slot)
+    paths = list(tensors)
+    copy = copy_to_host({f"{path}/{i}": t for path in paths for i, t in enumerate(tensors[path])})
     config, targets = state.config, peft_target_modules(engine.model, state.paths)
-    return lambda: export_peft_adapter(
-        directory, tensors, config=config, target_modules=targets, base_model_name=base_model_name
-    )
+
+    def write() -> Path:
+        host = copy.wait()
+        return export_peft_adapter(directory, {path: (host[f"{path}/0"], host[f"{path}/1"]) for path in paths},
+                                   config=config, target_modules=targets, base_model_name=base_model_name)
+
+    return write

@@ -38,6 +38,7 @@ class SlotState:
     best_val_loss: float | None = None
     best_step: int | None = None
     best: ModuleTensors | None = None  # the best-validation adapter (device clones)
+    best_saved_step: int | None = None  # the best adapter's step as last exported as an adapter checkpoint
     failed: bool = False
 
     @property
@@ -61,19 +62,19 @@ class SlotState:
 
     @property
     def eval_due(self) -> bool:
-        """Validation is due after the step just taken (every ``eval_interval`` steps and at the last; with adapter
-        checkpoints, at each epoch's end too)."""
+        """Validation is due after the step just taken (every ``eval_interval`` steps and at the last). Not at epoch
+        ends for their checkpoints: a validation point more changes what the early-exit policies see (they count
+        evaluations), and an epoch's checkpoint is validated only where an evaluation falls on it."""
         every = self.steps_done % self.spec.eval_interval == 0 or self.steps_done in self.spec.extra_eval_steps
-        every = every or (self.spec.adapter_checkpoints and self.epoch_end)
         return bool(self.val) and self.steps_done > 0 and (every or self.steps_done == self.spec.max_steps)
 
-    def adapter_checkpoint_due(self, validated: bool) -> bool:
-        """An adapter checkpoint is due after the step just taken (``validated``: it was validated at it): at an
-        epoch's end, at a new best validation, at the last step."""
+    @property
+    def adapter_checkpoint_due(self) -> bool:
+        """Adapter checkpoints are due after the step just taken: at an epoch's end and at the last step (the
+        adapter as it is, and the best one if it is older and not exported yet). Only there: each costs an export,
+        and exporting every improvement multiplied a small model's pack time (benchmarks/checkpoint_cost.py)."""
         steps = self.steps_done
-        new_best = validated and self.best_step == steps
-        return (self.spec.adapter_checkpoints and steps > 0
-                and (self.epoch_end or new_best or steps == self.spec.max_steps))
+        return self.spec.adapter_checkpoints and steps > 0 and (self.epoch_end or steps == self.spec.max_steps)
 
     def lr(self) -> float:
         """Learning rate of the trial's next step (its schedule at its own step)."""

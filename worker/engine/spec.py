@@ -48,8 +48,8 @@ class TrialSpec:
     # Also validate after these steps (the scheduler's early-exit warm-up boundary, which a ranking needs).
     extra_eval_steps: tuple[int, ...] = ()
     evaluation: Evaluation | None = None  # a generative metric, scored on the validation rows at the end
-    # Export the adapter as it is at each epoch's end (validated there too), at each validation that beats the best
-    # so far and at the last step (``PackCallbacks.on_adapter_checkpoint``): the checkpoints a user downloads.
+    # Export the adapter as it is at each epoch's end and at the last step, with the best adapter when it is older
+    # and not exported yet (``PackCallbacks.on_adapter_checkpoint``): the checkpoints a user downloads.
     adapter_checkpoints: bool = False
 
 

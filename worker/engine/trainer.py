@@ -352,13 +352,18 @@ def _run(
 
 def _save_adapters(engine: PackEngine, validation: dict[int, float | BaseException | None], hooks: _Hooks) -> None:
     """The adapter checkpoints due after this step (``SlotState.adapter_checkpoint_due``), of trials that did not
-    fail in it."""
+    fail in it: the best adapter first when it is older than this step and not exported yet, then this step's."""
     for slot in _live(engine):
         state, validated = engine.state(slot), validation.get(slot)
         if isinstance(validated, BaseException) or state.spec.trial_id in engine.failures:
             continue
-        if state.adapter_checkpoint_due(validated is not None):
+        if state.adapter_checkpoint_due:
+            best = state.best_step
+            older = best is not None and best < state.steps_done and best != state.best_saved_step
+            if state.best is not None and older:
+                hooks.save_adapter(engine, slot, state.best_val_loss, best=True)
             hooks.save_adapter(engine, slot, validated)
+            state.best_saved_step = best
 
 
 def _snapshot_round(engine: PackEngine, losses: dict[str, float], hooks: _Hooks) -> None:
@@ -512,17 +517,20 @@ class _Hooks:
             self.writer.offer(snapshot.trial_id, persist)
 
 
-    def save_adapter(self, engine: PackEngine, slot: int, val_loss: float | None) -> None:
-        """Export the slot's adapter as it is now to ``export_dir/<trial_id>.step-<step>/`` (device clones now, the
-        files on the writer thread, in order before the trial's outcome), then ``on_adapter_checkpoint``."""
+    def save_adapter(self, engine: PackEngine, slot: int, val_loss: float | None, *, best: bool = False) -> None:
+        """Export the slot's adapter as it is now (with ``best``: its best adapter, at its step) to
+        ``export_dir/<trial_id>.step-<step>/`` (its copy to the host started now, the files on the writer thread, in
+        order before the trial's outcome), then ``on_adapter_checkpoint``."""
         on_saved = self.calls.on_adapter_checkpoint
         if on_saved is None:
             return
         state = engine.state(slot)
-        trial_id, step = state.spec.trial_id, state.steps_done
+        trial_id = state.spec.trial_id
+        step = state.best_step if best and state.best_step is not None else state.steps_done
         directory = self.export_dir / f"{trial_id}.step-{step}"
         with self.clock.measure("export_s"):
-            write = prepare_export(engine, slot, directory, base_model_name=self.config.base_model_name, current=True)
+            write = prepare_export(engine, slot, directory, base_model_name=self.config.base_model_name,
+                                   current=not best)
         saved = AdapterCheckpoint(trial_id, step, state.steps_per_epoch, val_loss, state.best_step, directory)
         clock = self.clock
 

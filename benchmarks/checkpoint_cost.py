@@ -1,0 +1,106 @@
+"""What adapter checkpoints cost a pack (issue 35): the same pack of trials with `TrialSpec.adapter_checkpoints` off
+and on, side by side, alternating, each repeated. On, each trial exports its adapter at every epoch's end (validated
+there too), at every validation that beats its best and at its last step, and the callback packs each export as the
+worker does (a .tar.gz at compression level 1, on the pack's writer thread), so the difference is what a user's
+trials pay for their checkpoints. Random weights in real architectures' shapes.
+
+    python -m benchmarks.checkpoint_cost --shape smollm2-135m --trials 8 --repeats 3    # on a GPU
+    python -m benchmarks.checkpoint_cost --shape tiny --trials 2 --steps 8 --repeats 1  # anywhere (smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.base_models import SHAPES, load, make_rows, materialise
+from benchmarks.common import write_result
+from benchmarks.engine_pack import spec, sync
+from worker.engine import AdapterCheckpoint, PackCallbacks, PackConfig, TrialSpec, train_pack
+from worker.engine.trainer import PackTimings
+
+
+def pack_seconds(model: torch.nn.Module, tokenizer: object, trials: list[TrialSpec],
+                 out: Path) -> tuple[float, int, dict[str, float | None]]:
+    """Wall seconds of one pack (its writer's last files included), the checkpoints it wrote, and where its time
+    went (`PackTimings`: steps, validation, exports on the training thread, the writer's persisting, the end's wait
+    for the writer)."""
+    written = []
+
+    def keep(saved: AdapterCheckpoint) -> None:  # what the worker's save_checkpoint does to the files
+        with tarfile.open(out / f"{saved.trial_id}-{saved.step}.tar.gz", "w:gz", compresslevel=1) as tar:
+            for item in sorted(saved.path.iterdir()):
+                tar.add(item, arcname=item.name)
+        written.append(saved.step)
+
+    timings = PackTimings()
+    sync()
+    started = time.perf_counter()
+    train_pack(model, tokenizer, trials, PackConfig(base_model_name="bench", export_dir=out),  # type: ignore[arg-type]
+               PackCallbacks(on_point=lambda *a: None, on_adapter_checkpoint=keep), timings=timings)
+    sync()
+    return time.perf_counter() - started, len(written), timings.summary()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=64, help="training rows: an epoch is rows / batch size steps")
+    parser.add_argument("--eval-interval", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        tokenizer, base = materialise(args.shape, tmp)
+        rows = make_rows(args.rows + 16, args.seq_len, seed=0, min_fraction=1.0)
+        model = load(base, device)
+
+        def trials(checkpoints: bool) -> list[TrialSpec]:
+            return [dataclasses.replace(spec(i, args.steps, args.seq_len, args.batch_size, rows[:args.rows]),
+                                        val_rows=rows[args.rows:], eval_interval=args.eval_interval,
+                                        adapter_checkpoints=checkpoints) for i in range(args.trials)]
+
+        pack_seconds(model, tokenizer, trials(True)[:1], tmp / "warm")  # CUDA context, kernels, allocator
+        seconds: dict[bool, list[float]] = {False: [], True: []}
+        phases: dict[bool, list[dict[str, float | None]]] = {False: [], True: []}
+        written = 0
+        for repeat in range(args.repeats):
+            for checkpoints in ((False, True) if repeat % 2 == 0 else (True, False)):
+                out = tmp / f"run-{repeat}-{checkpoints}"
+                out.mkdir()
+                took, n, spent = pack_seconds(model, tokenizer, trials(checkpoints), out)
+                seconds[checkpoints].append(took)
+                phases[checkpoints].append(spent)
+                print("checkpoints" if checkpoints else "none", round(took, 2), spent, flush=True)
+                written = n if checkpoints else written
+    off, on = statistics.median(seconds[False]), statistics.median(seconds[True])
+    ratios = [b / a for a, b in zip(seconds[False], seconds[True], strict=True)]
+    write_result(
+        f"checkpoint_cost-{args.shape}",
+        ["trials", "steps", "checkpoints written", "off s (median)", "on s (median)", "on/off (median)",
+         "on/off (min-max)"],
+        [[args.trials, args.steps, written, round(off, 2), round(on, 2), round(statistics.median(ratios), 3),
+          f"{min(ratios):.3f}-{max(ratios):.3f}"]],
+        {"shape": args.shape, "rows": args.rows, "eval_interval": args.eval_interval, "seq_len": args.seq_len,
+         "batch_size": args.batch_size, "repeats": args.repeats,
+         "seconds": {"off": seconds[False], "on": seconds[True]}, "phases": {"off": phases[False], "on": phases[True]},
+         "lora": "rank 16, alpha 32, all 7 projections",
+         "what": "one pack with adapter checkpoints off and on, alternating; on, each export packed as the worker "
+                 "packs it (tar.gz level 1, on the writer thread)"},
+    )
+
+
+if __name__ == "__main__":
+    main()
