@@ -93,8 +93,8 @@ def main() -> None:
          "on/off (min-max)"],
         [[args.trials, args.steps, written, round(off, 2), round(on, 2), round(statistics.median(ratios), 3),
           f"{min(ratios):.3f}-{max(ratios):.3f}"]],
-        {"shape": args.shape, "rows": args.rows, "eval_interval": args.eval_interval, "seq_len": args.seq_len,
-         "batch_size": args.batch_size, "repeats": args.repeats,
+        {"shape": args.shape, "training_rows": args.rows, "eval_interval": args.eval_interval,
+         "seq_len": args.seq_len, "batch_size": args.batch_size, "repeats": args.repeats,
          "seconds": {"off": seconds[False], "on": seconds[True]}, "phases": {"off": phases[False], "on": phases[True]},
          "lora": "rank 16, alpha 32, all 7 projections",
          "what": "one pack with adapter checkpoints off and on, alternating; on, each export packed as the worker "

@@ -88,7 +88,10 @@ ADAPTER_UPLOADS = 4  # threads compressing and storing a pack's finished adapter
 
 def tar_dir(source_dir: Path, archive: Path, *, gzip: bool) -> Path:
     # Level 1: adapter weights are fp32 noise to gzip; higher levels cost seconds per adapter and save ~nothing.
+    # Copied in 8 MiB pieces (tarfile's own are 16 KiB: a thousand GIL hand-overs an adapter, on the pack's writer
+    # thread beside the training thread).
     with tarfile.open(archive, "w:gz", compresslevel=1) if gzip else tarfile.open(archive, "w") as tar:
+        tar.copybufsize = 8 << 20  # type: ignore[attr-defined]  # an attribute of TarFile that typeshed omits
         for item in sorted(source_dir.iterdir()):
             tar.add(item, arcname=item.name)
     return archive
@@ -256,7 +259,7 @@ class PackRunner:
             use_rslora=bool(training.get("use_rslora", False)),
             extra_eval_steps=tuple(t.extra_eval_steps),
             evaluation=evaluation_of(t.evaluation, t.trial_id),
-            adapter_checkpoints=bool(training.get("checkpoints", True)),
+            adapter_checkpoints=bool(training.get("checkpoints", False)),
         )
 
     def run(self, pack: PackMessage) -> None:

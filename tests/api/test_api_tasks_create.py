@@ -42,7 +42,7 @@ def test_grid_2x2_makes_4_trials_with_their_hyperparameters_and_steps(client: Te
     assert task["eval_interval"] == 1  # max(1, 6 // 10)
     # The defaults: cosine after a warm-up of 3% of each trial's steps (null: the worker resolves it per trial).
     assert task["training"] == {"lr_schedule": "cosine", "warmup_steps": None, "weight_decay": 0.0,
-                                "max_grad_norm": None, "use_rslora": False, "checkpoints": True,
+                                "max_grad_norm": None, "use_rslora": False, "checkpoints": False,
                                 "epoch_checkpoints": None}
     assert task["evaluation"] == {"metric": "loss", "max_new_tokens": 32, "pattern": None}
 
@@ -69,7 +69,7 @@ def test_a_task_without_a_search_space_gets_the_auto_grid_for_its_model_and_data
 
 def test_training_options_are_stored_with_the_task(client: TestClient, tenant: TenantKey) -> None:
     training = {"lr_schedule": "cosine", "warmup_steps": 3, "weight_decay": 0.01, "max_grad_norm": 1.0,
-                "use_rslora": True, "checkpoints": False, "epoch_checkpoints": 2}
+                "use_rslora": True, "checkpoints": True, "epoch_checkpoints": 2}
     task = make_task(client, tenant, training=training)
     assert task["training"] == training
     assert client.get(f"/v1/tasks/{task['id']}", headers=tenant.headers).json()["training"] == training

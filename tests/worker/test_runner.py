@@ -200,7 +200,8 @@ def test_a_trial_stores_its_checkpoints_and_drops_those_it_no_longer_keeps(runne
     """6 training rows at 2 a step: epochs end at steps 3 and 6; validated at 2, 4 and 6. What the store holds at the
     end is what the reports leave kept: the best, the last, and the epoch ends unless ``epoch_checkpoints`` is 0."""
     first = pack("pack-1").trials[0]
-    trial = first.model_copy(update={"total_steps": 6, "training": {"epoch_checkpoints": epochs_kept},
+    training = {"checkpoints": True, "epoch_checkpoints": epochs_kept}
+    trial = first.model_copy(update={"total_steps": 6, "training": training,
                                      "hyperparameters": {**first.hyperparameters, "learning_rate": 0.5}})
     runner.run(pack("pack-1").model_copy(update={"trials": [trial]}))
     messages = [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
@@ -224,8 +225,9 @@ def test_a_trial_stores_its_checkpoints_and_drops_those_it_no_longer_keeps(runne
 
 
 def test_a_trial_without_checkpoints_stores_none(runner: PackRunner) -> None:
+    """Checkpoints are asked for (`training.checkpoints`); a trial that does not ask exports none."""
     first = pack("pack-1").trials[0]
-    trial = first.model_copy(update={"total_steps": 6, "training": {"checkpoints": False}})
+    trial = first.model_copy(update={"total_steps": 6})
     runner.run(pack("pack-1").model_copy(update={"trials": [trial]}))
     messages = [m for _, m in runner.bus.consume(SCHEDULER_STREAM, "test", "c", count=10_000, block_s=0)]
     assert "trial.finished" in {m["type"] for m in messages}

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from worker.engine import checkpoint as checkpoints
-from worker.engine.export import export_peft_adapter
+from worker.engine.export import flat_peft_tensors, write_peft_adapter
 from worker.engine.lora import peft_target_modules
 from worker.engine.pack_engine import PackEngine
 from worker.engine.trial_files import copy_to_host
@@ -40,13 +40,12 @@ def prepare_export(engine: PackEngine, slot: int, directory: Path, *, base_model
     best."""
     state = engine.state(slot)
     tensors = state.best if state.best is not None and not current else engine.adapter(slot)
-    paths = list(tensors)
-    copy = copy_to_host({f"{path}/{i}": t for path in paths for i, t in enumerate(tensors[path])})
+    shapes, flat = flat_peft_tensors(tensors)
+    copy = copy_to_host({"flat": flat})
     config, targets = state.config, peft_target_modules(engine.model, state.paths)
 
     def write() -> Path:
-        host = copy.wait()
-        return export_peft_adapter(directory, {path: (host[f"{path}/0"], host[f"{path}/1"]) for path in paths},
-                                   config=config, target_modules=targets, base_model_name=base_model_name)
+        return write_peft_adapter(directory, shapes, copy.wait()["flat"], config=config, target_modules=targets,
+                                  base_model_name=base_model_name)
 
     return write
