@@ -1,6 +1,5 @@
 """Writing a trial's files: a directory written atomically (readers never see a half-written one), and its
-tensors brought to the host in one device copy (``to_host``), or, without waiting for the device, on a side stream
-(``copy_to_host``)."""
+tensors brought to the host without waiting for the device, on a side stream (``copy_to_host``)."""
 
 from __future__ import annotations
 
@@ -38,25 +37,6 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def to_host(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """``tensors`` on the host (contiguous, cast to ``dtype`` when given) with one device copy per dtype.
-
-    A copy to pageable host memory waits for everything queued on the device before it: called per tensor
-    from a writer thread while training queues steps, a checkpoint of a few hundred tensors waited a few
-    hundred times.
-    """
-    detached = {name: t.detach() if dtype is None else t.detach().to(dtype) for name, t in tensors.items()}
-    groups: dict[torch.dtype, list[str]] = {}
-    for name, tensor in detached.items():
-        groups.setdefault(tensor.dtype, []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for names in groups.values():
-        flat = torch.cat([detached[name].reshape(-1) for name in names]).cpu()
-        for name, part in zip(names, flat.split([detached[name].numel() for name in names]), strict=True):
-            out[name] = part.view(detached[name].shape).clone()  # its own storage: safetensors saves no shared ones
-    return {name: out[name] for name in tensors}
 
 
 class HostCopy:
