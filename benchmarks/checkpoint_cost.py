@@ -1,8 +1,9 @@
 """What adapter checkpoints cost a pack (issue 35): the same pack of trials with `TrialSpec.adapter_checkpoints` off
-and on, side by side, alternating, each repeated. On, each trial exports its adapter at every epoch's end (validated
-there too), at every validation that beats its best and at its last step, and the callback packs each export as the
-worker does (a .tar.gz at compression level 1, on the pack's writer thread), so the difference is what a user's
-trials pay for their checkpoints. Random weights in real architectures' shapes.
+and on, side by side, alternating, each repeated. On, each trial exports its adapter at every epoch's end and at its
+last step, with its best adapter when that is older and not exported yet, and the callback stores each export as the
+worker's `store_tar` does (the PEFT files in memory written as one plain tar, fsync'd and renamed into place, on the
+pack's writer thread; the worker's store and its service dependencies are not needed here), so the difference is what
+a user's trials pay for their checkpoints. Random weights in real architectures' shapes.
 
     python -m benchmarks.checkpoint_cost --shape smollm2-135m --trials 8 --repeats 3    # on a GPU
     python -m benchmarks.checkpoint_cost --shape tiny --trials 2 --steps 8 --repeats 1  # anywhere (smoke run)
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +34,16 @@ def pack_seconds(model: torch.nn.Module, tokenizer: object, trials: list[TrialSp
     went (`PackTimings`: steps, validation, exports on the training thread, the writer's persisting, the end's wait
     for the writer)."""
     written = []
+    out.mkdir(parents=True, exist_ok=True)
 
-    def keep(saved: AdapterCheckpoint) -> None:  # what the worker's save_checkpoint does to the files
-        with tarfile.open(out / f"{saved.trial_id}-{saved.step}.tar.gz", "w:gz", compresslevel=1) as tar:
-            for item in sorted(saved.path.iterdir()):
-                tar.add(item, arcname=item.name)
+    def keep(saved: AdapterCheckpoint) -> None:  # what the worker's store_tar does with the files
+        target = out / f"{saved.trial_id}-{saved.step}.tar"
+        staged = target.with_name(f".tmp-{target.name}")
+        with staged.open("wb") as f:
+            saved.files.write_tar(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staged, target)
         written.append(saved.step)
 
     timings = PackTimings()
@@ -97,8 +103,8 @@ def main() -> None:
          "seq_len": args.seq_len, "batch_size": args.batch_size, "repeats": args.repeats,
          "seconds": {"off": seconds[False], "on": seconds[True]}, "phases": {"off": phases[False], "on": phases[True]},
          "lora": "rank 16, alpha 32, all 7 projections",
-         "what": "one pack with adapter checkpoints off and on, alternating; on, each export packed as the worker "
-                 "packs it (tar.gz level 1, on the writer thread)"},
+         "what": "one pack with adapter checkpoints off and on, alternating; on, each export stored as the worker's "
+                 "store_tar stores it (one plain tar from memory, fsync, rename; on the writer thread)"},
     )
 
 

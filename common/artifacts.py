@@ -29,9 +29,9 @@ class StagedObject:
         self._tmp = tmp
         self._file = os.fdopen(fd, "wb")
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self._file.write(data)
-        self.size += len(data)
+        self.size += data.nbytes if isinstance(data, memoryview) else len(data)
 
     def sync(self) -> None:
         """Makes what was written durable and ends the writing: `publish()` after it only renames."""

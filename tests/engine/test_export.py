@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,12 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from common.artifacts import LocalArtifactStore
 from tests.engine.factories import chat_rows, make_spec
 from worker.engine import PackCallbacks, PackConfig, adapter_logits, export_peft_adapter, read_peft_adapter, train_pack
+from worker.engine.export import flat_peft_tensors, peft_files
 from worker.engine.lora import LoraConfig, StackedLoraLinear
+from worker.pack_runner import store_tar, untar
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
@@ -114,3 +118,24 @@ def test_export_format_and_atomic_replacement(tmp_path: Path) -> None:
     )
     assert list(read_peft_adapter(out)[1]) == ["lm_head"]
     assert [p.name for p in tmp_path.iterdir()] == ["trial-9"]
+
+
+def test_adapter_files_stored_as_one_tar_unpack_to_the_directory(tmp_path: Path) -> None:
+    """An adapter checkpoint goes into the store as a tar written in one pass (`PeftFiles.write_tar`, the worker's
+    `store_tar`): tarfile reads it, and it holds byte for byte what the directory export writes."""
+    tensors = {f"model.layers.{i}.mlp.up_proj": (torch.randn(3, 5), torch.randn(7, 3)) for i in range(2)}
+    shapes, flat = flat_peft_tensors(tensors)
+    files = peft_files(shapes, flat, config=LoraConfig(3, 6.0, 0.0), target_modules=["up_proj"],
+                       base_model_name="base-x")
+    directory = files.write_dir(tmp_path / "dir")
+    store = LocalArtifactStore(tmp_path / "store")
+    size = store_tar(store, "adapter-checkpoints/t/x/step-000000004.tar", files)
+    assert size == store.path("adapter-checkpoints/t/x/step-000000004.tar").stat().st_size
+    assert size % tarfile.BLOCKSIZE == 0 and size > files.size
+    unpacked = untar(store, "adapter-checkpoints/t/x/step-000000004.tar", tmp_path / "unpacked")
+    assert sorted(p.name for p in unpacked.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (unpacked / name).read_bytes() == (directory / name).read_bytes()
+    torch.testing.assert_close(read_peft_adapter(unpacked)[1]["model.layers.1.mlp.up_proj"][1],
+                               tensors["model.layers.1.mlp.up_proj"][1])
+    assert [p.name for p in store.path("adapter-checkpoints/t/x").iterdir()] == ["step-000000004.tar"]  # no temp left

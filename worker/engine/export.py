@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import tarfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -60,12 +63,64 @@ def flat_peft_tensors(tensors: ModuleTensors) -> tuple[dict[str, list[int]], tor
     return {name: list(t.shape) for name, t in named.items()}, flat
 
 
+class Writable(Protocol):
+    def write(self, data: bytes | memoryview, /) -> object: ...
+
+
+@dataclass(frozen=True)
+class PeftFiles:
+    """A PEFT adapter's two files in memory (``peft_files``), each ``{name: its bytes in pieces}``: written as a
+    directory (``write_dir``) or as a plain tar into one open file (``write_tar``: an adapter checkpoint goes straight
+    into the artifact store that way, one write, no directory to write, read back and archive first)."""
+
+    files: dict[str, tuple[bytes | memoryview, ...]]
+
+    @property
+    def size(self) -> int:
+        return sum(len(piece) for pieces in self.files.values() for piece in pieces)
+
+    def write_dir(self, out_dir: Path) -> Path:
+        """The files in ``out_dir``, atomically (an existing one is replaced)."""
+
+        def write(tmp: Path) -> None:
+            for name, pieces in self.files.items():
+                with (tmp / name).open("wb") as f:
+                    for piece in pieces:
+                        f.write(piece)
+
+        return write_dir_atomically(Path(out_dir), write)
+
+    def write_tar(self, out: Writable) -> int:
+        """The files as a POSIX tar archive (``tarfile`` reads it: each member's header block, its data padded to 512
+        bytes, two zero blocks at the end), written to ``out``; returns the bytes written. Written by hand because
+        ``tarfile`` copies a member from a file object in pieces, and the data is already one buffer."""
+        written = 0
+        for name, pieces in self.files.items():
+            size = sum(len(piece) for piece in pieces)
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = size, 0o600, int(time.time())
+            header = info.tobuf(format=tarfile.PAX_FORMAT)
+            padding = b"\0" * (-size % tarfile.BLOCKSIZE)
+            for piece in (header, *pieces, padding):
+                out.write(piece)
+            written += len(header) + size + len(padding)
+        out.write(b"\0" * (2 * tarfile.BLOCKSIZE))
+        return written + 2 * tarfile.BLOCKSIZE
+
+
 def write_peft_adapter(out_dir: Path, shapes: dict[str, list[int]], flat: torch.Tensor, *, config: LoraConfig,
                        target_modules: list[str], base_model_name: str) -> Path:
-    """``flat_peft_tensors``' output (``flat`` on the host) as a PEFT directory, atomically. The safetensors file is
-    written here, header and then the data in one write: safetensors' ``save_file`` takes a tensor each, and a few
-    hundred tensor operations on the pack's writer thread contended with the training thread for the GIL, costing a
-    SmolLM2 pack 0.7 s of training per checkpoint (benchmarks/checkpoint_cost.py). The format is safetensors' own:
+    """``flat_peft_tensors``' output (``flat`` on the host) as a PEFT directory, atomically."""
+    return peft_files(shapes, flat, config=config, target_modules=target_modules,
+                      base_model_name=base_model_name).write_dir(out_dir)
+
+
+def peft_files(shapes: dict[str, list[int]], flat: torch.Tensor, *, config: LoraConfig, target_modules: list[str],
+               base_model_name: str) -> PeftFiles:
+    """``flat_peft_tensors``' output (``flat`` on the host) as a PEFT adapter's files, in memory. The safetensors file
+    is built here, the header and then the data as one buffer: safetensors' ``save_file`` takes a tensor each, and a
+    few hundred tensor operations on the pack's writer thread contended with the training thread for the GIL, costing
+    a SmolLM2 pack 0.7 s of training per checkpoint (benchmarks/checkpoint_cost.py). The format is safetensors' own:
     8 bytes of header length, the JSON header (names, dtype, shape, byte offsets into the data), the data."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -77,7 +132,7 @@ def write_peft_adapter(out_dir: Path, shapes: dict[str, list[int]], flat: torch.
         raise ValueError(f"the adapter's data has {flat.numel() * 4} bytes, its tensors {offset}")
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    data = flat.detach().to(torch.float32).contiguous().numpy()
+    data = flat.detach().to(torch.float32).contiguous().numpy().data.cast("B")
     adapter_config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -96,15 +151,10 @@ def write_peft_adapter(out_dir: Path, shapes: dict[str, list[int]], flat: torch.
         "rank_pattern": {},
         "alpha_pattern": {},
     }
-
-    def write(tmp: Path) -> None:
-        with (tmp / ADAPTER_WEIGHTS).open("wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            f.write(data.data)
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
-
-    return write_dir_atomically(Path(out_dir), write)
+    return PeftFiles({
+        ADAPTER_CONFIG: ((json.dumps(adapter_config, indent=2) + "\n").encode(),),
+        ADAPTER_WEIGHTS: (len(raw).to_bytes(8, "little") + raw, data),
+    })
 
 
 def read_peft_adapter(adapter_dir: Path) -> tuple[LoraConfig, ModuleTensors]:

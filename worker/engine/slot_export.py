@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from worker.engine import checkpoint as checkpoints
-from worker.engine.export import flat_peft_tensors, write_peft_adapter
+from worker.engine.export import PeftFiles, flat_peft_tensors, peft_files
 from worker.engine.lora import peft_target_modules
 from worker.engine.pack_engine import PackEngine
 from worker.engine.trial_files import copy_to_host
@@ -32,20 +32,27 @@ def export(engine: PackEngine, slot: int, directory: Path, *, base_model_name: s
     return prepare_export(engine, slot, directory, base_model_name=base_model_name)()
 
 
-def prepare_export(engine: PackEngine, slot: int, directory: Path, *, base_model_name: str,
-                   current: bool = False) -> Callable[[], Path]:
-    """``export`` in two halves, as ``prepare_checkpoint``: what to write is fixed now (its copy to host memory
-    started without waiting for the device: the writer thread then waits for that copy alone, not for every step
-    queued since), the files later. With ``current``: the adapter as it is now (an adapter checkpoint), not the
-    best."""
+def prepare_export(engine: PackEngine, slot: int, directory: Path, *, base_model_name: str) -> Callable[[], Path]:
+    """``export`` in two halves, as ``prepare_checkpoint`` (``prepare_files``, then the files written to
+    ``directory``)."""
+    files = prepare_files(engine, slot, base_model_name=base_model_name)
+    return lambda: files().write_dir(directory)
+
+
+def prepare_files(engine: PackEngine, slot: int, *, base_model_name: str,
+                  current: bool = False) -> Callable[[], PeftFiles]:
+    """The slot's best-validation adapter (the current one if it has none; with ``current``: the adapter as it is now,
+    an adapter checkpoint) as PEFT files in memory, in two halves: what they hold is fixed now (its copy to host
+    memory started without waiting for the device), the function returned waits for that copy alone, not for every
+    step queued since, and may run on another thread."""
     state = engine.state(slot)
     tensors = state.best if state.best is not None and not current else engine.adapter(slot)
     shapes, flat = flat_peft_tensors(tensors)
     copy = copy_to_host({"flat": flat})
     config, targets = state.config, peft_target_modules(engine.model, state.paths)
 
-    def write() -> Path:
-        return write_peft_adapter(directory, shapes, copy.wait()["flat"], config=config, target_modules=targets,
-                                  base_model_name=base_model_name)
+    def files() -> PeftFiles:
+        return peft_files(shapes, copy.wait()["flat"], config=config, target_modules=targets,
+                          base_model_name=base_model_name)
 
-    return write
+    return files

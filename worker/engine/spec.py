@@ -6,9 +6,12 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.engine.schedule import LR_SCHEDULES
+
+if TYPE_CHECKING:
+    from worker.engine.export import PeftFiles
 
 
 @dataclass(frozen=True)
@@ -89,14 +92,14 @@ class TrialOutcome:
 
 @dataclass(frozen=True)
 class AdapterCheckpoint:
-    """A trial's adapter exported in PEFT format at ``step`` (``TrialSpec.adapter_checkpoints``), in ``path``."""
+    """A trial's adapter at ``step`` (``TrialSpec.adapter_checkpoints``): its PEFT files, in memory."""
 
     trial_id: str
     step: int
     steps_per_epoch: int
     val_loss: float | None  # None: not validated at this step
     best_step: int | None  # the trial's best validation so far (this step when it just beat it)
-    path: Path
+    files: PeftFiles
 
     @property
     def epoch(self) -> float:

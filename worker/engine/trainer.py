@@ -20,7 +20,7 @@ from worker.engine.generation import answer_stop_ids, generate
 from worker.engine.keeper import EngineKeeper, EngineShape
 from worker.engine.lora import ALL_LINEAR, resolve_target_modules
 from worker.engine.pack_engine import PackEngine
-from worker.engine.slot_export import prepare_export
+from worker.engine.slot_export import prepare_export, prepare_files
 from worker.engine.slots import StepStats
 from worker.engine.spec import AdapterCheckpoint, Evaluation, PackConfig, TrialOutcome, TrialSpec, validate_spec
 from worker.engine.store import slot_bytes
@@ -518,26 +518,22 @@ class _Hooks:
 
 
     def save_adapter(self, engine: PackEngine, slot: int, val_loss: float | None, *, best: bool = False) -> None:
-        """Export the slot's adapter as it is now (with ``best``: its best adapter, at its step) to
-        ``export_dir/<trial_id>.step-<step>/`` (its copy to the host started now, the files on the writer thread, in
-        order before the trial's outcome), then ``on_adapter_checkpoint``."""
+        """Hand the slot's adapter as it is now (with ``best``: its best adapter, at its step) to
+        ``on_adapter_checkpoint`` as PEFT files in memory: its copy to the host started now, the callback on the
+        writer thread, in order before the trial's outcome."""
         on_saved = self.calls.on_adapter_checkpoint
         if on_saved is None:
             return
         state = engine.state(slot)
-        trial_id = state.spec.trial_id
         step = state.best_step if best and state.best_step is not None else state.steps_done
-        directory = self.export_dir / f"{trial_id}.step-{step}"
         with self.clock.measure("export_s"):
-            write = prepare_export(engine, slot, directory, base_model_name=self.config.base_model_name,
-                                   current=not best)
-        saved = AdapterCheckpoint(trial_id, step, state.steps_per_epoch, val_loss, state.best_step, directory)
+            files = prepare_files(engine, slot, base_model_name=self.config.base_model_name, current=not best)
+        trial_id, steps_per_epoch, best_step = state.spec.trial_id, state.steps_per_epoch, state.best_step
         clock = self.clock
 
         def persist() -> None:
             with clock.measure("persist_s"):
-                write()
-                on_saved(saved)
+                on_saved(AdapterCheckpoint(trial_id, step, steps_per_epoch, val_loss, best_step, files()))
 
         self.writer.submit(persist)
 
