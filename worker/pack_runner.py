@@ -274,6 +274,7 @@ class PackRunner:
             use_rslora=bool(training.get("use_rslora", False)),
             extra_eval_steps=tuple(t.extra_eval_steps),
             evaluation=evaluation_of(t.evaluation, t.trial_id),
+            # A task from before checkpoints (its training has no such key) has none.
             adapter_checkpoints=bool(training.get("checkpoints", False)),
         )
 

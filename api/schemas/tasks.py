@@ -269,9 +269,9 @@ class Training(RequestModel):
     )
     use_rslora: StrictBool = Field(default=False, description="Scale adapters by alpha/sqrt(r) instead of alpha/r.")
     checkpoints: StrictBool = Field(
-        default=False, description="Keep each trial's adapter checkpoints (its epochs' ends, its best and its last: "
-        "GET .../trials/{id}/checkpoints). Off by default: each is an export the pack writes beside training, and "
-        "they made packs of small models 1.5-1.9x slower (docs/benchmarks.md).")
+        default=True, description="Keep each trial's adapter checkpoints (its epochs' ends, its best and its last: "
+        "GET .../trials/{id}/checkpoints). Each is an export the pack writes beside training: they cost a pack "
+        "2-4% (docs/benchmarks.md); false keeps only the trial's adapter.")
     epoch_checkpoints: Annotated[StrictInt, Field(ge=0, le=100)] | None = Field(
         default=None, description="The epoch-end checkpoints each trial keeps besides its best and its last (the "
         "newest epochs); default: every epoch's; 0: the best and the last only (GET .../trials/{id}/checkpoints).")

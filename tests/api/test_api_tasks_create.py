@@ -42,7 +42,7 @@ def test_grid_2x2_makes_4_trials_with_their_hyperparameters_and_steps(client: Te
     assert task["eval_interval"] == 1  # max(1, 6 // 10)
     # The defaults: cosine after a warm-up of 3% of each trial's steps (null: the worker resolves it per trial).
     assert task["training"] == {"lr_schedule": "cosine", "warmup_steps": None, "weight_decay": 0.0,
-                                "max_grad_norm": None, "use_rslora": False, "checkpoints": False,
+                                "max_grad_norm": None, "use_rslora": False, "checkpoints": True,
                                 "epoch_checkpoints": None}
     assert task["evaluation"] == {"metric": "loss", "max_new_tokens": 32, "pattern": None}
 

@@ -1,14 +1,17 @@
 """The dashboard's views of a task and of the cluster (issue 32, point 7) in headless Chromium against `loraplane up`:
 progress coloured by the task's state (a failed task's bar stops where its trials did, and its chart says why there
 are no curves), the task's settings and estimate, the loss chart's log scale and its trials hidden or isolated, the
-scatter of a hyperparameter against each trial's result, a pack's slots as counts (not a box per free slot), the
+scatter of a hyperparameter against each trial's result, a trial's checkpoints (downloaded as the API serves them) and
+the task's tracker that is down, a pack's slots as counts (not a box per free slot), the
 submit form's "Choose it for me", and the task and cluster pages at 1400 and 400 px wide (no sideways scrolling of
 the page at 400 px: wide tables scroll inside their own box). Any console error fails a test (conftest.py)."""
 
 from __future__ import annotations
 
 import re
+import tarfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +24,7 @@ from loraplane.client import Client
 from tests.dashboard.conftest import Service, missing_requirement
 from tests.dashboard.test_dashboard import shot, sign_in
 from tests.e2e.flow import arithmetic_rows, grid_task, task_progress, wait_for, wait_progressing
+from tests.e2e.procs import free_port
 
 if (missing := missing_requirement()) is not None:
     pytest.skip(missing, allow_module_level=True)
@@ -51,8 +55,11 @@ def create_task(service: Service, body: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def finished_task(service: Service) -> dict[str, Any]:
-    """A 4-trial grid (2 learning rates x 2 ranks) trained to the end by the service's worker."""
-    task = create_task(service, grid_task(upload(service, "views.jsonl"), max_steps=6))
+    """A 4-trial grid (2 learning rates x 2 ranks) trained to the end by the service's worker, keeping its
+    checkpoints (the default) and logging to an MLflow server that is down the whole time."""
+    task = create_task(service, {**grid_task(upload(service, "views.jsonl"), max_steps=6),
+                                 "integrations": [{"type": "mlflow", "tracking_uri": f"http://127.0.0.1:{free_port()}",
+                                                   "experiment": "views"}]})
     with Client(service.base_url, service.tenant_key, timeout=30) as lp:
         wait_progressing(lambda: lp.tasks.get(task["id"]).done, lambda: task_progress(lp, task["id"]),
                          f"task {task['id']} to end")
@@ -146,6 +153,61 @@ def test_a_finished_tasks_page_settings_estimate_chart_controls_and_scatter(
     expect(page.locator("svg.chart:not(.scatter)")).to_have_attribute("viewBox", re.compile(r"^0 0 (2\d\d|3\d\d) "))
     no_page_overflow(page, NARROW)
     shot(page, "08-task-views-400")
+
+
+def test_a_finished_tasks_checkpoints_download_and_its_tracker_that_is_down(
+    page: Any, service: Service, finished_task: dict[str, Any]
+) -> None:
+    """The task page lists the best trial's checkpoints as the API does (then another trial's, picked), downloads one
+    as the API serves it, and says its MLflow server is behind and why."""
+    task_id = finished_task["id"]
+    signed_in(page, service.tenant_key)
+    open_task(page, task_id)
+    section = page.get_by_role("region", name="Checkpoints")
+    best = finished_task["best_trial"]["id"]
+    expect(section.get_by_label("Trial")).to_have_value(best)
+
+    def listed(trial_id: str) -> list[dict[str, Any]]:
+        answer = httpx.get(f"{service.base_url}/v1/tasks/{task_id}/trials/{trial_id}/checkpoints",
+                           headers=tenant_headers(service))
+        assert answer.status_code == 200, answer.text
+        rows: list[dict[str, Any]] = answer.json()["data"]
+        assert rows, trial_id  # 6 steps over 2 epochs: at least the epochs' ends and the last step
+        return rows
+
+    def shows(rows: list[dict[str, Any]]) -> None:
+        expect(section.locator("#checkpoints tbody tr")).to_have_count(len(rows))
+        for row in rows:
+            line = section.locator(f"#checkpoints tr[data-step='{row['step']}']")
+            for kind in row["kinds"]:
+                expect(line.locator(".tag", has_text=kind)).to_have_count(1)
+
+    rows = listed(best)
+    shows(rows)
+    last = next(row for row in rows if "last" in row["kinds"])
+    with page.expect_download() as download_info:
+        section.get_by_role("button", name=f"Download the checkpoint at step {last['step']}").click()
+    download = download_info.value
+    assert download.suggested_filename.endswith(f"-step-{last['step']}.tar"), download.suggested_filename
+    served = httpx.get(f"{service.base_url}/v1/tasks/{task_id}/trials/{best}/checkpoints/{last['step']}/adapter",
+                       headers=tenant_headers(service))
+    assert Path(download.path()).read_bytes() == served.content
+    with tarfile.open(download.path()) as tar:
+        assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    other = next(t["id"] for t in httpx.get(f"{service.base_url}/v1/tasks/{task_id}/trials",
+                                            headers=tenant_headers(service)).json()["data"] if t["id"] != best)
+    section.get_by_label("Trial").select_option(other)
+    shows(listed(other))
+
+    trackers = page.get_by_role("region", name="Experiment trackers")
+    tracker = trackers.locator("article.tracker[data-type='mlflow']")
+    expect(tracker).to_contain_text("views at http://127.0.0.1:")
+    expect(tracker).to_have_attribute("data-done", "false")
+    # The page reads it again until it is done: the runs fall behind as the sync thread fails to reach it.
+    expect(tracker.locator(".tracker-state")).to_contain_text("0 of 4 runs finished, ", timeout=60_000)
+    expect(tracker.locator("li[data-trial]").first).to_contain_text("failed attempt")
+    shot(page, "07b-task-checkpoints-trackers")
 
 
 def hide_and_isolate_trials(page: Any, ids: list[str], trials: list[dict[str, Any]]) -> None:

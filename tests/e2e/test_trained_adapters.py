@@ -86,7 +86,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
         _, token = start_embedded(c, port)
         with tenant_client(base_url, token, "team-trained") as lp, \
                 tenant_client(base_url, token, "team-other") as other:
-            spec = {**grid_task(upload(lp, arithmetic_rows())), "training": {"checkpoints": True},
+            spec = {**grid_task(upload(lp, arithmetic_rows())),  # checkpoints: the default
                     "integrations": [{"type": "mlflow", "tracking_uri": f"http://127.0.0.1:{dead_tracker}"}]}
             task = submit(lp, spec)
             _, ended = follow_events(lp, task.id)

@@ -195,7 +195,8 @@ def test_every_trial_is_a_run_and_an_outage_only_delays_it(clean_db: None, mlflo
     with session_scope() as s:
         tracker = s.scalar(select(Tracker).where(Tracker.task_id == task_id))
         assert tracker is not None and tracker.done_at is not None  # the task ended and every run is finished
-    assert all(r.attempts == 0 and r.last_error is None and r.run_id for r in _runs())
+    synced = [(r.attempts, r.last_error, r.run_id, r.finished) for r in _runs()]
+    assert all(attempts == 0 and error is None and run_id for attempts, error, run_id, _ in synced), synced
     # A scheduler that died after the tracker took everything but before it recorded so sends it all again: the
     # run is found by its tag (not created twice) and each point stays one point.
     with session_scope() as s:

@@ -72,6 +72,9 @@ export const fmt = {
   },
 };
 
+/** A trial's states once it has ended. */
+export const TRIAL_FINAL = new Set(["completed", "stopped_early", "failed", "cancelled"]);
+
 /** A state badge: the state's text plus a class the stylesheet colours. */
 export function badge(state) {
   return h("span", { class: `badge state-${state}` }, state.replace("_", " "));

@@ -1,20 +1,22 @@
 // One task, live: summary (its progress coloured by state), its settings and estimate, every trial's loss curves on
 // one chart (log scale, trials hidden or isolated from the legend or the table), each trial's hyperparameter against
-// its result, the sortable trials table with the best trial highlighted, adapter downloads, a playground (answers of
-// chosen trials side by side: playground.js), and the event log. Events arrive on the SSE stream (polling when it
+// its result, the sortable trials table with the best trial highlighted, adapter downloads, a trial's checkpoints
+// (checkpoints.js), a playground (answers of chosen trials side by side: playground.js), the experiment trackers'
+// state (trackers.js), and the event log. Events arrive on the SSE stream (polling when it
 // cannot be used); loss points are not events, so while the task runs the page also re-reads the task, its
 // trials and the curves' new points every few seconds, and at once (at most once a second) after an event.
 
 import { api, download, ndjson } from "../api.js";
 import { colourOf, lossChart, scatterChart } from "../chart.js";
-import { badge, clear, fmt, h, progressBar } from "../dom.js";
+import { TRIAL_FINAL, badge, clear, fmt, h, progressBar } from "../dom.js";
 import { Poller, TaskStream } from "../live.js";
+import { checkpoints } from "./checkpoints.js";
 import { playground } from "./playground.js";
 import { renderSettings } from "./task_settings.js";
 import { trialSummary } from "./tasks.js";
+import { trackers } from "./trackers.js";
 
 const FINAL = new Set(["succeeded", "failed", "cancelled"]);
-const TRIAL_FINAL = new Set(["completed", "stopped_early", "failed", "cancelled"]);
 const MAX_EVENTS = 500; // the log keeps the newest; the full history stays in the API (/events)
 const MAX_POINTS = 4000; // per curve kept in memory; past it, every other point is dropped (the last kept)
 
@@ -122,6 +124,8 @@ export function mount(root, { params, session }) {
   const tableBox = h("div", { class: "table-box" });
   const log = h("ol", { class: "log", "aria-label": "Event log, newest first" });
   const playgroundBox = h("div");
+  const checkpointsBox = h("div");
+  const trackersBox = h("div");
   root.append(
     h("div", { class: "page-head" }, heading, liveNote),
     alert, summary, actions,
@@ -137,9 +141,12 @@ export function mount(root, { params, session }) {
         hpNote),
       scatterBox),
     h("section", { "aria-labelledby": "trials-title" }, h("h2", { id: "trials-title" }, "Trials"), tableBox),
+    checkpointsBox,
     playgroundBox,
+    trackersBox,
     h("section", { "aria-labelledby": "events-title" }, h("h2", { id: "events-title" }, "Events"), log));
   let tryOut = null; // the playground, once the task is read (a tenant's only: the admin token does not sample)
+  let outputs = null; // the checkpoints and trackers sections, once the task is read
 
   async function save(path, name) {
     alert.textContent = "";
@@ -390,6 +397,14 @@ export function mount(root, { params, session }) {
       playgroundBox.append(tryOut.section);
     }
     tryOut?.update();
+    if (!outputs) {
+      const shared = { trials: () => state.trials, bestId, signal,
+        onError: (e) => { alert.textContent = e.message; } };
+      outputs = [checkpoints(task, shared), trackers(task, shared)];
+      checkpointsBox.append(outputs[0].section);
+      trackersBox.append(outputs[1].section);
+    }
+    for (const part of outputs) part.update(); // each reads what it shows on its own; errors land in the alert
     if (FINAL.has(task.state)) {
       curvesComplete = true; // read after the task was final: nothing more will come
       poller.stop();
