@@ -1,6 +1,7 @@
 """A trial's adapter checkpoints: its adapter kept at each epoch's end, its best and its last step (the task's
 `training.epoch_checkpoints` bounds the epoch ones), listed with their losses, downloadable in PEFT format and
-sampled with `checkpoint` in a completion body."""
+sampled with `checkpoint` in a completion body, and deleted by their tenant (their bytes count in its storage
+quota)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import StreamingResponse
 
-from api.deps import ReaderDep, SessionDep
+from api.deps import ReaderDep, SessionDep, TenantDep
 from api.queries import get_trial
 from api.schemas.common import INT32_MAX, ListPage, PathId, error_responses
-from api.schemas.trials import CheckpointOut
+from api.schemas.trials import CheckpointDeleted, CheckpointOut
 from api.services.adapters import checkpoint_download
 from api.services.audit import audit_read
-from api.services.checkpoints import checkpoint_metric, get_checkpoint, trial_checkpoints
+from api.services.checkpoints import checkpoint_metric, delete_checkpoint, get_checkpoint, trial_checkpoints
 
 router = APIRouter(prefix="/tasks/{task_id}/trials/{trial_id}/checkpoints", tags=["trials"],
                    responses=error_responses(401, 403, 404, 422))
@@ -54,3 +55,13 @@ def download_checkpoint(task_id: PathId, trial_id: PathId, step: Step, reader: R
     download = checkpoint_download(get_checkpoint(session, trial, step))
     audit_read(session, reader, request, tenant_id=trial.tenant_id, resource_id=trial.id)
     return download
+
+
+@router.delete("/{step}")
+def remove_checkpoint(task_id: PathId, trial_id: PathId, step: Step, tenant: TenantDep,
+                      session: SessionDep) -> CheckpointDeleted:
+    """Deletes the checkpoint (its archive and its row): its bytes no longer count in the tenant's storage quota. The
+    trial's adapter (GET .../adapter) is not a checkpoint and stays."""
+    trial = get_trial(session, tenant_id=tenant.id, task_id=task_id, trial_id=trial_id)
+    delete_checkpoint(session, trial, step)
+    return CheckpointDeleted(trial_id=trial.id, step=step)

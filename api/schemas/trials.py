@@ -68,6 +68,13 @@ class TrialMetrics(BaseModel):
         default_factory=list, description="Scores on the task's generative metric (one when the trial ended).")
 
 
+class CheckpointDeleted(BaseModel):
+    object: Literal["checkpoint"] = "checkpoint"
+    trial_id: str
+    step: int
+    deleted: Literal[True] = True
+
+
 class CheckpointOut(BaseModel):
     object: Literal["checkpoint"] = "checkpoint"
     task_id: str

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api.db import commit
 from api.errors import not_found
+from common.artifacts import get_artifact_store
 from common.checkpoints import BEST, Saved, kinds
 from common.tables import Checkpoint, Trial
+
+log = logging.getLogger(__name__)
 
 
 def trial_checkpoints(session: Session, trial: Trial) -> list[tuple[Checkpoint, list[str]]]:
@@ -29,3 +35,17 @@ def get_checkpoint(session: Session, trial: Trial, step: int) -> Checkpoint:
     if found is None:
         raise not_found("checkpoint", f"{trial.id}:{step}")
     return found
+
+
+def delete_checkpoint(session: Session, trial: Trial, step: int) -> None:
+    """Deletes the trial's kept checkpoint at ``step``: its row, then its archive (its bytes leave the tenant's
+    storage quota). A trial still training goes on keeping its others; the kinds of those left are theirs again (the
+    best of the kept ones, the newest)."""
+    found = get_checkpoint(session, trial, step)
+    key = found.adapter_key
+    session.delete(found)
+    commit(session)
+    try:  # after the commit: a failed request must never leave a listed checkpoint without its archive
+        get_artifact_store().delete(key)
+    except OSError:
+        log.warning("could not remove the archive of deleted checkpoint %s:%d", trial.id, step, exc_info=True)

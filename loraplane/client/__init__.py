@@ -18,6 +18,7 @@ from loraplane.client.objects import (
     ApiKey,
     BestTrial,
     Checkpoint,
+    CheckpointDeleted,
     Completion,
     Cost,
     EstimateBasis,
@@ -45,7 +46,8 @@ from loraplane.client.objects import (
 
 __all__ = [
     "TASK_FINAL_STATES", "TRIAL_FINAL_STATES", "APIConnectionError", "APIError", "ApiKey", "AsyncClient", "BestTrial",
-    "Checkpoint", "Client", "Completion", "ConfigurationError", "Cost", "EstimateBasis", "Event", "File", "FileDeleted",
+    "Checkpoint", "CheckpointDeleted", "Client", "Completion", "ConfigurationError", "Cost", "EstimateBasis", "Event",
+    "File", "FileDeleted",
     "LoraplaneError", "LossPoint", "MetricScore", "Model", "Page", "RegisteredModel", "Settings", "Task",
     "TaskEstimate", "TaskWaiting", "Tenant", "Trial", "TrialCounts", "TrialMetrics", "Usage", "WaitTimeout", "Webhook",
     "WebhookDeleted", "WebhookDelivery", "Worker", "config_path", "read_config", "resolve", "write_config",

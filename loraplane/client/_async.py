@@ -28,6 +28,7 @@ from loraplane.client.objects import (
     TASK_FINAL_STATES,
     ApiKey,
     Checkpoint,
+    CheckpointDeleted,
     Completion,
     Event,
     File,
@@ -327,6 +328,11 @@ class AsyncTasks:
     async def checkpoints(self, task_id: str, trial_id: str) -> Page[Checkpoint]:
         """The trial's kept checkpoints by step: its best, its last and its epochs' ends."""
         return page(await self._c._json("GET", f"/v1/tasks/{task_id}/trials/{trial_id}/checkpoints"), Checkpoint)
+
+    async def delete_checkpoint(self, task_id: str, trial_id: str, step: int) -> CheckpointDeleted:
+        """Deletes one of the trial's kept checkpoints: its bytes leave the tenant's storage quota."""
+        return CheckpointDeleted.of(
+            await self._c._json("DELETE", f"/v1/tasks/{task_id}/trials/{trial_id}/checkpoints/{step}"))
 
     async def download_adapter(self, task_id: str, directory: str | os.PathLike[str] | None = None, *,
                                trial_id: str | None = None, refit: bool = False, merged: bool = False,

@@ -25,6 +25,7 @@ from loraplane.client.objects import (
     TASK_FINAL_STATES,
     ApiKey,
     Checkpoint,
+    CheckpointDeleted,
     Completion,
     Event,
     File,
@@ -291,6 +292,11 @@ class Tasks:
     def checkpoints(self, task_id: str, trial_id: str) -> Page[Checkpoint]:
         """The trial's kept checkpoints by step: its best, its last and its epochs' ends."""
         return page(self._c._json("GET", f"/v1/tasks/{task_id}/trials/{trial_id}/checkpoints"), Checkpoint)
+
+    def delete_checkpoint(self, task_id: str, trial_id: str, step: int) -> CheckpointDeleted:
+        """Deletes one of the trial's kept checkpoints: its bytes leave the tenant's storage quota."""
+        return CheckpointDeleted.of(
+            self._c._json("DELETE", f"/v1/tasks/{task_id}/trials/{trial_id}/checkpoints/{step}"))
 
     def download_adapter(self, task_id: str, directory: str | os.PathLike[str] | None = None, *,
                          trial_id: str | None = None, refit: bool = False, merged: bool = False,

@@ -59,6 +59,13 @@ class FileDeleted(ApiObject):
 
 
 @dataclass(frozen=True)
+class CheckpointDeleted(ApiObject):
+    trial_id: str
+    step: int
+    deleted: bool
+
+
+@dataclass(frozen=True)
 class Webhook(ApiObject):
     """An endpoint the service POSTs the tenant's task outcomes to; `secret` only in the answer that created it."""
 

@@ -284,6 +284,16 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_delete_checkpoint(args: argparse.Namespace) -> int:
+    with make_client(args) as lp:
+        deleted = lp.tasks.delete_checkpoint(args.task_id, args.trial_id, args.step)
+    if args.json:
+        emit(deleted.raw)
+    else:
+        out(f"Deleted the checkpoint at step {deleted.step} of {deleted.trial_id}.")
+    return 0
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     with make_client(args) as lp:
         kept = lp.tasks.checkpoints(args.task_id, args.trial_id).data
@@ -371,6 +381,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     checkpoints.add_argument("task_id")
     checkpoints.add_argument("trial_id")
     checkpoints.set_defaults(func=guarded(cmd_checkpoints), client=True)
+
+    forget = tsub.add_parser("delete-checkpoint", parents=[common], help="delete one of a trial's kept checkpoints "
+                             "(its bytes count in the tenant's storage quota)")
+    forget.add_argument("task_id")
+    forget.add_argument("trial_id")
+    forget.add_argument("step", type=int)
+    forget.set_defaults(func=guarded(cmd_delete_checkpoint), client=True)
 
     curves = tsub.add_parser("curves", parents=[common], help="every trial's loss curves as JSONL (what "
                              "`loraplane replay` reads)")

@@ -1,5 +1,5 @@
 """A trial's kept checkpoints through the API: listing with their kinds, download, isolation, sampling one, and their
-bytes in the tenant's storage quota. The checkpoints a real pack keeps and reports: tests/worker/test_runner.py and
+bytes in the tenant's storage quota, and deleting one. The checkpoints a real pack keeps and reports: tests/worker/test_runner.py and
 tests/e2e/test_trained_adapters.py."""
 
 from __future__ import annotations
@@ -76,6 +76,32 @@ def test_checkpoints_count_in_the_tenants_stored_bytes(client: TestClient) -> No
     assert "checkpoints" in r.json()["error"]["message"]
     update_row(Tenant, tenant.id, max_storage_bytes=10**9)
     assert upload(client, tenant)["id"]
+
+
+def test_a_deleted_checkpoint_is_gone_and_frees_its_bytes(client: TestClient) -> None:
+    """The tenant deletes a checkpoint: its row and archive go, its bytes leave the quota, the kinds of those left
+    are theirs again; another tenant, the operator and a second delete cannot."""
+    tenant = make_tenant(client, "delete-checkpoints")
+    task = make_task(client, tenant)
+    trial_id = trial_ids(task["id"])[0]
+    url = f"/v1/tasks/{task['id']}/trials/{trial_id}/checkpoints"
+    _keep(task["id"], trial_id, tenant.id, 4, 1.0, b"x" * 3000)
+    _keep(task["id"], trial_id, tenant.id, 8, 1.5, b"y" * 2000)
+    assert client.get("/v1/usage", headers=tenant.headers).json()["checkpoint_bytes"] == 5000
+    other = make_tenant(client, "other-delete-checkpoints")
+    assert client.delete(f"{url}/4", headers=other.headers).json()["error"]["code"] == "task_not_found"
+    assert client.delete(f"{url}/4", headers=ADMIN).status_code in (401, 403)  # the operator reads, never deletes
+
+    r = client.delete(f"{url}/4", headers=tenant.headers)
+    assert r.status_code == 200 and r.json() == {"object": "checkpoint", "trial_id": trial_id, "step": 4,
+                                                 "deleted": True}
+    assert not get_artifact_store().exists(saved_checkpoint_key(task["id"], trial_id, 4))
+    assert get_artifact_store().exists(saved_checkpoint_key(task["id"], trial_id, 8))
+    assert [(c["step"], c["kinds"]) for c in client.get(url, headers=tenant.headers).json()["data"]] == [
+        (8, ["best", "last", "epoch"])]
+    assert client.get("/v1/usage", headers=tenant.headers).json()["checkpoint_bytes"] == 2000
+    again = client.delete(f"{url}/4", headers=tenant.headers)
+    assert (again.status_code, again.json()["error"]["code"]) == (404, "checkpoint_not_found")
 
 
 def test_sampling_a_checkpoint_sends_its_adapter(client: TestClient, tenant: TenantKey,

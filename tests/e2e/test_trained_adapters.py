@@ -309,6 +309,14 @@ def test_checkpoints_are_listed_downloaded_sampled_and_counted(trained: Trained)
     cli = subprocess.run([sys.executable, "-m", "loraplane.cli", "tasks", "checkpoints", task.id, trial.id, "--json",
                           "--api-url", base_url, "--api-key", lp.api_key], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and [c["step"] for c in json.loads(cli.stdout)] == [c.step for c in kept], cli.stderr
+    # Deleted from the CLI (the other trials' are left for the tests after this one): its bytes leave the usage.
+    first = kept[0]
+    cli = subprocess.run([sys.executable, "-m", "loraplane.cli", "tasks", "delete-checkpoint", task.id, trial.id,
+                          str(first.step), "--api-url", base_url, "--api-key", lp.api_key], capture_output=True,
+                         text=True, timeout=120)
+    assert cli.returncode == 0 and f"step {first.step}" in cli.stdout, cli.stderr
+    assert [c.step for c in lp.tasks.checkpoints(task.id, trial.id).data] == [c.step for c in kept[1:]]
+    assert lp.usage().checkpoint_bytes == every - first.size_bytes
 
 
 def test_a_tracker_that_is_down_delays_nothing(trained: Trained) -> None:
