@@ -1,6 +1,6 @@
-"""A trial's kept checkpoints through the API: listing with their kinds, download, isolation, sampling one, and their
-bytes in the tenant's storage quota, and deleting one. The checkpoints a real pack keeps and reports: tests/worker/test_runner.py and
-tests/e2e/test_trained_adapters.py."""
+"""A trial's kept checkpoints through the API: listing with their kinds, download, isolation, sampling one, their
+bytes in the tenant's storage quota, and deleting one. The checkpoints a real pack keeps and reports:
+tests/worker/test_runner.py and tests/e2e/test_trained_adapters.py."""
 
 from __future__ import annotations
 
