@@ -67,7 +67,7 @@ python-dotenv|python-multipart|redis|sqlalchemy|starlette|typing-inspection|tzlo
     join_model
     rm -rf /root/lp/repo /root/lp/home /root/lp/*.log && cp -r . /root/lp/repo  # each policy in a fresh service
     (cd /root/lp/repo && PYTHONPATH=/root/lp/pkg:/root/lp/svcsite:/root/lp/site:. setsid nohup timeout 3000 \
-      python -m benchmarks.live_sweep --data .sweepdata --policy "${1:-alto}" --home /root/lp/home \
+      python -m benchmarks.live_sweep --data .sweepdata --policy "${1:-alto}" --home /root/lp/home ${LIVE_ARGS:-} \
       --out /root/lp/sweeps > /root/lp/live.log 2>&1 < /dev/null &)
     sleep 5; exec bash "$0" wait 540 ;;
   run)

@@ -97,13 +97,13 @@ def stop_service(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def task_spec(model: str, train_id: str, val_id: str, epochs: int, max_seq_len: int, policy: str,
-              eval_interval: int) -> dict[str, Any]:
+              eval_interval: int, checkpoints: bool = True) -> dict[str, Any]:
     return {
         "base_model": model, "training_file": train_id, "validation_file": val_id,
         "search_space": {"learning_rate": list(LRS), "lora_rank": list(RANKS), "batch_size": list(BATCHES),
                          "lora_dropout": [0.05], "target_modules": [ALL_LINEAR]},
         "strategy": "grid", "epochs": epochs, "max_seq_len": max_seq_len, "eval_interval": eval_interval,
-        "early_exit": {"policy": policy}, "seed": 0,
+        "early_exit": {"policy": policy}, "seed": 0, "training": {"checkpoints": checkpoints},
         "scheduling": {"max_trials_per_pack": len(LRS) * len(RANKS) * len(BATCHES)},
     }  # fmt: skip
 
@@ -206,6 +206,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=RESULTS / "sweeps")
+    parser.add_argument("--checkpoints", choices=["on", "off"], default="on",
+                        help="the task's training.checkpoints (each trial's kept adapters; on by default)")
     return parser.parse_args()
 
 
@@ -261,7 +263,8 @@ def submit(lp: Client, args: argparse.Namespace, name: str) -> tuple[Splits, tup
     files = [lp.files.upload(b"".join(json.dumps({"messages": r["messages"]}).encode() + b"\n" for r in rows),
                              filename=f"{name}-{split}.jsonl").id
              for rows, split in zip(splits[:2], ("train", "val"), strict=True)]
-    spec = task_spec(args.model, files[0], files[1], args.epochs, args.max_seq_len, args.policy, args.eval_interval)
+    spec = task_spec(args.model, files[0], files[1], args.epochs, args.max_seq_len, args.policy, args.eval_interval,
+                     checkpoints=args.checkpoints == "on")
     return splits, (lp.tasks.create(spec).id, time.monotonic())
 
 
@@ -307,6 +310,7 @@ def write_task_results(lp: Client, args: argparse.Namespace, home: Path, name: s
     full = sum(t.total_steps * int(t.hyperparameters["batch_size"]) for t in trials)
     summary = {
         "benchmark": "live_sweep", "dataset": name, "model": args.model, "policy": args.policy,
+        "checkpoints": args.checkpoints,
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "device": device_description(),
         "command": command_line(), "commit": git_commit(), "task_state": task.state,
         "tasks_side_by_side": side_by_side, "train_rows": len(data[0]),
@@ -320,6 +324,8 @@ def write_task_results(lp: Client, args: argparse.Namespace, home: Path, name: s
     stem = f"{name}-{'smollm2' if args.model.startswith('smollm2') else 'tiny'}-live-{args.policy}"
     if args.rows:
         stem += f"-{args.rows[0]}rows"
+    if args.checkpoints == "off":
+        stem += "-checkpoints-off"
     (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
     events = task_events(lp, task_id)
     (args.out / f"{stem}-events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
