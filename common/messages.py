@@ -233,7 +233,7 @@ class WorkerHeartbeat(Message):
 
     omit_when_none: ClassVar[frozenset[str]] = frozenset({"gpus", "models", "warm_models", "progress",
                                                           "progressed_at", "packs", "max_packs",
-                                                          "free_memory_bytes"})
+                                                          "free_memory_bytes", "sampler_bytes"})
 
     type: Literal["heartbeat"] = "heartbeat"
     worker_id: str
@@ -258,6 +258,8 @@ class WorkerHeartbeat(Message):
     max_packs: Any = None  # how many packs it runs at once (None: one)
     # Its memory less what its running packs reserved (their planned bytes): what another pack may use.
     free_memory_bytes: Any = None
+    # The device memory its sampler process holds now (worker/sampler.py; 0 or None: none), which no pack may use.
+    sampler_bytes: Any = None
 
     @property
     def names_pack(self) -> bool:

@@ -263,6 +263,9 @@ class Worker(Base):
     # its memory less what its running packs reserved (None: not said): worker/colocation.py.
     max_packs: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     free_memory_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    # The device memory its sampler process holds (worker/sampler.py), from its heartbeat: the planner gives packs
+    # its memory less this (None: not said, taken as none).
+    sampler_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
     state: Mapped[str] = mapped_column(String(20))  # "alive" | "lost"
     current_pack_id: Mapped[str | None] = mapped_column(String(40), default=None)  # the newest it started
     # The worker process now behind this id (new on every start) and when it started: a heartbeat from a

@@ -66,6 +66,7 @@ class BeatState:
         self._progress = ctx.RawArray(ctypes.c_int64, self.MAX_PACKS)
         self._warm = ctx.RawArray(ctypes.c_char, self.WARM_BYTES)
         self._free = ctx.RawValue(ctypes.c_int64, -1)  # -1: not said
+        self._sampler = ctx.RawValue(ctypes.c_int64, -1)  # the sampler process's device memory; -1: not said
 
     def _locked(self) -> bool:
         got = self._lock.acquire(timeout=LOCK_WAIT_S)
@@ -116,6 +117,14 @@ class BeatState:
 
     def set_free_memory(self, free_bytes: int | None) -> None:
         self._free.value = -1 if free_bytes is None else max(0, free_bytes)
+
+    def set_sampler_bytes(self, held: int | None) -> None:
+        self._sampler.value = -1 if held is None else max(0, held)
+
+    def sampler_bytes(self) -> int | None:
+        """The device memory the worker's sampler process holds (worker/sampler.py), or None when never told."""
+        held = int(self._sampler.value)
+        return None if held < 0 else held
 
     def progressed(self, slot: int) -> None:
         self._progress[slot] += 1
@@ -190,6 +199,9 @@ def publish_beat(bus: Bus, identity: dict[str, Any], incarnation: Incarnation, s
     # before its `pack.started` (the scheduler ends a running pack that a beat sent after its start does not name).
     sent_at = time.time()
     packs, warm, free = state.read()
+    sampler = state.sampler_bytes()
+    if sampler is not None:
+        extra["sampler_bytes"] = sampler
     progressed_at = clock.observe(packs, sent_at)
     named = [{"pack_id": p, "progress": n, "progressed_at": progressed_at[p]} for p, n in packs]
     if packs:  # the first, as a scheduler from before `packs` reads it
@@ -243,9 +255,9 @@ class Heartbeat:
 
     Each beat also names the registered models this machine can load (when `models` is given: the heartbeat process
     reads the registry itself), the base models it holds loaded (`warm_models`, `worker.model_cache.ModelCache.warm`)
-    and the memory its packs left free (`free_memory`), both copied into the shared state every `interval_s` by a
-    thread of the worker (a starved one only delays a change), and, with each pack, its progress count and when it
-    last changed (`progressed`).
+    and the memory its packs left free (`free_memory`) and its sampler holds (`sampler_bytes`), each copied into the
+    shared state every `interval_s` by a thread of the worker (a starved one only delays a change), and, with each
+    pack, its progress count and when it last changed (`progressed`).
 
     `beat()` sends one beat from the calling process (tests, benchmarks).
     """
@@ -259,6 +271,7 @@ class Heartbeat:
         self._models = models
         self.warm_models: Callable[[], list[dict[str, Any]]] | None = None  # set once the worker's runner exists
         self.free_memory: Callable[[], int | None] | None = None  # likewise
+        self.sampler_bytes: Callable[[], int | None] | None = None  # set once its sampler exists
         self._slots: dict[str, int] = {}  # pack id -> its slot in the shared state
         self.state = BeatState()
         self._clock = ProgressClock()  # for `beat()`; the heartbeat process keeps its own
@@ -290,8 +303,10 @@ class Heartbeat:
                 self.state.set_warm(self.warm_models())
             if self.free_memory is not None:
                 self.state.set_free_memory(self.free_memory())
+            if self.sampler_bytes is not None:
+                self.state.set_sampler_bytes(self.sampler_bytes())
         except Exception:  # noqa: BLE001 - the beats go out without them
-            log.exception("could not tell which models this worker holds warm, or its free memory")
+            log.exception("could not tell which models this worker holds warm, its free memory or its sampler's")
 
     def beat(self) -> None:
         self._copy_warm()

@@ -111,6 +111,8 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     # models load the scheduler sees the worker, busy with no pack.
     heartbeat.start()
     sampler = _start_sampler(worker_id, device, loglevel)
+    if sampler is not None:  # the device memory its sampler holds, which the planner keeps packs out of
+        heartbeat.sampler_bytes = sampler.held_bytes
     if processes is None:  # pack processes preload their own share
         preload_models(runner.model, settings.worker_preload_models,
                        availability.registry() if settings.worker_preload_models else None)
@@ -197,14 +199,15 @@ def pack_process_main(index: int, config: PackProcessConfig, beats: BeatState, c
     serve(runner, channel, progress)
 
 
-def sampler_main(config: SamplerConfig, stop: Any) -> None:
-    """The worker's sampler process: answers sampling requests until the worker sets ``stop`` (worker/sampler.py)."""
+def sampler_main(config: SamplerConfig, stop: Any, held: Any) -> None:
+    """The worker's sampler process: answers sampling requests until the worker sets ``stop`` (worker/sampler.py),
+    writing what it holds on the device into ``held`` (a shared int64) as it changes."""
     _start_child("sampler", config.loglevel, config.cpu_threads)
     device = torch.device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     log.info("sampler of worker %s on %s", config.worker_id, device)
-    Sampler(config, config.make_bus(), config.make_store()).serve(stop)
+    Sampler(config, config.make_bus(), config.make_store(), on_held=lambda n: setattr(held, "value", n)).serve(stop)
 
 
 def _start_child(name: str, loglevel: str, cpu_threads: int) -> None:

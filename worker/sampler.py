@@ -15,12 +15,17 @@ in the answer's `load_s`; dropped after `LORAPLANE_SAMPLER_IDLE_S` without reque
 artifact store and kept (`ADAPTERS_KEPT`, least recently used dropped). A batch answers its requests at once: a
 request that arrives while one decodes waits for the next (no continuous batching).
 
-Left out: the sampler's model is not in the worker's memory plan (worker/colocation.py); on a GPU a large base costs
-its memory twice while a pack of it runs.
+What it holds on the device (`Sampler.held_bytes`: the CUDA allocator's reserved bytes, on a CPU its model's and
+adapters' tensors) goes to the worker process after every load, batch and unload (`SamplerProcess.held_bytes`), and on
+in each heartbeat (`sampler_bytes`): the planner gives packs the worker's memory less it
+(`scheduler.service.cluster_state.pack_memory`), so a pack is never planned into memory the sampler holds. A pack
+already running when the sampler loads is not resized: the sampler's model then sits in memory the pack's plan left
+over (the plan keeps headroom), or fails to load and answers 503.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import tempfile
@@ -83,8 +88,10 @@ class _Loaded:
 class Sampler:
     """Takes requests off the sampling streams and answers them (the process's loop is `serve`)."""
 
-    def __init__(self, config: SamplerConfig, bus: Bus, store: LocalArtifactStore) -> None:
+    def __init__(self, config: SamplerConfig, bus: Bus, store: LocalArtifactStore,
+                 on_held: Callable[[int], None] | None = None) -> None:
         self.config, self.bus, self.store = config, bus, store
+        self.on_held = on_held  # told `held_bytes()` after each load, batch and unload
         self.device = torch.device(config.device)
         self.availability = ModelAvailability(bus)
         self.loaded: _Loaded | None = None
@@ -130,7 +137,14 @@ class Sampler:
         return [r for r in parsed if r is not None]
 
     def answer(self, requests: list[SampleRequest]) -> None:
-        """Decodes the requests of one base model together and writes every answer."""
+        """Decodes the requests of one base model together and writes every answer; then tells the worker what the
+        sampler holds now (a load, a new adapter or a larger KV cache may have grown it)."""
+        try:
+            self._answer(requests)
+        finally:
+            self._tell_held()
+
+    def _answer(self, requests: list[SampleRequest]) -> None:
         started = time.time()
         try:
             load_s = self._ensure_model(requests[0].base_model.model_dump())
@@ -183,6 +197,21 @@ class Sampler:
                         top_p=request.top_p, seed=request.seed)
         return _Answer(request, job, loaded.tokenizer, self.bus)
 
+    def held_bytes(self) -> int:
+        """The device memory this sampler holds: on CUDA what the caching allocator reserved (its model, adapters and
+        the largest KV cache a batch has needed, kept for the next); on a CPU its model's and adapters' tensors."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_reserved(self.device))
+        if self.loaded is None:
+            return 0
+        tensors = [*self.loaded.model.parameters(), *self.loaded.model.buffers(),
+                   *(t for adapter in self.adapters.values() for pair in adapter.tensors.values() for t in pair)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _tell_held(self) -> None:
+        if self.on_held is not None:
+            self.on_held(self.held_bytes())
+
     def _ensure_model(self, fields: dict[str, Any]) -> float:
         """Loads the request's base model unless it is the one held; the seconds it took (0 when warm)."""
         if self.loaded is not None and self.loaded.fields == fields:
@@ -225,6 +254,7 @@ class Sampler:
         self.adapters.clear()  # they are on the base's device, in its dtype
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        self._tell_held()
 
 
 def batch_fits(requests: list[tuple[int, int]], budget_tokens: int) -> int:
@@ -293,19 +323,21 @@ class SamplerProcess:
     is never asked to sample pays nothing for it: no process, no second torch, no polling of the bus beyond a look
     at each model stream's newest id every `WATCH_S`. The first request waits for the start (in its `queued_s`)."""
 
-    def __init__(self, config: SamplerConfig, entry: Callable[[SamplerConfig, Any], None]) -> None:
+    def __init__(self, config: SamplerConfig, entry: Callable[[SamplerConfig, Any, Any], None]) -> None:
         self.config, self._entry = config, entry
         self._ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._process: Any = None
         self._closed = threading.Event()
         # Set by `close`: the process ends its loop (it ignores SIGTERM, as every child of the worker does).
         self._stop = self._ctx.Event()
+        self._held = self._ctx.RawValue(ctypes.c_int64, 0)  # the process's `Sampler.held_bytes`, as it last said
 
     def start(self) -> None:
         threading.Thread(target=self._watch, name="sampler-watch", daemon=True).start()
 
     def _spawn(self) -> None:
-        self._process = self._ctx.Process(target=self._entry, args=(self.config, self._stop),
+        self._held.value = 0  # a new process holds nothing yet (a dead one's memory is the driver's again)
+        self._process = self._ctx.Process(target=self._entry, args=(self.config, self._stop, self._held),
                                           name="loraplane-sampler", daemon=True)
         self._process.start()
 
@@ -325,6 +357,12 @@ class SamplerProcess:
             elif not self._process.is_alive():
                 log.warning("the sampler process ended (exit code %s); starting another", self._process.exitcode)
                 self._spawn()
+
+    def held_bytes(self) -> int:
+        """The device memory the sampler process holds, as it last said (0: no process, or one that died)."""
+        if self._process is None or not self._process.is_alive():
+            return 0
+        return int(self._held.value)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Ends the sampler: at its next look for requests, or killed after ``timeout_s`` (mid-batch: its requests

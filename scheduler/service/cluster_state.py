@@ -159,6 +159,14 @@ def worker_warm(worker: Worker) -> frozenset[str]:
     return frozenset(str(w["name"]) for w in worker.warm_models or () if isinstance(w, dict) and "name" in w)
 
 
+def pack_memory(worker: Worker) -> int | None:
+    """One of the worker's GPUs' memory less what its sampler process holds now (worker/sampler.py: its own copy of a
+    base model, answering sampling requests beside the packs); None where the worker does not say its memory."""
+    if worker.memory_bytes is None:
+        return None
+    return max(0, worker.memory_bytes - (worker.sampler_bytes or 0))
+
+
 def busy_workers(
     session: Session, now: datetime, timeout_s: float, costs: dict[str, ModelCost]
 ) -> tuple[LiveWorker, ...]:
@@ -167,7 +175,7 @@ def busy_workers(
     placed."""
     live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
     return tuple(
-        LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w),
+        LiveWorker(w.id, w.max_slots, pack_memory(w), worker_models(w),
                    busy_for_s=predicted_remaining_s(session, live[w.id], costs), gpus=w.gpus, warm=worker_warm(w))
         for w in usable_workers(session, now, timeout_s)
         if w.id in live

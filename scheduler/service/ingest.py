@@ -203,6 +203,11 @@ def _heartbeat(session: Session, m: WorkerHeartbeat, now: datetime, limits_s: tu
     worker.memory_bytes = m.memory_bytes
     worker.max_slots = m.max_slots
     worker.free_memory_bytes = _count(m.free_memory_bytes, "free_memory_bytes", 0, INT64_MAX)
+    # Its sampler let go of its model: the memory is the packs' again, worth a replan (a size that changes while it
+    # holds one is read at the next round).
+    sampler = _count(m.sampler_bytes, "sampler_bytes", 0, INT64_MAX)
+    sampler_freed = bool(worker.sampler_bytes) and not sampler
+    worker.sampler_bytes = sampler
     models, gpus = _models(m.models), _gpus(m.gpus)
     max_packs = _count(m.max_packs, "max_packs", 1, MAX_WORKER_PACKS) or 1
     # It can load other models now, or has more or less memory for a pack (its GPUs, its packs): worth a replan.
@@ -223,7 +228,7 @@ def _heartbeat(session: Session, m: WorkerHeartbeat, now: datetime, limits_s: tu
     worker.state = states.WORKER_ALIVE
     if m.names_pack:  # what the process runs now (a report from before this field cannot be judged)
         is_new |= _check_named_packs(session, worker, {p for p, _ in named}, sent_at, now, aborts, policy)
-    return is_new or models_changed or gpus_changed
+    return is_new or models_changed or gpus_changed or sampler_freed
 
 
 def _stalled(session: Session, worker: Worker, pack_id: str, stall_s: float, now: datetime,

@@ -31,6 +31,7 @@ from scheduler.planning.types import (
 )
 from scheduler.service.cluster_state import (
     alive_workers,
+    pack_memory,
     predicted_remaining_s,
     quarantined_worker_ids,
     trial_tokens_per_step,
@@ -85,7 +86,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
         )
         for trial, task, weight in rows
     )
-    idle = tuple(LiveWorker(w.id, w.max_slots, w.memory_bytes, worker_models(w), gpus=w.gpus, warm=worker_warm(w))
+    idle = tuple(LiveWorker(w.id, w.max_slots, pack_memory(w), worker_models(w), gpus=w.gpus, warm=worker_warm(w))
                  for w in workers if w.id not in busy_ids)
     models = {t.base_model for t in pending}
     sharing = tuple(room for w in workers if w.id in busy_ids and w.max_packs > 1 and w.gpus == 1
@@ -103,7 +104,7 @@ def room_beside_packs(session: Session, worker: Worker, models: set[str]) -> Liv
     live = session.scalars(select(Pack).where(Pack.worker_id == worker.id, Pack.state.in_(states.PACK_LIVE))).all()
     if worker.gpus > 1 or len(live) >= worker.max_packs or any(p.memory_bytes is None for p in live):
         return None
-    spare = (worker.memory_bytes or DEFAULT_GPU_BYTES) - sum(p.memory_bytes or 0 for p in live)
+    spare = (pack_memory(worker) or DEFAULT_GPU_BYTES) - sum(p.memory_bytes or 0 for p in live)
     if worker.free_memory_bytes is not None:
         spare = min(spare, worker.free_memory_bytes)
     loadable = {m for m in models if loads(worker_models(worker), m)} - {p.base_model for p in live}

@@ -1,9 +1,10 @@
-"""Several packs on one worker, the scheduler's side (issue 34): a worker that runs a pack and says it may run
-another (`max_packs`) is planned as idle with the memory its packs left, for a pack of another model
+"""Several packs on one worker, the scheduler's side (issue 34): a worker that runs a pack and says it may run another
+(`max_packs`) is planned as idle with the memory its packs left, for a pack of another model
 (planner_io.room_beside_packs); a pack of the same model waits instead; a pack that shares its worker takes no
 back-fill; a refused pack (`pack.refused`) gives its trials back with no attempt spent; a beat names every pack its
-worker runs, and a running pack it stops naming is lost. Against the real Postgres and Redis, the worker played by
-publishing its reports (as tests/scheduler/test_daemon.py does)."""
+worker runs, and a running pack it stops naming is lost; no pack goes into the memory the worker's sampler holds.
+Against the real Postgres and Redis, the worker played by publishing its reports (as tests/scheduler/test_daemon.py
+does)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def daemon(clean_db: None) -> Iterator[SchedulerDaemon]:
     yield d
 
 
-def beat(*, max_packs: int = 2, packs: list[dict[str, Any]] | None = None, free: int | None = None) -> None:
+def beat(*, max_packs: int = 2, packs: list[dict[str, Any]] | None = None, free: int | None = None,
+         sampler: int | None = None) -> None:
     report("heartbeat", queue=worker_queue(get_settings(), WORKER), device="cuda:0", memory_bytes=80 * GB, max_slots=8,
-           max_packs=max_packs, packs=packs or [], free_memory_bytes=free, sent_at=time.time())
+           max_packs=max_packs, packs=packs or [], free_memory_bytes=free, sampler_bytes=sampler, sent_at=time.time())
 
 
 def named(*pack_ids: str, progressed_at: float | None = None) -> list[dict[str, Any]]:
@@ -90,6 +92,21 @@ def test_nothing_goes_beside_a_pack_on_a_worker_of_one_pack_or_with_no_memory_le
     daemon.step(block_s=0.2)
     assert set(live_packs()) == {"tiny-random-llama"}
     assert trial_states(second_trials) == [("pending", 0)]
+
+
+def test_no_pack_goes_into_the_memory_the_workers_sampler_holds_until_it_lets_go(daemon: SchedulerDaemon) -> None:
+    """A worker whose sampler process holds all but a sliver of its GPU (worker/sampler.py, `sampler_bytes` in its
+    beats) gets no pack; once a beat says the sampler dropped its model, the next round places the trials there."""
+    beat(max_packs=1, sampler=80 * GB - GB // 1000)
+    _, trials = make_task(2)
+    daemon.step(block_s=0.2)
+    assert live_packs() == {} and trial_states(trials) == [("pending", 0)] * 2
+    with session_scope() as s:
+        assert s.get_one(Worker, WORKER).sampler_bytes == 80 * GB - GB // 1000
+    beat(max_packs=1, sampler=0)
+    daemon.step(block_s=0.2)
+    pack = live_packs()["tiny-random-llama"]
+    assert pack.worker_id == WORKER and sorted(pack.trial_ids) == sorted(trials)
 
 
 def test_a_refused_pack_gives_its_trials_back_with_no_attempt_spent(daemon: SchedulerDaemon) -> None:
