@@ -12,7 +12,7 @@ OFFLINE := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: up test lint install chromium mlflow clean
+.PHONY: up test lint install chromium mlflow llama-cpp clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,6 +57,13 @@ $(MLFLOW_VENV)/.installed:
 		echo "could not install mlflow into $(MLFLOW_VENV): the tracker tests will be skipped"
 
 mlflow: $(MLFLOW_VENV)/.installed
+
+# llama.cpp itself, for the test that loads the GGUF adapter export in it (tests/worker/test_gguf_llama_cpp.py):
+# llama-cpp-python has no wheel here and builds llama.cpp from source, about 10 minutes on 2 cores, so `make test`
+# does not build it (the test says it is missing); run this once to have it.
+llama-cpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		$(VENV)/bin/python -m pip install --quiet 'llama-cpp-python==0.3.36'
 
 # Two test processes (pytest-xdist), a test file each at a time: most of the suite waits on processes it started
 # (the API, the scheduler, workers) or on the database, so two keep two cores busier than one. Each has its own

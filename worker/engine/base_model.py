@@ -151,7 +151,7 @@ def model_revision(source: ModelSource) -> str:
     if source.kind == "tiny-random-llama":
         return source.kind
     if source.kind in ("gguf", "gguf-package"):
-        folder, gguf_file = _gguf_location(source)
+        folder, gguf_file = gguf_location(source)
         files = [folder / gguf_file]
     elif source.path and Path(source.path).is_dir():
         files = sorted(f for f in Path(source.path).iterdir() if f.suffix in REVISION_SUFFIXES and f.is_file())
@@ -188,7 +188,7 @@ def _load_gguf(source: ModelSource, *, cache_dir: Path, dtype: torch.dtype
         except Exception:  # noqa: BLE001 - a damaged copy (a disk fault): de-quantise again and replace it
             logger.exception("the de-quantised copy %s cannot be loaded; de-quantising %s again", target, source.name)
             shutil.rmtree(target, ignore_errors=True)
-    folder, gguf_file = _gguf_location(source)
+    folder, gguf_file = gguf_location(source)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     quantizer = getattr(model, "hf_quantizer", None)
@@ -226,7 +226,7 @@ def _save_dequantised(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _gguf_location(source: ModelSource) -> tuple[Path, str]:
+def gguf_location(source: ModelSource) -> tuple[Path, str]:
     """Folder and file name of a GGUF checkpoint: in the directory ``path`` (kind ``"gguf"``), or shipped in a
     Python package.
 
