@@ -107,6 +107,7 @@ class ModelSourceFields(BaseModel):
     path: str | None = None
     package: str | None = None
     gguf_file: str | None = None
+    quantization: str | None = None  # "nf4": its linear layers held in 4 bits (worker/engine/quantize.py)
 
 
 class PackMessage(Message):

@@ -82,6 +82,7 @@ def model_source_fields(entry: BaseModelEntry) -> dict[str, str | None]:
         "path": entry.path,
         "package": entry.package,
         "gguf_file": entry.gguf_file,
+        "quantization": entry.quantization,
     }
 
 

@@ -101,6 +101,8 @@ class BaseModelEntry(Base):
     path: Mapped[str | None] = mapped_column(String(500), default=None)
     package: Mapped[str | None] = mapped_column(String(100), default=None)
     gguf_file: Mapped[str | None] = mapped_column(String(200), default=None)
+    # "nf4": a worker holds its linear layers in 4 bits (QLoRA: worker/engine/quantize.py); None: as loaded.
+    quantization: Mapped[str | None] = mapped_column(String(20), default=None)
     description: Mapped[str] = mapped_column(Text, default="")
     parameters: Mapped[int | None] = mapped_column(BigInteger, default=None)
     # The tenant ids that may use the model; None: every tenant.

@@ -117,7 +117,10 @@ def lora_linear(
     Returns:
         ``(tokens, d_out)`` in x's dtype.
     """
-    if resolve_backend(x, slots=lora_a.shape[0], uncaptured=uncaptured) == "triton":
+    # A quantised weight (a tensor subclass, a 4-bit base: worker/engine/quantize.py) de-quantises itself in
+    # F.linear; the Triton kernel reads plain weights only, so its LoRA delta takes the torch path.
+    quantized = type(weight) not in (torch.Tensor, torch.nn.Parameter)
+    if not quantized and resolve_backend(x, slots=lora_a.shape[0], uncaptured=uncaptured) == "triton":
         from kernels.triton_lora import LoraLinearFunction
 
         if meta.num_segments == 0 or x.shape[0] == 0:

@@ -24,7 +24,8 @@ from peft import PeftModel
 
 from common.artifacts import LocalArtifactStore, export_failure_key, export_key
 from common.messages import ExportRequest
-from worker.engine.base_model import load_base_model
+from worker.engine.base_model import base_dtype, load_base_model
+from worker.engine.quantize import dequantize
 from worker.gguf_export import write_adapter_gguf
 from worker.model_cache import model_source
 from worker.pack_runner import tar_dir, untar
@@ -35,7 +36,18 @@ log = logging.getLogger(__name__)
 def merge_adapter(request: ExportRequest, *, adapter_dir: Path, out_dir: Path, cache_dir: Path) -> Path:
     """Writes the merged model of ``adapter_dir`` (a PEFT adapter) on ``request.base_model`` to ``out_dir``."""
     source = model_source(request.base_model.model_dump())
-    model, tokenizer = load_base_model(source, cache_dir=cache_dir, device=torch.device("cpu"), dtype=torch.float32)
+    if source.quantization is None:
+        model, tokenizer = load_base_model(source, cache_dir=cache_dir, device=torch.device("cpu"),
+                                           dtype=torch.float32)
+    else:
+        # The adapter was trained against the de-quantised 4-bit weights, not the checkpoint's own (merging into
+        # those is the wrong merge users of 4-bit training report): quantised from the dtype this worker's packs
+        # load the base in, as they quantise it, then de-quantised, and merged in float32.
+        packs_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer = load_base_model(source, cache_dir=cache_dir, device=torch.device("cpu"),
+                                           dtype=base_dtype(packs_device))
+        dequantize(model)
+        model.float()
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     declared = getattr(merged.config, "dtype", None) or getattr(merged.config, "torch_dtype", None)
     if isinstance(declared, torch.dtype) and declared != torch.float32:

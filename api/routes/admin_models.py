@@ -128,6 +128,7 @@ def register_model(body: ModelCreate, session: SessionDep) -> AdminModelOut:
         session.add(entry)
     # Every field, so nothing of a retired entry this one replaces is left over.
     entry.kind, entry.path, entry.gguf_file, entry.package = body.kind, body.path, body.file, None
+    entry.quantization = body.quantization
     entry.description, entry.tenants = body.description, tenants
     _describe(entry, inspected)
     entry.created_at, entry.updated_at, entry.deleted_at = utcnow(), None, None

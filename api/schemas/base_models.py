@@ -34,6 +34,10 @@ TenantIds = Annotated[list[TenantId], Field(max_length=1000)]
 TARGET_MODULES_DESCRIPTION = ("The names a search space's target_modules may list; \"all-linear\" is all of them "
                               "(every linear layer of the decoder except lm_head). Null: not known.")
 MAX_CONTEXT_DESCRIPTION = "The longest max_seq_len a task may ask for. Null: not known."
+QUANTIZATION_DESCRIPTION = ("\"nf4\": workers hold the base's linear layers in 4 bits (NormalFloat4, QLoRA: about a "
+                            "quarter of bf16's memory, so larger bases fit a GPU); adapters train in the base's dtype "
+                            "and merged exports merge into the de-quantised weights they were trained on. Null: as "
+                            "loaded. Register the same model twice (with and without) to offer both.")
 CHAT_TEMPLATE_DESCRIPTION = ("Whether the tokenizer has a chat template: without one, tasks on chat-format files "
                              "(messages) are refused. Null: not known.")
 
@@ -57,12 +61,14 @@ class ModelOut(BaseModel):
     max_context: int | None = Field(description=MAX_CONTEXT_DESCRIPTION)
     target_modules: list[str] | None = Field(description=TARGET_MODULES_DESCRIPTION)
     chat_template: bool | None = Field(description=CHAT_TEMPLATE_DESCRIPTION)
+    quantization: Literal["nf4"] | None = Field(default=None, description=QUANTIZATION_DESCRIPTION)
 
     @classmethod
     def of(cls, m: BaseModelEntry) -> ModelOut:
         return cls(id=m.name, kind=m.kind, description=m.description, parameters=m.parameters,
                    architecture=m.architecture, max_context=m.max_context, target_modules=_targets(m),
-                   chat_template=m.chat_template)
+                   chat_template=m.chat_template,
+                   quantization=m.quantization)  # type: ignore[arg-type]  # stored only from ModelCreate's Literal
 
 
 class ModelCreate(RequestModel):
@@ -72,6 +78,7 @@ class ModelCreate(RequestModel):
     kind: Literal["hf", "gguf"] = "hf"
     file: GgufFile | None = Field(default=None, description="The GGUF file inside `path` (kind gguf only).")
     tenants: TenantIds | None = Field(default=None, description="The tenant ids that may use it; null: every tenant.")
+    quantization: Literal["nf4"] | None = Field(default=None, description=QUANTIZATION_DESCRIPTION)
 
 
 class ModelUpdate(RequestModel):
@@ -95,6 +102,7 @@ class AdminModelOut(BaseModel):
     max_context: int | None = Field(description=MAX_CONTEXT_DESCRIPTION)
     target_modules: list[str] | None = Field(description=TARGET_MODULES_DESCRIPTION)
     chat_template: bool | None = Field(description=CHAT_TEMPLATE_DESCRIPTION)
+    quantization: Literal["nf4"] | None = Field(description=QUANTIZATION_DESCRIPTION)
     tenants: list[str] | None
     created_at: UtcDateTime
     updated_at: UtcDateTime | None
@@ -106,6 +114,7 @@ class AdminModelOut(BaseModel):
             name=m.name, kind=m.kind, path=m.path, file=m.gguf_file, description=m.description,
             parameters=m.parameters, architecture=m.architecture, max_context=m.max_context,
             target_modules=_targets(m), chat_template=m.chat_template,
+            quantization=m.quantization,  # type: ignore[arg-type]  # stored only from ModelCreate's Literal
             tenants=list(m.tenants) if m.tenants is not None else None, created_at=m.created_at,
             updated_at=m.updated_at, deleted_at=m.deleted_at,
         )

@@ -474,11 +474,12 @@ class Admin:
 
     def register_model(self, name: str, path: str, *, description: str | None = None,
                        kind: str | None = None, file: str | None = None,
-                       tenants: list[str] | None = None) -> RegisteredModel:
+                       tenants: list[str] | None = None, quantization: str | None = None) -> RegisteredModel:
         """`path`: a model directory as the workers see it (kind "hf", the default) or the folder of a GGUF `file`
-        (kind "gguf"). `tenants`: the ids that may use it (default every tenant). 409 `model_exists`; 422 naming
-        what is wrong with the directory."""
-        body = _core.params(name=name, path=path, description=description, kind=kind, file=file, tenants=tenants)
+        (kind "gguf"). `tenants`: the ids that may use it (default every tenant). `quantization` "nf4": workers hold
+        its base in 4 bits (QLoRA). 409 `model_exists`; 422 naming what is wrong with the directory."""
+        body = _core.params(name=name, path=path, description=description, kind=kind, file=file, tenants=tenants,
+                            quantization=quantization)
         return RegisteredModel.of(self._c._json("POST", "/v1/admin/models", json=body, admin=True))
 
     def list_models(self, *, include_deleted: bool = False) -> Page[RegisteredModel]:

@@ -132,6 +132,7 @@ class Model(ApiObject):
     max_context: int | None = None
     target_modules: list[str] | None = None
     chat_template: bool | None = None
+    quantization: str | None = None  # "nf4": a base held in 4 bits (QLoRA)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class RegisteredModel(ApiObject):
     created_at: datetime
     chat_template: bool | None = None
     deleted_at: datetime | None = None
+    quantization: str | None = None
 
     TIMES = frozenset({"created_at", "deleted_at"})
 

@@ -193,7 +193,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         if args.action == "add":
             tenants = [_tenant_id(lp, t) for t in args.tenant] if args.tenant else None
             model = lp.admin.register_model(args.name, args.path, description=args.description, kind=args.kind,
-                                            file=args.file, tenants=tenants)
+                                            file=args.file, tenants=tenants, quantization=args.quantization)
             models, raw = [model], model.raw
         else:
             page = lp.admin.list_models(include_deleted=getattr(args, "include_deleted", False))
@@ -265,6 +265,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="a tenant (id or name) that may use it; repeat for more (default: every tenant)")
     madd.add_argument("--kind", choices=("hf", "gguf"), help="hf (default) or gguf (then give --file)")
     madd.add_argument("--file", help="the GGUF file in PATH (kind gguf)")
+    madd.add_argument("--quantization", choices=("nf4",), help="nf4: workers hold its base in 4 bits (QLoRA)")
     mlist = msub.add_parser("list", parents=[inner], help="every registered model")
     mlist.add_argument("--include-deleted", action="store_true", help="the retired models too")
     mremove = msub.add_parser("remove", parents=[inner],

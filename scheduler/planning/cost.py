@@ -113,6 +113,10 @@ PRIOR_COST = ModelCost(
 # Bytes of one frozen base parameter: the engine holds the base in bf16 on CUDA (worker/engine/base_model.py), whatever
 # the checkpoint's own dtype (a GGUF's quantized weights are dequantized to it).
 BYTES_PER_FROZEN_PARAM = 2
+# A base held in NF4 (a registered model's `quantization`: worker/engine/quantize.py): 4 bits and its blocks' scales,
+# 0.52 bytes a parameter measured (tests/engine/test_quantize.py); the embeddings and output head stay bf16, a few
+# percent of a large model's parameters: 0.6 covers them.
+BYTES_PER_FROZEN_PARAM_NF4 = 0.6
 
 
 # Device kinds: what a cost model is fitted and its priors chosen for (a CPU step is ~100x a GPU's, so a CPU run
@@ -155,10 +159,11 @@ def cpu_prior_step(parameters: int | None) -> StepTimeModel:
                          c_s_per_slot=CPU_PRIOR_STEP_S_PER_SLOT)
 
 
-def prior_cost(parameters: int | None, kind: str = GPU_DEVICE_KIND) -> ModelCost:
+def prior_cost(parameters: int | None, kind: str = GPU_DEVICE_KIND, quantization: str | None = None) -> ModelCost:
     """The cost model of a base model no pack has profiled yet on a device kind, from its parameter count (the
     registry's `parameters`; None: unknown): `PRIOR_COST`, with the frozen base's bytes as the memory's k0 when the
-    count is known, so that a model larger than a GPU is never planned onto one (a 70B base is 140 GB in bf16). On a
+    count is known, so that a model larger than a GPU is never planned onto one (a 70B base is 140 GB in bf16, 42 GB
+    held in NF4: `quantization`). On a
     GPU the step time stays the prior's: a size alone does not say how fast the engine steps on a given GPU; on the
     CPU it is `cpu_prior_step` of the size. The memory model is the same on both (the CPU's memory is planned as
     a GPU's is)."""
@@ -167,7 +172,8 @@ def prior_cost(parameters: int | None, kind: str = GPU_DEVICE_KIND) -> ModelCost
         cost = replace(cost, step=cpu_prior_step(parameters))
     if parameters is None or parameters <= 0:
         return cost
-    return replace(cost, memory=replace(cost.memory, k0_bytes=float(BYTES_PER_FROZEN_PARAM * parameters)))
+    per_param = BYTES_PER_FROZEN_PARAM_NF4 if quantization == "nf4" else BYTES_PER_FROZEN_PARAM
+    return replace(cost, memory=replace(cost.memory, k0_bytes=float(per_param * parameters)))
 
 
 @dataclass(frozen=True)

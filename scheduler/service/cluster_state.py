@@ -49,11 +49,11 @@ def load_costs(
     device kind (`cost.device_kind`), and its priors (the estimates: a CPU run must not teach a GPU estimate); None:
     every pack, and the GPU priors (the daemon's planner, which has one cost model per base model)."""
     costs = _fitted_costs(session, models, kind)
-    registered = select(BaseModelEntry.name, BaseModelEntry.parameters)
+    registered = select(BaseModelEntry.name, BaseModelEntry.parameters, BaseModelEntry.quantization)
     if models is not None:
         registered = registered.where(BaseModelEntry.name.in_(list(models)))
-    for model, parameters in session.execute(registered):
-        costs.setdefault(model, prior_cost(parameters, kind or GPU_DEVICE_KIND))
+    for model, parameters, quantization in session.execute(registered):
+        costs.setdefault(model, prior_cost(parameters, kind or GPU_DEVICE_KIND, quantization))
     ratios: dict[str, list[float]] = {}
     running = select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.progress.is_not(None))
     if models is not None:

@@ -7,7 +7,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from common.tables import Task
+from common.db import session_scope
+from common.registry import model_source_fields
+from common.tables import BaseModelEntry, Task
+from scheduler.service.cluster_state import load_costs
 from tests.common.gguf_files import llama_gguf
 from tests.factories import ADMIN, TenantKey, count_rows, make_task, prompt_rows, task_body, update_row, upload
 from tests.model_dirs import copy_without, with_config
@@ -398,3 +401,25 @@ def test_restore_checks_the_files_again_and_takes_names_with_slashes(
     assert client.get("/v1/admin/models/restore", headers=ADMIN).json()["name"] == "restore"
     r = client.post("/v1/admin/models/x/restore", headers=ADMIN)  # restore of "x": no such model
     assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
+
+
+def test_a_model_registered_in_nf4_says_so_and_its_packs_load_it_so(client: TestClient, tenant: TenantKey,
+                                                                    tiny_model_dir: Path) -> None:
+    """The same directory registered twice, once held in 4 bits: each shows its quantization, a worker is told it
+    with the model (common/registry.py `model_source_fields`: what a pack message carries), and the planner's prior
+    for it counts 0.6 bytes a parameter; any other quantization is a 422."""
+    r = client.post("/v1/admin/models", headers=ADMIN, json={"name": "acme/tiny-nf4", "path": str(tiny_model_dir),
+                                                               "quantization": "nf4"})
+    assert r.status_code == 201 and r.json()["quantization"] == "nf4", r.text
+    plain = client.post("/v1/admin/models", headers=ADMIN, json={"name": "acme/tiny", "path": str(tiny_model_dir)})
+    assert plain.json()["quantization"] is None
+    assert client.get("/v1/models/acme/tiny-nf4", headers=tenant.headers).json()["quantization"] == "nf4"
+    bad = client.post("/v1/admin/models", headers=ADMIN, json={"name": "acme/tiny-int3", "path": str(tiny_model_dir),
+                                                                 "quantization": "int3"})
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "quantization", bad.text
+    with session_scope() as session:
+        entry = session.get_one(BaseModelEntry, "acme/tiny-nf4")
+        assert model_source_fields(entry)["quantization"] == "nf4"
+        costs = load_costs(session, ["acme/tiny-nf4", "acme/tiny"])
+    assert costs["acme/tiny-nf4"].memory.k0_bytes == 0.6 * 107_200
+    assert costs["acme/tiny"].memory.k0_bytes == 2 * 107_200

@@ -13,7 +13,7 @@ def test_list_models_shows_the_registry(client: TestClient, tenant: TenantKey) -
     smol = models["smollm2-135m-instruct"]
     assert (smol["object"], smol["kind"], smol["parameters"]) == ("model", "gguf-package", 134_515_008)
     assert set(smol) == {"id", "object", "kind", "description", "parameters", "architecture", "max_context",
-                         "target_modules", "chat_template"}
+                         "target_modules", "chat_template", "quantization"}
     # The built-ins say what tasks are checked against: both are Llamas with a chat template.
     llama_targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert (smol["architecture"], smol["max_context"], smol["target_modules"], smol["chat_template"]) == (

@@ -135,3 +135,9 @@ def test_the_prior_of_a_model_of_known_size_holds_its_frozen_bf16_weights() -> N
     assert cost.memory.k1_bytes_per_token == PRIOR_COST.memory.k1_bytes_per_token
     assert cost.step == PRIOR_COST.step and cost.prior  # nothing measured: the step time is the prior's
     assert cost.memory.predict(1000, 0) == PRIOR_COST.memory.predict(1000, 0) + 140_000_000_000
+
+
+def test_the_prior_of_a_base_held_in_nf4_holds_its_4_bit_weights() -> None:
+    cost = prior_cost(70_000_000_000, quantization="nf4")
+    assert cost.memory.k0_bytes == 42e9  # 0.6 bytes a parameter: a 70B base fits one 80 GB GPU
+    assert cost.memory.k0_bytes < 80 * 2**30 < prior_cost(70_000_000_000).memory.k0_bytes

@@ -29,6 +29,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from worker.engine.quantize import QUANTIZATIONS, quantize_nf4
+
 logger = logging.getLogger(__name__)
 
 MODEL_KINDS = ("tiny-random-llama", "hf", "gguf", "gguf-package")
@@ -64,6 +66,7 @@ class ModelSource:
         package: Python package whose folder holds ``gguf_file``, kind ``"gguf-package"`` only.
         gguf_file: file name of the GGUF checkpoint inside that folder.
         tokenizer: the synthetic model's tokenizer, kind ``"tiny-random-llama"`` only (required there).
+        quantization: ``"nf4"``: its linear layers held in 4 bits (worker/engine/quantize.py); None: as loaded.
     """
 
     name: str
@@ -72,6 +75,7 @@ class ModelSource:
     package: str | None = None
     gguf_file: str | None = None
     tokenizer: TokenizerRecipe | None = None
+    quantization: str | None = None
 
 
 def base_dtype(device: torch.device) -> torch.dtype:
@@ -126,6 +130,11 @@ def load_base_model(
     nn.Module.to(model, device)  # unbound: transformers' decorated ``to`` trips mypy
     model.requires_grad_(False)
     model.eval()
+    if source.quantization == "nf4":
+        quantize_nf4(model)
+    elif source.quantization is not None:
+        raise ValueError(f"model source {source.name!r}: unknown quantization {source.quantization!r}, want one of "
+                         f"{QUANTIZATIONS}")
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"model source {source.name!r}: tokenizer has neither a pad nor an eos token")
