@@ -89,13 +89,16 @@ def materialise(shape: str, directory: Path, layers: int | None = None) -> tuple
 
 
 def build(shape: str, device: torch.device, *, layers: int | None = None, shard: bool = False,
-          seed: int = 0, reshard_after_forward: bool = True) -> Any:
+          seed: int = 0, reshard_after_forward: bool = True, quantization: str | None = None) -> Any:
     """A frozen random-weight model of `shape` made on `device`, never written to disk: bf16 on CUDA, fp32 on the
     CPU. Each weight is drawn whole on `device` from a generator seeded by its name and `seed`, so every build
     has the same weights on every device of a kind. With `shard` (torch.distributed initialised), the model is
     made on the meta device, its decoder layers are sharded over the ranks (`shard_base`) and each rank keeps only
     its shard of each weight, one whole weight in memory at a time: a shape one GPU cannot hold (70B) is built
-    over several in place, where writing it to disk first took ~84 GB and ran the device's disk out (issue 37)."""
+    over several in place, where writing it to disk first took ~84 GB and ran the device's disk out (issue 37).
+    With `quantization` "nf4" (issue 36) each linear layer's weight but the output head's is held in NF4 as soon as
+    it is drawn (worker/engine/quantize.py), one whole bf16 weight in memory at a time: a 70B base in NF4 is built
+    on one GPU that could not hold it in bf16."""
     from torch.distributed.tensor import DTensor
 
     from worker.engine.distributed import shard_base
@@ -104,6 +107,8 @@ def build(shape: str, device: torch.device, *, layers: int | None = None, shard:
     with torch.device("meta"):
         model: Any = AutoModelForCausalLM.from_config(config, dtype=base_dtype(device))
     model.requires_grad_(False)
+    if quantization is not None:
+        return _build_quantized(model, config, device, seed, quantization)
     if shard:
         # gives the meta model empty storage on `device`, shards included
         shard_base(model, device=device, reshard_after_forward=reshard_after_forward)
@@ -127,6 +132,40 @@ def build(shape: str, device: torch.device, *, layers: int | None = None, shard:
                 param.copy_(whole)
             del whole
         # Buffers computed from the config (RoPE's inverse frequencies) are not weights: made again on `device`.
+        for path, module in list(model.named_modules()):
+            if hasattr(module, "inv_freq"):
+                model.set_submodule(path, type(module)(config=config).to(device))
+    return model
+
+
+def _build_quantized(model: Any, config: Any, device: torch.device, seed: int, quantization: str) -> Any:
+    """`build`'s meta model given its weights one at a time on `device` (drawn as `build` draws them), each linear
+    weight but the output head's held in NF4 at once."""
+    from worker.engine.quantize import NF4_BLOCK, nf4_parameter
+
+    if quantization != "nf4":
+        raise ValueError(f"unknown quantization {quantization!r}")
+    head = model.get_output_embeddings()
+    std = float(getattr(config, "initializer_range", 0.02))
+    generator = torch.Generator(device=device)
+    with torch.no_grad():
+        for path, module in list(model.named_modules()):
+            for name, param in list(module.named_parameters(recurse=False)):
+                full = f"{path}.{name}" if path else name
+                generator.manual_seed(zlib.crc32(full.encode()) ^ seed)
+                if full.endswith("norm.weight"):
+                    whole = torch.ones(param.shape, device=device, dtype=param.dtype)
+                else:
+                    whole = torch.empty(param.shape, device=device, dtype=param.dtype).normal_(
+                        0.0, std, generator=generator)
+                linear = isinstance(module, torch.nn.Linear) and module is not head and name == "weight"
+                if linear and whole.numel() % NF4_BLOCK == 0:
+                    setattr(module, name, nf4_parameter(whole))
+                else:
+                    setattr(module, name, torch.nn.Parameter(whole, requires_grad=False))
+                del whole
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()  # the head drawn above is dropped for the embeddings, as the config says
         for path, module in list(model.named_modules()):
             if hasattr(module, "inv_freq"):
                 model.set_submodule(path, type(module)(config=config).to(device))

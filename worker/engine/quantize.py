@@ -26,6 +26,11 @@ NF4_BLOCK = 64  # values per 4-bit block (torchao's default, QLoRA's)
 NF4_SCALER_BLOCK = 256  # block scales per 8-bit second-level block, at most
 
 
+def nf4_parameter(weight: torch.Tensor) -> nn.Parameter:
+    """``weight`` (a linear layer's, a whole number of NF4 blocks) as a frozen NF4 parameter."""
+    return nn.Parameter(_nf4(weight), requires_grad=False)
+
+
 def _nf4(weight: torch.Tensor) -> Any:
     # Imported here: torchao is loaded only where a quantised base is (its import costs a second and logs a line
     # about CUDA kernels it cannot load on a CPU).
@@ -48,7 +53,7 @@ def quantize_nf4(model: nn.Module) -> int:
             log.warning("layer %s (%s) is not a whole number of NF4 blocks: left unquantised", name,
                         tuple(module.weight.shape))
             continue
-        module.weight = nn.Parameter(_nf4(module.weight), requires_grad=False)
+        module.weight = nf4_parameter(module.weight)
         done += 1
     return done
 
