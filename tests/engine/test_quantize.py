@@ -1,6 +1,7 @@
 """4-bit bases (issue 36, worker/engine/quantize.py) on the tiny model, on the CPU as on a GPU: its linear layers in
 NF4 take about a quarter of their bf16 bytes; a pack on the NF4 base trains as the pack on the full base does within a
-stated tolerance; the merged export de-quantises the base the adapter was trained on and gives the engine's logits."""
+stated tolerance; the merged export de-quantises the base the adapter was trained on and gives the engine's logits; a
+base in a safetensors directory loads straight into NF4, tensor by tensor, the same as loaded whole and quantised."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
@@ -15,7 +17,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from common.messages import ExportRequest, ModelSourceFields
 from tests.engine.factories import CPU, TINY, make_spec
 from worker.engine import PackCallbacks, PackConfig, adapter_logits, load_base_model, train_pack
-from worker.engine.quantize import dequantize, is_quantized, tensor_bytes
+from worker.engine.base_model import ModelSource, materialize_tiny_llama
+from worker.engine.quantize import dequantize, is_quantized, load_nf4_streamed, quantize_nf4, tensor_bytes
 from worker.exports import merge_adapter
 
 NF4 = dataclasses.replace(TINY, quantization="nf4")
@@ -76,3 +79,35 @@ def test_the_merged_export_of_an_nf4_base_is_the_dequantised_base_plus_the_adapt
     with torch.no_grad():
         wrong = adapter_logits(full, adapter, ids["input_ids"], ids["attention_mask"])
     assert (wrong - want).abs().max() > 10 * (got - want).abs().max()
+
+
+def test_a_directory_base_loads_straight_into_nf4_as_loaded_whole_and_quantised(
+    model_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kind "hf" in NF4 never builds the bf16 base whole (a 70B base would not fit the device): the model is made on
+    the meta device and each weight read from its file and quantised in turn. Same codes, same scales, same logits
+    as the whole load quantised after."""
+    directory = materialize_tiny_llama(model_cache / "tiny-random-llama", TINY.tokenizer)  # type: ignore[arg-type]
+    source = ModelSource(name="tiny-hf", kind="hf", path=str(directory), quantization="nf4")
+    whole, tokenizer = load_base_model(dataclasses.replace(source, quantization=None), cache_dir=model_cache,
+                                       device=CPU)
+    whole_layers = sum(1 for m in whole.modules() if isinstance(m, nn.Linear)) - 1  # all but the output head
+    assert quantize_nf4(whole) == whole_layers
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the base was loaded whole")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", never)
+    streamed, _ = load_base_model(source, cache_dir=model_cache, device=CPU)
+    ours, theirs = dict(streamed.named_parameters()), dict(whole.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, param in ours.items():
+        if is_quantized(param):
+            for part in ("quantized_data", "quantized_scalers", "quantization_factor"):
+                assert torch.equal(getattr(param, part), getattr(theirs[name], part)), (name, part)
+        else:
+            assert not is_quantized(theirs[name]) and torch.equal(param, theirs[name]), name
+    ids = tokenizer(["3 plus 4 is 7"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(streamed(ids).logits, whole(ids).logits, rtol=0, atol=0)
+    assert load_nf4_streamed(model_cache, dtype=torch.float32, device=CPU) is None  # no safetensors there

@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from worker.engine.quantize import QUANTIZATIONS, quantize_nf4
+from worker.engine.quantize import QUANTIZATIONS, load_nf4_streamed, quantize_nf4
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,10 @@ def load_base_model(
     elif source.kind == "hf":
         if not source.path:
             raise ValueError(f"model source {source.name!r}: kind 'hf' needs a path")
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
+        streamed = None
+        if source.quantization == "nf4" and Path(source.path).is_dir():  # never whole on the device in bf16
+            streamed = load_nf4_streamed(Path(source.path), dtype=dtype, device=device)
+        model = streamed or AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(source.path)
     elif source.kind in ("gguf", "gguf-package"):
         model, tokenizer = _load_gguf(source, cache_dir=Path(cache_dir), dtype=dtype)

@@ -8,16 +8,23 @@ too (the suite tests the layers the GPUs run), it is what torchtune's QLoRA uses
 (``kernels.lora_linear`` sends a quantised weight through ``F.linear`` and the LoRA delta through its torch path).
 The output projection and the embeddings stay in the base's dtype, as QLoRA keeps them.
 
-A layer whose size NF4's blocks do not divide is left as it is (logged): real models' projections all fit."""
+A layer whose size NF4's blocks do not divide is left as it is (logged): real models' projections all fit.
+
+A base in a directory of safetensors is loaded straight into NF4 (`load_nf4_streamed`): the model made on the meta
+device, each tensor read from its file onto the device and a linear weight quantised at once, so the device never holds
+the bf16 base whole (a 70B base is 140 GB in bf16; a GPU holds its 37 GiB in NF4: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -86,3 +93,44 @@ def tensor_bytes(model: nn.Module) -> int:
         else:
             total += tensor.numel() * tensor.element_size()
     return total
+
+
+def load_nf4_streamed(path: Path, *, dtype: torch.dtype, device: torch.device) -> PreTrainedModel | None:
+    """The model in the directory ``path`` on ``device`` with its linear layers in NF4, read tensor by tensor from its
+    safetensors files; None where it cannot be (no safetensors, or a checkpoint whose names are not the model's own:
+    transformers renames some architectures' weights as it loads them), for the caller to load it whole."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model: Any = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.requires_grad_(False)
+    head = model.get_output_embeddings()
+    owners = {f"{name}.{p}": (module, p) for name, module in model.named_modules()
+              for p, _ in module.named_parameters(recurse=False)}
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open's handle is no mapping
+                    if key not in owners:
+                        log.info("%s: weight %s is not the model's own name; loading the base whole", path, key)
+                        return None
+                    module, name = owners.pop(key)
+                    tensor = f.get_tensor(key).to(dtype)
+                    linear = isinstance(module, nn.Linear) and module is not head and name == "weight"
+                    quantise = linear and tensor.numel() % NF4_BLOCK == 0
+                    value = nf4_parameter(tensor) if quantise else nn.Parameter(tensor, requires_grad=False)
+                    setattr(module, name, value)
+                    del tensor
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
+        missing = [key for key, (module, name) in owners.items() if getattr(module, name).is_meta]
+        if missing:
+            log.info("%s: no weights for %s; loading the base whole", path, missing[:3])
+            return None
+        for name, module in list(model.named_modules()):  # buffers computed from the config (RoPE's frequencies)
+            if any(b.is_meta for b in module.buffers(recurse=False)):
+                model.set_submodule(name, type(module)(config=config).to(device))
+    model.eval()
+    return model
