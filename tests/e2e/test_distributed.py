@@ -290,3 +290,43 @@ def test_registered_models_of_two_families_train_and_export_end_to_end(
                 base_logits = model(**inputs).logits.clone()
                 tuned_logits = PeftModel.from_pretrained(model, str(adapter))(**inputs).logits
             assert (tuned_logits - base_logits).abs().max().item() > 1e-4, family
+
+
+def test_a_base_registered_in_nf4_trains_in_4_bits_and_merges_into_its_dequantised_weights(
+    services: tuple[Cluster, str], tmp_path: Path
+) -> None:
+    """An operator registers one directory twice, once with `quantization: nf4` (issue 36); the same trial on each
+    trains through the service, the 4-bit one's losses a little off the full one's (its frozen weights rounded), and
+    its merged export holds, where no adapter touched, the de-quantised 4-bit weight, not the checkpoint's own."""
+    import torch
+    from safetensors.torch import load_file
+
+    from loraplane.client import Client
+    from tests.model_dirs import tiny_model_dir
+    from worker.engine.quantize import nf4_parameter
+
+    c, base_url = services
+    c.start("worker-q", "worker", "--worker-id", "e2e-nf4")
+    directory = tiny_model_dir("llama", tmp_path / "models" / "llama")
+    with Client(base_url, admin_token=ADMIN_TOKEN, timeout=30) as operator:
+        assert operator.admin.register_model("tiny-nf4", str(directory), quantization="nf4").quantization == "nf4"
+        assert operator.admin.register_model("tiny-full", str(directory)).quantization is None
+    with tenant_client(base_url, ADMIN_TOKEN, "team-nf4") as lp:
+        assert {m.id: m.quantization for m in lp.models.list().data}["tiny-nf4"] == "nf4"
+        file_id = upload(lp, arithmetic_rows())
+        space = {"learning_rate": [5e-3], "lora_rank": [4], "batch_size": [4], "target_modules": [["q_proj", "v_proj"]]}
+        tasks = {name: submit(lp, {**grid_task(file_id, base_model=name), "search_space": space}).id
+                 for name in ("tiny-nf4", "tiny-full")}
+        losses = {}
+        for name, task_id in tasks.items():
+            events, ended = follow_events(lp, task_id)
+            assert ended.state == "succeeded", (name, [(e.type, e.message) for e in events])
+            (curve,) = lp.tasks.curves(task_id)
+            losses[name] = torch.tensor([point[3] for point in curve["train"]])
+        assert len(losses["tiny-nf4"]) == 6 and not torch.equal(losses["tiny-nf4"], losses["tiny-full"])
+        assert_rel_close(losses["tiny-nf4"], losses["tiny-full"], 0.02)
+        merged = lp.tasks.download_adapter(tasks["tiny-nf4"], tmp_path / "merged", merged=True, timeout=300)
+    weights, original = load_file(merged / "model.safetensors"), load_file(directory / "model.safetensors")
+    untouched = "model.layers.0.self_attn.o_proj.weight"  # the adapter is on q_proj and v_proj only
+    want = nf4_parameter(original[untouched].float()).get_original_weight()
+    assert torch.equal(weights[untouched].float(), want) and not torch.equal(want, original[untouched].float())
