@@ -36,7 +36,7 @@ class RowError:
 @dataclass
 class DatasetReport:
     rows: int = 0
-    format: str | None = None  # "messages" | "prompt_completion"
+    format: str | None = None  # "messages" | "prompt_completion" | "preference" | "preference_messages"
     errors: list[RowError] = field(default_factory=list)
     error_count: int = 0
 
@@ -45,21 +45,70 @@ class DatasetReport:
         return self.error_count == 0 and self.rows > 0
 
 
+# The formats of preference rows (issue 36: what DPO trains on): a prompt and two answers to it, the preferred and the
+# other, as plain text or as a chat.
+PREFERENCE_FORMATS = ("preference", "preference_messages")
+
+
+def _check_messages(messages: Any, name: str) -> str | None:
+    """The error of a list of chat messages (None: fine)."""
+    if not isinstance(messages, list) or not messages:
+        return f"'{name}' must be a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"{name}[{i}] must be an object"
+        if m.get("role") not in ROLES:
+            return f"{name}[{i}].role must be one of {sorted(ROLES)}"
+        if not isinstance(m.get("content"), str):
+            return f"{name}[{i}].content must be a string"
+    return None
+
+
+def _check_answer(answer: Any, name: str) -> str | None:
+    """A preference row's chosen or rejected answer in the chat form: an assistant message, or a list of messages
+    ending with a non-empty assistant one (OpenAI's `preferred_output` shape)."""
+    messages = [answer] if isinstance(answer, dict) else answer
+    error = _check_messages(messages, name)
+    if error:
+        return error
+    if messages[-1]["role"] != "assistant" or not messages[-1]["content"]:
+        return f"'{name}' must end with a non-empty assistant message"
+    return None
+
+
+def _check_preference(row: dict[str, Any]) -> tuple[str | None, str | None]:
+    """A preference row: `prompt`, `chosen` and `rejected` as strings, or `messages` (the prompt) with `chosen` and
+    `rejected` assistant answers."""
+    if "messages" in row:
+        error = _check_messages(row["messages"], "messages")
+        if error is None and row["messages"][-1]["role"] == "assistant":
+            error = "a preference row's 'messages' is the prompt: it must not end with an assistant message"
+        for name in ("chosen", "rejected"):
+            error = error or _check_answer(row.get(name), name)
+        if error is None and row["chosen"] == row["rejected"]:
+            error = "'chosen' and 'rejected' are the same answer: the row teaches nothing"
+        return (None, error) if error else ("preference_messages", None)
+    if not isinstance(row.get("prompt"), str):
+        return None, "'prompt' must be a string"
+    for name in ("chosen", "rejected"):
+        if not isinstance(row.get(name), str) or not row[name]:
+            return None, f"'{name}' must be a non-empty string"
+    if row["chosen"] == row["rejected"]:
+        return None, "'chosen' and 'rejected' are the same answer: the row teaches nothing"
+    return "preference", None
+
+
 def _check_row(row: Any) -> tuple[str | None, str | None]:
     """Returns (format, error) for one parsed row."""
     if not isinstance(row, dict):
         return None, "row must be a JSON object"
+    if "chosen" in row or "rejected" in row:
+        return _check_preference(row)
     if "messages" in row:
         messages = row["messages"]
-        if not isinstance(messages, list) or not messages:
-            return None, "'messages' must be a non-empty list"
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                return None, f"messages[{i}] must be an object"
-            if m.get("role") not in ROLES:
-                return None, f"messages[{i}].role must be one of {sorted(ROLES)}"
-            if not isinstance(m.get("content"), str):
-                return None, f"messages[{i}].content must be a string"
+        error = _check_messages(messages, "messages")
+        if error:
+            return None, error
         if not any(m["role"] == "assistant" and m["content"] for m in messages):
             return None, "a 'messages' row needs at least one non-empty assistant message to learn from"
         return "messages", None

@@ -87,7 +87,7 @@ class File(Base):
     purpose: Mapped[str] = mapped_column(String(40), default="fine-tune")
     bytes: Mapped[int] = mapped_column(BigInteger)
     rows: Mapped[int] = mapped_column(Integer)
-    format: Mapped[str] = mapped_column(String(40))  # "messages" | "prompt_completion"
+    format: Mapped[str] = mapped_column(String(40))  # "messages" | "prompt_completion" | "preference[_messages]"
     sha256: Mapped[str] = mapped_column(String(64))
     storage_key: Mapped[str] = mapped_column(String(300))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -29,7 +29,7 @@ from api.services.trackers import add_trackers, check_integrations, shown_integr
 from common import search_space as ss
 from common.architectures import ALL_LINEAR, target_modules_for
 from common.bus import wake_scheduler
-from common.datasets import SMALL_VALIDATION_ROWS, default_validation_split, validation_rows
+from common.datasets import PREFERENCE_FORMATS, SMALL_VALIDATION_ROWS, default_validation_split, validation_rows
 from common.egress import Egress
 from common.events import record_event
 from common.registry import may_use
@@ -167,6 +167,15 @@ def check_context(model: BaseModelEntry, max_seq_len: int) -> None:
                       code="max_seq_len_over_context")
 
 
+def _check_not_preferences(file: File, field: str) -> None:
+    """Preference rows (prompt, chosen, rejected: common/datasets.py) train with the DPO objective, which tasks cannot
+    ask for yet: refused here rather than trained as something they are not."""
+    if file.format in PREFERENCE_FORMATS:
+        raise invalid(f"{field} '{file.id}' holds preference rows (chosen and rejected answers), which train with "
+                      "the DPO objective; tasks train on prompt/completion or chat rows for now (DPO is not "
+                      "available yet).", param=field, code="preference_rows_need_dpo")
+
+
 def _check_chat_template(model: BaseModelEntry, file: File, field: str) -> None:
     """Chat rows are rendered with the tokenizer's chat template: refused where the model has none (None: not
     known, accepted)."""
@@ -291,12 +300,14 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
     model = usable_model(session, tenant, body.base_model, lock=True)
     check_context(model, body.max_seq_len)
     train = owned_file(session, tenant, body.training_file, "training_file")
+    _check_not_preferences(train, "training_file")
     _check_chat_template(model, train, "training_file")
     budget = resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
                             validation_split=body.validation_split, training_rows=train.rows)
     files = [("training_file", train)]
     if body.validation_file is not None:
         files.append(("validation_file", owned_file(session, tenant, body.validation_file, "validation_file")))
+        _check_not_preferences(files[-1][1], "validation_file")
         _check_chat_template(model, files[-1][1], "validation_file")
     shortened = check_row_lengths(session, model, files, body.max_seq_len)
     n_train = train_rows(train, budget.validation_split)

@@ -9,8 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from common.artifacts import file_key, get_artifact_store
-from common.tables import File
-from tests.factories import ADMIN, TenantKey, chat_rows, count_rows, make_task, prompt_rows, upload
+from common.tables import File, Task
+from tests.factories import ADMIN, TenantKey, chat_rows, count_rows, make_task, prompt_rows, task_body, upload
 
 USER = {"role": "user", "content": "hi"}
 ASSISTANT = {"role": "assistant", "content": "hello"}
@@ -36,6 +36,28 @@ def test_upload_prompt_completion_file(client: TestClient, tenant: TenantKey) ->
     body = upload(client, tenant, prompt_rows(5))
     assert (body["rows"], body["format"]) == (5, "prompt_completion")
 
+
+
+def test_a_preference_file_uploads_and_a_task_on_it_is_refused_until_dpo_trains(client: TestClient,
+                                                                                tenant: TenantKey) -> None:
+    """Preference rows (issue 36) upload and say their format; a task cannot train on them yet (as training or
+    validation file): a 422 naming the file, nothing created."""
+    rows = "".join(_line({"prompt": f"{i} plus 1 is", "chosen": f" {i + 1}", "rejected": f" {i + 2}"}) + "\n"
+                   for i in range(6)).encode()
+    body = upload(client, tenant, rows, filename="prefs.jsonl")
+    assert (body["rows"], body["format"]) == (6, "preference")
+    chat = upload(client, tenant, (_line({"messages": [USER], "chosen": ASSISTANT,
+                                          "rejected": {"role": "assistant", "content": "bye"}}) + "\n").encode())
+    assert chat["format"] == "preference_messages"
+    tasks_before = count_rows(Task)
+    sft = upload(client, tenant, prompt_rows(8))["id"]
+    for fields, param in (({"training_file": body["id"]}, "training_file"),
+                          ({"training_file": sft, "validation_file": chat["id"]}, "validation_file")):
+        r = client.post("/v1/tasks", headers=tenant.headers, json={**task_body(sft), **fields})
+        error = r.json()["error"]
+        assert (r.status_code, error["code"], error["param"]) == (422, "preference_rows_need_dpo", param), r.text
+        assert "DPO" in error["message"]
+    assert count_rows(Task) == tasks_before
 
 @pytest.mark.parametrize(
     ("content", "line", "fragment"),

@@ -1,5 +1,5 @@
-"""JSONL validation as it streams: the same report however the file is cut, bounded lines, and the worker's
-parser agreeing with the validator's row count."""
+"""JSONL validation as it streams: the same report however the file is cut, bounded lines, the worker's parser
+agreeing with the validator's row count, and preference rows (issue 36) in their two forms, each problem line named."""
 
 from __future__ import annotations
 
@@ -144,3 +144,43 @@ def test_the_default_validation_split_holds_out_128_rows_where_a_tenth_holds_few
     assert default_validation_split(rows) == split
     assert validation_rows(rows, default_validation_split(rows)) == held_out
     assert held_out >= min(DEFAULT_VALIDATION_ROWS, round(rows * MAX_DEFAULT_VALIDATION_SPLIT))
+
+
+USER, ASSISTANT = {"role": "user", "content": "2 plus 2?"}, {"role": "assistant", "content": "4"}
+WRONG = {"role": "assistant", "content": "5"}
+
+
+@pytest.mark.parametrize(("row", "fmt"), [
+    ({"prompt": "2 plus 2 is", "chosen": " 4", "rejected": " 5"}, "preference"),
+    ({"prompt": "", "chosen": "yes", "rejected": "no"}, "preference"),  # no prompt: an unconditioned preference
+    ({"messages": [USER], "chosen": ASSISTANT, "rejected": WRONG}, "preference_messages"),
+    ({"messages": [{"role": "system", "content": "terse"}, USER], "chosen": [ASSISTANT], "rejected": [WRONG]},
+     "preference_messages"),  # OpenAI's preferred_output shape: a list ending with the assistant's answer
+], ids=["text", "empty-prompt", "chat", "chat-lists"])
+def test_preference_rows_are_accepted_in_both_forms(row: dict[str, object], fmt: str) -> None:
+    report = validate_jsonl(((json.dumps(row) + "\n") * 3).encode())
+    assert (report.ok, report.rows, report.format) == (True, 3, fmt)
+
+
+@pytest.mark.parametrize(("row", "fragment"), [
+    ({"prompt": "p", "chosen": "a"}, "'rejected' must be a non-empty string"),
+    ({"prompt": "p", "chosen": "", "rejected": "b"}, "'chosen' must be a non-empty string"),
+    ({"prompt": 3, "chosen": "a", "rejected": "b"}, "'prompt' must be a string"),
+    ({"prompt": "p", "chosen": "same", "rejected": "same"}, "the same answer"),
+    ({"messages": [USER, ASSISTANT], "chosen": ASSISTANT, "rejected": WRONG}, "must not end with an assistant"),
+    ({"messages": [USER], "chosen": USER, "rejected": WRONG}, "'chosen' must end with a non-empty assistant"),
+    ({"messages": [USER], "chosen": ASSISTANT, "rejected": []}, "'rejected' must be a non-empty list"),
+    ({"messages": [USER], "chosen": {"role": "robot", "content": "x"}, "rejected": WRONG}, "chosen[0].role"),
+    ({"messages": [USER], "chosen": ASSISTANT, "rejected": ASSISTANT}, "the same answer"),
+], ids=["no-rejected", "empty-chosen", "prompt-not-text", "same-answers", "prompt-ends-answered", "chosen-not-answer",
+        "empty-rejected", "bad-role", "same-chat-answers"])
+def test_a_bad_preference_row_is_its_lines_error(row: dict[str, object], fragment: str) -> None:
+    good = json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"})
+    report = validate_jsonl(f"{good}\n{json.dumps(row)}\n{good}\n".encode())
+    assert not report.ok and report.rows == 2 and report.error_count == 1
+    assert report.errors[0].line == 2 and fragment in report.errors[0].message, report.errors
+
+
+def test_preference_rows_and_completion_rows_do_not_mix() -> None:
+    report = validate_jsonl(b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "completion": "c"}\n')
+    assert report.errors[0].line == 2 and "'preference' format" in report.errors[0].message
