@@ -320,6 +320,19 @@ class Pack(Base):
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
+class SamplingUsage(Base):
+    """One sampling request answered (issue 35: completions from a trial, a checkpoint or a base model): its tokens,
+    counted in its tenant's usage (common/usage.py). Written by the API once the answer is whole."""
+
+    __tablename__ = "sampling_usage"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    model: Mapped[str] = mapped_column(String(200))  # what answered, as the response's `model` names it
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
 class TrialUsage(Base):
     """What one trial trained in one pack, from its worker's `trial.finished` report (completed, stopped, paused or
     failed there): the pack's GPU time is shared among its trials by these tokens (common/usage.py)."""

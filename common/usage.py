@@ -28,7 +28,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from common import states
-from common.tables import Checkpoint, File, Pack, Task, Trial, TrialUsage, as_utc, utcnow
+from common.tables import Checkpoint, File, Pack, SamplingUsage, Task, Trial, TrialUsage, as_utc, utcnow
 
 
 def share_pack(seconds: float, trial_ids: Sequence[str], tokens: Mapping[str, int]) -> dict[str, float]:
@@ -94,10 +94,11 @@ class Usage:
     trials: dict[str, int] = field(default_factory=dict)  # ended trials by final state
     storage_bytes: int = 0  # live uploaded files and kept checkpoints, now
     checkpoint_bytes: int = 0  # of which the kept checkpoints
+    sampling_tokens: int = 0  # prompt and answer tokens of its sampling requests answered in the window
 
     def rounded(self) -> Usage:
         return Usage(round(self.gpu_seconds, 3), self.tokens, dict(self.trials), self.storage_bytes,
-                     self.checkpoint_bytes)
+                     self.checkpoint_bytes, self.sampling_tokens)
 
 
 def _tokens_by_pack(session: Session, pack_ids: Iterable[str]) -> dict[str, dict[str, int]]:
@@ -174,22 +175,29 @@ def tenant_usage(
     now: datetime | None = None,
 ) -> dict[str, Usage]:
     """Usage per tenant inside the window: GPU seconds (pack time inside it, shared by tokens), tokens trained (the
-    reports that arrived inside it), trials by final state (those of tasks that ended inside it) and the bytes of
-    live uploaded files and kept checkpoints now. `tenant_ids` None: every tenant with any of it."""
+    reports that arrived inside it), tokens of the sampling requests answered inside it, trials by final state (those
+    of tasks that ended inside it) and the bytes of live uploaded files and kept checkpoints now. `tenant_ids` None:
+    every tenant with any of it."""
     usage: dict[str, Usage] = defaultdict(Usage)
     for tenant_id, seconds in gpu_seconds_by_tenant(session, window, now).items():
         usage[tenant_id].gpu_seconds += seconds
     tokens = select(TrialUsage.tenant_id, func.sum(TrialUsage.tokens)).group_by(TrialUsage.tenant_id)
+    sampled = (select(SamplingUsage.tenant_id, func.sum(SamplingUsage.prompt_tokens + SamplingUsage.completion_tokens))
+               .group_by(SamplingUsage.tenant_id))
     ended = (select(Trial.tenant_id, Trial.state, func.count()).join(Task, Task.id == Trial.task_id)
              .where(Task.finished_at.is_not(None)).group_by(Trial.tenant_id, Trial.state))
     if window[0] is not None:
         tokens = tokens.where(TrialUsage.created_at >= window[0])
+        sampled = sampled.where(SamplingUsage.created_at >= window[0])
         ended = ended.where(Task.finished_at >= window[0])
     if window[1] is not None:
         tokens = tokens.where(TrialUsage.created_at < window[1])
+        sampled = sampled.where(SamplingUsage.created_at < window[1])
         ended = ended.where(Task.finished_at < window[1])
     for tenant_id, n in session.execute(tokens):
         usage[tenant_id].tokens += int(n or 0)
+    for tenant_id, n in session.execute(sampled):
+        usage[tenant_id].sampling_tokens += int(n or 0)
     for tenant_id, state, n in session.execute(ended):
         usage[tenant_id].trials[state] = int(n)
     storage = select(File.tenant_id, func.sum(File.bytes)).where(File.deleted_at.is_(None)).group_by(File.tenant_id)

@@ -98,8 +98,9 @@ def database() -> Iterator[str]:
     admin.dispose()
 
 
-TABLES = ("audit_log", "tracker_runs", "trackers", "checkpoints", "webhook_deliveries", "webhook_endpoints",
-          "metric_points", "events", "trials", "tasks", "packs", "workers", "api_keys", "files", "tenants")
+TABLES = ("audit_log", "sampling_usage", "tracker_runs", "trackers", "checkpoints", "webhook_deliveries",
+          "webhook_endpoints", "metric_points", "events", "trials", "tasks", "packs", "workers", "api_keys", "files",
+          "tenants")
 
 
 @pytest.fixture

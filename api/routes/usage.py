@@ -37,7 +37,7 @@ def _window(start: datetime | None, end: datetime | None) -> tuple[datetime | No
 def _out(tenant_id: str, usage: Usage, window: tuple[datetime | None, datetime]) -> UsageOut:
     return UsageOut(tenant_id=tenant_id, start=window[0], end=window[1], gpu_seconds=usage.gpu_seconds,
                     tokens=usage.tokens, trials=usage.trials, storage_bytes=usage.storage_bytes,
-                    checkpoint_bytes=usage.checkpoint_bytes)
+                    checkpoint_bytes=usage.checkpoint_bytes, sampling_tokens=usage.sampling_tokens)
 
 
 @router.get("")

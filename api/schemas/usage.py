@@ -21,6 +21,8 @@ class UsageOut(BaseModel):
     storage_bytes: int = Field(description="Bytes the tenant stores now (not windowed): its uploaded files and its "
                                "trials' kept checkpoints, what its storage quota bounds.")
     checkpoint_bytes: int = Field(default=0, description="Of `storage_bytes`, its trials' kept checkpoints'.")
+    sampling_tokens: int = Field(default=0, description="Prompt and answer tokens of the tenant's sampling requests "
+                                 "(completions, chat completions) answered in the window.")
 
 
 class UsageList(BaseModel):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -33,12 +34,15 @@ from api.schemas.completions import ChatCompletionRequest, CompletionRequest, Sa
 from api.services.adapters import no_best_trial
 from api.services.checkpoints import get_checkpoint
 from common.bus import get_bus, sampling_reply_stream, sampling_stream
+from common.db import session_scope
 from common.messages import ModelSourceFields, SampleReply, SampleRequest, parse_sample_reply
 from common.registry import model_source_fields
 from common.settings import get_settings
-from common.tables import BaseModelEntry, Checkpoint, Task, Trial, utcnow
+from common.tables import BaseModelEntry, Checkpoint, SamplingUsage, Task, Trial, utcnow
 from scheduler.planning.types import loads
 from scheduler.service.cluster_state import alive_workers, worker_models
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a waiting request reads its answer's stream
 
@@ -166,6 +170,7 @@ async def complete(target: Target, body: CompletionRequest | ChatCompletionReque
             text, last = text + reply.text, reply
     finally:
         open_requests.close(tenant_id, request.request_id)
+    await run_in_threadpool(_record_usage, tenant_id, target, last)
     return JSONResponse(_whole(text, last, target, request, chat=chat))
 
 
@@ -226,6 +231,8 @@ async def _events(first: SampleReply, replies: AsyncIterator[SampleReply], targe
                 chunk = _chunk(reply, target, request, created, chat=chat, opening=not opened)
                 opened = True
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
+            if reply.done:
+                await run_in_threadpool(_record_usage, tenant_id, target, reply)
         yield b"data: [DONE]\n\n"
     except ApiError as exc:
         yield f"data: {json.dumps(exc.body())}\n\n".encode()
@@ -268,6 +275,17 @@ def _whole(text: str, last: SampleReply, target: Target, request: SampleRequest,
     return {"id": request.request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": target.name, "choices": [choice], "usage": _usage(last),
             "loraplane": _extension(last, target)}
+
+
+def _record_usage(tenant_id: str, target: Target, reply: SampleReply) -> None:
+    """The answered request's tokens in its tenant's usage (common/usage.py). A write that fails is logged: the
+    answer has gone out either way."""
+    try:
+        with session_scope() as session:
+            session.add(SamplingUsage(tenant_id=tenant_id, model=target.name, prompt_tokens=reply.prompt_tokens,
+                                      completion_tokens=reply.completion_tokens))
+    except Exception:  # noqa: BLE001 - usage is bookkeeping: never the request's failure
+        log.exception("could not record the usage of sampling request %s", reply.request_id)
 
 
 def _usage(reply: SampleReply) -> dict[str, int]:

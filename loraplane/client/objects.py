@@ -118,6 +118,7 @@ class Usage(ApiObject):
     trials: dict[str, int]
     storage_bytes: int  # uploaded files and kept checkpoints, what the storage quota bounds
     checkpoint_bytes: int | None = None  # of which the kept checkpoints (None: a server that does not say)
+    sampling_tokens: int | None = None  # of its sampling requests answered in the window
 
     TIMES = frozenset({"start", "end"})
 

@@ -278,6 +278,19 @@ def check_refusals(base_url: str, key: str, other_key: str, task_id: str, trial_
     assert too_long.status_code == 422 and too_long.json()["error"]["code"] == "context_length_exceeded", too_long.text
 
 
+def test_sampling_tokens_count_in_the_tenants_usage(trained: Trained) -> None:
+    """Each answered request's prompt and answer tokens go to its tenant's usage (`sampling_tokens`), streamed or
+    not; another tenant's usage does not move."""
+    lp, other, task = trained.lp, trained.other, trained.task
+    before, theirs = lp.usage().sampling_tokens, other.usage().sampling_tokens
+    assert before is not None and theirs is not None
+    whole = lp.tasks.complete(task.id, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    pieces = list(lp.tasks.complete_stream(task.id, prompt=PROMPTS[0], max_tokens=5, temperature=0))
+    assert "".join(pieces) == whole.text  # the same greedy answer: the same tokens
+    spent = whole.prompt_tokens + whole.completion_tokens
+    assert spent > 0 and lp.usage().sampling_tokens == before + 2 * spent
+    assert other.usage().sampling_tokens == theirs
+
 def test_checkpoints_are_listed_downloaded_sampled_and_counted(trained: Trained) -> None:
     base_url, lp, other, task, ended, tmp_path = (trained.base_url, trained.lp, trained.other, trained.task,
                                                   trained.ended, trained.tmp)
