@@ -10,8 +10,12 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tests.engine.factories import make_spec
+from worker.engine import PackEngine
+from worker.engine.batch import SlotRows
 from worker.engine.data import IGNORE_INDEX, encode_prompt, encode_row
 from worker.engine.dpo import dpo_terms, encode_preference_row
+from worker.engine.lora import resolve_target_modules
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
@@ -88,3 +92,34 @@ def test_label_smoothing_and_ipo() -> None:
     assert ipo.losses.item() == pytest.approx((margin - 1 / (2 * beta)) ** 2)
     with pytest.raises(ValueError, match="beta"):
         dpo_terms(policy_c, policy_r, ref_c, ref_r, beta=0.0)
+
+
+def test_each_rows_summed_loss_is_its_examples_negative_log_probability(tiny: Tiny, fresh_tiny: Tiny) -> None:
+    """What DPO compares, from the packed stream of two slots' pairs (`ModelPasses.row_loss_sums`): each example's
+    summed target-token cross-entropy, equal to the plain model's on that example alone (the slots' adapters are
+    fresh: zero, the base's own answer)."""
+    model, tokenizer = tiny
+    rows = [{"prompt": "2 plus 2 is", "chosen": " 4", "rejected": " 5"},
+            {"prompt": "the sky is", "chosen": " blue", "rejected": " green today"}]
+    pairs = [encode_preference_row(row, tokenizer, 64) for row in rows]
+    examples = [e for pair in pairs if pair is not None for e in (pair.chosen, pair.rejected)]
+    specs = [make_spec("a"), make_spec("b")]
+    paths = sorted({p for s in specs for p in resolve_target_modules(model, s.target_modules)})
+    with PackEngine(model, tokenizer, capacity=2, max_rank=max(s.lora_rank for s in specs),
+                    target_modules=paths) as engine:
+        slots = [engine.admit(spec) for spec in specs]
+        batch = engine.passes.pack([SlotRows(slots[0], examples[:2]), SlotRows(slots[1], examples[2:])])
+        with torch.no_grad():
+            sums = engine.passes.row_loss_sums(batch, training=False)
+    plain, _ = fresh_tiny
+    want = []
+    for example in examples:
+        with torch.no_grad():
+            logits = plain(torch.tensor([example.input_ids])).logits[0, :-1].float()
+        labels = torch.tensor(example.labels[1:])
+        mask = labels != IGNORE_INDEX
+        want.append(-torch.log_softmax(logits[mask], -1).gather(1, labels[mask, None]).sum())
+    torch.testing.assert_close(sums, torch.stack(want), rtol=1e-5, atol=1e-5)
+    # and the pairs' loss from them: at fresh adapters the policy is the reference, log 2 a pair
+    terms = dpo_terms(-sums[0::2], -sums[1::2], -sums[0::2], -sums[1::2], beta=0.1)
+    torch.testing.assert_close(terms.losses, torch.full((2,), math.log(2.0)))

@@ -52,8 +52,29 @@ def slot_loss_sums(
     Returns:
         ``(Z,)`` float32: ``sum over slot z's targets of -log p(target)``; 0 for slots without targets.
     """
+    return _loss_sums(hidden, lm_head, targets, context, targets.slots, num_slots, checkpointed)
+
+
+def row_loss_sums(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    targets: LossTargets,
+    context: LoraContext,
+    *,
+    num_rows: int,
+    checkpointed: bool,
+) -> torch.Tensor:
+    """``slot_loss_sums`` summed by row instead of by slot: ``(num_rows,)`` float32, each example's summed
+    cross-entropy, the negative of its targets' log-probability under its slot's adapter (what DPO compares:
+    worker/engine/dpo.py)."""
+    return _loss_sums(hidden, lm_head, targets, context, targets.rows, num_rows, checkpointed)
+
+
+def _loss_sums(hidden: torch.Tensor, lm_head: nn.Module, targets: LossTargets, context: LoraContext,
+               index: torch.Tensor, size: int, checkpointed: bool) -> torch.Tensor:
+    """The targets' cross-entropy summed into ``size`` bins by ``index`` (each target's slot or row)."""
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.positions)  # (targets, hidden)
-    sums = torch.zeros(num_slots, dtype=torch.float32, device=hidden.device)
+    sums = torch.zeros(size, dtype=torch.float32, device=hidden.device)
     for chunk in targets.chunks:
         h, labels = picked[chunk.start : chunk.end], targets.labels[chunk.start : chunk.end]
         if checkpointed:
@@ -63,7 +84,7 @@ def slot_loss_sums(
             )
         else:
             ce = _chunk_ce(lm_head, context, chunk.routing, h, labels)
-        sums = sums.index_add(0, targets.slots[chunk.start : chunk.end], ce)
+        sums = sums.index_add(0, index[chunk.start : chunk.end], ce)
     return sums
 
 

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from worker.engine.batch import PackedBatch, SlotRows, pack_rows
 from worker.engine.lora import LoraContext
-from worker.engine.loss import SoftCappedHead, slot_loss_sums
+from worker.engine.loss import SoftCappedHead, row_loss_sums, slot_loss_sums
 
 # On CUDA, the packed stream's length is rounded up to this: fewer distinct GEMM shapes for cuBLAS to plan, at
 # most 63 tokens of padding a step (on the CPU there is nothing to gain, and exact lengths keep the tests' numbers).
@@ -79,6 +79,13 @@ class ModelPasses:
         return slot_loss_sums(
             hidden, self.lm_head, batch.targets, self.context, num_slots=self.num_slots, checkpointed=training
         )
+
+    def row_loss_sums(self, batch: PackedBatch, *, training: bool) -> torch.Tensor:
+        """``(rows,)`` each example's summed target-token loss under its slot's adapter (DPO's log-probabilities:
+        worker/engine/dpo.py); with the routing off (``LoraContext.routed(None)``), the bare base's."""
+        hidden = self.hidden(batch)
+        return row_loss_sums(hidden, self.lm_head, batch.targets, self.context, num_rows=batch.n_rows,
+                             checkpointed=training)
 
     def forward_backward(self, batch: PackedBatch) -> torch.Tensor:
         """One forward of ``batch``, per-slot loss normalised by the slot's own target count, one backward."""
