@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO
@@ -71,13 +72,19 @@ class LocalArtifactStore:
         return StagedObject(key, *self._atomic_target(key))
 
     def put_bytes(self, key: str, data: bytes) -> None:
+        self.put_written(key, lambda staged: staged.write(data))
+
+    def put_written(self, key: str, write: Callable[[StagedObject], object]) -> int:
+        """The object ``write`` writes into a staging of ``key``, published once it returned (discarded if it
+        raised); its size."""
         staged = self.stage(key)
         try:
-            staged.write(data)
+            write(staged)
             staged.publish()
         except BaseException:
             staged.discard()
             raise
+        return staged.size
 
     def put_file(self, key: str, source: Path) -> None:
         target, fd, tmp = self._atomic_target(key)

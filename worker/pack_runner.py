@@ -102,14 +102,7 @@ def store_tar(store: LocalArtifactStore, key: str, files: PeftFiles) -> int:
     """An adapter's files in memory stored at ``key`` as a plain tar (what ``untar`` reads), in one write and one
     fsync, published when whole; returns its size. A checkpoint written as a directory, archived and then copied into
     the store was three writes of it on the pack's writer thread."""
-    staged = store.stage(key)
-    try:
-        files.write_tar(staged)
-        staged.publish()
-    except BaseException:
-        staged.discard()
-        raise
-    return staged.size
+    return store.put_written(key, files.write_tar)
 
 
 def untar(store: LocalArtifactStore, key: str, target: Path) -> Path:
