@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tests.engine.factories import make_spec
 from worker.engine import PackEngine
 from worker.engine.batch import SlotRows
-from worker.engine.data import IGNORE_INDEX, encode_prompt, encode_row
+from worker.engine.data import IGNORE_INDEX, Example, encode_prompt, encode_row
 from worker.engine.dpo import dpo_terms, encode_preference_row
 from worker.engine.lora import resolve_target_modules
 
@@ -94,6 +94,39 @@ def test_label_smoothing_and_ipo() -> None:
         dpo_terms(policy_c, policy_r, ref_c, ref_r, beta=0.0)
 
 
+def _plain_sums(model: PreTrainedModel, examples: list[Example]) -> torch.Tensor:
+    """Each example's summed target-token cross-entropy under ``model``, one example at a time."""
+    sums = []
+    for example in examples:
+        with torch.no_grad():
+            logits = model(torch.tensor([example.input_ids])).logits[0, :-1].float()
+        labels = torch.tensor(example.labels[1:])
+        mask = labels != IGNORE_INDEX
+        sums.append(-torch.log_softmax(logits[mask], -1).gather(1, labels[mask, None]).sum())
+    return torch.stack(sums)
+
+
+def test_the_reference_pass_is_the_bare_base_whatever_the_adapters(tiny: Tiny, fresh_tiny: Tiny) -> None:
+    """DPO's reference log-probabilities come from the frozen base itself (`ModelPasses.reference_row_sums`, every
+    adapter off, the output head's too): after a few steps the slot's own sums have moved, the reference has not."""
+    model, tokenizer = tiny
+    pair = encode_preference_row({"prompt": "2 plus 2 is", "chosen": " 4", "rejected": " 5"}, tokenizer, 64)
+    assert pair is not None
+    spec = make_spec("a", target_modules=["q_proj", "v_proj", "lm_head"], learning_rate=0.05)
+    paths = resolve_target_modules(model, spec.target_modules)
+    with PackEngine(model, tokenizer, capacity=1, max_rank=spec.lora_rank, target_modules=paths) as engine:
+        slot = engine.admit(spec)
+        for _ in range(3):
+            engine.step()
+        batch = engine.passes.pack([SlotRows(slot, [pair.chosen, pair.rejected])])
+        with torch.no_grad():
+            policy = engine.passes.row_loss_sums(batch, training=False)
+        reference = engine.passes.reference_row_sums(batch)
+    want = _plain_sums(fresh_tiny[0], [pair.chosen, pair.rejected])
+    torch.testing.assert_close(reference, want, rtol=1e-5, atol=1e-5)
+    assert (policy - want).abs().max() > 1e-3  # the adapter moved the slot's own
+
+
 def test_each_rows_summed_loss_is_its_examples_negative_log_probability(tiny: Tiny, fresh_tiny: Tiny) -> None:
     """What DPO compares, from the packed stream of two slots' pairs (`ModelPasses.row_loss_sums`): each example's
     summed target-token cross-entropy, equal to the plain model's on that example alone (the slots' adapters are
@@ -111,15 +144,7 @@ def test_each_rows_summed_loss_is_its_examples_negative_log_probability(tiny: Ti
         batch = engine.passes.pack([SlotRows(slots[0], examples[:2]), SlotRows(slots[1], examples[2:])])
         with torch.no_grad():
             sums = engine.passes.row_loss_sums(batch, training=False)
-    plain, _ = fresh_tiny
-    want = []
-    for example in examples:
-        with torch.no_grad():
-            logits = plain(torch.tensor([example.input_ids])).logits[0, :-1].float()
-        labels = torch.tensor(example.labels[1:])
-        mask = labels != IGNORE_INDEX
-        want.append(-torch.log_softmax(logits[mask], -1).gather(1, labels[mask, None]).sum())
-    torch.testing.assert_close(sums, torch.stack(want), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums, _plain_sums(fresh_tiny[0], examples), rtol=1e-5, atol=1e-5)
     # and the pairs' loss from them: at fresh adapters the policy is the reference, log 2 a pair
     terms = dpo_terms(-sums[0::2], -sums[1::2], -sums[0::2], -sums[1::2], beta=0.1)
     torch.testing.assert_close(terms.losses, torch.full((2,), math.log(2.0)))

@@ -59,18 +59,18 @@ def row_loss_sums(
     hidden: torch.Tensor,
     lm_head: nn.Module,
     targets: LossTargets,
-    context: LoraContext,
+    context: LoraContext | None,
     *,
     num_rows: int,
     checkpointed: bool,
 ) -> torch.Tensor:
     """``slot_loss_sums`` summed by row instead of by slot: ``(num_rows,)`` float32, each example's summed
     cross-entropy, the negative of its targets' log-probability under its slot's adapter (what DPO compares:
-    worker/engine/dpo.py)."""
+    worker/engine/dpo.py); with ``context`` None, ``lm_head`` runs unrouted (no adapter)."""
     return _loss_sums(hidden, lm_head, targets, context, targets.rows, num_rows, checkpointed)
 
 
-def _loss_sums(hidden: torch.Tensor, lm_head: nn.Module, targets: LossTargets, context: LoraContext,
+def _loss_sums(hidden: torch.Tensor, lm_head: nn.Module, targets: LossTargets, context: LoraContext | None,
                index: torch.Tensor, size: int, checkpointed: bool) -> torch.Tensor:
     """The targets' cross-entropy summed into ``size`` bins by ``index`` (each target's slot or row)."""
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.positions)  # (targets, hidden)

@@ -63,9 +63,10 @@ class ModelPasses:
         assert isinstance(head, torch.nn.Module), f"{type(self.model).__name__} has no output embeddings"
         return head if self.logit_softcap is None else SoftCappedHead(head, self.logit_softcap)
 
-    def hidden(self, batch: PackedBatch) -> torch.Tensor:
-        """``(1, tokens, hidden)``: the decoder's last hidden states of the packed stream, LoRA-routed."""
-        with self.context.routed(batch.routing):
+    def hidden(self, batch: PackedBatch, *, adapters: bool = True) -> torch.Tensor:
+        """``(1, tokens, hidden)``: the decoder's last hidden states of the packed stream, LoRA-routed (without
+        ``adapters``: the bare base's, every slot's adapter off)."""
+        with self.context.routed(batch.routing if adapters else None):
             return self.model.base_model(
                 input_ids=batch.input_ids,
                 position_ids=batch.position_ids,
@@ -82,10 +83,17 @@ class ModelPasses:
 
     def row_loss_sums(self, batch: PackedBatch, *, training: bool) -> torch.Tensor:
         """``(rows,)`` each example's summed target-token loss under its slot's adapter (DPO's log-probabilities:
-        worker/engine/dpo.py); with the routing off (``LoraContext.routed(None)``), the bare base's."""
+        worker/engine/dpo.py)."""
         hidden = self.hidden(batch)
         return row_loss_sums(hidden, self.lm_head, batch.targets, self.context, num_rows=batch.n_rows,
                              checkpointed=training)
+
+    @torch.no_grad()
+    def reference_row_sums(self, batch: PackedBatch) -> torch.Tensor:
+        """``row_loss_sums`` under the bare base, every adapter off: DPO's reference model is the frozen base
+        itself, so its log-probabilities need no second model, and the rows of every slot share the pass."""
+        hidden = self.hidden(batch, adapters=False)
+        return row_loss_sums(hidden, self.lm_head, batch.targets, None, num_rows=batch.n_rows, checkpointed=False)
 
     def forward_backward(self, batch: PackedBatch) -> torch.Tensor:
         """One forward of ``batch``, per-slot loss normalised by the slot's own target count, one backward."""
