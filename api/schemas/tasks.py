@@ -274,7 +274,8 @@ class Training(RequestModel):
         "2-4% (docs/benchmarks.md); false keeps only the trial's adapter.")
     epoch_checkpoints: Annotated[StrictInt, Field(ge=0, le=100)] | None = Field(
         default=None, description="The epoch-end checkpoints each trial keeps besides its best and its last (the "
-        "newest epochs); default: every epoch's; 0: the best and the last only (GET .../trials/{id}/checkpoints).")
+        "newest epochs); default: every epoch's (a trial of more than 20 epochs exports at 20 epoch ends, evenly "
+        "spaced); 0: the best and the last only (GET .../trials/{id}/checkpoints).")
 
 
 def _not_for_metric(name: str, metric: str, reason: str) -> ValidationError:

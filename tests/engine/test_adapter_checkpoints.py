@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import make_spec, score
+from tests.engine.factories import chat_rows, make_spec, score
 from worker.engine import AdapterCheckpoint, Evaluation, PackCallbacks, PackConfig, read_peft_adapter, train_pack
+from worker.engine.slots import MAX_EPOCH_CHECKPOINTS
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
@@ -94,3 +95,15 @@ def test_without_checkpoints_nothing_is_exported(tiny: Tiny, tmp_path: Path) -> 
                              on_adapter_checkpoint=saved.append))
     assert saved == []
     assert [step for step, split in points if split == "val"] == [3, 6, 7]
+
+
+def test_a_trial_of_many_tiny_epochs_exports_at_most_max_epoch_checkpoints(tiny: Tiny, tmp_path: Path) -> None:
+    """Four rows at four a step: an epoch a step, 50 of them. Every third epoch's end gets a checkpoint (ceil(50 /
+    20)), and the last step: 17 exports, not 50."""
+    saved: list[AdapterCheckpoint] = []
+    spec = make_spec("t1", max_steps=50, eval_interval=25, adapter_checkpoints=True, train_rows=chat_rows(4))
+    train_pack(*tiny, [spec], PackConfig(base_model_name="tiny-random-llama", export_dir=tmp_path),
+               PackCallbacks(on_point=lambda *a: None, on_adapter_checkpoint=saved.append))
+    steps = [c.step for c in saved if c.step not in (25,)]  # the best at an evaluation may join them
+    assert [s for s in steps if s != 50] == list(range(3, 50, 3)) and steps[-1] == 50
+    assert len(saved) <= MAX_EPOCH_CHECKPOINTS + 2

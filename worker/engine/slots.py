@@ -16,6 +16,8 @@ from worker.engine.schedule import lr_at
 from worker.engine.spec import TrialSpec
 from worker.engine.store import ModuleTensors
 
+# The epoch ends a trial exports adapter checkpoints at, at most (`SlotState.checkpoint_epoch_end`).
+MAX_EPOCH_CHECKPOINTS = 20
 
 @dataclass
 class SlotState:
@@ -69,12 +71,26 @@ class SlotState:
         return bool(self.val) and self.steps_done > 0 and (every or self.steps_done == self.spec.max_steps)
 
     @property
+    def checkpoint_epoch_end(self) -> bool:
+        """An epoch's end that gets an adapter checkpoint: every one of a trial of at most `MAX_EPOCH_CHECKPOINTS`
+        epochs, else every k-th, evenly spaced. A trial of many tiny epochs (a few rows, many steps) would otherwise
+        export every few steps: on `loraplane up` on two cores, such a pack's stream of exports and their reports
+        kept the API's uploads waiting past their clients' timeouts."""
+        if not self.epoch_end:
+            return False
+        epochs = -(-self.spec.max_steps // self.steps_per_epoch)
+        every = -(-epochs // MAX_EPOCH_CHECKPOINTS)
+        return (self.steps_done // self.steps_per_epoch) % every == 0
+
+    @property
     def adapter_checkpoint_due(self) -> bool:
-        """Adapter checkpoints are due after the step just taken: at an epoch's end and at the last step (the
-        adapter as it is, and the best one if it is older and not exported yet). Only there: each costs an export,
-        and exporting every improvement multiplied a small model's pack time (benchmarks/checkpoint_cost.py)."""
+        """Adapter checkpoints are due after the step just taken: at an epoch's end (`checkpoint_epoch_end`) and at
+        the last step (the adapter as it is, and the best one if it is older and not exported yet). Only there: each
+        costs an export, and exporting every improvement multiplied a small model's pack time
+        (benchmarks/checkpoint_cost.py)."""
         steps = self.steps_done
-        return self.spec.adapter_checkpoints and steps > 0 and (self.epoch_end or steps == self.spec.max_steps)
+        return self.spec.adapter_checkpoints and steps > 0 and (self.checkpoint_epoch_end
+                                                                 or steps == self.spec.max_steps)
 
     def lr(self) -> float:
         """Learning rate of the trial's next step (its schedule at its own step)."""
