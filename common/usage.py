@@ -124,7 +124,9 @@ def gpu_seconds_by_trial(
         query = query.where(Pack.started_at < window[1])
     if window[0] is not None:
         query = query.where((Pack.finished_at.is_(None)) | (Pack.finished_at > window[0]))
-    every = list(session.scalars(query))
+    # Rows as they are now: a pack this session loaded earlier (the cluster view reads the packs first) may have
+    # started since, and the identity map would hand back its old, unstarted attributes.
+    every = list(session.scalars(query.execution_options(populate_existing=True)))
     held = _held_seconds(every, window, now)
     packs = [p for p in every if trial_ids is None or not trial_ids.isdisjoint(p.trial_ids)]
     tokens = _tokens_by_pack(session, (p.id for p in packs))
