@@ -47,6 +47,7 @@ from worker.engine.base_model import load_base_model
 from worker.engine.data import encode_prompt
 from worker.engine.export import read_peft_adapter
 from worker.engine.generation import stop_token_ids
+from worker.engine.quantize import tensor_bytes
 from worker.engine.sampling import Adapter, SampleJob, sample
 from worker.model_cache import model_source
 from worker.pack_runner import untar
@@ -204,9 +205,8 @@ class Sampler:
             return int(torch.cuda.memory_reserved(self.device))
         if self.loaded is None:
             return 0
-        tensors = [*self.loaded.model.parameters(), *self.loaded.model.buffers(),
-                   *(t for adapter in self.adapters.values() for pair in adapter.tensors.values() for t in pair)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        adapters = (t for adapter in self.adapters.values() for pair in adapter.tensors.values() for t in pair)
+        return tensor_bytes(self.loaded.model) + sum(t.numel() * t.element_size() for t in adapters)
 
     def _tell_held(self) -> None:
         if self.on_held is not None:
