@@ -1,21 +1,29 @@
-"""DPO's pieces (worker/engine/dpo.py, issue 36): a preference row as the two sequences the model scores, and the
-loss of a batch of pairs, checked against what the DPO paper derives (its value where the policy is the reference,
-its gradient) and the label-smoothed and IPO forms. Training with it is not wired yet."""
+"""DPO (worker/engine/dpo.py, issue 36): a preference row as the two sequences the model scores, the loss of a batch
+of pairs against what the DPO paper derives (its value where the policy is the reference, its gradient) and the
+label-smoothed and IPO forms; then training: a pack of DPO trials (with an SFT trial beside them) trains each exactly
+as alone, the reference pass runs once per pair however many trials and epochs read it, and a pack reports each DPO
+trial's reward metrics and, judged by reward accuracy, its best adapter's. tests/engine/test_dpo_trl.py checks the
+training against TRL's DPOTrainer."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.engine.factories import make_spec
-from worker.engine import PackEngine
+from tests.engine.factories import assert_rel_close, make_spec, pack_arguments
+from worker.engine import Evaluation, PackEngine, TrialSpec, train_pack
 from worker.engine.batch import SlotRows
 from worker.engine.data import IGNORE_INDEX, Example, encode_prompt, encode_row
-from worker.engine.dpo import dpo_terms, encode_preference_row
+from worker.engine.dpo import PREFERENCE_SPLITS, REWARD_ACCURACY, dpo_terms, encode_preference_row
 from worker.engine.lora import resolve_target_modules
+from worker.engine.spec import DpoObjective
+from worker.engine.store import ModuleTensors
+from worker.engine.validation import evaluate_slots
 
 Tiny = tuple[PreTrainedModel, PreTrainedTokenizerBase]
 
@@ -148,3 +156,91 @@ def test_each_rows_summed_loss_is_its_examples_negative_log_probability(tiny: Ti
     # and the pairs' loss from them: at fresh adapters the policy is the reference, log 2 a pair
     terms = dpo_terms(-sums[0::2], -sums[1::2], -sums[0::2], -sums[1::2], beta=0.1)
     torch.testing.assert_close(terms.losses, torch.full((2,), math.log(2.0)))
+
+
+def preference_rows(n: int) -> list[dict[str, Any]]:
+    """Pairs a tiny model can learn to tell apart: counting up is preferred to counting down."""
+    return [{"prompt": f"count from {i}", "chosen": " " + " ".join(str(i + k) for k in range(4)),
+             "rejected": " " + " ".join(str(i - k) for k in range(4))} for i in range(n)]
+
+
+def _dpo_spec(trial_id: str, beta: float, **overrides: Any) -> TrialSpec:
+    fields: dict[str, Any] = {"train_rows": preference_rows(8), "val_rows": preference_rows(12)[8:],
+                              "dpo": DpoObjective(beta=beta), "batch_size": 3, "max_steps": 6, "eval_interval": 3}
+    return make_spec(trial_id, **(fields | overrides))
+
+
+def _train(tiny: Tiny, specs: list[TrialSpec], steps: int) -> tuple[PackEngine, dict[str, list[float]],
+                                                                     dict[str, ModuleTensors]]:
+    """``steps`` steps of ``specs`` in one engine (left open: its reference cache is read after); each trial's
+    losses and final adapter."""
+    model, tokenizer = tiny
+    paths = sorted({p for s in specs for p in resolve_target_modules(model, s.target_modules)})
+    engine = PackEngine(model, tokenizer, capacity=len(specs), max_rank=max(s.lora_rank for s in specs),
+                        target_modules=paths)
+    slots = {spec.trial_id: engine.admit(spec) for spec in specs}
+    losses: dict[str, list[float]] = {spec.trial_id: [] for spec in specs}
+    for _ in range(steps):
+        for trial_id, loss in engine.step().items():
+            losses[trial_id].append(loss)
+    return engine, losses, {trial_id: engine.adapter(slot) for trial_id, slot in slots.items()}
+
+
+def test_a_pack_of_dpo_trials_and_an_sft_trial_trains_each_as_alone(tiny: Tiny) -> None:
+    specs = [_dpo_spec("d1", 0.1), _dpo_spec("d2", 0.5, learning_rate=5e-2, seed=3, lora_dropout=0.1,
+                                             dpo=DpoObjective(beta=0.5, label_smoothing=0.1)),
+             _dpo_spec("ipo", 0.3, dpo=DpoObjective(beta=0.3, loss="ipo")), make_spec("sft", batch_size=2)]
+    engine, packed, adapters = _train(tiny, specs, 5)
+    engine.close()
+    assert packed["d1"][0] == pytest.approx(math.log(2.0), rel=1e-5)  # a fresh adapter is the reference
+    assert packed["d1"][-1] < packed["d1"][0] - 0.01 and packed["d2"][-1] < packed["d2"][0] - 0.01
+    for spec in specs:
+        alone, losses, adapter = _train(tiny, [spec], 5)
+        alone.close()
+        assert packed[spec.trial_id] == pytest.approx(losses[spec.trial_id], rel=1e-5), spec.trial_id
+        for path, (a, b) in adapter[spec.trial_id].items():
+            assert_rel_close(adapters[spec.trial_id][path][0], a)
+            assert_rel_close(adapters[spec.trial_id][path][1], b)
+
+
+def test_the_reference_pass_runs_once_per_pair_for_every_trial_and_epoch(tiny: Tiny, fresh_tiny: Tiny) -> None:
+    """Three trials on the same eight pairs (batch 4: an epoch is two steps) for three epochs, validated on four
+    pairs twice: the base runs for each of the twelve pairs once, not once per trial, step or validation, and what
+    it cached is the plain base's log-probabilities."""
+    specs = [_dpo_spec(f"t{i}", beta, batch_size=4, seed=i) for i, beta in enumerate((0.05, 0.1, 0.5))]
+    engine, _, _ = _train(tiny, specs, 6)
+    try:
+        references = engine.training.references
+        assert references.pairs_computed == 8
+        evaluate_slots(engine, [0, 1, 2])
+        evaluate_slots(engine, [0, 1, 2])
+        assert references.pairs_computed == 8 + 4
+        state = engine.state(0)
+        cached = references.get(state.val_key, range(4)).reshape(-1)
+        torch.testing.assert_close(cached, -_plain_sums(fresh_tiny[0], state.val), rtol=1e-5, atol=1e-5)
+    finally:
+        engine.close()
+
+
+def test_a_pack_reports_reward_metrics_and_the_best_adapters_reward_accuracy(tiny: Tiny, tmp_path: Path) -> None:
+    points: list[tuple[str, int, str, float]] = []
+    specs = [_dpo_spec("judged", 0.1, evaluation=Evaluation(metric=REWARD_ACCURACY), val_rows=preference_rows(8)),
+             _dpo_spec("by-loss", 0.1)]
+    config, callbacks, rest = pack_arguments(base_model_name="tiny-random-llama", export_dir=tmp_path,
+                                             on_point=lambda *p: points.append(p))
+    outcomes = train_pack(*tiny, specs, config, callbacks, **rest)
+    assert [o.status for o in outcomes] == ["completed", "completed"]
+    for trial_id in ("judged", "by-loss"):
+        val_steps = [step for t, step, split, _ in points if t == trial_id and split == "val"]
+        assert val_steps == [3, 6]
+        for split in PREFERENCE_SPLITS:  # each validation's reward metrics beside its loss
+            assert [step for t, step, s, _ in points if t == trial_id and s == split] == val_steps
+    accuracy = {step: v for t, step, s, v in points if t == "judged" and s == "reward_acc"}
+    assert all(0.0 <= v <= 1.0 for v in accuracy.values())
+    metric = [(step, v) for t, step, s, v in points if t == "judged" and s == "metric"]
+    best = outcomes[0].best_step
+    assert best is not None and metric == [(6, accuracy[best])]  # once, at its end: its best adapter's
+    assert not [p for p in points if p[0] == "by-loss" and p[2] == "metric"]
+    margins = [v for t, _, s, v in points if t == "judged" and s == "margin"]
+    assert margins[-1] > 0  # it learned to prefer counting up, on the rows it trained on
+    assert (tmp_path / "judged" / "adapter_model.safetensors").exists()

@@ -18,7 +18,7 @@ from tests.engine.factories import (
     peft_adamw_reference,
 )
 from worker.engine import PackEngine, TrialSpec, feed
-from worker.engine.batch import SlotRows
+from worker.engine.batch import SlotRows, cut_forwards
 from worker.engine.data import BatchSampler, encode_rows
 from worker.engine.generation import greedy_matches
 from worker.engine.lora import resolve_target_modules
@@ -285,7 +285,7 @@ def test_validation_of_many_slots_in_shared_forwards_equals_each_slot_alone(
         alone = {slot: validation.evaluate(engine, slot) for slot in slots}
         # A small token budget cuts the validation rows into several forwards, some shared by two slots.
         monkeypatch.setattr(validation, "EVAL_MAX_TOKENS", 150)
-        forwards = validation._eval_forwards([(s, engine.state(s).val) for s in slots], 150)
+        forwards = cut_forwards([(s, engine.state(s).val) for s in slots], 150)
         assert len(forwards) > 2 and any(len({p.slot for p in parts}) > 1 for parts in forwards)
         together = validation.evaluate_slots(engine, slots)
     assert together[slots[2]] is None and alone[slots[2]] is None
@@ -296,18 +296,17 @@ def test_validation_of_many_slots_in_shared_forwards_equals_each_slot_alone(
     assert alone[slots[0]] != pytest.approx(alone[slots[1]], rel=1e-3)  # different trials, different losses
 
 
-def test_eval_forwards_keep_every_row_once_in_order_within_the_token_budget() -> None:
+def test_cut_forwards_keep_every_row_once_in_order_within_the_token_budget() -> None:
     from worker.engine.data import Example
-    from worker.engine.validation import _eval_forwards
 
     def rows(*lengths: int) -> list[Example]:
         return [Example([1] * n, [1] * n) for n in lengths]
 
     a, b = rows(4, 4, 4), rows(10, 3)
-    forwards = _eval_forwards([(0, a), (1, b), (2, [])], max_tokens=9)
+    forwards = cut_forwards([(0, a), (1, b), (2, [])], max_tokens=9)
     sizes = [[(p.slot, [len(e.input_ids) for e in p.examples]) for p in parts] for parts in forwards]
     assert sizes == [[(0, [4, 4])], [(0, [4])], [(1, [10])], [(1, [3])]]  # a 10-token row goes alone
-    assert _eval_forwards([(0, a), (1, b)], max_tokens=100) == [[SlotRows(0, a), SlotRows(1, b)]]
+    assert cut_forwards([(0, a), (1, b)], max_tokens=100) == [[SlotRows(0, a), SlotRows(1, b)]]
 
 
 def test_step_stats_say_where_the_host_time_went(tiny: Tiny) -> None:

@@ -37,6 +37,9 @@ class SlotRows:
     examples: Sequence[Example]
     dropout: float = 0.0
     dropout_key: int = 0  # see ``dropout_key()``
+    # The slot's data items the examples came from, in order (a DPO trial's pairs: its reference log-probabilities
+    # are cached by them); empty where nothing needs them.
+    items: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -321,3 +324,25 @@ def _to_device(keys: DropoutKeys | None, device: torch.device) -> DropoutKeys | 
     if keys is None:
         return None
     return DropoutKeys(*(upload(t, device) for t in (keys.token_keys, keys.threshold, keys.inv_keep)))
+
+
+def cut_forwards(rows: list[tuple[int, list[Example]]], max_tokens: int) -> list[list[SlotRows]]:
+    """The slots' rows cut into forwards (no backward) of at most ``max_tokens`` tokens (a longer row alone),
+    each a list of per-slot parts in slot order; a slot's rows keep their order across the forwards."""
+    forwards: list[list[SlotRows]] = []
+    current: list[SlotRows] = []
+    size = 0
+    for slot, examples in rows:
+        start = 0
+        for i, example in enumerate(examples):
+            if size and size + len(example.input_ids) > max_tokens:
+                if i > start:
+                    current.append(SlotRows(slot, examples[start:i]))
+                forwards.append(current)
+                current, size, start = [], 0, i
+            size += len(example.input_ids)
+        if len(examples) > start:
+            current.append(SlotRows(slot, examples[start:]))
+    if current:
+        forwards.append(current)
+    return forwards

@@ -47,10 +47,11 @@ def peek(slots: list[SlotState | None], stepped: list[int]) -> tuple[list[SlotRo
 
 
 def _rows(slot: int, state: SlotState, indices: list[int], step: int) -> SlotRows:
-    """The slot's examples at ``indices``, with its dropout keyed by its own ``step``."""
+    """The slot's examples of the items at ``indices``, with its dropout keyed by its own ``step``."""
     return SlotRows(
         slot,
-        [state.train[i] for i in indices],
+        state.examples_at(indices),
         dropout=state.spec.lora_dropout,
         dropout_key=dropout_key(state.dropout_seed, step),
+        items=tuple(indices),
     )

@@ -29,6 +29,7 @@ from worker.engine.attention import use_packed_attention
 from worker.engine.capture import StepGraphs, capturable
 from worker.engine.data import BatchSampler, Example, encode_rows
 from worker.engine.distributed import Lockstep
+from worker.engine.dpo import encode_preference_rows
 from worker.engine.fused import fuse, unfuse
 from worker.engine.lora import ALL_LINEAR, LoraContext, inject_lora, resolve_target_modules
 from worker.engine.lora import restore_base_model as _restore
@@ -144,19 +145,25 @@ class PackEngine:
         outside = sorted(set(paths) - set(self.store.index))
         if outside:
             raise ValueError(f"trial {spec.trial_id} targets layers this pack does not wrap: {outside}")
-        train = self._encode(spec.train_rows, spec.max_seq_len)
+        if spec.dpo is not None and self.lockstep is not None:
+            raise ValueError("DPO trials train on one device: a pack over several GPUs takes SFT trials only")
+        preference = spec.dpo is not None
+        train_key, train = self._encode(spec.train_rows, spec.max_seq_len, preference=preference)
         if not train:
             raise ValueError("no training row has a target token left after truncation")
-        val = self._encode(spec.val_rows, spec.max_seq_len)
+        val_key, val = self._encode(spec.val_rows, spec.max_seq_len, preference=preference)
         if spec.val_rows and not val:
             logger.warning("trial %s: no validation row has a target token; validation is off", spec.trial_id)
+        items = len(train) // (2 if preference else 1)
         state = SlotState(
             spec=spec,
             paths=paths,
             train=train,
             val=val,
-            sampler=BatchSampler(len(train), spec.batch_size, trial_seed(spec.seed, "data")),
+            sampler=BatchSampler(items, spec.batch_size, trial_seed(spec.seed, "data")),
             dropout_seed=trial_seed(spec.seed, "dropout"),
+            train_key=train_key,
+            val_key=val_key,
         )
         slot = free[0]
         config = state.config
@@ -251,15 +258,22 @@ class PackEngine:
         unfuse(self.model)
         self.model.config._attn_implementation = self._base_attention
 
-    def _encode(self, rows: list[dict[str, Any]], max_seq_len: int) -> list[Example]:
-        """Tokenised rows, shared by every trial of the pack with the same data and length: the trials of
-        one task tokenise their dataset once, not once each (32 trials took seconds per pack start)."""
-        key = (hashlib.sha1(json.dumps(rows, sort_keys=True).encode()).hexdigest(), max_seq_len)
+    def _encode(self, rows: list[dict[str, Any]], max_seq_len: int, *,
+                preference: bool = False) -> tuple[tuple[str, int], list[Example]]:
+        """Tokenised rows and their key, shared by every trial of the pack with the same data and length: the trials
+        of one task tokenise their dataset once, not once each (32 trials took seconds per pack start). Preference
+        rows (a DPO trial's) as each pair's chosen then rejected sequence; their reference log-probabilities are
+        cached under the same key (``TrainingStep.references``), and go with it."""
+        digest = hashlib.sha1(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+        key = ("dpo:" + digest if preference else digest, max_seq_len)
         if key not in self._encodings:
             while len(self._encodings) >= MAX_ENCODED_DATASETS:  # the oldest goes: an engine lives across packs
-                del self._encodings[next(iter(self._encodings))]
-            self._encodings[key] = encode_rows(rows, self.tokenizer, max_seq_len)
-        return self._encodings[key]
+                oldest = next(iter(self._encodings))
+                del self._encodings[oldest]
+                self.training.references.drop(oldest)
+            encode = encode_preference_rows if preference else encode_rows
+            self._encodings[key] = encode(rows, self.tokenizer, max_seq_len)
+        return key, self._encodings[key]
 
     def _fail(self, slot: int, exc: BaseException) -> None:
         state = self.state(slot)

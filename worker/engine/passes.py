@@ -7,6 +7,8 @@ several GPUs (``idle_pass``). Each slot's adapter applies to its own rows only (
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedModel
 
@@ -99,6 +101,15 @@ class ModelPasses:
         """One forward of ``batch``, per-slot loss normalised by the slot's own target count, one backward."""
         per_slot = self.loss_sums(batch, training=True) / batch.target_counts
         per_slot.sum().backward()  # the LoRA layers' backward adds dA / dB into store.grads
+        return per_slot.detach()
+
+    def forward_backward_rows(self, batch: PackedBatch,
+                              slot_losses: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``forward_backward`` of a batch whose slots' losses are functions of each example's summed loss (a pack
+        with DPO trials: worker/engine/dpo.py ``slot_losses``): ``slot_losses`` maps the ``(rows,)`` sums to
+        ``(Z,)``."""
+        per_slot = slot_losses(self.row_loss_sums(batch, training=True))
+        per_slot.sum().backward()
         return per_slot.detach()
 
     def idle_pass(self, *, train: bool) -> None:

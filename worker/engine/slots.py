@@ -28,10 +28,16 @@ class SlotState:
 
     spec: TrialSpec
     paths: list[str]  # layers it targets, in model order
+    # Its rows as the model reads them: one example per row, or for a DPO trial each preference row's chosen then
+    # its rejected sequence (``rows_per_item`` 2: the sampler draws items, a micro-batch holds both of each).
     train: list[Example]
     val: list[Example]
     sampler: BatchSampler
     dropout_seed: int
+    # What its rows' reference log-probabilities are cached under (a DPO trial's; worker/engine/dpo.py): the rows'
+    # tokenisation key, shared by every trial of the engine that reads the same rows.
+    train_key: tuple[str, int] = ("", 0)
+    val_key: tuple[str, int] = ("", 0)
     steps_done: int = 0
     # Trained in this pack (since its admission here): what the service's usage accounting shares GPU time by.
     pack_steps: int = 0
@@ -42,6 +48,20 @@ class SlotState:
     best: ModuleTensors | None = None  # the best-validation adapter (device clones)
     best_saved_step: int | None = None  # the best adapter's step as last exported as an adapter checkpoint
     failed: bool = False
+    # A DPO trial's last validation's reward metrics (``dpo.PreferenceMetrics.as_points``), and those of the
+    # validation its best adapter was taken at (its "reward_accuracy" score is the best adapter's).
+    val_metrics: dict[str, float] | None = None
+    best_metrics: dict[str, float] | None = None
+
+    @property
+    def rows_per_item(self) -> int:
+        """Sequences per drawn item: 2 for a DPO trial's preference pairs, else 1."""
+        return 2 if self.spec.dpo is not None else 1
+
+    def examples_at(self, items: list[int]) -> list[Example]:
+        """The training sequences of the drawn ``items`` (a pair's chosen then rejected, for a DPO trial)."""
+        k = self.rows_per_item
+        return [self.train[k * i + j] for i in items for j in range(k)]
 
     @property
     def config(self) -> LoraConfig:
@@ -56,7 +76,7 @@ class SlotState:
     @property
     def steps_per_epoch(self) -> int:
         """Steps of one pass over the training rows (as the service sizes a trial's steps by its epochs)."""
-        return max(1, -(-len(self.train) // self.spec.batch_size))
+        return max(1, -(-(len(self.train) // self.rows_per_item) // self.spec.batch_size))
 
     @property
     def epoch_end(self) -> bool:

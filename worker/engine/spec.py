@@ -23,6 +23,19 @@ class Evaluation:
     pattern: str | None = None  # the regex metric's
 
 
+@dataclass(frozen=True)
+class DpoObjective:
+    """A trial trained by Direct Preference Optimisation on preference rows (worker/engine/dpo.py) instead of the
+    next-token loss; None on a spec: supervised fine-tuning."""
+
+    beta: float  # the strength of the pull towards the reference (the frozen base): the implicit reward's scale
+    loss: str = "sigmoid"  # one of DPO_LOSSES
+    label_smoothing: float = 0.0  # the sigmoid loss's: the assumed share of pairs whose preference is flipped
+
+
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
 @dataclass
 class TrialSpec:
     """One hyperparameter configuration and its data. Rows are raw JSONL rows (chat or prompt/completion)."""
@@ -54,6 +67,8 @@ class TrialSpec:
     # Export the adapter as it is at each epoch's end and at the last step, with the best adapter when it is older
     # and not exported yet (``PackCallbacks.on_adapter_checkpoint``): the checkpoints a user downloads.
     adapter_checkpoints: bool = False
+    # Rows are preference rows ({"prompt"|"messages", "chosen", "rejected"}) trained by DPO (None: SFT rows).
+    dpo: DpoObjective | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +153,13 @@ def validate_spec(spec: TrialSpec) -> None:
         problems.append(f"weight_decay {spec.weight_decay} < 0")
     if spec.max_grad_norm is not None and not spec.max_grad_norm > 0.0:
         problems.append(f"max_grad_norm {spec.max_grad_norm} <= 0")
+    if spec.dpo is not None:
+        if not spec.dpo.beta > 0.0:
+            problems.append(f"dpo beta {spec.dpo.beta} <= 0")
+        if spec.dpo.loss not in DPO_LOSSES:
+            problems.append(f"dpo loss {spec.dpo.loss!r} not in {DPO_LOSSES}")
+        if not 0.0 <= spec.dpo.label_smoothing < 0.5:
+            problems.append(f"dpo label_smoothing {spec.dpo.label_smoothing} outside [0, 0.5)")
     if problems:
         raise ValueError("invalid trial spec: " + "; ".join(problems))
 

@@ -2,9 +2,11 @@
 
 A step takes every training slot's next micro-batch (``feed.draw``), runs them as one packed stream through the
 model (``ModelPasses.forward_backward``, or its CUDA graph: capture.py), calls one vectorised AdamW update
-(optim.py) and syncs with the device once. While the device computes, the host packs the next step's batch
-(``feed.peek``). A joint forward/backward that raises is retried slot by slot, so that only the slots that break
-fail (slots are independent: the gradients are the same).
+(optim.py) and syncs with the device once. A step with DPO trials among its slots first runs the bare base over the
+pairs whose reference log-probabilities are not cached yet, then scores every sequence of the stream on its own
+(``ModelPasses.forward_backward_rows``, eagerly: no graph holds the reference pass's varying work). While the device
+computes, the host packs the next step's batch (``feed.peek``). A joint forward/backward that raises is retried slot
+by slot, so that only the slots that break fail (slots are independent: the gradients are the same).
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from collections.abc import Callable
 
 import torch
 
-from worker.engine import feed
+from worker.engine import dpo, feed
 from worker.engine.batch import PackedBatch, SlotRows
 from worker.engine.capture import StepGraphs
 from worker.engine.feed import BatchKey
 from worker.engine.optim import SlotAdamW
-from worker.engine.passes import ModelPasses
+from worker.engine.passes import EVAL_MAX_TOKENS, ModelPasses
 from worker.engine.slots import SlotState, StepStats
 from worker.engine.store import AdapterStore
 
@@ -40,6 +42,7 @@ class TrainingStep:
         self.passes, self.store, self.optimizer, self.graphs = passes, store, optimizer, graphs
         self.retry_alone = retry_alone
         self.prefetched: tuple[BatchKey, PackedBatch] | None = None
+        self.references = dpo.ReferenceCache()  # the DPO trials' reference log-probabilities (dpo.py)
 
     def run(self, slots: list[SlotState | None], fail: FailSlot, pack_step: int) -> tuple[dict[str, float], StepStats]:
         """Step every training slot of ``slots``; ``{trial_id: mean target-token loss}`` of those that stepped,
@@ -50,7 +53,7 @@ class TrainingStep:
         prefetched, self.prefetched = self.prefetched, None
         batch = prefetched[1] if prefetched is not None and prefetched[0] == key else None
         self.store.grads.zero_()
-        losses, data_s, width, captured = self._losses_and_grads(parts, batch, fail)
+        losses, data_s, width, captured = self._losses_and_grads(parts, batch, fail, slots)
         stepped = [p.slot for p in parts if not _state(slots, p.slot).failed]
         self.optimizer.step(  # also refreshes store.compute; only as far into each row as its rank reaches
             {slot: _state(slots, slot).lr() for slot in stepped},
@@ -87,7 +90,7 @@ class TrainingStep:
             return None
 
     def _losses_and_grads(
-        self, parts: list[SlotRows], batch: PackedBatch | None, fail: FailSlot
+        self, parts: list[SlotRows], batch: PackedBatch | None, fail: FailSlot, slots: list[SlotState | None]
     ) -> tuple[torch.Tensor, float, int, bool]:
         """``(Z,)`` per-slot mean losses, gradients accumulated into ``store.grads``, the seconds spent
         packing the joint batch on the step's critical path (0 when ``batch`` came prefetched), the stream's
@@ -107,6 +110,8 @@ class TrainingStep:
                 batch = passes.pack(parts, static_shapes=self.graphs is not None)
                 data_s = time.perf_counter() - data_started
             width = int(batch.input_ids.shape[1])
+            if any(_state(slots, part.slot).spec.dpo is not None for part in parts):
+                return self._preference_pass(batch, parts, slots), data_s, width, False
             captured = self.graphs.run(batch) if self.graphs is not None else None
             if captured is not None:
                 return captured, data_s, width, True
@@ -123,11 +128,27 @@ class TrainingStep:
             try:
                 batch = passes.pack([part])
                 width += int(batch.input_ids.shape[1])
-                losses += passes.forward_backward(batch)
+                dpo_slot = _state(slots, part.slot).spec.dpo is not None
+                losses += self._preference_pass(batch, [part], slots) if dpo_slot else passes.forward_backward(batch)
             except Exception as exc:
                 self.store.grads[part.slot].zero_()
                 fail(part.slot, exc)
         return losses, data_s, width, False
+
+    def _preference_pass(self, batch: PackedBatch, parts: list[SlotRows],
+                         slots: list[SlotState | None]) -> torch.Tensor:
+        """The forward and backward of a batch with DPO slots: the pairs' reference log-probabilities (cached, or
+        from a pass of the bare base now: ``dpo.fill_references``), then each slot's loss from its sequences'
+        summed losses (``dpo.slot_losses``)."""
+        states = {part.slot: _state(slots, part.slot) for part in parts}
+        needs = [dpo.PairRows(states[p.slot].train_key, states[p.slot].train, p.items)
+                 for p in parts if states[p.slot].spec.dpo is not None]
+        dpo.fill_references(self.passes, self.references, needs, EVAL_MAX_TOKENS)
+        references = {p.slot: self.references.get(states[p.slot].train_key, p.items)
+                      for p in parts if states[p.slot].spec.dpo is not None}
+        objectives = {slot: state.spec.dpo for slot, state in states.items()}
+        return self.passes.forward_backward_rows(
+            batch, lambda sums: dpo.slot_losses(sums, parts, objectives, references, batch.target_counts))
 
     def close(self) -> None:
         """Release the captured graphs and the batch packed ahead."""

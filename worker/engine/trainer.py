@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from worker.engine import checkpoint
 from worker.engine.data import eval_prompt
 from worker.engine.distributed import Lockstep
+from worker.engine.dpo import REWARD_ACCURACY
 from worker.engine.generation import answer_stop_ids, generate
 from worker.engine.keeper import EngineKeeper, EngineShape
 from worker.engine.lora import ALL_LINEAR, resolve_target_modules
@@ -29,7 +30,8 @@ from worker.engine.writer import PackWriter, WriterCounts
 
 logger = logging.getLogger(__name__)
 
-# (trial_id, step, "train" | "val" | "metric", value): a loss, or a generative metric's score in [0, 1]
+# (trial_id, step, "train" | "val" | "metric" | a DPO trial's reward metric (dpo.PREFERENCE_SPLITS), value): a loss, a
+# metric's score in [0, 1], or a reward metric
 PointCallback = Callable[[str, int, str, float], None]
 # How to take a trial out of the pack: "drop" it, "export" its best-validation adapter first (an early exit
 # for overfitting), or "pause" it (snapshot and persist its checkpoint, free the slot; it resumes later from it).
@@ -546,9 +548,10 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: boo
     on training gets its current weights back afterwards. A failure here costs the trials their score, not their
     result; in a pack over several GPUs every rank takes part in the generation, with or without trials to score,
     and one that fails in it fails the pack (the ranks' passes no longer match)."""
+    _score_rewards(engine, [s for s in slots if _judged_by_rewards(engine.state(s).spec)], hooks)
     scorer = hooks.calls.score
     wanted = [s for s in slots if scorer is not None and engine.state(s).spec.evaluation is not None
-              and engine.state(s).spec.val_rows]
+              and not _judged_by_rewards(engine.state(s).spec) and engine.state(s).spec.val_rows]
     if not wanted and engine.lockstep is None:
         return
     tokenizer = engine.tokenizer
@@ -583,6 +586,19 @@ def _score(engine: PackEngine, slots: list[int], hooks: _Hooks, *, training: boo
             logger.error("trial %s goes without a metric: %s", state.spec.trial_id, exc)
             continue
         hooks.calls.on_point(state.spec.trial_id, state.steps_done, "metric", score)
+
+
+def _judged_by_rewards(spec: TrialSpec) -> bool:
+    return spec.dpo is not None and spec.evaluation is not None and spec.evaluation.metric == REWARD_ACCURACY
+
+
+def _score_rewards(engine: PackEngine, slots: list[int], hooks: _Hooks) -> None:
+    """The "metric" point of DPO trials judged by reward accuracy: their best adapter's, as its validation measured
+    it (nothing is generated)."""
+    for slot in slots:
+        state = engine.state(slot)
+        if state.best_metrics is not None:
+            hooks.calls.on_point(state.spec.trial_id, state.steps_done, "metric", state.best_metrics["reward_acc"])
 
 
 def _prompts(engine: PackEngine, slots: list[int]) -> tuple[dict[int, list[list[int]]], dict[int, list[str]]]:
@@ -657,6 +673,8 @@ def _after_step(
         hooks.calls.on_point(trial_id, step, "train", losses[trial_id])
     if val_loss is not None:
         hooks.calls.on_point(trial_id, step, "val", val_loss)
+        for split, value in (state.val_metrics or {}).items():  # a DPO trial's reward metrics
+            hooks.calls.on_point(trial_id, step, split, value)
     return outcome
 
 
