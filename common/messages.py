@@ -87,6 +87,9 @@ class TrialPayload(BaseModel):
     # How the trial is judged (common/metrics.py): a generative metric has the worker decode the validation rows
     # with the trial's best adapter when it ends and report the score as a "metric" point. None: loss.
     evaluation: dict[str, Any] | None = None
+    # What it minimises (common/task_spec.py `Objective.as_dict`): None, SFT; {"type": "dpo", "loss",
+    # "label_smoothing"} with its beta in `hyperparameters`.
+    objective: dict[str, Any] | None = None
     # A requeued trial resumes from its newest checkpoint instead of step 0.
     resume_key: str | None = None
     resume_step: int | None = None

@@ -18,6 +18,9 @@ stops there, and special tokens are not decoded); then case is folded, runs of w
 ends are stripped, and trailing sentence punctuation (. , ! ? ; :) is removed. So "Paris." and " paris" match
 "Paris", while "Paris, France" does not (contains does).
 
+A DPO task (objective "dpo") may instead be judged by `reward_accuracy`: its validation measures it, nothing is
+generated, and the best adapter's is the trial's score.
+
 The worker reports the score as a point of split "metric" at each early-exit rung a trial validates at (the
 scheduler's `extra_eval_steps`; the trial trains on with its own weights) and when it ends; the newest is the
 trial's `metric_score`. Early exit itself still ranks by validation loss (docs/early-exit.md says why). The best
@@ -37,8 +40,14 @@ import regex
 
 from common.regex_policy import PatternRefused, compile_pattern
 
-METRICS = ("loss", "exact_match", "contains", "regex", "json_valid")
-GENERATIVE_METRICS = METRICS[1:]
+METRICS = ("loss", "exact_match", "contains", "regex", "json_valid", "reward_accuracy")
+GENERATIVE_METRICS = ("exact_match", "contains", "regex", "json_valid")
+# A DPO task's (objective "dpo"): the share of validation pairs whose chosen answer the trial's best adapter rewards
+# more than the rejected one (its implicit reward: beta times its log-ratio to the base), measured by its
+# validation, nothing generated (worker/engine/dpo.py). Reported as the "metric" point like a generative score.
+PREFERENCE_METRICS = ("reward_accuracy",)
+# The metrics a trial is scored by in [0, 1] ("metric" points): the highest score ranks first.
+SCORED_METRICS = GENERATIVE_METRICS + PREFERENCE_METRICS
 DEFAULT_METRIC = "loss"
 DEFAULT_MAX_NEW_TOKENS = 32
 MAX_NEW_TOKENS_LIMIT = 512
@@ -47,6 +56,9 @@ MAX_NEW_TOKENS_LIMIT = 512
 REGEX_TIMEOUT_S = 0.05
 # The split of the point a worker reports a trial's score in: [trial_id, step, "metric", score].
 METRIC_SPLIT = "metric"
+# The points a DPO trial's validation reports besides its loss (worker/engine/dpo.py PREFERENCE_SPLITS, tested
+# equal): its reward accuracy, mean reward margin, and mean rewards of the chosen and of the rejected answers.
+PREFERENCE_SPLITS = ("reward_acc", "margin", "chosen", "rejected")
 
 _TRAILING_PUNCTUATION = ".,!?;:"
 _WHITESPACE = re.compile(r"\s+")
@@ -150,10 +162,10 @@ def rank_key(metric: str, *, metric_score: float | None, val_loss: float | None,
     ``val_loss`` is the trial's validation score (``ranked_val_loss``).
 
     By loss (metric "loss"): the lowest ``val_loss``; a trial without one ranks after those with one, by its
-    last train loss. By a generative metric: the highest metric score first; ties, and trials without a score
-    (ranked after those with one), by loss as above. Then the lowest index."""
+    last train loss. By a scored metric (generative, or a DPO task's reward accuracy): the highest metric score
+    first; ties, and trials without a score (ranked after those with one), by loss as above. Then the lowest index."""
     by_loss = ((0, val_loss, index) if val_loss is not None
                else (1, last_train_loss if last_train_loss is not None else math.inf, index))
-    if metric not in GENERATIVE_METRICS:
+    if metric not in SCORED_METRICS:
         return by_loss
     return (0, -metric_score, *by_loss) if metric_score is not None else (1, 0.0, *by_loss)

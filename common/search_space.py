@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 AUTO: Final = "auto"  # a task's search_space that asks for `auto_space`
-DIMENSIONS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size", "lora_dropout", "target_modules")
+DIMENSIONS = ("learning_rate", "lora_rank", "lora_alpha", "batch_size", "lora_dropout", "target_modules", "beta")
+# Dimensions only some tasks' trials have: `beta`, a DPO task's (objective "dpo"), the strength of its pull towards
+# the base model; an SFT trial's configuration has no such key.
+OPTIONAL_DIMENSIONS = frozenset({"beta"})
 INTEGER_DIMENSIONS = frozenset({"lora_rank", "batch_size"})
 # lora_alpha has no list default: left out, it is 2 x each trial's rank (torchtune's and Predibase's rule).
 # Adapters on every linear layer (QLoRA's finding, PEFT's "all-linear"): docs/defaults.md measures them against
@@ -35,6 +38,11 @@ INTEGER_DIMENSIONS = frozenset({"lora_rank", "batch_size"})
 AUTO_LR_CENTRES: tuple[tuple[float, float], ...] = ((1e9, 1e-3), (2e10, 2e-4), (math.inf, 1e-4))
 AUTO_LR_UNKNOWN_SIZE = 2e-4
 AUTO_LR_FACTORS = (0.3, 1.0, 3.0)
+# A DPO task's learning rates, its defaults and its auto grid's, are the SFT ones scaled by this: preference tuning is
+# run an order of magnitude below SFT or more (Zephyr: SFT 2e-5, DPO 5e-7, Tunstall et al. 2023; TRL's LoRA DPO
+# examples 5e-6 to 5e-5). Its beta left out is the DPO paper's and TRL's 0.1.
+DPO_LR_SCALE = 0.1
+DEFAULT_DPO_BETA = 0.1
 # The learning rate left out is the auto grid's centre for the model's size (`default_learning_rate`, applied by
 # `with_size_defaults` where the size is known); here, that rule's value for a model of unknown size.
 DEFAULTS: dict[str, list[Any]] = {
@@ -99,24 +107,30 @@ def default_learning_rate(parameters: int | None) -> float:
     return next(lr for size, lr in AUTO_LR_CENTRES if parameters < size)
 
 
-def with_size_defaults(space: Space, parameters: int | None) -> dict[str, Dimension]:
-    """``space`` with a learning rate left out set to the model's (`default_learning_rate`)."""
+def with_size_defaults(space: Space, parameters: int | None, *, dpo: bool = False) -> dict[str, Dimension]:
+    """``space`` with a learning rate left out set to the model's (`default_learning_rate`; a DPO task's scaled by
+    `DPO_LR_SCALE`) and, for a DPO task, a beta left out set to `DEFAULT_DPO_BETA`."""
     out = dict(space)
-    out.setdefault("learning_rate", [default_learning_rate(parameters)])
+    out.setdefault("learning_rate", [_clean(default_learning_rate(parameters) * (DPO_LR_SCALE if dpo else 1.0))])
+    if dpo:
+        out.setdefault("beta", [DEFAULT_DPO_BETA])
     return out
 
 
-def auto_space(parameters: int | None, train_rows: int) -> dict[str, Dimension]:
+def auto_space(parameters: int | None, train_rows: int, *, dpo: bool = False) -> dict[str, Dimension]:
     """The search space of a task that gives none (`search_space` omitted or "auto"): learning rates around a
-    centre for the model's size (`parameters`, None when unknown) x two ranks for the number of training rows;
-    the other dimensions keep their defaults. Six trials.
+    centre for the model's size (`parameters`, None when unknown; a DPO task's a tenth of it) x two ranks for the
+    number of training rows; the other dimensions keep their defaults (a DPO task's beta `DEFAULT_DPO_BETA`). Six
+    trials.
 
     >>> auto_space(135_000_000, 2_000)
     {'learning_rate': [0.0003, 0.001, 0.003], 'lora_rank': [4, 16]}
     """
-    centre = default_learning_rate(parameters)
+    centre = default_learning_rate(parameters) * (DPO_LR_SCALE if dpo else 1.0)
     ranks = next(r for rows, r in AUTO_RANKS if train_rows < rows)
-    return {"learning_rate": [_clean(centre * f) for f in AUTO_LR_FACTORS], "lora_rank": list(ranks)}
+    space: dict[str, Dimension] = {"learning_rate": [_clean(centre * f) for f in AUTO_LR_FACTORS],
+                                   "lora_rank": list(ranks)}
+    return space | {"beta": [DEFAULT_DPO_BETA]} if dpo else space
 
 
 def _clean(x: float) -> float:
@@ -170,10 +184,11 @@ def _grid_values(name: str, dim: Dimension) -> list[Any]:
 
 
 def _complete(config: dict[str, Any]) -> dict[str, Any]:
-    """Puts the keys in DIMENSIONS order and fills lora_alpha = 2 x rank where it was left out."""
+    """Puts the keys in DIMENSIONS order and fills lora_alpha = 2 x rank where it was left out (an optional
+    dimension the space lacks stays out)."""
     if "lora_alpha" not in config:
         config["lora_alpha"] = float(2 * config["lora_rank"])
-    return {name: config[name] for name in DIMENSIONS}
+    return {name: config[name] for name in DIMENSIONS if name in config}
 
 
 def grid_size(space: Space) -> int:

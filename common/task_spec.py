@@ -44,6 +44,28 @@ LOSS = Evaluation()  # judged by the validation loss: every default
 
 
 @dataclass(frozen=True)
+class Objective:
+    """What the task's trials minimise: "sft", the next-token loss of the answers, or "dpo", Direct Preference
+    Optimisation on preference rows (worker/engine/dpo.py), its beta a dimension of the search space."""
+
+    type: str = "sft"  # "sft" | "dpo"
+    loss: str = "sigmoid"  # a DPO task's: "sigmoid" (the DPO paper's) | "ipo"
+    label_smoothing: float = 0.0  # a DPO task's sigmoid loss's
+
+    @property
+    def dpo(self) -> bool:
+        return self.type == "dpo"
+
+    def as_dict(self) -> dict[str, Any]:
+        if not self.dpo:
+            return {"type": self.type}
+        return {"type": self.type, "loss": self.loss, "label_smoothing": self.label_smoothing}
+
+
+SFT = Objective()
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     base_model: str
     training_file: str
@@ -79,6 +101,7 @@ class TaskSpec:
     # The experiment trackers its trials are logged to, as shown (`type`, `tracking_uri`, `experiment`, `token_set`);
     # their tokens are kept encrypted in the `trackers` table only.
     integrations: tuple[Mapping[str, Any], ...] = ()
+    objective: Objective = SFT  # a task stored before objectives existed: SFT
 
     @property
     def metric(self) -> str:
@@ -89,6 +112,7 @@ class TaskSpec:
         """The spec of a task's `tasks.spec` JSON; a field an older row lacks takes its default here."""
         evaluation = stored.get("evaluation")
         scheduling = stored.get("scheduling") or {}
+        objective = stored.get("objective") or {}
         return cls(
             base_model=str(stored["base_model"]),
             training_file=str(stored["training_file"]),
@@ -117,12 +141,14 @@ class TaskSpec:
             training_rows=stored.get("training_rows"),
             validation_rows=stored.get("validation_rows"),
             integrations=tuple(dict(i) for i in stored.get("integrations") or ()),
+            objective=Objective(type=str(objective.get("type", "sft")), loss=str(objective.get("loss", "sigmoid")),
+                                label_smoothing=float(objective.get("label_smoothing", 0.0))),
         )
 
     def to_stored(self) -> dict[str, Any]:
         """The JSON stored in `tasks.spec` (`from_stored(to_stored(s)) == s`; an older row's missing
         `evaluation` comes back as null, its missing `refit` as false; `suffix`, `metadata` and `integrations` only when
-        given)."""
+        given, `objective` only for a DPO task)."""
         stored: dict[str, Any] = {
             "base_model": self.base_model,
             "training_file": self.training_file,
@@ -144,6 +170,8 @@ class TaskSpec:
             "training_rows": self.training_rows,
             "validation_rows": self.validation_rows,
         }
+        if self.objective.dpo:
+            stored["objective"] = self.objective.as_dict()
         if self.integrations:
             stored["integrations"] = [dict(i) for i in self.integrations]
         if self.suffix is not None:

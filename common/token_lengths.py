@@ -54,16 +54,41 @@ def row_length(row: Mapping[str, Any], tok: ChatTokenizer) -> RowLength:
         ValueError: a row of neither format, or a chat template that is not prefix-stable (as `encode_row`).
         jinja2.TemplateError: the template refuses the conversation.
     """
+    if "chosen" in row and "rejected" in row:
+        return _preference_length(row, tok)
     if "messages" in row:
         segments = _chat_segments(row["messages"], tok)
     elif "prompt" in row and "completion" in row:
         segments = _prompt_completion_segments(str(row["prompt"]), str(row["completion"]), tok)
     else:
         raise ValueError(f"row has neither 'messages' nor 'prompt'/'completion': keys {sorted(row)}")
+    return _length(segments)
+
+
+def _preference_length(row: Mapping[str, Any], tok: ChatTokenizer) -> RowLength:
+    """A preference row's (worker/engine/dpo.py `encode_preference_row`): the longer of its two sequences (the prompt
+    and each answer), and the `max_seq_len` that leaves both answers a target token (a pair without one on either
+    side is dropped). In the chat form the prompt's own assistant turns are context, not targets."""
+    lengths = []
+    for name in ("chosen", "rejected"):
+        if "messages" in row:
+            answer = row[name] if isinstance(row[name], list) else [row[name]]
+            segments = _chat_segments([*row["messages"], *answer], tok)
+            context = _count(tok, _render(tok, row["messages"], add_generation_prompt=True))
+            lengths.append(_length(segments, context=context))
+        else:
+            lengths.append(_length(_prompt_completion_segments(str(row["prompt"]), str(row[name]), tok)))
+    needed = 0 if any(x.needed == 0 for x in lengths) else max(x.needed for x in lengths)
+    return RowLength(tokens=max(x.tokens for x in lengths), needed=needed)
+
+
+def _length(segments: Sequence[tuple[int, bool]], *, context: int = 0) -> RowLength:
+    """The length of a row of ``segments`` (tokens, is_target); targets among its first ``context`` tokens do not
+    count."""
     position, needed = 0, 0
     for n, is_target in segments:
         # A target at position p counts once max_seq_len > p, and position 0 never counts (Example.n_targets).
-        first = max(position, 1)
+        first = max(position, 1, context)
         if is_target and not needed and first < position + n:
             needed = first + 1
         position += n

@@ -51,9 +51,9 @@ from common.messages import (
     TrialPayload,
     TrialRejected,
 )
-from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, GENERATIVE_METRICS, score_answers
+from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, SCORED_METRICS, score_answers
 from common.regex_policy import SYNTAX, PatternRefused, check_pattern
-from common.search_space import DEFAULT_LR_SCHEDULE, warmup_steps_for
+from common.search_space import DEFAULT_DPO_BETA, DEFAULT_LR_SCHEDULE, warmup_steps_for
 from common.settings import get_settings
 from worker import telemetry
 from worker.bus_client import CommandInbox, Reporter, ReportsLost
@@ -75,6 +75,7 @@ from worker.engine.base_model import base_dtype
 from worker.engine.distributed import shard_base
 from worker.engine.export import PeftFiles
 from worker.engine.keeper import EngineKeeper
+from worker.engine.spec import DpoObjective
 from worker.engine.trainer import PackTimings, StopMode
 from worker.heartbeat import BeatProgress, Heartbeat, Incarnation
 from worker.model_cache import Loaded, ModelCache, cache_budget, device_memory, model_source
@@ -132,12 +133,13 @@ def export_base_name(source: ModelSource) -> str:
 
 
 def evaluation_of(stored: dict[str, Any] | None, trial_id: str = "") -> Evaluation | None:
-    """The trial's generative metric from the task's stored `evaluation` (None: scored by its loss).
+    """The trial's scored metric (generative, or a DPO trial's reward accuracy) from the task's stored `evaluation`
+    (None: scored by its loss).
 
     A regex metric whose pattern the policy refuses (a task stored before common/regex_policy.py, or a row
     written around the API) is never compiled here: the trial goes without a metric score (ranked by its loss,
     as a trial whose scoring failed) and the log says why."""
-    if not stored or stored.get("metric", DEFAULT_METRIC) not in GENERATIVE_METRICS:
+    if not stored or stored.get("metric", DEFAULT_METRIC) not in SCORED_METRICS:
         return None
     pattern = stored.get("pattern")
     if stored["metric"] == "regex":
@@ -152,6 +154,16 @@ def evaluation_of(stored: dict[str, Any] | None, trial_id: str = "") -> Evaluati
     return Evaluation(metric=str(stored["metric"]),
                       max_new_tokens=int(stored.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
                       pattern=pattern)
+
+
+def dpo_objective(t: TrialPayload) -> DpoObjective | None:
+    """A DPO trial's objective: its task's loss and label smoothing, its own beta (a dimension of its task's search
+    space); None for an SFT trial."""
+    if not t.objective or t.objective.get("type") != "dpo":
+        return None
+    return DpoObjective(beta=float(t.hyperparameters.get("beta", DEFAULT_DPO_BETA)),
+                        loss=str(t.objective.get("loss", "sigmoid")),
+                        label_smoothing=float(t.objective.get("label_smoothing", 0.0)))
 
 
 def score_metric(evaluation: Evaluation, answers: list[str], references: list[str]) -> float:
@@ -269,6 +281,7 @@ class PackRunner:
             evaluation=evaluation_of(t.evaluation, t.trial_id),
             # A task from before checkpoints (its training has no such key) has none.
             adapter_checkpoints=bool(training.get("checkpoints", False)),
+            dpo=dpo_objective(t),
         )
 
     def run(self, pack: PackMessage) -> None:

@@ -19,7 +19,7 @@ from api.services.tasks import (
     owned_file,
     require_max_trials,
     resolve_budget,
-    space_of,
+    task_space,
     train_rows,
     trial_steps,
     usable_model,
@@ -52,7 +52,7 @@ def expand_search_space(
         budget = resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
                                 validation_split=body.validation_split, training_rows=train.rows)
         n_train = train_rows(train, budget.validation_split)
-    space = _space(body.search_space, model, n_train)
+    space = _space(body, model, n_train)
     all_linear = None
     if model is not None:
         check_target_modules(model, space)
@@ -71,15 +71,13 @@ def expand_search_space(
     )
 
 
-def _space(search_space: SearchSpace | str, model: BaseModelEntry | None,
-           n_train: int | None) -> dict[str, ss.Dimension]:
-    """The space to expand: the one given (a learning rate left out set by the model's size, as a task's is; with no
-    model, the unknown size's), or "auto"'s, which a task picks from its model's size and its training rows
-    (common/search_space.py `auto_space`), so it needs both."""
-    if isinstance(search_space, SearchSpace):
-        return ss.with_size_defaults(space_of(search_space), model.parameters if model is not None else None)
-    if model is None or n_train is None:
+def _space(body: SearchSpaceExpand, model: BaseModelEntry | None, n_train: int | None) -> dict[str, ss.Dimension]:
+    """The space to expand, as a task's (`task_space`): the one given (a learning rate left out set by the model's
+    size; with no model, the unknown size's), or "auto"'s, which a task picks from its model's size and its training
+    rows (common/search_space.py `auto_space`), so it needs both."""
+    if not isinstance(body.search_space, SearchSpace) and (model is None or n_train is None):
         raise invalid('"auto" picks the space from the model\'s size and the number of training rows: give '
                       "base_model and training_file with it, as a task has them.", param="search_space",
                       code="auto_needs_model")
-    return ss.auto_space(model.parameters, n_train)
+    return task_space(body.search_space, body.objective, model.parameters if model is not None else None,
+                      n_train or 0)

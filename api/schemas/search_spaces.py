@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, StrictInt
 
 from api.schemas.common import FiniteFloat, RequestModel, Text
-from api.schemas.tasks import CostEstimate, Scheduling, SearchSpaceOrAuto, TaskCreate
+from api.schemas.tasks import CostEstimate, Objective, Scheduling, SearchSpaceOrAuto, TaskCreate
 
 
 class SearchSpaceExpand(RequestModel):
@@ -32,6 +32,8 @@ class SearchSpaceExpand(RequestModel):
     max_steps: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
     max_seq_len: Annotated[StrictInt, Field(ge=16, le=8192)] = TaskCreate.model_fields["max_seq_len"].default
     scheduling: Scheduling = Field(default_factory=Scheduling)
+    objective: Objective = Field(default_factory=Objective, description="A DPO task's defaults differ (its "
+                                 "learning rates a tenth of SFT's, its beta 0.1).")
 
 
 class SearchSpaceExpansion(BaseModel):

@@ -56,6 +56,7 @@ Rank = Annotated[StrictInt, Field(ge=1, le=256)]
 Alpha = Annotated[FiniteFloat, Field(gt=0, le=100_000)]
 BatchSize = Annotated[StrictInt, Field(ge=1, le=1024)]
 Dropout = Annotated[FiniteFloat, Field(ge=0, lt=1)]
+Beta = Annotated[FiniteFloat, Field(gt=0, le=100)]
 
 
 class RangeSpec(RequestModel):
@@ -98,6 +99,11 @@ class BatchSizeRange(RangeSpec):
 class DropoutRange(RangeSpec):
     min: Dropout
     max: Dropout
+
+
+class BetaRange(RangeSpec):
+    min: Beta
+    max: Beta
 
 
 def _empty() -> PydanticCustomError:
@@ -170,6 +176,9 @@ class SearchSpace(RequestModel):
         default=None,
         description='Default "all-linear": every linear layer of the decoder except lm_head. Each choice is a list of '
         'module names of the model (GET /v1/models lists them) or "all-linear".')
+    beta: Annotated[list[Beta] | BetaRange, _dimension(Beta, BetaRange)] | None = Field(
+        default=None, description='A DPO task\'s (objective "dpo") strength of the pull towards the base model: the '
+        "implicit reward's scale. Default [0.1] (the DPO paper's); refused for an SFT task.")
 
 
 def _search_space(v: Any, _handler: ValidatorFunctionWrapHandler) -> Any:
@@ -285,7 +294,7 @@ def _not_for_metric(name: str, metric: str, reason: str) -> ValidationError:
         loc=(name,), input=None)])
 
 
-MetricName = Literal["loss", "exact_match", "contains", "regex", "json_valid"]
+MetricName = Literal["loss", "exact_match", "contains", "regex", "json_valid", "reward_accuracy"]
 assert get_args(MetricName) == METRICS and DEFAULT_METRIC == "loss"
 
 
@@ -297,7 +306,9 @@ class Evaluation(RequestModel):
         description='"loss": the lowest validation loss wins. The others decode each validation row greedily with '
         "every trial's best adapter when it ends and score the share of rows whose answer passes: exact_match "
         "(the normalised answer equals the reference), contains (the normalised reference is in the answer), regex "
-        "(`pattern` matches the answer), json_valid (the answer parses as JSON); the highest score wins.")
+        "(`pattern` matches the answer), json_valid (the answer parses as JSON); the highest score wins. A DPO task "
+        "(objective \"dpo\") takes \"loss\" (its validation pairs' DPO loss) or \"reward_accuracy\": the share of "
+        "validation pairs whose chosen answer the trial's best adapter rewards more than the rejected one.")
     max_new_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS_LIMIT)] = Field(
         default=DEFAULT_MAX_NEW_TOKENS, description="The longest answer decoded per row (generative metrics).")
     pattern: Text | None = Field(
@@ -333,6 +344,37 @@ class Evaluation(RequestModel):
                 input=None)])
         if self.metric != "regex" and self.pattern is not None:
             raise _not_for_metric("pattern", self.metric, "only regex takes a pattern")
+        return self
+
+
+class Objective(RequestModel):
+    """What the trials minimise: "sft", the next-token loss of the answers (prompt/completion or chat rows), or
+    "dpo", Direct Preference Optimisation on preference rows (`prompt` or `messages`, `chosen`, `rejected`) against
+    the base model itself as the reference."""
+
+    type: Literal["sft", "dpo"] = "sft"
+    beta: Beta | None = Field(
+        default=None, description="DPO only: one beta for every trial (default 0.1); search_space.beta searches "
+        "several.")
+    loss: Literal["sigmoid", "ipo"] | None = Field(
+        default=None, description='DPO only: "sigmoid" (the DPO paper\'s, default) or "ipo" (Azar et al. 2023, on '
+        "per-token log-probabilities).")
+    label_smoothing: Annotated[FiniteFloat, Field(ge=0, lt=0.5)] | None = Field(
+        default=None, description="DPO only, sigmoid loss: the assumed share of pairs whose preference is flipped "
+        "(conservative DPO); default 0.")
+
+    @model_validator(mode="after")
+    def _dpo_parameters(self) -> Objective:
+        if self.type == "sft":
+            for name in ("beta", "loss", "label_smoothing"):
+                if getattr(self, name) is not None:
+                    raise ValidationError.from_exception_data("Objective", [InitErrorDetails(
+                        type=PydanticCustomError("unknown_parameter", "'{name}' is a parameter of the DPO "
+                                                 "objective, not of SFT.", {"name": name}), loc=(name,), input=None)])
+        if self.loss == "ipo" and self.label_smoothing:
+            raise ValidationError.from_exception_data("Objective", [InitErrorDetails(
+                type=PydanticCustomError("unknown_parameter", "label_smoothing is the sigmoid loss's, not IPO's."),
+                loc=("label_smoothing",), input=None)])
         return self
 
 
@@ -465,8 +507,12 @@ class TaskCreate(RequestModel):
     scheduling: Scheduling = Field(default_factory=Scheduling)
     evaluation: Evaluation = Field(
         default_factory=Evaluation,
-        description='{"metric": "loss" | "exact_match" | "contains" | "regex" | "json_valid", "max_new_tokens", '
-        '"pattern"}: how the best trial is chosen; default the validation loss.')
+        description='{"metric": "loss" | "exact_match" | "contains" | "regex" | "json_valid" | "reward_accuracy", '
+        '"max_new_tokens", "pattern"}: how the best trial is chosen; default the validation loss.')
+    objective: Objective = Field(
+        default_factory=Objective,
+        description='{"type": "sft" | "dpo", "beta", "loss", "label_smoothing"}: what the trials minimise; default '
+        '"sft". A DPO task trains on preference rows (format preference or preference_messages).')
     integrations: list[Integration] = Field(default_factory=list, max_length=4, description="Experiment trackers "
                                             "every trial is logged to (MLflow, Weights & Biases).")
     refit: bool = Field(
@@ -586,6 +632,8 @@ class TaskOut(BaseModel):
     training: dict[str, Any]
     scheduling: dict[str, Any]
     evaluation: dict[str, Any]
+    objective: dict[str, Any] = Field(default_factory=lambda: {"type": "sft"},
+                                      description='{"type": "sft"} or {"type": "dpo", "loss", "label_smoothing"}.')
     trial_counts: TrialCounts
     progress: float = Field(ge=0, le=1)
     best_trial: BestTrial | None

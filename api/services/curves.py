@@ -8,13 +8,15 @@
 From the stored metric points: samples seen = batch size x step; tokens seen = batch size x max_seq_len x
 step, i.e. tokens_per_step is the task's max_seq_len per row — an upper bound (rows are cut at max_seq_len
 and shorter ones are padded, and padding is not trained on), the same for every trial of the task, which is
-what ranking trials at equal tokens needs. `metric`: the trial's scores on its task's generative metric (one
-point, at the step it ended; empty for the loss metric), which `loraplane replay` ignores. A non-finite loss is
-written as null. Like an adapter download (api/services/adapters.py), a response already begun runs to its end
-if its key is revoked meanwhile: it is finite (one line per trial of the task) and was authorised when it began.
-A task trained with
-early exit gives curves that end where its trials stopped; replaying a policy needs a sweep trained
-without (`early_exit: {"policy": "none"}`). The format is documented in scheduler/sim/replay.py.
+what ranking trials at equal tokens needs (a DPO trial's tokens_per_step counts both sequences of a row).
+`metric`: the trial's scores on its task's scored metric (at its early-exit rungs and the step it ended; empty for
+the loss metric), which `loraplane replay` ignores. A DPO trial's row also has `rewards`: {"reward_acc", "margin",
+"chosen", "rejected"}, each [[step, samples seen, tokens seen, value], ...] at its validations (its validation
+pairs' reward accuracy, mean reward margin, and mean chosen and rejected rewards), and its `val` is its DPO loss.
+A non-finite loss is written as null. Like an adapter download (api/services/adapters.py), a response already begun
+runs to its end if its key is revoked meanwhile: it is finite (one line per trial of the task) and was authorised
+when it began. A task trained with early exit gives curves that end where its trials stopped; replaying a policy
+needs a sweep trained without (`early_exit: {"policy": "none"}`). The format is documented in scheduler/sim/replay.py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 from sqlalchemy import select
 
 from api.db import session_factory
-from common.metrics import METRIC_SPLIT
+from common.metrics import METRIC_SPLIT, PREFERENCE_SPLITS
 from common.tables import MetricPoint, Task, Trial
 from scheduler.planning.cost import batch_size, tokens_per_step
 
@@ -53,14 +55,19 @@ def curve_row(
 ) -> dict[str, Any]:
     """The row of one trial from its (split, step, loss) points in step order."""
     batch, tokens = batch_size(trial.hyperparameters), tokens_per_step(trial.hyperparameters, max_seq_len)
-    curves: dict[str, list[list[Any]]] = {"train": [], "val": [], METRIC_SPLIT: []}
+    dpo = "beta" in trial.hyperparameters  # a DPO trial: its validations' reward metrics too
+    splits = ("train", "val", METRIC_SPLIT, *(PREFERENCE_SPLITS if dpo else ()))
+    curves: dict[str, list[list[Any]]] = {split: [] for split in splits}
     for split, step, loss in points:
         if split in curves:
             curves[split].append([step, step * batch, step * tokens, loss if math.isfinite(loss) else None])
-    return {"trial_id": trial.id, "task_id": task_id, "index": trial.index, "state": trial.state,
-            "hyperparameters": trial.hyperparameters, "samples_per_step": batch, "tokens_per_step": tokens,
-            "total_steps": trial.total_steps, "train": curves["train"], "val": curves["val"],
-            "metric": curves[METRIC_SPLIT]}
+    row = {"trial_id": trial.id, "task_id": task_id, "index": trial.index, "state": trial.state,
+           "hyperparameters": trial.hyperparameters, "samples_per_step": batch, "tokens_per_step": tokens,
+           "total_steps": trial.total_steps, "train": curves["train"], "val": curves["val"],
+           "metric": curves[METRIC_SPLIT]}
+    if dpo:
+        row["rewards"] = {split: curves[split] for split in PREFERENCE_SPLITS}
+    return row
 
 
 def curve_lines(task: Task, trials: Sequence[Trial], after_step: int | None = None) -> Iterator[bytes]:

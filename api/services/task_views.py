@@ -189,6 +189,7 @@ def _task_out(task: TaskFields, summary: TrialSummary, best: BestTrial | None, n
         training=dict(spec.training),
         scheduling=asdict(spec.scheduling),
         evaluation=(spec.evaluation or LOSS).as_dict(),
+        objective=spec.objective.as_dict(),
         trial_counts=counts,
         progress=round(summary.progress, 6),
         best_trial=best,

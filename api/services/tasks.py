@@ -22,6 +22,7 @@ from api.db import commit
 from api.deps import invalid_api_key
 from api.errors import RATE_LIMIT, ApiError, conflict, invalid
 from api.queries import find_file, get_task
+from api.schemas.tasks import Objective as ObjectiveRequest
 from api.schemas.tasks import RangeSpec, SearchSpace, TaskCreate
 from api.services.estimates import estimate_task
 from api.services.lengths import Shortened, check_row_lengths, record_shortened
@@ -32,11 +33,12 @@ from common.bus import wake_scheduler
 from common.datasets import PREFERENCE_FORMATS, SMALL_VALIDATION_ROWS, default_validation_split, validation_rows
 from common.egress import Egress
 from common.events import record_event
+from common.metrics import GENERATIVE_METRICS, PREFERENCE_METRICS
 from common.registry import may_use
 from common.settings import get_settings
 from common.states import TASK_CANCELLED, TASK_FINAL, TASK_QUEUED, TRIAL_ACTIVE, TRIAL_CANCELLED, TRIAL_PENDING
 from common.tables import BaseModelEntry, File, Task, Tenant, Trial, new_id, utcnow
-from common.task_spec import Evaluation, Scheduling, TaskSpec
+from common.task_spec import Evaluation, Objective, Scheduling, TaskSpec
 
 DEFAULT_EPOCHS = 1
 
@@ -58,6 +60,26 @@ def _check_request(body: TaskCreate) -> None:
     if body.epochs is not None and body.max_steps is not None:
         raise invalid("Give epochs or max_steps, not both.", param="max_steps", code="conflicting_fields")
     require_max_trials(body.strategy, body.max_trials)
+    _check_objective(body)
+
+
+def _check_objective(body: TaskCreate) -> None:
+    """A DPO task's beta is given in one place, and each objective is judged by a metric it has: reward accuracy is
+    a DPO task's, a generated answer an SFT task's (a preference row's prompt has two answers, neither the one)."""
+    dpo, metric = body.objective.type == "dpo", body.evaluation.metric
+    searched = isinstance(body.search_space, SearchSpace) and body.search_space.beta is not None
+    if searched and not dpo:
+        raise invalid("beta is a dimension of DPO tasks (objective.type \"dpo\"); an SFT task has none.",
+                      param="search_space.beta", code="unknown_field")
+    if searched and body.objective.beta is not None:
+        raise invalid("Give objective.beta or search_space.beta, not both.", param="objective.beta",
+                      code="conflicting_fields")
+    if dpo and metric in GENERATIVE_METRICS:
+        raise invalid(f"A DPO task is judged by \"loss\" or \"reward_accuracy\", not by {metric!r}.",
+                      param="evaluation.metric", code="metric_not_for_objective")
+    if not dpo and metric in PREFERENCE_METRICS:
+        raise invalid(f"{metric!r} judges DPO tasks (objective.type \"dpo\"); an SFT task is judged by its loss or "
+                      "a generative metric.", param="evaluation.metric", code="metric_not_for_objective")
 
 
 def resolve_budget(
@@ -97,6 +119,8 @@ def normalised_space(space: dict[str, ss.Dimension]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in ss.DIMENSIONS:
         dim = space.get(name, ss.DEFAULTS.get(name))
+        if dim is None and name in ss.OPTIONAL_DIMENSIONS:
+            continue
         out[name] = (
             {"min": dim.min, "max": dim.max, "num": dim.num, "scale": dim.scale} if isinstance(dim, ss.Range) else dim
         )
@@ -167,13 +191,17 @@ def check_context(model: BaseModelEntry, max_seq_len: int) -> None:
                       code="max_seq_len_over_context")
 
 
-def _check_not_preferences(file: File, field: str) -> None:
-    """Preference rows (prompt, chosen, rejected: common/datasets.py) train with the DPO objective, which tasks cannot
-    ask for yet: refused here rather than trained as something they are not."""
-    if file.format in PREFERENCE_FORMATS:
+def _check_rows_fit_objective(file: File, field: str, objective: str) -> None:
+    """Preference rows (prompt, chosen, rejected: common/datasets.py) train with the DPO objective and nothing else
+    does: a file of the other kind is refused rather than trained as something it is not."""
+    if objective != "dpo" and file.format in PREFERENCE_FORMATS:
         raise invalid(f"{field} '{file.id}' holds preference rows (chosen and rejected answers), which train with "
-                      "the DPO objective; tasks train on prompt/completion or chat rows for now (DPO is not "
-                      "available yet).", param=field, code="preference_rows_need_dpo")
+                      "the DPO objective: give \"objective\": {\"type\": \"dpo\"}, or prompt/completion or chat "
+                      "rows.", param=field, code="preference_rows_need_dpo")
+    if objective == "dpo" and file.format not in PREFERENCE_FORMATS:
+        raise invalid(f"{field} '{file.id}' holds {file.format} rows; a DPO task trains on preference rows "
+                      "({\"prompt\" or \"messages\", \"chosen\", \"rejected\"}).", param=field,
+                      code="dpo_needs_preference_rows")
 
 
 def _check_chat_template(model: BaseModelEntry, file: File, field: str) -> None:
@@ -249,6 +277,8 @@ def _spec(body: TaskCreate, budget: Budget, space: dict[str, ss.Dimension], step
         training_rows=rows[0],
         validation_rows=rows[1],
         integrations=tuple(shown_integration(i) for i in body.integrations),
+        objective=Objective(type=body.objective.type, loss=body.objective.loss or "sigmoid",
+                            label_smoothing=body.objective.label_smoothing or 0.0),
     ).to_stored()
 
 
@@ -300,20 +330,19 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
     model = usable_model(session, tenant, body.base_model, lock=True)
     check_context(model, body.max_seq_len)
     train = owned_file(session, tenant, body.training_file, "training_file")
-    _check_not_preferences(train, "training_file")
+    _check_rows_fit_objective(train, "training_file", body.objective.type)
     _check_chat_template(model, train, "training_file")
     budget = resolve_budget(epochs=body.epochs, max_steps=body.max_steps, validation_file=body.validation_file,
                             validation_split=body.validation_split, training_rows=train.rows)
     files = [("training_file", train)]
     if body.validation_file is not None:
         files.append(("validation_file", owned_file(session, tenant, body.validation_file, "validation_file")))
-        _check_not_preferences(files[-1][1], "validation_file")
+        _check_rows_fit_objective(files[-1][1], "validation_file", body.objective.type)
         _check_chat_template(model, files[-1][1], "validation_file")
     shortened = check_row_lengths(session, model, files, body.max_seq_len)
     n_train = train_rows(train, budget.validation_split)
     n_val = files[1][1].rows if len(files) > 1 else train.rows - n_train
-    space = (ss.with_size_defaults(space_of(body.search_space), model.parameters)
-             if isinstance(body.search_space, SearchSpace) else ss.auto_space(model.parameters, n_train))
+    space = task_space(body.search_space, body.objective, model.parameters, n_train)
     check_target_modules(model, space)
     configs = expand_trials(space, strategy=body.strategy, max_trials=body.max_trials, seed=body.seed, tenant=tenant)
     steps = trial_steps(configs, budget, n_train)
@@ -338,6 +367,20 @@ def _prepare(session: Session, *, tenant: Tenant, body: TaskCreate, idempotency_
         idempotency_key=idempotency_key, created_at=utcnow(), estimate=estimate,
     )
     return Draft(task=task, configs=configs, steps=steps, shortened=shortened, validation_rows=n_val)
+
+
+def task_space(search_space: SearchSpace | str, objective: ObjectiveRequest, parameters: int | None,
+               n_train: int) -> dict[str, ss.Dimension]:
+    """The request's search space ("auto" too) with the model's defaults (a DPO task's: its own, and its
+    objective.beta its one beta); also the search-space preview's."""
+    dpo = objective.type == "dpo"
+    if not isinstance(search_space, SearchSpace):
+        space = ss.auto_space(parameters, n_train, dpo=dpo)
+    else:
+        space = ss.with_size_defaults(space_of(search_space), parameters, dpo=dpo)
+    if objective.beta is not None:
+        space["beta"] = [objective.beta]
+    return space
 
 
 def trial_steps(configs: list[dict[str, Any]], budget: Budget, n_train: int) -> list[int]:

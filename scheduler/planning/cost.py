@@ -25,9 +25,12 @@ def batch_size(hyperparameters: Mapping[str, Any]) -> int:
 
 def tokens_per_step(hyperparameters: Mapping[str, Any], max_seq_len: int) -> int:
     """The tokens a trial adds to its pack's step, as the planner, the early-exit policies, the curves and the
-    estimates count them: batch size x max_seq_len. Rows are at most max_seq_len long, so this is an upper bound
-    (padding included)."""
-    return batch_size(hyperparameters) * max_seq_len
+    estimates count them: batch size x max_seq_len, twice for a DPO trial (its configuration has a beta: each of its
+    rows is a chosen and a rejected sequence). Rows are at most max_seq_len long, so this is an upper bound
+    (padding included). A DPO trial's reference pass (a forward of the base over each pair once, in its first epoch)
+    is not counted."""
+    sequences = 2 if "beta" in hyperparameters else 1
+    return batch_size(hyperparameters) * max_seq_len * sequences
 
 
 # fp32 weight + fp32 grad + two fp32 AdamW moments per trainable adapter parameter (PLoRA Eq. 21, c_grad = 3).

@@ -40,6 +40,7 @@ def trial_payload(trial: Trial, task: Task) -> TrialPayload:
         # A generative metric has the worker score the trial's best adapter when it ends. None: loss (a task stored
         # before `evaluation` existed), and a refit's: it has no validation rows left to score.
         evaluation=spec.evaluation.as_dict() if spec.evaluation and trial.refit_of is None else None,
+        objective=spec.objective.as_dict() if spec.objective.dpo else None,
         # A requeued trial resumes from its newest checkpoint instead of step 0.
         resume_key=trial.checkpoint_key,
         resume_step=trial.checkpoint_step,

@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT
+from common.metrics import METRIC_SPLIT, SCORED_METRICS
 from common.tables import MetricPoint, Pack, Task, Trial
 from scheduler.early_exit.config import EarlyExitConfig, EarlyExitSpecError, from_spec
 from scheduler.early_exit.policy import curves_from_losses, decide, rung_steps
@@ -85,8 +85,9 @@ def _apply(session: Session, task: Task, config: EarlyExitConfig, now: datetime)
     trials = sorted((t for t in locked if t.refit_of is None), key=lambda t: t.index)
     points: dict[str, dict[str, list[tuple[int, float]]]] = {t.id: {"train": [], "val": [], METRIC_SPLIT: []}
                                                              for t in trials}
-    # A task judged by a generative metric ranks its rungs by the scores the worker reported there (by_metric).
-    by_metric = task.parsed_spec.metric in GENERATIVE_METRICS
+    # A task judged by a scored metric (generative, or reward accuracy) ranks its rungs by the scores the worker
+    # reported there (by_metric).
+    by_metric = task.parsed_spec.metric in SCORED_METRICS
     splits = ("train", "val", METRIC_SPLIT) if by_metric else ("train", "val")
     for trial_id, step, split, loss in session.execute(
         select(MetricPoint.trial_id, MetricPoint.step, MetricPoint.split, MetricPoint.loss)

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from common import states
 from common.events import record_event
-from common.metrics import GENERATIVE_METRICS, METRIC_SPLIT, rank_key, ranked_val_loss, selection_loss
+from common.metrics import METRIC_SPLIT, SCORED_METRICS, rank_key, ranked_val_loss, selection_loss
 from common.tables import MetricPoint, Task, Trial, as_utc, new_id
 from common.task_spec import refit_steps
 from common.usage import task_usage
@@ -92,7 +92,7 @@ def finalize_tasks(session: Session, now: datetime) -> None:
         data: dict[str, Any] = {"best_trial_id": best.id, "best_val_loss": best.best_val_loss,
                                 "selection_loss": best.selection_loss}
         by = ""
-        if metric in GENERATIVE_METRICS:
+        if metric in SCORED_METRICS:
             data.update(metric=metric, metric_score=best.metric_score)
             by = f" ({metric} {'n/a' if best.metric_score is None else f'{best.metric_score:.3f}'})"
         refit = next((t for t in trials if t.id == task.refit_trial_id), None)

@@ -38,10 +38,9 @@ def test_upload_prompt_completion_file(client: TestClient, tenant: TenantKey) ->
 
 
 
-def test_a_preference_file_uploads_and_a_task_on_it_is_refused_until_dpo_trains(client: TestClient,
-                                                                                tenant: TenantKey) -> None:
-    """Preference rows (issue 36) upload and say their format; a task cannot train on them yet (as training or
-    validation file): a 422 naming the file, nothing created."""
+def test_a_preference_file_uploads_and_an_sft_task_on_it_is_refused(client: TestClient, tenant: TenantKey) -> None:
+    """Preference rows (issue 36) upload and say their format; an SFT task (the default objective) cannot train on
+    them (as training or validation file): a 422 naming the file and the DPO objective, nothing created."""
     rows = "".join(_line({"prompt": f"{i} plus 1 is", "chosen": f" {i + 1}", "rejected": f" {i + 2}"}) + "\n"
                    for i in range(6)).encode()
     body = upload(client, tenant, rows, filename="prefs.jsonl")

@@ -13,6 +13,8 @@ from common.metrics import (
     GENERATIVE_METRICS,
     MAX_NEW_TOKENS_LIMIT,
     METRICS,
+    PREFERENCE_METRICS,
+    SCORED_METRICS,
     normalize_answer,
     pattern_error,
     rank_key,
@@ -24,9 +26,10 @@ from common.metrics import (
 
 
 def test_the_metric_names_and_bounds() -> None:
-    assert METRICS == ("loss", "exact_match", "contains", "regex", "json_valid")
-    assert DEFAULT_METRIC == "loss" and DEFAULT_METRIC not in GENERATIVE_METRICS
-    assert set(GENERATIVE_METRICS) == set(METRICS) - {"loss"}
+    assert METRICS == ("loss", "exact_match", "contains", "regex", "json_valid", "reward_accuracy")
+    assert DEFAULT_METRIC == "loss" and DEFAULT_METRIC not in SCORED_METRICS
+    assert set(GENERATIVE_METRICS) == set(METRICS) - {"loss", "reward_accuracy"}
+    assert set(SCORED_METRICS) == set(METRICS) - {"loss"} and PREFERENCE_METRICS == ("reward_accuracy",)
     assert 1 <= DEFAULT_MAX_NEW_TOKENS <= MAX_NEW_TOKENS_LIMIT == 512
 
 

