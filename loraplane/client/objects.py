@@ -266,6 +266,8 @@ class Task(ApiObject):
     finished_at: datetime | None
     # {"metric", "max_new_tokens", "pattern"}: how the best trial is chosen (None: a server that does not say, loss).
     evaluation: dict[str, Any] | None = None
+    # {"type": "sft"} or {"type": "dpo", "loss", "label_smoothing"} (None: an older server, SFT).
+    objective: dict[str, Any] | None = None
     # Why its pending trials wait, its place in the queue and predicted start (None: none waits, or an older server).
     waiting: TaskWaiting | None = None
     # Predicted tokens, GPU seconds and wall seconds at submission, `actual` once it ended (None: before estimates).
@@ -294,13 +296,19 @@ class Task(ApiObject):
 
     @property
     def metric(self) -> str:
-        """The metric the trials are judged by: "loss", or a generative one (exact_match, contains, regex,
-        json_valid) whose score is each trial's `metric_score`."""
+        """The metric the trials are judged by: "loss", or a scored one — generative (exact_match, contains, regex,
+        json_valid) or a DPO task's reward_accuracy — whose score is each trial's `metric_score`."""
         return str((self.evaluation or {}).get("metric") or "loss")
 
     @property
-    def generative(self) -> bool:
+    def scored(self) -> bool:
+        """Judged by a score (`metric_score`, the highest best) rather than by the validation loss."""
         return self.metric != "loss"
+
+    @property
+    def dpo(self) -> bool:
+        """Trained by DPO on preference rows (its trials' hyperparameters have a beta)."""
+        return (self.objective or {}).get("type") == "dpo"
 
 
 @dataclass(frozen=True)

@@ -159,19 +159,30 @@ def by_val_loss(trials: list[Trial]) -> list[Trial]:
 
 
 def ranked(task: Task, trials: list[Trial]) -> list[Trial]:
-    """As the task judges them: by validation loss, or for a generative metric the highest score first (trials
+    """As the task judges them: by validation loss, or for a scored metric the highest score first (trials
     without one after them), ties by validation loss."""
     trials = by_val_loss(trials)
-    if not task.generative:
+    if not task.scored:
         return trials
     return sorted(trials, key=lambda t: (t.metric_score is None, -(t.metric_score or 0.0)))  # stable: ties by loss
 
 
 def evaluation_text(task: Task) -> str:
     evaluation = task.evaluation or {}
+    if task.metric == "reward_accuracy":
+        return "reward_accuracy of each trial's best adapter on the validation pairs"
     pattern = f" /{evaluation.get('pattern')}/" if task.metric == "regex" else ""
     return (f"{task.metric}{pattern} on the validation rows, up to {evaluation.get('max_new_tokens')} new tokens "
             "per answer")
+
+
+def objective_text(task: Task) -> str:
+    objective = task.objective or {}
+    betas = task.search_space.get("beta") or []
+    beta = f"beta {', '.join(f'{b:g}' for b in betas)}" if isinstance(betas, list) else "beta searched"
+    smoothing = objective.get("label_smoothing") or 0
+    return f"dpo ({objective.get('loss', 'sigmoid')} loss{f', label smoothing {smoothing:g}' if smoothing else ''}, " \
+           f"{beta})"
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -192,7 +203,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("budget", ", ".join(budget)),
         ("search", f"{task.strategy}, {counts_text(task)}"),
         ("early exit", policy),
-        *([("judged by", evaluation_text(task))] if task.generative else []),
+        *([("objective", objective_text(task))] if task.dpo else []),
+        *([("judged by", evaluation_text(task))] if task.scored else []),
         ("created", when(task.created_at)),
         ("started", when(task.started_at)),
         ("finished", when(task.finished_at)),
@@ -202,7 +214,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     for label, value in details:
         out(f"  {label:<11} {value}")
     out()
-    metric = task.generative
+    metric = task.scored
     rows = [[*row[:1], trial.id, *row[1:]] for trial, row in zip(trials, trial_rows(trials, metric), strict=True)]
     headers = trial_headers(metric)
     out(table([headers[0], "TRIAL", *headers[1:]], rows, right=(0, 4, 5, 6) if metric else (0, 4, 5)))

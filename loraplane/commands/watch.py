@@ -129,7 +129,7 @@ def outcome(task: Task, trials: list[Trial]) -> list[str]:
     if best is not None:
         index = next((t.index for t in trials if t.id == best.id), None)
         at = f" at step {best.best_step}" if best.best_step is not None else ""
-        scored = f"  {task.metric} {score(best.metric_score)}" if task.generative else ""
+        scored = f"  {task.metric} {score(best.metric_score)}" if task.scored else ""
         lines.append(f"best trial: {best.id}" + (f" (#{index})" if index is not None else "") + scored
                      + f"  val loss {loss(best.best_val_loss)}{at}  {hyperparameters(best.hyperparameters)}")
         lines.append(f"download it: loraplane tasks download {task.id}")
@@ -226,7 +226,7 @@ class _LiveView(_View):
                 f"{percent(task.progress):>4}  {counts_text(task)}" + (f"  ETA {duration(eta)}" if eta else ""))
         room = max(1, height - 5)
         shown = trials[:room]
-        metric = task.generative
+        metric = task.scored
         body = (table(trial_headers(metric), trial_rows(shown, metric), right=(0, 3, 4, 5) if metric else (0, 3, 4))
                 .splitlines() if trials else [])
         if len(trials) > room:

@@ -351,7 +351,7 @@ def test_tasks_show_a_generative_metric_with_its_column_and_ranking(cli: Cli, en
     trial_ids = sim.finish(task_id, [5.2, 4.9, None, 5.0], states=["completed", "completed", "failed", "completed"],
                            metric_scores=[0.5, 0.25, None, 0.75])
     task = lp.tasks.get(task_id)
-    assert (task.metric, task.generative) == ("regex", True)
+    assert (task.metric, task.scored) == ("regex", True)
     assert task.evaluation == {"metric": "regex", "max_new_tokens": 8, "pattern": r"^\d+$"}
     assert task.best_trial is not None and (task.best_trial.id, task.best_trial.metric_score) == (trial_ids[3], 0.75)
     assert [t.metric_score for t in lp.tasks.trials(task_id)] == [0.5, 0.25, None, 0.75]
