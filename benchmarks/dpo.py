@@ -110,16 +110,17 @@ def trl_one(model: Any, tokenizer: Any, spec: TrialSpec, out: Path, bf16: bool) 
     assert spec.dpo is not None
     sampler = BatchSampler(len(spec.train_rows), spec.batch_size, trial_seed(spec.seed, "data"))
     order = [i for _ in range(spec.max_steps) for i in sampler.next_indices()]  # the pairs the pack's trial reads
-    recompute = ("activation_checkpointing" if "activation_checkpointing" in DPOConfig.__dataclass_fields__
-                 else "gradient_checkpointing")
+    # transformers 5.24 renamed gradient_checkpointing (TRL's default: on) to activation_checkpointing.
+    recompute: dict[str, Any] = {("activation_checkpointing" if "activation_checkpointing" in
+                                  DPOConfig.__dataclass_fields__ else "gradient_checkpointing"): False}
     config = DPOConfig(
         output_dir=str(out), report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), bf16=bf16, **{recompute: False}, seed=spec.seed,
+        use_cpu=not torch.cuda.is_available(), bf16=bf16, **recompute, seed=spec.seed,
         max_steps=spec.max_steps, per_device_train_batch_size=spec.batch_size, train_sampling_strategy="sequential",
         learning_rate=spec.learning_rate, lr_scheduler_type="constant", max_grad_norm=0.0,
         beta=spec.dpo.beta, max_length=spec.max_seq_len, precompute_ref_log_probs=False)
     started = time.perf_counter()
-    trainer = DPOTrainer(model=model, args=config, processing_class=tokenizer,
+    trainer: Any = DPOTrainer(model=model, args=config, processing_class=tokenizer,
                          train_dataset=datasets.Dataset.from_list([spec.train_rows[i] for i in order]),
                          peft_config=peft.LoraConfig(r=spec.lora_rank, lora_alpha=int(spec.lora_alpha),
                                                      lora_dropout=spec.lora_dropout,
