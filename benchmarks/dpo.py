@@ -76,7 +76,7 @@ def reference_timer(clock: dict[str, float], *, shared: bool) -> Iterator[None]:
     def all_missing(self: dpo_module.ReferenceCache, key: Any, items: Any) -> list[int]:
         return sorted(set(items))
 
-    dpo_module.fill_references = timed  # type: ignore[assignment]
+    dpo_module.fill_references = timed
     if not shared:
         dpo_module.ReferenceCache.missing = all_missing  # type: ignore[method-assign]
     try:
