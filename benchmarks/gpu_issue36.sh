@@ -6,9 +6,11 @@
 #            .venv/bin/pip download $P -d .whl liger-kernel==0.8.5 torchao==0.18.0 gguf==0.19.0
 #            .venv/bin/pip download $P -d .whltrl trl==1.16.0 datasets==5.2.0 accelerate==1.15.0 dill multiprocess \
 #              xxhash fsspec pandas
-#            .venv/bin/pip download $P -d .whlpa pyarrow==26.0.1    # 53 MB: a call of its own (64 MiB a call)
-#   device:  bash benchmarks/gpu_issue36.sh pyarrow                      # carry [".whlpa"], where the image lacks it
-#            LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue36.sh start  # carry [".whl", ".whltrl"]; returns
+#            .venv/bin/pip download $P -d /tmp pyarrow==26.0.1   # 53 MB: in two halves, a call each (64 MiB a call)
+#            split -b 30000000 /tmp/pyarrow-*.whl /tmp/pa.part; mkdir -p .whlpa .whlpb
+#            mv /tmp/pa.partaa .whlpa/; mv /tmp/pa.partab .whlpb/
+#   device:  bash benchmarks/gpu_issue36.sh half                         # carry [".whlpa"]
+#            LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_issue36.sh start  # carry [".whl", ".whltrl", ".whlpb"]
 #            bash benchmarks/gpu_issue36.sh wait 500                       # until it says "=== done"
 # Results and the log come back in $OUT/i36.tar.gz. DPO_ARGS overrides benchmarks/dpo.py's arguments.
 set -uo pipefail
@@ -24,9 +26,9 @@ collect() {
 }
 
 case $stage in
-  pyarrow)
-    python -c "import pyarrow" 2>/dev/null && { echo "the image has pyarrow"; exit 0; }
-    python -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whlpa/*.whl && echo "pyarrow installed" ;;
+  half)  # the first half of pyarrow's wheel, kept for `start`
+    python -c "import pyarrow" 2>/dev/null && echo "the image has pyarrow"
+    cp .whlpa/pa.partaa /root/lp/ && ls -la /root/lp/pa.partaa ;;
   start)
     rm -f "$LOGS"/*.log
     setsid nohup bash "$0" run > "$LOGS/driver.log" 2>&1 < /dev/null &
@@ -41,6 +43,10 @@ case $stage in
     collect ;;
   run)
     source benchmarks/gpu_setup.sh
+    if ! python -c "import pyarrow" 2>/dev/null; then
+      cat /root/lp/pa.partaa .whlpb/pa.partab > /root/lp/pyarrow-26.0.1-cp312-cp312-manylinux_2_28_x86_64.whl
+      python -m pip install -q --no-index --no-deps --no-compile --target "$SITE" /root/lp/pyarrow-*.whl
+    fi
     for w in .whl/torchao-*.whl .whl/gguf-*.whl .whltrl/*.whl; do
       name=$(basename "$w" | cut -d- -f1)
       [ "$name" = pandas ] && python -c "import pandas" 2>/dev/null && continue  # the image's own build, where it has one
