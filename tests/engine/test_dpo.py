@@ -153,6 +153,16 @@ def test_each_rows_summed_loss_is_its_examples_negative_log_probability(tiny: Ti
         with torch.no_grad():
             sums = engine.passes.row_loss_sums(batch, training=False)
     torch.testing.assert_close(sums, _plain_sums(fresh_tiny[0], examples), rtol=1e-5, atol=1e-5)
+    # The same from a batch of static shapes (a CUDA-graphed pack's: padding rows, and ignored targets in the last):
+    # one sum per real row, the padding's dropped.
+    with PackEngine(model, tokenizer, capacity=2, max_rank=4, target_modules=paths) as engine:
+        slots = [engine.admit(spec) for spec in specs]
+        static = engine.passes.pack([SlotRows(slots[0], examples[:2]), SlotRows(slots[1], examples[2:])],
+                                    static_shapes=True)
+        assert int(static.cu_seqlens.shape[0]) - 1 > static.n_rows == 4  # padding rows, which targets point into
+        with torch.no_grad():
+            torch.testing.assert_close(engine.passes.row_loss_sums(static, training=False), sums)
+        torch.testing.assert_close(engine.passes.reference_row_sums(static), sums)
     # and the pairs' loss from them: at fresh adapters the policy is the reference, log 2 a pair
     terms = dpo_terms(-sums[0::2], -sums[1::2], -sums[0::2], -sums[1::2], beta=0.1)
     torch.testing.assert_close(terms.losses, torch.full((2,), math.log(2.0)))

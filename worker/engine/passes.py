@@ -87,15 +87,16 @@ class ModelPasses:
         """``(rows,)`` each example's summed target-token loss under its slot's adapter (DPO's log-probabilities:
         worker/engine/dpo.py)."""
         hidden = self.hidden(batch)
-        return row_loss_sums(hidden, self.lm_head, batch.targets, self.context, num_rows=batch.n_rows,
-                             checkpointed=training)
+        return row_loss_sums(hidden, self.lm_head, batch.targets, self.context, num_rows=_all_rows(batch),
+                             checkpointed=training)[: batch.n_rows]
 
     @torch.no_grad()
     def reference_row_sums(self, batch: PackedBatch) -> torch.Tensor:
         """``row_loss_sums`` under the bare base, every adapter off: DPO's reference model is the frozen base
         itself, so its log-probabilities need no second model, and the rows of every slot share the pass."""
         hidden = self.hidden(batch, adapters=False)
-        return row_loss_sums(hidden, self.lm_head, batch.targets, None, num_rows=batch.n_rows, checkpointed=False)
+        return row_loss_sums(hidden, self.lm_head, batch.targets, None, num_rows=_all_rows(batch),
+                             checkpointed=False)[: batch.n_rows]
 
     def forward_backward(self, batch: PackedBatch) -> torch.Tensor:
         """One forward of ``batch``, per-slot loss normalised by the slot's own target count, one backward."""
@@ -126,3 +127,9 @@ class ModelPasses:
             ).last_hidden_state
             if train:
                 hidden.sum().backward()
+
+
+def _all_rows(batch: PackedBatch) -> int:
+    """The stream's rows, its padding rows included: a batch of static shapes pads its targets with ignored ones in
+    its last padding row (batch.py), which a sum by row must have a bin for (and then drops)."""
+    return int(batch.cu_seqlens.shape[0]) - 1
