@@ -180,9 +180,11 @@ def main() -> None:
     trl_setup = sum(r["setup_s"] for r in runs) * scale
     tokens = shared["tokens"]
     table = [
-        [f"engine pack, reference shared (mean of {args.repeats})", round(shared["wall_s"], 2), round(shared["reference_s"], 2),
+        [f"engine pack, reference shared (mean of {args.repeats})", round(shared["wall_s"], 2),
+         round(shared["reference_s"], 2),
          round(tokens / shared["wall_s"]), 1.0],
-        [f"engine pack, reference per trial and step (mean of {args.repeats})", round(unshared["wall_s"], 2), round(unshared["reference_s"], 2),
+        [f"engine pack, reference per trial and step (mean of {args.repeats})", round(unshared["wall_s"], 2),
+         round(unshared["reference_s"], 2),
          round(tokens / unshared["wall_s"]), round(unshared["wall_s"] / shared["wall_s"], 3)],
         ["TRL DPOTrainer + PEFT, one at a time (train)", round(trl_train, 2), None, round(tokens / trl_train),
          round(trl_train / shared["wall_s"], 3)],
