@@ -1,5 +1,6 @@
-// A hand-written SVG line chart: every trial's train loss (solid) and validation loss (dashed, with dots)
-// on one pair of axes. No library: a few hundred lines of SVG are all the dashboard draws.
+// Hand-written SVG charts: every trial's train loss (solid) and validation loss (dashed, with dots) on one pair of
+// axes; a DPO task's reward curves (a line of validation points per trial); a hyperparameter against each trial's
+// result. No library: a few hundred lines of SVG are all the dashboard draws.
 
 import { s } from "./dom.js";
 
@@ -29,7 +30,9 @@ export function ticks(lo, hi, count = 5) {
   const mag = 10 ** Math.floor(Math.log10(raw));
   const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((st) => st >= raw) || raw;
   const out = [];
-  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(Number(v.toPrecision(10)));
+  // Each tick a whole multiple of the step, not a running sum: summed, an axis across zero (a DPO task's rewards)
+  // ticked 5.6e-17 where 0 belongs.
+  for (let k = Math.ceil(lo / step); k * step <= hi + step * 1e-9; k += 1) out.push(Number((k * step).toPrecision(10)));
   return out;
 }
 
@@ -92,13 +95,30 @@ function axisLabels(svg, { width, height, pad, xLabel, yLabel }) {
   );
 }
 
+/** The step axis and the value axis with its grid: ticks in `g.y-ticks` and `g.x-ticks`, then both axes' labels. */
+function stepAxes(svg, { x, y, lo, hi, lastStep, width, height, pad, logY = false, yLabel }) {
+  const yTicks = s("g", { class: "axes y-ticks" });
+  for (const t of logY ? logTicks(lo, hi) : ticks(lo, hi)) {
+    yTicks.append(s("line", { x1: pad.left, x2: width - pad.right, y1: y(t), y2: y(t), class: "grid" }),
+      s("text", { x: pad.left - 6, y: y(t) + 4, "text-anchor": "end" }, tickText(t)));
+  }
+  const xTicks = s("g", { class: "axes x-ticks" });
+  for (const t of ticks(0, lastStep, Math.max(2, Math.round(width / 140))).filter((v) => Number.isInteger(v))) {
+    xTicks.append(s("text", { x: x(t), y: height - pad.bottom + 16, "text-anchor": "middle" }, String(t)));
+  }
+  svg.append(yTicks, xTicks);
+  axisLabels(svg, { width, height, pad, xLabel: "step", yLabel });
+}
+
 /**
  * series: [{id, index, label, colour, train: [[step, loss]], val: [[step, loss]], best, stopped: reason|null}]
  * Returns an <svg>. The best trial's lines are drawn last and thicker; a stopped trial ends in a cross whose
  * tooltip gives the reason. `logY` draws the loss on a log axis (its ticks in `g.y-ticks`, `data-y-scale`).
+ * `lossName` names the loss on the axis and in the description ("DPO loss" for a DPO task's).
  * The caller passes only the trials it shows: the axes fit those (isolating a trial zooms to it).
  */
-export function lossChart(series, { width = 1000, height = 380, maxStep = null, logY = false, empty = "No loss points yet" } = {}) {
+export function lossChart(series, { width = 1000, height = 380, maxStep = null, logY = false, empty = "No loss points yet",
+  lossName = "loss" } = {}) {
   const pad = { left: 56, right: 16, top: 12, bottom: 36 };
   const usable = (loss) => loss !== null && Number.isFinite(loss) && (!logY || loss > 0);
   const losses = [];
@@ -110,7 +130,7 @@ export function lossChart(series, { width = 1000, height = 380, maxStep = null, 
     }
   }
   const svg = s("svg", { viewBox: `0 0 ${width} ${height}`, class: "chart", role: "img", "data-y-scale": logY ? "log" : "linear",
-    "aria-label": `Train and validation loss by step for ${series.length} trials${logY ? " (log scale)" : ""}` });
+    "aria-label": `Train and validation ${lossName} by step for ${series.length} trials${logY ? " (log scale)" : ""}` });
   if (!losses.length) {
     svg.append(s("text", { x: width / 2, y: height / 2, "text-anchor": "middle", class: "empty" }, empty));
     return svg;
@@ -119,17 +139,7 @@ export function lossChart(series, { width = 1000, height = 380, maxStep = null, 
   const x = scale(0, lastStep, pad.left, width - pad.right);
   const y = scale(lo, hi, height - pad.bottom, pad.top, logY);
 
-  const yTicks = s("g", { class: "axes y-ticks" });
-  for (const t of logY ? logTicks(lo, hi) : ticks(lo, hi)) {
-    yTicks.append(s("line", { x1: pad.left, x2: width - pad.right, y1: y(t), y2: y(t), class: "grid" }),
-      s("text", { x: pad.left - 6, y: y(t) + 4, "text-anchor": "end" }, tickText(t)));
-  }
-  const xTicks = s("g", { class: "axes x-ticks" });
-  for (const t of ticks(0, lastStep, Math.max(2, Math.round(width / 140))).filter((v) => Number.isInteger(v))) {
-    xTicks.append(s("text", { x: x(t), y: height - pad.bottom + 16, "text-anchor": "middle" }, String(t)));
-  }
-  svg.append(yTicks, xTicks);
-  axisLabels(svg, { width, height, pad, xLabel: "step", yLabel: logY ? "loss (log)" : "loss" });
+  stepAxes(svg, { x, y, lo, hi, lastStep, width, height, pad, logY, yLabel: logY ? `${lossName} (log)` : lossName });
 
   const ordered = [...series].sort((a, b) => Number(a.best) - Number(b.best)); // the best on top
   for (const line of ordered) {
@@ -150,6 +160,56 @@ export function lossChart(series, { width = 1000, height = 380, maxStep = null, 
       const [cx, cy] = [x(last[0]), y(last[1])];
       g.append(s("path", { d: `M${cx - 5},${cy - 5}L${cx + 5},${cy + 5}M${cx - 5},${cy + 5}L${cx + 5},${cy - 5}`,
         class: "stop-mark" }, s("title", {}, `${line.label}: stopped early (${line.stopped})`)));
+    }
+    svg.append(g);
+  }
+  return svg;
+}
+
+/**
+ * series: [{id, label, colour, best, lines: [{points: [[step, value]], dashed}]}] — one trial each (a DPO trial's
+ * reward accuracy: one line; its chosen and rejected rewards: two), a dot per point (its validations are few).
+ * Returns an <svg class="chart rewards">, a `g.trial` per trial that has a point, the best drawn last and thicker.
+ * `range`: values the value axis always covers: reward accuracy's [0, 1], so that trials compare on the whole scale
+ * rather than on a zoomed sliver; a margin's [0], so that its zero (no preference either way) stays in view, and
+ * `zero` draws it as a line (`line.zero`). `what` describes the chart to a screen reader ("Validation reward accuracy").
+ */
+export function rewardChart(series, { width = 500, height = 260, maxStep = null, yLabel, what, range = [], zero = false,
+  empty = "No validation yet" } = {}) {
+  const pad = { left: 56, right: 16, top: 12, bottom: 36 };
+  const usable = (v) => v !== null && Number.isFinite(v);
+  const drawn = series.filter((line) => line.lines.some((l) => l.points.some(([, v]) => usable(v))));
+  const svg = s("svg", { viewBox: `0 0 ${width} ${height}`, class: "chart rewards", role: "img",
+    "aria-label": `${what} by step for ${drawn.length} trials` });
+  if (!drawn.length) {
+    svg.append(s("text", { x: width / 2, y: height / 2, "text-anchor": "middle", class: "empty" }, empty));
+    return svg;
+  }
+  const values = [...range];
+  let lastStep = maxStep || 1;
+  for (const line of drawn) {
+    for (const [step, v] of line.lines.flatMap((l) => l.points)) {
+      if (usable(v)) values.push(v);
+      if (!maxStep) lastStep = Math.max(lastStep, step);
+    }
+  }
+  const [lo, hi] = padded(values, false);
+  const x = scale(0, lastStep, pad.left, width - pad.right);
+  const y = scale(lo, hi, height - pad.bottom, pad.top);
+  stepAxes(svg, { x, y, lo, hi, lastStep, width, height, pad, yLabel });
+  if (zero && lo < 0 && hi > 0) svg.append(s("line", { x1: pad.left, x2: width - pad.right, y1: y(0), y2: y(0), class: "zero" }));
+
+  const ordered = [...drawn].sort((a, b) => Number(a.best) - Number(b.best)); // the best on top
+  for (const line of ordered) {
+    const g = s("g", { class: `trial${line.best ? " best" : ""}`, "data-trial": line.id, stroke: line.colour,
+      fill: line.colour }, s("title", {}, line.label));
+    for (const { points, dashed } of line.lines) {
+      const shown = thin(points);
+      if (!shown.length) continue;
+      g.append(s("path", { d: pathOf(shown, x, y, usable), class: dashed ? "reward dashed" : "reward", fill: "none" }));
+      for (const [step, v] of shown.slice(-50)) {
+        if (usable(v)) g.append(s("circle", { cx: x(step), cy: y(v), r: 2.5, class: dashed ? "dashed" : null }));
+      }
     }
     svg.append(g);
   }

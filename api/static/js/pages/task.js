@@ -1,15 +1,17 @@
 // One task, live: summary (its progress coloured by state), its settings and estimate, every trial's loss curves on
-// one chart (log scale, trials hidden or isolated from the legend or the table), each trial's hyperparameter against
-// its result, the sortable trials table with the best trial highlighted, adapter downloads, a trial's checkpoints
-// (checkpoints.js), a playground (answers of chosen trials side by side: playground.js), the experiment trackers'
-// state (trackers.js), and the event log. Events arrive on the SSE stream (polling when it
+// one chart (log scale, trials hidden or isolated from the legend or the table), a DPO task's reward curves (its
+// trials' validation reward accuracy, reward margin, and chosen and rejected rewards), each trial's hyperparameter
+// against its result, the sortable trials table with the best trial highlighted, adapter downloads, a trial's
+// checkpoints (checkpoints.js), a playground (answers of chosen trials side by side: playground.js), the experiment
+// trackers' state (trackers.js), and the event log. Events arrive on the SSE stream (polling when it
 // cannot be used); loss points are not events, so while the task runs the page also re-reads the task, its
 // trials and the curves' new points every few seconds, and at once (at most once a second) after an event.
 
 import { api, download, ndjson } from "../api.js";
-import { colourOf, lossChart, scatterChart } from "../chart.js";
+import { colourOf, lossChart, rewardChart, scatterChart } from "../chart.js";
 import { TRIAL_FINAL, badge, clear, fmt, h, progressBar } from "../dom.js";
 import { Poller, TaskStream } from "../live.js";
+import { isDpo, lossName, metricName } from "../objective.js";
 import { checkpoints } from "./checkpoints.js";
 import { playground } from "./playground.js";
 import { renderSettings } from "./task_settings.js";
@@ -33,9 +35,13 @@ const COLUMNS = [
   { key: "train", label: "Last train", value: (t) => t.last_train_loss },
   { key: "val", label: "Best val", value: (t) => t.best_val_loss },
 ];
-// The hyperparameters the scatter can put on its x axis; learning rates spread over decades, so on a log axis.
+// A DPO task's trials differ by beta too: a column of the trials table after the learning rate.
+const BETA_COLUMN = { key: "beta", label: "Beta", value: (t) => t.hyperparameters.beta };
+// The hyperparameters the scatter can put on its x axis; learning rates spread over decades, so on a log axis, and
+// so do betas (0.01 to 1). `dpo`: a DPO task's only.
 const HYPERPARAMETERS = [
   { key: "learning_rate", label: "learning rate", log: true },
+  { key: "beta", label: "beta", log: true, dpo: true },
   { key: "lora_rank", label: "LoRA rank" },
   { key: "lora_alpha", label: "LoRA alpha" },
   { key: "batch_size", label: "batch size" },
@@ -44,6 +50,29 @@ const HYPERPARAMETERS = [
 ];
 // A task judged by a generative metric (exact_match, contains, regex, json_valid) adds its score per trial.
 const METRIC_COLUMN = { key: "metric", label: "Metric", value: (t) => t.metric_score };
+// A DPO trial's validation reward metrics (the curves' `rewards`), each [step, value] as the loss curves' points.
+const PREFERENCE_SPLITS = ["reward_acc", "margin", "chosen", "rejected"];
+// A DPO task's reward charts, side by side: which of those splits each draws (dashed: the rejected answers', beside
+// the chosen ones'), what its value axis always covers and whether it marks zero (chart.js rewardChart).
+const REWARD_CHARTS = [
+  { id: "reward-accuracy-chart", title: "Reward accuracy", yLabel: "reward accuracy", range: [0, 1],
+    what: "Validation reward accuracy", lines: [["reward_acc", false]] },
+  { id: "reward-margin-chart", title: "Reward margin", yLabel: "margin", range: [0], zero: true,
+    what: "Mean validation reward margin", lines: [["margin", false]] },
+  { id: "reward-values-chart", title: "Chosen and rejected rewards", yLabel: "reward", range: [0], zero: true,
+    what: "Mean validation rewards of the chosen (solid) and rejected (dashed) answers",
+    lines: [["chosen", false], ["rejected", true]] },
+];
+
+/** A trial's curves before any point came: train and validation loss, and a DPO trial's reward metrics. */
+function noPoints() {
+  return { train: [], val: [], rewards: Object.fromEntries(PREFERENCE_SPLITS.map((split) => [split, []])) };
+}
+
+/** The hyperparameters the scatter offers for the task: beta for a DPO task only. */
+function hyperparametersOf(task) {
+  return HYPERPARAMETERS.filter((p) => !p.dpo || isDpo(task));
+}
 
 /** The task's generative metric, or null when it is judged by validation loss. */
 function metricOf(task) {
@@ -78,10 +107,18 @@ export function reached(trials) {
 }
 
 /** The hyperparameter the scatter starts on: the first that differs between trials (else the learning rate). */
-function varying(trials) {
-  const found = HYPERPARAMETERS.find((p) =>
+function varying(trials, params) {
+  const found = params.find((p) =>
     new Set(trials.map((t) => JSON.stringify(t.hyperparameters[p.key]))).size > 1);
-  return (found || HYPERPARAMETERS[0]).key;
+  return (found || params[0]).key;
+}
+
+/** Points of a curve row's split newer than the last one kept, appended as [step, value]; the kept list as it was
+ * when none is newer (a live view re-reads the points of the last evaluation interval). */
+function appended(kept, points) {
+  const last = kept.length ? kept[kept.length - 1][0] : 0;
+  const fresh = (points || []).filter((p) => p[0] > last).map((p) => [p[0], p[3]]);
+  return fresh.length ? capped(kept.concat(fresh)) : kept;
 }
 
 /** Hidden trial ids after a click on trial `id`: a plain click toggles it; isolating shows it alone (or,
@@ -113,12 +150,24 @@ export function mount(root, { params, session }) {
   const actions = h("div", { class: "actions" });
   const settings = h("section", { class: "summary settings", id: "settings", "aria-label": "Settings and estimate" });
   const chartBox = h("figure", { class: "chart-box", id: "loss-chart" });
+  const curvesTitle = h("h2", { id: "curves-title" }, "Loss curves");
+  const curvesNote = h("p", { class: "muted small", id: "curves-note" });
+  // A DPO task's reward charts: on the page (after the loss chart's legend) only once the task is known to be one.
+  const rewardBoxes = REWARD_CHARTS.map((c) => h("figure", { class: "chart-box", id: c.id }));
+  const rewards = h("section", { id: "rewards", "aria-labelledby": "rewards-title" },
+    h("h2", { id: "rewards-title" }, "Reward curves"),
+    h("p", { class: "muted small" }, "At each validation, on the validation pairs: the share whose chosen answer the ",
+      "trial rewards above the rejected one (higher is better), the mean margin between the two rewards, and the ",
+      "mean rewards themselves (solid: chosen; dashed, hollow dots: rejected). An answer's reward is beta times the ",
+      "log-ratio of its likelihood under the adapter to that under the base model. ",
+      "Trials hidden above are hidden here."),
+    h("div", { class: "reward-charts" }, rewardBoxes));
   const legend = h("ul", { class: "legend", "aria-label": "Trials on the chart" });
   const logToggle = h("input", { type: "checkbox", id: "log-y", onchange: () => { state.logY = logToggle.checked; renderChart(); } });
   const showAll = h("button", { type: "button", class: "secondary small-button", id: "show-all",
     onclick: () => { state.hidden = new Set(); renderChart(); renderTable(); } }, "Show all trials");
-  const hpSelect = h("select", { id: "hp-select", onchange: () => { state.hp = hpSelect.value; renderScatter(); } },
-    HYPERPARAMETERS.map((p) => h("option", { value: p.key }, p.label)));
+  // Its options come with the task (renderScatter): a DPO task's trials have a beta.
+  const hpSelect = h("select", { id: "hp-select", onchange: () => { state.hp = hpSelect.value; renderScatter(); } });
   const hpNote = h("span", { class: "muted small", id: "hp-note" });
   const scatterBox = h("figure", { class: "chart-box", id: "hp-scatter" });
   const tableBox = h("div", { class: "table-box" });
@@ -126,16 +175,14 @@ export function mount(root, { params, session }) {
   const playgroundBox = h("div");
   const checkpointsBox = h("div");
   const trackersBox = h("div");
+  const curvesSection = h("section", { "aria-labelledby": "curves-title" }, curvesTitle, curvesNote,
+    h("div", { class: "chart-tools" }, h("label", { class: "check" }, logToggle, "Log scale (loss)"), showAll),
+    chartBox, legend);
   root.append(
     h("div", { class: "page-head" }, heading, liveNote),
     alert, summary, actions,
     h("h2", { id: "settings-title" }, "Settings and estimate"), settings,
-    h("section", { "aria-labelledby": "curves-title" }, h("h2", { id: "curves-title" }, "Loss curves"),
-      h("p", { class: "muted small" }, "Solid: train loss. Dashed with dots: validation loss. ",
-        "Thick: the best trial. ×: stopped early (hover for the reason). ",
-        "Click a trial below (or its row in the table) to hide or show it; Shift- or Alt-click to show it alone."),
-      h("div", { class: "chart-tools" }, h("label", { class: "check" }, logToggle, "Log scale (loss)"), showAll),
-      chartBox, legend),
+    curvesSection,
     h("section", { "aria-labelledby": "hp-title" }, h("h2", { id: "hp-title" }, "Hyperparameters against the result"),
       h("div", { class: "chart-tools" }, h("label", { for: "hp-select" }, "Hyperparameter"), hpSelect,
         hpNote),
@@ -171,8 +218,9 @@ export function mount(root, { params, session }) {
       ["Base model", t.base_model],
       ["Progress", progressCell(t)],
       ["Trials", trialSummary(t.trial_counts)],
-      ["Best val loss", t.best_trial ? `${fmt.loss(t.best_trial.best_val_loss)} (step ${fmt.num(t.best_trial.best_step)})` : "—"],
-      ...(metricOf(t) ? [["Best " + metricOf(t), h("span", { id: "best-metric" },
+      [`Best val ${lossName(t)}`,
+        t.best_trial ? `${fmt.loss(t.best_trial.best_val_loss)} (step ${fmt.num(t.best_trial.best_step)})` : "—"],
+      ...(metricOf(t) ? [["Best " + metricName(metricOf(t)), h("span", { id: "best-metric" },
         t.best_trial ? score(t.best_trial.metric_score) : "—")]] : []),
       ["Time left", t.state === "running" ? fmt.duration(t.estimated_seconds_left) : "—"],
       ["Created", fmt.datetime(t.created_at)],
@@ -216,7 +264,9 @@ export function mount(root, { params, session }) {
 
   function label(t) {
     const hp = t.hyperparameters;
-    return `#${t.index} lr=${fmt.lr(hp.learning_rate)} r=${hp.lora_rank} b=${hp.batch_size}`;
+    // A DPO task's trials often differ by beta alone: without it, their legend entries would read the same.
+    const beta = hp.beta === null || hp.beta === undefined ? "" : ` β=${fmt.lr(hp.beta)}`;
+    return `#${t.index} lr=${fmt.lr(hp.learning_rate)} r=${hp.lora_rank} b=${hp.batch_size}${beta}`;
   }
 
   /** The drawing width of a figure: its box's, so the chart stays legible from a phone to a wide screen. */
@@ -240,9 +290,19 @@ export function mount(root, { params, session }) {
     return null;
   }
 
+  /** The loss chart's heading and key: a DPO task's train and validation losses are DPO losses. */
+  function renderCurvesText() {
+    const loss = lossName(state.task);
+    curvesTitle.textContent = isDpo(state.task) ? "DPO loss curves" : "Loss curves";
+    curvesNote.textContent = `Solid: train ${loss}. Dashed with dots: validation ${loss}. ` +
+      "Thick: the best trial. ×: stopped early (hover for the reason). " +
+      "Click a trial below (or its row in the table) to hide or show it; Shift- or Alt-click to show it alone.";
+  }
+
   function renderChart() {
+    renderCurvesText();
     const series = state.trials.map((t) => {
-      const c = state.curves.get(t.id) || { train: [], val: [] };
+      const c = state.curves.get(t.id) || noPoints();
       return { id: t.id, label: label(t), colour: colourOf(t.index), train: c.train, val: c.val,
         best: t.id === bestId(), stopped: t.state === "stopped_early" ? (t.stop_reason || "stopped") : null };
     });
@@ -256,9 +316,11 @@ export function mount(root, { params, session }) {
       const width = widthOf(chartBox);
       const shown = series.filter((line) => !state.hidden.has(line.id));
       chartBox.append(lossChart(shown, { maxStep, width, height: Math.min(380, Math.max(220, Math.round(width * 0.42))),
-        logY: state.logY, empty: shown.length || !series.length ? "No loss points yet" : "Every trial is hidden: pick one below" }),
+        logY: state.logY, lossName: lossName(state.task),
+        empty: shown.length || !series.length ? "No loss points yet" : "Every trial is hidden: pick one below" }),
       h("figcaption", { class: "sr-only" }, "Loss by step for every trial shown; the table below has the numbers."));
     }
+    renderRewards();
     clear(legend);
     for (const t of state.trials) {
       const swatch = h("span", { class: "swatch", "aria-hidden": "true" });
@@ -273,13 +335,36 @@ export function mount(root, { params, session }) {
     }
   }
 
+  /** A DPO task's reward charts, the trials shown on the loss chart on each (nothing for an SFT task). */
+  function renderRewards() {
+    if (!isDpo(state.task)) return;
+    const maxStep = Math.max(1, ...state.trials.map((t) => t.total_steps));
+    const shown = state.trials.filter((t) => !state.hidden.has(t.id));
+    const empty = !shown.length && state.trials.length ? "Every trial is hidden"
+      : FINAL.has(state.task.state) ? "No validation was reported" : "No validation yet";
+    REWARD_CHARTS.forEach((chart, i) => {
+      const box = rewardBoxes[i];
+      const series = shown.map((t) => {
+        const c = (state.curves.get(t.id) || noPoints()).rewards;
+        return { id: t.id, label: label(t), colour: colourOf(t.index), best: t.id === bestId(),
+          lines: chart.lines.map(([split, dashed]) => ({ points: c[split], dashed })) };
+      });
+      const width = widthOf(box);
+      clear(box).append(h("figcaption", {}, chart.title), rewardChart(series, { maxStep, width,
+        height: Math.min(280, Math.max(200, Math.round(width * 0.6))), yLabel: chart.yLabel, what: chart.what,
+        range: chart.range, zero: Boolean(chart.zero), empty }));
+    });
+  }
+
   /** The chosen hyperparameter against each trial's best validation loss (or metric score), a dot per trial. */
   function renderScatter() {
-    if (!state.hp) state.hp = varying(state.trials);
+    const params = hyperparametersOf(state.task);
+    if (!hpSelect.options.length) hpSelect.append(...params.map((p) => h("option", { value: p.key }, p.label)));
+    if (!state.hp) state.hp = varying(state.trials, params);
     hpSelect.value = state.hp;
-    const param = HYPERPARAMETERS.find((p) => p.key === state.hp);
+    const param = params.find((p) => p.key === state.hp);
     const metric = metricOf(state.task);
-    const yLabel = metric ? `${metric} score` : "best validation loss";
+    const yLabel = metric ? `${metricName(metric)} score` : `best validation ${lossName(state.task)}`;
     const points = state.trials.map((t) => {
       const raw = t.hyperparameters[param.key];
       return { id: t.id, label: label(t), state: t.state, y: metric ? t.metric_score : t.best_val_loss,
@@ -294,9 +379,25 @@ export function mount(root, { params, session }) {
       xLabel: param.label, yLabel, logX: Boolean(param.log), empty: `No trial has a ${yLabel} yet` }));
   }
 
+  /** The trials table's sortable columns: a DPO task's add beta, name its losses, and call its score by its name. */
+  function columnsOf(task) {
+    const metric = metricOf(task);
+    if (!isDpo(task)) return metric ? [...COLUMNS, { ...METRIC_COLUMN, label: `Metric (${metric})` }] : COLUMNS;
+    const loss = lossName(task);
+    const named = { train: `Last train ${loss}`, val: `Best val ${loss}` };
+    const columns = COLUMNS.flatMap((c) => {
+      const column = named[c.key] ? { ...c, label: named[c.key] } : c;
+      return c.key === "lr" ? [column, BETA_COLUMN] : [column];
+    });
+    if (!metric) return columns;
+    const name = metricName(metric);
+    return [...columns, { ...METRIC_COLUMN, label: name[0].toUpperCase() + name.slice(1) }];
+  }
+
   function renderTable() {
     const metric = metricOf(state.task);
-    const columns = metric ? [...COLUMNS, { ...METRIC_COLUMN, label: `Metric (${metric})` }] : COLUMNS;
+    const dpo = isDpo(state.task);
+    const columns = columnsOf(state.task);
     const { key, dir } = state.sort;
     const column = columns.find((c) => c.key === key) || COLUMNS.find((c) => c.key === "val");
     const rows = [...state.trials].sort((a, b) => dir * compare(column.value(a), column.value(b)) || a.index - b.index);
@@ -321,6 +422,7 @@ export function mount(root, { params, session }) {
         h("td", {}, badge(t.state)),
         h("td", { class: "num" }, `${t.steps_done}/${t.total_steps}`),
         h("td", { class: "num" }, fmt.lr(hp.learning_rate)),
+        dpo ? h("td", { class: "num beta" }, fmt.num(hp.beta)) : null,
         h("td", { class: "num" }, fmt.num(hp.lora_rank)),
         h("td", { class: "num" }, fmt.num(hp.lora_alpha)),
         h("td", { class: "num" }, fmt.num(hp.batch_size)),
@@ -368,12 +470,10 @@ export function mount(root, { params, session }) {
     const after = lasts.length ? Math.max(0, Math.min(...lasts) - (state.task.eval_interval || 0)) : 0;
     const rows = await ndjson(`/v1/tasks/${taskId}/curves${after > 0 ? `?after_step=${after}` : ""}`, { signal });
     for (const row of rows) {
-      const c = state.curves.get(row.trial_id) || { train: [], val: [] };
-      for (const split of ["train", "val"]) {
-        const last = c[split].length ? c[split][c[split].length - 1][0] : 0;
-        const fresh = row[split].filter((p) => p[0] > last).map((p) => [p[0], p[3]]);
-        if (fresh.length) c[split] = capped(c[split].concat(fresh));
-      }
+      const c = state.curves.get(row.trial_id) || noPoints();
+      for (const split of ["train", "val"]) c[split] = appended(c[split], row[split]);
+      // A DPO trial's row has its validations' reward metrics too; an SFT trial's has no `rewards`.
+      for (const split of PREFERENCE_SPLITS) c.rewards[split] = appended(c.rewards[split], row.rewards?.[split]);
       state.curves.set(row.trial_id, c);
     }
   }
@@ -387,6 +487,7 @@ export function mount(root, { params, session }) {
       api.get(`/v1/tasks/${taskId}`, { signal }), api.get(`/v1/tasks/${taskId}/trials`, { signal })]);
     state.task = task;
     state.trials = trials.data;
+    if (isDpo(task) && !rewards.isConnected) curvesSection.after(rewards);
     if (!curvesComplete) await fetchCurves();
     renderSummary();
     renderChart();

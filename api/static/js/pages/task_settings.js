@@ -1,11 +1,13 @@
 // What a task was asked to do and what it was predicted to cost, from the task object alone (GET /v1/tasks/{id}):
-// its settings (model, data, sequence length, budget, early exit, search space) and its `estimate` with the
-// `actual` beside it once it ended. Pure rendering: the task page calls renderSettings on every refresh.
+// its settings (a DPO task's objective, model, data, sequence length, budget, early exit, search space) and its
+// `estimate` with the `actual` beside it once it ended. Pure rendering: the task page calls renderSettings on every
+// refresh.
 
 import { fmt, h } from "../dom.js";
+import { lossName, metricName, objectiveText } from "../objective.js";
 
 const DIMENSION_NAMES = { learning_rate: "learning rate", lora_rank: "rank", lora_alpha: "alpha",
-  batch_size: "batch size", lora_dropout: "dropout", target_modules: "modules" };
+  batch_size: "batch size", lora_dropout: "dropout", target_modules: "modules", beta: "beta" };
 
 /** One search-space dimension in a few words: "1e-4, 3e-4" or "1e-4 – 1e-3 (4 points, log)". */
 export function dimensionText(name, value) {
@@ -74,14 +76,16 @@ function estimateItems(estimate) {
 /** The settings card's <dl>, rebuilt from the task object. */
 export function renderSettings(task) {
   const metric = task.evaluation?.metric || "loss";
+  const objective = objectiveText(task); // an SFT task's is the default: no row, as before objectives
   const items = [
+    ...(objective ? [["Objective", h("span", { id: "task-objective" }, objective)]] : []),
     ["Base model", task.base_model],
     ["Training file", dataText(task)],
     ["Max sequence length", `${task.max_seq_len} tokens`],
     ["Budget", budgetText(task)],
     ["Early exit", earlyExitText(task.early_exit)],
     ["Search space", searchSpaceText(task)],
-    ["Best trial by", metric === "loss" ? "validation loss" : metric],
+    ["Best trial by", metric === "loss" ? `validation ${lossName(task)}` : metricName(metric)],
     ...estimateItems(task.estimate),
   ];
   return h("dl", {}, items.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
