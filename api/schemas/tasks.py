@@ -396,7 +396,6 @@ def _alias_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationEr
 # OpenAI's fine-tuning hyperparameters that loraplane has no equivalent of: the field to give instead.
 _UNMAPPED_HYPERPARAMETERS = {
     "learning_rate_multiplier": "give learning_rate, an absolute rate (OpenAI's multiplies a rate it keeps hidden)",
-    "beta": "loraplane trains supervised fine-tuning only (no DPO)",
 }
 
 

@@ -53,6 +53,11 @@ def test_a_dpo_tasks_defaults_one_beta_and_a_tenth_of_sfts_learning_rate(client:
     dpo = client.post("/v1/tasks", headers=tenant.headers, json=task_body(
         prefs, objective={"type": "dpo", "beta": 0.2}, search_space={"lora_rank": [8]})).json()
     assert dpo["search_space"]["beta"] == [0.2] and dpo["objective"]["loss"] == "sigmoid"
+    fixed = client.post("/v1/tasks", headers=tenant.headers, json={  # OpenAI's names: one trial of fixed values
+        "model": "tiny-random-llama", "training_file": prefs, "objective": {"type": "dpo"},
+        "hyperparameters": {"beta": 0.3, "n_epochs": 1}})
+    assert fixed.status_code == 201, fixed.text
+    assert _hyperparameters(client, tenant, fixed.json()["id"])[0]["beta"] == 0.3
     sft = client.post("/v1/tasks", headers=tenant.headers, json=task_body(
         upload(client, tenant, prompt_rows(40))["id"], search_space={"lora_rank": [8]})).json()
     assert "beta" not in sft["search_space"] and sft["objective"] == {"type": "sft"}
@@ -68,6 +73,7 @@ def test_a_dpo_tasks_defaults_one_beta_and_a_tenth_of_sfts_learning_rate(client:
 
 @pytest.mark.parametrize(("fields", "param", "code"), [
     ({"search_space": {"beta": [0.1]}}, "search_space.beta", "unknown_field"),
+    ({"hyperparameters": {"beta": 0.1}, "search_space": None}, "search_space.beta", "unknown_field"),
     ({"objective": {"type": "sft", "beta": 0.1}}, "objective.beta", "unknown_field"),
     ({"objective": {"type": "dpo", "beta": 0.1}, "search_space": {"beta": [0.2]}}, "objective.beta",
      "conflicting_fields"),
@@ -87,6 +93,8 @@ def test_mismatched_objective_rows_beta_and_metric_are_refused(client: TestClien
     files = {"sft": sft, "prefs": prefs}
     fields = {k: files.get(v, v) if isinstance(v, str) else v for k, v in fields.items()}
     body = task_body(prefs if fields.get("objective", {}).get("type") == "dpo" else sft)
+    if fields.get("search_space", body["search_space"]) is None:  # OpenAI's fixed hyperparameters instead
+        del body["search_space"], fields["search_space"]
     before = count_rows(Task)
     r = client.post("/v1/tasks", headers=tenant.headers, json={**body, **fields})
     error = r.json()["error"]
