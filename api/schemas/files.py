@@ -20,6 +20,8 @@ class FileOut(BaseModel):
     format: str
     sha256: str
     created_at: UtcDateTime
+    # OpenAI's client reads it: a file is stored only once every row validated, so every file listed is processed.
+    status: Literal["processed"] = "processed"
 
     @classmethod
     def of(cls, f: File) -> FileOut:
