@@ -81,6 +81,10 @@ class WandbSettings(RequestModel):
     entity: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
     name: str | None = Field(default=None, max_length=128, description="Ignored: a run is named by its trial.")
     tags: list[str] | None = Field(default=None, max_length=50, description="Ignored.")
+    # Ours: OpenAI logs under the W&B key of the organisation's settings; here the job gives it (online), or logs
+    # offline on the service's side (for `wandb sync`).
+    api_key: Text | None = Field(default=None, min_length=1, max_length=200)
+    mode: Literal["online", "offline"] = "online"
 
 
 class JobIntegration(RequestModel):

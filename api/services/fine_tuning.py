@@ -85,8 +85,9 @@ def task_body(job: JobCreate, parameters: int | None) -> dict[str, Any]:
     if is_dpo(job):
         body["objective"] = {"type": "dpo"}
     if job.integrations:
-        body["integrations"] = [{"type": "wandb", "project": i.wandb.project,
-                                 **({"entity": i.wandb.entity} if i.wandb.entity else {})} for i in job.integrations]
+        body["integrations"] = [{"type": "wandb", "project": i.wandb.project, "mode": i.wandb.mode,
+                                 **{k: v for k, v in (("entity", i.wandb.entity), ("api_key", i.wandb.api_key)) if v}}
+                                for i in job.integrations]
     return body
 
 

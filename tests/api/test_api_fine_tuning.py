@@ -79,6 +79,20 @@ def test_what_cannot_be_mapped_is_refused(client: TestClient, tenant: TenantKey,
     assert count_rows(Task) == before
 
 
+def test_a_wandb_integration_is_the_tasks_tracker(client: TestClient, tenant: TenantKey) -> None:
+    """OpenAI's shape, with the key ours needs online (OpenAI keeps it in the organisation's settings): without it, a
+    422 saying so; offline needs none."""
+    training = upload(client, tenant, prompt_rows(40))["id"]
+    r = client.post("/v1/fine_tuning/jobs", headers=tenant.headers, json={
+        "model": "tiny-random-llama", "training_file": training,
+        "integrations": [{"type": "wandb", "wandb": {"project": "p", "entity": "e", "tags": ["x"]}}]})
+    assert r.status_code == 422 and "api_key" in r.json()["error"]["message"], r.text
+    job = _create(client, tenant, training_file=training,
+                  integrations=[{"type": "wandb", "wandb": {"project": "p", "mode": "offline"}}])
+    assert job["integrations"] == [{"type": "wandb", "wandb": {"project": "p", "entity": None, "mode": "offline",
+                                                               "token_set": False}}]
+
+
 def test_events_page_newest_first_and_a_bad_cursor_is_a_422(client: TestClient, tenant: TenantKey) -> None:
     job = _create(client, tenant, training_file=upload(client, tenant, prompt_rows(40))["id"])
     client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=tenant.headers)
