@@ -164,6 +164,11 @@ def test_a_dpo_tasks_page_shows_its_objective_betas_and_reward_curves_and_an_sft
     dpo_settings_summary_and_table(page, by_beta)
     dpo_loss_and_reward_charts(page, by_beta)
     shot(page, "13-task-dpo")
+    # The tasks list says which tasks are DPO (their best val loss is a DPO loss), and no more.
+    page.goto("/#/tasks")
+    expect(page.locator(f"#tasks tr[data-task='{dpo['id']}']")).to_contain_text("tiny-random-llama · DPO")
+    expect(page.locator(f"#tasks tr[data-task='{sft['id']}']")).not_to_contain_text("DPO")
+    open_task(page, dpo["id"])
     # On a phone the reward charts fold to one column: the page does not scroll sideways.
     page.set_viewport_size({"width": NARROW, "height": 900})
     expect(page.locator("#reward-accuracy-chart svg")).to_have_attribute("viewBox", re.compile(r"^0 0 (2\d\d|3\d\d) "))

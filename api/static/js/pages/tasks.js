@@ -4,6 +4,7 @@
 import { api } from "../api.js";
 import { badge, clear, fmt, h, progressBar } from "../dom.js";
 import { Poller } from "../live.js";
+import { isDpo } from "../objective.js";
 
 const PAGE = 50;
 const TRIAL_STATES = ["running", "pending", "waiting", "completed", "stopped_early", "failed", "cancelled"];
@@ -17,7 +18,9 @@ export function trialSummary(counts) {
 function row(task, tenantNames = null) {
   const total = Object.values(task.trial_counts).reduce((a, b) => a + b, 0);
   return h("tr", { dataset: { task: task.id } },
-    h("td", {}, h("a", { href: `#/tasks/${task.id}` }, task.id), h("div", { class: "muted small" }, task.base_model)),
+    // A DPO task says so under its model: its "best val loss" is a DPO loss, not a next-token loss.
+    h("td", {}, h("a", { href: `#/tasks/${task.id}` }, task.id),
+      h("div", { class: "muted small" }, isDpo(task) ? `${task.base_model} · DPO` : task.base_model)),
     tenantNames ? h("td", { class: "tenant", dataset: { tenant: task.tenant_id } },
       tenantNames.get(task.tenant_id) || task.tenant_id) : null,
     h("td", {}, badge(task.state)),
