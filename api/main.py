@@ -34,6 +34,7 @@ from api.routes import (
     packs,
     search_spaces,
     tasks,
+    together,
     trials,
     usage,
     webhooks,
@@ -77,7 +78,7 @@ def create_app() -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     for module in (admin, admin_models, cluster, packs, files, base_models, search_spaces, tasks, trials, checkpoints,
-                   curves, events, completions, integrations, fine_tuning):
+                   curves, events, completions, integrations, fine_tuning, together):
         app.include_router(module.router, prefix="/v1")
     app.include_router(usage.router, prefix="/v1")
     app.include_router(usage.admin_router, prefix="/v1")
