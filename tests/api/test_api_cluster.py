@@ -258,3 +258,21 @@ def test_a_worker_running_two_packs_shows_both_their_memory_and_who_waits_why(
     assert packs["pack-b"]["memory_bytes"] == 10 << 30
     listed = {x["id"]: x for x in client.get("/v1/admin/workers", headers=ADMIN).json()["data"]}
     assert (listed["gpu-0"]["max_packs"], listed["gpu-0"]["free_memory_bytes"]) == (2, 50 << 30)
+
+
+def test_a_task_whose_wait_was_cleared_while_a_trial_is_pending_again_is_not_waiting(
+    client: TestClient, tenant: TenantKey
+) -> None:
+    """The scheduler clears `waiting` to None once a task's trials start, which the JSON column stores as JSON null
+    (not SQL NULL); a trial requeued after its worker died is pending again. The cluster view answered 500 for such
+    a task (a distributed chaos test's crash loop hit it); it lists it as not waiting."""
+    task = make_task(client, tenant)
+    with session_scope() as session:
+        session.get_one(Task, task["id"]).waiting = {"reason": "no_worker", "message": "m", "position": 1,
+                                                    "estimated_start_at": None, "waiting_trials": 4,
+                                                    "updated_at": "2026-11-27T09:00:00Z"}
+    with session_scope() as session:
+        session.get_one(Task, task["id"]).waiting = None  # its trials started; one is pending again below
+    r = client.get("/v1/admin/cluster", headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert all(row["waiting"] == [] for row in r.json()["tenants"])
