@@ -20,7 +20,7 @@ from api.deps import EgressDep, ReaderDep, SessionDep, TenantDep
 from api.queries import get_task
 from api.schemas.common import PathId, error_responses
 from api.schemas.events import EventOut
-from api.schemas.tasks import TaskCreate
+from api.schemas.tasks import MAX_MAX_SEQ_LEN, MIN_MAX_SEQ_LEN, TaskCreate
 from api.schemas.together import (
     FineTune,
     FineTuneCheckpointList,
@@ -43,8 +43,6 @@ from common.tables import Event, Task, Trial
 
 router = APIRouter(prefix="/fine-tunes", tags=["together"], responses=error_responses(401, 403, 404, 422))
 
-MAX_SEQ_LEN = 8192  # TaskCreate's max_seq_len bounds
-MIN_SEQ_LEN = 16
 EVENTS_SHOWN = 1000
 
 
@@ -60,13 +58,13 @@ def model_limits(tenant: TenantDep, session: SessionDep,
                  model_name: Annotated[str, Query(min_length=1, max_length=100)]) -> ModelLimits:
     """A base model's limits, which the client reads before it creates a fine-tune."""
     model = usable_model(session, tenant, model_name)
-    seq = min(MAX_SEQ_LEN, model.max_context or MAX_SEQ_LEN)
+    seq = min(MAX_MAX_SEQ_LEN, model.max_context or MAX_MAX_SEQ_LEN)
     return ModelLimits(
         model_name=model.name, lora_training=LoraLimits(
             default_rank=8, max_batch_size=1024, max_batch_size_dpo=1024, max_rank=256, min_batch_size=1,
             target_modules=list(target_modules_for(model.architecture) or ALL_TARGET_MODULES)),
         max_learning_rate=1.0, min_learning_rate=0.0, max_num_checkpoints=100, max_num_epochs=100,
-        max_num_evals=100, max_seq_length_sft=seq, max_seq_length_dpo=seq, min_max_seq_length=MIN_SEQ_LEN)
+        max_num_evals=100, max_seq_length_sft=seq, max_seq_length_dpo=seq, min_max_seq_length=MIN_MAX_SEQ_LEN)
 
 
 # Left out of the OpenAPI document: its path is also GET /fine-tunes/{id}'s (Together's API's own overlap), so its

@@ -7,7 +7,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, StrictInt
 
 from api.schemas.common import FiniteFloat, RequestModel, Text
-from api.schemas.tasks import CostEstimate, Objective, Scheduling, SearchSpaceOrAuto, TaskCreate
+from api.schemas.tasks import (
+    MAX_MAX_SEQ_LEN,
+    MIN_MAX_SEQ_LEN,
+    CostEstimate,
+    Objective,
+    Scheduling,
+    SearchSpaceOrAuto,
+    TaskCreate,
+)
 
 
 class SearchSpaceExpand(RequestModel):
@@ -30,7 +38,8 @@ class SearchSpaceExpand(RequestModel):
     validation_split: Annotated[FiniteFloat, Field(gt=0, le=0.5)] | None = None
     epochs: Annotated[StrictInt, Field(ge=1, le=100)] | None = None
     max_steps: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
-    max_seq_len: Annotated[StrictInt, Field(ge=16, le=8192)] = TaskCreate.model_fields["max_seq_len"].default
+    max_seq_len: Annotated[StrictInt, Field(ge=MIN_MAX_SEQ_LEN, le=MAX_MAX_SEQ_LEN)] = \
+        TaskCreate.model_fields["max_seq_len"].default
     scheduling: Scheduling = Field(default_factory=Scheduling)
     objective: Objective = Field(default_factory=Objective, description="A DPO task's defaults differ (its "
                                  "learning rates a tenth of SFT's, its beta 0.1).")

@@ -57,6 +57,8 @@ Alpha = Annotated[FiniteFloat, Field(gt=0, le=100_000)]
 BatchSize = Annotated[StrictInt, Field(ge=1, le=1024)]
 Dropout = Annotated[FiniteFloat, Field(ge=0, lt=1)]
 Beta = Annotated[FiniteFloat, Field(gt=0, le=100)]
+# A task's max_seq_len bounds (the Together facade's model limits say the same: api/routes/together.py).
+MIN_MAX_SEQ_LEN, MAX_MAX_SEQ_LEN = 16, 8192
 
 
 class RangeSpec(RequestModel):
@@ -494,7 +496,7 @@ class TaskCreate(RequestModel):
     max_trials: Annotated[StrictInt, Field(ge=1, le=10_000)] | None = None
     epochs: Annotated[StrictInt, Field(ge=1, le=100)] | None = Field(default=None, description="Default 1.")
     max_steps: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
-    max_seq_len: Annotated[StrictInt, Field(ge=16, le=8192)] = DEFAULT_MAX_SEQ_LEN
+    max_seq_len: Annotated[StrictInt, Field(ge=MIN_MAX_SEQ_LEN, le=MAX_MAX_SEQ_LEN)] = DEFAULT_MAX_SEQ_LEN
     eval_interval: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = Field(
         default=None, description="Steps between validations; default a tenth of the longest trial."
     )
