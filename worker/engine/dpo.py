@@ -126,19 +126,24 @@ def encode_preference_rows(rows: Sequence[Mapping[str, Any]], tokenizer: PreTrai
     return examples
 
 
-def pair_log_probs(row_sums: torch.Tensor, examples: Sequence[Example] | None = None) -> torch.Tensor:
-    """``(pairs, 2)`` log-probabilities (chosen, rejected) from the ``(2 * pairs,)`` summed cross-entropies of
-    sequences in pair order; with their ``examples``, per target token (IPO's, as TRL feeds it)."""
-    if examples is not None:
-        row_sums = row_sums / torch.tensor([e.n_targets for e in examples], dtype=row_sums.dtype,
-                                           device=row_sums.device)
+def pair_log_probs(row_sums: torch.Tensor) -> torch.Tensor:
+    """``(pairs, 2)`` summed log-probabilities (chosen, rejected) from the ``(2 * pairs,)`` summed cross-entropies of
+    sequences in pair order."""
     return -row_sums.view(-1, 2)
 
 
-def objective_log_probs(row_sums: torch.Tensor, examples: Sequence[Example], objective: DpoObjective) -> torch.Tensor:
-    """The ``(pairs, 2)`` log-probabilities ``objective``'s loss compares: summed over each answer's tokens for the
-    sigmoid loss (the DPO paper's), per token for IPO."""
-    return pair_log_probs(row_sums, examples if objective.loss == "ipo" else None)
+def pair_terms(row_sums: torch.Tensor, reference: torch.Tensor, examples: Sequence[Example],
+               objective: DpoObjective) -> DpoTerms:
+    """``dpo_terms`` of the pairs whose sequences (``examples``, pair order) have the summed cross-entropies
+    ``row_sums`` under the trial, against their ``(pairs, 2)`` summed reference log-probabilities: compared summed
+    over each answer's tokens for the sigmoid loss (the DPO paper's), per token for IPO (as TRL feeds it)."""
+    policy = pair_log_probs(row_sums)
+    if objective.loss == "ipo":
+        tokens = torch.tensor([e.n_targets for e in examples], dtype=policy.dtype, device=policy.device).view(-1, 2)
+        policy, reference = policy / tokens, reference / tokens
+    loss_type: DpoLossType = "ipo" if objective.loss == "ipo" else "sigmoid"
+    return dpo_terms(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1], beta=objective.beta,
+                     loss_type=loss_type, label_smoothing=objective.label_smoothing)
 
 
 class ReferenceCache:
@@ -185,19 +190,20 @@ class PairRows:
 def fill_references(passes: ModelPasses, cache: ReferenceCache, needs: Sequence[PairRows], max_tokens: int) -> None:
     """Run the bare base over the pairs of ``needs`` the cache lacks (each once, however many trials ask), in
     forwards of at most ``max_tokens`` tokens, and cache their log-probabilities."""
-    wanted: dict[DataKey, tuple[Sequence[Example], list[int]]] = {}
+    missing: dict[DataKey, set[int]] = {}
+    examples: dict[DataKey, Sequence[Example]] = {}
     for need in needs:
-        examples, items = wanted.setdefault(need.key, (need.examples, []))
-        items += [i for i in cache.missing(need.key, need.items) if i not in items]
-    order = [(key, i) for key, (_, items) in wanted.items() for i in items]
-    if not order:
+        missing.setdefault(need.key, set()).update(cache.missing(need.key, need.items))
+        examples[need.key] = need.examples
+    wanted = {key: sorted(items) for key, items in missing.items() if items}
+    if not wanted:
         return
-    sequences = [wanted[key][0][2 * i + j] for key, i in order for j in (0, 1)]
+    sequences = [examples[key][2 * i + j] for key, items in wanted.items() for i in items for j in (0, 1)]
     sums = [passes.reference_row_sums(passes.pack(parts)) for parts in cut_forwards([(0, sequences)], max_tokens)]
-    log_probs = pair_log_probs(torch.cat(sums))  # summed: objective_log_probs divides where the loss wants means
+    log_probs = pair_log_probs(torch.cat(sums))  # summed: pair_terms divides where the loss wants means
     start = 0
-    for key, (examples, items) in wanted.items():
-        cache.put(key, len(examples) // 2, items, log_probs[start : start + len(items)])
+    for key, items in wanted.items():
+        cache.put(key, len(examples[key]) // 2, items, log_probs[start : start + len(items)])
         start += len(items)
 
 
@@ -214,9 +220,7 @@ def slot_losses(row_sums: torch.Tensor, parts: Sequence[SlotRows], objectives: M
         if objective is None:
             values.append(sums.sum() / target_counts[part.slot])
         else:
-            policy = objective_log_probs(sums, part.examples, objective)
-            values.append(_terms(policy, reference_log_probs(references[part.slot], part.examples, objective),
-                                 objective).losses.mean())
+            values.append(pair_terms(sums, references[part.slot], part.examples, objective).losses.mean())
         slots.append(part.slot)
     index = torch.tensor(slots, device=row_sums.device)
     return torch.zeros_like(target_counts).index_add(0, index, torch.stack(values))
@@ -238,20 +242,8 @@ class PreferenceMetrics:
         return dict(zip(PREFERENCE_SPLITS, values, strict=True))
 
 
-def reference_log_probs(cached: torch.Tensor, examples: Sequence[Example], objective: DpoObjective) -> torch.Tensor:
-    """The cached (summed) reference log-probabilities of ``examples``' pairs as ``objective`` compares them."""
-    return objective_log_probs(-cached.reshape(-1), examples, objective)
-
-
-def preference_metrics(policy: torch.Tensor, reference: torch.Tensor, objective: DpoObjective) -> torch.Tensor:
-    """``(5,)`` the mean loss, reward accuracy, reward margin, chosen and rejected reward of ``(pairs, 2)``
-    log-probabilities under the trial and the reference (stacked, for one device sync over many trials)."""
-    terms = _terms(policy, reference, objective)
+def preference_metrics(terms: DpoTerms) -> torch.Tensor:
+    """``(5,)`` the mean loss, reward accuracy, reward margin, chosen and rejected reward of ``terms`` (stacked, for
+    one device sync over many trials: ``PreferenceMetrics(*values)``)."""
     return torch.stack([terms.losses.mean(), terms.reward_accuracy, terms.reward_margin,
                         terms.chosen_rewards.mean(), terms.rejected_rewards.mean()]).float()
-
-
-def _terms(policy: torch.Tensor, reference: torch.Tensor, objective: DpoObjective) -> DpoTerms:
-    loss_type: DpoLossType = "ipo" if objective.loss == "ipo" else "sigmoid"
-    return dpo_terms(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1], beta=objective.beta,
-                     loss_type=loss_type, label_smoothing=objective.label_smoothing)

@@ -72,8 +72,7 @@ def _evaluate_preferences(engine: PackEngine, slots: list[int]) -> dict[int, flo
         objective = state.spec.dpo
         assert objective is not None
         cached = references.get(state.val_key, range(len(state.val) // 2))
-        policy = dpo.objective_log_probs(torch.cat(sums[slot]), state.val, objective)
-        metrics.append(dpo.preference_metrics(policy, dpo.reference_log_probs(cached, state.val, objective), objective))
+        metrics.append(dpo.preference_metrics(dpo.pair_terms(torch.cat(sums[slot]), cached, state.val, objective)))
     values = torch.stack(metrics).tolist()  # device sync
     losses: dict[int, float | None] = {}
     for (slot, state), row in zip(states.items(), values, strict=True):
