@@ -186,6 +186,20 @@ def start_embedded(c: Cluster, port: int, worker_id: str = "embedded") -> tuple[
     raise TimeoutError("no admin token in the box `up` prints")
 
 
+@contextmanager
+def embedded_service(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """`loraplane up` on its embedded default under ``tmp_path`` (a free port, a half-second scheduler tick, a
+    one-second heartbeat): yields its base URL and the admin token it generated; its logs are printed if the body
+    raises, and it is stopped after."""
+    env = {k: v for k, v in os.environ.items() if k not in EMBEDDED_UNSET}
+    env.update({"LORAPLANE_HOME": str(tmp_path / "home"), "LORAPLANE_SCHEDULER_TICK_S": "0.5",
+                "LORAPLANE_HEARTBEAT_S": "1"})
+    port = free_port()
+    with cluster(env, tmp_path) as c:
+        _, token = start_embedded(c, port)
+        yield f"http://127.0.0.1:{port}", token
+
+
 def start_control_plane(c: Cluster) -> str:
     """The API and the scheduler as separate processes of ``c``; returns the API's URL once it answers."""
     port = free_port()

@@ -6,7 +6,6 @@ the reward accuracy it gives the validation pairs against the bare base is the s
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from peft import PeftModel
 from common.registry import DEFAULT_MODELS
 from tests.conftest import MODEL_CACHE
 from tests.e2e.flow import download_adapter, follow_events, submit, tenant_client, upload
-from tests.e2e.procs import EMBEDDED_UNSET, cluster, free_port, start_embedded
+from tests.e2e.procs import embedded_service
 from worker.engine import load_base_model
 from worker.engine.dpo import encode_preference_row
 from worker.model_cache import model_source
@@ -51,14 +50,8 @@ def log_probs(model: torch.nn.Module, tokenizer: object, rows: list[dict[str, st
 
 def test_a_dpo_grid_with_early_exit_picks_the_best_reward_accuracy_and_its_adapter_loads_in_peft(
         tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in EMBEDDED_UNSET}
-    env.update({"LORAPLANE_HOME": str(tmp_path / "home"), "LORAPLANE_SCHEDULER_TICK_S": "0.5",
-                "LORAPLANE_HEARTBEAT_S": "1"})
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
     val_rows = preference_rows(range(40, 52))
-    with cluster(env, tmp_path) as c:
-        _, token = start_embedded(c, port)
+    with embedded_service(tmp_path) as (base_url, token):
         with tenant_client(base_url, token, "team-dpo") as lp:
             body = {
                 "base_model": "tiny-random-llama", "training_file": upload(lp, jsonl(preference_rows(range(32)))),

@@ -7,7 +7,6 @@ of it."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import openai
 import pytest
 
 from tests.e2e.flow import arithmetic_rows, tenant_client
-from tests.e2e.procs import EMBEDDED_UNSET, cluster, free_port, start_embedded
+from tests.e2e.procs import embedded_service
 
 CEILING_S = 600  # a job of the tiny model takes seconds; a loaded 2-core machine may take minutes
 
@@ -31,13 +30,7 @@ def wait_final(client: openai.OpenAI, job_id: str) -> openai.types.fine_tuning.F
 
 
 def test_the_openai_client_fine_tunes_and_chats_unchanged(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in EMBEDDED_UNSET}
-    env.update({"LORAPLANE_HOME": str(tmp_path / "home"), "LORAPLANE_SCHEDULER_TICK_S": "0.5",
-                "LORAPLANE_HEARTBEAT_S": "1"})
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    with cluster(env, tmp_path) as c:
-        _, token = start_embedded(c, port)
+    with embedded_service(tmp_path) as (base_url, token):
         with tenant_client(base_url, token, "team-openai") as lp, tenant_client(base_url, token, "team-other") as other:
             client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=lp.api_key, max_retries=0)
             stranger = openai.OpenAI(base_url=f"{base_url}/v1", api_key=other.api_key, max_retries=0)

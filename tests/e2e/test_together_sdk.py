@@ -8,7 +8,6 @@ Together takes a number) goes through the client's raw `post`: its request model
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import together
 from together.types import FinetuneResponse
 
 from tests.e2e.flow import arithmetic_rows, tenant_client, upload
-from tests.e2e.procs import EMBEDDED_UNSET, cluster, free_port, start_embedded
+from tests.e2e.procs import embedded_service
 
 CEILING_S = 600  # a fine-tune of the tiny model takes seconds; a loaded 2-core machine may take minutes
 
@@ -39,13 +38,7 @@ def wait_final(client: together.Together, fine_tune_id: str) -> FinetuneResponse
 
 
 def test_the_together_client_fine_tunes_and_chats_unchanged(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in EMBEDDED_UNSET}
-    env.update({"LORAPLANE_HOME": str(tmp_path / "home"), "LORAPLANE_SCHEDULER_TICK_S": "0.5",
-                "LORAPLANE_HEARTBEAT_S": "1"})
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    with cluster(env, tmp_path) as c:
-        _, token = start_embedded(c, port)
+    with embedded_service(tmp_path) as (base_url, token):
         with tenant_client(base_url, token, "team-together") as lp, tenant_client(base_url, token, "team-other") as o:
             client = together.Together(base_url=base_url, api_key=lp.api_key, max_retries=0)
             stranger = together.Together(base_url=base_url, api_key=o.api_key, max_retries=0)
