@@ -91,9 +91,9 @@ def task_body(job: JobCreate, parameters: int | None) -> dict[str, Any]:
     return body
 
 
-def _one_or_list(values: Any) -> Any:
-    """A dimension of the stored space as OpenAI shows a hyperparameter: one value as itself, several as the list
-    (a range as its object)."""
+def one_or_list(values: Any) -> Any:
+    """A dimension of the stored space as OpenAI and Together show a hyperparameter: one value as itself, several as
+    the list (a range as its object)."""
     return values[0] if isinstance(values, list) and len(values) == 1 else values
 
 
@@ -110,10 +110,10 @@ def job_of(task: TaskOut, parameters: int | None, now: float) -> FineTuningJob:
     base = default_learning_rate(parameters, dpo=dpo)
     multiplier = ([float(f"{r / base:.6g}") for r in rates] if isinstance(rates, list) else "auto")
     hyperparameters: dict[str, Any] = {"n_epochs": task.epochs or "auto",
-                                       "batch_size": _one_or_list(space.get("batch_size", "auto")),
-                                       "learning_rate_multiplier": _one_or_list(multiplier)}
+                                       "batch_size": one_or_list(space.get("batch_size", "auto")),
+                                       "learning_rate_multiplier": one_or_list(multiplier)}
     if dpo:
-        hyperparameters["beta"] = _one_or_list(space.get("beta", "auto"))
+        hyperparameters["beta"] = one_or_list(space.get("beta", "auto"))
     method = "dpo" if dpo else "supervised"
     started = _seconds(task.created_at)
     assert task.id is not None and started is not None

@@ -34,6 +34,7 @@ from api.schemas.events import EventOut
 from api.schemas.tasks import TaskOut
 from api.schemas.together import FineTune, FineTuneCheckpoint, FineTuneCreate, FineTuneEvent, Progress
 from api.schemas.trials import CheckpointOut
+from api.services.fine_tuning import one_or_list
 from common import search_space as ss
 
 FINE_TUNE_STATUS = {"validating": "pending", "queued": "queued", "running": "running", "succeeded": "completed",
@@ -188,25 +189,19 @@ def together_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     return loc
 
 
-def _one_or_list(values: Any) -> Any:
-    """A dimension of the stored space as Together shows a hyperparameter: one value as itself, several as the list
-    (a range as its object)."""
-    return values[0] if isinstance(values, list) and len(values) == 1 else values
-
-
 def _modules_text(choice: Any) -> str:
     """A choice of target_modules as Together writes it: "all-linear" or names separated by commas."""
     return choice if isinstance(choice, str) else ",".join(choice)
 
 
 def _training_type(space: dict[str, Any]) -> dict[str, Any]:
-    rank = _one_or_list(space.get("lora_rank", ss.DEFAULTS["lora_rank"]))
+    rank = one_or_list(space.get("lora_rank", ss.DEFAULTS["lora_rank"]))
     alpha = space.get("lora_alpha")
     modules = space.get("target_modules", ss.DEFAULTS["target_modules"])
     return {"type": "Lora", "lora_r": rank,
-            "lora_alpha": _one_or_list(alpha) if alpha is not None else (2 * rank if isinstance(rank, int) else None),
-            "lora_dropout": _one_or_list(space.get("lora_dropout", ss.DEFAULTS["lora_dropout"])),
-            "lora_trainable_modules": _one_or_list([_modules_text(c) for c in modules])}
+            "lora_alpha": one_or_list(alpha) if alpha is not None else (2 * rank if isinstance(rank, int) else None),
+            "lora_dropout": one_or_list(space.get("lora_dropout", ss.DEFAULTS["lora_dropout"])),
+            "lora_trainable_modules": one_or_list([_modules_text(c) for c in modules])}
 
 
 def _warmup_ratio(training: dict[str, Any]) -> float | None:
@@ -219,7 +214,7 @@ def fine_tune_of(task: TaskOut, events: list[FineTuneEvent] | None = None) -> Fi
     """The fine-tune of a task; retrieve's carries its ``events``."""
     space, training = task.search_space, task.training
     dpo = task.objective.get("type") == "dpo"
-    method: dict[str, Any] = ({"method": "dpo", "dpo_beta": _one_or_list(space.get("beta", ss.DEFAULT_DPO_BETA))}
+    method: dict[str, Any] = ({"method": "dpo", "dpo_beta": one_or_list(space.get("beta", ss.DEFAULT_DPO_BETA))}
                               if dpo else {"method": "sft", "train_on_inputs": "auto"})
     left = task.estimated_seconds_left
     actual = task.estimate.actual if task.estimate is not None else None
@@ -232,8 +227,8 @@ def fine_tune_of(task: TaskOut, events: list[FineTuneEvent] | None = None) -> Fi
         started_at=iso_utc(task.started_at) if task.started_at is not None else None,
         user_id=task.tenant_id, model=task.base_model, model_output_name=task.id, adapter_output_name=task.id,
         training_file=task.training_file, validation_file=task.validation_file, n_epochs=task.epochs or 1,
-        batch_size=_one_or_list(space.get("batch_size", ss.DEFAULTS["batch_size"])),
-        learning_rate=_one_or_list(space["learning_rate"]) if "learning_rate" in space else None,
+        batch_size=one_or_list(space.get("batch_size", ss.DEFAULTS["batch_size"])),
+        learning_rate=one_or_list(space["learning_rate"]) if "learning_rate" in space else None,
         lr_scheduler={"lr_scheduler_type": training.get("lr_schedule", ss.DEFAULT_LR_SCHEDULE),
                       "lr_scheduler_args": {"min_lr_ratio": 0.0, "num_cycles": 0.5}},
         warmup_ratio=_warmup_ratio(training), max_grad_norm=training.get("max_grad_norm") or 0.0,
