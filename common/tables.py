@@ -137,7 +137,8 @@ class Task(Base):
     estimate: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     # Why its pending trials wait, as the scheduler's last plan saw it ({"reason", "message", "position",
     # "estimated_start_at", ...}); None while none waits: scheduler/service/waits.py.
-    waiting: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # None is SQL NULL (not JSON null), so that `waiting IS NOT NULL` selects only the tasks that wait.
+    waiting: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)

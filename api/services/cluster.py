@@ -182,7 +182,5 @@ def _waiting_tasks(session: Session) -> dict[str, list[WaitingTask]]:
     pending = select(Trial.task_id).where(Trial.state == TRIAL_PENDING).distinct()
     for task in session.scalars(select(Task).where(Task.waiting.is_not(None), Task.id.in_(pending))
                                 .order_by(Task.created_at, Task.id)):
-        if task.waiting is None:  # a cleared `waiting` is JSON null, which SQL's IS NOT NULL lets through
-            continue
         out[task.tenant_id].append(WaitingTask(task_id=task.id, waiting=TaskWaiting.model_validate(task.waiting)))
     return out
