@@ -175,6 +175,7 @@ def get_reader(session: SessionDep, key: ApiKeyDep) -> Reader:
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
+CallerDep = Annotated[Caller, Depends(get_caller)]  # the tenant and its key, for a request that keeps checking it
 ReaderDep = Annotated[Reader, Depends(get_reader)]
 AdminDep = Depends(require_admin)
 

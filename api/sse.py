@@ -28,6 +28,10 @@ Wire format, one block per event, then a final `end` once the task is final and 
 A stream opened with the admin token (the operator reading a tenant's task) has no key to re-check (`key_id`
 None): the admin token is the deployment's setting, which a running process does not change.
 
+The same watch serves a sampling request in flight (api/services/completions.py): it watches the request's key
+alone (`watching_key`), and the request checks `key_valid` while it waits for the sampler, so a completion whose key
+is revoked (or whose tenant is deleted) is cut off as a stream is, in the same tick's read.
+
 or, when the key was revoked (or its tenant deleted) while the stream was open:
 
     event: error
@@ -109,13 +113,13 @@ def read_watched_now(task_ids: Sequence[str], key_ids: Sequence[str]) -> Watched
 class TaskWatch:
     """What the tasks with open streams look like now, read for all of them at once.
 
-    One per event loop (a server process has one); it runs only while a stream is open. Everything here
-    happens on that loop, so the counters need no lock.
+    One per event loop (a server process has one); it runs only while a stream or a sampling request is open.
+    Everything here happens on that loop, so the counters need no lock.
     """
 
     def __init__(self) -> None:
         self._streams: Counter[str] = Counter()  # task id -> open streams
-        self._keys: Counter[str] = Counter()  # API key id -> open streams
+        self._keys: Counter[str] = Counter()  # API key id -> open streams and sampling requests
         self._now = WatchedNow(tasks={}, keys={})
         self._ticked = asyncio.Event()  # replaced by a fresh one after every read
         self._runner: asyncio.Task[None] | None = None
@@ -123,7 +127,17 @@ class TaskWatch:
     @contextmanager
     def watching(self, task_id: str, key_id: str | None) -> Iterator[None]:
         """`key_id` None: the operator's stream, no key to watch."""
-        watched = [(self._streams, task_id)] + ([(self._keys, key_id)] if key_id is not None else [])
+        with self._counted([(self._streams, task_id)] + ([(self._keys, key_id)] if key_id is not None else [])):
+            yield
+
+    @contextmanager
+    def watching_key(self, key_id: str) -> Iterator[None]:
+        """A key alone, no task: what a sampling request in flight watches (`key_valid` says when to cut it off)."""
+        with self._counted([(self._keys, key_id)]):
+            yield
+
+    @contextmanager
+    def _counted(self, watched: list[tuple[Counter[str], str]]) -> Iterator[None]:
         for counter, item in watched:
             counter[item] += 1
         if self._runner is None:
@@ -149,7 +163,7 @@ class TaskWatch:
 
     async def _run(self) -> None:
         try:
-            while self._streams:
+            while self._streams or self._keys:
                 try:
                     self._now = await anyio.to_thread.run_sync(read_watched_now, list(self._streams),
                                                                list(self._keys))
@@ -216,8 +230,14 @@ def _worth_reading(now: TaskNow | None, after: int) -> bool:
     return now is not None and (now.newest_event > after or now.state is None or now.state in TASK_FINAL)
 
 
-KEY_REVOKED = ApiError(401, AUTHENTICATION, "api_key_revoked",
-                       "The API key this stream was opened with was revoked, or its tenant deleted.")
+def key_revoked(what: str) -> ApiError:
+    """401 `api_key_revoked`: the key ``what`` (a stream, a request) began with stopped authenticating since."""
+    return ApiError(401, AUTHENTICATION, "api_key_revoked",
+                    f"The API key this {what} was revoked, or its tenant deleted.",
+                    headers={"WWW-Authenticate": "Bearer"})
+
+
+KEY_REVOKED = key_revoked("stream was opened with")
 REVOKED_BLOCK = f"event: error\ndata: {json.dumps(KEY_REVOKED.body())}\n\n"
 
 

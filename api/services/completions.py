@@ -10,6 +10,11 @@ The waits are bounded: with no live worker able to load the model the answer is 
 answers within `LORAPLANE_SAMPLING_TIMEOUT_S` (a cold model's load included) is a 503 `sampling_timeout`, and the
 sampler drops it unanswered once its deadline passed. Each API process holds at most
 `LORAPLANE_SAMPLING_MAX_INFLIGHT` open requests per tenant (more: 429).
+
+A request in flight is cut off when its API key is revoked or its tenant deleted, as an open event stream is: its key
+is watched by the process's `TaskWatch` (api/sse.py), read every `api.sse.POLL_S`, and the request answers 401
+`api_key_revoked` (a stream already begun ends with an `event: error` block in the same shape). No piece the
+sampler writes after that is sent. The sampler is not told: it finishes its batch, and its answer is discarded.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from api.queries import get_task, get_trial
 from api.schemas.completions import ChatCompletionRequest, CompletionRequest, SamplingParameters
 from api.services.adapters import no_best_trial
 from api.services.checkpoints import get_checkpoint
+from api.sse import key_revoked, task_watch
 from common.bus import get_bus, sampling_reply_stream, sampling_stream
 from common.db import session_scope
 from common.messages import ModelSourceFields, SampleReply, SampleRequest, parse_sample_reply
@@ -143,8 +149,10 @@ def require_live_sampler(session: Session, target: Target) -> None:
                                         "try again once one is up.")
 
 
-async def complete(target: Target, body: CompletionRequest | ChatCompletionRequest, *, tenant_id: str) -> Response:
-    """Sends the request to the samplers and answers with what they write: JSON, or server-sent events."""
+async def complete(target: Target, body: CompletionRequest | ChatCompletionRequest, *, tenant_id: str,
+                   key_id: str) -> Response:
+    """Sends the request to the samplers and answers with what they write: JSON, or server-sent events. `key_id`:
+    the API key the request was sent with, watched until the answer ends."""
     settings = get_settings()
     if open_requests.count(tenant_id, time.time()) >= settings.sampling_max_inflight:
         raise ApiError(429, RATE_LIMIT, "too_many_requests", f"At most {settings.sampling_max_inflight} sampling "
@@ -153,7 +161,7 @@ async def complete(target: Target, body: CompletionRequest | ChatCompletionReque
     open_requests.open(tenant_id, request.request_id, request.deadline)
     try:
         await run_in_threadpool(get_bus().publish, sampling_stream(target.base.name), request.to_dict())
-        replies = _replies(request)
+        replies = _replies(request, key_id)
         first = await anext(replies)  # a refusal is an HTTP error, not a stream that starts and fails
         _raise_refusal(first)
     except BaseException:
@@ -188,25 +196,31 @@ def _sample_request(target: Target, body: SamplingParameters, *, tenant_id: str)
         stop=body.stops, stream=body.stream, sent_at=now, deadline=now + get_settings().sampling_timeout_s)
 
 
-async def _replies(request: SampleRequest) -> AsyncIterator[SampleReply]:
-    """The answer's pieces as the sampler writes them, to the one that is ``done``; its stream discarded after."""
+async def _replies(request: SampleRequest, key_id: str) -> AsyncIterator[SampleReply]:
+    """The answer's pieces as the sampler writes them, to the one that is ``done``; its stream discarded after. Raises
+    401 `api_key_revoked` once the watch read ``key_id`` revoked (or its tenant deleted), before any piece read after.
+    """
     bus, stream, after = get_bus(), sampling_reply_stream(request.request_id), "0"
+    watch = task_watch()
     try:
-        while True:
-            messages = await run_in_threadpool(bus.read_after, stream, after, 256, 0)
-            for message_id, body in messages:
-                after = message_id
-                reply = parse_sample_reply(body, on_drop=lambda reason: None)
-                if reply is not None:
-                    yield reply
-                    if reply.done:
-                        return
-            if time.time() > request.deadline:
-                raise _unavailable("sampling_timeout", f"No worker answered within "
-                                   f"{get_settings().sampling_timeout_s:.0f} s (its base model may still be loading, "
-                                   "or every sampler is busy); try again.")
-            if not messages:
-                await asyncio.sleep(POLL_S)
+        with watch.watching_key(key_id):
+            while True:
+                messages = await run_in_threadpool(bus.read_after, stream, after, 256, 0)
+                if not watch.key_valid(key_id):
+                    raise key_revoked("request was sent with")
+                for message_id, body in messages:
+                    after = message_id
+                    reply = parse_sample_reply(body, on_drop=lambda reason: None)
+                    if reply is not None:
+                        yield reply
+                        if reply.done:
+                            return
+                if time.time() > request.deadline:
+                    raise _unavailable("sampling_timeout", f"No worker answered within "
+                                       f"{get_settings().sampling_timeout_s:.0f} s (its base model may still be "
+                                       "loading, or every sampler is busy); try again.")
+                if not messages:
+                    await asyncio.sleep(POLL_S)
     finally:
         await run_in_threadpool(bus.discard, stream)
 
@@ -222,7 +236,8 @@ def _raise_refusal(reply: SampleReply) -> None:
 async def _events(first: SampleReply, replies: AsyncIterator[SampleReply], target: Target, request: SampleRequest,
                   *, chat: bool, tenant_id: str) -> AsyncIterator[bytes]:
     """OpenAI's stream: a chunk per piece of text, the last with its finish reason and usage, then ``[DONE]``; a
-    failure after the start ends it with an error object in the API's error shape."""
+    failure after the start (the sampler's, a timeout, the key revoked) ends it with an ``event: error`` block whose
+    data is the API's error shape, as an event stream ends (api/sse.py); OpenAI's clients raise it too."""
     try:
         created, opened = int(time.time()), False
         async for reply in _after(first, replies):
@@ -235,7 +250,7 @@ async def _events(first: SampleReply, replies: AsyncIterator[SampleReply], targe
                 await run_in_threadpool(_record_usage, tenant_id, target, reply)
         yield b"data: [DONE]\n\n"
     except ApiError as exc:
-        yield f"data: {json.dumps(exc.body())}\n\n".encode()
+        yield f"event: error\ndata: {json.dumps(exc.body())}\n\n".encode()
     finally:
         open_requests.close(tenant_id, request.request_id)
 

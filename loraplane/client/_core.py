@@ -135,12 +135,13 @@ def check_stream(response: httpx.Response) -> None:
 
 def completion_piece(line: str) -> str | None:
     """The text of one line of a completion's event stream (OpenAI's chunks), None for the rest; an error object
-    sent after the stream began raises it as an APIError (its status: 503, the sampler failed mid-answer)."""
+    sent after the stream began raises it as an APIError (its status: 401 when the key was revoked or its tenant
+    deleted mid-answer, else 503, the sampler failed mid-answer)."""
     if not line.startswith("data: ") or line == "data: [DONE]":
         return None
     chunk = json.loads(line[len("data: "):])
     if "error" in chunk:
-        raise APIError(503, chunk)
+        raise APIError(401 if chunk["error"].get("type") == "authentication_error" else 503, chunk)
     choice = chunk["choices"][0]
     return str(choice["delta"].get("content", "")) if "delta" in choice else str(choice.get("text", ""))
 
