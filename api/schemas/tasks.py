@@ -28,10 +28,8 @@ from api.schemas.common import FiniteFloat, RequestModel, Text, UtcDateTime
 from common.architectures import ALL_TARGET_MODULES
 from common.metrics import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METRIC, MAX_NEW_TOKENS_LIMIT, METRICS
 from common.regex_policy import (
-    MAX_BRANCHES,
-    MAX_EXPANSION,
-    MAX_NESTING_DEPTH,
     MAX_PATTERN_LENGTH,
+    MAX_PATTERN_MEMORY,
     MAX_REPEAT_COUNT,
     SYNTAX,
     PatternRefused,
@@ -315,24 +313,24 @@ class Evaluation(RequestModel):
         default=DEFAULT_MAX_NEW_TOKENS, description="The longest answer decoded per row (generative metrics).")
     pattern: Text | None = Field(
         default=None, min_length=1, max_length=MAX_PATTERN_LENGTH,
-        description="A Python regular expression searched for in each answer; required by the regex metric, "
-        "refused by the others. Bounded before it is compiled (a 422 regex_too_complex names the limit): at most "
-        f"{MAX_PATTERN_LENGTH} characters, groups nested {MAX_NESTING_DEPTH} deep, {MAX_BRANCHES} alternatives "
-        f"in one alternation, repetition counts up to {MAX_REPEAT_COUNT}, and {MAX_EXPANSION} items once "
-        "repetitions are expanded (nested ones multiply).")
+        description="An RE2 regular expression searched for in each answer; required by the regex metric, refused "
+        "by the others. RE2 is Python's syntax without look-around, back-references, atomic groups, possessive "
+        "repeats or verbose mode (a 422 invalid_regex says which). Bounded (a 422 regex_too_complex names the "
+        f"limit): at most {MAX_PATTERN_LENGTH} characters, repeat counts up to {MAX_REPEAT_COUNT} (nested ones "
+        f"multiplied together), and {MAX_PATTERN_MEMORY >> 20} MiB compiled.")
 
     @field_validator("pattern")
     @classmethod
     def _compiles(cls, pattern: str | None) -> str | None:
-        """The policy's check, then the compile (common/regex_policy.py): a pattern over a limit is refused
-        before anything compiles it."""
+        """RE2's compile within the policy's limits (common/regex_policy.py): the engine that judges the pattern
+        here is the one the worker searches with."""
         if pattern is None:
             return None
         try:
             compile_pattern(pattern)
         except PatternRefused as exc:
             if exc.limit == SYNTAX:
-                raise PydanticCustomError("regex_invalid", "Not a valid Python regular expression: {why}.",
+                raise PydanticCustomError("regex_invalid", "Not a valid RE2 regular expression: {why}.",
                                           {"why": str(exc)}) from None
             raise PydanticCustomError("regex_too_complex", "The pattern is refused: {why}.",
                                       {"why": str(exc), "limit": exc.limit}) from None

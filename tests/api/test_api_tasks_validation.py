@@ -90,6 +90,10 @@ CASES: list[tuple[str, dict[str, Any], int, str | None, str]] = [
      "evaluation.pattern", "regex_too_complex"),
     ("regex-repeat-over-policy", {"evaluation": {"metric": "regex", "pattern": "a{1000000000}"}}, 422,
      "evaluation.pattern", "regex_too_complex"),
+    ("regex-verbose-spaced-count", {"evaluation": {"metric": "regex", "pattern": "(?x)a{1 000 000 000}"}}, 422,
+     "evaluation.pattern", "invalid_regex"),
+    ("regex-lookahead", {"evaluation": {"metric": "regex", "pattern": "(?=a)b"}}, 422, "evaluation.pattern",
+     "invalid_regex"),
     ("regex-empty-pattern", {"evaluation": {"metric": "regex", "pattern": ""}}, 422, "evaluation.pattern",
      "invalid_value"),
     ("regex-pattern-too-long", {"evaluation": {"metric": "regex", "pattern": "a" * 501}}, 422, "evaluation.pattern",
@@ -218,7 +222,7 @@ def test_a_bad_regex_is_a_422_in_the_one_error_shape(client: TestClient, tenant:
                     json=task_body(file["id"], evaluation={"metric": "regex", "pattern": "[a-"}))
     assert r.status_code == 422, r.text
     error = r.json()["error"]
-    assert error["message"].startswith("evaluation.pattern: Not a valid Python regular expression: ")
+    assert error["message"].startswith("evaluation.pattern: Not a valid RE2 regular expression: ")
     assert error["errors"] == [{"param": "evaluation.pattern", "code": "invalid_regex", "message": error["message"]
                                 .removeprefix("evaluation.pattern: ")}]
 

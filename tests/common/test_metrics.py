@@ -99,10 +99,10 @@ def test_a_pattern_that_compiles_has_no_error(pattern: str) -> None:
 
 @pytest.mark.parametrize(("pattern", "says"), [
     ("(unclosed", "missing )"),
-    ("[a-", "unterminated character set"),
-    ("\\", "bad escape"),
-    # The policy's limits (tests/common/test_regex_policy.py): refused before anything compiles.
-    ("a{99999999999}", "repetition count is over the limit of 1000"),
+    ("[a-", "missing ]"),
+    ("\\", "trailing \\"),
+    # The policy's limits (tests/common/test_regex_policy.py).
+    ("a{99999999999}", "repetition count 99999999999 is over the limit of 1000"),
     ("(" * 2000 + ")" * 2000, "pattern length 4000 is over the limit of 500"),
 ])
 def test_a_pattern_that_does_not_compile_says_why(pattern: str, says: str) -> None:
@@ -162,7 +162,12 @@ def test_a_trial_s_curve_is_scored_by_its_smoothed_lowest_point_not_its_one_luck
 
 
 @pytest.mark.timeout(60)  # Python's re would search one of these answers for hours
-def test_a_regex_that_backtracks_without_end_counts_as_no_match() -> None:
-    pattern = "(a|aa)+$"  # exponential backtracking on a run of a's that does not end the string
+def test_a_pattern_that_backtracks_without_end_elsewhere_is_searched_in_linear_time() -> None:
+    pattern = "(a|aa)+$"  # exponential backtracking on a run of a's that does not end the string (not in RE2)
     assert pattern_error(pattern) is None and score_answer("regex", "aaaa", "", pattern)
-    assert score_answers("regex", ["a" * 60 + "!"] * 3, [""] * 3, pattern) == 0.0
+    assert score_answers("regex", ["a" * 5000 + "!"] * 3, [""] * 3, pattern) == 0.0
+    assert score_answers("regex", ["a" * 5000] * 3, [""] * 3, pattern) == 1.0
+
+
+def test_an_answer_that_is_not_valid_unicode_matches_nothing() -> None:
+    assert score_answers("regex", ["\ud800 42", "42"], ["", ""], r"\d+") == 0.5

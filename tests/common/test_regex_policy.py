@@ -1,10 +1,12 @@
-"""common/regex_policy.py: a hostile pattern is refused before anything compiles it, in milliseconds and without
-growing the process; each limit holds at its edge; ordinary patterns (and the largest allowed ones) compile
-cheaply.
+"""common/regex_policy.py: one engine (RE2) judges and compiles a tenant's pattern, so nothing it accepts can compile
+or search above a stated budget.
 
-The costly cases run in a fresh Python process with its address space capped (RLIMIT_AS): there the peak RSS
-growth of each check is measured, and a policy that let `regex` compile `a{1000000000}` fails with a
-MemoryError in that child (reported as a failed case) instead of taking this machine's memory.
+The costly checks run in a fresh Python process with its address space capped (RLIMIT_AS): there each pattern goes
+through the worker's own search (`common.metrics.score_answers`) on adversarial answers, with its peak RSS growth
+measured. A policy that let an engine compile `a{1000000000}` fails there with a MemoryError (a failed case)
+instead of taking this machine's memory. The differential fuzz test generates patterns a hostile tenant would try
+(inline and scoped flags, verbose spacing and comments, nested and open-ended repeats with spaced counts) and holds
+the policy's verdict in this process against the worker's search in the capped child.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import re2
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from common.regex_policy import (
     LIMITS,
-    MAX_BRANCHES,
-    MAX_EXPANSION,
-    MAX_NESTING_DEPTH,
     MAX_PATTERN_LENGTH,
+    MAX_PATTERN_MEMORY,
     MAX_REPEAT_COUNT,
     SYNTAX,
     PatternRefused,
@@ -32,62 +35,80 @@ from common.regex_policy import (
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# (pattern, the limit it is over): the issue's two and the other hostile forms.
+# (pattern, the limit it is over): issue 52's table (verbose-mode counts the old judge read as literal text),
+# issue 29's, and their variants.
 HOSTILE = [
+    ("(?x)a{1 000 000 000}", SYNTAX),
+    ("(?x)a{ 100000000 }", SYNTAX),
+    ("(?x)(?:a{1 000}){1 000}", SYNTAX),
+    ("(?x: a{1 000 000})", SYNTAX),  # scoped verbose flag
+    ("(?ix)a{1000 000}", SYNTAX),  # verbose among other flags
+    ("(?x)a{1 000 # a comment\n 000}", SYNTAX),
     ("a{1000000000}", "repetition"),
+    ("a{99999999999}", "repetition"),  # past what RE2 reads as a count: it would be literal text
+    ("a{5,1000000000}", "repetition"),
     ("(?:a{60000}){60000}", "repetition"),
-    ("a{99999999999}", "repetition"),  # past the parser's own maximum (an OverflowError inside it)
-    ("(a{1000}){1000}", "expansion"),
-    ("(?:(?:a{30}){30}){30}", "expansion"),  # each count small, their product not
-    ("(?:a{1000}|b{1000}){1000}", "expansion"),
-    ("a{1000}" * 21, "expansion"),  # in sequence, not nested
-    ("(?>a{100000})", "repetition"),  # atomic group
-    ("a{100000}+", "repetition"),  # possessive
-    ("a{100000}?", "repetition"),  # lazy
-    ("(?=a{100000})", "repetition"),  # lookahead
-    ("a{100000,}", "repetition"),  # a lower bound alone
-    ("(?:a+){1000}a{1000}" * 7, "expansion"),  # 7 * (2001 + 1001) items
-    ("(" * 5000 + "a" + ")" * 5000, "length"),  # thousands deep: refused before any recursive parser
-    ("(" * 201 + "a" + ")" * 201, "nesting"),
-    ("|".join(["ab"] * 101), "alternation"),
-    ("(?:" + "|".join("x" * 101) + ")", "alternation"),
+    ("(a{1000}){1000}", "repetition"),
+    ("(?:(?:a{30}){30}){30}", "repetition"),  # each count small, their product not
+    ("(?:a{1000}|b{1000}){1000}", "repetition"),
+    ("a{1001}", "repetition"),
+    ("a{100000,}", "repetition"),
+    ("(?i)(?:\\pL|\\pN){1000}", "memory"),  # RE2's program for it is over the budget
+    ("(?:[\\pL\\pN\\pP]{10}){100}", "memory"),
+    ("(?>a{100000})", SYNTAX),  # atomic group
+    ("a{1000}+", SYNTAX),  # possessive
+    ("(?=a{100000})", SYNTAX),  # look-ahead
+    ("(" * 5000 + "a" + ")" * 5000, "length"),
     ("x" * (MAX_PATTERN_LENGTH + 1), "length"),
 ]
 
-# Ordinary patterns, and the largest the limits allow: each compiles (with both engines).
+# Ordinary patterns, and the largest the limits allow: each compiles and searches cheaply.
 ALLOWED = [
     r"\d+", r"^(yes|no)\b", "(?i)paris", r"\{\s*\"answer\"\s*:\s*\d+\s*\}", r'{"name": ".*"}',
-    r"(?:\w+\s){0,1000}", r"^\d{4}-\d{2}-\d{2}$", r"(?:(?:\d{1,3}\.){3}\d{1,3}\s*){1,500}",
-    "a{1000}", "a{1000,}", "a{0,1000}", "a{1000}+", "(?>a{1000})",
-    "(?:a{1000}){19}", "(?:(?:a?){100}){99}", "(?:[a-z]{1000}){19}",  # just under MAX_EXPANSION
-    "(?:ab){e<=2}", "(?:a{1000}){e<=1000000}",  # fuzzy constraints: literal to `re`, multiply nothing in `regex`
-    "(" * MAX_NESTING_DEPTH + "a" + ")" * MAX_NESTING_DEPTH,
-    "|".join(f"w{i:02d}" for i in range(MAX_BRANCHES)),
+    r"(?:\w+\s){0,1000}", r"^\d{4}-\d{2}-\d{2}$", r"(?:(?:\d{1,3}\.){3}\d{1,3}\s*){1,100}",
+    "a{1000}", "a{1000,}", "a{0,1000}", "(?:a{10}){100}", "(?:(?:a?){10}){100}", "[^a]{1000}",
+    "(?s).{1000}", "(?i)" + r"[\x00-\x{10ffff}]" * 29, "(?:.*.*.*){1000}",
+    "(?i:paris)|(?s:a.b)|(?m:^x$)|(?U:a+)", r"\pL+\pN*", "(?P<answer>\\d+)",
+    "(" * 200 + "a" + ")" * 200, "|".join(f"w{i:02d}" for i in range(100)),
     "x" * MAX_PATTERN_LENGTH,
 ]
 
-_CHILD = r'''
-import json, resource, sys, time
-from common.regex_policy import PatternRefused, compile_pattern
+# Answers the child searches each pattern in: long runs that make backtracking engines explode, and every
+# code point class.
+_ANSWERS = ["a" * 4000 + "!", "ab" * 2000, "".join(chr(c) for c in range(0x20, 0x3000, 3)), "", "42 is the answer"]
 
+_CHILD = r'''
+import json, sys, time
+from common.metrics import score_answers
+from common.regex_policy import PatternRefused
+
+def rss_kb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+
+answers = json.loads(sys.argv[1])
 results = []
 for pattern in json.loads(sys.stdin.read()):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = rss_kb()
     start = time.perf_counter()
     try:
-        compile_pattern(pattern)
-        outcome = "compiled"
+        score_answers("regex", answers, [""] * len(answers), pattern)
+        outcome = "searched"
     except PatternRefused as exc:
         outcome = exc.limit
     except MemoryError:
         outcome = "MemoryError"
     seconds = time.perf_counter() - start
-    grew_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    results.append({"outcome": outcome, "seconds": seconds, "grew_mb": grew_kb / 1024})
+    results.append({"outcome": outcome, "seconds": seconds, "grew_mb": (rss_kb() - before) / 1024})
 print(json.dumps(results))
 '''
 
-CHILD_ADDRESS_SPACE = 1 << 30  # 1 GiB: Python with `regex` needs ~50 MB; the issue's pattern wanted 17 GB
+# The child's address space: Python with RE2 needs ~40 MB; every engine compile the issues measured wanted GBs.
+CHILD_ADDRESS_SPACE = 1 << 30
+# What one accepted pattern may add to the process, compiled and searched: RE2's budget for the program and its
+# caches (MAX_PATTERN_MEMORY) and its parse tree. Measured: at most ~14 MB, on a refused pattern's parse.
+BUDGET_MB = 4 * (MAX_PATTERN_MEMORY >> 20)
 
 
 def _cap_memory() -> None:
@@ -95,10 +116,11 @@ def _cap_memory() -> None:
 
 
 def _measure(patterns: list[str]) -> list[dict[str, object]]:
-    """Each pattern through `compile_pattern` in a fresh, memory-capped process: its outcome (the limit, or
-    "compiled"), seconds and peak RSS growth."""
-    done = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(patterns), capture_output=True,
-                          text=True, cwd=ROOT, preexec_fn=_cap_memory, timeout=120, check=True)
+    """Each pattern through the worker's search in a fresh, memory-capped process: its outcome ("searched", or the
+    limit it was refused for), seconds and resident growth."""
+    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(_ANSWERS)], input=json.dumps(patterns),
+                          capture_output=True, text=True, cwd=ROOT, preexec_fn=_cap_memory, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
     results: list[dict[str, object]] = json.loads(done.stdout)
     return results
 
@@ -107,49 +129,108 @@ def test_hostile_patterns_are_refused_in_milliseconds_with_bounded_memory() -> N
     results = _measure([pattern for pattern, _ in HOSTILE])
     for (pattern, limit), result in zip(HOSTILE, results, strict=True):
         assert result["outcome"] == limit, (pattern[:60], result)
-        # Measured ~0.1 ms and no growth; the bounds leave room for a loaded 2-core machine.
-        assert isinstance(result["seconds"], float) and result["seconds"] < 0.05, (pattern[:60], result)
-        assert isinstance(result["grew_mb"], float) and result["grew_mb"] < 2, (pattern[:60], result)
+        # Measured at most ~60 ms (RE2 giving up on a program over its budget) and ~14 MB; room for a loaded machine.
+        assert isinstance(result["seconds"], float) and result["seconds"] < 1.0, (pattern[:60], result)
+        assert isinstance(result["grew_mb"], float) and result["grew_mb"] < BUDGET_MB, (pattern[:60], result)
 
 
-def test_the_largest_allowed_patterns_compile_cheaply() -> None:
+def test_the_largest_allowed_patterns_compile_and_search_within_the_budget() -> None:
     results = _measure(ALLOWED)
     for pattern, result in zip(ALLOWED, results, strict=True):
-        assert result["outcome"] == "compiled", (pattern[:60], result)
-        # Measured under 10 ms and +5.5 MB at the expansion limit.
-        assert isinstance(result["seconds"], float) and result["seconds"] < 1.0, (pattern[:60], result)
-        assert isinstance(result["grew_mb"], float) and result["grew_mb"] < 32, (pattern[:60], result)
+        assert result["outcome"] == "searched", (pattern[:60], result)
+        assert isinstance(result["seconds"], float) and result["seconds"] < 2.0, (pattern[:60], result)
+        assert isinstance(result["grew_mb"], float) and result["grew_mb"] < BUDGET_MB, (pattern[:60], result)
+
+
+# The pieces a hostile tenant combines: counts written with verbose-mode spaces, huge and small; every flag form;
+# comments; nested and open-ended repeats.
+_DIGITS = st.sampled_from(["0", "1", "2", "9", "30", "100", "999", "1000", "1001", "60000", "100000000",
+                           "1000000000", "99999999999", "1 000", "1 000 000 000", " 100000000 "])
+_COUNT = st.one_of(
+    st.builds(lambda m: f"{{{m}}}", _DIGITS),
+    st.builds(lambda m: f"{{{m},}}", _DIGITS),
+    st.builds(lambda m, n: f"{{{m},{n}}}", _DIGITS, _DIGITS),
+    st.builds(lambda n: f"{{,{n}}}", _DIGITS),
+)
+_REPEAT = st.one_of(st.sampled_from(["*", "+", "?", "*?", "+?", "??", "*+", "++"]), _COUNT,
+                    st.builds(lambda c: c + "?", _COUNT), st.builds(lambda c: c + "+", _COUNT))
+_FLAGS = st.text(alphabet="imsxUau", min_size=1, max_size=3)
+_ATOM = st.sampled_from(["a", "b", " ", "\n", ".", r"\d", r"\w", r"\s", r"\pL", r"\pN", "[a-z]", "[^a]",
+                         r"[\x00-\x{10ffff}]", "\\", "\\1", r"\Z", r"\z", "^", "$", r"\b", "#", "# c\n", "(?#c)",
+                         "{", "}", "|"])
+
+
+def _pattern() -> st.SearchStrategy[str]:
+    def grow(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+        return st.one_of(
+            st.builds(lambda x, r: f"(?:{x}){r}", inner, _REPEAT),
+            st.builds(lambda x, r: f"({x}){r}", inner, _REPEAT),
+            st.builds(lambda x, r: x + r, inner, _REPEAT),
+            st.builds(lambda f, x: f"(?{f}:{x})", _FLAGS, inner),
+            st.builds(lambda f, x: f"(?{f}){x}", _FLAGS, inner),
+            st.builds(lambda k, x: f"({k}{x})", st.sampled_from(["?=", "?!", "?<=", "?>", "?P<n>"]), inner),
+            st.builds(lambda x, y: x + y, inner, inner),
+            st.builds(lambda x, y: f"{x}|{y}", inner, inner),
+        )
+
+    return st.recursive(_ATOM, grow, max_leaves=12)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(patterns=st.lists(_pattern(), min_size=80, max_size=80))
+def test_differential_fuzz_no_accepted_pattern_goes_over_the_budget(patterns: list[str]) -> None:
+    verdicts = []
+    for pattern in patterns:
+        try:
+            check_pattern(pattern)
+            verdicts.append("searched")
+        except PatternRefused as exc:
+            assert exc.limit in (*LIMITS, SYNTAX) and str(exc)
+            verdicts.append(exc.limit)
+    results = _measure(patterns)
+    for pattern, verdict, result in zip(patterns, verdicts, results, strict=True):
+        # The API's verdict is the worker's: one engine, so a pattern accepted here is searched there, and one
+        # refused here is refused there for the same limit.
+        assert result["outcome"] == verdict, (pattern, verdict, result)
+        assert isinstance(result["grew_mb"], float) and result["grew_mb"] < BUDGET_MB, (pattern, result)
+        assert isinstance(result["seconds"], float) and result["seconds"] < 2.0, (pattern, result)
 
 
 @pytest.mark.parametrize(("pattern", "limit", "message"), [
     ("a{1000000000}", "repetition", "repetition count 1000000000 is over the limit of 1000"),
-    ("(?:a{60000}){60000}", "repetition", "repetition count 60000 is over the limit of 1000"),
-    ("a{5,1001}", "repetition", "repetition count 1001 is over the limit of 1000"),
-    ("(a{1000}){1000}", "expansion", "repetitions expand the pattern to 1002001 items, over the limit of 20000"),
-    ("(" * 201 + ")" * 201, "nesting", "groups nested 201 deep is over the limit of 200"),
-    ("|".join("ab" for _ in range(101)), "alternation", "an alternation of 101 branches is over the limit of 100"),
+    ("a{5,1001}", "repetition", "a repeat's count may be at most 1000"),
+    ("(?:a{60000}){60000}", "repetition", "a repeat's count may be at most 1000"),
+    ("(a{100}){100}", "repetition", "nested repeats' counts multiplied together may be at most 1000"),
+    ("a{2,1}", SYNTAX, "the minimum count is over the maximum"),
+    ("(?i)(?:\\pL|\\pN){1000}", "memory", "the compiled pattern needs more than 8 MiB"),
     ("x" * 501, "length", "pattern length 501 is over the limit of 500 characters"),
-    ("(unclosed", SYNTAX, "missing ), unterminated subpattern"),
-    ("(?<=a+)b", SYNTAX, "look-behind requires fixed-width pattern"),  # `re`'s rule (`regex` alone takes it)
-    (r"\p{L}", SYNTAX, "bad escape"),  # `regex`'s own syntax is not Python `re`'s
+    ("(unclosed", SYNTAX, "missing )"),
+    ("(?x)a{1 000}", SYNTAX, "verbose mode (?x) is not supported"),
+    ("(?ix)a{1 000}", SYNTAX, "verbose mode (?x) is not supported"),
+    ("(?i-x:a{1 000})", SYNTAX, "verbose mode (?x) is not supported"),
+    ("(?a)x", SYNTAX, "the flags are i, m, s and U"),
+    ("(?<=a)b", SYNTAX, "look-behind is not supported"),
+    ("(?=a)b", SYNTAX, "look-ahead is not supported"),
+    ("(a)\\1", SYNTAX, "back-references are not supported"),
+    ("a++", SYNTAX, "possessive repeats are not supported"),
+    ("(?>a)", SYNTAX, "atomic groups are not supported"),
+    ("a\\Z", SYNTAX, "write \\z for the end of the text"),
+    ("(?#note)a", SYNTAX, "comments (?#...) are not supported"),
+    ("\ud800", SYNTAX, "not valid Unicode text"),
 ])
-def test_a_refusal_names_its_limit(pattern: str, limit: str, message: str) -> None:
+def test_a_refusal_names_its_limit_and_what_would_work(pattern: str, limit: str, message: str) -> None:
     with pytest.raises(PatternRefused) as refused:
         check_pattern(pattern)
-    assert refused.value.limit == limit and message in str(refused.value)
+    assert refused.value.limit == limit and message in str(refused.value), str(refused.value)
     assert limit in (*LIMITS, SYNTAX)
 
 
 def test_each_limit_holds_at_its_edge() -> None:
-    assert (MAX_PATTERN_LENGTH, MAX_NESTING_DEPTH, MAX_BRANCHES, MAX_REPEAT_COUNT, MAX_EXPANSION) == (
-        500, 200, 100, 1000, 20_000)
+    assert (MAX_PATTERN_LENGTH, MAX_REPEAT_COUNT, MAX_PATTERN_MEMORY) == (500, 1000, 8 << 20)
     edges = [
         (f"a{{{MAX_REPEAT_COUNT}}}", f"a{{{MAX_REPEAT_COUNT + 1}}}"),
         (f"a{{{MAX_REPEAT_COUNT},}}", f"a{{{MAX_REPEAT_COUNT + 1},}}"),
-        ("(" * MAX_NESTING_DEPTH + ")" * MAX_NESTING_DEPTH, "(" * 201 + ")" * 201),
-        ("|".join("a" * MAX_BRANCHES), "|".join("a" * (MAX_BRANCHES + 1))),
-        # 1 + 19 * (1 + 1000) = 19020 and 1 + 20 * 1001 = 20021 items around MAX_EXPANSION
-        ("(?:a{1000}){19}", "(?:a{1000}){20}"),
+        ("(?:a{10}){100}", "(?:a{10}){101}"),
         ("x" * MAX_PATTERN_LENGTH, "x" * (MAX_PATTERN_LENGTH + 1)),
     ]
     for allowed, refused in edges:
@@ -158,30 +239,16 @@ def test_each_limit_holds_at_its_edge() -> None:
             check_pattern(refused)
 
 
-@pytest.mark.parametrize("pattern", [
-    "\\(" * 220,  # escaped parentheses are characters, not groups
-    "[(]" * 160,  # so are those in a class
-    "[]()|]" * 80,  # a ']' first in a class is a member
-    "[^]()|]" * 70,
-    "[\\]()|]" * 70,
-    "\\|" * 240,  # escaped '|' is no branch
-])
-def test_the_scan_counts_only_real_groups_and_branches(pattern: str) -> None:
-    check_pattern(pattern)
-    compile_pattern(pattern)
+@pytest.mark.parametrize(("pattern", "text"), [(r"\{1000000000}", "{1000000000}"), ("[{1000000000}]", "0"),
+                                               ("[]{1000000000}]", "]"), (r"[\]{1000000000}]", "1")])
+def test_a_count_escaped_or_in_a_class_is_text(pattern: str, text: str) -> None:
+    assert compile_pattern(pattern).search(text) is not None
 
 
-def test_a_pattern_is_compiled_outside_regex_s_module_cache() -> None:
-    # The cache keeps up to 500 compiled patterns: a process that checks tenants' patterns would keep them all.
+def test_a_pattern_is_compiled_outside_re2_s_module_cache() -> None:
+    # The module's cache keeps up to 128 compiled patterns of up to 8 MiB each: a process that checks tenants'
+    # patterns would keep them all.
+    re2.purge()
     first, second = compile_pattern(r"\d{3}"), compile_pattern(r"\d{3}")
     assert first is not second and first.search("a123") is not None
-
-
-def test_compiling_takes_milliseconds_on_wide_case_folded_classes() -> None:
-    # Python's `re.compile` case-folds every code point of each range (~9 ms a class); `regex` does not, and it
-    # is the only compile.
-    pattern = "(?i)" + r"[\x00-\U0010ffff]" * 29
-    assert len(pattern) <= MAX_PATTERN_LENGTH
-    [result] = _measure([pattern])
-    assert result["outcome"] == "compiled"
-    assert isinstance(result["seconds"], float) and result["seconds"] < 0.1, result
+    assert re2._Regexp._make.cache_info().currsize == 0
