@@ -118,18 +118,45 @@ def _api_workers(text: str) -> int:
     return workers
 
 
+@contextlib.contextmanager
+def _embedded_data_folder(what: str) -> Iterator[None]:
+    """In the embedded mode, this service holds its data folder for as long as it runs (loraplane/data_folder.py);
+    a second service on the same folder stops here, naming the first. The distributed mode takes no lock."""
+    from common.settings import get_settings
+    from loraplane.data_folder import DataFolderInUse, hold_data_folder
+
+    settings = get_settings()
+    if not settings.embedded:
+        yield
+        return
+    try:
+        with hold_data_folder(settings.home, what):
+            yield
+    except DataFolderInUse as exc:
+        raise SystemExit(f"loraplane {what}: {exc}") from None
+
+
+def _limit_api_memory() -> None:
+    from common.settings import get_settings
+    from loraplane.data_folder import limit_api_memory
+
+    limit_api_memory(get_settings().api_memory_limit_mb)
+
+
 def cmd_api(args: argparse.Namespace) -> None:
     import uvicorn
 
-    _require_secret_key()
-    _migrate()  # once, here, before any server process starts
-    if args.workers == 1:
-        # Imported by name so this package never imports api/ (dependencies point one way).
-        uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="info",
-                    access_log=_access_log(args))
-    else:
-        with _api_metrics_dir() as metrics_dir:
-            _serve_api_processes(args.host, args.port, args.workers, metrics_dir, _access_log(args))
+    with _embedded_data_folder("api"):
+        _require_secret_key()
+        _migrate()  # once, here, before any server process starts
+        if args.workers == 1:
+            _limit_api_memory()
+            # Imported by name so this package never imports api/ (dependencies point one way).
+            uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="info",
+                        access_log=_access_log(args))
+        else:
+            with _api_metrics_dir() as metrics_dir:
+                _serve_api_processes(args.host, args.port, args.workers, metrics_dir, _access_log(args))
 
 
 def _access_log(args: argparse.Namespace) -> bool:
@@ -174,8 +201,9 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _api_process(sock: socket.socket, parent_pid: int, access_log: bool) -> None:
-    """One server process of `loraplane api --workers N`, on its own listening socket."""
+def _api_process(sock: socket.socket, parent_pid: int, access_log: bool, log_level: str) -> None:
+    """One server process of `loraplane api --workers N` or of `up`, on its own listening socket, within its own
+    memory bound."""
     import uvicorn
 
     # SIGTERM (uvicorn's graceful shutdown) when the parent dies, even by SIGKILL: no server process is left
@@ -183,23 +211,31 @@ def _api_process(sock: socket.socket, parent_pid: int, access_log: bool) -> None
     _signal_on_parent_death(signal.SIGTERM)
     if os.getppid() != parent_pid:  # it died before prctl took effect
         return
-    uvicorn.Server(uvicorn.Config("api.main:app", log_level="info", access_log=access_log)).run(sockets=[sock])
+    _limit_api_memory()
+    uvicorn.Server(uvicorn.Config("api.main:app", log_level=log_level, access_log=access_log)).run(sockets=[sock])
 
 
-def _serve_api_processes(host: str, port: int, workers: int, metrics_dir: Path, access_log: bool) -> None:
-    """`workers` server processes, each on a socket of its own: with uvicorn's `workers=N` they share one
-    socket, and whichever process wakes first accepts a whole burst of connections (asyncio accepts up to the
-    backlog at once) and keeps them while they are kept alive; measured under wrk, all 32 of 32 went to one
-    process. Each process is a fresh interpreter (spawn): its own database engines, event loop and SSE watch."""
+def _serve_api_processes(host: str, port: int, workers: int, metrics_dir: Path, access_log: bool,
+                         log_level: str = "info") -> None:
+    """`workers` server processes, each on a socket of its own, each started again when it dies (the memory bound
+    may end one: `_limit_api_memory`): with uvicorn's `workers=N` they share one socket, and whichever process
+    wakes first accepts a whole burst of connections (asyncio accepts up to the backlog at once) and keeps them
+    while they are kept alive; measured under wrk, all 32 of 32 went to one process. Each process is a fresh
+    interpreter (spawn): its own database engines, event loop and SSE watch. Returns on SIGINT or SIGTERM, once
+    the processes have stopped."""
     import multiprocessing
 
     from common.telemetry import mark_process_dead
 
     context = multiprocessing.get_context("spawn")
-    sockets = [_listening_socket(host, port) for _ in range(workers)]  # a port in use fails here, at once
+    try:
+        sockets = [_listening_socket(host, port) for _ in range(workers)]  # a port in use fails here, at once
+    except OSError as exc:
+        raise SystemExit(f"loraplane: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
     def start(sock: socket.socket) -> multiprocessing.process.BaseProcess:
-        process = context.Process(target=_api_process, args=(sock, os.getpid(), access_log), name="loraplane-api")
+        process = context.Process(target=_api_process, args=(sock, os.getpid(), access_log, log_level),
+                                  name="loraplane-api")
         process.start()
         return process
 
@@ -233,14 +269,15 @@ def _scheduler(stop: threading.Event) -> None:
 
 
 def cmd_scheduler(_args: argparse.Namespace) -> None:
-    _require_secret_key()
-    _migrate()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        _scheduler(stop)
-    except KeyboardInterrupt:
-        stop.set()
+    with _embedded_data_folder("scheduler"):
+        _require_secret_key()
+        _migrate()
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            _scheduler(stop)
+        except KeyboardInterrupt:
+            stop.set()
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -442,8 +479,6 @@ class _Supervised:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from common.private_files import private_dir
     from common.settings import get_settings
 
@@ -455,6 +490,13 @@ def cmd_up(args: argparse.Namespace) -> None:
     if settings.resolved_broker_url == "filesystem://":  # the embedded broker has no host: kombu warns each dispatch
         logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     private_dir(settings.home)  # 0700: the database, the bus and the artifacts below are the owner's alone
+    with _embedded_data_folder("up"):
+        _up(args, settings.home, generated_token)
+
+
+def _up(args: argparse.Namespace, home: Path, generated_token: str | None) -> None:
+    """`up` once it holds its data folder: the scheduler in a thread, the worker and the API server in supervised
+    child processes (each started again if it dies), until SIGINT or SIGTERM."""
     _require_secret_key()  # embedded: generated into the home on first start
     _migrate()
     stop = threading.Event()
@@ -465,15 +507,17 @@ def cmd_up(args: argparse.Namespace) -> None:
         worker_argv = [sys.executable, "-m", "loraplane.cli", "worker", "--worker-id", args.worker_id, "--quiet"]
         worker = _Supervised(worker_argv)
         worker.start()
-    lines = up_summary(f"http://{args.host}:{args.port}", settings.home.resolve(), generated_token,
+    lines = up_summary(f"http://{args.host}:{args.port}", home.resolve(), generated_token,
                        None if args.no_worker else args.worker_id)
     announcer = threading.Thread(target=_announce_when_ready, name="announcer", daemon=True, args=(
         _loopback_url(args.host, args.port), worker.ready if worker else None, lines, stop))
     announcer.start()
     try:
-        # Warnings and errors only: the box says where the API is, and the access log is off unless asked for.
-        uvicorn.run("api.main:app", host=args.host, port=args.port, log_level="warning",
-                    access_log=_access_log(args))
+        # The API in a process of its own, apart from the scheduler and the worker: its memory bound ends only
+        # itself, and a server process that dies is started again (issue 52). Warnings and errors only: the box
+        # says where the API is, and the access log is off unless asked for.
+        with _api_metrics_dir() as metrics_dir:
+            _serve_api_processes(args.host, args.port, 1, metrics_dir, _access_log(args), log_level="warning")
     finally:
         stop.set()
         if worker is not None:
