@@ -184,6 +184,12 @@ def _cases(file_id: str) -> list[Case]:
                 "http://169.254.169.254/latest/meta-data/", "http://[::ffff:127.0.0.1]/hook"):
         cases.append(Case(f"webhook-inward {url}", "POST", "/v1/webhooks", 422, "url_not_allowed", "url",
                           json_body={"url": url}, message="webhooks are sent to public addresses only"))
+    # Webhooks whose host URL parsers read differently (issue 52: `\` or `%2f` before the `@`), refused before any
+    # name is resolved: 422 invalid_url, saying how to write it.
+    for url in ("https://evil.example\\@example.com/hook", "https://evil.example%2f@example.com/hook",
+                "https://evil.example%2F@example.com/hook"):
+        cases.append(Case(f"webhook-ambiguous {url}", "POST", "/v1/webhooks", 422, "invalid_url", "url",
+                          json_body={"url": url}, message="write the host plainly"))
     # Bodies past LORAPLANE_MAX_REQUEST_BYTES (1 MiB): declared (refused before a byte is read) and chunked (cut
     # off as it passes the bound); FastAPI would otherwise read either whole into memory (api/limits.py).
     too_large = "larger than the limit of 1048576 bytes"
