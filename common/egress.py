@@ -5,11 +5,11 @@ A webhook URL is the one place a tenant makes this service open a connection. Le
 own network. The rule: only public addresses, plus what the operator allows (`LORAPLANE_WEBHOOK_ALLOWED_NETWORKS`).
 
 The pure parts come first: `inward_reason` (why an address is not public), `EgressPolicy` (the operator's
-allow-list) and `refusal` (both together). `Egress.target` is the thin shell around them: it resolves a URL's host
-in a thread with a time limit and checks EVERY address, so a name with one public and one inward address is
-refused. The caller then connects to one of the checked addresses itself (scheduler/service/webhooks.py), never to
-a second resolution of the name: a DNS answer that changes between the check and the connection (rebinding)
-cannot aim the connection inward.
+allow-list), `refusal` (both together) and `authority_refusal` (a URL whose host parsers may read differently).
+`Egress.target` is the thin shell around them: it resolves a URL's host in a thread with a time limit and checks
+EVERY address, so a name with one public and one inward address is refused. The caller then connects to one of
+the checked addresses itself (scheduler/service/webhooks.py), never to a second resolution of the name: a DNS answer
+that changes between the check and the connection (rebinding) cannot aim the connection inward.
 
 Name resolution is a seam: `Resolver`, `system_resolver` (getaddrinfo) by default. Tests on a machine without DNS
 pass a function that answers as a DNS server would (tests/egress.py); everything else they run is real.
@@ -22,6 +22,7 @@ import ipaddress
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -134,6 +135,27 @@ def refusal(policy: EgressPolicy, host: str, ip: IPAddress) -> str | None:
     return inward_reason(ip)
 
 
+def authority_refusal(url: str) -> str | None:
+    """What in the URL's authority (user, password, host and port: from `//` to the path) makes it ambiguous, or
+    None. A backslash or a percent-escape there is refused: URL parsers disagree on where such a host ends (WHATWG's,
+    in browsers and many clients, reads `\\` as `/`; one that decodes before it splits reads `%2f` as `/` and `%40`
+    as `@`), so `https://a.example\\@b.example/` is b.example to this service and a.example to others. Only a
+    plain authority reads the same to every parser. A host never needs an escape (letters, digits, dots, hyphens or
+    an address; an international name has its `xn--` form); a user name or password that does cannot be given in the
+    URL (deliveries are signed, and a tracker's token has a field of its own). The authority checked is
+    `urlsplit`'s, which runs to the first `/`, `?` or `#`: it holds every other parser's (WHATWG's also stops at a
+    backslash), so nothing another parser takes for the authority goes unchecked."""
+    try:
+        authority = urlsplit(url).netloc
+    except ValueError:
+        return None  # not a URL: the caller's own parse refuses it
+    if "\\" in authority:
+        return "a backslash ('\\')"
+    if "%" in authority:
+        return "a percent-escape ('%')"
+    return None
+
+
 class EgressRefused(Exception):
     """A URL this service will not send to. `code`: what the tenant may be told (`url_not_allowed`,
     `url_unresolvable`); the message: the detail (resolved addresses), for the operator's log only."""
@@ -212,6 +234,8 @@ class Egress:
             parsed = httpx.URL(url)
         except httpx.InvalidURL as exc:  # registration refuses these first; a row from elsewhere is refused here
             raise EgressRefused(NOT_ALLOWED, f"not a valid URL: {exc}") from None
+        if (ambiguous := authority_refusal(url)) is not None:  # a row stored before registration refused these
+            raise EgressRefused(NOT_ALLOWED, f"the URL's authority holds {ambiguous}")
         host = parsed.raw_host.decode("ascii")
         port = default_port(parsed)
         addresses = self.resolve(host, port)

@@ -17,7 +17,7 @@ from api.errors import conflict, invalid
 from api.queries import get_webhook
 from api.schemas.common import NO_CONTROL_CHARS
 from api.schemas.webhooks import WebhookCreate
-from common.egress import NOT_ALLOWED, Egress, EgressRefused
+from common.egress import NOT_ALLOWED, Egress, EgressRefused, authority_refusal
 from common.secret_box import get_secret_box
 from common.tables import Tenant, WebhookEndpoint, new_id, utcnow
 from common.webhooks import WEBHOOK_EVENTS
@@ -34,6 +34,10 @@ def check_url(url: str, param: str = "url") -> str:
 
     if not re.match(NO_CONTROL_CHARS, url) or any(c.isspace() for c in url):
         raise refuse("must not contain spaces or control characters.")
+    if (ambiguous := authority_refusal(url)) is not None:
+        raise refuse(f"the part before the path (user, password, host, port) holds {ambiguous}, which URL parsers read "
+                     "differently; write the host plainly (an international name in its xn-- form), with no escaped "
+                     "user or password, e.g. https://hooks.example.com/loraplane.")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is no number or out of range

@@ -33,7 +33,7 @@ from common.tables import Pack, Task, WebhookDelivery, utcnow
 from scheduler.service.daemon import SchedulerDaemon
 from scheduler.service.webhooks import CLAIM_S, WebhookSender, next_delay, sign, verify
 from tests.conftest import REDIS_URL
-from tests.egress import ALLOW_SETTING, allowed_networks
+from tests.egress import ALLOW_SETTING, TableResolver, allowed_networks
 from tests.factories import ADMIN, ADMIN_TOKEN, TenantKey, chat_rows, make_task, trial_ids
 
 WORKER = "w-webhooks"
@@ -163,6 +163,12 @@ def test_register_shows_the_secret_once_and_lists_and_deletes(client: TestClient
     ({"url": "http://example.com:99999/"}, "url", "invalid_url"),
     ({"url": "http://exa mple.com/"}, "url", "invalid_url"),
     ({"url": "javascript:alert(1)"}, "url", "invalid_url"),
+    # Issue 52: a host that URL parsers read differently (`\` or a percent-escape before it).
+    ({"url": "https://evil.example\\@example.com/hook"}, "url", "invalid_url"),
+    ({"url": "https://evil.example%2f@example.com/hook"}, "url", "invalid_url"),
+    ({"url": "https://evil.example%2F@example.com/hook"}, "url", "invalid_url"),
+    ({"url": "https://user:p%40ss@example.com/hook"}, "url", "invalid_url"),
+    ({"url": "https://ex%61mple.com/hook"}, "url", "invalid_url"),
     ({"url": ""}, "url", "invalid_value"),
     ({}, "url", "missing_field"),
     ({"url": "https://example.com", "events": ["task.created"]}, "events[0]", "invalid_value"),
@@ -178,6 +184,22 @@ def test_invalid_registrations_are_422_in_the_one_error_shape(
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == code
     assert client.get("/v1/webhooks", headers=tenant.headers).json()["data"] == []
+
+
+def test_an_ambiguous_host_is_refused_saying_how_to_write_it(client: TestClient, tenant: TenantKey,
+                                                             resolver: TableResolver) -> None:
+    """`\\` or `%2f` before the `@`: this service would reach example.com (the part after the `@`), a parser that
+    reads `\\` as `/` or decodes first the host before it. Refused before the name is resolved; the plain form of the
+    same host registers."""
+    r = client.post("/v1/webhooks", headers=tenant.headers, json={"url": "https://evil.example\\@example.com/hook"})
+    assert r.status_code == 422, r.text
+    assert r.json() == {"error": {
+        "type": "invalid_request_error", "code": "invalid_url", "param": "url",
+        "message": "url: the part before the path (user, password, host, port) holds a backslash ('\\'), which URL "
+                   "parsers read differently; write the host plainly (an international name in its xn-- form), with "
+                   "no escaped user or password, e.g. https://hooks.example.com/loraplane."}}
+    assert resolver.asked == []
+    assert register(client, tenant, "https://example.com/hook")["url"] == "https://example.com/hook"
 
 
 def test_a_foreign_webhook_answers_exactly_like_a_missing_one(

@@ -15,6 +15,7 @@ from common.egress import (
     Egress,
     EgressPolicy,
     EgressRefused,
+    authority_refusal,
     inward_reason,
     refusal,
     system_resolver,
@@ -122,3 +123,35 @@ def test_a_name_that_does_not_resolve_or_resolves_too_slowly_is_refused_in_bound
         release.set()
     assert refused.value.code == UNRESOLVABLE and "took over 0.3 s" in str(refused.value)
     assert time.monotonic() - t0 < 5
+
+
+# Issue 52: `\` or a percent-escape before the host. Each of these reaches example.com through this service's
+# parsers, and another host through a parser that reads `\` as `/` (WHATWG) or decodes before it splits.
+AMBIGUOUS = [
+    ("https://evil.example\\@example.com/hook", "a backslash ('\\')"),
+    ("https://evil.example\\.example.com/hook", "a backslash ('\\')"),
+    ("https://example.com\\/hook", "a backslash ('\\')"),
+    ("https://evil.example%2f@example.com/hook", "a percent-escape ('%')"),
+    ("https://evil.example%2F@example.com/hook", "a percent-escape ('%')"),
+    ("https://evil.example%5c@example.com/hook", "a percent-escape ('%')"),
+    ("https://user:p%40ss@example.com/hook", "a percent-escape ('%')"),
+    ("https://ex%61mple.com/hook", "a percent-escape ('%')"),
+    ("https://[fe80::1%25eth0]/hook", "a percent-escape ('%')"),
+]
+PLAIN = ["https://example.com/hook", "https://user:pw@example.com:8443/a%2fb\\c?x=%2f#%40",
+         "http://[2606:4700::1111]/", "https://xn--bcher-kva.example/"]
+
+
+@pytest.mark.parametrize(("url", "why"), AMBIGUOUS)
+def test_an_authority_with_a_backslash_or_a_percent_escape_is_refused(url: str, why: str) -> None:
+    assert authority_refusal(url) == why
+    # Also at each delivery, for a row stored before registration refused it; nothing is resolved.
+    resolver = TableResolver()
+    with pytest.raises(EgressRefused) as refused:
+        Egress(resolver=resolver).target(url)
+    assert refused.value.code == NOT_ALLOWED and resolver.asked == []
+
+
+@pytest.mark.parametrize("url", PLAIN)
+def test_escapes_after_the_authority_and_plain_users_are_not_refused(url: str) -> None:
+    assert authority_refusal(url) is None
