@@ -237,7 +237,7 @@ class WorkerHeartbeat(Message):
 
     omit_when_none: ClassVar[frozenset[str]] = frozenset({"gpus", "models", "warm_models", "progress",
                                                           "progressed_at", "packs", "max_packs",
-                                                          "free_memory_bytes", "sampler_bytes"})
+                                                          "free_memory_bytes", "sampler_bytes", "draining"})
 
     type: Literal["heartbeat"] = "heartbeat"
     worker_id: str
@@ -264,6 +264,8 @@ class WorkerHeartbeat(Message):
     free_memory_bytes: Any = None
     # The device memory its sampler process holds now (worker/sampler.py; 0 or None: none), which no pack may use.
     sampler_bytes: Any = None
+    # True once the worker drains on SIGTERM (worker/drain.py): it hands its trials back and takes no new pack.
+    draining: bool | None = None
 
     @property
     def names_pack(self) -> bool:
@@ -348,6 +350,8 @@ class TrialRejected(PackReport):
 class TrialFinished(PackReport):
     """A trial's end in its pack, its adapter (if any) already stored; it repeats the trial's recent points."""
 
+    omit_when_none: ClassVar[frozenset[str]] = frozenset({"drained"})
+
     type: Literal["trial.finished"] = "trial.finished"
     trial_id: str
     # "completed", "stopped" or "paused"; anything else is the trial's own failure (with `error`).
@@ -361,6 +365,9 @@ class TrialFinished(PackReport):
     pack_steps: int | None = None  # what it trained in this pack (usage accounting)
     pack_tokens: int | None = None
     points: list[Point] = []
+    # A trial "paused" because its worker drains on SIGTERM (worker/drain.py), not by the scheduler's request: it is
+    # handed back, pending again at once (None: the scheduler asked for the pause).
+    drained: bool | None = None
 
 
 class PackProgress(PackReport):

@@ -62,6 +62,11 @@ class Settings(BaseSettings):
     # hung: the pack is lost, its trials go back to pending, and the worker gets no pack while its beats say so.
     # Generous: a model's download and load, or a long validation, count as one phase.
     worker_stall_s: float = Field(default=3600.0, alias="LORAPLANE_WORKER_STALL_S")
+    # SIGTERM drains a worker (worker/drain.py): its trials checkpoint at their next step and are handed back
+    # (paused) for another worker to resume; it exits within this many seconds of the signal whatever is left, its
+    # trials not yet handed back then requeued from their last checkpoint. Within Kubernetes' default grace period
+    # of 30 s, which the manifests set (deploy/k8s/worker.yaml, docker-compose.yml's stop_grace_period).
+    worker_drain_s: float = Field(default=25.0, gt=0, le=30, alias="LORAPLANE_WORKER_DRAIN_S")
     # The scheduler replans at least this often even when no event arrives (Redis is not the source of truth).
     scheduler_tick_s: float = Field(default=2.0, alias="LORAPLANE_SCHEDULER_TICK_S")
     # A worker's loss (its process died or restarted, its heartbeat stopped, its whole pack failed) costs its trials

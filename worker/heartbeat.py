@@ -67,6 +67,7 @@ class BeatState:
         self._warm = ctx.RawArray(ctypes.c_char, self.WARM_BYTES)
         self._free = ctx.RawValue(ctypes.c_int64, -1)  # -1: not said
         self._sampler = ctx.RawValue(ctypes.c_int64, -1)  # the sampler process's device memory; -1: not said
+        self._draining = ctx.RawValue(ctypes.c_bool, False)  # the worker drains on SIGTERM (worker/drain.py)
 
     def _locked(self) -> bool:
         got = self._lock.acquire(timeout=LOCK_WAIT_S)
@@ -125,6 +126,22 @@ class BeatState:
         """The device memory the worker's sampler process holds (worker/sampler.py), or None when never told."""
         held = int(self._sampler.value)
         return None if held < 0 else held
+
+    def set_draining(self) -> None:
+        self._draining.value = True
+
+    def draining(self) -> bool:
+        return bool(self._draining.value)
+
+    def clear_packs(self) -> None:
+        """Names no pack any more (the worker gives up its packs: `Heartbeat.abandon`)."""
+        got = self._locked()
+        try:
+            for held in self._packs:
+                held.value = b""
+        finally:
+            if got:
+                self._lock.release()
 
     def progressed(self, slot: int) -> None:
         self._progress[slot] += 1
@@ -202,6 +219,8 @@ def publish_beat(bus: Bus, identity: dict[str, Any], incarnation: Incarnation, s
     sampler = state.sampler_bytes()
     if sampler is not None:
         extra["sampler_bytes"] = sampler
+    if state.draining():
+        extra["draining"] = True
     progressed_at = clock.observe(packs, sent_at)
     named = [{"pack_id": p, "progress": n, "progressed_at": progressed_at[p]} for p, n in packs]
     if packs:  # the first, as a scheduler from before `packs` reads it
@@ -310,6 +329,20 @@ class Heartbeat:
 
     def beat(self) -> None:
         self._copy_warm()
+        publish_beat(self.bus, self.identity, self.incarnation, self.state, self._clock, self._models)
+
+    def drain(self) -> None:
+        """From now on every beat says the worker drains (worker/drain.py); one goes out now, from the calling thread,
+        ahead of its trials' pauses (without `beat`'s copy of the warm models, which may wait for a model's load)."""
+        self.state.set_draining()
+        publish_beat(self.bus, self.identity, self.incarnation, self.state, self._clock, self._models)
+
+    def abandon(self, timeout_s: float = 2.0) -> None:
+        """The worker gives up its packs as it exits at its drain's bound: the heartbeat process stops, so that no
+        beat of it names them again, and one last beat names none (the scheduler ends them at once, as for a lost
+        worker, instead of after its worker timeout)."""
+        self.stop(timeout_s)
+        self.state.clear_packs()
         publish_beat(self.bus, self.identity, self.incarnation, self.state, self._clock, self._models)
 
     def start(self) -> None:

@@ -25,6 +25,7 @@ from common.settings import get_settings
 from worker import telemetry
 from worker.availability import ModelAvailability
 from worker.colocation import max_packs_for
+from worker.drain import Drain, DrainFlag, listen_for_signals
 from worker.heartbeat import BeatProgress, BeatState, Heartbeat, Incarnation
 from worker.model_cache import device_memory, preload_models
 from worker.pack_processes import PackChannel, PackProcessConfig, PackProcesses, serve
@@ -66,13 +67,15 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     # The same worker id comes back after a restart (`<hostname>-gpuN`, or `local` under `loraplane up`): the
     # incarnation tells the scheduler this is a new process, whose predecessor's packs are gone.
     incarnation = Incarnation()
+    # Set once SIGTERM drains the worker (worker/drain.py); every process that trains reads it.
+    drain_flag = DrainFlag()
     pool, ranks = None, None
     if len(devices) > 1:
         pool = RankPool(RankConfig(
             worker_id=worker_id, devices=tuple(str(d) for d in devices),
             init_method=f"tcp://127.0.0.1:{free_port()}", incarnation=incarnation,
             timeout_s=settings.worker_rank_timeout_s, cpu_threads=settings.worker_cpu_threads,
-            preload=settings.worker_preload_models, loglevel=loglevel), entry=rank_main)
+            preload=settings.worker_preload_models, loglevel=loglevel, drain=drain_flag), entry=rank_main)
         ranks = pool.start()
     # Every beat names the registered models this machine can load (the registry the scheduler published).
     availability = ModelAvailability(bus)
@@ -91,13 +94,13 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
             worker_id=worker_id, device=str(device), incarnation=incarnation, make_bus=get_bus,
             make_store=get_artifact_store, model_cache_dir=settings.resolved_model_cache_dir,
             report_timeout_s=settings.worker_timeout_s, processes=max_packs, cpu_threads=settings.worker_cpu_threads,
-            preload=settings.worker_preload_models, loglevel=loglevel,
+            preload=settings.worker_preload_models, loglevel=loglevel, drain=drain_flag,
         ), heartbeat.state, memory_bytes, entry=pack_process_main)
         processes.start()
     runner = PackRunner(worker_id=worker_id, device=device, bus=bus, store=get_artifact_store(),
                         model_cache_dir=settings.resolved_model_cache_dir, heartbeat=heartbeat, ranks=ranks,
                         pool=pool, report_timeout_s=settings.worker_timeout_s, max_packs=max_packs,
-                        memory_bytes=memory_bytes, processes=processes)
+                        memory_bytes=memory_bytes, processes=processes, drain=drain_flag)
     from worker.celery_app import celery_app, install_runner
 
     install_runner(runner)
@@ -116,6 +119,10 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     if processes is None:  # pack processes preload their own share
         preload_models(runner.model, settings.worker_preload_models,
                        availability.registry() if settings.worker_preload_models else None)
+    # SIGTERM (or Ctrl+C) drains: the trials are handed back at their next step and the worker exits within
+    # LORAPLANE_WORKER_DRAIN_S; Celery's warm shutdown then waits only for the packs' early ends.
+    drain = Drain(drain_flag, settings.worker_drain_s, announce=heartbeat.drain, give_up=heartbeat.abandon)
+    listen_for_signals(drain.signalled)
     log.info("worker %s (incarnation %s) on %s consuming %s", worker_id, incarnation.id[:8], device, queue)
     # The solo pool runs the pack in this process, where the model stays loaded between packs (the thread pool, for
     # several packs at once: a thread per pack, waiting for its pack process); the heartbeat process ends with it: a
@@ -170,7 +177,7 @@ def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:
     bus = get_bus()
     runner = PackRunner(worker_id=config.worker_id, device=torch.device(config.devices[rank]), bus=bus,
                         store=get_artifact_store(), model_cache_dir=get_settings().resolved_model_cache_dir,
-                        incarnation=config.incarnation, ranks=ranks)
+                        incarnation=config.incarnation, ranks=ranks, drain=config.drain)
     log.info("rank %d of worker %s on %s", rank, config.worker_id, config.devices[rank])
     if config.preload:
         preload_models(runner.model, config.preload, ModelAvailability(bus).registry())
@@ -191,7 +198,7 @@ def pack_process_main(index: int, config: PackProcessConfig, beats: BeatState, c
     runner = PackRunner(worker_id=config.worker_id, device=device, bus=bus, store=config.make_store(),
                         model_cache_dir=config.model_cache_dir, incarnation=config.incarnation,
                         report_timeout_s=config.report_timeout_s, model_cache_bytes=0, progress=progress,
-                        shared_device=lambda: bool(channel.shared.value))
+                        shared_device=lambda: bool(channel.shared.value), drain=config.drain)
     log.info("pack process %d of worker %s on %s", index, config.worker_id, device)
     preload = config.preload_of(index)
     if preload:
@@ -213,7 +220,7 @@ def sampler_main(config: SamplerConfig, stop: Any, held: Any) -> None:
 def _start_child(name: str, loglevel: str, cpu_threads: int) -> None:
     """What a child process of the worker (a rank, a pack process) sets up first. It ends when its worker says so
     (`RankPool.close`, `PackProcesses.close`) or is gone: not on the signals a terminal or a process manager sends the
-    worker's whole process group, which the worker shuts down on (its packs finishing first)."""
+    worker's whole process group, on which the worker drains (worker/drain.py: the children read its `DrainFlag`)."""
     logging.basicConfig(level=loglevel, format=f"%(asctime)s {name} %(levelname)s %(name)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

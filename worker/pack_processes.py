@@ -44,6 +44,7 @@ from common.artifacts import LocalArtifactStore
 from common.bus import Bus
 from common.messages import PackMessage
 from worker.colocation import IdleModel, idle_models_to_drop
+from worker.drain import DrainFlag
 from worker.heartbeat import LOCK_WAIT_S, BeatProgress, BeatState, Incarnation
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class PackProcessConfig:
     cpu_threads: int = 0  # LORAPLANE_WORKER_CPU_THREADS (0: torch's default)
     preload: str = ""  # LORAPLANE_WORKER_PRELOAD: its models dealt out to the pack processes in turn
     loglevel: str = "INFO"
+    drain: DrainFlag | None = None  # set once the worker drains on SIGTERM: each pack process pauses its trials
 
     def preload_of(self, index: int) -> str:
         """The models pack process ``index`` preloads: every ``processes``-th named (each keeps one)."""

@@ -16,7 +16,7 @@ import shutil
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -58,6 +58,7 @@ from common.settings import get_settings
 from worker import telemetry
 from worker.bus_client import CommandInbox, Reporter, ReportsLost
 from worker.colocation import Reservation, RunningPacks
+from worker.drain import DrainFlag
 from worker.engine import (
     AdapterCheckpoint,
     Evaluation,
@@ -124,6 +125,13 @@ def stop_modes(requested: dict[str, str]) -> dict[str, StopMode]:
     """The inbox's stop commands as ``train_pack`` takes them (an unknown mode from a newer scheduler drops)."""
     return {trial_id: cast(StopMode, mode if mode in ("drop", "export", "pause") else "drop")
             for trial_id, mode in requested.items()}
+
+
+def drain_stops(requested: Mapping[str, StopMode], trial_ids: Iterable[str]) -> dict[str, StopMode]:
+    """The stops of a draining worker's pack (worker/drain.py): every trial paused, but for those the scheduler
+    already stopped (its mode wins: a trial it dropped stays dropped, one it paused at its warm-up boundary waits for
+    its task's ranking)."""
+    return {**dict.fromkeys(trial_ids, "pause"), **requested}
 
 
 def export_base_name(source: ModelSource) -> str:
@@ -193,7 +201,7 @@ class PackRunner:
                  ranks: Ranks | None = None, pool: RankPool | None = None, report_timeout_s: float = 30.0,
                  model_cache_bytes: int | None = None, max_packs: int = 1, memory_bytes: int | None = None,
                  processes: PackProcesses | None = None, progress: BeatProgress | None = None,
-                 shared_device: Callable[[], bool] | None = None) -> None:
+                 shared_device: Callable[[], bool] | None = None, drain: DrainFlag | None = None) -> None:
         self.worker_id = worker_id
         self.device = device
         self.bus = bus
@@ -208,6 +216,7 @@ class PackRunner:
         self.pool = pool  # rank 0 of a worker over several GPUs: the other ranks
         self.processes = processes  # a worker running several packs at once: its pack processes
         self.shared_device = shared_device or (lambda: False)
+        self.drain = drain  # set once the worker drains on SIGTERM (worker/drain.py); None: it never does
         # How long a pack's end waits for its reports to reach a bus that is away (then they are dropped,
         # and the scheduler, past its heartbeat timeout, requeues the pack's trials from their checkpoints).
         self.report_timeout_s = report_timeout_s
@@ -291,6 +300,9 @@ class PackRunner:
             log.warning("pack %s was already claimed; skipping the duplicate delivery", pack_id)
             return
         assert self.heartbeat is not None, "only the worker process (rank 0) runs packs"
+        if self.draining():  # delivered as the worker began to drain: its trials wait again, no attempt spent
+            self._refuse(pack_id, "the worker is shutting down")
+            return
         refused = self.packs.reserve(Reservation(pack_id, pack.base_model.name, pack.memory_bytes or 0))
         if refused is not None:
             self._refuse(pack_id, refused)
@@ -389,6 +401,10 @@ class PackRunner:
         if self.progress is not None:
             self.progress.progressed(pack_id)
 
+    def draining(self) -> bool:
+        """Whether the worker drains (worker/drain.py): its trials pause at their next step and are handed back."""
+        return self.drain is not None and self.drain.is_set()
+
     def should_stop(self, pack_id: str, trial_ids: Iterable[str]) -> dict[str, StopMode]:
         """The trials to take out now: those the scheduler stopped, or all of them once it aborted the pack."""
         if self.inbox.aborted(pack_id):
@@ -450,7 +466,7 @@ class PackRunner:
             max_rank=pack.max_rank, target_modules=pack.target_modules,
         )
         callbacks = PackCallbacks(
-            on_point=calls.point, should_stop=lambda: self.should_stop(pack_id, task_of),
+            on_point=calls.point, should_stop=lambda: calls.stops(self.should_stop(pack_id, task_of)),
             on_step=calls.stepped if leads else None, on_checkpoint=calls.upload_checkpoint,
             on_adapter_checkpoint=calls.save_checkpoint,
             admissions=calls.admissions, on_admitted=calls.admitted, on_outcome=calls.finished, score=score_metric,
@@ -541,6 +557,7 @@ class _PackCallbacks:
         self.profiler = profiler
         self.written: dict[str, list[str]] = {}  # trial id -> its checkpoints' keys in the store, oldest first
         self.epochs_kept: dict[str, int | None] = {}  # trial id -> the epoch checkpoints it keeps (None: all)
+        self.drained: set[str] = set()  # the trials the worker's drain paused (worker/drain.py)
         self._uploads = ThreadPoolExecutor(max_workers=ADAPTER_UPLOADS, thread_name_prefix="adapter-upload")
         self._pending: list[Future[None]] = []
 
@@ -582,10 +599,11 @@ class _PackCallbacks:
         GPUs: this rank's share of them, `Ranks.share_admissions`)."""
         runner, reporter = self.runner, self.reporter
         taken: list[tuple[TrialSpec, Path | None]] = []
-        if runner.ranks is None:
-            waiting = runner.inbox.take_admissions(self.pack_id, free)
-        else:
-            waiting = runner.ranks.share_admissions(free, lambda n: runner.inbox.take_admissions(self.pack_id, n))
+
+        def take(n: int) -> list[TrialPayload]:  # a draining worker's pack takes none: refused at its end instead
+            return [] if runner.draining() else runner.inbox.take_admissions(self.pack_id, n)
+
+        waiting = take(free) if runner.ranks is None else runner.ranks.share_admissions(free, take)
         for t in waiting:
             try:
                 spec = runner.trial_spec(t, self.read_rows)
@@ -597,6 +615,15 @@ class _PackCallbacks:
             self.epochs_kept[t.trial_id] = epochs_kept(t)
             taken.append((spec, path))
         return taken
+
+    def stops(self, requested: dict[str, StopMode]) -> dict[str, StopMode]:
+        """The trials to take out now: the scheduler's ``requested`` stops and, once the worker drains, a pause of
+        every other trial, which is then handed back (``drained`` in its report)."""
+        if not self.runner.draining():
+            return requested
+        stops = drain_stops(requested, self.task_of)
+        self.drained.update(trial_id for trial_id in stops if trial_id not in requested)
+        return stops
 
     def admitted(self, trial_id: str, reason: str | None) -> None:
         if reason is None:
@@ -640,6 +667,7 @@ class _PackCallbacks:
             best_step=outcome.best_step, final_train_loss=outcome.final_train_loss,
             adapter_key=key, error=outcome.error, pack_steps=outcome.pack_steps,
             pack_tokens=outcome.pack_tokens,
+            drained=True if outcome.status == "paused" and outcome.trial_id in self.drained else None,
         )
 
     def point(self, trial_id: str, step: int, split: str, loss: float) -> None:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.messages import PackMessage
+from worker.drain import DrainFlag
 from worker.engine.distributed import Lockstep, assign_ranks
 from worker.heartbeat import Incarnation
 
@@ -62,6 +63,7 @@ class RankConfig:
     cpu_threads: int  # LORAPLANE_WORKER_CPU_THREADS (0: torch's default)
     preload: str = ""  # LORAPLANE_WORKER_PRELOAD: every rank loads (and shards) these models at its start
     loglevel: str = "INFO"
+    drain: DrainFlag | None = None  # set once the worker drains on SIGTERM: each rank pauses its own trials
 
     @property
     def world(self) -> int:
