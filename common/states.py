@@ -34,6 +34,8 @@ PACK_REFUSED = "refused"  # its worker would not start it (no room beside its ot
 PACK_LIVE = frozenset({PACK_PLANNED, PACK_DISPATCHED, PACK_RUNNING})
 
 WORKER_ALIVE = "alive"
+# Shutting down on SIGTERM (worker/drain.py): it hands its trials back and gets no pack; lost once its beats stop.
+WORKER_DRAINING = "draining"
 WORKER_LOST = "lost"
 
 # A trial that failed this many times by its own doing (an exception in its step, its data, its OOM, a back-fill

@@ -179,10 +179,12 @@ def credit_worker(session: Session, worker_id: str) -> None:
 
 def reap_lost_workers(session: Session, now: datetime, timeout_s: float,
                       policy: FaultPolicy | None = None) -> list[str]:
-    """Workers silent for longer than the timeout are lost; their packs' trials go back to pending."""
+    """Workers silent for longer than the timeout are lost; their packs' trials go back to pending. A draining one
+    too (worker/drain.py): silent, it has exited, and a pack it had not ended by then is lost."""
     cutoff = now - timedelta(seconds=timeout_s)
     lost = session.scalars(
-        select(Worker).where(Worker.state == states.WORKER_ALIVE, Worker.last_heartbeat < cutoff)
+        select(Worker).where(Worker.state.in_((states.WORKER_ALIVE, states.WORKER_DRAINING)),
+                             Worker.last_heartbeat < cutoff)
     ).all()
     for worker in lost:
         lose_worker(session, worker, now, f"worker {worker.id} was lost", policy)

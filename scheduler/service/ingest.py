@@ -183,7 +183,8 @@ def _heartbeat(session: Session, m: WorkerHeartbeat, now: datetime, limits_s: tu
     incarnation = m.incarnation
     started_at = datetime.fromtimestamp(m.started_at, UTC) if m.started_at else sent_at
     worker = session.get(Worker, m.worker_id, with_for_update={"key_share": True})
-    is_new = worker is None or worker.state != states.WORKER_ALIVE
+    # A draining worker's beats are not news (its drain is: below); a lost one's first beat is.
+    is_new = worker is None or worker.state not in (states.WORKER_ALIVE, states.WORKER_DRAINING)
     if worker is None:
         worker = Worker(id=m.worker_id, registered_at=now, last_heartbeat=sent_at)
         session.add(worker)
@@ -225,7 +226,13 @@ def _heartbeat(session: Session, m: WorkerHeartbeat, now: datetime, limits_s: tu
         stall_s = stalled_s(pack_id, progressed_at, sent_at.timestamp(), stall_after_s)
         if stall_s is not None:
             return _stalled(session, worker, pack_id, stall_s, now, aborts, policy)
-    worker.state = states.WORKER_ALIVE
+    # Draining on SIGTERM (worker/drain.py): the planners give it nothing (only alive workers are usable) while it
+    # hands its trials back; a new process under its id (a restart) beats as alive again.
+    drains = bool(m.draining)
+    if drains and worker.state != states.WORKER_DRAINING:
+        log.info("worker %s drains (it was told to stop): it gets no pack, its trials are handed back", worker.id)
+        is_new = True  # who may get packs changed: worth a replan
+    worker.state = states.WORKER_DRAINING if drains else states.WORKER_ALIVE
     if m.names_pack:  # what the process runs now (a report from before this field cannot be judged)
         is_new |= _check_named_packs(session, worker, {p for p, _ in named}, sent_at, now, aborts, policy)
     return is_new or models_changed or gpus_changed or sampler_freed
@@ -614,12 +621,23 @@ def _record_usage(session: Session, m: TrialFinished, now: datetime) -> None:
 def _trial_paused(session: Session, trial: Trial, m: TrialFinished) -> None:
     """Out of its pack at its warm-up boundary, checkpointed (the `trial.checkpoint` came first): it waits,
     holding no slot, for its task's warm-up ranking. Preempted for another tenant (scheduler/service/fairness.py),
-    it is pending again instead, held back until that tenant's trials start. Pausing is not a failure: the
-    attempt is not counted."""
+    it is pending again instead, held back until that tenant's trials start; handed back by a worker that drains on
+    SIGTERM (``drained``, worker/drain.py), it is pending again at once. Pausing is not a failure: the attempt is not
+    counted."""
     trial.pack_id = None
     trial.attempts = max(0, trial.attempts - 1)
     trial.steps_done = m.steps_done or trial.steps_done
     at = f"checkpointed at step {trial.checkpoint_step}" if trial.checkpoint_step else "no checkpoint yet"
+    if m.drained and trial.preempted_for is None:
+        trial.state = states.TRIAL_PENDING
+        record_event(
+            session, tenant_id=trial.tenant_id, task_id=trial.task_id, trial_id=trial.id, type="trial.paused",
+            message=f"trial {trial.index} paused at step {trial.steps_done}: its worker {m.worker_id} is shutting "
+                    f"down ({at}); it is pending again and resumes from its checkpoint",
+            data={"steps": trial.steps_done, "checkpoint_step": trial.checkpoint_step, "drained": True,
+                  "worker_id": m.worker_id},
+        )
+        return
     if trial.preempted_for is not None:
         trial.state = states.TRIAL_PENDING
         record_event(

@@ -189,11 +189,12 @@ def packs_with_room(session: Session, now: datetime) -> bool:
 
 def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: datetime) -> tuple[LivePack, ...]:
     """Running packs with free slots (packs recorded before back-filling existed have no capacity: none; a
-    quarantined worker's: none either), each predicted to end by ``costs`` (None: not predicted, `busy_for_s` 0:
-    only whether there are any matters)."""
+    quarantined worker's: none either, nor a draining one's, whose packs are handing their trials back), each
+    predicted to end by ``costs`` (None: not predicted, `busy_for_s` 0: only whether there are any matters)."""
     packs = session.scalars(
         select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.capacity.is_not(None),
-                           Pack.worker_id.not_in(quarantined_worker_ids(session, now)))
+                           Pack.worker_id.not_in(quarantined_worker_ids(session, now)),
+                           Pack.worker_id.not_in(select(Worker.id).where(Worker.state == states.WORKER_DRAINING)))
     ).all()
     weights = {t.id: max(1, round(t.weight or 1.0)) for t in session.scalars(select(Tenant))} if packs else {}
     # A pack that shares its worker with another takes no back-fill: the worker reserved its planned bytes beside

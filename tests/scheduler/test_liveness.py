@@ -248,3 +248,41 @@ def test_a_slow_pack_that_progresses_is_not_lost(daemon: SchedulerDaemon) -> Non
     with session_scope() as s:
         assert s.get_one(Pack, pack.id).state == states.PACK_RUNNING
         assert s.get_one(Worker, WORKER).state == states.WORKER_ALIVE
+
+
+def test_a_draining_worker_gets_nothing_and_the_trials_it_hands_back_are_pending_at_once(
+        daemon: SchedulerDaemon) -> None:
+    """SIGTERM drains a worker (worker/drain.py): its beat says so, and its trials come back paused with `drained`,
+    each from the checkpoint it took as it paused: pending at once, no attempt spent, nothing requeued as from a lost
+    worker, and nothing planned on the draining worker. Silent, it is lost; a new process under its id gets them."""
+    proc = FakeProcess()
+    pack, trial_ids = start_pack(daemon, proc)
+    proc.beat(pack.id, draining=True)
+    for t in trial_ids:
+        proc.report("points", pack_id=pack.id, points=[[t, s, "train", 2.0] for s in (5, 6)])
+        proc.report("trial.checkpoint", pack_id=pack.id, trial_id=t, step=6, checkpoint_key=f"ck/{t}/6")
+        proc.report("trial.finished", pack_id=pack.id, trial_id=t, status="paused", steps_done=6, drained=True)
+    proc.report("pack.finished", pack_id=pack.id)
+    proc.beat(None, draining=True)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Worker, WORKER).state == states.WORKER_DRAINING
+        assert s.get_one(Pack, pack.id).state == states.PACK_FINISHED
+        trials = s.scalars(select(Trial)).all()
+        assert [(t.state, t.pack_id, t.checkpoint_step, t.attempts) for t in trials] == [
+            (states.TRIAL_PENDING, None, 6, 0)] * len(trial_ids)
+        paused = s.scalars(select(Event).where(Event.type == "trial.paused")).all()
+        assert sorted(e.trial_id for e in paused) == sorted(trial_ids)  # type: ignore[type-var]
+        assert all(e.data["drained"] and "shutting down" in e.message for e in paused)
+        assert not s.scalars(select(Event).where(Event.type == "trial.requeued")).all()
+        assert s.scalar(select(func.count()).select_from(Pack)) == 1  # nothing planned on the draining worker
+    with session_scope() as s:  # its beats stopped long ago: it exited
+        s.get_one(Worker, WORKER).last_heartbeat = s.get_one(Worker, WORKER).last_heartbeat.replace(year=2000)
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Worker, WORKER).state == states.WORKER_LOST
+    FakeProcess().beat(None)  # the same id restarted: alive, and the trials are placed on it
+    daemon.step(block_s=0.2)
+    with session_scope() as s:
+        assert s.get_one(Worker, WORKER).state == states.WORKER_ALIVE
+        assert {t.state for t in s.scalars(select(Trial))} == {states.TRIAL_RUNNING}
