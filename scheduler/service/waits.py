@@ -55,7 +55,7 @@ def note_task_waits(session: Session, snapshot: Snapshot, plan: Plan, result: Pl
         models = {t.base_model for t in snapshot.pending if not any(w.can_load(t.base_model) for w in live)}
         waits = task_waits(snapshot.pending, started, live, packs, result, unit_s=UNIT_S,
                            unjudged_models=unjudged_models(session, sorted(models), now, timeout_s),
-                           backoffs=backoffs)
+                           backoffs=backoffs, live_packs=snapshot.live_packs, costs=costs)
     for wait in waits:
         _record(session, session.get_one(Task, wait.task_id), wait, now)
     judged = {w.task_id for w in waits}

@@ -1,11 +1,13 @@
 """Chaos in the distributed deployment (issue 14; the scenarios and checks: tests/e2e/test_chaos.py and chaos.py): the
-worker killed and back at once, a worker that keeps dying quarantined then recovered, Redis restarted empty and the
-database stopped for 20 s, each outage on a Redis or a PostgreSQL of its own, never on the shared ones."""
+worker killed and back at once, a worker that keeps dying quarantined then recovered, a worker stopped with SIGTERM
+mid-pack (it drains), Redis restarted empty and the database stopped for 20 s, each outage on a Redis or a PostgreSQL
+of its own, never on the shared ones."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -70,6 +72,45 @@ def test_distributed_worker_killed_and_back_at_once(clean_db: None, distributed_
         assert_ended_by_new_process(assert_recovered(tasks, checkpoints, requeues=1), killed_at)
         workers = {w.id: w.state for w in tasks.a.admin.list_workers()}
         assert workers == {"chaos-d1": "alive"}, workers
+        tasks.close()
+
+
+# What the drain must take at most, from SIGTERM to the worker's exit: Kubernetes' default grace period, which the
+# drain's bound (LORAPLANE_WORKER_DRAIN_S, 25 s by default) stays within.
+DRAIN_GRACE_S = 30
+
+
+def test_distributed_worker_sigterm_drains_and_its_trials_resume_elsewhere(
+    clean_db: None, distributed_env: dict[str, str], tmp_path: Path,
+) -> None:
+    """D5 (issue 52): SIGTERM the worker's process group mid-pack, as a container's stop does: within the grace
+    period every running trial is checkpointed and handed back, paused (not failed, not requeued as from a lost
+    worker), and the worker exits with status 0; a worker of another id resumes them from those checkpoints, both
+    tasks succeed at attempt 1, and every point is there exactly once."""
+    with cluster(distributed_env, tmp_path) as c:
+        base_url = start_control_plane(c)
+        worker = c.start("worker", "worker", "--worker-id", "chaos-d5")
+        tasks = submit_both(base_url, ADMIN_TOKEN)
+        checkpoints = checkpoints_before_fault(tasks)
+        signalled = time.monotonic()
+        os.killpg(worker.proc.pid, signal.SIGTERM)
+        status = worker.proc.wait(timeout=DRAIN_GRACE_S)
+        drained_s = time.monotonic() - signalled
+        sys.stderr.write(f"D5: the worker exited {drained_s:.1f}s after SIGTERM, status {status}\n")
+        assert status == 0, worker.tail()
+        c.start("worker-2", "worker", "--worker-id", "chaos-d5-b")
+
+        assert_recovered(tasks, checkpoints, requeues=0)  # no trial requeued, every point once, attempt 1
+        for name, lp, task_id in tasks.each():
+            trial_ids = [t.id for t in lp.tasks.trials(task_id).data]
+            paused = [e for e in lp.tasks.events(task_id, limit=1000).data if e.type == "trial.paused"]
+            assert sorted(e.trial_id or "" for e in paused) == sorted(trial_ids), (name, paused)
+            for e in paused:  # handed back from a checkpoint taken as it paused, no older than the last periodic one
+                assert e.data["drained"] and e.data["worker_id"] == "chaos-d5", e
+                assert e.data["checkpoint_step"] == e.data["steps"] >= checkpoints[e.trial_id or ""], e
+        packs = admin_get(base_url, "/v1/admin/packs?state=all")["data"]
+        assert {p["worker_id"] for p in packs if p["state"] == "finished"} == {"chaos-d5", "chaos-d5-b"}, packs
+        assert all(p["state"] == "finished" for p in packs), packs  # none lost: no pack went to the draining worker
         tasks.close()
 
 

@@ -5,12 +5,23 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from scheduler.planning.types import LiveWorker, PendingTrial, PlanResult, ScheduledPack
+from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
+from scheduler.planning.placement import UNIT_S, place
+from scheduler.planning.types import (
+    LivePack,
+    LiveWorker,
+    PendingTrial,
+    PlanResult,
+    RunningMember,
+    ScheduledPack,
+    Snapshot,
+)
 from scheduler.planning.waits import (
     ETA_RETELL_S,
     Backoff,
     BusyPack,
     TaskWait,
+    join_cost,
     start_at,
     task_waits,
     worth_telling,
@@ -148,3 +159,72 @@ def test_a_start_flipping_between_two_estimates_is_told_at_most_every_few_minute
 def test_start_at_is_a_time_to_the_second() -> None:
     assert start_at(wait_of(starts_in_s=90.4), NOW) == NOW + timedelta(seconds=90)
     assert start_at(wait_of(starts_in_s=None), NOW) is None
+
+
+# ---- why a trial waits behind a pack of its own model with free slots (issue 52) ---------------------------------
+
+TOKENS = 16_384  # batch 16 x 1024: each member's tokens in every step of the pack
+# A measured (not prior) cost model in which a step's cost is mostly its tokens: packing buys little.
+TOKEN_BOUND = ModelCost(memory=MemoryModel(k0_bytes=2e9, k1_bytes_per_token=2e5),
+                        step=StepTimeModel(a_s=0.05, b_s_per_token=2e-5, c_s_per_slot=1e-3))
+# One whose step is mostly its fixed cost (a small model, host-bound): a trial more costs a pack little.
+HOST_BOUND = ModelCost(memory=MemoryModel(k0_bytes=2e9, k1_bytes_per_token=2e5),
+                       step=StepTimeModel(a_s=0.25, b_s_per_token=1e-7, c_s_per_slot=1e-3))
+
+
+def probe_cluster(**trial_fields: object) -> tuple[Snapshot, LiveWorker, BusyPack]:
+    """The probe's cluster: one worker of 32 slots running a pack of 3 trials of model Y (29 slots free), and another
+    tenant's trial of model Y pending."""
+    members = tuple(RunningMember(f"m{i}", "ten-a", 1, remaining_steps=600, tokens_per_step=TOKENS) for i in range(3))
+    busy = LiveWorker("w1", max_slots=32, memory_bytes=80 * 2**30, busy_for_s=624.0)
+    pack = LivePack(pack_id="pack-a", worker_id="w1", base_model=Y, free_slots=29, members=3, max_rank=16,
+                    target_modules=("all-linear",), tokens_per_step=3 * TOKENS, busy_for_s=624.0,
+                    member_list=members, task_ids=frozenset({"A"}))
+    fields: dict[str, object] = {"max_trials_per_pack": 32, "remaining_steps": 600, "tokens_per_step": TOKENS,
+                                 **trial_fields}
+    pending = PendingTrial(trial_id="t1", task_id="B", tenant_id="ten-b", base_model=Y, **fields)  # type: ignore[arg-type]
+    snapshot = Snapshot(pending=(pending,), idle_workers=(), busy_workers=(busy,), live_packs=(pack,))
+    return snapshot, busy, BusyPack(pack_id="pack-a", worker_id="w1", base_model=Y, trials=3, ends_in_s=624.0)
+
+
+def explained(snapshot: Snapshot, busy: LiveWorker, pack: BusyPack, costs: dict[str, ModelCost]) -> TaskWait:
+    placement = place(snapshot, costs)
+    started = {t for b in placement.plan.backfills for t in b.trial_ids}
+    assert started == set(), placement.plan
+    [wait] = task_waits(snapshot.pending, started, [busy], [pack], placement.result, unit_s=UNIT_S,
+                        live_packs=snapshot.live_packs, costs=costs)
+    return wait
+
+
+def test_a_trial_the_cost_model_keeps_out_of_a_pack_with_free_slots_is_told_why() -> None:
+    """The probe's case: 29 of 32 slots free, and the planner waits. With each step's cost mostly its tokens, joining
+    would slow each of the 3 members' 600 steps by the trial's share (about 3 min each, 10 min in all) for the trial
+    to end about half a minute sooner; the plan waits, and the message says so with both numbers."""
+    snapshot, busy, pack = probe_cluster()
+    wait = explained(snapshot, busy, pack, {Y: TOKEN_BOUND})
+    assert (wait.reason, wait.pack_id) == ("behind_pack", "pack-a")
+    assert wait.message == (
+        "1 trial waiting behind pack pack-a on worker w1 (3 trials of model-y, about 10 min left): the pack has 29 "
+        "free slots, but joining now would slow its 3 trials by about 10 min in all (each step trains every member's "
+        "tokens), while this trial would end under a minute sooner: waiting costs less in the planner's cost model; "
+        "1st in queue; starts in about 10 min")
+    cost = join_cost(snapshot.pending[0], snapshot.live_packs[0], busy, TOKEN_BOUND, unit_s=UNIT_S)
+    assert cost is not None and cost.fits_memory and cost.members_slowed_s > 500
+
+
+def test_where_a_step_is_mostly_its_fixed_cost_the_trial_joins_the_running_pack() -> None:
+    """The same cluster on a host-bound model: a trial more costs each step little, so the plan back-fills it."""
+    snapshot, _, _ = probe_cluster()
+    placement = place(snapshot, {Y: HOST_BOUND})
+    assert [(b.pack_id, b.trial_ids) for b in placement.plan.backfills] == [("pack-a", ("t1",))]
+
+
+def test_a_trial_the_packs_engine_cannot_take_is_told_what_it_lacks() -> None:
+    snapshot, busy, pack = probe_cluster(lora_rank=64)
+    wait = explained(snapshot, busy, pack, {Y: HOST_BOUND})
+    assert "(3 trials of model-y, about 10 min left): the pack has 29 free slots, but its adapters are padded to " \
+           "rank 16, below this trial's 64;" in wait.message
+    snapshot, busy, pack = probe_cluster(max_trials_per_pack=2)
+    wait = explained(snapshot, busy, pack, {Y: HOST_BOUND})
+    assert "(3 trials of model-y, about 10 min left): the pack has 29 free slots, but the task lets at most 2 " \
+           "trials share a pack and it trains 3;" in wait.message
