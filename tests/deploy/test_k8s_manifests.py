@@ -450,3 +450,13 @@ def test_prometheus_annotations(objects: list[dict[str, Any]]) -> None:
         for name, metrics_port in METRICS_PORT_ENV.items():
             if name in env:
                 assert int(env[name]) == metrics_port == port, component
+
+
+def test_the_worker_pod_outlives_its_drain(objects: list[dict[str, Any]]) -> None:
+    """SIGTERM drains a worker within LORAPLANE_WORKER_DRAIN_S (worker/drain.py): its pod's grace period must not
+    SIGKILL it first, and docker compose's neither (its default is 10 s)."""
+    drain_s = Settings.model_fields["worker_drain_s"].default
+    grace_s = _pod_spec(_component(objects, "worker"))["terminationGracePeriodSeconds"]
+    assert drain_s < grace_s <= 30  # within Kubernetes' default: a pod's stop is not held up by more
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert compose["services"]["worker"]["stop_grace_period"] == f"{grace_s}s"
