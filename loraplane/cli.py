@@ -384,8 +384,8 @@ def _signal_on_parent_death(sig: signal.Signals) -> None:
 def _die_with_parent() -> None:
     """Runs in the child before exec: the worker is killed when `loraplane up` dies, even by SIGKILL, so no
     orphaned worker keeps training for a service that is gone (and no second worker with the same id shares
-    the GPU after `up` restarts). SIGKILL, not SIGTERM: Celery's warm shutdown on SIGTERM would finish the
-    running pack first; the scheduler resumes its trials from their checkpoints instead."""
+    the GPU after `up` restarts). SIGKILL, not SIGTERM: SIGTERM's drain hands the trials back to a scheduler,
+    and `up`'s died with it; the next scheduler resumes them from their checkpoints instead."""
     _signal_on_parent_death(signal.SIGKILL)
 
 
@@ -471,9 +471,11 @@ class _Supervised:
         with self._lock:
             self._stop.set()
         if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
+            from common.settings import get_settings
+
+            self.proc.terminate()  # the worker drains (worker/drain.py): it exits within its drain's bound
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=get_settings().worker_drain_s + 5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 

@@ -69,14 +69,8 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
     incarnation = Incarnation()
     # Set once SIGTERM drains the worker (worker/drain.py); every process that trains reads it.
     drain_flag = DrainFlag()
-    pool, ranks = None, None
-    if len(devices) > 1:
-        pool = RankPool(RankConfig(
-            worker_id=worker_id, devices=tuple(str(d) for d in devices),
-            init_method=f"tcp://127.0.0.1:{free_port()}", incarnation=incarnation,
-            timeout_s=settings.worker_rank_timeout_s, cpu_threads=settings.worker_cpu_threads,
-            preload=settings.worker_preload_models, loglevel=loglevel, drain=drain_flag), entry=rank_main)
-        ranks = pool.start()
+    pool = _rank_pool(worker_id, devices, incarnation, drain_flag, loglevel) if len(devices) > 1 else None
+    ranks = pool.start() if pool is not None else None
     # Every beat names the registered models this machine can load (the registry the scheduler published).
     availability = ModelAvailability(bus)
     # Several packs at once on one device only, each in a pack process (worker/pack_processes.py).
@@ -138,6 +132,17 @@ def run_worker(*, gpus: list[int] | None = None, worker_id: str | None = None, l
             processes.close()
         if sampler is not None:
             sampler.close()
+
+
+def _rank_pool(worker_id: str, devices: list[torch.device], incarnation: Incarnation, drain_flag: DrainFlag,
+               loglevel: str) -> RankPool:
+    """The processes of a worker's GPUs after the first (worker/rank_pool.py), not yet started."""
+    settings = get_settings()
+    return RankPool(RankConfig(
+        worker_id=worker_id, devices=tuple(str(d) for d in devices),
+        init_method=f"tcp://127.0.0.1:{free_port()}", incarnation=incarnation,
+        timeout_s=settings.worker_rank_timeout_s, cpu_threads=settings.worker_cpu_threads,
+        preload=settings.worker_preload_models, loglevel=loglevel, drain=drain_flag), entry=rank_main)
 
 
 def _start_sampler(worker_id: str, device: torch.device, loglevel: str) -> SamplerProcess | None:
