@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, insert, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import delete, insert, select, text
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
 from common import states
@@ -95,7 +95,7 @@ def ingest(
     stall_after_s = get_settings().worker_stall_s if stall_after_s is None else stall_after_s
     policy = policy or fault_policy()
     replan = False
-    lock_trials(session, messages)
+    locked = lock_trials(session, messages)  # held for the batch: the session keeps only weak references to rows
     for message in messages:
         try:
             if isinstance(message, Wake):
@@ -111,6 +111,7 @@ def ingest(
             # A report that does not make sense (an implausible progress) must not wedge the stream: log it and go on.
             log.exception("dropping a malformed %r message", message.type)
             message_dropped(MALFORMED)
+    del locked
     return replan
 
 
@@ -146,7 +147,7 @@ def _pack_report(session: Session, m: PackReport, now: datetime, touched: set[st
     return False
 
 
-def lock_trials(session: Session, messages: Sequence[Report]) -> None:
+def lock_trials(session: Session, messages: Sequence[Report]) -> list[Trial]:
     """Lock every trial the batch names (its reports' `trial_id`s and their points'), in id order, before any is
     read. Every transaction that locks several trials locks them in id order (the API's cancel, `lose_pack`):
     in message order, two of them could each hold a trial the other waits for, and the database breaks such a
@@ -162,8 +163,12 @@ def lock_trials(session: Session, messages: Sequence[Report]) -> None:
             ids.add(m.trial_id)
         if isinstance(m, WITH_POINTS):
             ids.update(point.trial_id for point in m.points)
-    if ids:
-        session.execute(select(Trial.id).where(Trial.id.in_(sorted(ids))).order_by(Trial.id).with_for_update(key_share=True))
+    if not ids:
+        return []
+    # The rows themselves, not only their ids: held (by the caller) and locked for the batch, `_reporting_trial`
+    # reads them from the session instead of one more query per trial and message.
+    return list(session.execute(select(Trial).where(Trial.id.in_(sorted(ids))).order_by(Trial.id)
+                                .with_for_update(key_share=True)).scalars())
 
 
 def _sent_at(m: WorkerHeartbeat | PackReport, now: datetime) -> datetime:
@@ -431,7 +436,10 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
     for trial_id, n in diverged.items():  # one line per trial and message, not one per point
         log.warning("dropping %d point(s) of trial %s: their loss is not finite (diverged)", n, trial_id)
     if rows:
-        session.execute(_insert_ignoring_duplicates(session, rows))
+        # Without flushing the trials' new steps first: the insert needs none of them, and they go out once, with
+        # the batch, instead of one UPDATE per trial and message.
+        with session.no_autoflush:
+            session.execute(_insert_ignoring_duplicates(session, rows))
     for trial in scored.values():
         trial.metric_score = newest_metric_score(session, trial.id)
     for trial in curved.values():  # from the stored curve (a point sent twice counts once), after this insert
@@ -441,8 +449,10 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
 
 def _reporting_trial(session: Session, trial_id: str, pack_id: str) -> Trial | None:
     """The trial, when its points from this pack count: running in it, or ended in it (a metric score comes when
-    a trial ends, also one stopped early whose best adapter its worker exported); locked as `_live_trial`."""
-    trial = session.get(Trial, trial_id, with_for_update={"key_share": True})
+    a trial ends, also one stopped early whose best adapter its worker exported). Locked by `lock_trials` for the
+    batch, so read from the session (a query only for a trial it did not name)."""
+    trial = session.get(Trial, trial_id, with_for_update={"key_share": True}) if _unlocked(session, trial_id) \
+        else session.get(Trial, trial_id)
     if trial is None or trial.pack_id != pack_id or trial.state not in _REPORTING_STATES:
         return None
     return trial
@@ -451,12 +461,27 @@ def _reporting_trial(session: Session, trial_id: str, pack_id: str) -> Trial | N
 _REPORTING_STATES = (states.TRIAL_RUNNING, states.TRIAL_COMPLETED, states.TRIAL_STOPPED_EARLY)
 
 
+def _unlocked(session: Session, trial_id: str) -> bool:
+    """Whether the session holds no row of the trial (so `lock_trials` did not lock it in this transaction)."""
+    return session.identity_map.get(session.identity_key(Trial, trial_id)) is None
+
+
+# The points of one message as four arrays, one statement whatever their number: compiled once and cached. A
+# multi-row VALUES insert built by SQLAlchemy compiled four bind parameters per point on every message, which was
+# most of ingest's time (40% at 500 points a message; benchmarks/ingest.py, issue 53).
+_INSERT_POINTS_PG = text(
+    "INSERT INTO metric_points (trial_id, step, split, loss, created_at) "
+    "SELECT u.trial_id, u.step, u.split, u.loss, :created_at FROM unnest(CAST(:trial_ids AS varchar[]), "
+    "CAST(:steps AS integer[]), CAST(:splits AS varchar[]), CAST(:losses AS double precision[])) "
+    "AS u(trial_id, step, split, loss) ON CONFLICT ON CONSTRAINT uq_metric_points_trial_step_split DO NOTHING")
+
+
 def _insert_ignoring_duplicates(session: Session, rows: list[dict[str, Any]]) -> Any:
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
-        return postgresql.insert(MetricPoint).values(rows).on_conflict_do_nothing(
-            constraint="uq_metric_points_trial_step_split"
-        )
+        return _INSERT_POINTS_PG.bindparams(
+            trial_ids=[r["trial_id"] for r in rows], steps=[r["step"] for r in rows],
+            splits=[r["split"] for r in rows], losses=[r["loss"] for r in rows], created_at=utcnow())
     if dialect == "sqlite":
         return sqlite.insert(MetricPoint).values(rows).on_conflict_do_nothing(
             index_elements=["trial_id", "step", "split"]
