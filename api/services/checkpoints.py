@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
-from sqlalchemy import select
+from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.orm import Session
 
 from api.db import commit
@@ -43,7 +44,13 @@ def delete_checkpoint(session: Session, trial: Trial, step: int) -> None:
     best of the kept ones, the newest)."""
     found = get_checkpoint(session, trial, step)
     key = found.adapter_key
-    session.delete(found)
+    # One statement that says whether it deleted the row: of requests racing to delete it, only the one whose DELETE
+    # removed it answers 200 (the others' DELETE waits for its row lock and then matches nothing: 404). An ORM
+    # `session.delete` of a row already gone only warns, and every one of them answered 200.
+    deleted = cast(CursorResult[Any], session.execute(delete(Checkpoint).where(Checkpoint.id == found.id)))
+    if deleted.rowcount != 1:
+        session.rollback()
+        raise not_found("checkpoint", f"{trial.id}:{step}")
     commit(session)
     try:  # after the commit: a failed request must never leave a listed checkpoint without its archive
         get_artifact_store().delete(key)

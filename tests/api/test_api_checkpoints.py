@@ -4,12 +4,16 @@ tests/worker/test_runner.py and tests/e2e/test_trained_adapters.py."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import select, text
 
 from common.artifacts import get_artifact_store, saved_checkpoint_key
 from common.bus import get_bus, sampling_stream
-from common.db import session_scope
+from common.db import get_autocommit_engine, get_engine, session_scope
 from common.messages import parse_sample_request
 from common.settings import get_settings
 from common.states import WORKER_ALIVE
@@ -131,3 +135,31 @@ def test_sampling_a_checkpoint_sends_its_adapter(client: TestClient, tenant: Ten
     sent = [parse_sample_request(body, on_drop=lambda reason: None) for _, body in bus.read_after(stream, after, 10, 0)]
     assert [(m.trial_id, m.adapter_key) for m in sent if m is not None] == [
         (trial_id, saved_checkpoint_key(task["id"], trial_id, 4))] * 2
+
+
+def test_of_concurrent_deletes_of_a_checkpoint_exactly_one_answers_200(client: TestClient) -> None:
+    """Issue 52: three DELETEs of one checkpoint at once: one 200, two 404s. The race is made certain, not left to
+    the thread scheduler: the test holds the checkpoint's row lock while the three requests read it and reach their
+    DELETE (the database shows all three waiting for the lock), then lets them go."""
+    tenant = make_tenant(client, "race-checkpoints")
+    task = make_task(client, tenant)
+    trial_id = trial_ids(task["id"])[0]
+    url = f"/v1/tasks/{task['id']}/trials/{trial_id}/checkpoints/4"
+    _keep(task["id"], trial_id, tenant.id, 4, 1.0, b"x" * 100)
+    # The pool outside the lock: should the test fail while it holds the lock, the lock goes before the pool waits.
+    with ThreadPoolExecutor(3) as pool, get_engine().connect() as holder:
+        holder.execute(select(Checkpoint.id).where(Checkpoint.trial_id == trial_id).with_for_update())
+        answers = [pool.submit(client.delete, url, headers=tenant.headers) for _ in range(3)]
+        deadline = time.monotonic() + 60
+        # Autocommit: a transaction would see one snapshot of pg_stat_activity for its whole length.
+        with get_autocommit_engine().connect() as probe:
+            while probe.execute(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                     "AND wait_event_type = 'Lock'")).scalar_one() < 3:
+                assert time.monotonic() < deadline, "the three DELETEs never all waited for the row lock"
+                assert not any(a.done() for a in answers), [a.result().text for a in answers if a.done()]
+                time.sleep(0.05)
+        holder.rollback()  # the lock goes: the first DELETE removes the row, the others find it gone
+        results = [a.result(timeout=60) for a in answers]
+    assert sorted(r.status_code for r in results) == [200, 404, 404], [r.text for r in results]
+    assert [r.json()["error"]["code"] for r in results if r.status_code == 404] == ["checkpoint_not_found"] * 2
+    assert not get_artifact_store().exists(saved_checkpoint_key(task["id"], trial_id, 4))
