@@ -142,8 +142,15 @@ def export_failure_key(task_id: str, trial_id: str, export_format: str) -> str:
 
 
 def export_requested_key(task_id: str, trial_id: str, export_format: str) -> str:
-    """When the API last asked the workers to build the export (JSON ``{"at": epoch seconds}``)."""
+    """When the API last asked the workers to build the export, under which request id, and why it asked again
+    (JSON, `common.export_builds.BuildRequest`)."""
     return f"exports/{task_id}/{trial_id}/{export_format}.requested.json"
+
+
+def export_claimed_key(task_id: str, trial_id: str, export_format: str) -> str:
+    """The worker process that took the build (JSON, `common.export_builds.BuildClaim`): the API sends the build
+    again once that process is gone."""
+    return f"exports/{task_id}/{trial_id}/{export_format}.claimed.json"
 
 
 def saved_checkpoint_key(task_id: str, trial_id: str, step: int) -> str:

@@ -140,6 +140,9 @@ class ExportRequest(Message):
     adapter_key: str
     base_model: ModelSourceFields
     format: Literal["merged", "gguf"] = "merged"
+    # Which send of the build this is (common/export_builds.py): the worker records it in its claim, so the API tells
+    # the claim of its latest send from one of a send it gave up on. None: from an API before this field.
+    request_id: str | None = None
 
 
 # Sampling: a request on its base model's stream, the answer in pieces on the request's own (common/bus.py names them).

@@ -32,10 +32,19 @@ def run_pack(*, pack: dict[str, Any]) -> None:
         _runner.run(message)
 
 
+# Acknowledged on receipt, as packs are: a build whose worker dies is not given back by the broker in time (the Redis
+# transport redelivers after its visibility timeout, an hour; the embedded filesystem transport never does). The
+# worker claims it instead (its id and process), and the API sends it again once that process is gone
+# (common/export_builds.py).
 @celery_app.task(name=BUILD_EXPORT_TASK, acks_late=False)
 def build_export(*, request: dict[str, Any]) -> None:
-    """Builds a trial's export (worker/exports.py); an unreadable request is logged, counted and dropped (the
-    API sends it again once its request has waited `api/services/adapters.py`'s `EXPORT_RESEND_S`)."""
+    """Builds a trial's export (worker/exports.py), claimed under this worker's id and process first; an unreadable
+    request is logged, counted and dropped (the API sends it again once no worker has claimed it for
+    `common.export_builds.UNCLAIMED_RESEND_S`)."""
     message = parse_export(request, on_drop=telemetry.message_dropped)
-    if message is not None:
-        exports.build_export(message, store=get_artifact_store(), cache_dir=get_settings().resolved_model_cache_dir)
+    if message is None:
+        return
+    claimant = None if _runner is None else exports.Claimant(_runner.worker_id, _runner.incarnation.id,
+                                                              _runner.incarnation.started_at)
+    exports.build_export(message, store=get_artifact_store(), cache_dir=get_settings().resolved_model_cache_dir,
+                         claimant=claimant)

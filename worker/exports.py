@@ -4,6 +4,8 @@ a llama.cpp LoRA GGUF (worker/gguf_export.py).
 
 Built once, on request: the API sends an `ExportRequest` (Celery, the exports queue that every worker consumes
 beside its own) on the first `GET .../adapter?format=merged` (or `gguf`), and answers 202 until it is in the store.
+The worker records itself as the build's claimant first: should it die mid-build, the API sees its process gone and
+sends the build again (common/export_builds.py).
 Built on the CPU in the worker process, between its packs or beside them: merging is one matrix product per adapted
 layer, and the CPU leaves the GPU's memory to the packs.
 
@@ -17,12 +19,15 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from peft import PeftModel
 
-from common.artifacts import LocalArtifactStore, export_failure_key, export_key
+from common.artifacts import LocalArtifactStore, export_claimed_key, export_failure_key, export_key
+from common.export_builds import BuildClaim
 from common.messages import ExportRequest
 from worker.engine.base_model import base_dtype, load_base_model
 from worker.engine.quantize import dequantize
@@ -65,12 +70,28 @@ def adapter_gguf(request: ExportRequest, *, adapter_dir: Path, out: Path, cache_
     return write_adapter_gguf(adapter_dir, model.config, out)
 
 
-def build_export(request: ExportRequest, *, store: LocalArtifactStore, cache_dir: Path) -> None:
+@dataclass(frozen=True)
+class Claimant:
+    """The worker process that builds: its worker id, and its incarnation (id, start) as its heartbeats carry it."""
+
+    worker_id: str
+    incarnation: str
+    started_at: float
+
+
+def build_export(request: ExportRequest, *, store: LocalArtifactStore, cache_dir: Path,
+                 claimant: Claimant | None = None) -> None:
     """Builds the export of ``request`` and stores it at its `export_key`; a build that fails stores why at its
-    `export_failure_key` (the API reports it once, and the next request tries again)."""
+    `export_failure_key` (the API reports it once, and the next request tries again). ``claimant``: recorded at the
+    export's `export_claimed_key` before the build starts, so that the API sends the build again should this process
+    die (common/export_builds.py)."""
     out_key = export_key(request.task_id, request.trial_id, request.format)
     if store.exists(out_key):
         return  # built already (a request sent twice)
+    if claimant is not None and request.request_id is not None:
+        claim = BuildClaim(request_id=request.request_id, worker_id=claimant.worker_id,
+                           incarnation=claimant.incarnation, started_at=claimant.started_at, at=time.time())
+        store.put_bytes(export_claimed_key(request.task_id, request.trial_id, request.format), claim.to_json())
     log.info("building the %s export of trial %s (base %s)", request.format, request.trial_id,
              request.base_model.name)
     try:

@@ -199,6 +199,8 @@ def download_best_adapter(
             raise no_best_trial(task)
         trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task.id, trial_id=task.best_trial_id)
     # A 409 before the audit row: no adapter was read.
-    download = adapter_download(trial) if format == "peft" else export_download(session, trial, task, format)
+    # The admin token only reads: it is served what is built, and starts no build.
+    download = (adapter_download(trial) if format == "peft"
+                else export_download(session, trial, task, format, may_build=not reader.is_admin))
     audit_read(session, reader, request, tenant_id=task.tenant_id, resource_id=task.id)
     return download

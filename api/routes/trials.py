@@ -87,7 +87,7 @@ def download_trial_adapter(
     trial = get_trial(session, tenant_id=reader.tenant_id, task_id=task_id, trial_id=trial_id)
     if format != "peft":
         download = export_download(session, trial, get_task(session, tenant_id=reader.tenant_id, task_id=task_id),
-                                   format)
+                                   format, may_build=not reader.is_admin)
     else:
         download = adapter_download(trial)  # a 409 before the audit row: no adapter was read
     audit_read(session, reader, request, tenant_id=trial.tenant_id, resource_id=trial.id)

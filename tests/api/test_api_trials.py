@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import json
+import time
+from datetime import UTC, datetime, timedelta
 
+import redis
 from fastapi.testclient import TestClient
 
-from common.artifacts import export_failure_key, export_key, export_requested_key, get_artifact_store
+from common.artifacts import (
+    export_claimed_key,
+    export_failure_key,
+    export_key,
+    export_requested_key,
+    get_artifact_store,
+)
+from common.celery import exports_queue
 from common.db import session_scope
-from common.states import TASK_SUCCEEDED, TRIAL_COMPLETED, TRIAL_FAILED
-from common.tables import BaseModelEntry, MetricPoint, Task, Trial, new_id
-from tests.factories import TenantKey, make_task, store_adapter, trial_ids, update_row
+from common.export_builds import BuildClaim, BuildRequest
+from common.settings import get_settings
+from common.states import TASK_SUCCEEDED, TRIAL_COMPLETED, TRIAL_FAILED, WORKER_ALIVE
+from common.tables import BaseModelEntry, MetricPoint, Task, Trial, Worker, new_id
+from tests.factories import ADMIN, TenantKey, make_task, store_adapter, trial_ids, update_row
 
 
 def test_list_and_get_trials(client: TestClient, tenant: TenantKey) -> None:
@@ -188,3 +200,95 @@ def test_a_gguf_adapter_is_built_on_request_for_architectures_that_have_one(clie
     assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (422, "unsupported_format",
                                                                                       "format"), r.text
     assert r.json()["error"]["formats"] == ["peft", "merged"] and "phi3" in r.json()["error"]["message"]
+
+
+def queued_builds() -> int:
+    """The build messages waiting on the exports queue (the suite's broker is its Redis: a kombu list per queue)."""
+    return int(redis.Redis.from_url(get_settings().resolved_broker_url).llen(exports_queue(get_settings())))
+
+
+def test_the_admin_token_reads_an_export_but_never_starts_a_build(client: TestClient, tenant: TenantKey) -> None:
+    """Issue 52: the admin token only reads. An unbuilt export is a 409 adapter_not_ready for it, with nothing sent to
+    the workers and nothing written to the store; a failed build's reason is shown and kept for the tenant; a built
+    one is served."""
+    task = make_task(client, tenant)
+    trial_id = trial_ids(task["id"])[0]
+    store_adapter(task["id"], trial_id, b"\x1f\x8b" + bytes(16))
+    store = get_artifact_store()
+    asked = export_requested_key(task["id"], trial_id, "merged")
+    before = queued_builds()
+    for url in (f"/v1/tasks/{task['id']}/adapter?format=merged",
+                f"/v1/tasks/{task['id']}/trials/{trial_id}/adapter?format=merged"):
+        r = client.get(url, headers=ADMIN)
+        assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready"), r.text
+        assert "only reads" in r.json()["error"]["message"]
+    assert not store.exists(asked) and queued_builds() == before  # nothing asked of the workers
+    assert store.keys(f"exports/{task['id']}/{trial_id}") == []
+
+    url = f"/v1/tasks/{task['id']}/trials/{trial_id}/adapter?format=merged"
+    assert client.get(url, headers=tenant.headers).status_code == 202 and queued_builds() == before + 1
+    r = client.get(url, headers=ADMIN)  # the tenant's build is under way: still only a read
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "adapter_not_ready") and "under way" in r.text
+    failure = export_failure_key(task["id"], trial_id, "merged")
+    store.put_bytes(failure, json.dumps({"error": "OSError: disk full"}).encode())
+    r = client.get(url, headers=ADMIN)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "export_failed") and "disk full" in r.text
+    assert store.exists(failure) and store.exists(asked)  # kept: the tenant is told too
+    assert client.get(url, headers=tenant.headers).json()["error"]["code"] == "export_failed"
+    store.put_bytes(export_key(task["id"], trial_id, "merged"), b"\x1f\x8b merged")
+    r = client.get(url, headers=ADMIN)
+    assert r.status_code == 200 and r.content == b"\x1f\x8b merged"
+    assert queued_builds() == before + 1
+
+
+def test_a_build_whose_worker_is_gone_is_sent_again_and_the_202_says_why(client: TestClient,
+                                                                         tenant: TenantKey) -> None:
+    """Issue 52: a build claimed by a worker process (its claim, as worker/exports.py writes it) is sent again once
+    another process beats under that worker's id, or once its beats stop while others' arrive; while it beats, or
+    while a claim is of an earlier send, it is not."""
+    task = make_task(client, tenant)
+    trial_id = trial_ids(task["id"])[0]
+    store_adapter(task["id"], trial_id, b"\x1f\x8b" + bytes(16))
+    store = get_artifact_store()
+    url = f"/v1/tasks/{task['id']}/trials/{trial_id}/adapter?format=merged"
+    asked, claimed = (export_requested_key(task["id"], trial_id, "merged"),
+                      export_claimed_key(task["id"], trial_id, "merged"))
+    now = datetime.now(UTC)
+    with session_scope() as session:
+        for worker_id in ("w-build", "w-other"):
+            session.add(Worker(id=worker_id, queue="q", device="cpu", state=WORKER_ALIVE, last_heartbeat=now,
+                               incarnation="inc-1", incarnation_started_at=now - timedelta(minutes=10)))
+    before = queued_builds()
+    first = client.get(url, headers=tenant.headers)
+    assert first.status_code == 202 and first.json()["resent"] is None, first.text
+    request = BuildRequest.from_json(store.get_bytes(asked))
+    assert request is not None and request.request_id
+    timeout_s = get_settings().worker_timeout_s
+
+    def claim(request_id: str, age_s: float) -> None:
+        started = (now - timedelta(minutes=10)).timestamp()
+        store.put_bytes(claimed, BuildClaim(request_id=request_id, worker_id="w-build", incarnation="inc-1",
+                                            started_at=started, at=time.time() - age_s).to_json())
+
+    claim(request.request_id, timeout_s + 5)
+    assert client.get(url, headers=tenant.headers).json()["resent"] is None  # its worker beats: being built
+    update_row(Worker, "w-build", last_heartbeat=now - timedelta(seconds=timeout_s + 5))
+    update_row(Worker, "w-other", last_heartbeat=datetime.now(UTC))
+    silent = client.get(url, headers=tenant.headers)
+    assert silent.status_code == 202 and silent.json()["resent"] == "worker_silent", silent.text
+    assert silent.json()["lost_worker"] == "w-build" and "stopped answering" in silent.json()["message"]
+    again = BuildRequest.from_json(store.get_bytes(asked))
+    assert again is not None and again.request_id != request.request_id and queued_builds() == before + 2
+    # The old claim names the send given up on: nothing more is sent, and the 202 keeps saying why it was resent.
+    assert client.get(url, headers=tenant.headers).json()["resent"] == "worker_silent"
+    assert queued_builds() == before + 2
+
+    claim(again.request_id, 1)  # taken again by w-build's process, which beats again ...
+    update_row(Worker, "w-build", last_heartbeat=datetime.now(UTC))
+    assert client.get(url, headers=tenant.headers).json()["resent"] == "worker_silent"
+    assert queued_builds() == before + 2
+    # ... and is killed: `up` (or systemd) starts it again under its id, and the new process beats.
+    update_row(Worker, "w-build", incarnation="inc-2", incarnation_started_at=datetime.now(UTC))
+    restarted = client.get(url, headers=tenant.headers)
+    assert restarted.json()["resent"] == "worker_restarted" and queued_builds() == before + 3, restarted.text
+    assert "restarted" in restarted.json()["message"]
