@@ -342,7 +342,8 @@ class AsyncTasks:
         `directory` (default `./<task>-<trial>-adapter`): a PEFT directory. With `merged`, its base model with the
         adapter merged in (a Hugging Face safetensors directory, default `./<task>-<trial>-merged`), which a worker
         builds on the first request: this waits for it, asking again as the service says (`Retry-After`), up to
-        `timeout` seconds (then WaitTimeout). Returns the directory; 409 until there is an adapter."""
+        `timeout` seconds (then WaitTimeout); a build sent again because its worker was lost is logged as a warning
+        (logger `loraplane.client`). Returns the directory; 409 until there is an adapter."""
         if trial_id is not None and refit:
             raise ValueError("give trial_id or refit, not both")
         if checkpoint is not None and (trial_id is None or merged):
@@ -351,7 +352,7 @@ class AsyncTasks:
         if checkpoint is not None:
             path = f"/v1/tasks/{task_id}/trials/{trial_id}/checkpoints/{checkpoint}/adapter"
         params = {**({"refit": "true"} if refit else {}), **({"format": "merged"} if merged else {})} or None
-        deadline = time.monotonic() + timeout
+        deadline, notice = time.monotonic() + timeout, None
         while True:
             with tempfile.TemporaryFile() as archive:
                 async with self._c._stream(path, params=params) as response:
@@ -360,9 +361,12 @@ class AsyncTasks:
                             archive.write(chunk)
                         target = _core.archive_dir(response, directory)
                         return await _core.aextract_archive(archive, target)
+                    await response.aread()
+                    notice = _core.resent_notice(response, notice)  # logged: its worker was lost, it was re-sent
                     wait = _core.retry_after(response)
             if time.monotonic() + wait > deadline:
-                raise WaitTimeout(f"the merged model of {task_id} is not built after {timeout:.0f} s")
+                raise WaitTimeout(f"the merged model of {task_id} is not built after {timeout:.0f} s"
+                                  + (f" ({notice})" if notice else ""))
             await _core.asleep(wait)
 
     async def download_gguf(self, task_id: str, path: str | os.PathLike[str] | None = None, *,
@@ -372,7 +376,7 @@ class AsyncTasks:
         request: this waits for it as `download_adapter(merged=True)` does. 422 `unsupported_format` for a base
         whose architecture has no GGUF export."""
         url = f"/v1/tasks/{task_id}/adapter" if trial_id is None else f"/v1/tasks/{task_id}/trials/{trial_id}/adapter"
-        deadline = time.monotonic() + timeout
+        deadline, notice = time.monotonic() + timeout, None
         while True:
             async with self._c._stream(url, params={"format": "gguf"}) as response:
                 if response.status_code != 202:
@@ -383,9 +387,12 @@ class AsyncTasks:
                             out.write(chunk)
                     partial.replace(target)
                     return target
+                await response.aread()
+                notice = _core.resent_notice(response, notice)
                 wait = _core.retry_after(response)
             if time.monotonic() + wait > deadline:
-                raise WaitTimeout(f"the GGUF adapter of {task_id} is not built after {timeout:.0f} s")
+                raise WaitTimeout(f"the GGUF adapter of {task_id} is not built after {timeout:.0f} s"
+                                  + (f" ({notice})" if notice else ""))
             await _core.asleep(wait)
 
     async def complete(self, task_id: str, *, prompt: str | None = None,

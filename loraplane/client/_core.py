@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import re
 import tarfile
@@ -152,6 +153,24 @@ def stream_timeout(timeout: httpx.Timeout, deadline_left: float | None) -> httpx
 
 
 FILENAME = re.compile(r'filename="?([^";]+)"?')
+
+
+log = logging.getLogger("loraplane.client")
+
+
+def resent_notice(response: httpx.Response, last: str | None) -> str | None:
+    """What an export's 202 says when its build was sent again (the worker building it was lost), logged as a warning
+    the first time it is seen (``last``: the notice seen before); returns the notice, None when the 202 says none."""
+    try:
+        body = response.json()
+    except ValueError:
+        return last
+    if not isinstance(body, dict) or not body.get("resent"):
+        return None
+    notice = str(body.get("message") or f"the build was sent again ({body['resent']})")
+    if notice != last:
+        log.warning("%s", notice)
+    return notice
 
 
 def retry_after(response: httpx.Response, default_s: float = 5.0) -> float:

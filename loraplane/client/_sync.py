@@ -306,7 +306,8 @@ class Tasks:
         `directory` (default `./<task>-<trial>-adapter`): a PEFT directory. With `merged`, its base model with the
         adapter merged in (a Hugging Face safetensors directory, default `./<task>-<trial>-merged`), which a worker
         builds on the first request: this waits for it, asking again as the service says (`Retry-After`), up to
-        `timeout` seconds (then WaitTimeout). Returns the directory; 409 until there is an adapter."""
+        `timeout` seconds (then WaitTimeout); a build sent again because its worker was lost is logged as a warning
+        (logger `loraplane.client`). Returns the directory; 409 until there is an adapter."""
         if trial_id is not None and refit:
             raise ValueError("give trial_id or refit, not both")
         if checkpoint is not None and (trial_id is None or merged):
@@ -315,7 +316,7 @@ class Tasks:
         if checkpoint is not None:
             path = f"/v1/tasks/{task_id}/trials/{trial_id}/checkpoints/{checkpoint}/adapter"
         params = {**({"refit": "true"} if refit else {}), **({"format": "merged"} if merged else {})} or None
-        deadline = time.monotonic() + timeout
+        deadline, notice = time.monotonic() + timeout, None
         while True:
             with tempfile.TemporaryFile() as archive:
                 with self._c._stream(path, params=params) as response:
@@ -324,9 +325,12 @@ class Tasks:
                             archive.write(chunk)
                         target = _core.archive_dir(response, directory)
                         return _core.extract_archive(archive, target)
+                    response.read()
+                    notice = _core.resent_notice(response, notice)  # logged: its worker was lost, it was re-sent
                     wait = _core.retry_after(response)
             if time.monotonic() + wait > deadline:
-                raise WaitTimeout(f"the merged model of {task_id} is not built after {timeout:.0f} s")
+                raise WaitTimeout(f"the merged model of {task_id} is not built after {timeout:.0f} s"
+                                  + (f" ({notice})" if notice else ""))
             time.sleep(wait)
 
     def download_gguf(self, task_id: str, path: str | os.PathLike[str] | None = None, *,
@@ -336,7 +340,7 @@ class Tasks:
         request: this waits for it as `download_adapter(merged=True)` does. 422 `unsupported_format` for a base
         whose architecture has no GGUF export."""
         url = f"/v1/tasks/{task_id}/adapter" if trial_id is None else f"/v1/tasks/{task_id}/trials/{trial_id}/adapter"
-        deadline = time.monotonic() + timeout
+        deadline, notice = time.monotonic() + timeout, None
         while True:
             with self._c._stream(url, params={"format": "gguf"}) as response:
                 if response.status_code != 202:
@@ -347,9 +351,12 @@ class Tasks:
                             out.write(chunk)
                     partial.replace(target)
                     return target
+                response.read()
+                notice = _core.resent_notice(response, notice)
                 wait = _core.retry_after(response)
             if time.monotonic() + wait > deadline:
-                raise WaitTimeout(f"the GGUF adapter of {task_id} is not built after {timeout:.0f} s")
+                raise WaitTimeout(f"the GGUF adapter of {task_id} is not built after {timeout:.0f} s"
+                                  + (f" ({notice})" if notice else ""))
             time.sleep(wait)
 
     def complete(self, task_id: str, *, prompt: str | None = None,
