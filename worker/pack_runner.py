@@ -201,8 +201,13 @@ class PackRunner:
                  ranks: Ranks | None = None, pool: RankPool | None = None, report_timeout_s: float = 30.0,
                  model_cache_bytes: int | None = None, max_packs: int = 1, memory_bytes: int | None = None,
                  processes: PackProcesses | None = None, progress: BeatProgress | None = None,
-                 shared_device: Callable[[], bool] | None = None, drain: DrainFlag | None = None) -> None:
+                 shared_device: Callable[[], bool] | None = None, drain: DrainFlag | None = None,
+                 train: Callable[..., list[TrialOutcome]] = train_pack) -> None:
         self.worker_id = worker_id
+        # The engine's `train_pack`, or one with its contract (a hollow worker's timing model: worker/hollow/), and
+        # what the pack profiles it reports say besides their measurements (a hollow worker's departures).
+        self.train = train
+        self.profile_notes: dict[str, Any] = {}
         self.device = device
         self.bus = bus
         self.store = store
@@ -443,7 +448,8 @@ class PackRunner:
             gpus = {} if ranks is None else {"gpus": ranks.world}
             # A pack that shared the GPU with another measured the pair: the cost model leaves it out.
             shared = {"shared_device": True} if self.shared_device() or self.packs.shared(pack_id) else {}
-            reporter.send(PackProfile, profile={**profiler.summary(), **gpus, **shared, "phases": timings.summary()})
+            reporter.send(PackProfile, profile={**profiler.summary(), **gpus, **shared, **self.profile_notes,
+                                                "phases": timings.summary()})
             telemetry.pack_profiled(timings.summary())  # the phase counters of the worker's metrics
 
     @contextmanager
@@ -471,7 +477,7 @@ class PackRunner:
             on_adapter_checkpoint=calls.save_checkpoint,
             admissions=calls.admissions, on_admitted=calls.admitted, on_outcome=calls.finished, score=score_metric,
         )
-        train_pack(model, tokenizer, specs, config, callbacks, resume=resume, timings=timings,
+        self.train(model, tokenizer, specs, config, callbacks, resume=resume, timings=timings,
                    lockstep=None if ranks is None else ranks.lockstep, keeper=self.engines if ranks is None else None)
 
     def _set_up(self, source: ModelSource, trials: list[TrialPayload],
