@@ -299,8 +299,42 @@ def cmd_worker(args: argparse.Namespace) -> None:
         # `up` prints one box when everything answers: Celery's own start-up lines would only repeat it.
         for name in ("celery.apps.worker", "celery.worker.consumer.connection", "kombu.connection"):
             logging.getLogger(name).setLevel(logging.ERROR)
+    if args.hollow:
+        _run_hollow(args)
+        return
     gpus = args.gpus if args.gpus is not None else ([args.gpu] if args.gpu is not None else None)
     run_worker(gpus=gpus, worker_id=args.worker_id, loglevel=args.loglevel, quiet=args.quiet)
+
+
+def _run_hollow(args: argparse.Namespace) -> None:
+    """`loraplane worker --hollow`: hollow workers (worker/hollow/), the real shell around a timing model."""
+    from worker.hollow.curves import DEFAULT_CURVES_DIR
+    from worker.hollow.main import HollowOptions, run_hollow_workers
+
+    options = HollowOptions(count=args.count, prefix=args.worker_id or "", gpu_kind=args.gpu_kind,
+                            memory_gb=args.memory_gb, slots=args.slots, max_packs=args.max_packs,
+                            time_scale=args.time_scale, noise=args.noise, curves_dir=args.curves or DEFAULT_CURVES_DIR)
+    run_hollow_workers(options, loglevel=args.loglevel, quiet=args.quiet)
+
+
+def _add_hollow_arguments(worker: argparse.ArgumentParser) -> None:
+    hollow = worker.add_argument_group("hollow workers (docs/operator-guide.md, \"Hollow workers\")")
+    hollow.add_argument("--hollow", action="store_true",
+                        help="run hollow workers: the worker's real shell with training replaced by the cost model's "
+                             "step times and losses replayed from recorded sweeps (no GPU, no trained adapter); "
+                             "--worker-id is then their ids' prefix (<prefix>-0, <prefix>-1, ...)")
+    hollow.add_argument("--count", type=int, default=1, help="hollow workers in this process (default 1)")
+    hollow.add_argument("--gpu-kind", default="H200", help="the GPU kind they advertise (default H200)")
+    hollow.add_argument("--memory-gb", type=float, default=141.0, help="each one's GPU memory in GB (default 141)")
+    hollow.add_argument("--slots", type=int, default=32, help="each one's most trials in a pack (default 32)")
+    hollow.add_argument("--max-packs", type=int, default=2, help="each one's most packs at once (default 2)")
+    hollow.add_argument("--time-scale", type=float, default=1.0,
+                        help="simulated seconds per wall second: 10 runs a step 10x faster than predicted (default 1)")
+    hollow.add_argument("--noise", type=float, default=0.05,
+                        help="relative standard deviation of each step's time (default 0.05)")
+    hollow.add_argument("--curves", type=Path, default=None,
+                        help="a directory of recorded sweeps (*-full*.jsonl) to replay (default: the repository's "
+                             "benchmarks/results/sweeps)")
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -621,6 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="defaults to <hostname>-gpu<N> (<hostname>-gpu0-1 for --gpus 0,1)")
     worker.add_argument("--loglevel", default="INFO")
     worker.add_argument("--quiet", action="store_true", help="no Celery banner or start-up lines (`up` passes it)")
+    _add_hollow_arguments(worker)
     worker.set_defaults(func=cmd_worker)
     sub.add_parser("migrate", help="upgrade the database schema").set_defaults(func=cmd_migrate)
     sub.add_parser("rotate-secrets", help="re-encrypt stored secrets under the first key of LORAPLANE_SECRET_KEY "
