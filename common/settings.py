@@ -154,16 +154,16 @@ class Settings(BaseSettings):
     # The API's access log, a line per request (`loraplane up|api --access-log` turns it on too): off by default,
     # since the dashboard polls every few seconds and its lines would bury everything else.
     access_log: bool = Field(default=False, alias="LORAPLANE_ACCESS_LOG")
-
-    @field_validator("database_url")
-    @classmethod
-    def _psycopg3_driver(cls, url: str | None) -> str | None:
-        # Users paste plain postgres URLs; SQLAlchemy would pick psycopg2, which we do not ship.
     # Each API server process's address space, in MiB (0: no limit; loraplane/cli.py sets it): a request that still
     # exhausts memory fails alone, with a MemoryError answered as a 500 or the process ended and started again, never
     # the scheduler's or the worker's memory (issue 52). The API uses ~1.5 GiB of mostly unbacked virtual memory
     # (thread stacks, allocator arenas, libraries); 4 GiB leaves it room and bounds what one request can take.
     api_memory_limit_mb: int = Field(default=4096, ge=0, alias="LORAPLANE_API_MEMORY_LIMIT_MB")
+
+    @field_validator("database_url")
+    @classmethod
+    def _psycopg3_driver(cls, url: str | None) -> str | None:
+        # Users paste plain postgres URLs; SQLAlchemy would pick psycopg2, which we do not ship.
         if url and url.startswith(("postgres://", "postgresql://")):
             return "postgresql+psycopg://" + url.split("://", 1)[1]
         return url

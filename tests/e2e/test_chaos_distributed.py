@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
 
 from loraplane.client import APIError
 from tests.conftest import ADMIN_TOKEN
@@ -43,6 +45,7 @@ from tests.e2e.procs import (
     cluster,
     free_port,
     start_control_plane,
+    wait_ready,
 )
 from tests.services import PostgresServer, redis_server_argv
 
@@ -291,3 +294,57 @@ def test_distributed_database_stopped_for_20s(distributed_env: dict[str, str], p
     except BaseException:
         sys.stderr.write(f"----- postgres -----\n{private_postgres.log_path.read_text(errors='replace')[-5000:]}\n")
         raise
+
+
+# A standby scheduler must take over within this long of the active one's death (issue 53).
+FAILOVER_BOUND_S = 10.0
+
+
+def _leader_backend(database_url: str) -> int | None:
+    """The database backend (pid) that holds the scheduler's leader lock in this database, or None."""
+    from scheduler.service.daemon import LEADER_LOCK_ID
+
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            found = conn.execute(text(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objid = :k AND database = "
+                "(SELECT oid FROM pg_database WHERE datname = current_database())"), {"k": LEADER_LOCK_ID}).scalar()
+            return None if found is None else int(found)
+    finally:
+        engine.dispose()
+
+
+def test_distributed_active_scheduler_killed_the_standby_takes_over(clean_db: None, distributed_env: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    """D6 (issue 53): two schedulers on one database, one active by the PostgreSQL advisory lock and one standing
+    by; the active one killed -9 mid-task. The standby holds the lock within FAILOVER_BOUND_S, reads the reports the
+    dead one had not acked (one consumer name: its pending entries come back first), and both tasks succeed with
+    every point once and no trial requeued: a worker never notices which scheduler plans for it."""
+    database_url = distributed_env["DATABASE_URL"]
+    with cluster(distributed_env, tmp_path) as c:
+        port = free_port()
+        api = c.start("api", "api", "--host", "127.0.0.1", "--port", str(port))
+        base_url = f"http://127.0.0.1:{port}"
+        active = c.start("scheduler-a", "scheduler")
+        wait_ready(base_url, [api])
+        wait_for(lambda: _leader_backend(database_url) is not None, START_CEILING_S, "scheduler A to lead")
+        first_leader = _leader_backend(database_url)
+        standby = c.start("scheduler-b", "scheduler")
+        wait_for(lambda: "standing by" in standby.log_path.read_text(), START_CEILING_S, "scheduler B to stand by")
+        assert _leader_backend(database_url) == first_leader
+        c.start("worker", "worker", "--worker-id", "chaos-d6")
+        tasks = submit_both(base_url, ADMIN_TOKEN)
+        checkpoints = checkpoints_before_fault(tasks)
+
+        killed = time.monotonic()
+        active.kill()
+        wait_for(lambda: _leader_backend(database_url) not in (None, first_leader), START_CEILING_S,
+                 "the standby to take the lock", interval_s=0.1)
+        failover_s = time.monotonic() - killed
+        sys.stderr.write(f"D6: the standby scheduler held the lock {failover_s:.1f}s after the active one's kill\n")
+        assert failover_s <= FAILOVER_BOUND_S, failover_s
+        assert standby.alive()
+
+        assert_recovered(tasks, checkpoints, requeues=0)  # every point once, no trial requeued, attempt 1
+        tasks.close()
