@@ -86,7 +86,6 @@ class SchedulerDaemon:
         self._reap_after = 0.0  # monotonic time before which silent workers are not declared lost
         self._registry_sent: dict[str, Any] | None = None  # the model registry last published, and when
         self._registry_sent_at = 0.0
-        self._next_tick = 0.0  # monotonic time of the running daemon's next tick (`run_round`)
         self.telemetry = SchedulerTelemetry(enabled=False)  # `run` serves it when a metrics port is set
 
     def step(self, block_s: float) -> int:
@@ -94,29 +93,6 @@ class SchedulerDaemon:
 
         The round's own work (reaping, planning, dispatch) does not depend on the bus: when Redis is away
         the read fails, and the round still reaps and plans from the database."""
-        handled = self.ingest_batch(block_s)
-        # A full batch means heartbeats may still wait behind it: no one is declared lost before they are read.
-        self.tick(reap=handled < BATCH and time.monotonic() >= self._reap_after)
-        return handled
-
-    def run_round(self, block_s: float) -> int:
-        """The running daemon's round: ingest what arrived, and act (`tick`) once a tick has passed since it last
-        did or when nothing arrived. A replan can take the planner's whole time limit (CP-SAT: a second) and every
-        round used to make one, so under a steady stream of reports each batch waited for the replan before it
-        (ingest lag p99 30 s with 32 hollow workers, issue 53); now reports are ingested between replans, and a
-        new plan still comes within a tick of what asked for it. The commands the ingested reports decided on
-        (early exit's stops) go out every round."""
-        handled = self.ingest_batch(min(block_s, max(0.0, self._next_tick - time.monotonic())))
-        if handled == 0 or time.monotonic() >= self._next_tick:
-            self.tick(reap=handled < BATCH and time.monotonic() >= self._reap_after)
-            self._next_tick = time.monotonic() + self.settings.scheduler_tick_s
-        else:
-            self._send_commands()
-        return handled
-
-    def ingest_batch(self, block_s: float) -> int:
-        """Reads what arrived on the bus (waiting up to block_s) and ingests it in one transaction, early exit
-        deciding on the new evaluations in the same one; acks it after the commit. Returns messages handled."""
         try:
             batch = self.bus.consume(SCHEDULER_STREAM, SCHEDULER_GROUP, self.consumer, count=BATCH, block_s=block_s)
         except Exception as exc:  # noqa: BLE001 - the bus is away: work from the database, read again later
@@ -151,6 +127,8 @@ class SchedulerDaemon:
                 self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
             except Exception as exc:  # noqa: BLE001 - unacked messages come back and change nothing twice
                 log.warning("could not ack %d messages (%s); they will be read again", len(batch), exc)
+        # A full batch means heartbeats may still wait behind it: no one is declared lost before they are read.
+        self.tick(reap=len(batch) < BATCH and time.monotonic() >= self._reap_after)
         return len(batch)
 
     def tick(self, reap: bool = True) -> None:
@@ -188,12 +166,8 @@ class SchedulerDaemon:
             self.telemetry.observe_state(session, now)
         for pack_id in new_packs:
             log.info("planned pack %s", pack_id)
-        self._send_commands(now)
-
-    def _send_commands(self, now: datetime | None = None) -> None:
-        """Dispatches the packs recorded and sends the admissions, stops and aborts decided. Each send is retried
-        next round when it fails (the broker or the bus is away): one failing must not hold back the others."""
-        now = now or utcnow()
+        # Each send is retried next round when it fails (the broker or the bus is away): one failing must not
+        # hold back the others.
         sends = {"dispatch": lambda: self._dispatch(now), "admissions": self._send_admissions,
                  "stops": self._send_stops, "aborts": self._send_aborts}
         for what, send in sends.items():
@@ -327,7 +301,7 @@ class SchedulerDaemon:
             while not stop.is_set():
                 try:
                     lock = self._keep_leadership(lock, stop)
-                    self.run_round(block_s=self.settings.scheduler_tick_s)
+                    self.step(block_s=self.settings.scheduler_tick_s)
                     failures = 0
                 except DBAPIError as exc:
                     # The database is away: nothing was acked, so nothing is lost. Wait it out, backing off.
