@@ -78,6 +78,7 @@ class RunConfig:
     load: float = 1.5
     time_scale: float = 200.0
     steps_scale: float = 1.0  # every trial's steps times this (the trace's 100-5,000 steps are long at time scale 1)
+    planner: str = "cpsat"  # the daemon's (LORAPLANE_PLANNER) and the simulator's policy
     trials_per_task: int = 1  # each trace task a search of this many trials (its first trial's shape, a grid of rates)
     seed: int = 1
     pollers_rps: float = 100.0
@@ -318,7 +319,8 @@ def run(config: RunConfig, workdir: Path) -> dict[str, Any]:
            "LORAPLANE_ARTIFACT_DIR": str(workdir / "artifacts"), "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN,
            "LORAPLANE_SECRET_KEY": Fernet.generate_key().decode(),
            "LORAPLANE_SCHEDULER_METRICS_PORT": str(metrics_port),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "LORAPLANE_PLANNER": config.planner}
     plane = Plane(env, workdir)
     base_url = f"http://127.0.0.1:{port}"
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -514,14 +516,14 @@ def iso_s(text_value: str) -> float:
 def jct_against_simulator(config: RunConfig, trace: Trace, submitted: dict[str, tuple[float, TraceTask]],
                           finished: dict[str, tuple[str, float | None]]) -> dict[str, Any]:
     """The run's mean and p95 JCT and makespan in model seconds (wall x time scale) against the simulator's on
-    the same trace, N and policy (the daemon's default, CP-SAT)."""
+    the same trace, N and policy (`config.planner`; the daemon's default is CP-SAT)."""
     jcts = [s * config.time_scale for state, s in finished.values() if state == "succeeded" and s is not None]
     if not jcts:
         return {}
     first = min(at for at, _ in submitted.values())
     ends = [at + (s or 0.0) for (at, _), (_, s) in zip(submitted.values(), finished.values(), strict=True)]
     makespan = (max(ends) - first) * config.time_scale
-    sim = simulate(trace, config.workers, "cpsat", seed=config.seed)
+    sim = simulate(trace, config.workers, config.planner, seed=config.seed)
     mean = statistics.fmean(jcts)
     return {"mean_jct_s": round(mean, 1), "p95_jct_s": round(percentile(jcts, 95), 1), "makespan_s": round(makespan, 1),
             "sim_mean_jct_s": round(sim.mean_jct_s, 1), "sim_p95_jct_s": round(sim.p95_jct_s, 1),
@@ -619,6 +621,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-scale", type=float, default=200.0)
     parser.add_argument("--steps-scale", type=float, default=1.0)
     parser.add_argument("--trials-per-task", type=int, default=1)
+    parser.add_argument("--planner", default="cpsat", choices=["cpsat", "greedy"])
     parser.add_argument("--ceiling-s", type=float, default=900.0)
     parser.add_argument("--no-churn", action="store_true")
     args = parser.parse_args(argv)
@@ -626,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in args.workers:
         config = RunConfig(workers=n, slots=args.slots, trace=args.trace, tasks=args.tasks, load=args.load,
                            time_scale=args.time_scale, steps_scale=args.steps_scale, ceiling_s=args.ceiling_s,
-                           trials_per_task=args.trials_per_task,
+                           trials_per_task=args.trials_per_task, planner=args.planner,
                            churn=not args.no_churn,
                            processes=min(10, n))
         with tempfile.TemporaryDirectory(prefix=f"cluster-scale-{n}-") as tmp:
