@@ -337,8 +337,9 @@ def run(config: RunConfig, workdir: Path) -> dict[str, Any]:
         for name, count in groups:
             plane.start(name, "worker", *hollow_args, "--count", str(count), "--worker-id", name)
         wait_until(lambda: httpx.get(f"{base_url}/readyz", timeout=5).status_code == 200, 300, "the API")
-        wait_until(lambda: len(httpx.get(f"{base_url}/v1/admin/workers", headers=admin, timeout=30)
-                               .json()["data"]) >= config.workers, 600, f"{config.workers} hollow workers alive")
+        wait_until(lambda: len(httpx.get(f"{base_url}/v1/admin/workers", headers=admin, timeout=30,
+                                         params={"limit": 5000}).json()["data"]) >= config.workers, 600,
+                   f"{config.workers} hollow workers alive")
         keys, files = {}, {}
         tenant_names = sorted({t.tenant_id for t in trace.tasks})
         with httpx.Client(base_url=base_url, timeout=60) as client:
