@@ -126,7 +126,8 @@ def task_body(task: TraceTask, file_id: str) -> dict[str, Any]:
     """The trace task as a submission: one trial per trace trial (a learning-rate grid), its steps and batch."""
     trial = task.trials[0]
     batch = max(1, trial.tokens_per_step // MAX_SEQ_LEN)
-    rates = [round(1e-4 * (1.5 ** i), 8) for i in range(len(task.trials))]
+    n = len(task.trials)  # learning rates log-spaced over [1e-5, 1e-2]
+    rates = [round(1e-5 * 1000 ** (i / max(1, n - 1)), 8) for i in range(n)]
     return {"base_model": MODEL, "training_file": file_id, "validation_split": 0.2, "strategy": "grid",
             "search_space": {"learning_rate": rates, "lora_rank": [8], "batch_size": [batch],
                              "target_modules": [["q_proj", "v_proj"]]},
@@ -384,6 +385,8 @@ class Load:
                         json=task_body(task, self.files[task.tenant_id]))
         self.latencies.add("submission", time.perf_counter() - t0, r.status_code == 201)
         if r.status_code != 201:
+            if not self.submitted:  # the first one refused: the body is wrong, and every one would be
+                raise RuntimeError(f"submission refused: {r.status_code} {r.text[:500]}")
             return
         task_id = r.json()["id"]
         self.submitted[task_id] = (time.monotonic(), task)
