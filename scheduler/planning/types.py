@@ -278,6 +278,7 @@ def planning_input(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, unit_s
                 max_trials_per_pack=lower_to_slots(t.max_trials_per_pack, slots))
         for t in snapshot.pending
     )
+    planned = {w.worker_id for w in workers}
     running = tuple(
         RunningPack(
             pack_id=p.pack_id, worker_ids=(p.worker_id,), base_model=p.base_model,
@@ -286,7 +287,10 @@ def planning_input(snapshot: Snapshot, costs: Mapping[str, ModelCost], *, unit_s
             # Member by member: a back-fill then pays in the objective for the members it slows.
             members=p.member_list,
         )
-        for p in snapshot.live_packs
+        # Only a pack whose worker is one of the planning's: the solvers hold its worker's memory. A worker whose
+        # heartbeats went stale (a scheduler behind its bus) is left out of the workers until it beats again or is
+        # declared lost, while its pack is still live: every round then failed on it (issue 53, 256 hollow workers).
+        for p in snapshot.live_packs if p.worker_id in planned
     )  # fmt: skip
     models = {t.base_model for t in trials}
     return PlanningInput(trials=trials, workers=workers, costs={m: costs.get(m, PRIOR_COST) for m in models},

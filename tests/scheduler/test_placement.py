@@ -203,3 +203,19 @@ def test_the_room_beside_a_running_pack_takes_a_pack_of_another_model_now_on_tha
     # Without a pack of another model to start, the running pack takes its back-fill as before.
     alone = place(replace(snap, pending=(trial(1, model="a"),)), {}, solver=solver).plan
     assert alone.packs == () and [b.trial_ids for b in alone.backfills] == [("tr1",)]
+
+
+@pytest.mark.parametrize("solver", ["cpsat", "greedy"])
+def test_a_live_pack_whose_worker_is_not_planned_is_left_out_not_a_failed_round(solver: Solver) -> None:
+    """Issue 53 (256 hollow workers): a scheduler behind its bus ignores stale heartbeats, so a worker can be out of
+    the usable workers while its pack is still live. Every round then raised KeyError in both solvers and the
+    scheduler fell further behind. The pack is left out of the plan (no back-fill for it); the rest is planned."""
+    stale = live_pack("p-stale", frozenset({"t9"}), free=8)  # its worker w-p-stale is in neither worker list
+    snap = Snapshot(pending=tuple(trial(i) for i in range(4)), idle_workers=(LiveWorker("w0", 8),),
+                    busy_workers=(LiveWorker("w-p1", 8, None, busy_for_s=400.0),),
+                    live_packs=(live_pack("p1", frozenset({"t1"}), free=2), stale))
+    placement = place(snap, {}, solver=solver, time_limit_s=2.0)
+    assert all(b.pack_id != "p-stale" for b in placement.plan.backfills)
+    placed = [t for p in placement.plan.packs for t in p.trial_ids] + [
+        t for b in placement.plan.backfills for t in b.trial_ids]
+    assert sorted(placed) == [f"tr{i}" for i in range(4)]
