@@ -11,7 +11,7 @@ bus or torch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import ColumnElement, not_, select
@@ -174,24 +174,37 @@ def busy_workers(
     planner may wait for one rather than open a worse pack now). Only worth its queries when something is to be
     placed."""
     live = {p.worker_id: p for p in session.scalars(select(Pack).where(Pack.state.in_(states.PACK_LIVE)))}
+    workers = [w for w in usable_workers(session, now, timeout_s) if w.id in live]
+    members = running_members(session, [live[w.id].id for w in workers])
     return tuple(
         LiveWorker(w.id, w.max_slots, pack_memory(w), worker_models(w),
-                   busy_for_s=predicted_remaining_s(session, live[w.id], costs), gpus=w.gpus, warm=worker_warm(w))
-        for w in usable_workers(session, now, timeout_s)
-        if w.id in live
+                   busy_for_s=predicted_remaining_s(session, live[w.id], costs, members[live[w.id].id]), gpus=w.gpus,
+                   warm=worker_warm(w))
+        for w in workers
     )
 
 
-def predicted_remaining_s(session: Session, pack: Pack, costs: dict[str, ModelCost]) -> float:
-    """Seconds until a live pack's longest-running member is done, at the pack's predicted step time.
+def running_members(session: Session, pack_ids: Collection[str]) -> dict[str, list[tuple[Trial, Task]]]:
+    """Each pack's running trials with their tasks, in one query for all of them (a query a pack was most of a
+    round's time at 256 workers: issue 53)."""
+    members: dict[str, list[tuple[Trial, Task]]] = {pack_id: [] for pack_id in pack_ids}
+    if pack_ids:
+        for trial, task in session.execute(select(Trial, Task).join(Task, Task.id == Trial.task_id).where(
+                Trial.pack_id.in_(list(pack_ids)), Trial.state == states.TRIAL_RUNNING).order_by(Trial.id)):
+            members[str(trial.pack_id)].append((trial, task))
+    return members
+
+
+def predicted_remaining_s(session: Session, pack: Pack, costs: dict[str, ModelCost],
+                          rows: Sequence[tuple[Trial, Task]] | None = None) -> float:
+    """Seconds until a live pack's longest-running member is done, at the pack's predicted step time (``rows``:
+    its running members with their tasks, when already read: `running_members`).
 
     ``costs`` already carry the online correction of the pack's base model (``load_costs``). A pack that
     measured its own step time with the members it has now is predicted at that time; one whose members
     changed since, by the model corrected with its own measured/predicted ratio."""
-    rows = session.execute(
-        select(Trial, Task).join(Task, Task.id == Trial.task_id).where(
-            Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
-    ).all()
+    if rows is None:
+        rows = running_members(session, [pack.id])[pack.id]
     if not rows:
         return 0.0
     model = costs.get(pack.base_model, PRIOR_COST).step

@@ -96,6 +96,10 @@ def ingest(
     policy = policy or fault_policy()
     replan = False
     locked = lock_trials(session, messages)  # held for the batch: the session keeps only weak references to rows
+    # The batch's packs read once and held likewise: each report asks for its pack (`_from_pack_process`), a query a
+    # message otherwise.
+    pack_ids = {m.pack_id for m in messages if isinstance(m, PackReport) and m.pack_id}
+    packs = list(session.scalars(select(Pack).where(Pack.id.in_(pack_ids)))) if pack_ids else []
     for message in messages:
         try:
             if isinstance(message, Wake):
@@ -111,7 +115,7 @@ def ingest(
             # A report that does not make sense (an implausible progress) must not wedge the stream: log it and go on.
             log.exception("dropping a malformed %r message", message.type)
             message_dropped(MALFORMED)
-    del locked
+    del locked, packs
     return replan
 
 

@@ -34,6 +34,7 @@ from scheduler.service.cluster_state import (
     pack_memory,
     predicted_remaining_s,
     quarantined_worker_ids,
+    running_members,
     trial_tokens_per_step,
     usable_workers,
     worker_models,
@@ -202,11 +203,10 @@ def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: dateti
     shared = set(session.scalars(select(Pack.worker_id).where(Pack.state.in_(states.PACK_LIVE))
                                  .group_by(Pack.worker_id).having(func.count() > 1)))
     out = []
-    for pack in (p for p in packs if p.worker_id not in shared):
-        rows = session.execute(
-            select(Trial, Task).join(Task, Task.id == Trial.task_id).where(
-                Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
-        ).all()
+    candidates = [p for p in packs if p.worker_id not in shared]
+    members = running_members(session, [p.id for p in candidates])
+    for pack in candidates:
+        rows = members[pack.id]
         assert pack.capacity is not None
         free = pack.capacity - len(rows)
         if free <= 0 or not rows:  # no member left: the pack is ending, a back-fill would only bounce
@@ -215,7 +215,7 @@ def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: dateti
             pack_id=pack.id, worker_id=pack.worker_id, base_model=pack.base_model, free_slots=free,
             members=len(rows), max_rank=pack.max_rank or 0, target_modules=tuple(pack.target_modules or ()),
             tokens_per_step=sum(trial_tokens_per_step(trial, task) for trial, task in rows),
-            busy_for_s=predicted_remaining_s(session, pack, costs) if costs is not None else 0.0,
+            busy_for_s=predicted_remaining_s(session, pack, costs, rows) if costs is not None else 0.0,
             task_ids=frozenset(task.id for _trial, task in rows),
             member_list=tuple(
                 RunningMember(trial.id, task.tenant_id, weights.get(task.tenant_id, 1),
