@@ -362,6 +362,18 @@ def run(config: RunConfig, workdir: Path) -> dict[str, Any]:
         with admin_engine.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
         admin_engine.dispose()
+        forget_namespace(env["LORAPLANE_NAMESPACE"])
+
+
+def forget_namespace(namespace: str) -> None:
+    """Deletes the run's keys from the shared Redis (its streams hold up to 200,000 reports each)."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    for start in range(0, len(keys), 500):
+        client.delete(*keys[start:start + 500])
+    client.close()
 
 
 @dataclass
