@@ -119,9 +119,10 @@ def _api_workers(text: str) -> int:
 
 
 @contextlib.contextmanager
-def _embedded_data_folder(what: str) -> Iterator[None]:
-    """In the embedded mode, this service holds its data folder for as long as it runs (loraplane/data_folder.py);
-    a second service on the same folder stops here, naming the first. The distributed mode takes no lock."""
+def _embedded_data_folder(what: str, roles: tuple[str, ...]) -> Iterator[None]:
+    """In the embedded mode, this service holds its data folder's `roles` (api, scheduler) for as long as it runs
+    (loraplane/data_folder.py); a second service of a role on the same folder stops here, naming the first. The
+    distributed mode takes no lock."""
     from common.settings import get_settings
     from loraplane.data_folder import DataFolderInUse, hold_data_folder
 
@@ -130,7 +131,7 @@ def _embedded_data_folder(what: str) -> Iterator[None]:
         yield
         return
     try:
-        with hold_data_folder(settings.home, what):
+        with hold_data_folder(settings.home, what, roles):
             yield
     except DataFolderInUse as exc:
         raise SystemExit(f"loraplane {what}: {exc}") from None
@@ -146,7 +147,7 @@ def _limit_api_memory() -> None:
 def cmd_api(args: argparse.Namespace) -> None:
     import uvicorn
 
-    with _embedded_data_folder("api"):
+    with _embedded_data_folder("api", ("api",)):
         _require_secret_key()
         _migrate()  # once, here, before any server process starts
         if args.workers == 1:
@@ -269,7 +270,7 @@ def _scheduler(stop: threading.Event) -> None:
 
 
 def cmd_scheduler(_args: argparse.Namespace) -> None:
-    with _embedded_data_folder("scheduler"):
+    with _embedded_data_folder("scheduler", ("scheduler",)):
         _require_secret_key()
         _migrate()
         stop = threading.Event()
@@ -526,7 +527,7 @@ def cmd_up(args: argparse.Namespace) -> None:
     if settings.resolved_broker_url == "filesystem://":  # the embedded broker has no host: kombu warns each dispatch
         logging.getLogger("kombu.connection").setLevel(logging.ERROR)
     private_dir(settings.home)  # 0700: the database, the bus and the artifacts below are the owner's alone
-    with _embedded_data_folder("up"):
+    with _embedded_data_folder("up", ("api", "scheduler")):
         _up(args, settings.home, generated_token)
 
 

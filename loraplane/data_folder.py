@@ -1,13 +1,13 @@
-"""One service per embedded data folder, and the API processes' own memory bound: two guards `loraplane up`, `api`
-and `scheduler` take before they serve.
+"""One API and one scheduler per embedded data folder, and the API processes' own memory bound: two guards
+`loraplane up`, `api` and `scheduler` take before they serve.
 
-The data folder (LORAPLANE_HOME) holds a SQLite database, the bus and the broker's files. Two services on one
-folder share none of their in-process state: two schedulers plan the same trials, and one service's SQLite
-checkpoint can remove the write-ahead log under the other's open connections (seen once: a task created
-through one was 404 through the other, issue 52). So the embedded service holds an exclusive lock on a file in the
-folder while it runs, and a second one stops at once, naming the first. More API processes on one folder are
-`loraplane api --workers N` (or `up`'s own), which run under the one lock; the distributed mode (DATABASE_URL set)
-takes no lock, as its processes share PostgreSQL by design.
+The data folder (LORAPLANE_HOME) holds a SQLite database, the bus and the broker's files. One API service and one
+scheduler use it together (`up` is both; `loraplane api` and `loraplane scheduler` are the two halves). A second of
+either shares none of the first's in-process state: two schedulers plan the same trials, and a second API beside
+`up` once answered 404 for a task created through the first (issue 52). So each role holds an exclusive lock on a
+file of its own in the folder while it runs (`up` holds both), and a second service of a role stops at once, naming
+the first. More API processes on one folder are `loraplane api --workers N` (or `up`'s own), which run under the
+one lock; the distributed mode (DATABASE_URL set) takes no lock, as its processes share PostgreSQL by design.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import resource
 from collections.abc import Iterator
 from pathlib import Path
 
-LOCK_NAME = "service.lock"
+ROLES = ("api", "scheduler")  # each role's lock is `<role>.lock` in the folder
 
 
 class DataFolderInUse(RuntimeError):
@@ -27,25 +27,34 @@ class DataFolderInUse(RuntimeError):
 
 
 @contextlib.contextmanager
-def hold_data_folder(home: Path, what: str) -> Iterator[None]:
-    """Holds `home`'s lock while the block runs (released when the process ends, even by SIGKILL: it is an
-    open file's lock, and the file is not inherited by child processes).
+def hold_data_folder(home: Path, what: str, roles: tuple[str, ...]) -> Iterator[None]:
+    """Holds `home`'s lock of each of `roles` (of ROLES) while the block runs (released when the process ends, even
+    by SIGKILL: they are open files' locks, and the files are not inherited by child processes).
 
     Raises:
-        DataFolderInUse: another process holds it; the message says which (its pid and command, as it wrote them).
+        DataFolderInUse: another process holds one; the message says which (its pid and command, as it wrote them).
     """
     home.mkdir(parents=True, exist_ok=True)
-    path = home / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    with contextlib.ExitStack() as stack:
+        for role in roles:
+            stack.enter_context(_holding(home, role, what))
+        yield
+
+
+@contextlib.contextmanager
+def _holding(home: Path, role: str, what: str) -> Iterator[None]:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    fd = os.open(home / f"{role}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
             raise DataFolderInUse(
-                f"the data folder {home.resolve()} is in use by another loraplane service ({holder}). Stop it "
-                "first, or give this one a folder of its own (LORAPLANE_HOME). To serve the API from more "
-                "processes, use `loraplane api --workers N` (one service, one lock).") from None
+                f"the data folder {home.resolve()} already has its {role} ({holder}). Stop it first, or give this "
+                "one a folder of its own (LORAPLANE_HOME). To serve the API from more processes, use `loraplane api "
+                "--workers N` (one service, one lock).") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()}: loraplane {what}\n".encode(), 0)
         yield

@@ -1,7 +1,8 @@
 """`loraplane up`'s guards (issue 52): its API server runs in a process of its own under the API's memory bound
-and is started again when it dies, the scheduler and the worker untouched; a data folder is held by one service
-at a time, and a second one stops at once saying which holds it. Real processes, the embedded default, no worker
-(none of this needs one)."""
+and is started again when it dies, the scheduler and the worker untouched; a data folder has one API and one
+scheduler at a time (`up` is both), and a second of either stops at once saying which holds the folder. Real
+processes, the embedded default, no worker (none of this needs one). `loraplane api` beside `loraplane scheduler`
+on one folder, the other way to run it, is tests/api/test_api_webhooks.py's SQLite delivery test."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def test_up_bounds_its_api_process_restarts_it_and_holds_its_data_folder(tmp_pat
                         ["scheduler"]):
             refused = _loraplane(env, *command)
             assert refused.returncode != 0, refused.stdout
-            assert f"is in use by another loraplane service (pid {up.proc.pid}: loraplane up)" in refused.stderr, \
+            role = command[0] if command[0] != "up" else "api"
+            assert f"already has its {role} (pid {up.proc.pid}: loraplane up)" in refused.stderr, \
                 refused.stderr[-1500:]
         assert httpx.get(f"{base_url}/readyz", timeout=10).status_code == 200
 
@@ -89,7 +91,12 @@ def test_up_bounds_its_api_process_restarts_it_and_holds_its_data_folder(tmp_pat
         up.stop()
         again = c.start("up-again", "api", "--host", "127.0.0.1", "--port", str(port))
         wait_ready(base_url, [again])
-        assert (home / "service.lock").read_text().startswith(f"pid {again.proc.pid}: loraplane api")
+        assert (home / "api.lock").read_text().startswith(f"pid {again.proc.pid}: loraplane api")
+        # The other half of the service may join it, not a second of the same half.
+        scheduler = c.start("scheduler", "scheduler")
+        wait_for(lambda: "scheduler running" in scheduler.log_path.read_text(), START_CEILING_S, "the scheduler")
+        second = _loraplane(env, "api", "--port", str(free_port()))
+        assert second.returncode != 0 and f"already has its api (pid {again.proc.pid}" in second.stderr
 
 
 def test_the_distributed_mode_takes_no_lock(tmp_path: Path) -> None:
@@ -100,4 +107,4 @@ def test_the_distributed_mode_takes_no_lock(tmp_path: Path) -> None:
         apis = [c.start(f"api-{i}", "api", "--host", "127.0.0.1", "--port", str(port)) for i, port in enumerate(ports)]
         for port, api in zip(ports, apis, strict=True):
             wait_ready(f"http://127.0.0.1:{port}", [api])
-        assert not (Path(env["LORAPLANE_HOME"]) / "service.lock").exists()
+        assert not (Path(env["LORAPLANE_HOME"]) / "api.lock").exists()
