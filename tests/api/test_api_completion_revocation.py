@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -25,7 +24,14 @@ from common.db import session_scope
 from common.messages import SampleReply, SampleRequest, parse_sample_request
 from common.states import WORKER_ALIVE
 from common.tables import Worker, utcnow
-from tests.api.test_api_stream_revocation import GENEROUS_S, PROMISE_S, delete_tenant, revoke_key
+from tests.api.test_api_stream_revocation import (
+    GENEROUS_S,
+    PROMISE_S,
+    Stream,
+    delete_tenant,
+    read_in_background,
+    revoke_key,
+)
 from tests.e2e.procs import app_in_thread
 from tests.factories import TenantKey, make_task, make_tenant, store_adapter, trial_ids
 
@@ -94,40 +100,8 @@ class Sampler:
             completion_tokens=1).to_dict())
 
 
-@dataclass
-class Streamed:
-    """A streamed completion read on a thread of its own: its blocks as they arrive, and when it ended."""
-
-    status: int = 0
-    blocks: list[dict[str, str]] = field(default_factory=list)
-    started: threading.Event = field(default_factory=threading.Event)
-    ended: threading.Event = field(default_factory=threading.Event)
-    ended_at: float = 0.0
-
-
-def stream_completion(base: str, headers: dict[str, str], url: str) -> Streamed:
-    streamed = Streamed()
-
-    def read() -> None:
-        try:
-            with httpx.stream("POST", f"{base}{url}", headers=headers, json={"prompt": "3 plus 4 is", "stream": True},
-                              timeout=httpx.Timeout(30, read=GENEROUS_S)) as r:
-                streamed.status = r.status_code
-                block: dict[str, str] = {}
-                for line in r.iter_lines():
-                    if line:
-                        name, _, value = line.partition(": ")
-                        block[name] = value
-                    elif block:
-                        streamed.blocks.append(block)
-                        streamed.started.set()
-                        block = {}
-        finally:
-            streamed.ended_at = time.monotonic()
-            streamed.ended.set()
-
-    threading.Thread(target=read, name="completion-reader", daemon=True).start()
-    return streamed
+def stream_completion(base: str, headers: dict[str, str], url: str) -> Stream:
+    return read_in_background("POST", f"{base}{url}", headers, {"prompt": "3 plus 4 is", "stream": True})
 
 
 def post_completion(http: httpx.Client, url: str, tenant: TenantKey) -> tuple[httpx.Response, float]:

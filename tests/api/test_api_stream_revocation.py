@@ -41,8 +41,9 @@ def http(server: str, clean_db: None) -> Iterator[httpx.Client]:
 
 @dataclass
 class Stream:
-    """An event stream read on a thread of its own: its blocks as they arrive, and when it ended."""
+    """An event stream read on a thread of its own: its status, its blocks as they arrive, and when it ended."""
 
+    status: int = 0
     blocks: list[dict[str, str]] = field(default_factory=list)
     started: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)
@@ -58,15 +59,14 @@ class Stream:
             time.sleep(0.01)
 
 
-def open_stream(base: str, headers: dict[str, str], task_id: str) -> Stream:
-    """The stream, once it is live (it sent its first event: task.created)."""
+def read_in_background(method: str, url: str, headers: dict[str, str], body: Any = None) -> Stream:
+    """``method url`` read as an event stream on a thread of its own (an event stream's, or a streamed completion's)."""
     stream = Stream()
 
     def read() -> None:
         try:
-            with httpx.stream("GET", f"{base}/v1/tasks/{task_id}/events/stream", headers=headers,
-                              timeout=httpx.Timeout(30, read=GENEROUS_S)) as r:
-                assert r.status_code == 200, r.read()
+            with httpx.stream(method, url, headers=headers, json=body, timeout=httpx.Timeout(30, read=GENEROUS_S)) as r:
+                stream.status = r.status_code
                 block: dict[str, str] = {}
                 for line in r.iter_lines():
                     if line:
@@ -81,7 +81,14 @@ def open_stream(base: str, headers: dict[str, str], task_id: str) -> Stream:
             stream.ended.set()
 
     threading.Thread(target=read, name="sse-reader", daemon=True).start()
+    return stream
+
+
+def open_stream(base: str, headers: dict[str, str], task_id: str) -> Stream:
+    """The stream, once it is live (it sent its first event: task.created)."""
+    stream = read_in_background("GET", f"{base}/v1/tasks/{task_id}/events/stream", headers)
     assert stream.started.wait(GENEROUS_S), "the stream sent nothing"
+    assert stream.status == 200, stream.blocks
     return stream
 
 
