@@ -19,8 +19,59 @@ from worker.engine.store import ModuleTensors
 # The epoch ends a trial exports adapter checkpoints at, at most (`SlotState.checkpoint_epoch_end`).
 MAX_EPOCH_CHECKPOINTS = 20
 
+class StepRules:
+    """When a trial validates and exports, from its counters alone: the engine's slots (`SlotState`) and a hollow
+    worker's (worker/hollow/engine.py) share these rules. A subclass has `spec` and `steps_done`, and says its
+    `steps_per_epoch` and whether it has validation rows (`has_val`)."""
+
+    spec: TrialSpec
+    steps_done: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def has_val(self) -> bool:
+        raise NotImplementedError
+
+    @property
+    def epoch_end(self) -> bool:
+        return self.steps_done > 0 and self.steps_done % self.steps_per_epoch == 0
+
+    @property
+    def eval_due(self) -> bool:
+        """Validation is due after the step just taken (every ``eval_interval`` steps and at the last). Not at epoch
+        ends for their checkpoints: a validation point more changes what the early-exit policies see (they count
+        evaluations), and an epoch's checkpoint is validated only where an evaluation falls on it."""
+        every = self.steps_done % self.spec.eval_interval == 0 or self.steps_done in self.spec.extra_eval_steps
+        return self.has_val and self.steps_done > 0 and (every or self.steps_done == self.spec.max_steps)
+
+    @property
+    def checkpoint_epoch_end(self) -> bool:
+        """An epoch's end that gets an adapter checkpoint: every one of a trial of at most `MAX_EPOCH_CHECKPOINTS`
+        epochs, else every k-th, evenly spaced. A trial of many tiny epochs (a few rows, many steps) would otherwise
+        export every few steps: on `loraplane up` on two cores, such a pack's stream of exports and their reports
+        kept the API's uploads waiting past their clients' timeouts."""
+        if not self.epoch_end:
+            return False
+        epochs = -(-self.spec.max_steps // self.steps_per_epoch)
+        every = -(-epochs // MAX_EPOCH_CHECKPOINTS)
+        return (self.steps_done // self.steps_per_epoch) % every == 0
+
+    @property
+    def adapter_checkpoint_due(self) -> bool:
+        """Adapter checkpoints are due after the step just taken: at an epoch's end (`checkpoint_epoch_end`) and at
+        the last step (the adapter as it is, and the best one if it is older and not exported yet). Only there: each
+        costs an export, and exporting every improvement multiplied a small model's pack time
+        (benchmarks/checkpoint_cost.py)."""
+        steps = self.steps_done
+        return self.spec.adapter_checkpoints and steps > 0 and (self.checkpoint_epoch_end
+                                                                 or steps == self.spec.max_steps)
+
+
 @dataclass
-class SlotState:
+class SlotState(StepRules):
     """A trial in a slot: its data and cursor, progress, and its best validation so far.
 
     The adapter itself and the optimizer moments live in the engine's flat store, row ``slot``.
@@ -79,38 +130,8 @@ class SlotState:
         return max(1, -(-(len(self.train) // self.rows_per_item) // self.spec.batch_size))
 
     @property
-    def epoch_end(self) -> bool:
-        return self.steps_done > 0 and self.steps_done % self.steps_per_epoch == 0
-
-    @property
-    def eval_due(self) -> bool:
-        """Validation is due after the step just taken (every ``eval_interval`` steps and at the last). Not at epoch
-        ends for their checkpoints: a validation point more changes what the early-exit policies see (they count
-        evaluations), and an epoch's checkpoint is validated only where an evaluation falls on it."""
-        every = self.steps_done % self.spec.eval_interval == 0 or self.steps_done in self.spec.extra_eval_steps
-        return bool(self.val) and self.steps_done > 0 and (every or self.steps_done == self.spec.max_steps)
-
-    @property
-    def checkpoint_epoch_end(self) -> bool:
-        """An epoch's end that gets an adapter checkpoint: every one of a trial of at most `MAX_EPOCH_CHECKPOINTS`
-        epochs, else every k-th, evenly spaced. A trial of many tiny epochs (a few rows, many steps) would otherwise
-        export every few steps: on `loraplane up` on two cores, such a pack's stream of exports and their reports
-        kept the API's uploads waiting past their clients' timeouts."""
-        if not self.epoch_end:
-            return False
-        epochs = -(-self.spec.max_steps // self.steps_per_epoch)
-        every = -(-epochs // MAX_EPOCH_CHECKPOINTS)
-        return (self.steps_done // self.steps_per_epoch) % every == 0
-
-    @property
-    def adapter_checkpoint_due(self) -> bool:
-        """Adapter checkpoints are due after the step just taken: at an epoch's end (`checkpoint_epoch_end`) and at
-        the last step (the adapter as it is, and the best one if it is older and not exported yet). Only there: each
-        costs an export, and exporting every improvement multiplied a small model's pack time
-        (benchmarks/checkpoint_cost.py)."""
-        steps = self.steps_done
-        return self.spec.adapter_checkpoints and steps > 0 and (self.checkpoint_epoch_end
-                                                                 or steps == self.spec.max_steps)
+    def has_val(self) -> bool:
+        return bool(self.val)
 
     def lr(self) -> float:
         """Learning rate of the trial's next step (its schedule at its own step)."""

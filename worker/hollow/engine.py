@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.engine.export import ADAPTER_CONFIG, PeftFiles
-from worker.engine.slots import MAX_EPOCH_CHECKPOINTS, StepStats
+from worker.engine.slots import StepRules, StepStats
 from worker.engine.spec import AdapterCheckpoint, PackConfig, TrialOutcome, TrialSpec, validate_spec
 from worker.engine.trainer import PackCallbacks, PackTimings, SnapshotClock, StopMode
 from worker.engine.writer import PackWriter
@@ -59,9 +59,8 @@ class HollowBase:
 
 
 @dataclass
-class HollowSlot:
-    """A trial in a hollow pack: the rules of `worker.engine.slots.SlotState` on the counters alone (the unit tests
-    hold the two to the same eval and checkpoint steps)."""
+class HollowSlot(StepRules):
+    """A trial in a hollow pack: its counters, under the engine's own `StepRules` (when it validates and exports)."""
 
     spec: TrialSpec
     curve: Curve
@@ -83,28 +82,8 @@ class HollowSlot:
         return max(1, -(-len(self.spec.train_rows) // self.spec.batch_size))
 
     @property
-    def epoch_end(self) -> bool:
-        return self.steps_done > 0 and self.steps_done % self.steps_per_epoch == 0
-
-    @property
-    def eval_due(self) -> bool:
-        spec, steps = self.spec, self.steps_done
-        every = steps % spec.eval_interval == 0 or steps in spec.extra_eval_steps
-        return bool(spec.val_rows) and steps > 0 and (every or steps == spec.max_steps)
-
-    @property
-    def checkpoint_epoch_end(self) -> bool:
-        if not self.epoch_end:
-            return False
-        epochs = -(-self.spec.max_steps // self.steps_per_epoch)
-        every = -(-epochs // MAX_EPOCH_CHECKPOINTS)
-        return (self.steps_done // self.steps_per_epoch) % every == 0
-
-    @property
-    def adapter_checkpoint_due(self) -> bool:
-        steps = self.steps_done
-        return self.spec.adapter_checkpoints and steps > 0 and (self.checkpoint_epoch_end
-                                                                or steps == self.spec.max_steps)
+    def has_val(self) -> bool:
+        return bool(self.spec.val_rows)
 
     def facts(self) -> dict[str, Any]:
         """What every file of this trial says about it."""
