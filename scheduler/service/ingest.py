@@ -95,11 +95,9 @@ def ingest(
     stall_after_s = get_settings().worker_stall_s if stall_after_s is None else stall_after_s
     policy = policy or fault_policy()
     replan = False
-    locked = lock_trials(session, messages)  # held for the batch: the session keeps only weak references to rows
-    # The batch's packs read once and held likewise: each report asks for its pack (`_from_pack_process`), a query a
-    # message otherwise.
-    pack_ids = {m.pack_id for m in messages if isinstance(m, PackReport) and m.pack_id}
-    packs = list(session.scalars(select(Pack).where(Pack.id.in_(pack_ids)))) if pack_ids else []
+    # The batch's trials (locked) and packs, each read once and held for the batch (the session keeps only weak
+    # references to its rows): the reports read them from the session, not with a query each.
+    _held = (lock_trials(session, messages), _batch_packs(session, messages))
     for message in messages:
         try:
             if isinstance(message, Wake):
@@ -115,8 +113,12 @@ def ingest(
             # A report that does not make sense (an implausible progress) must not wedge the stream: log it and go on.
             log.exception("dropping a malformed %r message", message.type)
             message_dropped(MALFORMED)
-    del locked, packs
     return replan
+
+
+def _batch_packs(session: Session, messages: Sequence[Report]) -> list[Pack]:
+    pack_ids = {m.pack_id for m in messages if isinstance(m, PackReport) and m.pack_id}
+    return list(session.scalars(select(Pack).where(Pack.id.in_(pack_ids)))) if pack_ids else []
 
 
 def _pack_report(session: Session, m: PackReport, now: datetime, touched: set[str], policy: FaultPolicy) -> bool:
@@ -169,8 +171,8 @@ def lock_trials(session: Session, messages: Sequence[Report]) -> list[Trial]:
             ids.update(point.trial_id for point in m.points)
     if not ids:
         return []
-    # The rows themselves, not only their ids: held (by the caller) and locked for the batch, `_reporting_trial`
-    # reads them from the session instead of one more query per trial and message.
+    # The rows themselves, not only their ids: the caller holds them, and `_reporting_trial` reads them from the
+    # session.
     return list(session.execute(select(Trial).where(Trial.id.in_(sorted(ids))).order_by(Trial.id)
                                 .with_for_update(key_share=True)).scalars())
 
@@ -453,21 +455,15 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
 
 def _reporting_trial(session: Session, trial_id: str, pack_id: str) -> Trial | None:
     """The trial, when its points from this pack count: running in it, or ended in it (a metric score comes when
-    a trial ends, also one stopped early whose best adapter its worker exported). Locked by `lock_trials` for the
-    batch, so read from the session (a query only for a trial it did not name)."""
-    trial = session.get(Trial, trial_id, with_for_update={"key_share": True}) if _unlocked(session, trial_id) \
-        else session.get(Trial, trial_id)
+    a trial ends, also one stopped early whose best adapter its worker exported). `lock_trials` locked it for the
+    batch (every point's trial), and `ingest` holds it: read from the session."""
+    trial = session.get(Trial, trial_id)
     if trial is None or trial.pack_id != pack_id or trial.state not in _REPORTING_STATES:
         return None
     return trial
 
 
 _REPORTING_STATES = (states.TRIAL_RUNNING, states.TRIAL_COMPLETED, states.TRIAL_STOPPED_EARLY)
-
-
-def _unlocked(session: Session, trial_id: str) -> bool:
-    """Whether the session holds no row of the trial (so `lock_trials` did not lock it in this transaction)."""
-    return session.identity_map.get(session.identity_key(Trial, trial_id)) is None
 
 
 # The points of one message as four arrays, one statement whatever their number: compiled once and cached. A
