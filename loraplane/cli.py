@@ -121,10 +121,10 @@ def _api_workers(text: str) -> int:
 @contextlib.contextmanager
 def _embedded_data_folder(what: str, roles: tuple[str, ...]) -> Iterator[None]:
     """In the embedded mode, this service holds its data folder's `roles` (api, scheduler) for as long as it runs
-    (loraplane/data_folder.py); a second service of a role on the same folder stops here, naming the first. The
+    (loraplane/service_guards.py); a second service of a role on the same folder stops here, naming the first. The
     distributed mode takes no lock."""
     from common.settings import get_settings
-    from loraplane.data_folder import DataFolderInUse, hold_data_folder
+    from loraplane.service_guards import DataFolderInUse, hold_data_folder
 
     settings = get_settings()
     if not settings.embedded:
@@ -139,7 +139,7 @@ def _embedded_data_folder(what: str, roles: tuple[str, ...]) -> Iterator[None]:
 
 def _limit_api_memory() -> None:
     from common.settings import get_settings
-    from loraplane.data_folder import limit_api_memory
+    from loraplane.service_guards import limit_api_memory
 
     limit_api_memory(get_settings().api_memory_limit_mb)
 
