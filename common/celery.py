@@ -23,6 +23,17 @@ def exports_queue(settings: Settings) -> str:
     return f"{settings.namespace}.exports"
 
 
+def consumer_argv(queues: list[str], *, name: str, pool: str, concurrency: int, loglevel: str,
+                  quiet: bool) -> list[str]:
+    """The arguments of a worker process's Celery consumer (`Celery.worker_main`): its queues, its pool, its node
+    name, and none of Celery's gossip, mingle or heartbeat (the scheduler knows the workers from their own beats)."""
+    return [
+        *(["--quiet"] if quiet else []),
+        "worker", "-Q", ",".join(queues), "--pool", pool, "--concurrency", str(concurrency), "-n", f"{name}@%h",
+        "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
+    ]
+
+
 def make_celery(settings: Settings) -> Celery:
     app = Celery("loraplane", broker=settings.resolved_broker_url)
     transport_options: dict[str, object] = {}

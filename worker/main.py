@@ -20,7 +20,7 @@ from transformers.utils import logging as hf_logging
 
 from common.artifacts import get_artifact_store
 from common.bus import get_bus
-from common.celery import exports_queue, worker_queue
+from common.celery import consumer_argv, exports_queue, worker_queue
 from common.settings import get_settings
 from worker import telemetry
 from worker.availability import ModelAvailability
@@ -165,13 +165,8 @@ def celery_argv(queue: str, exports: str, *, worker_id: str, max_packs: int, log
     """The worker's Celery arguments: its own queue, and the exports queue every worker shares (worker/exports.py).
     With the solo pool a merged model is built between packs; the threads pool keeps one thread for it beside the
     packs'."""
-    return [
-        *(["--quiet"] if quiet else []),
-        "worker", "-Q", f"{queue},{exports}",
-        "--pool", "solo" if max_packs == 1 else "threads", "--concurrency", str(max_packs + (max_packs > 1)),
-        "-n", f"{worker_id}@%h",
-        "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]
+    return consumer_argv([queue, exports], name=worker_id, pool="solo" if max_packs == 1 else "threads",
+                         concurrency=max_packs + (max_packs > 1), loglevel=loglevel, quiet=quiet)
 
 
 def rank_main(rank: int, config: RankConfig, packs: Any, ended: Any) -> None:

@@ -22,7 +22,7 @@ from celery import Celery
 
 from common.artifacts import get_artifact_store
 from common.bus import get_bus
-from common.celery import RUN_PACK_TASK, make_celery, worker_queue
+from common.celery import RUN_PACK_TASK, consumer_argv, make_celery, worker_queue
 from common.messages import parse_pack
 from common.settings import get_settings
 from worker import telemetry
@@ -146,13 +146,8 @@ def hollow_celery(runners: dict[str, PackRunner]) -> Celery:
 def celery_argv(queues: list[str], options: HollowOptions, loglevel: str, quiet: bool) -> list[str]:
     """Every hollow worker's queue (not the exports queue: a hollow worker builds no export), a thread for each pack
     they may run at once."""
-    prefix = options.worker_ids()[0].rsplit("-", 1)[0]
-    return [
-        *(["--quiet"] if quiet else []),
-        "worker", "-Q", ",".join(queues), "--pool", "threads",
-        "--concurrency", str(options.count * options.max_packs), "-n", f"{prefix}@%h",
-        "--loglevel", loglevel, "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]
+    return consumer_argv(queues, name=options.worker_ids()[0].rsplit("-", 1)[0], pool="threads",
+                         concurrency=options.count * options.max_packs, loglevel=loglevel, quiet=quiet)
 
 
 def run_hollow_workers(options: HollowOptions, *, loglevel: str = "INFO", quiet: bool = False) -> None:
