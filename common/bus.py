@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 SCHEDULER_STREAM = "scheduler"  # worker reports and API wake-ups, consumed by the scheduler daemon
 SCHEDULER_GROUP = "scheduler"
 STREAM_MAXLEN = 200_000
+# A stream read by a consumer group (the scheduler's reports) is trimmed by its reader, up to what every group has
+# acked (`RedisBus.ack`): its writers' cap only bounds an outage of the reader. At 256 workers sending two reports a
+# second that is over half an hour without a scheduler; past it the oldest unread reports would be lost.
+GROUP_STREAM_MAXLEN = 4_000_000
+GROUP_STREAMS = (SCHEDULER_STREAM,)
+TRIM_EVERY_S = 1.0  # how often a reader trims what was acked
 # The key under which the scheduler publishes the model registry (`put`): name -> what a worker needs to load
 # the model (common/registry.py, `published_registry`). Workers read it to say which models they can load.
 REGISTRY_KEY = "model-registry"
@@ -97,6 +103,11 @@ class Bus(Protocol):
     def ping(self) -> bool: ...
 
 
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    millis, _, seq = entry_id.partition("-")
+    return int(millis), int(seq or 0)
+
+
 class RedisBus:
     """Survives Redis restarts and outages: every call retries a lost connection with a short backoff (under a
     second in all, then raises, so a caller can do its other work and try again later), and a consumer
@@ -118,17 +129,16 @@ class RedisBus:
         )
         self._ns = namespace
         self._groups: set[tuple[str, str]] = set()
+        self._trimmed_at: dict[str, float] = {}  # stream -> when its acked messages were last trimmed (monotonic)
         self.resets = 0
 
     def _key(self, name: str) -> str:
         return f"{self._ns}:{name}"
 
     def publish(self, stream: str, message: dict[str, Any]) -> str:
-        return str(
-            self._redis.xadd(
-                self._key(stream), {"json": json.dumps(message)}, maxlen=STREAM_MAXLEN, approximate=True
-            )
-        )
+        maxlen = GROUP_STREAM_MAXLEN if stream in GROUP_STREAMS else STREAM_MAXLEN
+        return str(self._redis.xadd(self._key(stream), {"json": json.dumps(message)}, maxlen=maxlen,
+                                    approximate=True))
 
     def _ensure_group(self, stream: str, group: str) -> None:
         if (stream, group) in self._groups:
@@ -180,6 +190,20 @@ class RedisBus:
         # matters: those messages are gone anyway, and their effects were committed before the ack.
         if ids:
             self._redis.xack(self._key(stream), group, *ids)
+            if time.monotonic() - self._trimmed_at.get(stream, 0.0) >= TRIM_EVERY_S:
+                self._trimmed_at[stream] = time.monotonic()
+                self._trim_acked(stream)
+
+    def _trim_acked(self, stream: str) -> None:
+        """Drops the messages every consumer group of ``stream`` has read and acked: those older than each group's
+        oldest unacked message, or than the last one it was given where none is unacked. Never an unread one."""
+        key = self._key(stream)
+        floors = []
+        for info in self._redis.xinfo_groups(key):
+            oldest = self._redis.xpending(key, info["name"])["min"] if info["pending"] else None
+            floors.append(oldest or info["last-delivered-id"])
+        if floors:
+            self._redis.xtrim(key, minid=min(floors, key=_stream_id), approximate=True)
 
     def tail_id(self, stream: str) -> str:
         last = self._redis.xrevrange(self._key(stream), count=1)

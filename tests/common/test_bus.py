@@ -85,3 +85,35 @@ def test_file_bus_values_are_shared_between_instances(tmp_path: Path) -> None:
     a, b = FileBus(tmp_path / "bus.db"), FileBus(tmp_path / "bus.db")
     a.put("k", {"v": [1, 2]})
     assert b.get("k") == {"v": [1, 2]}
+
+
+def test_redis_streams_read_by_groups_are_trimmed_to_what_every_group_acked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's stream is trimmed by its reader, never past a message some group has not acked (the writers'
+    cap alone trimmed unread reports once the scheduler fell behind: issue 53)."""
+    import redis
+
+    import common.bus
+
+    monkeypatch.setattr(common.bus, "TRIM_EVERY_S", 0.0)
+    namespace = f"lp-bus-test-{uuid.uuid4().hex[:8]}"
+    bus, raw = RedisBus(REDIS_URL, namespace), redis.Redis.from_url(REDIS_URL)
+    try:
+        for i in range(3000):
+            bus.publish("s", {"i": i})
+        first = bus.consume("s", "slow", "c", count=1, block_s=0.1)  # a group that read one and acked none
+        fast = bus.consume("s", "fast", "c", count=3000, block_s=0.1)
+        bus.ack("s", "fast", [msg_id for msg_id, _ in fast])
+        assert raw.xlen(f"{namespace}:s") == 3000  # "slow" acked nothing: all kept
+        slow = first + bus.consume("s", "slow", "c", count=3000, block_s=0.1)  # its unacked one again
+        assert [m["i"] for _, m in slow] == [0, 0]
+        bus.ack("s", "slow", [first[0][0]])
+        slow = first + bus.consume("s", "slow", "c", count=3000, block_s=0.1)
+        assert [m["i"] for _, m in slow] == list(range(3000))
+        bus.ack("s", "slow", [msg_id for msg_id, _ in slow[:2000]])  # acks the first 2000, holds the last 1000
+        assert 1000 <= raw.xlen(f"{namespace}:s") < 3000
+        again = bus.consume("s", "slow", "c", count=3000, block_s=0.1)  # what it holds comes back whole
+        assert [m["i"] for _, m in again] == list(range(2000, 3000))
+        bus.ack("s", "slow", [msg_id for msg_id, _ in again])
+        assert raw.xlen(f"{namespace}:s") < 1000
+    finally:
+        raw.delete(*raw.keys(f"{namespace}:*"))
