@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -64,7 +65,7 @@ from scheduler.service.faults import (
     requeue_trial,
     stalled_s,
 )
-from scheduler.service.task_results import newest_metric_score, trial_selection_loss
+from scheduler.service.task_results import newest_metric_score, trial_selection_losses
 from scheduler.service.telemetry import message_dropped
 
 log = logging.getLogger(__name__)
@@ -98,8 +99,15 @@ def ingest(
     # The batch's trials (locked) and packs, each read once and held for the batch (the session keeps only weak
     # references to its rows): the reports read them from the session, not with a query each.
     _held = (lock_trials(session, messages), _batch_packs(session, messages))
+    # The points of consecutive Points messages go in with one statement (one per message was most of ingest's
+    # round trips at 256 workers); any other report is applied after the points before it are stored.
+    buffer = PointBuffer()
     for message in messages:
         try:
+            if isinstance(message, Points) and _from_pack_process(session, message):
+                touched |= _points(session, message, buffer)
+                continue
+            buffer.flush(session)
             if isinstance(message, Wake):
                 replan = True
             elif isinstance(message, WorkerHeartbeat):
@@ -108,11 +116,12 @@ def ingest(
                 log.info("dropping a %r report from a process that does not run pack %s", message.type,
                          message.pack_id)
             else:
-                replan |= _pack_report(session, message, now, touched, policy)
+                replan |= _pack_report(session, message, now, touched, policy, buffer)
         except (KeyError, TypeError, ValueError, OverflowError):
             # A report that does not make sense (an implausible progress) must not wedge the stream: log it and go on.
             log.exception("dropping a malformed %r message", message.type)
             message_dropped(MALFORMED)
+    buffer.flush(session)
     return replan
 
 
@@ -121,14 +130,16 @@ def _batch_packs(session: Session, messages: Sequence[Report]) -> list[Pack]:
     return list(session.scalars(select(Pack).where(Pack.id.in_(pack_ids)))) if pack_ids else []
 
 
-def _pack_report(session: Session, m: PackReport, now: datetime, touched: set[str], policy: FaultPolicy) -> bool:
-    """Applies one report of a pack; True when the planner should look again."""
+def _pack_report(session: Session, m: PackReport, now: datetime, touched: set[str], policy: FaultPolicy,
+                 buffer: PointBuffer) -> bool:
+    """Applies one report of a pack (Points are buffered by `ingest`); True when the planner should look again.
+    The points a report carries are stored before the report itself is applied."""
+    if isinstance(m, TrialCheckpoint | TrialFinished):
+        touched |= _points(session, m, buffer)
+        buffer.flush(session)
     if isinstance(m, PackStarted):
         touched |= _pack_started(session, m, now)
-    elif isinstance(m, Points):
-        touched |= _points(session, m)
     elif isinstance(m, TrialCheckpoint):
-        touched |= _points(session, m)
         _trial_checkpoint(session, m)
     elif isinstance(m, CheckpointSaved):
         _checkpoint_saved(session, m)
@@ -139,7 +150,6 @@ def _pack_report(session: Session, m: PackReport, now: datetime, touched: set[st
     elif isinstance(m, TrialRejected):
         return _trial_rejected(session, m, now)
     elif isinstance(m, TrialFinished):
-        touched |= _points(session, m)
         return _trial_finished(session, m, now, touched, policy)
     elif isinstance(m, PackProfile):
         _pack_profile(session, m)
@@ -403,16 +413,39 @@ def _pack_started(session: Session, m: PackStarted, now: datetime) -> set[str]:
     return set(session.scalars(select(Trial.task_id).where(Trial.id.in_(list(pack.trial_ids)))))
 
 
-def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> set[str]:
-    """Stores the points; returns the tasks that got a validation point. A "metric" point (a trial's score on
-    its task's generative metric, sent when it ends) is stored too and sets the trial's metric_score; it is
-    no validation point (early exit reads train and val only)."""
+@dataclass
+class PointBuffer:
+    """Points of a batch's reports not yet stored, and the trials whose scores must be read again once they are."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    curved: dict[str, Trial] = field(default_factory=dict)  # a new validation point: selection_loss scored again
+    scored: dict[str, Trial] = field(default_factory=dict)  # a new "metric" point: metric_score read again
+
+    def flush(self, session: Session) -> None:
+        """Stores the points in one statement, then scores the trials again from their stored curves (a point sent
+        twice counts once)."""
+        if self.rows:
+            # Without flushing the trials' new steps first: the insert needs none of them, and they go out once,
+            # with the batch, instead of one UPDATE per trial and message.
+            with session.no_autoflush:
+                session.execute(_insert_ignoring_duplicates(session, self.rows))
+        for trial in self.scored.values():
+            trial.metric_score = newest_metric_score(session, trial.id)
+        for trial_id, loss in trial_selection_losses(session, list(self.curved)).items():
+            self.curved[trial_id].selection_loss = loss
+        self.rows, self.curved, self.scored = [], {}, {}
+
+
+def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished, buffer: PointBuffer) -> set[str]:
+    """Adds the message's points to ``buffer`` (stored by its `flush`); returns the tasks that got a validation
+    point. A "metric" point (a trial's score on its task's generative metric, sent when it ends) is stored too and
+    sets the trial's metric_score; it is no validation point (early exit reads train and val only)."""
     pack_id = m.pack_id
     validated: set[str] = set()
     rows: list[dict[str, Any]] = []
     trials: dict[str, Trial | None] = {}
     scored: dict[str, Trial] = {}
-    curved: dict[str, Trial] = {}  # trials with a new validation point: their selection_loss is scored again
+    curved: dict[str, Trial] = {}
     diverged: dict[str, int] = {}  # trial -> its points left out of this message for a non-finite loss
     for trial_id, step, split, loss in m.points:
         if trial_id not in trials:
@@ -441,15 +474,10 @@ def _points(session: Session, m: Points | TrialCheckpoint | TrialFinished) -> se
             scored[trial_id] = trial
     for trial_id, n in diverged.items():  # one line per trial and message, not one per point
         log.warning("dropping %d point(s) of trial %s: their loss is not finite (diverged)", n, trial_id)
-    if rows:
-        # Without flushing the trials' new steps first: the insert needs none of them, and they go out once, with
-        # the batch, instead of one UPDATE per trial and message.
-        with session.no_autoflush:
-            session.execute(_insert_ignoring_duplicates(session, rows))
-    for trial in scored.values():
-        trial.metric_score = newest_metric_score(session, trial.id)
-    for trial in curved.values():  # from the stored curve (a point sent twice counts once), after this insert
-        trial.selection_loss = trial_selection_loss(session, trial.id)
+    # The whole message or none of it: a malformed one raises above, before anything is buffered.
+    buffer.rows += rows
+    buffer.curved.update(curved)
+    buffer.scored.update(scored)
     return validated
 
 
