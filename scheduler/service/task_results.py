@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Select, case, func, select
 from sqlalchemy.orm import Session
 
 from common import states
@@ -34,12 +34,21 @@ def best_val(session: Session, trial_id: str) -> tuple[float | None, int | None]
 
 def trial_selection_loss(session: Session, trial_id: str) -> float | None:
     """The trial's stored validation curve scored as its task's trials are ranked (common.metrics.selection_loss)."""
-    losses = session.scalars(
-        select(MetricPoint.loss)
-        .where(MetricPoint.trial_id == trial_id, MetricPoint.split == "val")
-        .order_by(MetricPoint.step)
-    ).all()
-    return selection_loss(losses)
+    return trial_selection_losses(session, [trial_id])[trial_id]
+
+
+def trial_selection_losses(session: Session, trial_ids: Sequence[str]) -> dict[str, float | None]:
+    """`trial_selection_loss` of several trials, with one query."""
+    curves: dict[str, list[float]] = {trial_id: [] for trial_id in trial_ids}
+    if trial_ids:
+        rows = session.execute(
+            select(MetricPoint.trial_id, MetricPoint.loss)
+            .where(MetricPoint.trial_id.in_(list(trial_ids)), MetricPoint.split == "val")
+            .order_by(MetricPoint.trial_id, MetricPoint.step)
+        )
+        for trial_id, loss in rows:
+            curves[trial_id].append(loss)
+    return {trial_id: selection_loss(losses) for trial_id, losses in curves.items()}
 
 
 def newest_metric_score(session: Session, trial_id: str) -> float | None:
@@ -52,14 +61,28 @@ def newest_metric_score(session: Session, trial_id: str) -> float | None:
     )
 
 
+def _open_task_counts() -> Select[str, str, int, int, int]:
+    """Each queued or running task: (id, state, its trials, how many ended, how many are pending)."""
+    return (select(Task.id, Task.state, func.count(Trial.id),
+                   func.sum(case((Trial.state.in_(sorted(states.TRIAL_FINAL)), 1), else_=0)),
+                   func.sum(case((Trial.state == states.TRIAL_PENDING, 1), else_=0)))
+            .join(Trial, Trial.task_id == Task.id)
+            .where(Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
+            .group_by(Task.id, Task.state))
+
+
 def finalize_tasks(session: Session, now: datetime) -> None:
     """Queued tasks with a running trial become running; tasks whose trials all ended get their result."""
-    # Locked (skipping tasks the API is cancelling right now) so a cancel is never overwritten.
+    # Locked (skipping tasks the API is cancelling right now) so a cancel is never overwritten: only the tasks with
+    # something to change, found by one count of every open task's trials (one query per open task each round was
+    # a good part of a round at 500 open tasks; benchmarks/cluster_scale.py).
+    changing = [task_id for task_id, state, trials, final, pending in session.execute(_open_task_counts())
+                if final == trials or (state == states.TASK_QUEUED and pending < trials)]
     open_tasks = session.scalars(
         select(Task)
-        .where(Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
+        .where(Task.id.in_(changing), Task.state.in_((states.TASK_QUEUED, states.TASK_RUNNING)))
         .with_for_update(skip_locked=True, key_share=True)
-    ).all()
+    ).all() if changing else []
     for task in open_tasks:
         trials = session.scalars(select(Trial).where(Trial.task_id == task.id)).all()
         if task.state == states.TASK_QUEUED and any(t.state != states.TRIAL_PENDING for t in trials):
