@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 LEADER_LOCK_ID = 0x10_4A_91_A7  # pg advisory lock key: one active scheduler per database
 BATCH = 1000  # reports ingested per transaction
+INGEST_BUDGET_S = 1.0  # a round reads batches while they come full for this long, then plans
 REGISTRY_REPUBLISH_S = 60.0  # the model registry is published again this often even when it did not change
 
 
@@ -89,10 +90,24 @@ class SchedulerDaemon:
         self.telemetry = SchedulerTelemetry(enabled=False)  # `run` serves it when a metrics port is set
 
     def step(self, block_s: float) -> int:
-        """One round: ingest what arrived (waiting up to block_s), then act. Returns messages handled.
+        """One round: ingest what arrived (waiting up to block_s for the first batch), then act. Returns messages
+        handled.
 
-        The round's own work (reaping, planning, dispatch) does not depend on the bus: when Redis is away
-        the read fails, and the round still reaps and plans from the database."""
+        Ingest reads batch after batch while the stream holds a full one, for up to INGEST_BUDGET_S: at one batch a
+        round, a round's planning time capped what could be read (at 256 hollow workers the stream fell minutes
+        behind; benchmarks/cluster_scale.py). The round's own work (reaping, planning, dispatch) does not depend on
+        the bus: when Redis is away the read fails, and the round still reaps and plans from the database."""
+        deadline = time.monotonic() + INGEST_BUDGET_S
+        handled = last = self._ingest_batch(block_s)
+        while last == BATCH and time.monotonic() < deadline:
+            last = self._ingest_batch(0.0)
+            handled += last
+        # A full batch means heartbeats may still wait behind it: no one is declared lost before they are read.
+        self.tick(reap=last < BATCH and time.monotonic() >= self._reap_after)
+        return handled
+
+    def _ingest_batch(self, block_s: float) -> int:
+        """Reads up to BATCH reports and applies them in one transaction; returns how many were read."""
         try:
             batch = self.bus.consume(SCHEDULER_STREAM, SCHEDULER_GROUP, self.consumer, count=BATCH, block_s=block_s)
         except Exception as exc:  # noqa: BLE001 - the bus is away: work from the database, read again later
@@ -109,26 +124,25 @@ class SchedulerDaemon:
             self._admits_sent.clear()
             self._aborts_sent.clear()
             self._registry_sent = None  # and the registry it held for workers
-        if batch:
-            # A message that cannot be read is logged, counted and left out, and acked with the rest: read again
-            # it would fail again.
-            reports = [r for _, raw in batch if (r := parse_report(raw, on_drop=message_dropped)) is not None]
-            aborts: set[tuple[str, str]] = set()
-            with session_scope() as session:
-                touched: set[str] = set()
-                ingest(session, reports, touched=touched, stale_after_s=self.settings.worker_timeout_s,
-                       aborts=aborts, policy=self.faults)
-                # Early exit on every new evaluation, in the same transaction as the points it rests on.
-                self._pauses += apply_early_exit(session, touched, utcnow())
-            self._aborts |= aborts
-            self.telemetry.ingested(reports)
-            # Acked only after the commit: a crash in between replays the batch, and ingest is idempotent.
-            try:
-                self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
-            except Exception as exc:  # noqa: BLE001 - unacked messages come back and change nothing twice
-                log.warning("could not ack %d messages (%s); they will be read again", len(batch), exc)
-        # A full batch means heartbeats may still wait behind it: no one is declared lost before they are read.
-        self.tick(reap=len(batch) < BATCH and time.monotonic() >= self._reap_after)
+        if not batch:
+            return 0
+        # A message that cannot be read is logged, counted and left out, and acked with the rest: read again it
+        # would fail again.
+        reports = [r for _, raw in batch if (r := parse_report(raw, on_drop=message_dropped)) is not None]
+        aborts: set[tuple[str, str]] = set()
+        with session_scope() as session:
+            touched: set[str] = set()
+            ingest(session, reports, touched=touched, stale_after_s=self.settings.worker_timeout_s,
+                   aborts=aborts, policy=self.faults)
+            # Early exit on every new evaluation, in the same transaction as the points it rests on.
+            self._pauses += apply_early_exit(session, touched, utcnow())
+        self._aborts |= aborts
+        self.telemetry.ingested(reports)
+        # Acked only after the commit: a crash in between replays the batch, and ingest is idempotent.
+        try:
+            self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
+        except Exception as exc:  # noqa: BLE001 - unacked messages come back and change nothing twice
+            log.warning("could not ack %d messages (%s); they will be read again", len(batch), exc)
         return len(batch)
 
     def tick(self, reap: bool = True) -> None:

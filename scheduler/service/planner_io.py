@@ -58,7 +58,7 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
     busy_ids = set(session.scalars(select(Pack.worker_id).where(Pack.state.in_(states.PACK_LIVE))).all())
     workers = usable_workers(session, now, timeout_s)
     rows = session.execute(
-        select(Trial, Task, Tenant.weight)
+        select(Trial, Tenant.weight)
         .join(Task, Task.id == Trial.task_id)
         .join(Tenant, Tenant.id == Task.tenant_id)
         .where(Trial.state == states.TRIAL_PENDING,
@@ -69,30 +69,33 @@ def build_snapshot(session: Session, now: datetime, timeout_s: float) -> Snapsho
         # either waits for us (and the stop command follows) or makes us skip them.
         .with_for_update(of=Trial, skip_locked=True, key_share=True)
     ).all()
-    pending = tuple(
-        PendingTrial(
-            trial_id=trial.id,
-            task_id=task.id,
-            tenant_id=task.tenant_id,
-            base_model=task.base_model,
-            max_trials_per_pack=max_trials_per_pack_after_losses(task.parsed_spec.scheduling.max_trials_per_pack,
-                                                                 trial.worker_losses),
-            remaining_steps=max(1, trial.total_steps - (trial.checkpoint_step or 0)),
-            tokens_per_step=trial_tokens_per_step(trial, task),
-            # The objective's weights are integers: a tenant's weight rounds to the nearest, at least 1.
-            tenant_weight=max(1, round(weight or 1.0)),
-            lora_rank=int(trial.hyperparameters.get("lora_rank", 8)),
-            target_modules=_target_patterns(trial),
-            resumed=(trial.checkpoint_step or 0) > 0,
-        )
-        for trial, task, weight in rows
-    )
+    # Each task read once, not with each of its trials' rows (its spec is JSON, decoded per row read).
+    tasks = {task.id: task for task in session.scalars(select(Task).where(Task.id.in_({t.task_id for t, _ in rows})))}
+    pending = tuple(_pending_trial(trial, tasks[trial.task_id], weight) for trial, weight in rows)
     idle = tuple(LiveWorker(w.id, w.max_slots, pack_memory(w), worker_models(w), gpus=w.gpus, warm=worker_warm(w))
                  for w in workers if w.id not in busy_ids)
     models = {t.base_model for t in pending}
     sharing = tuple(room for w in workers if w.id in busy_ids and w.max_packs > 1 and w.gpus == 1
                     if (room := room_beside_packs(session, w, models)) is not None)
     return Snapshot(pending=pending, idle_workers=idle + sharing)
+
+
+def _pending_trial(trial: Trial, task: Task, weight: float | None) -> PendingTrial:
+    return PendingTrial(
+        trial_id=trial.id,
+        task_id=task.id,
+        tenant_id=task.tenant_id,
+        base_model=task.base_model,
+        max_trials_per_pack=max_trials_per_pack_after_losses(task.parsed_spec.scheduling.max_trials_per_pack,
+                                                             trial.worker_losses),
+        remaining_steps=max(1, trial.total_steps - (trial.checkpoint_step or 0)),
+        tokens_per_step=trial_tokens_per_step(trial, task),
+        # The objective's weights are integers: a tenant's weight rounds to the nearest, at least 1.
+        tenant_weight=max(1, round(weight or 1.0)),
+        lora_rank=int(trial.hyperparameters.get("lora_rank", 8)),
+        target_modules=_target_patterns(trial),
+        resumed=(trial.checkpoint_step or 0) > 0,
+    )
 
 
 def room_beside_packs(session: Session, worker: Worker, models: set[str]) -> LiveWorker | None:
