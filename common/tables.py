@@ -20,6 +20,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -120,7 +121,7 @@ class BaseModelEntry(Base):
 class Task(Base):
     __tablename__ = "tasks"
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     base_model: Mapped[str] = mapped_column(ForeignKey("base_models.name"))
     training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
     validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"), default=None)
@@ -143,7 +144,15 @@ class Task(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
     finished_at: Mapped[datetime | None] = mapped_column(default=None)
-    __table_args__ = (UniqueConstraint("tenant_id", "idempotency_key", name="uq_tasks_idempotency"),)
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key", name="uq_tasks_idempotency"),
+        # The tasks lists, newest first (api/db.py newest_first): a tenant's, and every tenant's for the operator.
+        Index("ix_tasks_tenant_id_created_at_id", "tenant_id", "created_at", "id"),
+        Index("ix_tasks_created_at_id", "created_at", "id"),
+        # The tasks that say why they wait (a few among every task ever stored): the cluster view's `waiting`.
+        Index("ix_tasks_waiting", "created_at", "id", postgresql_where=text("waiting IS NOT NULL"),
+              sqlite_where=text("waiting IS NOT NULL")),
+    )
 
     @property
     def parsed_spec(self) -> TaskSpec:
@@ -296,7 +305,7 @@ class Pack(Base):
     worker_id: Mapped[str] = mapped_column(String(200), index=True)
     base_model: Mapped[str] = mapped_column(String(100))
     # planned -> dispatched -> running -> finished | lost | cancelled; dispatched -> refused (its worker had no room)
-    state: Mapped[str] = mapped_column(String(20), index=True)
+    state: Mapped[str] = mapped_column(String(20))
     trial_ids: Mapped[list[Any]] = mapped_column(JSON)  # every trial placed in it, back-fills included
     # The engine's shape, fixed at the start: back-fills must fit it (None: a pack that takes no back-fills).
     capacity: Mapped[int | None] = mapped_column(Integer, default=None)
@@ -318,7 +327,10 @@ class Pack(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
-    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    # Indexed: the packs inside a usage window are the live ones (NULL) and those that finished after its start.
+    finished_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
+    # Live packs, and a state's packs newest first (GET /v1/admin/packs).
+    __table_args__ = (Index("ix_packs_state_created_at_id", "state", "created_at", "id"),)
 
 
 class SamplingUsage(Base):
