@@ -138,7 +138,11 @@ class TenantLoad(BaseModel):
         description="Of its pending trials, those paused for another tenant's waiting trials and held back until "
                     "those start (preemption).")
     waiting: list[WaitingTask] = Field(default_factory=list, description="Its tasks with trials pending, each with "
-                                                                         "why they wait (the task's own `waiting`).")
+                                                                         "why they wait (the task's own `waiting`): "
+                                                                         "the oldest 10 (the next to start) of "
+                                                                         "`waiting_tasks`.")
+    waiting_tasks: int = Field(default=0, description="All its tasks with trials pending that say why they wait "
+                                                      "(`waiting` lists the oldest 10).")
 
 
 class WaitingTask(BaseModel):
@@ -158,5 +162,10 @@ class ClusterOut(BaseModel):
     utilisation: float = Field(ge=0, le=1, description="slots_used / slots_total (0 with no alive worker).")
     trials_pending: int
     trials_running: int
-    workers: list[WorkerLoad]
+    workers: list[WorkerLoad] = Field(description="One page of the workers, registered first first: `limit` of "
+                                                  "them (100 by default), after the worker `after` names. The "
+                                                  "figures above count every worker.")
+    workers_total: int = Field(description="Every registered worker, alive or lost (`workers` is a page of them).")
+    has_more: bool = Field(default=False, description="More workers follow this page: ask again with `after` the "
+                                                      "last one's id.")
     tenants: list[TenantLoad] = Field(description="Tenants with pending or running trials.")

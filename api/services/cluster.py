@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import and_, distinct, func, or_, select
 from sqlalchemy.orm import Session
 
 from api.schemas.admin import WorkerOut
@@ -32,13 +32,14 @@ from common.pack_phases import number, phase_seconds
 from common.settings import get_settings
 from common.states import (
     PACK_LIVE,
+    PACK_LOST,
     TRIAL_PENDING,
     TRIAL_RUNNING,
     TRIAL_WAITING,
     WORKER_ALIVE,
 )
-from common.tables import Pack, Task, Tenant, Trial, Worker, utcnow
-from common.usage import gpu_seconds_by_tenant
+from common.tables import Pack, Task, Tenant, Trial, TrialUsage, Worker, as_utc, utcnow
+from common.usage import clip, split_overlaps
 from scheduler.planning.fairness import policy_from
 
 
@@ -46,13 +47,14 @@ def _slots(session: Session, pack_ids: Sequence[str]) -> dict[str, list[PackSlot
     out: dict[str, list[PackSlot]] = defaultdict(list)
     if not pack_ids:
         return out
-    stmt = (select(Trial).where(Trial.pack_id.in_(pack_ids), Trial.state == TRIAL_RUNNING)
-            .order_by(Trial.task_id, Trial.index))
-    for t in session.scalars(stmt):
-        assert t.pack_id is not None
-        out[t.pack_id].append(PackSlot(
-            trial_id=t.id, task_id=t.task_id, tenant_id=t.tenant_id, index=t.index, state=t.state,
-            steps_done=t.steps_done, total_steps=t.total_steps, awaiting_admission=t.awaiting_admission,
+    # The columns a slot shows, not whole trials (their hyperparameters' JSON was most of a page's time).
+    stmt = (select(Trial.pack_id, Trial.id, Trial.task_id, Trial.tenant_id, Trial.index, Trial.state,
+                   Trial.steps_done, Trial.total_steps, Trial.awaiting_admission)
+            .where(Trial.pack_id.in_(pack_ids), Trial.state == TRIAL_RUNNING).order_by(Trial.task_id, Trial.index))
+    for pack_id, trial_id, task_id, tenant_id, index, state, steps_done, total_steps, awaiting in session.execute(stmt):
+        out[str(pack_id)].append(PackSlot(
+            trial_id=trial_id, task_id=task_id, tenant_id=tenant_id, index=index, state=state, steps_done=steps_done,
+            total_steps=total_steps, awaiting_admission=awaiting,
         ))
     return out
 
@@ -121,66 +123,194 @@ def pack_views(session: Session, packs: Sequence[Pack], *, samples: bool = False
     return out
 
 
-def cluster_view(session: Session) -> ClusterOut:
-    workers = session.scalars(select(Worker).order_by(Worker.registered_at, Worker.id)).all()
-    live = session.scalars(select(Pack).where(Pack.state.in_(PACK_LIVE)).order_by(Pack.created_at)).all()
-    held = _slots(session, [p.id for p in live])
-    packs_of: dict[str, list[WorkerPack]] = defaultdict(list)  # a worker runs up to its max_packs at once
-    for p in live:
-        packs_of[p.worker_id].append(WorkerPack(id=p.id, base_model=p.base_model, state=p.state,
-                                                used_slots=len(held.get(p.id, [])), memory_bytes=p.memory_bytes))
+DEFAULT_WORKERS_SHOWN = 100  # the cluster view's page of workers (`limit`), and its most
+MAX_WORKERS_SHOWN = 500
 
+
+def cluster_view(session: Session, *, limit: int = DEFAULT_WORKERS_SHOWN, after: Worker | None = None) -> ClusterOut:
+    """The fleet's figures over every worker (SQL aggregates); one page of its workers (registered first, first),
+    each with its live packs; the tenants with pending or running trials. A fixed number of queries, none of them
+    returning a row per worker, pack or trial of the whole cluster."""
+    now = utcnow()
+    fleet = _fleet(session, now)
+    stmt = select(Worker)
+    if after is not None:
+        stmt = stmt.where(or_(Worker.registered_at > after.registered_at,
+                              and_(Worker.registered_at == after.registered_at, Worker.id > after.id)))
+    page = session.scalars(stmt.order_by(Worker.registered_at, Worker.id).limit(limit + 1)).all()
+    packs_of = _live_packs(session, [w.id for w in page[:limit]])
     loads = []
-    for w in workers:
+    for w in page[:limit]:
         packs = packs_of.get(w.id, [])
         n = sum(p.used_slots for p in packs)
         loads.append(WorkerLoad(
             **WorkerOut.of(w).model_dump(), pack_id=packs[0].id if packs else None, packs=packs, used_slots=n,
             utilisation=round(min(1.0, n / w.max_slots), 4) if w.max_slots else 0.0,
         ))
-    alive = [w for w in loads if w.state == WORKER_ALIVE]
-    slots_total = sum(w.max_slots for w in alive)
-    slots_used = sum(w.used_slots for w in alive)
+    tenants = _tenant_loads(session, now)
+    slots_total, slots_used = fleet["slots_total"], fleet["slots_used"]
+    return ClusterOut(
+        workers_alive=fleet["alive"], workers_lost=fleet["total"] - fleet["alive"],
+        workers_quarantined=fleet["quarantined"], workers_busy=fleet["busy"], slots_total=slots_total,
+        slots_used=slots_used, utilisation=round(min(1.0, slots_used / slots_total), 4) if slots_total else 0.0,
+        trials_pending=sum(t.pending_trials for t in tenants), trials_running=sum(t.running_trials for t in tenants),
+        workers=loads, workers_total=fleet["total"], has_more=len(page) > limit, tenants=tenants,
+    )
 
+
+def _fleet(session: Session, now: datetime) -> dict[str, int]:
+    """Workers (all, alive, alive and quarantined), the alive ones' slots, and of those the busy workers (a live
+    pack) and the slots their live packs' running trials hold: two aggregate queries."""
+    alive = Worker.state == WORKER_ALIVE
+    total, n_alive, quarantined, slots_total = session.execute(select(
+        func.count(Worker.id), func.count(Worker.id).filter(alive),
+        func.count(Worker.id).filter(alive, Worker.quarantined_until > now),
+        func.coalesce(func.sum(Worker.max_slots).filter(alive), 0),
+    )).one()
+    busy, slots_used = session.execute(
+        select(func.count(distinct(Pack.worker_id)), func.count(Trial.id))
+        .select_from(Pack).join(Worker, Worker.id == Pack.worker_id)
+        .outerjoin(Trial, and_(Trial.pack_id == Pack.id, Trial.state == TRIAL_RUNNING))
+        .where(Pack.state.in_(PACK_LIVE), alive)).one()
+    return {"total": total, "alive": n_alive, "quarantined": quarantined, "slots_total": int(slots_total),
+            "busy": busy, "slots_used": slots_used}
+
+
+def _live_packs(session: Session, worker_ids: Sequence[str]) -> dict[str, list[WorkerPack]]:
+    """Each of these workers' live packs, oldest first, with the slots their running trials hold (counted, not
+    loaded). A worker runs up to its max_packs at once."""
+    out: dict[str, list[WorkerPack]] = defaultdict(list)
+    if not worker_ids:
+        return out
+    columns = (Pack.id, Pack.worker_id, Pack.base_model, Pack.state, Pack.memory_bytes, Pack.created_at)
+    stmt = (select(*columns, func.count(Trial.id))
+            .outerjoin(Trial, and_(Trial.pack_id == Pack.id, Trial.state == TRIAL_RUNNING))
+            .where(Pack.state.in_(PACK_LIVE), Pack.worker_id.in_(worker_ids))
+            .group_by(*columns).order_by(Pack.created_at, Pack.id))
+    for pack_id, worker_id, base_model, state, memory_bytes, _, used in session.execute(stmt):
+        out[worker_id].append(WorkerPack(id=pack_id, base_model=base_model, state=state, used_slots=used,
+                                         memory_bytes=memory_bytes))
+    return out
+
+
+def _tenant_loads(session: Session, now: datetime) -> list[TenantLoad]:
+    """Tenants with pending or running trials, busiest first, each with preemption's view of it
+    (scheduler/service/fairness.py): its weight, its GPU time over the window, its trials held back for another."""
     by_tenant: dict[str, dict[str, int]] = defaultdict(lambda: {"pending": 0, "running": 0})
     active = (select(Trial.tenant_id, Trial.state, func.count()).where(
         Trial.state.in_((TRIAL_PENDING, TRIAL_WAITING, TRIAL_RUNNING))).group_by(Trial.tenant_id, Trial.state))
     for tenant_id, state, count in session.execute(active):
         by_tenant[tenant_id]["running" if state == TRIAL_RUNNING else "pending"] += count
-    # Preemption's view of each tenant (scheduler/service/fairness.py): its weight, its GPU time over the window,
-    # and its trials held back for another tenant.
-    now = utcnow()
+    if not by_tenant:
+        return []
     window_s = policy_from(get_settings()).window_s
-    used = gpu_seconds_by_tenant(session, (now - timedelta(seconds=window_s), now), now)
+    used = window_gpu_seconds(session, (now - timedelta(seconds=window_s), now), now)
     held_by = dict(session.execute(select(Trial.tenant_id, func.count()).where(
         Trial.state == TRIAL_PENDING, Trial.preempted_for.is_not(None)).group_by(Trial.tenant_id)).all())
     rows: dict[str, tuple[str, float]] = {tenant_id: (name, weight) for tenant_id, name, weight in session.execute(
-        select(Tenant.id, Tenant.name, Tenant.weight).where(Tenant.id.in_(list(by_tenant))))} if by_tenant else {}
+        select(Tenant.id, Tenant.name, Tenant.weight).where(Tenant.id.in_(list(by_tenant))))}
     waiting = _waiting_tasks(session)
-    tenants = sorted(
+    return sorted(
         (TenantLoad(tenant_id=t, name=name, pending_trials=c["pending"], running_trials=c["running"],
                     weight=weight or 1.0, gpu_seconds_window=round(used.get(t, 0.0), 1),
-                    held_trials=int(held_by.get(t, 0)), waiting=waiting.get(t, []))
-         for t, c in by_tenant.items() for name, weight in [rows.get(t, (t, 1.0))]),
+                    held_trials=int(held_by.get(t, 0)), waiting=shown, waiting_tasks=total)
+         for t, c in by_tenant.items() for name, weight in [rows.get(t, (t, 1.0))]
+         for shown, total in [waiting.get(t, ([], 0))]),
         key=lambda t: (-t.running_trials, -t.pending_trials, t.name))
 
-    return ClusterOut(
-        workers_alive=len(alive), workers_lost=len(loads) - len(alive),
-        workers_quarantined=sum(1 for w in alive if w.quarantined_until is not None),
-        workers_busy=sum(1 for w in alive if w.pack_id), slots_total=slots_total, slots_used=slots_used,
-        utilisation=round(min(1.0, slots_used / slots_total), 4) if slots_total else 0.0,
-        trials_pending=sum(c["pending"] for c in by_tenant.values()),
-        trials_running=sum(c["running"] for c in by_tenant.values()),
-        workers=loads, tenants=tenants,
-    )
+
+def window_gpu_seconds(session: Session, window: tuple[datetime, datetime], now: datetime) -> dict[str, float]:
+    """Each tenant's GPU seconds inside the window: common.usage.gpu_seconds_by_tenant's figures by the same rule
+    (`split_overlaps` on each worker, then a pack's seconds shared by its trials' reported tokens, equally without
+    any or when it was lost), read for a cluster of hundreds of workers. That one loads every pack of the window
+    whole (profiles and all), shares each pack among its trials one by one and then reads their owners by id, a
+    bound parameter a trial (tens of thousands at 256 workers: seconds of this view). This reads the packs' few
+    columns it needs, their reported tokens summed by tenant (a trial reports only from a pack it was placed in),
+    and for the packs shared equally how many of their trials each tenant has (`_equal_shares`)."""
+    start, end = window
+    in_window = (Pack.started_at.is_not(None), Pack.started_at < end,
+                 or_(Pack.finished_at.is_(None), Pack.finished_at > start))
+    packs = session.execute(select(Pack.id, Pack.worker_id, Pack.state, Pack.gpus, Pack.started_at, Pack.finished_at)
+                            .where(*in_window)).all()
+    by_worker: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
+    for p in packs:
+        lo, hi = clip(as_utc(p.started_at), as_utc(p.finished_at) if p.finished_at is not None else now, window)
+        by_worker[p.worker_id].append((p.id, lo.timestamp(), hi.timestamp()))
+    held = {pack_id: s for spans in by_worker.values() for pack_id, s in split_overlaps(spans).items()}
+    tokens: dict[str, dict[str, int]] = defaultdict(dict)
+    for pack_id, tenant_id, n in session.execute(
+            select(TrialUsage.pack_id, TrialUsage.tenant_id, func.sum(TrialUsage.tokens))
+            .join(Pack, Pack.id == TrialUsage.pack_id).where(*in_window)
+            .group_by(TrialUsage.pack_id, TrialUsage.tenant_id)):
+        tokens[pack_id][tenant_id] = int(n or 0)
+    out: dict[str, float] = defaultdict(float)
+    equal: dict[str, float] = {}  # the packs whose seconds are shared equally among their trials
+    for p in packs:
+        seconds, reported = held[p.id] * p.gpus, tokens.get(p.id, {}) if p.state != PACK_LOST else {}
+        total = sum(reported.values())
+        if total > 0:
+            for tenant_id, n in reported.items():
+                out[tenant_id] += seconds * n / total
+        else:
+            equal[p.id] = seconds
+    for tenant_id, seconds in _equal_shares(session, equal).items():
+        out[tenant_id] += seconds
+    return dict(out)
 
 
-def _waiting_tasks(session: Session) -> dict[str, list[WaitingTask]]:
+def _equal_shares(session: Session, seconds: dict[str, float]) -> dict[str, float]:
+    """These packs' seconds shared equally among the trials placed in them (`Pack.trial_ids`), by tenant. A trial
+    in a pack now (`Trial.pack_id`, which stays set once it ended there) was placed in it: a pack all of whose
+    trials are still in it is counted by tenant in SQL; the trials of the others (back in the queue after a lost
+    pack, or in another pack since) are read by id. A pack's trial deleted since (its tenant gone) bills no one."""
+    out: dict[str, float] = defaultdict(float)
+    if not seconds:
+        return out
+    placed: dict[str, list[Any]] = dict(
+        session.execute(select(Pack.id, Pack.trial_ids).where(Pack.id.in_(list(seconds)))).all())
+    members: dict[str, dict[str, int]] = defaultdict(dict)
+    for pack_id, tenant_id, n in session.execute(
+            select(Trial.pack_id, Trial.tenant_id, func.count(Trial.id)).where(Trial.pack_id.in_(list(seconds)))
+            .group_by(Trial.pack_id, Trial.tenant_id)):
+        members[str(pack_id)][tenant_id] = n
+    by_id: list[tuple[list[str], float]] = []
+    for pack_id, trial_ids in placed.items():
+        if not trial_ids:
+            continue
+        share = seconds[pack_id] / len(trial_ids)
+        if sum(members[pack_id].values()) == len(trial_ids):
+            for tenant_id, n in members[pack_id].items():
+                out[tenant_id] += share * n
+        else:
+            by_id.append(([str(t) for t in trial_ids], share))
+    if by_id:
+        wanted = list({t for trial_ids, _ in by_id for t in trial_ids})
+        owner: dict[str, str] = dict(
+            session.execute(select(Trial.id, Trial.tenant_id).where(Trial.id.in_(wanted))).all())
+        for trial_ids, share in by_id:
+            for trial_id in trial_ids:
+                if trial_id in owner:
+                    out[owner[trial_id]] += share
+    return out
+
+
+WAITING_SHOWN = 10  # a tenant's waiting tasks listed (`TenantLoad.waiting`), the oldest: the next to start
+
+
+def _waiting_tasks(session: Session) -> dict[str, tuple[list[WaitingTask], int]]:
     """Each tenant's tasks with pending trials, with why they wait (the scheduler's `Task.waiting`,
-    scheduler/service/waits.py; as a task's own view shows it: only while a trial is pending)."""
-    out: dict[str, list[WaitingTask]] = defaultdict(list)
+    scheduler/service/waits.py; as a task's own view shows it: only while a trial is pending): its oldest
+    `WAITING_SHOWN`, and how many there are."""
+    out: dict[str, tuple[list[WaitingTask], int]] = {}
     pending = select(Trial.task_id).where(Trial.state == TRIAL_PENDING).distinct()
-    for task in session.scalars(select(Task).where(Task.waiting.is_not(None), Task.id.in_(pending))
-                                .order_by(Task.created_at, Task.id)):
-        out[task.tenant_id].append(WaitingTask(task_id=task.id, waiting=TaskWaiting.model_validate(task.waiting)))
+    ranked = select(
+        Task.id, Task.tenant_id, Task.waiting, Task.created_at,
+        func.row_number().over(partition_by=Task.tenant_id, order_by=(Task.created_at, Task.id)).label("rank"),
+        func.count().over(partition_by=Task.tenant_id).label("total"),
+    ).where(Task.waiting.is_not(None), Task.id.in_(pending)).subquery()
+    for task_id, tenant_id, waiting, total in session.execute(
+            select(ranked.c.id, ranked.c.tenant_id, ranked.c.waiting, ranked.c.total)
+            .where(ranked.c.rank <= WAITING_SHOWN).order_by(ranked.c.created_at, ranked.c.id)):
+        shown, _ = out.setdefault(tenant_id, ([], total))
+        shown.append(WaitingTask(task_id=task_id, waiting=TaskWaiting.model_validate(waiting)))
     return out

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from common.db import session_scope
 from common.tables import Pack, Task, Trial, Worker, utcnow
-from tests.factories import ADMIN, TenantKey, make_task, trial_ids, update_row
+from tests.factories import ADMIN, TenantKey, make_task, trial_ids, update_row, upload
 
 
 def add_worker(worker_id: str, *, state: str = "alive", max_slots: int = 8, models: list[str] | None = None) -> None:
@@ -276,3 +276,91 @@ def test_a_task_whose_wait_was_cleared_while_a_trial_is_pending_again_is_not_wai
     r = client.get("/v1/admin/cluster", headers=ADMIN)
     assert r.status_code == 200, r.text
     assert all(row["waiting"] == [] for row in r.json()["tenants"])
+
+
+def test_the_cluster_pages_its_workers_and_counts_every_one(client: TestClient, tenant: TenantKey) -> None:
+    """The workers list grows with the cluster: it comes a page at a time (`limit`, `after`, `has_more`), registered
+    first first, while the figures above it (alive, lost, busy, slots) count every worker."""
+    ids = trial_ids(make_task(client, tenant)["id"])
+    for i in range(5):
+        add_worker(f"gpu-{i}", state="lost" if i == 1 else "alive", max_slots=4)
+        update_row(Worker, f"gpu-{i}", registered_at=utcnow() - timedelta(seconds=100 - i))
+    add_pack("pack-a", "gpu-4", ids[:3])  # on the last page
+
+    first = client.get("/v1/admin/cluster?limit=2", headers=ADMIN).json()
+    assert [w["id"] for w in first["workers"]] == ["gpu-0", "gpu-1"]
+    assert (first["has_more"], first["workers_total"]) == (True, 5)
+    assert (first["workers_alive"], first["workers_lost"], first["workers_busy"]) == (4, 1, 1)
+    assert (first["slots_total"], first["slots_used"], first["trials_running"]) == (16, 3, 3)
+    second = client.get("/v1/admin/cluster?limit=2&after=gpu-1", headers=ADMIN).json()
+    assert [w["id"] for w in second["workers"]] == ["gpu-2", "gpu-3"] and second["has_more"] is True
+    last = client.get("/v1/admin/cluster?limit=2&after=gpu-3", headers=ADMIN).json()
+    assert [(w["id"], w["pack_id"], w["used_slots"]) for w in last["workers"]] == [("gpu-4", "pack-a", 3)]
+    assert last["has_more"] is False and {k: v for k, v in last.items() if k not in ("workers", "has_more")} == {
+        k: v for k, v in first.items() if k not in ("workers", "has_more")}
+    every = client.get("/v1/admin/cluster", headers=ADMIN).json()  # 100 by default
+    assert len(every["workers"]) == 5 and every["has_more"] is False
+
+    r = client.get("/v1/admin/cluster?after=gpu-nope", headers=ADMIN)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_cursor"
+    assert client.get("/v1/admin/cluster?limit=0", headers=ADMIN).status_code == 422
+
+
+def test_the_views_gpu_time_by_tenant_is_what_usage_bills(client: TestClient, tenant: TenantKey,
+                                                          other_tenant: TenantKey) -> None:
+    """The cluster view reads each tenant's GPU time over the window its own, lean way (api/services/cluster.py
+    window_gpu_seconds); it is common/usage.py's figure: packs side by side on a worker split its time, a pack's
+    time goes by its trials' reported tokens, equally without reports or when it was lost (to a trial since
+    moved to another pack too), a pack that ended before the window counts nothing."""
+    from api.services.cluster import window_gpu_seconds
+    from common.tables import TrialUsage
+    from common.usage import gpu_seconds_by_tenant
+
+    mine, theirs = trial_ids(make_task(client, tenant)["id"]), trial_ids(make_task(client, other_tenant)["id"])
+    add_worker("gpu-0")
+    add_worker("gpu-1")
+    now = utcnow()
+    add_pack("pack-live", "gpu-0", [mine[0], theirs[0]])  # no report yet: equal shares
+    add_pack("pack-beside", "gpu-0", [theirs[1]])  # beside it on gpu-0: they split the GPU's time
+    add_pack("pack-done", "gpu-1", [mine[1], theirs[2]], state="finished")  # reported: by tokens
+    add_pack("pack-lost", "gpu-1", [mine[2], theirs[3]], state="lost")  # lost: equally, whatever it reported
+    add_pack("pack-old", "gpu-1", [mine[3]], state="finished")  # ended before the window
+    add_pack("pack-next", "gpu-0", [theirs[3]])  # the lost pack's trial moved on
+    update_row(Trial, mine[2], pack_id=None, state="pending")  # and another is back in the queue
+    spans = {"pack-live": (900, None), "pack-beside": (600, None), "pack-done": (3000, 2000),
+             "pack-lost": (1500, 1000), "pack-old": (9000, 8000), "pack-next": (300, None)}
+    with session_scope() as session:
+        for pack_id, (start, end) in spans.items():
+            pack = session.get_one(Pack, pack_id)
+            pack.started_at = now - timedelta(seconds=start)
+            pack.finished_at = None if end is None else now - timedelta(seconds=end)
+        for pack_id, trial_id, owner, tokens in (("pack-done", mine[1], tenant.id, 3000),
+                                                 ("pack-done", theirs[2], other_tenant.id, 1000),
+                                                 ("pack-lost", mine[2], tenant.id, 5000)):
+            task_id = session.get_one(Trial, trial_id).task_id
+            session.add(TrialUsage(pack_id=pack_id, trial_id=trial_id, task_id=task_id, tenant_id=owner,
+                                   tokens=tokens, steps=10, end_step=10, created_at=now))
+    window = (now - timedelta(seconds=3600), now)
+    with session_scope() as session:
+        lean, billed = window_gpu_seconds(session, window, now), gpu_seconds_by_tenant(session, window, now)
+    assert set(lean) == set(billed) == {tenant.id, other_tenant.id}
+    assert all(abs(lean[t] - billed[t]) < 1e-6 for t in billed), (lean, billed)
+    assert billed[tenant.id] > 0 and billed[other_tenant.id] > 0
+
+
+def test_a_tenants_waiting_tasks_are_capped_to_the_next_to_start(client: TestClient, tenant: TenantKey) -> None:
+    """`waiting` grows with a tenant's queue: it lists the oldest WAITING_SHOWN (the next to start), and
+    `waiting_tasks` says how many wait."""
+    from api.services.cluster import WAITING_SHOWN
+
+    file_id = upload(client, tenant)["id"]
+    tasks = [make_task(client, tenant, file_id)["id"] for _ in range(WAITING_SHOWN + 2)]
+    with session_scope() as session:
+        for i, task_id in enumerate(tasks):
+            task = session.get_one(Task, task_id)
+            task.created_at = utcnow() - timedelta(seconds=100 - i)
+            task.waiting = {"reason": "no_worker", "message": f"waiting {i}", "position": i + 1,
+                            "estimated_start_at": None, "waiting_trials": 4, "updated_at": "2026-12-02T09:00:00Z"}
+    [row] = client.get("/v1/admin/cluster", headers=ADMIN).json()["tenants"]
+    assert [w["task_id"] for w in row["waiting"]] == tasks[:WAITING_SHOWN]
+    assert (row["waiting_tasks"], row["pending_trials"]) == (WAITING_SHOWN + 2, 4 * (WAITING_SHOWN + 2))

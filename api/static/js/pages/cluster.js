@@ -25,9 +25,13 @@ function workerState(w) {
     badge("quarantined"), h("span", { class: "small" }, ` until ${fmt.time(w.quarantined_until)}`));
 }
 
-function workersTable(workers) {
+// The workers table shows a page of them (GET /v1/admin/cluster's `limit`, registered first first): a fleet of
+// hundreds is read and drawn a page at a time, the figures above it counting every worker.
+const WORKERS_SHOWN = 100;
+
+function workersTable(workers, caption) {
   return h("table", { class: "data", id: "workers" },
-    h("caption", {}, "Workers"),
+    h("caption", {}, caption),
     h("thead", {}, h("tr", {}, ["Worker", "State", "Device", "Memory", "Slots in use", "Packs", "Models", "Warm",
       "Last heartbeat"].map((c) => h("th", { scope: "col" }, c)))),
     h("tbody", {}, workers.map((w) => h("tr", { dataset: { worker: w.id } },
@@ -141,6 +145,12 @@ function waitingCell(t) {
       h("span", { class: "mono" }, `${w.task_id.slice(0, 13)}… `), w.waiting.message))));
 }
 
+// "Workers", or which of them this page shows: "Workers 101–200 of 256".
+function workersCaption(cluster, first) {
+  if (first === 0 && !cluster.has_more) return "Workers";
+  return `Workers ${first + 1}–${first + cluster.workers.length} of ${cluster.workers_total}`;
+}
+
 export function mount(root) {
   const alert = h("p", { class: "error", role: "alert" });
   const stats = h("section", { class: "stats", "aria-label": "Utilisation" });
@@ -150,8 +160,37 @@ export function mount(root) {
   const tenants = h("section", {});
   root.append(h("h1", {}, "Cluster"), alert, stats, workers, packs, finished, tenants);
 
+  const cursors = [null]; // the `after` of each workers page up to the one shown (null: the first page)
+  const page = (step, cluster) => () => {
+    if (step > 0) cursors.push(cluster.workers[cluster.workers.length - 1].id);
+    else cursors.pop();
+    poller.trigger();
+  };
+  function pager(cluster) {
+    if (cursors.length === 1 && !cluster.has_more) return null;
+    return h("div", { class: "pager", id: "workers-pager" },
+      h("button", { type: "button", class: "secondary", disabled: cursors.length === 1, onclick: page(-1, cluster) },
+        "Previous workers"),
+      h("button", { type: "button", class: "secondary", disabled: !cluster.has_more, onclick: page(1, cluster) },
+        "Next workers"));
+  }
+
+  const clusterPath = () => {
+    const after = cursors[cursors.length - 1];
+    return `/v1/admin/cluster?limit=${WORKERS_SHOWN}${after ? `&after=${encodeURIComponent(after)}` : ""}`;
+  };
+  async function readCluster() {
+    try {
+      return await api.get(clusterPath());
+    } catch (e) {
+      if (e.code !== "invalid_cursor") throw e;
+      cursors.length = 1; // the worker the page started after is gone: back to the first page
+      return api.get(clusterPath());
+    }
+  }
+
   const poller = new Poller(async () => {
-    const [cluster, live, ended] = await Promise.all([api.get("/v1/admin/cluster"),
+    const [cluster, live, ended] = await Promise.all([readCluster(),
       api.get("/v1/admin/packs?state=live"), api.get(`/v1/admin/packs?state=finished&limit=${FINISHED_SHOWN}`)]);
     alert.textContent = "";
     clear(stats).append(
@@ -162,7 +201,9 @@ export function mount(root) {
       stat("workers quarantined", String(cluster.workers_quarantined)),
       stat("trials running", String(cluster.trials_running)),
       stat("trials waiting", String(cluster.trials_pending)));
-    clear(workers).append(cluster.workers.length ? h("div", { class: "table-box" }, workersTable(cluster.workers))
+    const caption = workersCaption(cluster, (cursors.length - 1) * WORKERS_SHOWN);
+    clear(workers).append(cluster.workers.length
+      ? [h("div", { class: "table-box" }, workersTable(cluster.workers, caption)), pager(cluster)]
       : h("p", { class: "muted" }, "No worker has registered yet."));
     clear(packs).append(h("h2", { id: "packs-title" }, "Live packs"),
       live.data.length ? h("div", { class: "packs" }, live.data.map(packCard)) : h("p", { class: "muted" }, "No pack is training."));
