@@ -3,6 +3,8 @@ service, `loraplane api --workers 2` in front of it, and every request the dashb
 make timed, with tenants polling their tasks' status meanwhile.
 
     python -m benchmarks.dashboard_scale --tasks 10000 --workers 256 --tenants 50
+    git archive dd05562 | tar -x -C /tmp/before  # then, side by side with that code on the same machine:
+    python -m benchmarks.dashboard_scale --baseline /tmp/before
 
 The database (a private one, dropped at the end) is migrated as the service migrates it (`loraplane migrate`) and
 filled with SQL `INSERT ... SELECT generate_series` into the service's tables:
@@ -21,11 +23,16 @@ Timed, round-robin so that the machine's noise falls on every request alike (`--
 - the cluster page (api/static/js/pages/cluster.js): `GET /v1/admin/cluster`, `GET /v1/admin/packs?state=live`,
   `GET /v1/admin/packs?state=finished&limit=6`;
 - a tenant's status read `GET /v1/tasks/{id}`, from `--pollers` threads polling random tasks throughout.
+
+With `--baseline DIR` a second API runs the code of DIR (an earlier commit's tree) on a second database seeded
+alike, the reads alternating between the two each round and each polled alike: on a shared machine whose load
+comes and goes, the two are compared under the same noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -37,7 +44,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -46,8 +53,7 @@ import httpx
 from cryptography.fernet import Fernet
 from sqlalchemy import Connection, create_engine, text
 
-from api.deps import hash_api_key
-from benchmarks.cluster_scale import Latencies, Plane, forget_namespace, free_port, wait_until
+from benchmarks.cluster_scale import Latencies, forget_namespace, free_port, wait_until
 from benchmarks.common import write_result
 from common.tables import ApiKey, BaseModelEntry, File, MetricPoint, Pack, Task, Tenant, Trial, TrialUsage, Worker
 from common.task_spec import TaskSpec
@@ -62,6 +68,8 @@ RUNNING_TRIALS_PER_TASK = 8  # so a pack holds four running tasks' trials
 QUEUED_TASKS = 200  # tasks whose 8 trials are all pending, with why they wait
 FINISHED_PACKS_PER_WORKER = 4  # over the last hour: the cluster view's fairness window
 WEIGHTS = (1, 1, 2, 4)
+CLUSTER_WORKERS_SHOWN = 100  # the cluster page's page of workers (cluster.js WORKERS_SHOWN; a code without
+# pagination ignores the parameter and answers every worker)
 TARGETS_MS = {"tasks": 300.0, "cluster": 300.0, "status": 100.0}  # p99 targets (issue 53)
 
 
@@ -123,8 +131,9 @@ def seed_accounts(conn: Connection, shape: Shape) -> dict[str, str]:
         conn.execute(text(
             f"INSERT INTO {ApiKey.__tablename__} (id, tenant_id, name, prefix, key_hash, created_at) "
             "VALUES (:id, :tenant, '', :prefix, :hash, :at)"),
+            # The key's sha256, as the API keeps it (api/deps.py hash_api_key: benchmarks import nothing of api/).
             {"id": f"key-{tenant_id}", "tenant": tenant_id, "prefix": keys[tenant_id][:12],
-             "hash": hash_api_key(keys[tenant_id]), "at": now - timedelta(days=30)})
+             "hash": hashlib.sha256(keys[tenant_id].encode()).hexdigest(), "at": now - timedelta(days=30)})
         conn.execute(text(
             f"INSERT INTO {File.__tablename__} (id, tenant_id, filename, purpose, bytes, rows, format, sha256, "
             "storage_key, created_at) VALUES (:id, :tenant, 'rows.jsonl', 'fine-tune', 120000, 1000, "
@@ -283,19 +292,19 @@ class Read:
     page: str  # "tasks" | "cluster": whose p99 target it answers to
     name: str
     path: str
-    key: str  # the bearer token
+    key: str  # the tenant whose key it is sent with, or the admin token
 
 
-def page_reads(keys: dict[str, str], shape: Shape) -> list[Read]:
-    """Every request the tasks page and the cluster page make (api/static/js/pages/tasks.js and cluster.js)."""
-    ordinary = keys["tenant-000"]
+def page_reads(shape: Shape) -> list[Read]:
+    """Every request the tasks page and the cluster page make (api/static/js/pages/tasks.js and cluster.js); `key`
+    names the tenant whose key it is sent with, or is the admin token."""
     return [
-        Read("tasks", "tasks list, large tenant", "/v1/tasks?limit=50", keys["tenant-big"]),
-        Read("tasks", "tasks list, a tenant", "/v1/tasks?limit=50", ordinary),
+        Read("tasks", "tasks list, large tenant", "/v1/tasks?limit=50", "tenant-big"),
+        Read("tasks", "tasks list, a tenant", "/v1/tasks?limit=50", "tenant-000"),
         Read("tasks", "tenant filter (operator)", "/v1/admin/tenants?limit=100&include_deleted=true", ADMIN_TOKEN),
         Read("tasks", "tasks list, every tenant (operator)", "/v1/tasks?limit=50", ADMIN_TOKEN),
         Read("tasks", "tasks list, large tenant (operator)", "/v1/tasks?limit=50&tenant_id=tenant-big", ADMIN_TOKEN),
-        Read("cluster", "cluster", "/v1/admin/cluster", ADMIN_TOKEN),
+        Read("cluster", "cluster", f"/v1/admin/cluster?limit={CLUSTER_WORKERS_SHOWN}", ADMIN_TOKEN),
         Read("cluster", "live packs", "/v1/admin/packs?state=live", ADMIN_TOKEN),
         Read("cluster", "finished packs", "/v1/admin/packs?state=finished&limit=6", ADMIN_TOKEN),
     ]
@@ -311,9 +320,10 @@ def status_targets(shape: Shape) -> list[tuple[str, str]]:
     return out + [("tenant-big", f"task-{rng.randrange(n + 1, 2 * n + 1):08d}") for _ in range(100)]
 
 
-def poll_status(base_url: str, keys: dict[str, str], targets: list[tuple[str, str]], threads: int, rps: float,
-                latencies: Latencies, stop: threading.Event) -> list[threading.Thread]:
-    """`threads` pollers reading random tasks' status, `rps` a second in all; started, not joined."""
+def poll_status(name: str, base_url: str, keys: dict[str, str], targets: list[tuple[str, str]], threads: int,
+                rps: float, latencies: Latencies, stop: threading.Event) -> list[threading.Thread]:
+    """`threads` pollers reading random tasks' status, `rps` a second in all (as `<name>:status`); started, not
+    joined."""
     def loop(seed: int) -> None:
         rng = random.Random(seed)
         with httpx.Client(base_url=base_url, timeout=60) as client:
@@ -325,7 +335,7 @@ def poll_status(base_url: str, keys: dict[str, str], targets: list[tuple[str, st
                     ok = r.status_code == 200
                 except httpx.HTTPError:
                     ok = False
-                latencies.add("status", time.perf_counter() - started, ok)
+                latencies.add(f"{name}:status", time.perf_counter() - started, ok)
                 stop.wait(max(0.0, threads / rps - (time.perf_counter() - started)))
 
     pollers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(threads)]
@@ -334,84 +344,132 @@ def poll_status(base_url: str, keys: dict[str, str], targets: list[tuple[str, st
     return pollers
 
 
-def time_reads(base_url: str, reads: list[Read], rounds: int, warmup: int, latencies: Latencies) -> None:
-    """Each read once a round, in order, `warmup` rounds untimed first; a failed read stops the run."""
-    with httpx.Client(base_url=base_url, timeout=120) as client:
+def time_reads(sides: list[Side], reads: list[Read], rounds: int, warmup: int, latencies: Latencies) -> None:
+    """Each read of each side once a round, the sides alternating which goes first, `warmup` rounds untimed
+    first; a failed read stops the run."""
+    clients = {side.name: httpx.Client(base_url=side.base_url, timeout=120) for side in sides}
+    try:
         for i in range(warmup + rounds):
             for read in reads:
-                started = time.perf_counter()
-                r = client.get(read.path, headers={"Authorization": f"Bearer {read.key}"})
-                if r.status_code != 200:
-                    raise RuntimeError(f"{read.name}: {r.status_code} {r.text[:500]}")
-                if i >= warmup:
-                    latencies.add(read.name, time.perf_counter() - started, True)
-                    latencies.add(f"bytes:{read.name}", len(r.content), True)
+                for side in sides if i % 2 == 0 else sides[::-1]:
+                    key = ADMIN_TOKEN if read.key == ADMIN_TOKEN else side.keys[read.key]
+                    started = time.perf_counter()
+                    r = clients[side.name].get(read.path, headers={"Authorization": f"Bearer {key}"})
+                    if r.status_code != 200:
+                        raise RuntimeError(f"{side.name}, {read.name}: {r.status_code} {r.text[:500]}")
+                    if i >= warmup:
+                        latencies.add(f"{side.name}:{read.name}", time.perf_counter() - started, True)
+                        latencies.add(f"bytes:{side.name}:{read.name}", len(r.content), True)
+    finally:
+        for client in clients.values():
+            client.close()
 
 
 # -------------------------------------------------------------------------------------------------- the run
 
 
-def start_api(database_url: str, workdir: Path, namespace: str) -> tuple[Plane, str]:
-    """`loraplane api --workers 2` on the database, as benchmarks/cluster_scale.py starts it; its base URL."""
+@dataclass
+class Side:
+    """One API under test: the code of a source tree (this one, or `--baseline`'s) on a database of its own,
+    seeded alike."""
+
+    name: str
+    root: Path
+    database: str = ""
+    keys: dict[str, str] = field(default_factory=dict)
+    base_url: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+
+def prepare(side: Side, shape: Shape, admin_engine: Any, run_id: str) -> dict[str, Any]:
+    """The side's database: created, migrated by its own tree (`loraplane migrate`), seeded; what it stores."""
+    db = f"loraplane_dash_{run_id}_{side.name}"
+    with admin_engine.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{db}"'))
+    side.database = f"{SERVER_URL.rpartition('/')[0]}/{db}"
+    subprocess.run([sys.executable, "-m", "loraplane.cli", "migrate"], cwd=side.root, check=True,
+                   capture_output=True, env={**os.environ, "DATABASE_URL": side.database})
+    t0 = time.perf_counter()
+    side.keys = seed(side.database, shape)
+    seeded_s = time.perf_counter() - t0
+    counts = stored_counts(side.database)
+    print(f"{side.name}: seeded in {seeded_s:.0f} s: {counts}", flush=True)
+    return {"seed_s": round(seeded_s, 1), "stored": counts}
+
+
+def start_api(side: Side, workdir: Path, namespace: str) -> None:
+    """`loraplane api --workers 2` of the side's tree on its database, with the environment
+    benchmarks/cluster_scale.py gives it, in a process group of its own."""
     port = free_port()
-    env = {**os.environ, "DATABASE_URL": database_url, "REDIS_URL": REDIS_URL, "CELERY_BROKER_URL": REDIS_URL,
-           "LORAPLANE_NAMESPACE": namespace, "LORAPLANE_HOME": str(workdir / "home"),
-           "LORAPLANE_ARTIFACT_DIR": str(workdir / "artifacts"), "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN,
+    home = workdir / side.name
+    env = {**os.environ, "DATABASE_URL": side.database, "REDIS_URL": REDIS_URL, "CELERY_BROKER_URL": REDIS_URL,
+           "LORAPLANE_NAMESPACE": namespace, "LORAPLANE_HOME": str(home / "home"),
+           "LORAPLANE_ARTIFACT_DIR": str(home / "artifacts"), "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN,
            "LORAPLANE_SECRET_KEY": Fernet.generate_key().decode(),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    plane = Plane(env, workdir)
-    plane.start("api", "api", "--host", "127.0.0.1", "--port", str(port), "--workers", "2")
-    base_url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: httpx.get(f"{base_url}/readyz", timeout=5).status_code == 200, 300, "the API")
-    return plane, base_url
+    home.mkdir(parents=True, exist_ok=True)
+    side.log = home / "api.log"
+    side.proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplane.cli", "api", "--host", "127.0.0.1", "--port", str(port), "--workers", "2"],
+        env=env, cwd=side.root, stdout=side.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    side.base_url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(f"{side.base_url}/readyz", timeout=5).status_code == 200, 300, f"{side.name}'s API")
+
+
+def measure(sides: list[Side], shape: Shape, args: argparse.Namespace) -> Latencies:
+    """The pages' reads under the status pollers (`--pollers` threads a side); the pollers' reads while the
+    APIs warmed up are dropped."""
+    latencies, stop = Latencies(), threading.Event()
+    pollers = [thread for side in sides for thread in poll_status(
+        side.name, side.base_url, side.keys, status_targets(shape), args.pollers, args.status_rps, latencies, stop)]
+    try:
+        reads = page_reads(shape)
+        time_reads(sides, reads, 0, args.warmup, latencies)
+        with latencies.lock:
+            for side in sides:
+                latencies.samples.pop(f"{side.name}:status", None)
+                latencies.errors.pop(f"{side.name}:status", None)
+        time_reads(sides, reads, args.reads, 0, latencies)
+    finally:
+        stop.set()
+        for thread in pollers:
+            thread.join(timeout=120)
+    return latencies
 
 
 def run(shape: Shape, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     run_id = uuid.uuid4().hex[:8]
-    db = f"loraplane_dash_{run_id}"
+    sides = [Side("this", ROOT)] + ([Side("baseline", Path(args.baseline).resolve())] if args.baseline else [])
     admin_engine = create_engine(SERVER_URL, isolation_level="AUTOCOMMIT")
-    with admin_engine.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{db}"'))
-    database_url = f"{SERVER_URL.rpartition('/')[0]}/{db}"
     namespace = f"lp-dash-{run_id}"
-    plane: Plane | None = None
     try:
-        subprocess.run([sys.executable, "-m", "loraplane.cli", "migrate"], cwd=ROOT, check=True, capture_output=True,
-                       env={**os.environ, "DATABASE_URL": database_url})
-        t0 = time.perf_counter()
-        keys = seed(database_url, shape)
-        seeded_s = time.perf_counter() - t0
-        counts = stored_counts(database_url)
-        print(f"seeded in {seeded_s:.0f} s: {counts}", flush=True)
-        plane, base_url = start_api(database_url, workdir, namespace)
-        latencies, stop = Latencies(), threading.Event()
-        pollers = poll_status(base_url, keys, status_targets(shape), args.pollers, args.status_rps, latencies, stop)
-        try:
-            reads = page_reads(keys, shape)
-            time_reads(base_url, reads, 0, args.warmup, latencies)
-            with latencies.lock:  # the pollers' reads while the API warmed up (its first connections, imports)
-                latencies.samples.pop("status", None)
-                latencies.errors.pop("status", None)
-            time_reads(base_url, reads, args.reads, 0, latencies)
-        finally:
-            stop.set()
-            for thread in pollers:
-                thread.join(timeout=120)
+        stored = {side.name: prepare(side, shape, admin_engine, run_id) for side in sides}
+        for side in sides:
+            start_api(side, workdir, f"{namespace}-{side.name}")
+        latencies = measure(sides, shape, args)
         if args.hold:
-            print(f"API at {base_url}, database {database_url}; holding for {args.hold} s", flush=True)
+            print(f"APIs at {[s.base_url for s in sides]}; holding for {args.hold} s", flush=True)
             time.sleep(args.hold)
-        return {"seed_s": round(seeded_s, 1), "stored": counts, "latencies": latencies}
+        return {"sides": {side.name: {"root": str(side.root), **stored[side.name]} for side in sides},
+                "latencies": latencies}
     except Exception:
-        if plane is not None:  # the API's side of a failed read
-            print(plane.procs["api"].log.read_text()[-4000:], file=sys.stderr)
+        for side in sides:  # the APIs' side of a failed read
+            if side.log is not None and side.log.exists():
+                print(f"--- {side.name}'s API\n{side.log.read_text()[-3000:]}", file=sys.stderr)
         raise
     finally:
-        if plane is not None:
-            plane.stop_all()
+        for side in sides:
+            if side.proc is not None and side.proc.poll() is None:
+                os.killpg(side.proc.pid, signal.SIGKILL)
+                side.proc.wait(timeout=30)
         with admin_engine.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
+            for side in sides:
+                if side.database:
+                    conn.execute(text(f'DROP DATABASE IF EXISTS "{side.database.rpartition("/")[2]}" WITH (FORCE)'))
         admin_engine.dispose()
-        forget_namespace(namespace)
+        for side in sides:
+            forget_namespace(f"{namespace}-{side.name}")
 
 
 def stored_counts(database_url: str) -> dict[str, int]:
@@ -424,17 +482,19 @@ def stored_counts(database_url: str) -> dict[str, int]:
         engine.dispose()
 
 
-HEADERS = ["page", "request", "p50 ms", "p99 ms", "reads", "KB", "target p99 ms"]
+HEADERS = ["page", "request", "code", "p50 ms", "p99 ms", "reads", "KB", "target p99 ms"]
 
 
-def table_rows(shape: Shape, latencies: Latencies) -> list[list[Any]]:
+def table_rows(shape: Shape, names: list[str], latencies: Latencies) -> list[list[Any]]:
     rows: list[list[Any]] = []
-    for read in [*page_reads(dict.fromkeys(["tenant-000", "tenant-big"], ""), shape)]:
-        p50, p99, n = latencies.quantiles_ms(read.name)
-        size = latencies.samples.get(f"bytes:{read.name}", [0])
-        rows.append([read.page, read.name, p50, p99, n, round(max(size) / 1024, 1), TARGETS_MS[read.page]])
-    p50, p99, n = latencies.quantiles_ms("status")
-    rows.append(["status", "task status (pollers, concurrent)", p50, p99, n, None, TARGETS_MS["status"]])
+    for read in page_reads(shape):
+        for name in names:
+            p50, p99, n = latencies.quantiles_ms(f"{name}:{read.name}")
+            size = latencies.samples.get(f"bytes:{name}:{read.name}", [0])
+            rows.append([read.page, read.name, name, p50, p99, n, round(max(size) / 1024, 1), TARGETS_MS[read.page]])
+    for name in names:
+        p50, p99, n = latencies.quantiles_ms(f"{name}:status")
+        rows.append(["status", "task status (pollers, concurrent)", name, p50, p99, n, None, TARGETS_MS["status"]])
     return rows
 
 
@@ -451,6 +511,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pollers", type=int, default=4)
     parser.add_argument("--status-rps", type=float, default=20.0)
     parser.add_argument("--label", default="", help="in the result's name: dashboard_scale-<label>-cpu-<date>.json")
+    parser.add_argument("--baseline", default=None, help="a source tree (e.g. `git archive` of an earlier commit) "
+                        "to measure side by side: its API on a database of its own, seeded alike, the reads "
+                        "alternating between the two")
     parser.add_argument("--hold", type=float, default=0.0, help="keep the API up this long after the reads "
                                                                 "(to profile it), then clean up")
     args = parser.parse_args(argv)
@@ -460,14 +523,16 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="dashboard-scale-") as tmp:
         result = run(shape, args, Path(tmp))
     latencies: Latencies = result.pop("latencies")
-    rows = table_rows(shape, latencies)
-    worst = {page: max((r[3] for r in rows if r[0] == page), default=None) for page in TARGETS_MS}
+    names = list(result["sides"])
+    rows = table_rows(shape, names, latencies)
+    worst = {name: {page: max((r[4] for r in rows if r[0] == page and r[2] == name), default=None)
+                    for page in TARGETS_MS} for name in names}
     write_result("dashboard_scale" + (f"-{args.label}" if args.label else ""), HEADERS, rows, {
         "shape": shape.__dict__ | {"running_tasks": shape.running_tasks, "queued_tasks": QUEUED_TASKS,
                                    "finished_packs": finished_packs(shape), "pack_slots": SLOTS},
         **result, "errors": latencies.errors, "p99_ms_by_page": worst, "targets_p99_ms": TARGETS_MS,
-        "met": {page: (p99 := worst[page]) is not None and p99 <= TARGETS_MS[page] for page in TARGETS_MS},
-        "status_rps": args.status_rps, "pollers": args.pollers,
+        "met": {page: (p99 := worst["this"][page]) is not None and p99 <= TARGETS_MS[page] for page in TARGETS_MS},
+        "status_rps_per_side": args.status_rps, "pollers_per_side": args.pollers, "baseline": args.baseline,
     })
 
 
