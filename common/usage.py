@@ -168,7 +168,12 @@ def task_usage(session: Session, task_id: str) -> tuple[int, float]:
     """(tokens trained, GPU seconds) of one task's trials over its whole life."""
     trial_ids = set(session.scalars(select(Trial.id).where(Trial.task_id == task_id)))
     tokens = session.scalar(select(func.coalesce(func.sum(TrialUsage.tokens), 0)).where(TrialUsage.task_id == task_id))
-    seconds = gpu_seconds_by_trial(session, trial_ids=trial_ids)
+    # Only the packs that ran after the task was submitted: none before held its trials, and the part of one beside
+    # them that fell before it does not change their share. Every pack ever run was read at each task's end (a
+    # growing cost for the scheduler on a busy cluster: benchmarks/cluster_scale.py).
+    created = session.scalar(select(Task.created_at).where(Task.id == task_id))
+    window = (as_utc(created) if created is not None else None, None)
+    seconds = gpu_seconds_by_trial(session, window=window, trial_ids=trial_ids)
     return int(tokens or 0), sum(s for t, s in seconds.items() if t in trial_ids)
 
 

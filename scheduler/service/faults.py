@@ -95,10 +95,12 @@ def requeue_trial(session: Session, trial: Trial, reason: str, *, blame: Blame, 
 def _cut_back(session: Session, trial: Trial) -> int:
     """Out of its pack, its stored curve and numbers cut back to its newest checkpoint; returns that step (0:
     none, it starts again)."""
-    trial.awaiting_admission = False
+    never_joined, trial.awaiting_admission = trial.awaiting_admission, False
     kept_step = trial.checkpoint_step or 0
-    session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id, MetricPoint.step > kept_step))
     trial.pack_id = None
+    if never_joined:  # a back-fill its pack never took trained nothing there: its curve and numbers stand
+        return kept_step
+    session.execute(delete(MetricPoint).where(MetricPoint.trial_id == trial.id, MetricPoint.step > kept_step))
     trial.steps_done = kept_step
     trial.best_val_loss, trial.best_step = best_val(session, trial.id)
     trial.selection_loss = trial_selection_loss(session, trial.id)
