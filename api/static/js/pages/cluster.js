@@ -202,9 +202,9 @@ export function mount(root) {
       stat("trials running", String(cluster.trials_running)),
       stat("trials waiting", String(cluster.trials_pending)));
     const caption = workersCaption(cluster, (cursors.length - 1) * WORKERS_SHOWN);
-    clear(workers).append(cluster.workers.length
-      ? [h("div", { class: "table-box" }, workersTable(cluster.workers, caption)), pager(cluster)]
-      : h("p", { class: "muted" }, "No worker has registered yet."));
+    clear(workers).append(...(cluster.workers.length
+      ? [h("div", { class: "table-box" }, workersTable(cluster.workers, caption)), pager(cluster)].filter(Boolean)
+      : [h("p", { class: "muted" }, "No worker has registered yet.")]));
     clear(packs).append(h("h2", { id: "packs-title" }, "Live packs"),
       live.data.length ? h("div", { class: "packs" }, live.data.map(packCard)) : h("p", { class: "muted" }, "No pack is training."));
     clear(finished).append(h("h2", { id: "finished-title" }, "Where finished packs' time went"),
