@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     worker_drain_s: float = Field(default=25.0, gt=0, le=30, alias="LORAPLANE_WORKER_DRAIN_S")
     # The scheduler replans at least this often even when no event arrives (Redis is not the source of truth).
     scheduler_tick_s: float = Field(default=2.0, alias="LORAPLANE_SCHEDULER_TICK_S")
+    # Transactions the scheduler applies a batch of reports in at once, each the reports of some workers (one on
+    # SQLite, whose writers take turns): ingest waits on the database far more than it computes.
+    scheduler_ingest_threads: int = Field(default=4, ge=1, le=32, alias="LORAPLANE_SCHEDULER_INGEST_THREADS")
     # A worker's loss (its process died or restarted, its heartbeat stopped, its whole pack failed) costs its trials
     # no attempt: they go back to pending and wait this long before they may be placed again, doubled for each
     # worker loss of the trial, up to the max (scheduler/planning/faults.py). Time for a crashed worker to come back

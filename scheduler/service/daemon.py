@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,7 +34,7 @@ from sqlalchemy.orm import Session
 from common import states
 from common.bus import REGISTRY_KEY, SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
 from common.db import get_engine, session_scope
-from common.messages import AbortPack, AdmitTrials, StopTrials, parse_report
+from common.messages import AbortPack, AdmitTrials, Report, StopTrials, parse_report
 from common.registry import published_registry
 from common.settings import Settings
 from common.tables import Pack, Task, utcnow
@@ -65,8 +67,9 @@ from scheduler.service.webhooks import WebhookSender
 log = logging.getLogger(__name__)
 
 LEADER_LOCK_ID = 0x10_4A_91_A7  # pg advisory lock key: one active scheduler per database
-BATCH = 1000  # reports ingested per transaction
-INGEST_BUDGET_S = 1.0  # a round reads batches while they come full for this long, then plans
+LEADER_POLL_S = 0.5  # how often a standby tries the lock: it takes over within this of the active one's death
+BATCH = 1000  # reports read at once (applied in `scheduler_ingest_threads` transactions, by worker)
+INGEST_BUDGET_S = 1.0  # a round reads batches while they come full for this long (or the last plan's time), then plans
 REGISTRY_REPUBLISH_S = 60.0  # the model registry is published again this often even when it did not change
 
 
@@ -88,6 +91,9 @@ class SchedulerDaemon:
         self._registry_sent: dict[str, Any] | None = None  # the model registry last published, and when
         self._registry_sent_at = 0.0
         self.telemetry = SchedulerTelemetry(enabled=False)  # `run` serves it when a metrics port is set
+        self._ingest_threads = 1 if get_engine().dialect.name == "sqlite" else settings.scheduler_ingest_threads
+        self._ingest_pool = ThreadPoolExecutor(self._ingest_threads, thread_name_prefix="ingest")
+        self._last_tick_s = 0.0
 
     def step(self, block_s: float) -> int:
         """One round: ingest what arrived (waiting up to block_s for the first batch), then act. Returns messages
@@ -97,13 +103,16 @@ class SchedulerDaemon:
         round, a round's planning time capped what could be read (at 256 hollow workers the stream fell minutes
         behind; benchmarks/cluster_scale.py). The round's own work (reaping, planning, dispatch) does not depend on
         the bus: when Redis is away the read fails, and the round still reaps and plans from the database."""
-        deadline = time.monotonic() + INGEST_BUDGET_S
+        # At least as long as the last round's planning took: ingest gets half the time or more while it is behind.
+        deadline = time.monotonic() + max(INGEST_BUDGET_S, self._last_tick_s)
         handled = last = self._ingest_batch(block_s)
         while last == BATCH and time.monotonic() < deadline:
             last = self._ingest_batch(0.0)
             handled += last
+        started = time.monotonic()
         # A full batch means heartbeats may still wait behind it: no one is declared lost before they are read.
         self.tick(reap=last < BATCH and time.monotonic() >= self._reap_after)
+        self._last_tick_s = time.monotonic() - started
         return handled
 
     def _ingest_batch(self, block_s: float) -> int:
@@ -129,21 +138,40 @@ class SchedulerDaemon:
         # A message that cannot be read is logged, counted and left out, and acked with the rest: read again it
         # would fail again.
         reports = [r for _, raw in batch if (r := parse_report(raw, on_drop=message_dropped)) is not None]
-        aborts: set[tuple[str, str]] = set()
+        touched: set[str] = set()
+        for shard_touched, shard_aborts in self._ingest_pool.map(self._ingest_shard, self._shards(reports)):
+            touched |= shard_touched
+            self._aborts |= shard_aborts
+        # Early exit on every new evaluation, once the points it rests on are stored (a crash in between replays the
+        # batch: its points change nothing twice, and the same tasks are judged again).
         with session_scope() as session:
-            touched: set[str] = set()
-            ingest(session, reports, touched=touched, stale_after_s=self.settings.worker_timeout_s,
-                   aborts=aborts, policy=self.faults)
-            # Early exit on every new evaluation, in the same transaction as the points it rests on.
             self._pauses += apply_early_exit(session, touched, utcnow())
-        self._aborts |= aborts
         self.telemetry.ingested(reports)
-        # Acked only after the commit: a crash in between replays the batch, and ingest is idempotent.
+        # Acked only after the commits: a crash in between replays the batch, and ingest is idempotent.
         try:
             self.bus.ack(SCHEDULER_STREAM, SCHEDULER_GROUP, [msg_id for msg_id, _ in batch])
         except Exception as exc:  # noqa: BLE001 - unacked messages come back and change nothing twice
             log.warning("could not ack %d messages (%s); they will be read again", len(batch), exc)
         return len(batch)
+
+    def _shards(self, reports: list[Report]) -> list[list[Report]]:
+        """The batch split by worker, in stream order within each: a worker's reports are applied in the order it
+        sent them, and different workers' reports touch different trials and packs (each trial runs in one pack,
+        each pack on one worker), so their transactions do not wait for each other."""
+        shards: list[list[Report]] = [[] for _ in range(self._ingest_threads)]
+        for report in reports:
+            worker = getattr(report, "worker_id", "") or ""
+            shards[zlib.crc32(worker.encode()) % len(shards)].append(report)
+        return [shard for shard in shards if shard]
+
+    def _ingest_shard(self, reports: list[Report]) -> tuple[set[str], set[tuple[str, str]]]:
+        """One shard of a batch in a transaction of its own; the tasks touched and the packs to abort."""
+        touched: set[str] = set()
+        aborts: set[tuple[str, str]] = set()
+        with session_scope() as session:
+            ingest(session, reports, touched=touched, stale_after_s=self.settings.worker_timeout_s, aborts=aborts,
+                   policy=self.faults)
+        return touched, aborts
 
     def tick(self, reap: bool = True) -> None:
         now = utcnow()
@@ -369,6 +397,7 @@ class SchedulerDaemon:
         engine = get_engine()
         if engine.dialect.name != "postgresql":
             return None
+        standing_by = False
         while not stop.is_set():
             try:
                 conn = engine.connect()
@@ -380,6 +409,8 @@ class SchedulerDaemon:
                 conn.commit()
                 return conn
             conn.close()
-            log.info("another scheduler holds the lock; standing by")
-            stop.wait(self.settings.scheduler_tick_s)
+            if not standing_by:  # said once: the standby tries again twice a second
+                log.info("another scheduler holds the lock; standing by")
+                standing_by = True
+            stop.wait(LEADER_POLL_S)
         return None
