@@ -23,8 +23,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
 from common import states
@@ -153,15 +154,82 @@ def _held_seconds(packs: Sequence[Pack], window: tuple[datetime | None, datetime
 
 def gpu_seconds_by_tenant(session: Session, window: tuple[datetime | None, datetime | None],
                           now: datetime | None = None) -> dict[str, float]:
-    """Each tenant's GPU seconds inside the window (its trials' shares, `gpu_seconds_by_trial`): what it is billed,
-    and what the scheduler's fairness rule and the cluster view weigh it by."""
-    seconds = gpu_seconds_by_trial(session, window, now)
-    owner = dict(session.execute(select(Trial.id, Trial.tenant_id).where(Trial.id.in_(list(seconds)))).all())
+    """Each tenant's GPU seconds inside the window: what it is billed, and what the scheduler's fairness rule and the
+    cluster view weigh it by. `gpu_seconds_by_trial`'s shares summed by the trials' tenants (`split_overlaps` on each
+    worker, then a pack's seconds shared by its trials' reported tokens, equally without any or when it was lost),
+    read for a cluster of hundreds of workers: the packs' few columns, their reported tokens summed by tenant (a
+    trial reports only from a pack it was placed in), and for the packs shared equally how many of their trials each
+    tenant has (`_equal_shares`). Summing `gpu_seconds_by_trial` itself loaded every pack of the window whole and
+    each trial's owner by id: seconds at 256 workers (tests/api/test_api_cluster.py holds the two equal)."""
+    now = now or utcnow()
+    start, end = window
+    in_window: list[ColumnElement[bool]] = [Pack.started_at.is_not(None)]
+    if end is not None:
+        in_window.append(Pack.started_at < end)
+    if start is not None:
+        in_window.append(or_(Pack.finished_at.is_(None), Pack.finished_at > start))
+    packs = session.execute(select(Pack.id, Pack.worker_id, Pack.state, Pack.gpus, Pack.started_at, Pack.finished_at)
+                            .where(*in_window)).all()
+    by_worker: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
+    for p in packs:
+        lo, hi = clip(as_utc(p.started_at), as_utc(p.finished_at) if p.finished_at is not None else now, window)
+        by_worker[p.worker_id].append((p.id, lo.timestamp(), hi.timestamp()))
+    held = {pack_id: s for spans in by_worker.values() for pack_id, s in split_overlaps(spans).items()}
+    tokens: dict[str, dict[str, int]] = defaultdict(dict)
+    for pack_id, tenant_id, n in session.execute(
+            select(TrialUsage.pack_id, TrialUsage.tenant_id, func.sum(TrialUsage.tokens))
+            .join(Pack, Pack.id == TrialUsage.pack_id).where(*in_window)
+            .group_by(TrialUsage.pack_id, TrialUsage.tenant_id)):
+        tokens[pack_id][tenant_id] = int(n or 0)
     out: dict[str, float] = defaultdict(float)
-    for trial_id, share in seconds.items():
-        if trial_id in owner:  # a pack's trial deleted since (its tenant gone) bills no one
-            out[owner[trial_id]] += share
+    equal: dict[str, float] = {}  # the packs whose seconds are shared equally among their trials
+    for p in packs:
+        seconds, reported = held[p.id] * p.gpus, tokens.get(p.id, {}) if p.state != states.PACK_LOST else {}
+        total = sum(reported.values())
+        if total > 0:
+            for tenant_id, n in reported.items():
+                out[tenant_id] += seconds * n / total
+        else:
+            equal[p.id] = seconds
+    for tenant_id, seconds in _equal_shares(session, equal).items():
+        out[tenant_id] += seconds
     return dict(out)
+
+
+def _equal_shares(session: Session, seconds: dict[str, float]) -> dict[str, float]:
+    """These packs' seconds shared equally among the trials placed in them (`Pack.trial_ids`), by tenant. A trial
+    in a pack now (`Trial.pack_id`, which stays set once it ended there) was placed in it: a pack all of whose
+    trials are still in it is counted by tenant in SQL; the trials of the others (back in the queue after a lost
+    pack, or in another pack since) are read by id. A pack's trial deleted since (its tenant gone) bills no one."""
+    out: dict[str, float] = defaultdict(float)
+    if not seconds:
+        return out
+    placed: dict[str, list[Any]] = dict(
+        session.execute(select(Pack.id, Pack.trial_ids).where(Pack.id.in_(list(seconds)))).all())
+    members: dict[str, dict[str, int]] = defaultdict(dict)
+    for pack_id, tenant_id, n in session.execute(
+            select(Trial.pack_id, Trial.tenant_id, func.count(Trial.id)).where(Trial.pack_id.in_(list(seconds)))
+            .group_by(Trial.pack_id, Trial.tenant_id)):
+        members[str(pack_id)][tenant_id] = n
+    by_id: list[tuple[list[str], float]] = []
+    for pack_id, trial_ids in placed.items():
+        if not trial_ids:
+            continue
+        share = seconds[pack_id] / len(trial_ids)
+        if sum(members[pack_id].values()) == len(trial_ids):
+            for tenant_id, n in members[pack_id].items():
+                out[tenant_id] += share * n
+        else:
+            by_id.append(([str(t) for t in trial_ids], share))
+    if by_id:
+        wanted = list({t for trial_ids, _ in by_id for t in trial_ids})
+        owner: dict[str, str] = dict(
+            session.execute(select(Trial.id, Trial.tenant_id).where(Trial.id.in_(wanted))).all())
+        for trial_ids, share in by_id:
+            for trial_id in trial_ids:
+                if trial_id in owner:
+                    out[owner[trial_id]] += share
+    return out
 
 
 def task_usage(session: Session, task_id: str) -> tuple[int, float]:

@@ -32,14 +32,13 @@ from common.pack_phases import number, phase_seconds
 from common.settings import get_settings
 from common.states import (
     PACK_LIVE,
-    PACK_LOST,
     TRIAL_PENDING,
     TRIAL_RUNNING,
     TRIAL_WAITING,
     WORKER_ALIVE,
 )
-from common.tables import Pack, Task, Tenant, Trial, TrialUsage, Worker, as_utc, utcnow
-from common.usage import clip, split_overlaps
+from common.tables import Pack, Task, Tenant, Trial, Worker, utcnow
+from common.usage import gpu_seconds_by_tenant
 from scheduler.planning.fairness import policy_from
 
 
@@ -204,7 +203,7 @@ def _tenant_loads(session: Session, now: datetime) -> list[TenantLoad]:
     if not by_tenant:
         return []
     window_s = policy_from(get_settings()).window_s
-    used = window_gpu_seconds(session, (now - timedelta(seconds=window_s), now), now)
+    used = gpu_seconds_by_tenant(session, (now - timedelta(seconds=window_s), now), now)
     held_by = dict(session.execute(select(Trial.tenant_id, func.count()).where(
         Trial.state == TRIAL_PENDING, Trial.preempted_for.is_not(None)).group_by(Trial.tenant_id)).all())
     rows: dict[str, tuple[str, float]] = {tenant_id: (name, weight) for tenant_id, name, weight in session.execute(
@@ -217,81 +216,6 @@ def _tenant_loads(session: Session, now: datetime) -> list[TenantLoad]:
          for t, c in by_tenant.items() for name, weight in [rows.get(t, (t, 1.0))]
          for shown, total in [waiting.get(t, ([], 0))]),
         key=lambda t: (-t.running_trials, -t.pending_trials, t.name))
-
-
-def window_gpu_seconds(session: Session, window: tuple[datetime, datetime], now: datetime) -> dict[str, float]:
-    """Each tenant's GPU seconds inside the window: common.usage.gpu_seconds_by_tenant's figures by the same rule
-    (`split_overlaps` on each worker, then a pack's seconds shared by its trials' reported tokens, equally without
-    any or when it was lost), read for a cluster of hundreds of workers. That one loads every pack of the window
-    whole (profiles and all), shares each pack among its trials one by one and then reads their owners by id, a
-    bound parameter a trial (tens of thousands at 256 workers: seconds of this view). This reads the packs' few
-    columns it needs, their reported tokens summed by tenant (a trial reports only from a pack it was placed in),
-    and for the packs shared equally how many of their trials each tenant has (`_equal_shares`)."""
-    start, end = window
-    in_window = (Pack.started_at.is_not(None), Pack.started_at < end,
-                 or_(Pack.finished_at.is_(None), Pack.finished_at > start))
-    packs = session.execute(select(Pack.id, Pack.worker_id, Pack.state, Pack.gpus, Pack.started_at, Pack.finished_at)
-                            .where(*in_window)).all()
-    by_worker: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
-    for p in packs:
-        lo, hi = clip(as_utc(p.started_at), as_utc(p.finished_at) if p.finished_at is not None else now, window)
-        by_worker[p.worker_id].append((p.id, lo.timestamp(), hi.timestamp()))
-    held = {pack_id: s for spans in by_worker.values() for pack_id, s in split_overlaps(spans).items()}
-    tokens: dict[str, dict[str, int]] = defaultdict(dict)
-    for pack_id, tenant_id, n in session.execute(
-            select(TrialUsage.pack_id, TrialUsage.tenant_id, func.sum(TrialUsage.tokens))
-            .join(Pack, Pack.id == TrialUsage.pack_id).where(*in_window)
-            .group_by(TrialUsage.pack_id, TrialUsage.tenant_id)):
-        tokens[pack_id][tenant_id] = int(n or 0)
-    out: dict[str, float] = defaultdict(float)
-    equal: dict[str, float] = {}  # the packs whose seconds are shared equally among their trials
-    for p in packs:
-        seconds, reported = held[p.id] * p.gpus, tokens.get(p.id, {}) if p.state != PACK_LOST else {}
-        total = sum(reported.values())
-        if total > 0:
-            for tenant_id, n in reported.items():
-                out[tenant_id] += seconds * n / total
-        else:
-            equal[p.id] = seconds
-    for tenant_id, seconds in _equal_shares(session, equal).items():
-        out[tenant_id] += seconds
-    return dict(out)
-
-
-def _equal_shares(session: Session, seconds: dict[str, float]) -> dict[str, float]:
-    """These packs' seconds shared equally among the trials placed in them (`Pack.trial_ids`), by tenant. A trial
-    in a pack now (`Trial.pack_id`, which stays set once it ended there) was placed in it: a pack all of whose
-    trials are still in it is counted by tenant in SQL; the trials of the others (back in the queue after a lost
-    pack, or in another pack since) are read by id. A pack's trial deleted since (its tenant gone) bills no one."""
-    out: dict[str, float] = defaultdict(float)
-    if not seconds:
-        return out
-    placed: dict[str, list[Any]] = dict(
-        session.execute(select(Pack.id, Pack.trial_ids).where(Pack.id.in_(list(seconds)))).all())
-    members: dict[str, dict[str, int]] = defaultdict(dict)
-    for pack_id, tenant_id, n in session.execute(
-            select(Trial.pack_id, Trial.tenant_id, func.count(Trial.id)).where(Trial.pack_id.in_(list(seconds)))
-            .group_by(Trial.pack_id, Trial.tenant_id)):
-        members[str(pack_id)][tenant_id] = n
-    by_id: list[tuple[list[str], float]] = []
-    for pack_id, trial_ids in placed.items():
-        if not trial_ids:
-            continue
-        share = seconds[pack_id] / len(trial_ids)
-        if sum(members[pack_id].values()) == len(trial_ids):
-            for tenant_id, n in members[pack_id].items():
-                out[tenant_id] += share * n
-        else:
-            by_id.append(([str(t) for t in trial_ids], share))
-    if by_id:
-        wanted = list({t for trial_ids, _ in by_id for t in trial_ids})
-        owner: dict[str, str] = dict(
-            session.execute(select(Trial.id, Trial.tenant_id).where(Trial.id.in_(wanted))).all())
-        for trial_ids, share in by_id:
-            for trial_id in trial_ids:
-                if trial_id in owner:
-                    out[owner[trial_id]] += share
-    return out
 
 
 WAITING_SHOWN = 10  # a tenant's waiting tasks listed (`TenantLoad.waiting`), the oldest: the next to start

@@ -308,13 +308,13 @@ def test_the_cluster_pages_its_workers_and_counts_every_one(client: TestClient, 
 
 def test_the_views_gpu_time_by_tenant_is_what_usage_bills(client: TestClient, tenant: TenantKey,
                                                           other_tenant: TenantKey) -> None:
-    """The cluster view reads each tenant's GPU time over the window its own, lean way (api/services/cluster.py
-    window_gpu_seconds); it is common/usage.py's figure: packs side by side on a worker split its time, a pack's
-    time goes by its trials' reported tokens, equally without reports or when it was lost (to a trial since
-    moved to another pack too), a pack that ended before the window counts nothing."""
-    from api.services.cluster import window_gpu_seconds
+    """Each tenant's GPU time over the window, as the cluster view, the fairness rule and billing read it
+    (common.usage.gpu_seconds_by_tenant, summed from a few columns and aggregates), is its trials' shares by the
+    per-trial rule (gpu_seconds_by_trial): packs side by side on a worker split its time, a pack's time goes by its
+    trials' reported tokens, equally without reports or when it was lost (to a trial since moved to another pack
+    too), a pack that ended before the window counts nothing."""
     from common.tables import TrialUsage
-    from common.usage import gpu_seconds_by_tenant
+    from common.usage import gpu_seconds_by_tenant, gpu_seconds_by_trial
 
     mine, theirs = trial_ids(make_task(client, tenant)["id"]), trial_ids(make_task(client, other_tenant)["id"])
     add_worker("gpu-0")
@@ -342,9 +342,13 @@ def test_the_views_gpu_time_by_tenant_is_what_usage_bills(client: TestClient, te
                                    tokens=tokens, steps=10, end_step=10, created_at=now))
     window = (now - timedelta(seconds=3600), now)
     with session_scope() as session:
-        lean, billed = window_gpu_seconds(session, window, now), gpu_seconds_by_tenant(session, window, now)
-    assert set(lean) == set(billed) == {tenant.id, other_tenant.id}
-    assert all(abs(lean[t] - billed[t]) < 1e-6 for t in billed), (lean, billed)
+        billed = gpu_seconds_by_tenant(session, window, now)
+        owners = dict.fromkeys(mine, tenant.id) | dict.fromkeys(theirs, other_tenant.id)
+        by_trial: dict[str, float] = {}
+        for trial_id, share in gpu_seconds_by_trial(session, window, now).items():
+            by_trial[owners[trial_id]] = by_trial.get(owners[trial_id], 0.0) + share
+    assert set(by_trial) == set(billed) == {tenant.id, other_tenant.id}
+    assert all(abs(by_trial[t] - billed[t]) < 1e-6 for t in billed), (by_trial, billed)
     assert billed[tenant.id] > 0 and billed[other_tenant.id] > 0
 
 
