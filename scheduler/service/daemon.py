@@ -20,7 +20,8 @@ import logging
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -34,7 +35,7 @@ from sqlalchemy.orm import Session
 from common import states
 from common.bus import REGISTRY_KEY, SCHEDULER_GROUP, SCHEDULER_STREAM, Bus, commands_stream
 from common.db import get_engine, session_scope
-from common.messages import AbortPack, AdmitTrials, Report, StopTrials, parse_report
+from common.messages import AbortPack, AdmitTrials, Points, Report, StopTrials, parse_report
 from common.registry import published_registry
 from common.settings import Settings
 from common.tables import Pack, Task, utcnow
@@ -138,10 +139,20 @@ class SchedulerDaemon:
         # A message that cannot be read is logged, counted and left out, and acked with the rest: read again it
         # would fail again.
         reports = [r for _, raw in batch if (r := parse_report(raw, on_drop=message_dropped)) is not None]
+        # The loss points first, by worker in transactions of their own at once (most of a batch's volume, and they
+        # write no events); then everything else in one transaction, in stream order: a state change (a trial ended,
+        # a pack lost) comes after the points a worker sent before it, as before, and the points a worker sends after
+        # one are dropped or cut back as they would be then (their trial no longer runs in that pack).
+        points = [r for r in reports if isinstance(r, Points)]
+        shards = [self._ingest_pool.submit(self._ingest_shard, shard) for shard in self._shards(points)]
+        wait(shards)  # every shard ends before a failure is raised: a replay must not meet one still running
         touched: set[str] = set()
-        for shard_touched, shard_aborts in self._ingest_pool.map(self._ingest_shard, self._shards(reports)):
-            touched |= shard_touched
-            self._aborts |= shard_aborts
+        for shard in shards:
+            touched |= shard.result()[0]  # points abort nothing
+        if rest := [r for r in reports if not isinstance(r, Points)]:
+            rest_touched, aborts = self._ingest_shard(rest)
+            touched |= rest_touched
+            self._aborts |= aborts
         # Early exit on every new evaluation, once the points it rests on are stored (a crash in between replays the
         # batch: its points change nothing twice, and the same tasks are judged again).
         with session_scope() as session:
@@ -154,18 +165,17 @@ class SchedulerDaemon:
             log.warning("could not ack %d messages (%s); they will be read again", len(batch), exc)
         return len(batch)
 
-    def _shards(self, reports: list[Report]) -> list[list[Report]]:
-        """The batch split by worker, in stream order within each: a worker's reports are applied in the order it
-        sent them, and different workers' reports touch different trials and packs (each trial runs in one pack,
-        each pack on one worker), so their transactions do not wait for each other."""
-        shards: list[list[Report]] = [[] for _ in range(self._ingest_threads)]
+    def _shards(self, reports: list[Points]) -> list[list[Points]]:
+        """The reports split by worker, in stream order within each: different workers' points are of different
+        trials (each trial runs in one pack, each pack on one worker), so their transactions do not wait for each
+        other."""
+        shards: list[list[Points]] = [[] for _ in range(self._ingest_threads)]
         for report in reports:
-            worker = getattr(report, "worker_id", "") or ""
-            shards[zlib.crc32(worker.encode()) % len(shards)].append(report)
+            shards[zlib.crc32(report.worker_id.encode()) % len(shards)].append(report)
         return [shard for shard in shards if shard]
 
-    def _ingest_shard(self, reports: list[Report]) -> tuple[set[str], set[tuple[str, str]]]:
-        """One shard of a batch in a transaction of its own; the tasks touched and the packs to abort."""
+    def _ingest_shard(self, reports: Sequence[Report]) -> tuple[set[str], set[tuple[str, str]]]:
+        """Reports applied in a transaction of their own; the tasks touched and the packs to abort."""
         touched: set[str] = set()
         aborts: set[tuple[str, str]] = set()
         with session_scope() as session:
