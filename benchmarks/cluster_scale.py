@@ -88,7 +88,7 @@ class RunConfig:
     streams: int = 50
     churn: bool = True
     failover: bool = True
-    simulate_alongside: bool = False
+    simulator: str = "after"  # when the simulator runs the same trace: "after" the run, "alongside" it, or "none"
     ceiling_s: float = 900.0
 
 
@@ -392,7 +392,7 @@ def run(config: RunConfig, workdir: Path) -> dict[str, Any]:
         # The simulator on the same trace: after the run, or beside it in a process of its own (on a machine with
         # cores to spare: it takes minutes at 256 workers).
         simulation = (ProcessPoolExecutor(1).submit(simulate, trace, config.workers, config.planner, seed=config.seed)
-                      if config.simulate_alongside else None)
+                      if config.simulator == "alongside" else None)
         result = drive(config, trace, plane, load, (metrics_port, standby_metrics_port), database_url, groups,
                        hollow_args, simulation)
         result.update(database(database_url, base_url, admin, keys))
@@ -567,9 +567,10 @@ def drive(config: RunConfig, trace: Trace, plane: Plane, load: Load, metrics_por
               "churned_at_s": faults.churned_at, "failed_over_at_s": faults.failed_over_at,
               "failover_s": faults.failover_s,
               "streams_open_median": statistics.median(open_streams) if open_streams else 0}
-    sim = simulation.result() if simulation is not None else simulate(trace, config.workers, config.planner,
-                                                                       seed=config.seed)
-    result.update(jct_against_simulator(config, sim, load.submitted, finished))
+    if config.simulator != "none":
+        sim = simulation.result() if simulation is not None else simulate(trace, config.workers, config.planner,
+                                                                           seed=config.seed)
+        result.update(jct_against_simulator(config, sim, load.submitted, finished))
     result.update(points_check(engine))
     engine.dispose()
     return result
@@ -756,8 +757,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-churn", action="store_true")
     parser.add_argument("--no-failover", action="store_true")
     parser.add_argument("--processes", type=int, default=10, help="hollow worker processes (churn kills one)")
-    parser.add_argument("--simulate-alongside", action="store_true",
-                        help="run the simulator in a process of its own during the run (where cores are spare)")
+    parser.add_argument("--simulator", default="after", choices=["after", "alongside", "none"],
+                        help="the simulator on the same trace: after the run, alongside it in a process of its own "
+                             "(where cores are spare), or not at all (1,024 workers: it takes hours)")
     args = parser.parse_args(argv)
     runs: list[dict[str, Any]] = []
     for n in args.workers:
@@ -765,7 +767,7 @@ def main(argv: list[str] | None = None) -> None:
                            time_scale=args.time_scale, steps_scale=args.steps_scale, ceiling_s=args.ceiling_s,
                            trials_per_task=args.trials_per_task, planner=args.planner,
                            churn=not args.no_churn, failover=not args.no_failover,
-                           simulate_alongside=args.simulate_alongside,
+                           simulator=args.simulator,
                            processes=min(args.processes, n))
         with tempfile.TemporaryDirectory(prefix=f"cluster-scale-{n}-") as tmp:
             result = run(config, Path(tmp))

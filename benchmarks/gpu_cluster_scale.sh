@@ -6,7 +6,7 @@
 #            pgserver wheel (PostgreSQL 16 binaries, run from its folder) and this machine's redis-server with the
 #            three libraries the image may lack (liblzf, libjemalloc, libatomic)
 #   device:  bash benchmarks/gpu_cluster_scale.sh store        # carry [".whlsvc", ".pgbin"]
-#   device:  LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_cluster_scale.sh run "<cluster_scale args>"   # carry [".whl"]
+#   device:  LORAPLANE_COMMIT=<HEAD> bash benchmarks/gpu_cluster_scale.sh run "<run 1's args>" "<run 2's>"  # carry [".whl"]
 #   device:  bash benchmarks/gpu_cluster_scale.sh wait 540    # again until it says "all done"
 # (.whlsvc .whl .pgbin are listed in .git/info/exclude.) Results come back in $OUT/results.tar.gz.
 set -uo pipefail
@@ -25,13 +25,14 @@ case $stage in
     # PostgreSQL refuses to run as root: its own user. Redis keeps nothing on disk, as on the dev machine.
     id lp >/dev/null 2>&1 || useradd -m lp
     pg=$LP/pgwheel/pgserver/pginstall
-    if [ ! -d $LP/pgdata ]; then
-      mkdir -p $LP/pgdata && chown lp $LP/pgdata && chmod -R a+rX $LP/pgwheel && chmod a+rx $LP
-      su lp -s /bin/bash -c "LD_LIBRARY_PATH=$pg/lib $pg/bin/initdb -D $LP/pgdata -U postgres --auth=trust -E UTF8 >$LP/initdb.log 2>&1"
+    if [ ! -d $LP/pg/data ]; then
+      mkdir -p $LP/pg && chown lp $LP/pg && chmod -R a+rX $LP/pgwheel && chmod a+rx $LP
+      su lp -s /bin/bash -c "LD_LIBRARY_PATH=$pg/lib $pg/bin/initdb -D $LP/pg/data -U postgres --auth=trust -E UTF8 \
+        >$LP/pg/initdb.log 2>&1" || { cat $LP/pg/initdb.log; exit 3; }
     fi
-    su lp -s /bin/bash -c "LD_LIBRARY_PATH=$pg/lib $pg/bin/pg_ctl -D $LP/pgdata -l $LP/pg.log -w -o \
+    su lp -s /bin/bash -c "LD_LIBRARY_PATH=$pg/lib $pg/bin/pg_ctl -D $LP/pg/data -l $LP/pg/server.log -w -o \
       '-c listen_addresses=127.0.0.1 -c port=5432 -c max_connections=400 -c shared_buffers=4GB -c huge_pages=off \
-       -c dynamic_shared_memory_type=mmap -c unix_socket_directories=/tmp' start" || { tail -20 $LP/pg.log; exit 3; }
+       -c dynamic_shared_memory_type=mmap -c unix_socket_directories=/tmp' start" || { tail -20 $LP/pg/server.log; exit 3; }
     LD_LIBRARY_PATH=$LP/redis/lib $LP/redis/redis-server --port 6379 --bind 127.0.0.1 --save '' --appendonly no \
       --daemonize yes --logfile $LP/redis.log || { cat $LP/redis.log; exit 3; } ;;
   run)
@@ -39,14 +40,17 @@ case $stage in
     python3 -m pip install -q --no-index --no-deps --no-compile --target $LP/svcsite .whl/*.whl || exit 3
     bash "$0" servers || exit 3
     rm -rf $LP/repo && cp -r . $LP/repo && mkdir -p $LP/results
-    (cd $LP/repo && PYTHONPATH=$LP/svcsite:. setsid nohup timeout 3000 \
-      python3 -m benchmarks.cluster_scale $1 > $LP/cluster_scale-$(date +%H%M%S).log 2>&1 < /dev/null &)
+    # Each argument is one run's arguments; the runs go one after another, in the background.
+    printf '%s\n' "$@" > $LP/runs.txt
+    (cd $LP/repo && PYTHONPATH=$LP/svcsite:. setsid nohup timeout 3000 bash -c 'i=0; while read -r args; do \
+      i=$((i+1)); python3 -m benchmarks.cluster_scale $args > '$LP'/cluster_scale-$i.log 2>&1 < /dev/null; \
+      cp benchmarks/results/cluster_scale-*-gpu-*.json '$LP'/results/run$i.json; done < '$LP'/runs.txt' \
+      < /dev/null > /dev/null 2>&1 &)
     sleep 20; exec bash "$0" wait 500 ;;
   wait)
     deadline=$(( $(date +%s) + ${1:-540} ))
     while pgrep -f "benchmarks.cluster_scale" >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 10; done
     for log in $LP/cluster_scale-*.log; do echo "== $log"; grep -vE "^\{" "$log" | tail -8; done
     pgrep -f "benchmarks.cluster_scale" >/dev/null && echo "still running" || echo "all done"
-    cp $LP/repo/benchmarks/results/cluster_scale-*.json $LP/results/ 2>/dev/null
     (cd $LP && tar czf "$OUT"/results.tar.gz results cluster_scale-*.log) && tar tzf "$OUT"/results.tar.gz ;;
 esac
