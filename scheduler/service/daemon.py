@@ -74,6 +74,21 @@ INGEST_BUDGET_S = 1.0  # a round reads batches while they come full for this lon
 REGISTRY_REPUBLISH_S = 60.0  # the model registry is published again this often even when it did not change
 
 
+def _points_first(reports: list[Report]) -> tuple[list[Points], list[Report]]:
+    """(the Points reports each worker sent before any other report of its in ``reports``, the rest in order)."""
+    first: list[Points] = []
+    rest: list[Report] = []
+    changed: set[str] = set()  # workers that sent another report already
+    for report in reports:
+        if isinstance(report, Points) and report.worker_id not in changed:
+            first.append(report)
+        else:
+            rest.append(report)
+            if worker := getattr(report, "worker_id", None):
+                changed.add(worker)
+    return first, rest
+
+
 class SchedulerDaemon:
     def __init__(self, settings: Settings, bus: Bus, celery: Celery, consumer: str = "scheduler") -> None:
         self.settings = settings
@@ -139,17 +154,17 @@ class SchedulerDaemon:
         # A message that cannot be read is logged, counted and left out, and acked with the rest: read again it
         # would fail again.
         reports = [r for _, raw in batch if (r := parse_report(raw, on_drop=message_dropped)) is not None]
-        # The loss points first, by worker in transactions of their own at once (most of a batch's volume, and they
-        # write no events); then everything else in one transaction, in stream order: a state change (a trial ended,
-        # a pack lost) comes after the points a worker sent before it, as before, and the points a worker sends after
-        # one are dropped or cut back as they would be then (their trial no longer runs in that pack).
-        points = [r for r in reports if isinstance(r, Points)]
+        # The loss points a worker sent before any other report of its in the batch go first, by worker in
+        # transactions of their own at once (most of a batch's volume, and they write no events); then everything
+        # else in one transaction, in stream order. Each worker's reports are so applied in the order it sent them:
+        # a point it sent after a state change (its trial ended, its pack was lost) is judged after that change.
+        points, rest = _points_first(reports)
         shards = [self._ingest_pool.submit(self._ingest_shard, shard) for shard in self._shards(points)]
         wait(shards)  # every shard ends before a failure is raised: a replay must not meet one still running
         touched: set[str] = set()
         for shard in shards:
             touched |= shard.result()[0]  # points abort nothing
-        if rest := [r for r in reports if not isinstance(r, Points)]:
+        if rest:
             rest_touched, aborts = self._ingest_shard(rest)
             touched |= rest_touched
             self._aborts |= aborts
