@@ -56,3 +56,20 @@ def test_a_batch_of_points_and_endings_stores_each_point_once_and_scores_from_th
         assert running.state == "running" and running.steps_done == 1 and running.last_train_loss == 3.1
         assert running.selection_loss == pytest.approx(selection_loss([2.5, 2.4]))
         assert running.best_val_loss == 2.4 and running.best_step == 4
+
+
+def test_a_workers_points_go_first_only_until_another_report_of_its_own() -> None:
+    """The daemon stores a batch's points in parallel transactions before the rest (scheduler/service/daemon.py,
+    `_points_first`): only those each worker sent before any other report of its, so that each worker's reports are
+    applied in the order it sent them; other workers' points are not held back by it."""
+    from common.messages import PackFinished, Points, Wake
+    from scheduler.service.daemon import _points_first
+
+    def points(worker: str, step: int) -> Points:
+        return Points(worker_id=worker, pack_id=f"pack-{worker}", points=[Point(f"t-{worker}", step, "train", 1.0)])
+
+    a1, b1, a2, b2 = points("a", 1), points("b", 1), points("a", 2), points("b", 2)
+    ended, wake = PackFinished(worker_id="a", pack_id="pack-a"), Wake(reason="task")
+    first, rest = _points_first([a1, b1, wake, ended, a2, b2])
+    assert first == [a1, b1, b2]  # a wake is no worker's: b's later points still go first
+    assert rest == [wake, ended, a2]  # a's point after its pack's end follows it
