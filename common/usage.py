@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
@@ -140,7 +140,20 @@ def gpu_seconds_by_trial(
     return dict(out)
 
 
-def _held_seconds(packs: Sequence[Pack], window: tuple[datetime | None, datetime | None],
+class _PackSpan(Protocol):
+    """What `_held_seconds` reads of a pack: a `Pack`, or a row of those columns."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def started_at(self) -> datetime | None: ...
+    @property
+    def finished_at(self) -> datetime | None: ...
+
+
+def _held_seconds(packs: Sequence[_PackSpan], window: tuple[datetime | None, datetime | None],
                   now: datetime) -> dict[str, float]:
     """Each pack's seconds inside the window on its worker, shared with the packs beside it (`split_overlaps`)."""
     by_worker: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
@@ -170,11 +183,7 @@ def gpu_seconds_by_tenant(session: Session, window: tuple[datetime | None, datet
         in_window.append(or_(Pack.finished_at.is_(None), Pack.finished_at > start))
     packs = session.execute(select(Pack.id, Pack.worker_id, Pack.state, Pack.gpus, Pack.started_at, Pack.finished_at)
                             .where(*in_window)).all()
-    by_worker: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
-    for p in packs:
-        lo, hi = clip(as_utc(p.started_at), as_utc(p.finished_at) if p.finished_at is not None else now, window)
-        by_worker[p.worker_id].append((p.id, lo.timestamp(), hi.timestamp()))
-    held = {pack_id: s for spans in by_worker.values() for pack_id, s in split_overlaps(spans).items()}
+    held = _held_seconds(packs, window, now)
     tokens: dict[str, dict[str, int]] = defaultdict(dict)
     for pack_id, tenant_id, n in session.execute(
             select(TrialUsage.pack_id, TrialUsage.tenant_id, func.sum(TrialUsage.tokens))

@@ -132,7 +132,7 @@ class SchedulerDaemon:
         return handled
 
     def _ingest_batch(self, block_s: float) -> int:
-        """Reads up to BATCH reports and applies them in one transaction; returns how many were read."""
+        """Reads up to BATCH reports and applies them (`_points_first`, `_shards`); returns how many were read."""
         try:
             batch = self.bus.consume(SCHEDULER_STREAM, SCHEDULER_GROUP, self.consumer, count=BATCH, block_s=block_s)
         except Exception as exc:  # noqa: BLE001 - the bus is away: work from the database, read again later
@@ -170,8 +170,9 @@ class SchedulerDaemon:
             self._aborts |= aborts
         # Early exit on every new evaluation, once the points it rests on are stored (a crash in between replays the
         # batch: its points change nothing twice, and the same tasks are judged again).
-        with session_scope() as session:
-            self._pauses += apply_early_exit(session, touched, utcnow())
+        if touched:
+            with session_scope() as session:
+                self._pauses += apply_early_exit(session, touched, utcnow())
         self.telemetry.ingested(reports)
         # Acked only after the commits: a crash in between replays the batch, and ingest is idempotent.
         try:
