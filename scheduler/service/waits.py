@@ -30,6 +30,7 @@ from scheduler.planning.waits import Backoff, BusyPack, TaskWait, start_at, task
 from scheduler.service.cluster_state import (
     load_costs,
     predicted_remaining_s,
+    running_members,
     usable_workers,
     worker_models,
     worker_warm,
@@ -71,11 +72,10 @@ def _busy_packs(session: Session, worker_ids: Sequence[str], costs: dict[str, Mo
         return []
     if costs is None:
         costs = load_costs(session, {p.base_model for p in packs})
-    members = {pack_id: n for pack_id, n in session.execute(  # noqa: C416 - rows, not pairs
-        select(Trial.pack_id, func.count()).where(Trial.pack_id.in_([p.id for p in packs]),
-                                                  Trial.state == states.TRIAL_RUNNING).group_by(Trial.pack_id))}
-    return [BusyPack(pack_id=p.id, worker_id=p.worker_id, base_model=p.base_model, trials=members.get(p.id, 0),
-                     ends_in_s=predicted_remaining_s(session, p, costs)) for p in packs]
+    # Every pack's members in one query (a query a pack was a tenth of a round at 256 workers).
+    members = running_members(session, [p.id for p in packs])
+    return [BusyPack(pack_id=p.id, worker_id=p.worker_id, base_model=p.base_model, trials=len(members[p.id]),
+                     ends_in_s=predicted_remaining_s(session, p, costs, members[p.id])) for p in packs]
 
 
 def _backoffs(session: Session, in_snapshot: set[str], now: datetime) -> list[Backoff]:
