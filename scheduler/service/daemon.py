@@ -1,4 +1,5 @@
-"""The scheduler daemon: a thin loop around ingest -> reap -> finalize -> plan -> dispatch.
+"""The scheduler daemon: thin loops around ingest, and reap -> finalize -> plan -> dispatch (a round). On PostgreSQL
+ingest runs on a thread of its own and wakes the rounds; on SQLite (one writer) the two take turns in one loop.
 
 Every round replans (CP-SAT by default, scheduler/planning/placement.py) when trials wait and a worker is idle, so
 a task submitted, a trial or pack finished, a worker joined or lost (each one a message or a heartbeat's
@@ -20,8 +21,10 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -55,7 +58,6 @@ from scheduler.service.planner_io import (
     live_packs,
     load_costs,
     note_model_waits,
-    packs_with_room,
     record_plan,
     stop_requests,
 )
@@ -89,6 +91,41 @@ def _points_first(reports: list[Report]) -> tuple[list[Points], list[Report]]:
     return first, rest
 
 
+def _conflict(exc: DBAPIError) -> bool:
+    """A deadlock or serialisation failure: the database undid one of two transactions that met (the ingest
+    thread's and a round's), which is tried again at once."""
+    return getattr(exc.orig, "sqlstate", None) in ("40P01", "40001")
+
+
+class _Retry:
+    """A loop's attempt that failed is logged and tried again, backing off while failures repeat."""
+
+    def __init__(self, daemon: SchedulerDaemon, stop: threading.Event) -> None:
+        self.daemon, self.stop, self.failures = daemon, stop, 0
+
+    @contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        tick_s = self.daemon.settings.scheduler_tick_s
+        try:
+            yield
+            self.failures = 0
+        except DBAPIError as exc:
+            if _conflict(exc):
+                log.info("the %s met another transaction (%s); trying again", what, str(exc).splitlines()[0])
+                return
+            # The database is away: nothing was acked, so nothing is lost. Wait it out, backing off.
+            self.failures += 1
+            log.warning("the database is unreachable (%s); retrying", str(exc).splitlines()[0])
+            self.stop.wait(min(10.0, tick_s * self.failures))
+            # The reports that piled up meanwhile come first, oldest first (the unacked batch again): workers are
+            # not judged before their newest heartbeats could be read.
+            self.daemon._hold_reaping()
+        except Exception:
+            self.failures += 1
+            log.exception("scheduler %s failed; retrying", what)
+            self.stop.wait(min(10.0, tick_s * self.failures))
+
+
 class SchedulerDaemon:
     def __init__(self, settings: Settings, bus: Bus, celery: Celery, consumer: str = "scheduler") -> None:
         self.settings = settings
@@ -98,7 +135,7 @@ class SchedulerDaemon:
         self.consumer = consumer
         self._stops_sent: set[tuple[str, str, str]] = set()  # (pack, trial, placement)
         self._admits_sent: set[tuple[str, str]] = set()
-        self._pauses: list[PauseRequest] = []  # decided, committed, not yet sent
+        self._pauses: deque[PauseRequest] = deque()  # decided, committed, not yet sent
         self.fairness = policy_from(settings) if settings.preempt else None  # preemption (None: off)
         self._aborts: set[tuple[str, str]] = set()  # (worker, pack): packs a worker runs that are over here
         self._aborts_sent: set[tuple[str, str]] = set()
@@ -110,6 +147,12 @@ class SchedulerDaemon:
         self._ingest_threads = 1 if get_engine().dialect.name == "sqlite" else settings.scheduler_ingest_threads
         self._ingest_pool = ThreadPoolExecutor(self._ingest_threads, thread_name_prefix="ingest")
         self._last_tick_s = 0.0
+        # Between the ingest thread and the rounds (`run`): whether this scheduler leads, whether something arrived
+        # since the last round, and whether ingest has read all there was (heartbeats too).
+        self._leading = threading.Event()
+        self._wake = threading.Event()
+        self._caught_up = False
+        self._handover = threading.Lock()  # guards what ingest hands the rounds to send: `_aborts`, `_pauses`
 
     def step(self, block_s: float) -> int:
         """One round: ingest what arrived (waiting up to block_s for the first batch), then act. Returns messages
@@ -167,12 +210,15 @@ class SchedulerDaemon:
         if rest:
             rest_touched, aborts = self._ingest_shard(rest)
             touched |= rest_touched
-            self._aborts |= aborts
+            with self._handover:
+                self._aborts |= aborts
         # Early exit on every new evaluation, once the points it rests on are stored (a crash in between replays the
         # batch: its points change nothing twice, and the same tasks are judged again).
         if touched:
             with session_scope() as session:
-                self._pauses += apply_early_exit(session, touched, utcnow())
+                pauses = apply_early_exit(session, touched, utcnow())
+            with self._handover:
+                self._pauses.extend(pauses)
         self.telemetry.ingested(reports)
         # Acked only after the commits: a crash in between replays the batch, and ingest is idempotent.
         try:
@@ -212,18 +258,21 @@ class SchedulerDaemon:
             note_model_waits(session, snapshot.pending, now, timeout)
             waiting_models = {t.base_model for t in snapshot.pending}
             plan_started, replanned = time.perf_counter(), True
+            # The running packs with room are read once, with the costs that predict their ends: they decide
+            # whether to plan at all and go into the plan (read twice, they were a tenth of a round at 256 workers).
+            costs = load_costs(session) if snapshot.pending else None
+            room = live_packs(session, costs, now) if costs is not None else ()
             if snapshot.pending and (any(w.models is None or not w.models.isdisjoint(waiting_models)
-                                         for w in snapshot.idle_workers) or packs_with_room(session, now)):
-                costs = load_costs(session)
-                snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs),
-                                   live_packs=live_packs(session, costs, now))
+                                         for w in snapshot.idle_workers) or room):
+                assert costs is not None
+                snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs), live_packs=room)
                 placement = place(snapshot, costs, solver=self.settings.planner,
                                   time_limit_s=self.settings.planner_time_limit_s)
                 new_packs = record_plan(session, placement.plan, now, placement.result, costs)
                 plan, result = placement.plan, placement.result
             else:
                 new_packs, replanned = [], False
-                costs, plan, result = None, Plan(), None
+                plan, result = Plan(), None
             if self.fairness is not None and snapshot.pending:
                 # What the plan could not place may take a running pack's worker (its members pause and resume).
                 for pack_id in preempt_for_waiting(session, snapshot, plan, now, self.fairness):
@@ -318,7 +367,9 @@ class SchedulerDaemon:
     def _send_stops(self) -> None:
         with session_scope() as session:
             requests = stop_requests(session)
-            self._pauses += pause_requests(session)
+            pauses = pause_requests(session)
+        with self._handover:
+            self._pauses.extend(pauses)
         for (pack_id, mode), (worker_id, trials) in requests.items():
             fresh = [(t.id, placement(t)) for t in trials if (pack_id, t.id, placement(t)) not in self._stops_sent]
             if not fresh:
@@ -336,14 +387,18 @@ class SchedulerDaemon:
                 stop = StopTrials(pack_id=pause.pack_id, trial_ids=[pause.trial_id], mode="pause")
                 self.bus.publish(commands_stream(pause.worker_id), stop.to_dict())
                 self._stops_sent.add(key)
-            self._pauses.pop(0)
+            with self._handover:
+                self._pauses.popleft()
 
     def _send_aborts(self) -> None:
         """Tells workers to stop packs that are over here (declared lost while the worker could not report)."""
-        for worker_id, pack_id in sorted(self._aborts - self._aborts_sent):
+        with self._handover:
+            aborts = sorted(self._aborts - self._aborts_sent)
+        for worker_id, pack_id in aborts:  # a failed send raises: what was not sent goes next round
             self.bus.publish(commands_stream(worker_id), AbortPack(pack_id=pack_id).to_dict())
             self._aborts_sent.add((worker_id, pack_id))
-        self._aborts.clear()
+        with self._handover:
+            self._aborts -= self._aborts_sent
 
     def _hold_reaping(self) -> None:
         """No worker is declared lost for one worker timeout: its heartbeats may not have been readable."""
@@ -364,29 +419,46 @@ class SchedulerDaemon:
         self._hold_reaping()
         log.info("scheduler running (tick %.1fs, worker timeout %.0fs)",
                  self.settings.scheduler_tick_s, self.settings.worker_timeout_s)
-        failures = 0
+        # On PostgreSQL, ingest has a thread of its own beside the rounds: in one loop a round's planning held the
+        # stream for seconds at 256 workers, and each waits on the database, not the CPU (benchmarks/cluster_scale.py).
+        # SQLite has one writer: there they take turns in one loop.
+        apart = lock is not None
+        if apart:
+            threading.Thread(target=self._ingest_loop, args=(stop,), name="ingest", daemon=True).start()
+        retry = _Retry(self, stop)
         try:
             while not stop.is_set():
-                try:
+                with retry("round"):
                     lock = self._keep_leadership(lock, stop)
-                    self.step(block_s=self.settings.scheduler_tick_s)
-                    failures = 0
-                except DBAPIError as exc:
-                    # The database is away: nothing was acked, so nothing is lost. Wait it out, backing off.
-                    failures += 1
-                    log.warning("the database is unreachable (%s); retrying", str(exc).splitlines()[0])
-                    stop.wait(min(10.0, self.settings.scheduler_tick_s * failures))
-                    # The reports that piled up meanwhile come first, oldest first (the unacked batch again):
-                    # workers are not judged before their newest heartbeats could be read.
-                    self._hold_reaping()
-                except Exception:
-                    failures += 1
-                    log.exception("scheduler round failed; retrying")
-                    stop.wait(min(10.0, self.settings.scheduler_tick_s * failures))
+                    if apart:
+                        self._round(block_s=self.settings.scheduler_tick_s)
+                    else:
+                        self.step(block_s=self.settings.scheduler_tick_s)
         finally:
+            self._leading.clear()
             self.telemetry.close()
             if lock is not None:
                 self._release_leadership(lock)
+
+    def _ingest_loop(self, stop: threading.Event) -> None:
+        """Ingest on its own thread (`run`, on PostgreSQL): reads and applies reports while this scheduler leads,
+        and wakes the rounds when something arrived."""
+        retry = _Retry(self, stop)
+        while not stop.is_set():
+            if not self._leading.wait(LEADER_POLL_S):
+                continue
+            with retry("ingest"):
+                read = self._ingest_batch(block_s=self.settings.scheduler_tick_s)
+                self._caught_up = read < BATCH
+                if read:
+                    self._wake.set()
+
+    def _round(self, block_s: float) -> None:
+        """One round beside the ingest thread: waits up to block_s for something to have arrived, then acts."""
+        self._wake.wait(block_s)
+        self._wake.clear()
+        # While ingest is behind, heartbeats may still wait in the stream: no one is declared lost before they are read.
+        self.tick(reap=self._caught_up and time.monotonic() >= self._reap_after)
 
     @staticmethod
     def _release_leadership(lock: Connection) -> None:
@@ -412,6 +484,7 @@ class SchedulerDaemon:
             return lock
         except DBAPIError:
             log.warning("lost the scheduler lock's connection; taking the lock again")
+            self._leading.clear()  # the ingest thread waits meanwhile: a standby may have taken over
             lock.invalidate()
             lock.close()
             lock = self._acquire_leadership(stop)
@@ -422,6 +495,7 @@ class SchedulerDaemon:
         """On Postgres, hold an advisory lock so a second scheduler waits as a hot standby."""
         engine = get_engine()
         if engine.dialect.name != "postgresql":
+            self._leading.set()
             return None
         standing_by = False
         while not stop.is_set():
@@ -433,6 +507,7 @@ class SchedulerDaemon:
                 continue
             if conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": LEADER_LOCK_ID}).scalar():
                 conn.commit()
+                self._leading.set()
                 return conn
             conn.close()
             if not standing_by:  # said once: the standby tries again twice a second

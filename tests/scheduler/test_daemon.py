@@ -135,6 +135,44 @@ def test_trials_are_packed_dispatched_ingested_and_the_best_wins(daemon: Schedul
 
 
 
+def test_run_ingests_on_its_own_thread_beside_the_rounds_and_the_task_succeeds(daemon: SchedulerDaemon) -> None:
+    """`run` on PostgreSQL: the ingest thread reads the reports while the rounds plan and dispatch, each on its own
+    database transactions; a round is woken by what ingest read. The same flow as the serial `step` above."""
+    import threading
+
+    from tests.e2e.flow import wait_for
+
+    task_id, trial_ids = make_task(3)
+    stop = threading.Event()
+    thread = threading.Thread(target=daemon.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        heartbeat()
+        wait_for(lambda: queued_messages() == 1, 30, "the pack to be planned and dispatched")
+        pack = live_pack()
+        assert sorted(pack.trial_ids) == sorted(trial_ids)
+        report("pack.started", pack_id=pack.id)
+        for i, t in enumerate(trial_ids):
+            report("points", pack_id=pack.id, points=[[t, 1, "train", 2.0], [t, 2, "val", 1.5 - i / 10]])
+            report("trial.finished", pack_id=pack.id, trial_id=t, status="completed", steps_done=2,
+                   best_val_loss=1.5 - i / 10, best_step=2, final_train_loss=1.8, adapter_key=f"adapters/{t}.tgz")
+        report("pack.finished", pack_id=pack.id)
+
+        def state() -> str:
+            with session_scope() as s:
+                return s.get_one(Task, task_id).state
+
+        wait_for(lambda: state() == states.TASK_SUCCEEDED, 30, "the task to succeed")
+    finally:
+        stop.set()
+        thread.join(15)
+    assert not thread.is_alive()
+    with session_scope() as s:
+        assert s.scalar(select(func.count()).select_from(MetricPoint)) == 2 * 3
+        assert s.get_one(Task, task_id).best_trial_id == trial_ids[2]
+        assert s.get_one(Pack, pack.id).state == states.PACK_FINISHED
+
+
 def test_the_greedy_planner_setting_places_through_the_same_placement(daemon: SchedulerDaemon) -> None:
     """`LORAPLANE_PLANNER=greedy`: the daemon runs its placement with the first-fit planner instead of CP-SAT (the
     same rules before and after), so the pack is shaped for back-fills exactly as a CP-SAT pack is."""
