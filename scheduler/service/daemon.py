@@ -46,6 +46,7 @@ from scheduler.planning.cost import ModelCost
 from scheduler.planning.fairness import policy_from
 from scheduler.planning.placement import place
 from scheduler.planning.types import Plan, PlanResult, Snapshot
+from scheduler.service.cluster_state import MembersRead
 from scheduler.service.dispatch import send_pack, trial_payload
 from scheduler.service.exits import PauseRequest, apply_early_exit, placement
 from scheduler.service.fairness import pause_requests, preempt_for_waiting, release_held
@@ -261,11 +262,13 @@ class SchedulerDaemon:
             # The running packs with room are read once, with the costs that predict their ends: they decide
             # whether to plan at all and go into the plan (read twice, they were a tenth of a round at 256 workers).
             costs = load_costs(session) if snapshot.pending else None
-            room = live_packs(session, costs, now) if costs is not None else ()
+            read: MembersRead = {}  # running packs' members, read once before the plan changes them
+            room = live_packs(session, costs, now, read) if costs is not None else ()
             if snapshot.pending and (any(w.models is None or not w.models.isdisjoint(waiting_models)
                                          for w in snapshot.idle_workers) or room):
                 assert costs is not None
-                snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs), live_packs=room)
+                snapshot = replace(snapshot, busy_workers=busy_workers(session, now, timeout, costs, read),
+                                   live_packs=room)
                 placement = place(snapshot, costs, solver=self.settings.planner,
                                   time_limit_s=self.settings.planner_time_limit_s)
                 new_packs = record_plan(session, placement.plan, now, placement.result, costs)
@@ -431,7 +434,7 @@ class SchedulerDaemon:
                 with retry("round"):
                     lock = self._keep_leadership(lock, stop)
                     if apart:
-                        self._round(block_s=self.settings.scheduler_tick_s)
+                        self._round(self.settings.scheduler_tick_s, stop)
                     else:
                         self.step(block_s=self.settings.scheduler_tick_s)
         finally:
@@ -453,12 +456,17 @@ class SchedulerDaemon:
                 if read:
                     self._wake.set()
 
-    def _round(self, block_s: float) -> None:
-        """One round beside the ingest thread: waits up to block_s for something to have arrived, then acts."""
+    def _round(self, block_s: float, stop: threading.Event) -> None:
+        """One round beside the ingest thread: rests as long as the last round took (rounds and ingest share one
+        interpreter, and at 256 workers a round is seconds of CPU: back to back they left ingest a third of it), then
+        waits up to block_s for something to have arrived, then acts."""
+        stop.wait(self._last_tick_s)
         self._wake.wait(block_s)
         self._wake.clear()
+        started = time.monotonic()
         # While ingest is behind, heartbeats may still wait in the stream: no one is declared lost before they are read.
         self.tick(reap=self._caught_up and time.monotonic() >= self._reap_after)
+        self._last_tick_s = time.monotonic() - started
 
     @staticmethod
     def _release_leadership(lock: Connection) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from common import states
@@ -44,10 +44,12 @@ def preempt_for_waiting(session: Session, snapshot: Snapshot, plan: Plan, now: d
     if not waiting:
         return []
     packs = session.scalars(select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.started_at.is_not(None))).all()
-    members: dict[str, list[Trial]] = {p.id: [] for p in packs}
-    for trial in session.scalars(select(Trial).where(Trial.pack_id.in_(members),
-                                                     Trial.state == states.TRIAL_RUNNING)):
-        members[trial.pack_id or ""].append(trial)
+    # Columns, not rows: the running trials of every pack are read each round this far (at 256 workers, 8,192 trial
+    # rows were a tenth of a round's CPU); only the preempted packs' trials are read whole, below.
+    members: dict[str, list[Row[str | None, str, int, str | None]]] = {p.id: [] for p in packs}
+    for row in session.execute(select(Trial.pack_id, Trial.tenant_id, Trial.preemptions, Trial.preempted_for)
+                               .where(Trial.pack_id.in_(list(members)), Trial.state == states.TRIAL_RUNNING)):
+        members[row.pack_id or ""].append(row)
     # SQLite (the embedded default) gives times back without their zone: as_utc, as everywhere times are compared.
     views = [PackView(p.id, p.gpus, (now - as_utc(p.started_at)).total_seconds() if p.started_at else 0.0,
                       frozenset(t.tenant_id for t in members[p.id]), tuple(t.preemptions for t in members[p.id]))
@@ -64,7 +66,8 @@ def preempt_for_waiting(session: Session, snapshot: Snapshot, plan: Plan, now: d
     for choice in preemptions(views, waiting, usage, weights, policy):
         preempted.append(choice.pack_id)
         pack = by_id[choice.pack_id]
-        for trial in members[pack.id]:
+        for trial in session.scalars(select(Trial).where(Trial.pack_id == pack.id, Trial.state == states.TRIAL_RUNNING)
+                                     .order_by(Trial.id)):
             trial.preemptions += 1
             trial.preempted_for = choice.for_tenant
             trial.not_before = now + timedelta(seconds=policy.min_slice_s)

@@ -30,6 +30,7 @@ from scheduler.planning.types import (
     loads,
 )
 from scheduler.service.cluster_state import (
+    MembersRead,
     alive_workers,
     pack_memory,
     predicted_remaining_s,
@@ -191,10 +192,12 @@ def packs_with_room(session: Session, now: datetime) -> bool:
     return bool(live_packs(session, None, now))
 
 
-def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: datetime) -> tuple[LivePack, ...]:
+def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: datetime,
+               read: MembersRead | None = None) -> tuple[LivePack, ...]:
     """Running packs with free slots (packs recorded before back-filling existed have no capacity: none; a
     quarantined worker's: none either, nor a draining one's, whose packs are handing their trials back), each
-    predicted to end by ``costs`` (None: not predicted, `busy_for_s` 0: only whether there are any matters)."""
+    predicted to end by ``costs`` (None: not predicted, `busy_for_s` 0: only whether there are any matters).
+    ``read``: members already read in this transaction (`running_members`)."""
     packs = session.scalars(
         select(Pack).where(Pack.state == states.PACK_RUNNING, Pack.capacity.is_not(None),
                            Pack.worker_id.not_in(quarantined_worker_ids(session, now)),
@@ -207,7 +210,7 @@ def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: dateti
                                  .group_by(Pack.worker_id).having(func.count() > 1)))
     out = []
     candidates = [p for p in packs if p.worker_id not in shared]
-    members = running_members(session, [p.id for p in candidates])
+    members = running_members(session, [p.id for p in candidates], read)
     for pack in candidates:
         rows = members[pack.id]
         assert pack.capacity is not None
