@@ -21,7 +21,8 @@ import argparse
 import statistics
 
 from benchmarks.common import print_table, write_result
-from scheduler.planning.fairness import FairnessPolicy, usage_in_window
+from scheduler.planning.fairness import FairnessPolicy
+from scheduler.sim.bounds import share_deviations
 from scheduler.sim.simulate import SimResult, percentile, simulate
 from scheduler.sim.traces import SHARED_LONG_MODEL, Trace, contended, shared_gpu
 
@@ -44,37 +45,6 @@ def measures(trace: Trace, result: SimResult) -> dict[str, float]:
     for tenant in sorted({t.tenant_id for t in trace.tasks}):
         out[f"wait_{tenant}_s"] = statistics.fmean(first[t.task_id] for t in trace.tasks if t.tenant_id == tenant)
     return out
-
-
-def share_deviations(trace: Trace, result: SimResult, window_s: float, sample_s: float = 60.0) -> list[float]:
-    """Per window of ``window_s`` with ≥ 2 tenants backlogged throughout: the largest |share − target| / target."""
-    tenant_of = {tr.trial_id: t.tenant_id for t in trace.tasks for tr in t.trials}
-    weights = {t.tenant_id: t.tenant_weight for t in trace.tasks}
-    busy: dict[str, list[tuple[float, float]]] = {}
-    for t in trace.tasks:
-        busy.setdefault(t.tenant_id, []).append(
-            (t.arrival_s, max(result.completed_s.get(tr.trial_id, float("inf")) for tr in t.trials)))
-    segments = []
-    for p in result.packs:
-        for (start, members), (end, _) in zip(p.members, p.members[1:], strict=False):
-            tenants: dict[str, int] = {}
-            for i in members:
-                tenants[tenant_of[i]] = tenants.get(tenant_of[i], 0) + 1
-            segments.append((start, end, float(len(p.worker_ids)), tenants))
-    deviations = []
-    end = max(result.completed_s.values(), default=0.0)
-    k = 1
-    while k * window_s <= end:
-        lo, hi = (k - 1) * window_s, k * window_s
-        samples = [lo + j * sample_s for j in range(int(window_s / sample_s) + 1)]
-        backlogged = [t for t, spans in busy.items() if all(any(a <= x <= b for a, b in spans) for x in samples)]
-        usage = usage_in_window(segments, hi, window_s)
-        total, weight = sum(usage.get(t, 0.0) for t in backlogged), sum(weights[t] for t in backlogged)
-        if len(backlogged) >= 2 and total > 0:
-            deviations.append(max(abs(usage.get(t, 0.0) / total - weights[t] / weight) / (weights[t] / weight)
-                                  for t in backlogged))
-        k += 1
-    return deviations
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 (a) ALTO's 11-task mix on 8 GPUs (makespan); (b) the tLoRA-style tenant stream on 16 GPUs at offered loads
 0.9 (the trace's default), 1.5 and 3.0 (tLoRA §4.3 scales arrivals the same way; the jobs are the same at
 every load), mean and p95 JCT and their ratio to fifo's, beside a lower bound on the mean JCT that no policy
-can beat (`simulate.mean_jct_lower_bound`), so "fifo / bound" is the best ratio any planner could show;
+can beat (`bounds.mean_jct_lower_bound`), so "fifo / bound" is the best ratio any planner could show;
 (c) planner speed: the replan p95 of a simulated 64-GPU, 200-task stream under cpsat; one replan of 200
 pending trials on 64 free GPUs; one replan of 10,000 pending trials on 1,000 GPUs. All under fifo, greedy and
 cpsat (scheduler/sim/simulate.py), each with its trace's default planner objective
@@ -22,7 +22,8 @@ import time
 from benchmarks.common import write_result
 from scheduler.planning.cpsat import plan_cpsat
 from scheduler.planning.types import PendingTrial, PlanningInput, WorkerSpec
-from scheduler.sim.simulate import POLICIES, SimResult, mean_jct_lower_bound, simulate
+from scheduler.sim.bounds import mean_jct_lower_bound
+from scheduler.sim.simulate import POLICIES, SimResult, simulate
 from scheduler.sim.traces import Trace, alto_mix, tenant_stream
 
 STREAM_LOADS = (0.9, 1.5, 3.0)

@@ -341,6 +341,7 @@ def _add_hollow_arguments(worker: argparse.ArgumentParser) -> None:
 def cmd_simulate(args: argparse.Namespace) -> None:
     # Only the pure planner modules: runs with the base dependencies (OR-Tools, numpy), no database or torch.
     from scheduler.planning.fairness import FairnessPolicy
+    from scheduler.sim.bounds import bounded_summary
     from scheduler.sim.simulate import POLICIES, simulate
     from scheduler.sim.traces import make_trace
 
@@ -352,20 +353,26 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         raise SystemExit("--load takes a positive number and applies to the streams (tenant-stream, shared-gpu)")
     trace = make_trace(args.trace, args.seed, args.gpus, args.tasks, args.load)
     fairness = FairnessPolicy() if args.preempt else None
-    rows = [simulate(trace, args.gpus, p, time_limit_s=args.time_limit, seed=args.seed,
-                     makespan_weight=args.makespan_weight, fairness=fairness).summary() for p in policies]
+    # Shares are judged over the fairness policy's window, preempting or not (the same window either way).
+    window_s = (fairness or FairnessPolicy()).window_s
+    rows = [bounded_summary(trace, args.gpus, simulate(trace, args.gpus, p, time_limit_s=args.time_limit,
+                                                       seed=args.seed, makespan_weight=args.makespan_weight,
+                                                       fairness=fairness), window_s) for p in policies]
     if args.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return
     headers = ["policy", "makespan_s", "mean_jct_s", "p95_jct_s", "gpu_util", "replan_p95_ms", "replans",
-               "unschedulable", "preempted"]
+               "unschedulable", "preempted", "share_gap_max"]
     cells = [headers] + [[f"{r[h]:.4g}" if isinstance(r[h], float) else str(r[h]) for h in headers] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(headers))]
     lines = ["  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     load = f", load {0.9 if args.load is None else args.load:g}" if args.trace != "alto-mix" else ""
     load += ", preemption (scheduler/planning/fairness.py)" if args.preempt else ""
-    sys.stdout.write(f"trace {trace.name}, {args.gpus} GPUs{load}, seed {args.seed}\n" + "\n".join(lines) + "\n")
+    bounds = (f"lower bounds (no policy does better): makespan {rows[0]['makespan_lower_bound_s']:.4g} s, "
+              f"mean JCT {rows[0]['mean_jct_lower_bound_s']:.4g} s")
+    sys.stdout.write(f"trace {trace.name}, {args.gpus} GPUs{load}, seed {args.seed}\n" + "\n".join(lines) + "\n"
+                     + bounds + "\n")
 
 
 def _param(text: str) -> tuple[str, object]:
@@ -671,12 +678,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tasks of a stream (default 200 for tenant-stream, 60 for shared-gpu, 45 for contended)")
     sim.add_argument("--load", type=float, default=None,
                      help="a stream's offered load, GPU-seconds of solo service per GPU-second (default 0.9)")
-    sim.add_argument("--preempt", action="store_true",
-                     help="preempt packs for other tenants' waiting trials (scheduler/planning/fairness.py)")
+    sim.add_argument("--preempt", action=argparse.BooleanOptionalAction, default=True,
+                     help="preempt packs for other tenants' waiting trials (scheduler/planning/fairness.py), as the "
+                          "scheduler does by default (LORAPLANE_PREEMPT); --no-preempt turns it off")
     sim.add_argument("--makespan-weight", type=int, default=None,
                      help="weight of a replan's makespan in the planner objective (default 1 for a batch like "
                           "alto-mix, 0 for a stream like tenant-stream)")
-    sim.add_argument("--json", action="store_true", help="print a JSON list, one object per policy")
+    sim.add_argument("--json", action="store_true",
+                     help="print a JSON list, one object per policy, each with the trace's lower bounds "
+                          "(makespan_lower_bound_s, mean_jct_lower_bound_s) and its share_gap_max")
     sim.set_defaults(func=cmd_simulate)
     rep = sub.add_parser("replay", help="replay a logged sweep's curves under an early-exit policy")
     rep.add_argument("curves", help="JSONL, one trial a line (GET /v1/tasks/{id}/curves writes it; format in "

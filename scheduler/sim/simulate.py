@@ -16,7 +16,6 @@ with a free slot for a pending trial's model): its plan could then start nothing
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections.abc import Callable
@@ -387,46 +386,6 @@ class _Sim:
                 del self.running[pack.pack_id]
                 self.free |= set(pack.worker_ids)
                 self.done.append(pack)
-
-
-def mean_jct_lower_bound(trace: Trace, gpus: int) -> float:
-    """A lower bound on the mean JCT that any policy can reach on `trace` with `gpus` GPUs (one trial per task).
-
-    Two bounds, each valid alone, the larger returned: (1) a job is never faster than alone (a pack's step
-    `a + b·tokens + c·slots` only grows with members), so its JCT is at least its solo time; (2) however the
-    GPUs are packed, a GPU does at most one second of per-member work `steps·(b·tokens + c)` per second (the
-    shared `a` is free at best), so the schedule is no better than preemptive shortest-remaining-work-first on
-    one machine `gpus` times as fast, which minimises the total flow time of such a machine. Tasks of several
-    trials take their longest trial's solo time in (1) and their summed work in (2) (still lower bounds).
-    """
-    if not trace.tasks:
-        return 0.0
-    solo, work, arrival = [], [], []
-    for task in trace.tasks:
-        step = trace.costs[task.base_model].step
-        solo.append(max(tr.steps * step.predict(tr.tokens_per_step, 1) for tr in task.trials))
-        work.append(sum(task.gpus_needed * tr.steps * (step.b_s_per_token * tr.tokens_per_step + step.c_s_per_slot)
-                        for tr in task.trials))
-        arrival.append(task.arrival_s)
-    # Preemptive SRPT on one machine of speed `gpus`: event by event, always the least remaining work.
-    order = sorted(range(len(work)), key=lambda i: arrival[i])
-    queue: list[list[float]] = []  # heap of [remaining work, arrival]
-    now, flow, k = 0.0, 0.0, 0
-    while k < len(order) or queue:
-        if not queue:
-            now = max(now, arrival[order[k]])
-        while k < len(order) and arrival[order[k]] <= now:
-            heapq.heappush(queue, [work[order[k]], arrival[order[k]]])
-            k += 1
-        nxt = arrival[order[k]] if k < len(order) else math.inf
-        finish = now + queue[0][0] / gpus
-        if finish <= nxt:
-            flow += finish - heapq.heappop(queue)[1]
-            now = finish
-        else:
-            queue[0][0] -= (nxt - now) * gpus
-            now = nxt
-    return max(sum(solo), flow) / len(trace.tasks)
 
 
 def _advance(pack: _Pack, trials: dict[str, PendingTrial], now: float) -> None:

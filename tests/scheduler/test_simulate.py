@@ -11,7 +11,8 @@ import pytest
 from loraplane.cli import main
 from scheduler.planning.cost import MemoryModel, ModelCost, StepTimeModel
 from scheduler.planning.fairness import FairnessPolicy
-from scheduler.sim.simulate import POLICIES, SimResult, mean_jct_lower_bound, percentile, simulate
+from scheduler.sim.bounds import mean_jct_lower_bound
+from scheduler.sim.simulate import POLICIES, SimResult, percentile, simulate
 from scheduler.sim.traces import Trace, TraceTask, TraceTrial, alto_mix, contended, shared_gpu, tenant_stream
 
 GB = 10**9
@@ -227,10 +228,25 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
           "--policy", "fifo,greedy,cpsat", "--time-limit", "0.2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert [o["policy"] for o in out] == ["fifo", "greedy", "cpsat"]
-    keys = {"policy", "trace", "gpus", "makespan_s", "mean_jct_s", "p95_jct_s", "gpu_util", "replan_p95_ms"}
+    keys = {"policy", "trace", "gpus", "makespan_s", "mean_jct_s", "p95_jct_s", "gpu_util", "replan_p95_ms",
+            "makespan_lower_bound_s", "mean_jct_lower_bound_s", "share_gap_max"}
     for o in out:
         assert keys <= set(o) and o["trace"] == "tenant-stream" and o["gpus"] == 3
         assert o["makespan_s"] > 0 and o["mean_jct_s"] > 0 and 0 < o["gpu_util"] <= 1
+        # The bounds are the trace's: the same beside every policy, and none beats them.
+        assert 0 < o["makespan_lower_bound_s"] <= o["makespan_s"] * (1 + 1e-6)
+        assert 0 < o["mean_jct_lower_bound_s"] <= o["mean_jct_s"] * (1 + 1e-6)
+    assert len({(o["makespan_lower_bound_s"], o["mean_jct_lower_bound_s"]) for o in out}) == 1
+
+
+def test_cli_preempts_by_default_as_the_scheduler_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """With no flags each policy runs as the daemon runs it by default: LORAPLANE_PREEMPT is on, so preemption is."""
+    args = ["simulate", "--trace", "shared-gpu", "--gpus", "2", "--tasks", "30", "--policy", "greedy", "--json"]
+    main(args)
+    [default] = json.loads(capsys.readouterr().out)
+    main([*args, "--no-preempt"])
+    [off] = json.loads(capsys.readouterr().out)
+    assert default["preempted"] > 0 and off["preempted"] == 0
 
 
 def test_cli_load_scales_arrivals_only(capsys: pytest.CaptureFixture[str]) -> None:
