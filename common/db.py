@@ -72,6 +72,17 @@ def _session_factory() -> sessionmaker[Session]:
     return sessionmaker(bind=get_engine(), expire_on_commit=False)
 
 
+def transaction_memo(session: Session, key: str) -> dict[Any, Any]:
+    """A dict kept in ``session.info`` under ``key`` for the session's current transaction only: what a transaction
+    read or took once (an advisory lock, a tenant's webhook endpoints) and must not carry into the next one."""
+    transaction = session.get_transaction()
+    owner, memo = session.info.get(key, (None, {}))
+    if owner is not transaction:
+        memo = {}
+        session.info[key] = (transaction, memo)
+    return memo
+
+
 @contextmanager
 def session_scope() -> Iterator[Session]:
     """A unit of work: commits on success, rolls back on any error so nothing half-written survives."""

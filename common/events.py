@@ -14,24 +14,21 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from common.db import transaction_memo
 from common.tables import Event
 from common.webhooks import enqueue_deliveries
 
-_LOCKED = "loraplane.event_locks"  # session.info key: (transaction, the tasks it already locked)
+_LOCKED = "loraplane.event_locks"  # `transaction_memo` key: the tasks the transaction already locked
 
 
 def _serialise_task_events(session: Session, task_id: str) -> None:
     if session.get_bind().dialect.name != "postgresql":
         return
     # The lock ends with the transaction, so remember it per transaction, not per session.
-    transaction = session.get_transaction()
-    owner, locked = session.info.get(_LOCKED, (None, set()))
-    if owner is not transaction:
-        locked = set()
-        session.info[_LOCKED] = (transaction, locked)
+    locked = transaction_memo(session, _LOCKED)
     if task_id not in locked:
         session.execute(select(func.pg_advisory_xact_lock(func.hashtext(f"events:{task_id}"))))
-        locked.add(task_id)
+        locked[task_id] = True
 
 
 def record_event(

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from common.db import transaction_memo
 from common.secret_box import SecretBox, SecretUnreadable
 from common.tables import Event, Task, Tracker, WebhookDelivery, WebhookEndpoint, as_utc, new_id, utcnow
 
@@ -42,17 +43,13 @@ def event_payload(event: Event, task: Task | None) -> dict[str, Any]:
             "trial_id": event.trial_id, "data": event.data or {}, "task": task_summary(task)}
 
 
-_ENDPOINTS = "loraplane.webhook_endpoints"  # session.info key: (transaction, endpoints read in it by tenant)
+_ENDPOINTS = "loraplane.webhook_endpoints"  # `transaction_memo` key: the endpoints read in it, by tenant
 
 
 def _tenant_endpoints(session: Session, tenant_id: str) -> list[WebhookEndpoint]:
     """The tenant's endpoints, read once a transaction: the scheduler records events of many trials in one (a query
     an event was an eighth of the serial part of its ingest at 256 workers)."""
-    transaction = session.get_transaction()
-    owner, endpoints = session.info.get(_ENDPOINTS, (None, {}))
-    if owner is not transaction:
-        endpoints = {}
-        session.info[_ENDPOINTS] = (transaction, endpoints)
+    endpoints = transaction_memo(session, _ENDPOINTS)
     if tenant_id not in endpoints:
         endpoints[tenant_id] = list(session.scalars(
             select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant_id)))

@@ -22,7 +22,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import replace
@@ -99,14 +99,14 @@ def _conflict(exc: DBAPIError) -> bool:
 
 
 class _Retry:
-    """A loop's attempt that failed is logged and tried again, backing off while failures repeat."""
+    """A loop's attempt that failed is logged and tried again, backing off (by ``tick_s``) while failures repeat;
+    ``on_outage`` runs after the database was away."""
 
-    def __init__(self, daemon: SchedulerDaemon, stop: threading.Event) -> None:
-        self.daemon, self.stop, self.failures = daemon, stop, 0
+    def __init__(self, stop: threading.Event, tick_s: float, on_outage: Callable[[], None]) -> None:
+        self.stop, self.tick_s, self.on_outage, self.failures = stop, tick_s, on_outage, 0
 
     @contextmanager
     def __call__(self, what: str) -> Iterator[None]:
-        tick_s = self.daemon.settings.scheduler_tick_s
         try:
             yield
             self.failures = 0
@@ -117,14 +117,14 @@ class _Retry:
             # The database is away: nothing was acked, so nothing is lost. Wait it out, backing off.
             self.failures += 1
             log.warning("the database is unreachable (%s); retrying", str(exc).splitlines()[0])
-            self.stop.wait(min(10.0, tick_s * self.failures))
+            self.stop.wait(min(10.0, self.tick_s * self.failures))
             # The reports that piled up meanwhile come first, oldest first (the unacked batch again): workers are
             # not judged before their newest heartbeats could be read.
-            self.daemon._hold_reaping()
+            self.on_outage()
         except Exception:
             self.failures += 1
             log.exception("scheduler %s failed; retrying", what)
-            self.stop.wait(min(10.0, tick_s * self.failures))
+            self.stop.wait(min(10.0, self.tick_s * self.failures))
 
 
 class SchedulerDaemon:
@@ -169,11 +169,15 @@ class SchedulerDaemon:
         while last == BATCH and time.monotonic() < deadline:
             last = self._ingest_batch(0.0)
             handled += last
-        started = time.monotonic()
         # A full batch means heartbeats may still wait behind it: no one is declared lost before they are read.
-        self.tick(reap=last < BATCH and time.monotonic() >= self._reap_after)
-        self._last_tick_s = time.monotonic() - started
+        self._timed_tick(caught_up=last < BATCH)
         return handled
+
+    def _timed_tick(self, caught_up: bool) -> None:
+        """A round (`tick`), reaping only once ingest has read all there was, timed for the next one's budget."""
+        started = time.monotonic()
+        self.tick(reap=caught_up and time.monotonic() >= self._reap_after)
+        self._last_tick_s = time.monotonic() - started
 
     def _ingest_batch(self, block_s: float) -> int:
         """Reads up to BATCH reports and applies them (`_points_first`, `_shards`); returns how many were read."""
@@ -428,7 +432,7 @@ class SchedulerDaemon:
         apart = lock is not None
         if apart:
             threading.Thread(target=self._ingest_loop, args=(stop,), name="ingest", daemon=True).start()
-        retry = _Retry(self, stop)
+        retry = _Retry(stop, self.settings.scheduler_tick_s, self._hold_reaping)
         try:
             while not stop.is_set():
                 with retry("round"):
@@ -446,7 +450,7 @@ class SchedulerDaemon:
     def _ingest_loop(self, stop: threading.Event) -> None:
         """Ingest on its own thread (`run`, on PostgreSQL): reads and applies reports while this scheduler leads,
         and wakes the rounds when something arrived."""
-        retry = _Retry(self, stop)
+        retry = _Retry(stop, self.settings.scheduler_tick_s, self._hold_reaping)
         while not stop.is_set():
             if not self._leading.wait(LEADER_POLL_S):
                 continue
@@ -463,10 +467,7 @@ class SchedulerDaemon:
         stop.wait(self._last_tick_s)
         self._wake.wait(block_s)
         self._wake.clear()
-        started = time.monotonic()
-        # While ingest is behind, heartbeats may still wait in the stream: no one is declared lost before they are read.
-        self.tick(reap=self._caught_up and time.monotonic() >= self._reap_after)
-        self._last_tick_s = time.monotonic() - started
+        self._timed_tick(self._caught_up)
 
     @staticmethod
     def _release_leadership(lock: Connection) -> None:

@@ -187,11 +187,6 @@ def unjudged_models(session: Session, models: Sequence[str], now: datetime, time
         if as_utc(updated_at or created_at) > recent}
 
 
-def packs_with_room(session: Session, now: datetime) -> bool:
-    """Whether some running pack could take a back-fill (cheap: decides if the planner runs at all)."""
-    return bool(live_packs(session, None, now))
-
-
 def live_packs(session: Session, costs: dict[str, ModelCost] | None, now: datetime,
                read: MembersRead | None = None) -> tuple[LivePack, ...]:
     """Running packs with free slots (packs recorded before back-filling existed have no capacity: none; a
